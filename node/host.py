@@ -1,0 +1,212 @@
+"""The libp2p host every role runs: TCP, Noise only, Yamux, identify, ping, gossipsub.
+
+py-libp2p 0.8.1 offers Noise, TLS, secio and plaintext unless told otherwise; we pass Noise alone,
+so a peer that only speaks an unauthenticated or deprecated channel cannot connect at all.
+
+GossipSub parameters (py-libp2p's defaults are far from the v1.1 spec; see REFERENCES.md):
+
+===================  =======  =================================================================
+parameter            value    why
+===================  =======  =================================================================
+D / D_low / D_high   6/4/12   the spec's values: ~log(N) hops for 10^4 peers, modest fan-out
+heartbeat            1 s      spec value; py-libp2p's 120 s would leave meshes unrepaired for minutes
+peer exchange        on       a pruned peer learns others, so a node joining via one bootstrap
+                              peer still finds a mesh
+gossip window/hist   3/5      spec values
+seen TTL             120 s    spec value; longer than any record refresh, so no echo storms
+max RPC size         1 MiB    py-libp2p's cap; our messages are capped far below (MAX_GOSSIP)
+scoring              on       invalid messages (P4) weigh -10 each; below -100 a peer's gossip is
+                              ignored (graylist), below -10 its PX is not accepted
+===================  =======  =================================================================
+
+Application messages are validated by topic validators installed by their owners (membership,
+checkpoints, ledger) *before* py-libp2p forwards them, so garbage is neither stored nor relayed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import Ed25519PrivateKey as Libp2pEd25519PrivateKey
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.host.ping import PingService
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.pubsub.score import ScoreParams, TopicScoreParams
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
+
+from .identity import Identity
+
+log = logging.getLogger(__name__)
+
+GOSSIPSUB_PROTOCOLS = ["/meshsub/1.1.0", "/meshsub/1.0.0"]
+# Our own gossip payloads are capped well below py-libp2p's 1 MiB RPC cap.
+MAX_GOSSIP = 64 * 1024
+
+StreamHandler = Callable[[object], Awaitable[None]]
+
+
+@dataclass
+class GossipParams:
+    """gossipsub settings (see the module docstring for why each value)."""
+
+    degree: int = 6
+    degree_low: int = 4
+    degree_high: int = 12
+    heartbeat_interval: int = 1  # py-libp2p takes whole seconds
+    gossip_window: int = 3
+    gossip_history: int = 5
+    seen_ttl: int = 120
+    do_px: bool = True
+    prune_back_off: int = 60
+    invalid_message_weight: float = -10.0
+    graylist_threshold: float = -100.0
+    gossip_threshold: float = -50.0
+    publish_threshold: float = -80.0
+    accept_px_threshold: float = -10.0
+
+
+def to_libp2p_keypair(identity: Identity) -> KeyPair:
+    priv = Libp2pEd25519PrivateKey.from_bytes(identity.private_bytes)
+    return KeyPair(priv, priv.get_public_key())
+
+
+def parse_multiaddr(text: str) -> multiaddr.Multiaddr:
+    """Parse a multiaddr; ValueError with a readable message when it is not one."""
+    try:
+        return multiaddr.Multiaddr(text)
+    except Exception as e:  # multiaddr raises several private types
+        raise ValueError(f"not a multiaddr: {text!r} ({e})") from None
+
+
+def peer_info_of(addr: str) -> PeerInfo:
+    """PeerInfo from ``/ip4/.../tcp/.../p2p/<id>``; ValueError if the /p2p part is missing."""
+    try:
+        return info_from_p2p_addr(parse_multiaddr(addr))
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"multiaddr {addr!r} has no /p2p/<peer id> part ({e})") from None
+
+
+@dataclass
+class SwarmHost:
+    """A running libp2p host with pubsub; the handle every service receives."""
+
+    identity: Identity
+    host: object  # libp2p IHost
+    pubsub: Pubsub
+    gossipsub: GossipSub
+    ping_service: PingService
+    _app_scores: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    def listen_addrs(self) -> list[str]:
+        """Full multiaddrs (with /p2p/<id>) we are listening on."""
+        return [str(a) for a in self.host.get_addrs()]
+
+    def transport_addrs(self) -> list[str]:
+        """Listen addresses without the /p2p suffix (what a peer record advertises)."""
+        return [str(a) for a in self.host.get_transport_addrs()]
+
+    def connected_peers(self) -> list[str]:
+        return [p.to_base58() for p in self.host.get_connected_peers()]
+
+    def is_connected(self, peer_id: str) -> bool:
+        return ID.from_base58(peer_id) in self.host.get_network().connections
+
+    async def connect(self, addr: str) -> str:
+        """Dial a full multiaddr; returns the remote peer id."""
+        info = peer_info_of(addr)
+        await self.host.connect(info)
+        return info.peer_id.to_base58()
+
+    async def connect_peer(self, peer_id: str, addrs: list[str]) -> None:
+        """Dial a peer by id at the given transport addresses."""
+        info = PeerInfo(ID.from_base58(peer_id), [parse_multiaddr(a) for a in addrs])
+        await self.host.connect(info)
+
+    async def disconnect(self, peer_id: str) -> None:
+        await self.host.disconnect(ID.from_base58(peer_id))
+
+    async def ping(self, peer_id: str) -> float:
+        """One round trip in seconds (raises on failure)."""
+        rtts = await self.ping_service.ping(ID.from_base58(peer_id))
+        return rtts[0] / 1e6 if rtts else 0.0
+
+    def set_handler(self, protocol: str, handler: StreamHandler) -> None:
+        self.host.set_stream_handler(protocol, handler)
+
+    async def open_stream(self, peer_id: str, protocol: str):
+        return await self.host.new_stream(ID.from_base58(peer_id), [protocol])
+
+    def set_app_score(self, peer_id: str, score: float) -> None:
+        """Feed our own view of a peer (bad pieces, forged records...) into gossipsub scoring."""
+        self._app_scores[peer_id] = score
+
+
+def _score_params(p: GossipParams, app_scores: dict[str, float]) -> ScoreParams:
+    return ScoreParams(
+        p4_invalid_messages=TopicScoreParams(weight=p.invalid_message_weight, cap=100.0, decay=0.9),
+        p6_appl_slack_weight=1.0,
+        publish_threshold=p.publish_threshold,
+        gossip_threshold=p.gossip_threshold,
+        graylist_threshold=p.graylist_threshold,
+        accept_px_threshold=p.accept_px_threshold,
+        app_specific_score_fn=lambda peer: app_scores.get(peer.to_base58(), 0.0),
+    )
+
+
+@asynccontextmanager
+async def open_swarm_host(
+    identity: Identity,
+    listen: list[str],
+    gossip: GossipParams | None = None,
+) -> AsyncIterator[SwarmHost]:
+    """Start a host listening on ``listen`` with pubsub running; stop everything on exit."""
+    gossip = gossip or GossipParams()
+    keypair = to_libp2p_keypair(identity)
+    noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
+    addrs = [parse_multiaddr(a) for a in listen]
+    host = new_host(
+        key_pair=keypair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},
+        muxer_preference="YAMUX",
+        listen_addrs=addrs,
+    )
+    app_scores: dict[str, float] = {}
+    router = GossipSub(
+        protocols=GOSSIPSUB_PROTOCOLS,
+        degree=gossip.degree,
+        degree_low=gossip.degree_low,
+        degree_high=gossip.degree_high,
+        heartbeat_interval=gossip.heartbeat_interval,
+        gossip_window=gossip.gossip_window,
+        gossip_history=gossip.gossip_history,
+        do_px=gossip.do_px,
+        prune_back_off=gossip.prune_back_off,
+        score_params=_score_params(gossip, app_scores),
+        # Loopback swarms put every peer on one IP; the eclipse guard would refuse them all.
+        eclipse_protection_enabled=False,
+    )
+    pubsub = Pubsub(host, router, seen_ttl=gossip.seen_ttl, max_inbound_rpc_size=1024 * 1024)
+    swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), app_scores)
+    async with host.run(addrs):
+        async with background_trio_service(pubsub), background_trio_service(router):
+            await pubsub.wait_until_ready()
+            yield swarm_host
+

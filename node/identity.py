@@ -1,0 +1,157 @@
+"""Node identity: one Ed25519 key, kept in the data dir, that names the peer and signs its messages.
+
+The peer id is libp2p's: base58btc of the identity multihash of the protobuf-encoded public key
+(libp2p peer-id spec, "Inlining keys"). It is computed here without importing libp2p, so the
+ledger, proofs and GPU-side code can name peers without the network stack.
+
+The key file holds the 32-byte raw private key in PEM (PKCS#8). It is created with mode 0600 by
+an atomic write-then-rename, reused on restart, and never replaced when it is unreadable: losing a
+key loses the peer's identity and its ledger history, so a corrupt file is the operator's call.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+KEY_FILE = "identity.key"
+# protobuf PublicKey{Type=Ed25519(1), Data=<32 bytes>} wrapped in an identity multihash (0x00, len 36)
+_PEER_ID_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])
+_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+class IdentityError(Exception):
+    """The key file is missing, unreadable or not an Ed25519 key (an operator problem)."""
+
+
+def b58encode(data: bytes) -> str:
+    n = int.from_bytes(data, "big")
+    out = ""
+    while n:
+        n, r = divmod(n, 58)
+        out = _B58[r] + out
+    pad = len(data) - len(data.lstrip(b"\0"))
+    return "1" * pad + out
+
+
+def b58decode(text: str) -> bytes:
+    n = 0
+    for ch in text:
+        idx = _B58.find(ch)
+        if idx < 0:
+            raise ValueError(f"invalid base58 character {ch!r}")
+        n = n * 58 + idx
+    body = n.to_bytes((n.bit_length() + 7) // 8, "big") if n else b""
+    pad = len(text) - len(text.lstrip("1"))
+    return b"\0" * pad + body
+
+
+def peer_id_of(public_key: bytes) -> str:
+    """libp2p peer id (string form, "12D3KooW...") of a raw 32-byte Ed25519 public key."""
+    if len(public_key) != 32:
+        raise ValueError("Ed25519 public key must be 32 bytes")
+    return b58encode(_PEER_ID_PREFIX + public_key)
+
+
+def public_key_of(peer_id: str) -> bytes:
+    """Inverse of :func:`peer_id_of`; ValueError for ids that do not inline an Ed25519 key."""
+    raw = b58decode(peer_id)
+    if len(raw) != 38 or not raw.startswith(_PEER_ID_PREFIX):
+        raise ValueError(f"not an Ed25519 peer id: {peer_id[:20]!r}")
+    return raw[6:]
+
+
+def verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+        return True
+    except (InvalidSignature, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A node's signing key. ``sign``/``public_bytes`` satisfy :func:`node.wire.seal`."""
+
+    private_key: Ed25519PrivateKey
+
+    @classmethod
+    def generate(cls) -> "Identity":
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> "Identity":
+        """Deterministic identity (tests, fixtures). ``seed`` must be 32 bytes."""
+        return cls(Ed25519PrivateKey.from_private_bytes(seed))
+
+    @property
+    def public_bytes(self) -> bytes:
+        return self.private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    @property
+    def private_bytes(self) -> bytes:
+        return self.private_key.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
+
+    @property
+    def peer_id(self) -> str:
+        return peer_id_of(self.public_bytes)
+
+    def sign(self, data: bytes) -> bytes:
+        return self.private_key.sign(data)
+
+    def to_pem(self) -> bytes:
+        return self.private_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+
+
+def load_identity(path: Path) -> Identity:
+    """Read a key file; IdentityError with the reason if it cannot be used."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise IdentityError(f"cannot read key file {path}: {e.strerror or e}") from None
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        raise IdentityError(
+            f"key file {path} is corrupt (not a PEM private key); restore it from a backup or "
+            "move it away to create a new identity"
+        ) from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise IdentityError(f"key file {path} does not hold an Ed25519 key")
+    return Identity(key)
+
+
+def save_identity(identity: Identity, path: Path) -> None:
+    """Atomically write the key with mode 0600 (refuses to overwrite an existing file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        raise IdentityError(f"refusing to overwrite existing key file {path}")
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, identity.to_pem())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def load_or_create_identity(data_dir: Path) -> tuple[Identity, bool]:
+    """The node's identity from ``data_dir``; created on first start. Returns (identity, created)."""
+    path = Path(data_dir) / KEY_FILE
+    if path.exists():
+        return load_identity(path), False
+    identity = Identity.generate()
+    save_identity(identity, path)
+    return identity, True

@@ -1,0 +1,419 @@
+"""The wire: typed, versioned msgpack messages, length-prefixed frames and signed envelopes.
+
+How this works
+--------------
+* A message is a frozen dataclass subclassing :class:`Message` with a ``TYPE`` tag and a schema
+  ``VERSION``. On the wire it is a msgpack map ``{"t": TYPE, "v": VERSION, <field>: <value>...}``.
+  Each field declares its bounds with :func:`bounded` (max length of str/bytes/list, min/max of
+  numbers); :func:`decode` checks the type, version, every field's type and bounds, and unknown or
+  missing keys, before any object is built.
+* Anything wrong with bytes that came from the network raises :class:`RemoteProtocolError` with a
+  short machine-readable ``reason`` ("the remote peer is wrong"). Encoding a message that breaks its
+  own schema raises :class:`LocalProtocolError` ("we are wrong": a bug). This is h11's split.
+* Frames on streams are a 4-byte big-endian length and the body; the reader refuses a length over its
+  cap before reading the body, so a peer cannot make us buffer more than the cap.
+* A signed envelope carries payload bytes, the signer's raw Ed25519 public key and a signature over
+  ``DOMAIN_PREFIX + domain + 0x00 + payload``. The domain names the message kind, so a signature made
+  for one kind ("member record") can never be replayed as another ("ledger entry").
+
+This module imports neither libp2p nor torch, so proofs and ledger code can use it anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+__all__ = [
+    "RemoteProtocolError",
+    "LocalProtocolError",
+    "Message",
+    "bounded",
+    "register",
+    "encode",
+    "decode",
+    "decode_as",
+    "pack",
+    "unpack",
+    "Envelope",
+    "seal",
+    "MAX_FRAME",
+    "read_frame",
+    "write_frame",
+]
+
+# Default cap for one frame / one message. Bulk data (shard blocks) is smaller than this; anything
+# larger is a protocol violation, not a big message.
+MAX_FRAME = 4 * 1024 * 1024
+DOMAIN_PREFIX = b"swarm-node/v1/"
+_LEN = struct.Struct(">I")
+
+
+class RemoteProtocolError(Exception):
+    """The remote peer sent something invalid. Drop it, score the peer down, keep running.
+
+    ``reason`` is a short stable code (``"oversized"``, ``"bad-signature"``...) used as a metrics
+    label and in status tables.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class LocalProtocolError(Exception):
+    """We tried to send something that breaks our own schema: a bug in this node."""
+
+
+# --------------------------------------------------------------------------------------------
+# Schemas
+
+
+@dataclass(frozen=True)
+class Bounds:
+    max_len: int | None = None  # str (characters), bytes, list, dict (items)
+    min: float | None = None  # numbers
+    max: float | None = None
+    exact_len: int | None = None  # bytes that must have a fixed length (keys, hashes, signatures)
+
+
+def bounded(
+    *,
+    max_len: int | None = None,
+    min: float | None = None,  # noqa: A002 - reads naturally at the call site
+    max: float | None = None,  # noqa: A002
+    exact_len: int | None = None,
+    default: Any = dataclasses.MISSING,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A dataclass field with wire bounds. Every str/bytes/list field must declare a max length."""
+    meta = {"bounds": Bounds(max_len=max_len, min=min, max=max, exact_len=exact_len)}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base class of every typed wire message."""
+
+    TYPE: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"t": self.TYPE, "v": self.VERSION}
+        for f in dataclasses.fields(self):
+            out[f.name] = _to_plain(getattr(self, f.name))
+        return out
+
+
+_REGISTRY: dict[str, type[Message]] = {}
+_HINTS: dict[type, dict[str, Any]] = {}
+M = TypeVar("M", bound=Message)
+
+
+def register(cls: type[M]) -> type[M]:
+    """Class decorator: make a message type decodable by its ``TYPE`` tag."""
+    if not cls.TYPE:
+        raise LocalProtocolError(f"{cls.__name__} has no TYPE")
+    if cls.TYPE in _REGISTRY and _REGISTRY[cls.TYPE] is not cls:
+        raise LocalProtocolError(f"duplicate message type {cls.TYPE!r}")
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if _needs_len(hint) and _bounds(f).max_len is None and _bounds(f).exact_len is None:
+            raise LocalProtocolError(f"{cls.__name__}.{f.name} needs a max_len bound")
+    _REGISTRY[cls.TYPE] = cls
+    return cls
+
+
+def _needs_len(hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+        return any(_needs_len(a) for a in typing.get_args(hint) if a is not type(None))
+    return hint in (str, bytes) or origin in (list, tuple, dict)
+
+
+def _bounds(f: dataclasses.Field) -> Bounds:
+    return f.metadata.get("bounds", Bounds())
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, Message):
+        d = value.to_wire()
+        return d
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, list):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def _check(name: str, hint: Any, value: Any, b: Bounds) -> Any:
+    """Validate ``value`` against a type hint and bounds; return the value to store."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        errors = []
+        for a in inner:
+            try:
+                return _check(name, a, value, b)
+            except RemoteProtocolError as e:
+                errors.append(e)
+        raise errors[0]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise RemoteProtocolError("bad-field", f"{name}: expected bool")
+        return value
+    if hint is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise RemoteProtocolError("bad-field", f"{name}: expected int")
+        _check_range(name, value, b)
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RemoteProtocolError("bad-field", f"{name}: expected number")
+        value = float(value)
+        if value != value:  # NaN never satisfies a bound and poisons sums
+            raise RemoteProtocolError("bad-field", f"{name}: NaN")
+        _check_range(name, value, b)
+        return value
+    if hint in (str, bytes):
+        if not isinstance(value, hint):
+            raise RemoteProtocolError("bad-field", f"{name}: expected {hint.__name__}")
+        _check_len(name, len(value), b)
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise RemoteProtocolError("bad-field", f"{name}: expected list")
+        _check_len(name, len(value), b)
+        item_hint = args[0] if args else Any
+        inner_b = Bounds(max_len=MAX_FRAME)  # items are bounded by the frame cap
+        items = [_check(f"{name}[]", item_hint, v, inner_b) for v in value]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RemoteProtocolError("bad-field", f"{name}: expected map")
+        _check_len(name, len(value), b)
+        kh, vh = args if args else (Any, Any)
+        inner_b = Bounds(max_len=MAX_FRAME)
+        return {
+            _check(f"{name}.key", kh, k, inner_b): _check(f"{name}.value", vh, v, inner_b)
+            for k, v in value.items()
+        }
+    if isinstance(hint, type) and issubclass(hint, Message):
+        if not isinstance(value, dict):
+            raise RemoteProtocolError("bad-field", f"{name}: expected {hint.TYPE} map")
+        return _from_wire(hint, value)
+    if hint is Any:
+        return value
+    raise LocalProtocolError(f"unsupported field type {hint!r} for {name}")
+
+
+def _check_range(name: str, value: float, b: Bounds) -> None:
+    if b.min is not None and value < b.min:
+        raise RemoteProtocolError("out-of-bounds", f"{name}={value} < {b.min}")
+    if b.max is not None and value > b.max:
+        raise RemoteProtocolError("out-of-bounds", f"{name}={value} > {b.max}")
+
+
+def _check_len(name: str, n: int, b: Bounds) -> None:
+    if b.exact_len is not None and n != b.exact_len:
+        raise RemoteProtocolError("bad-length", f"{name}: length {n} != {b.exact_len}")
+    if b.max_len is not None and n > b.max_len:
+        raise RemoteProtocolError("oversized", f"{name}: length {n} > {b.max_len}")
+
+
+def _from_wire(cls: type[M], data: dict[str, Any]) -> M:
+    if data.get("t") != cls.TYPE:
+        raise RemoteProtocolError("wrong-type", f"expected {cls.TYPE!r}, got {data.get('t')!r}")
+    if data.get("v") != cls.VERSION:
+        raise RemoteProtocolError("bad-version", f"{cls.TYPE} v{data.get('v')!r}")
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names - {"t", "v"}
+    if unknown:
+        raise RemoteProtocolError("unknown-field", f"{cls.TYPE}: {sorted(map(str, unknown))[:3]}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise RemoteProtocolError("missing-field", f"{cls.TYPE}.{f.name}")
+            continue
+        kwargs[f.name] = _check(f"{cls.TYPE}.{f.name}", hints[f.name], data[f.name], _bounds(f))
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # __post_init__ checks of cross-field rules
+        raise RemoteProtocolError("bad-message", f"{cls.TYPE}: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack with the project's settings (bytes stay bytes, str stays str)."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes, max_size: int = MAX_FRAME) -> Any:
+    """Parse msgpack from an untrusted source. Raises RemoteProtocolError, nothing else."""
+    if len(data) > max_size:
+        raise RemoteProtocolError("oversized", f"{len(data)} bytes > {max_size}")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_size,
+            max_str_len=max_size,
+            max_array_len=max_size,
+            max_map_len=max_size // 2,
+        )
+    except Exception as e:  # msgpack raises many types; all mean "garbage"
+        raise RemoteProtocolError("malformed", f"msgpack: {type(e).__name__}") from None
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize a message after checking it against its own schema (a bug if it fails)."""
+    wire = msg.to_wire()
+    try:
+        _from_wire(type(msg), wire)
+    except RemoteProtocolError as e:
+        raise LocalProtocolError(f"refusing to send invalid {msg.TYPE}: {e}") from None
+    return pack(wire)
+
+
+def decode(data: bytes, max_size: int = MAX_FRAME) -> Message:
+    """Decode any registered message type from untrusted bytes."""
+    obj = unpack(data, max_size)
+    if not isinstance(obj, dict):
+        raise RemoteProtocolError("malformed", "message is not a map")
+    cls = _REGISTRY.get(obj.get("t")) if isinstance(obj.get("t"), str) else None
+    if cls is None:
+        raise RemoteProtocolError("unknown-type", repr(obj.get("t"))[:40])
+    return _from_wire(cls, obj)
+
+
+def decode_as(cls: type[M], data: bytes, max_size: int = MAX_FRAME) -> M:
+    """Decode bytes that must hold a message of exactly ``cls``."""
+    msg = decode(data, max_size)
+    if not isinstance(msg, cls):
+        raise RemoteProtocolError("wrong-type", f"expected {cls.TYPE}, got {msg.TYPE}")
+    return msg
+
+
+# --------------------------------------------------------------------------------------------
+# Signed envelopes
+
+
+@register
+@dataclass(frozen=True)
+class Envelope(Message):
+    """Payload bytes signed by an Ed25519 key for one domain (message kind)."""
+
+    TYPE: ClassVar[str] = "envelope"
+    domain: str = bounded(max_len=64)
+    payload: bytes = bounded(max_len=MAX_FRAME)
+    public_key: bytes = bounded(exact_len=32)
+    signature: bytes = bounded(exact_len=64)
+
+    @staticmethod
+    def signed_bytes(domain: str, payload: bytes) -> bytes:
+        return DOMAIN_PREFIX + domain.encode() + b"\x00" + payload
+
+    def open(self, domain: str) -> bytes:
+        """Check domain and signature; return the payload. RemoteProtocolError if either fails."""
+        if self.domain != domain:
+            raise RemoteProtocolError("wrong-domain", f"{self.domain!r} != {domain!r}")
+        try:
+            key = Ed25519PublicKey.from_public_bytes(self.public_key)
+            key.verify(self.signature, self.signed_bytes(domain, self.payload))
+        except (InvalidSignature, ValueError):
+            raise RemoteProtocolError("bad-signature", domain) from None
+        return self.payload
+
+    def open_as(self, domain: str, cls: type[M], max_size: int = MAX_FRAME) -> M:
+        """Verify, then decode the payload as ``cls``."""
+        return decode_as(cls, self.open(domain), max_size)
+
+
+class _Signer(typing.Protocol):
+    public_bytes: bytes
+
+    def sign(self, data: bytes) -> bytes: ...
+
+
+def seal(signer: _Signer, domain: str, payload: Message | bytes) -> Envelope:
+    """Sign ``payload`` (a message or raw bytes) for ``domain`` with the node's identity."""
+    body = encode(payload) if isinstance(payload, Message) else payload
+    sig = signer.sign(Envelope.signed_bytes(domain, body))
+    return Envelope(domain=domain, payload=body, public_key=signer.public_bytes, signature=sig)
+
+
+# --------------------------------------------------------------------------------------------
+# Frames on byte streams (libp2p streams or anything with async read(n)/write(b))
+
+
+class _Reader(typing.Protocol):
+    async def read(self, n: int | None = None) -> bytes: ...
+
+
+class _Writer(typing.Protocol):
+    async def write(self, data: bytes) -> Any: ...
+
+
+async def read_exactly(stream: _Reader, n: int) -> bytes:
+    """Read exactly n bytes; EOF before that is the remote's fault."""
+    chunks: list[bytes] = []
+    remaining = n
+    while remaining:
+        chunk = await stream.read(remaining)
+        if not chunk:
+            raise RemoteProtocolError("truncated", f"EOF with {remaining} of {n} bytes missing")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+async def read_frame(stream: _Reader, max_size: int = MAX_FRAME) -> bytes | None:
+    """Read one length-prefixed frame. Returns None on a clean EOF between frames."""
+    first = await stream.read(_LEN.size)
+    if not first:
+        return None
+    head = first if len(first) == _LEN.size else first + await read_exactly(stream, _LEN.size - len(first))
+    (n,) = _LEN.unpack(head)
+    if n > max_size:
+        raise RemoteProtocolError("oversized", f"frame of {n} bytes > {max_size}")
+    return await read_exactly(stream, n) if n else b""
+
+
+async def read_message(stream: _Reader, max_size: int = MAX_FRAME) -> Message | None:
+    """Read and decode one frame; None on clean EOF."""
+    data = await read_frame(stream, max_size)
+    return None if data is None else decode(data, max_size)
+
+
+async def write_frame(stream: _Writer, data: bytes | Message) -> None:
+    body = encode(data) if isinstance(data, Message) else data
+    if len(body) > MAX_FRAME:
+        raise LocalProtocolError(f"frame of {len(body)} bytes exceeds MAX_FRAME")
+    await stream.write(_LEN.pack(len(body)) + body)
