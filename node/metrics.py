@@ -1,0 +1,56 @@
+"""Prometheus metrics, one registry per node (so several nodes can share a process in tests).
+
+Components get-or-create their own series with :meth:`Metrics.counter` / :meth:`Metrics.gauge`;
+names are prefixed ``swarm_``. Served only when the operator opts in (``--metrics-port``), and only
+on 127.0.0.1: put a reverse proxy in front to expose it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._series: dict[str, object] = {}
+        self.rejected = self.counter(
+            "rejected_total", "Messages or requests refused, by source and reason", ["source", "reason"]
+        )
+        self.messages_in = self.counter("messages_in_total", "Gossip messages accepted", ["topic"])
+        self.messages_out = self.counter("messages_out_total", "Gossip messages published", ["topic"])
+        self.bytes_out = self.counter("gossip_bytes_out_total", "Gossip payload bytes published", ["topic"])
+        self.bytes_in = self.counter("gossip_bytes_in_total", "Gossip payload bytes received", ["topic"])
+        self.connections = self.gauge("connections", "Open peer connections")
+
+    def _get(self, kind, name: str, doc: str, labels: list[str] | tuple[str, ...] = (), **kw):
+        full = f"swarm_{name}"
+        if full not in self._series:
+            self._series[full] = kind(full, doc, list(labels), registry=self.registry, **kw)
+        return self._series[full]
+
+    def counter(self, name: str, doc: str, labels: list[str] | tuple[str, ...] = ()) -> Counter:
+        return self._get(Counter, name, doc, labels)
+
+    def gauge(self, name: str, doc: str, labels: list[str] | tuple[str, ...] = ()) -> Gauge:
+        return self._get(Gauge, name, doc, labels)
+
+    def histogram(self, name: str, doc: str, labels: list[str] | tuple[str, ...] = (), buckets=None) -> Histogram:
+        kw = {"buckets": buckets} if buckets else {}
+        return self._get(Histogram, name, doc, labels, **kw)
+
+    def reject(self, source: str, reason: str) -> None:
+        """Count one refused input; ``source`` is the topic or protocol it came on."""
+        self.rejected.labels(source=source, reason=reason).inc()
+
+    def rejections(self) -> dict[str, int]:
+        """{"source/reason": count} for status views."""
+        out: dict[str, int] = {}
+        for metric in self.rejected.collect():
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    out[f"{s.labels['source']}/{s.labels['reason']}"] = int(s.value)
+        return out
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
