@@ -381,12 +381,28 @@ class _Writer(typing.Protocol):
     async def write(self, data: bytes) -> Any: ...
 
 
+def _is_eof(exc: Exception) -> bool:
+    # py-libp2p signals end-of-stream with StreamEOF instead of b""; matched by name so that this
+    # module stays importable without libp2p.
+    return type(exc).__name__ in ("StreamEOF", "EOFError", "EndOfChannel")
+
+
+async def _read_some(stream: _Reader, n: int) -> bytes:
+    """One read; b"" on EOF; any other stream failure (reset, closed) is the remote's doing."""
+    try:
+        return await stream.read(n)
+    except Exception as e:  # trio.Cancelled is a BaseException and passes through
+        if _is_eof(e):
+            return b""
+        raise RemoteProtocolError("stream-error", type(e).__name__) from None
+
+
 async def read_exactly(stream: _Reader, n: int) -> bytes:
     """Read exactly n bytes; EOF before that is the remote's fault."""
     chunks: list[bytes] = []
     remaining = n
     while remaining:
-        chunk = await stream.read(remaining)
+        chunk = await _read_some(stream, remaining)
         if not chunk:
             raise RemoteProtocolError("truncated", f"EOF with {remaining} of {n} bytes missing")
         chunks.append(chunk)
@@ -396,7 +412,7 @@ async def read_exactly(stream: _Reader, n: int) -> bytes:
 
 async def read_frame(stream: _Reader, max_size: int = MAX_FRAME) -> bytes | None:
     """Read one length-prefixed frame. Returns None on a clean EOF between frames."""
-    first = await stream.read(_LEN.size)
+    first = await _read_some(stream, _LEN.size)
     if not first:
         return None
     head = first if len(first) == _LEN.size else first + await read_exactly(stream, _LEN.size - len(first))
