@@ -1,0 +1,63 @@
+"""The ``[shards]`` table of the run file: how checkpoints are cut, fetched, served and kept.
+
+Kept free of libp2p and torch so ``node.config`` can build it anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FETCH_POLICIES = ("auto", "all", "newest", "none")
+
+
+@dataclass
+class ShardsConfig:
+    # Piece size in bytes for manifests this node publishes; 0 = automatic (1 MiB, doubled until a
+    # checkpoint has at most MAX_PIECES pieces). See node/shards/manifest.py for the measurements.
+    piece_size: int = 0
+    # Bytes asked for by one request (a block). 256 KiB: see node/shards/manifest.py.
+    block_size: int = 256 * 1024
+    # Complete versions kept on disk; older ones are deleted (INTELLECT-2 keeps async_level + 1).
+    keep_versions: int = 3
+    # Which announced versions to download: "all" (relays), "newest" (inference/validator),
+    # "none" (trainer), or "auto" = by role.
+    fetch: str = "auto"
+    # Peers downloaded from at once, per version.
+    max_peers: int = 16
+    # Requests served at once by this node over all peers (the rest wait in per-peer queues).
+    max_serving: int = 16
+    # Upload cap in bytes per second over all peers; 0 = unlimited.
+    upload_rate: int = 0
+    # A request not answered within this many seconds is re-issued to another peer.
+    request_timeout: float = 10.0
+    # Seconds a peer that sent bad pieces or malformed data is banned for.
+    ban_seconds: float = 600.0
+    # Seconds between re-announcements of the newest version this node published (late joiners).
+    announce_interval: float = 15.0
+    # The publisher reveals pieces to each downloader a few at a time, least-spread first, so it
+    # sends every piece about once and the downloaders pass them on (BitTorrent super-seeding, BEP 16).
+    super_seed: bool = True
+    # Show a progress bar for downloads when stderr is a terminal.
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.piece_size and (self.piece_size < 16 * 1024 or self.piece_size > 64 * 1024 * 1024):
+            raise ValueError(f"piece_size: 0 or 16 KiB..64 MiB, got {self.piece_size}")
+        if self.piece_size & (self.piece_size - 1):
+            raise ValueError(f"piece_size: must be a power of two, got {self.piece_size}")
+        if not 16 * 1024 <= self.block_size <= 1024 * 1024 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: a power of two in 16 KiB..1 MiB, got {self.block_size}")
+        if self.piece_size and self.block_size > self.piece_size:
+            raise ValueError("block_size: must not exceed piece_size")
+        if self.keep_versions < 1:
+            raise ValueError(f"keep_versions: at least 1, got {self.keep_versions}")
+        if self.fetch not in FETCH_POLICIES:
+            raise ValueError(f"fetch: one of {', '.join(FETCH_POLICIES)}, got {self.fetch!r}")
+        for name in ("max_peers", "max_serving"):
+            if not 1 <= getattr(self, name) <= 1024:
+                raise ValueError(f"{name}: 1..1024, got {getattr(self, name)}")
+        if self.upload_rate < 0:
+            raise ValueError(f"upload_rate: >= 0, got {self.upload_rate}")
+        for name in ("request_timeout", "ban_seconds", "announce_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

@@ -1,0 +1,453 @@
+"""The piece picker: which block to ask which peer for, and what to do when peers misbehave.
+
+How this works
+--------------
+Pure logic, no I/O, time passed in (``now``, seconds). The download service feeds it what peers
+say (``on_bitfield``, ``on_have``, ``on_block``, ``on_reject``, ``on_peer_gone``) and the outcome of
+hash checks (``on_piece_verified``, ``on_piece_failed``); ``poll(now)`` returns :class:`Actions`:
+requests to send, cancels to send and peers newly banned (to disconnect).
+
+Each piece is cut into blocks (the request unit). A block is MISSING, REQUESTED (from one peer, or
+from several in endgame) or RECEIVED (from one peer); a piece whose blocks are all received is handed
+to the caller to hash-check.
+
+Policies, with their sources:
+
+* **Rarest first** with random ties, and **random first pieces** until a few are verified so a new
+  peer quickly has something to trade (BEP 3; Legout et al., "Rarest First and Choke Algorithms Are
+  Enough", IMC 2006). Blocks of already started pieces come first ("strict priority"), so pieces
+  complete — and become servable — as early as possible.
+* **Pipelining** with a per-peer queue depth sized to ``queue_seconds`` of the peer's measured rate
+  (libtorrent's ``request_queue_time`` = 3 s), clamped to [min_depth, max_depth].
+* **Throughput-weighted peer choice**: when the free request slots of several peers compete for the
+  same scarce blocks, a peer is drawn with probability proportional to its measured rate (as
+  SHARDCAST's clients weight servers, but across every peer that has the piece).
+* **Endgame**: once every missing block has been requested, idle slots re-request in-flight blocks
+  from other peers (at most ``endgame_copies`` copies); the first arrival cancels the rest.
+* **Bad pieces**: every peer that contributed a block to a piece that fails its hash gets a strike
+  of 1/k (k contributors). A failed piece is re-fetched "on parole" from one peer only
+  (libtorrent's parole mode), so a liar cannot hide behind honest peers for long. Reaching
+  ``ban_threshold`` strikes, a peer is banned for ``ban_seconds``. Malformed data (wrong length,
+  unrequested pieces) bans at once: that is never an accident.
+* **Timeouts**: a request unanswered after ``request_timeout`` goes back to MISSING (re-requested
+  elsewhere) and the peer's queue is cut to the minimum; ``max_timeouts`` in a row and it is banned
+  as unresponsive.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Request:
+    peer: str
+    piece: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    peer: str
+    piece: int
+    offset: int
+    length: int
+
+
+@dataclass
+class Actions:
+    """What the caller should do now."""
+
+    requests: list[Request] = field(default_factory=list)
+    cancels: list[Cancel] = field(default_factory=list)
+    banned: list[tuple[str, str]] = field(default_factory=list)  # (peer, reason)
+
+    def extend(self, other: "Actions") -> None:
+        self.requests += other.requests
+        self.cancels += other.cancels
+        self.banned += other.banned
+
+
+@dataclass(frozen=True)
+class PickerParams:
+    block_size: int = 256 * 1024
+    request_timeout: float = 10.0  # seconds before a request is given up and re-issued
+    queue_seconds: float = 3.0  # libtorrent's request_queue_time
+    initial_depth: int = 4  # requests in flight to a peer whose rate is not measured yet
+    min_depth: int = 2
+    max_depth: int = 32  # 8 MiB of 256 KiB blocks in flight per peer: bounds unverified memory
+    random_first: int = 4  # pieces picked at random before rarest-first starts (libtorrent: 4)
+    endgame_copies: int = 2  # a block is requested from at most this many peers at once
+    ban_threshold: float = 2.0  # strikes (bad pieces) before a ban
+    ban_seconds: float = 600.0
+    max_timeouts: int = 3  # timeouts in a row before an unresponsive peer is banned
+    rate_alpha: float = 0.25  # EWMA weight of a new rate sample
+
+
+class BlockState(enum.Enum):
+    MISSING = "missing"
+    REQUESTED = "requested"
+    RECEIVED = "received"
+
+
+@dataclass
+class _Piece:
+    """An active (started, not yet verified) piece."""
+
+    states: list[BlockState]
+    requested_from: list[set[str]]
+    received_from: list[str | None]
+    parole_peer: str | None = None  # when set, only this peer may supply blocks
+    on_parole: bool = False  # failed before: the next peer to take a block gets it exclusively
+
+    def missing(self) -> int:
+        return sum(s is BlockState.MISSING for s in self.states)
+
+
+@dataclass
+class _Peer:
+    pieces: set[int] = field(default_factory=set)
+    in_flight: dict[tuple[int, int], float] = field(default_factory=dict)  # (piece, offset) -> sent
+    rate: float = 0.0  # bytes/s, EWMA; 0 = not measured yet
+    last_arrival: float = -math.inf
+    timeouts_in_row: int = 0
+    snubbed: bool = False  # a request timed out: keep min_depth in flight until a block arrives
+    received_bytes: int = 0  # bytes in blocks accepted from this peer (verified or not)
+
+
+class Picker:
+    """Download state of one checkpoint version (see the module docstring)."""
+
+    def __init__(
+        self,
+        piece_lengths: list[int],
+        params: PickerParams | None = None,
+        *,
+        have: set[int] | frozenset[int] = frozenset(),
+        rng: random.Random | None = None,
+    ) -> None:
+        self.params = params or PickerParams()
+        self.rng = rng or random.Random()
+        self.piece_lengths = list(piece_lengths)
+        self.verified: set[int] = set(have)
+        self.availability = [0] * len(self.piece_lengths)
+        self.active: dict[int, _Piece] = {}
+        self.peers: dict[str, _Peer] = {}
+        self.strikes: dict[str, float] = {}
+        self.banned_until: dict[str, float] = {}
+        self._unstarted = set(range(len(self.piece_lengths))) - self.verified
+
+    # ----------------------------------------------------------------------------------------
+    # Queries
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.piece_lengths)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.verified) == self.num_pieces
+
+    @property
+    def in_endgame(self) -> bool:
+        return not self._unstarted and all(p.missing() == 0 for p in self.active.values())
+
+    def is_banned(self, peer: str, now: float) -> bool:
+        return self.banned_until.get(peer, -math.inf) > now
+
+    def rate_of(self, peer: str) -> float:
+        return self.peers[peer].rate if peer in self.peers else 0.0
+
+    def depth_of(self, peer: str) -> int:
+        """Requests to keep in flight to ``peer``: ~queue_seconds of its rate (libtorrent)."""
+        p, st = self.params, self.peers[peer]
+        if st.snubbed:
+            return p.min_depth
+        if st.rate <= 0:
+            return p.initial_depth
+        depth = math.ceil(st.rate * p.queue_seconds / p.block_size)
+        return max(p.min_depth, min(p.max_depth, depth))
+
+    def in_flight(self, peer: str) -> int:
+        return len(self.peers[peer].in_flight) if peer in self.peers else 0
+
+    def next_deadline(self) -> float:
+        """The earliest time a request times out (inf when none is in flight)."""
+        times = [t for st in self.peers.values() for t in st.in_flight.values()]
+        return min(times) + self.params.request_timeout if times else math.inf
+
+    def blocks_of(self, piece: int) -> list[tuple[int, int]]:
+        """(offset, length) of each block of ``piece``."""
+        n, b = self.piece_lengths[piece], self.params.block_size
+        return [(off, min(b, n - off)) for off in range(0, n, b)]
+
+    def interesting(self, peer: str) -> bool:
+        """Does ``peer`` have a piece we still need?"""
+        st = self.peers.get(peer)
+        return st is not None and any(i not in self.verified for i in st.pieces)
+
+    # ----------------------------------------------------------------------------------------
+    # What peers say
+
+    def add_peer(self, peer: str) -> None:
+        self.peers.setdefault(peer, _Peer())
+
+    def on_bitfield(self, peer: str, pieces: set[int]) -> None:
+        """``peer``'s full holdings (replaces what we knew)."""
+        self.add_peer(peer)
+        st = self.peers[peer]
+        for i in st.pieces:
+            self.availability[i] -= 1
+        st.pieces = {i for i in pieces if 0 <= i < self.num_pieces}
+        for i in st.pieces:
+            self.availability[i] += 1
+
+    def on_have(self, peer: str, piece: int) -> None:
+        self.add_peer(peer)
+        st = self.peers[peer]
+        if 0 <= piece < self.num_pieces and piece not in st.pieces:
+            st.pieces.add(piece)
+            self.availability[piece] += 1
+
+    def on_peer_gone(self, peer: str) -> None:
+        """The peer disconnected: its in-flight blocks go back to MISSING. Bans are kept."""
+        st = self.peers.pop(peer, None)
+        if st is None:
+            return
+        for i in st.pieces:
+            self.availability[i] -= 1
+        for piece, offset in st.in_flight:
+            self._release(peer, piece, offset)
+        for ap in self.active.values():
+            if ap.parole_peer == peer:
+                ap.parole_peer = None
+
+    def on_reject(self, peer: str, piece: int, offset: int) -> None:
+        """``peer`` refused a request (it does not serve that piece now): ask someone else."""
+        st = self.peers.get(peer)
+        if st is None or (piece, offset) not in st.in_flight:
+            return
+        del st.in_flight[(piece, offset)]
+        self._release(peer, piece, offset)
+        if piece in st.pieces:
+            st.pieces.discard(piece)
+            self.availability[piece] -= 1
+
+    def on_block(self, peer: str, piece: int, offset: int, length: int, now: float) -> tuple[bool, Actions]:
+        """A block arrived. Returns (keep it, actions): keep=False for duplicates and strays.
+
+        A block that does not match a request we made to this peer at this exact offset and
+        length is malformed: the peer is banned (a cancel race only ever drops the block).
+        """
+        acts = Actions()
+        st = self.peers.get(peer)
+        if st is None:
+            return False, acts
+        sent = st.in_flight.pop((piece, offset), None)
+        if sent is None:
+            return False, acts  # cancelled, timed out or never asked: drop silently
+        expected = self._block_length(piece, offset)
+        if length != expected:
+            self._release(peer, piece, offset)
+            acts.banned += self._ban(peer, now, "wrong-length")
+            return False, acts
+        # Rate sample: bytes over the time this peer was busy with this block (pipelining keeps
+        # the link full, so inter-arrival time of back-to-back blocks is the link rate).
+        busy_from = max(st.last_arrival, sent)
+        sample = length / max(now - busy_from, 1e-3)
+        a = self.params.rate_alpha
+        st.rate = sample if st.rate <= 0 else (1 - a) * st.rate + a * sample
+        st.last_arrival = now
+        st.timeouts_in_row = 0
+        st.snubbed = False
+        ap = self.active.get(piece)
+        idx = offset // self.params.block_size
+        if ap is None or ap.states[idx] is BlockState.RECEIVED:
+            return False, acts  # endgame duplicate, or piece already done
+        others = ap.requested_from[idx] - {peer}
+        for other in others:
+            ost = self.peers.get(other)
+            if ost is not None and ost.in_flight.pop((piece, offset), None) is not None:
+                acts.cancels.append(Cancel(other, piece, offset, length))
+        ap.requested_from[idx] = set()
+        ap.states[idx] = BlockState.RECEIVED
+        ap.received_from[idx] = peer
+        st.received_bytes += length
+        return True, acts
+
+    def piece_ready(self, piece: int) -> bool:
+        """Every block of an active piece has been received: hash-check it now."""
+        ap = self.active.get(piece)
+        return ap is not None and all(s is BlockState.RECEIVED for s in ap.states)
+
+    def contributors(self, piece: int) -> dict[str, int]:
+        """Bytes each peer supplied to an active piece (for receipts and blame)."""
+        ap = self.active.get(piece)
+        out: dict[str, int] = {}
+        if ap is None:
+            return out
+        for (off, n), who in zip(self.blocks_of(piece), ap.received_from):
+            if who is not None:
+                out[who] = out.get(who, 0) + n
+        return out
+
+    def on_piece_verified(self, piece: int) -> None:
+        self.active.pop(piece, None)
+        self._unstarted.discard(piece)
+        self.verified.add(piece)
+
+    def on_piece_failed(self, piece: int, now: float) -> Actions:
+        """The assembled piece did not match its hash: blame contributors, re-fetch on parole."""
+        acts = Actions()
+        ap = self.active.get(piece)
+        if ap is None:
+            return acts
+        who = [p for p in ap.received_from if p is not None]
+        culprits = set(who)
+        for peer in culprits:
+            self.strikes[peer] = self.strikes.get(peer, 0.0) + 1.0 / len(culprits)
+            if self.strikes[peer] >= self.params.ban_threshold - 1e-9:
+                acts.banned += self._ban(peer, now, "bad-piece")
+        n = len(ap.states)
+        self.active[piece] = _Piece(
+            [BlockState.MISSING] * n, [set() for _ in range(n)], [None] * n, on_parole=True
+        )
+        # Requests still in flight for this piece are void (their blocks were reset).
+        for peer, st in self.peers.items():
+            for key in [k for k in st.in_flight if k[0] == piece]:
+                del st.in_flight[key]
+                acts.cancels.append(Cancel(peer, piece, key[1], self._block_length(piece, key[1])))
+        return acts
+
+    def on_misbehaved(self, peer: str, now: float, reason: str) -> Actions:
+        """The peer broke the protocol (malformed data): ban at once."""
+        acts = Actions()
+        acts.banned += self._ban(peer, now, reason)
+        return acts
+
+    # ----------------------------------------------------------------------------------------
+    # Deciding
+
+    def poll(self, now: float) -> Actions:
+        """Expire timed-out requests, then fill every peer's free request slots."""
+        acts = self._expire(now)
+        free: dict[str, int] = {}
+        for peer, st in self.peers.items():
+            if self.is_banned(peer, now):
+                continue
+            slots = self.depth_of(peer) - len(st.in_flight)
+            if slots > 0 and self.interesting(peer):
+                free[peer] = slots
+        if not free:
+            return acts
+        rates = [st.rate for st in self.peers.values() if st.rate > 0]
+        default_rate = sorted(rates)[len(rates) // 2] if rates else 1.0  # unmeasured: median
+        while free:
+            names = list(free)
+            weights = [self.peers[p].rate or default_rate for p in names]
+            peer = self.rng.choices(names, weights)[0]
+            block = self._pick_block(peer)
+            if block is None:
+                del free[peer]
+                continue
+            piece, offset, length = block
+            self.peers[peer].in_flight[(piece, offset)] = now
+            acts.requests.append(Request(peer, piece, offset, length))
+            free[peer] -= 1
+            if free[peer] == 0:
+                del free[peer]
+        return acts
+
+    def _pick_block(self, peer: str) -> tuple[int, int, int] | None:
+        st = self.peers[peer]
+        # 1. Unrequested blocks of pieces already started (finish pieces first).
+        for piece, ap in self.active.items():
+            if piece not in st.pieces or (ap.parole_peer not in (None, peer)):
+                continue
+            for idx, state in enumerate(ap.states):
+                if state is BlockState.MISSING:
+                    if ap.on_parole and ap.parole_peer is None:
+                        ap.parole_peer = peer
+                    return self._assign(peer, piece, idx)
+        # 2. A new piece: random while we have few, then rarest first with random ties.
+        candidates = [i for i in self._unstarted if i in st.pieces] if len(st.pieces) < len(self._unstarted) else [
+            i for i in st.pieces if i in self._unstarted
+        ]
+        if candidates:
+            if len(self.verified) < self.params.random_first:
+                piece = self.rng.choice(candidates)
+            else:
+                least = min(self.availability[i] for i in candidates)
+                piece = self.rng.choice([i for i in candidates if self.availability[i] == least])
+            n = len(self.blocks_of(piece))
+            self.active[piece] = _Piece([BlockState.MISSING] * n, [set() for _ in range(n)], [None] * n)
+            self._unstarted.discard(piece)
+            return self._assign(peer, piece, 0)
+        # 3. Endgame: duplicate an in-flight block this peer has not been asked for.
+        if not self.in_endgame:
+            return None
+        options = [
+            (len(ap.requested_from[idx]), piece, idx)
+            for piece, ap in self.active.items()
+            if piece in st.pieces and ap.parole_peer in (None, peer)
+            for idx, state in enumerate(ap.states)
+            if state is BlockState.REQUESTED
+            and peer not in ap.requested_from[idx]
+            and len(ap.requested_from[idx]) < self.params.endgame_copies
+        ]
+        if not options:
+            return None
+        fewest = min(o[0] for o in options)
+        _, piece, idx = self.rng.choice([o for o in options if o[0] == fewest])
+        return self._assign(peer, piece, idx)
+
+    def _assign(self, peer: str, piece: int, idx: int) -> tuple[int, int, int]:
+        ap = self.active[piece]
+        ap.states[idx] = BlockState.REQUESTED
+        ap.requested_from[idx].add(peer)
+        offset, length = self.blocks_of(piece)[idx]
+        return piece, offset, length
+
+    def _block_length(self, piece: int, offset: int) -> int:
+        return min(self.params.block_size, self.piece_lengths[piece] - offset)
+
+    def _release(self, peer: str, piece: int, offset: int) -> None:
+        """``peer`` will not deliver this block: back to MISSING unless someone else is on it."""
+        ap = self.active.get(piece)
+        if ap is None:
+            return
+        idx = offset // self.params.block_size
+        ap.requested_from[idx].discard(peer)
+        if ap.states[idx] is BlockState.REQUESTED and not ap.requested_from[idx]:
+            ap.states[idx] = BlockState.MISSING
+
+    def _expire(self, now: float) -> Actions:
+        acts = Actions()
+        limit = self.params.request_timeout
+        for peer, st in list(self.peers.items()):
+            late = [k for k, sent in st.in_flight.items() if now - sent >= limit]
+            if not late:
+                continue
+            for piece, offset in late:
+                del st.in_flight[(piece, offset)]
+                self._release(peer, piece, offset)
+                acts.cancels.append(Cancel(peer, piece, offset, self._block_length(piece, offset)))
+            st.timeouts_in_row += 1
+            st.snubbed = True
+            if st.timeouts_in_row >= self.params.max_timeouts:
+                acts.banned += self._ban(peer, now, "unresponsive")
+        return acts
+
+    def _ban(self, peer: str, now: float, reason: str) -> list[tuple[str, str]]:
+        already = self.is_banned(peer, now)
+        self.banned_until[peer] = now + self.params.ban_seconds
+        st = self.peers.get(peer)
+        if st is not None:
+            for piece, offset in list(st.in_flight):
+                self._release(peer, piece, offset)
+            st.in_flight.clear()
+        return [] if already else [(peer, reason)]

@@ -1,0 +1,276 @@
+"""The piece store: checkpoint versions on disk, written piece by piece, resumable, pruned.
+
+How this works
+--------------
+Layout under ``<data_dir>/checkpoints/``::
+
+    <version>/                  the model folder itself (config.json, *.safetensors, ...): load it
+    <version>/.shards/manifest  the signed manifest (envelope bytes)
+    <version>/.shards/bitmap    which pieces are verified (root id + bitfield), replaced by rename
+    <version>/.shards/COMPLETE  written last, by rename, after every piece is verified and fsync'd
+
+* Files are preallocated to their final size and each verified piece is written in place with
+  ``pwrite``; unverified bytes never reach the disk (the downloader hashes a piece in memory first).
+* After each verified piece the bitmap is replaced atomically (write a temporary file, rename). It is
+  not fsync'd per piece: on resume every piece the bitmap claims is hashed again (SHA-256 reads
+  ~1.8 GB/s, so 1 GB costs about half a second), which also catches data lost in a power cut. A piece
+  that fails is simply fetched again.
+* A version is complete only when ``.shards/COMPLETE`` exists; it is created after the data files are
+  fsync'd, with write-fsync-rename-fsync(dir), so a crash never leaves a "complete" version with
+  missing bytes. Hidden names keep the state out of the model folder's file list.
+* Only the newest ``keep`` complete versions are kept; older ones (and abandoned partial downloads
+  older than them) are renamed away, then deleted, so a crash mid-delete leaves no half version.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from ..wire import Envelope, RemoteProtocolError, decode_as, encode
+from .manifest import Manifest, SignedManifest, open_manifest
+
+STATE = ".shards"
+TRASH_PREFIX = ".trash-"
+
+
+class StoreConflict(Exception):
+    """We already hold a different manifest for this version (a trainer equivocated)."""
+
+
+def bitfield_of(pieces: set[int], n: int) -> bytes:
+    """BitTorrent-order bitfield (BEP 3: bit 7 of byte 0 is piece 0) of ``pieces`` out of ``n``."""
+    out = bytearray((n + 7) // 8)
+    for i in pieces:
+        out[i >> 3] |= 0x80 >> (i & 7)
+    return bytes(out)
+
+
+def pieces_of(bits: bytes, n: int) -> set[int]:
+    """The set of piece indices in a BitTorrent-order bitfield (bit 7 of byte 0 = piece 0)."""
+    return {i for i in range(min(n, len(bits) * 8)) if bits[i >> 3] & (0x80 >> (i & 7))}
+
+
+
+
+def _write_atomic(path: Path, data: bytes, *, durable: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    if durable:
+        _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class VersionStore:
+    """One version's files: write verified pieces, read blocks of verified pieces."""
+
+    def __init__(self, folder: Path, signed: SignedManifest) -> None:
+        self.folder = folder
+        self.signed = signed
+        self.manifest: Manifest = signed.manifest
+        self.state = folder / STATE
+        self.verified: set[int] = set()
+        self._fds: list[int] = []
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def complete(self) -> bool:
+        return (self.state / "COMPLETE").exists()
+
+    @property
+    def verified_bytes(self) -> int:
+        return sum(self.manifest.piece_length(i) for i in self.verified)
+
+    def bitfield(self) -> bytes:
+        return bitfield_of(self.verified, self.manifest.num_pieces)
+
+    def _open(self, create: bool) -> None:
+        self.state.mkdir(parents=True, exist_ok=True)
+        for f in self.manifest.files:
+            path = self.folder / f.name
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+            if os.fstat(fd).st_size != f.size:
+                os.ftruncate(fd, f.size)
+                if f.size and hasattr(os, "posix_fallocate"):
+                    try:
+                        os.posix_fallocate(fd, 0, f.size)  # fail now, not mid-download, on a full disk
+                    except OSError:
+                        pass  # filesystems without fallocate: sparse file, written in place anyway
+            self._fds.append(fd)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def _pwrite(self, start: int, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        pos = 0
+        for i, off, n in self.manifest.spans(start, len(view)):
+            os.pwrite(self._fds[i], view[pos : pos + n], off)
+            pos += n
+
+    def _pread(self, start: int, length: int) -> bytes:
+        return b"".join(os.pread(self._fds[i], n, off) for i, off, n in self.manifest.spans(start, length))
+
+    def put_piece(self, index: int, data: bytes) -> bool:
+        """Hash-check and write piece ``index``. False (nothing written) if it does not match."""
+        if index in self.verified:
+            return True
+        if not self.manifest.check_piece(index, data):
+            return False
+        self._pwrite(index * self.manifest.piece_size, data)
+        self.verified.add(index)
+        _write_atomic(self.state / "bitmap", self.signed.root + self.bitfield(), durable=False)
+        return True
+
+    def read_block(self, piece: int, offset: int, length: int) -> bytes:
+        """Bytes of a verified piece. ValueError for pieces we do not hold or ranges outside it."""
+        if piece not in self.verified:
+            raise ValueError("piece not held")
+        if offset < 0 or length <= 0 or offset + length > self.manifest.piece_length(piece):
+            raise ValueError("range outside the piece")
+        return self._pread(piece * self.manifest.piece_size + offset, length)
+
+    def read_piece(self, piece: int) -> bytes:
+        return self._pread(piece * self.manifest.piece_size, self.manifest.piece_length(piece))
+
+    def resume(self) -> int:
+        """Load the bitmap and re-check every piece it claims. Returns how many were kept."""
+        try:
+            raw = (self.state / "bitmap").read_bytes()
+        except FileNotFoundError:
+            return 0
+        if raw[:32] != self.signed.root:
+            return 0
+        for i in sorted(pieces_of(raw[32:], self.manifest.num_pieces)):
+            if self.manifest.check_piece(i, self.read_piece(i)):
+                self.verified.add(i)
+        return len(self.verified)
+
+    def finish(self) -> None:
+        """Mark the version complete (every piece verified): fsync data, then COMPLETE by rename."""
+        if len(self.verified) != self.manifest.num_pieces:
+            raise RuntimeError("finish() before every piece is verified")
+        for fd in self._fds:
+            os.fsync(fd)
+        _write_atomic(self.state / "bitmap", self.signed.root + self.bitfield(), durable=True)
+        _write_atomic(self.state / "COMPLETE", self.signed.root, durable=True)
+
+
+class PieceStore:
+    """All versions under ``<data_dir>/checkpoints``."""
+
+    def __init__(self, root: Path, run: str, trainers: list[str], keep: int = 3) -> None:
+        self.root = Path(root)
+        self.run = run
+        self.trainers = trainers
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._clear_trash()
+
+    def folder_of(self, version: int) -> Path:
+        return self.root / str(version)
+
+    def _versions_on_disk(self) -> list[int]:
+        return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and p.is_dir())
+
+    def complete_versions(self) -> list[int]:
+        return [v for v in self._versions_on_disk() if (self.folder_of(v) / STATE / "COMPLETE").exists()]
+
+    def partial_versions(self) -> list[int]:
+        done = set(self.complete_versions())
+        return [v for v in self._versions_on_disk() if v not in done]
+
+    def path_of(self, version: int) -> Path | None:
+        """The model folder of a complete version, else None."""
+        return self.folder_of(version) if version in self.complete_versions() else None
+
+    def saved_manifest(self, version: int) -> SignedManifest | None:
+        """The manifest stored for ``version`` (checked again: the disk is not trusted blindly)."""
+        try:
+            raw = (self.folder_of(version) / STATE / "manifest").read_bytes()
+            return open_manifest(decode_as(Envelope, raw), self.run, self.trainers)
+        except (OSError, RemoteProtocolError):
+            return None
+
+    def open_version(self, signed: SignedManifest) -> VersionStore:
+        """Open (resuming) or create the store of a version. StoreConflict on another root."""
+        folder = self.folder_of(signed.version)
+        saved = self.saved_manifest(signed.version)
+        if saved is not None and saved.root != signed.root:
+            raise StoreConflict(f"version {signed.version}: already holding another manifest")
+        vs = VersionStore(folder, signed)
+        folder.mkdir(parents=True, exist_ok=True)
+        vs._open(create=True)
+        if saved is None:
+            _write_atomic(vs.state / "manifest", encode(signed.envelope), durable=True)
+            (vs.state / "bitmap").unlink(missing_ok=True)
+            (vs.state / "COMPLETE").unlink(missing_ok=True)
+        else:
+            vs.resume()
+        return vs
+
+    def import_folder(self, source: Path, signed: SignedManifest) -> VersionStore:
+        """Copy a published folder in as a complete version (the trainer side), checking hashes."""
+        folder = self.folder_of(signed.version)
+        if Path(source).resolve() != folder.resolve():
+            staging = self.root / f"{TRASH_PREFIX}import-{signed.version}"
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+            for f in signed.manifest.files:
+                shutil.copyfile(Path(source) / f.name, staging / f.name)
+            if folder.exists():
+                self._remove(signed.version)
+            os.replace(staging, folder)
+        vs = VersionStore(folder, signed)
+        vs._open(create=False)
+        _write_atomic(vs.state / "manifest", encode(signed.envelope), durable=True)
+        for i in range(signed.manifest.num_pieces):
+            if not signed.manifest.check_piece(i, vs.read_piece(i)):
+                vs.close()
+                raise RuntimeError(f"piece {i} changed while publishing")
+            vs.verified.add(i)
+        vs.finish()
+        return vs
+
+    def prune(self, protect: set[int] = frozenset()) -> list[int]:
+        """Delete all but the newest ``keep`` complete versions (and partials older than those)."""
+        done = self.complete_versions()
+        keep = set(done[-self.keep :]) | set(protect)
+        oldest_kept = min(keep) if keep else -1
+        removed = []
+        for v in self._versions_on_disk():
+            if v in keep:
+                continue
+            if v in done or v < oldest_kept:
+                self._remove(v)
+                removed.append(v)
+        return removed
+
+    def _remove(self, version: int) -> None:
+        trash = self.root / f"{TRASH_PREFIX}{version}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(self.folder_of(version), trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _clear_trash(self) -> None:
+        for p in self.root.iterdir():
+            if p.name.startswith(TRASH_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
