@@ -32,6 +32,7 @@ DEFAULT_LISTEN = f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT}"
 # Component tables of the run file: name -> "module:Class". Imported only when asked for.
 SECTIONS: dict[str, str] = {
     "membership": "node.gossip.membership:MembershipConfig",
+    "shards": "node.shards.config:ShardsConfig",
 }
 
 T = TypeVar("T")
@@ -116,6 +117,13 @@ class NodeConfig:
                 except ValueError:
                     raise ConfigError(f"run.{kind}: {pid!r} is not an Ed25519 peer id") from None
         self.run.check_sections()
+
+
+def check_connect_addr(addr: str) -> None:
+    """A full multiaddr with a peer id (for --connect and --bootstrap)."""
+    from .multiaddrs import check_multiaddr
+
+    check_multiaddr(addr, "connect", need_peer_id=True)
 
 
 # --------------------------------------------------------------------------------------------
