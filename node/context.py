@@ -30,6 +30,7 @@ class NodeContext:
     # Named handles that services expose to each other (e.g. "ledger" -> the ledger API object,
     # "store" -> the shard piece store). Set by a service before task_status.started().
     services: dict[str, Any] = field(default_factory=dict)
+    started_at: float = 0.0  # trio.current_time() when the node started
 
     @property
     def run(self):

@@ -1,0 +1,221 @@
+"""``swarm-node``: run a node in a role, or one of the tool commands (keygen, id, status, demo...).
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad input (flags, run file, environment, key file).
+Bad input is one line on stderr naming the field, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import __version__
+from .config import DEFAULT_LISTEN, LOG_LEVELS, ROLES, ConfigError, NodeConfig, load_config
+
+# Modules that add subcommands (each has add_commands(subparsers)); owned by their components.
+COMMAND_MODULES: list[str] = []
+
+EPILOG = """\
+examples:
+  swarm-node --role inference --bootstrap            join with the packaged bootstrap list
+  swarm-node --role relay --listen /ip4/0.0.0.0/tcp/4001
+  swarm-node --role trainer --run run.toml           trusted operator
+  swarm-node status                                  member table of the local node
+  swarm-node demo --duration 60                      local swarm on loopback
+
+environment: SWARM_<FIELD> sets a node field (SWARM_ROLE, SWARM_LISTEN=a,b, SWARM_LOG_LEVEL...),
+SWARM_RUN_<FIELD> a run field (SWARM_RUN_NAME). Precedence: defaults < run file < env < flags.
+"""
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + exits 2; keep it to one clear line
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", help="node data dir (key, checkpoints, ledger); default ~/.local/share/swarm-node/<run>")
+    p.add_argument("--run", metavar="FILE", type=Path, help="run file (TOML): run name, trusted peers, component tables")
+    p.add_argument("--log-level", choices=LOG_LEVELS, help="log verbosity (default info)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="swarm-node",
+        description="One peer of a swarm that post-trains a language model with reinforcement learning.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"swarm-node {__version__}")
+    parser.add_argument("--role", choices=ROLES, help="what this node does (default relay)")
+    parser.add_argument(
+        "--bootstrap",
+        nargs="*",
+        metavar="MULTIADDR",
+        help="peers to join through; with no value, the packaged list (bootstrap/peers.txt)",
+    )
+    parser.add_argument("--listen", nargs="+", metavar="MULTIADDR", help=f"listen addresses (default {DEFAULT_LISTEN})")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    parser.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")
+    _common(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("keygen", help="create the node key in the data dir (if absent) and print the peer id")
+    _common(p)
+    p.set_defaults(func=cmd_keygen)
+
+    p = sub.add_parser("id", help="print the peer id and listen addresses")
+    _common(p)
+    p.add_argument("--listen", nargs="+", metavar="MULTIADDR")
+    p.set_defaults(func=cmd_id)
+
+    p = sub.add_parser("status", help="member table of a running node")
+    _common(p)
+    p.add_argument("--connect", metavar="MULTIADDR", help="ask the node at this address (else the local node's status.json)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("demo", help="run a local swarm on loopback with a live table")
+    p.add_argument("--duration", type=float, default=0.0, help="stop after SECONDS (default: until Ctrl-C)")
+    p.add_argument("--extra", type=int, default=0, help="extra inference nodes beyond one of each role")
+    p.add_argument("--data-root", type=Path, default=Path("demo-data"), help="folder for the nodes' data dirs")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    p.set_defaults(func=cmd_demo)
+
+    for mod in COMMAND_MODULES:
+        importlib.import_module(mod).add_commands(sub)
+    return parser
+
+
+def flags_of(args: argparse.Namespace) -> dict:
+    flags = {
+        "role": getattr(args, "role", None),
+        "listen": getattr(args, "listen", None),
+        "data_dir": getattr(args, "data_dir", None),
+        "log_level": getattr(args, "log_level", None),
+        "log_json": getattr(args, "log_json", None),
+        "metrics_port": getattr(args, "metrics_port", None),
+    }
+    bootstrap = getattr(args, "bootstrap", None)
+    if bootstrap is not None:
+        flags["bootstrap"] = bootstrap if bootstrap else packaged_bootstrap()
+    return flags
+
+
+def config_from_args(args: argparse.Namespace) -> NodeConfig:
+    return load_config(getattr(args, "run", None), dict(os.environ), flags_of(args))
+
+
+def packaged_bootstrap() -> list[str]:
+    from .bootstrap_list import read_bootstrap_list
+
+    peers = read_bootstrap_list()
+    if not peers:
+        raise UsageError(
+            "bootstrap: the packaged list (bootstrap/peers.txt) is empty; pass addresses: --bootstrap /ip4/.../tcp/4001/p2p/<id>"
+        )
+    return peers
+
+
+# ------------------------------------------------------------------------------ commands
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import trio
+
+    from .log import setup_logging
+    from .roles.core import run_node
+
+    config = config_from_args(args)
+    identity = _identity(config)
+    setup_logging(config.log_level, config.log_json, identity.peer_id[-8:])
+    trio.run(run_node, config)
+    return 0
+
+
+def _identity(config: NodeConfig):
+    from .identity import load_or_create_identity
+
+    data_dir = config.resolved_data_dir()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return load_or_create_identity(data_dir)[0]
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from .identity import KEY_FILE, load_or_create_identity
+
+    config = config_from_args(args)
+    data_dir = config.resolved_data_dir()
+    identity, created = load_or_create_identity(data_dir)
+    where = data_dir / KEY_FILE
+    print(identity.peer_id)
+    print(f"{'created' if created else 'already present'}: {where}", file=sys.stderr)
+    return 0
+
+
+def cmd_id(args: argparse.Namespace) -> int:
+    from .status import NODE_FILE
+
+    config = config_from_args(args)
+    identity = _identity(config)
+    print(identity.peer_id)
+    running = config.resolved_data_dir() / NODE_FILE
+    if running.exists():
+        try:
+            addrs = json.loads(running.read_text())["addrs"]
+        except (ValueError, KeyError, OSError):
+            addrs = []
+        for a in addrs:
+            print(a)
+    else:
+        for a in config.listen:
+            print(f"{a}/p2p/{identity.peer_id}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .status_view import fetch_status, render_status
+
+    config = config_from_args(args)
+    status = fetch_status(config, args.connect)
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        render_status(status)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .identity import IdentityError
+
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        func = getattr(args, "func", None) or cmd_run
+        return int(func(args) or 0)
+    except (ConfigError, UsageError, IdentityError) as e:
+        print(f"swarm-node: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except OSError as e:
+        print(f"swarm-node: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

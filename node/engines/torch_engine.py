@@ -1,0 +1,199 @@
+"""The torch/transformers engine: batched sampling on CPU or one GPU, any HF causal LM folder.
+
+How this works: all ``len(prompts) * n`` sequences run as one batch. Prompts are left-padded so the
+last prompt token of every row sits in the same column; position ids count real tokens only, so
+padding changes nothing. One prefill call fills the KV cache, then one decode call per new token.
+Tokens come from :func:`sampling.sample_tokens` (per-sequence seeded Gumbel-max: a sequence's tokens
+do not depend on its batch-mates). Rows that produced eos keep running (feeding pad) until every row is
+done or ``max_new_tokens`` is reached; their extra outputs are discarded.
+
+Final hidden states are recorded by the proofs module's hook (``node.proofs.capture``) around the
+same forward calls, so the engine never computes them twice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..model import load_model, load_tokenizer
+from .base import FINISH_LENGTH, FINISH_STOP, Sample
+from .sampling import sample_tokens, sequence_seed
+
+
+def pick_device(requested: str = "auto") -> str:
+    """"auto" -> "cuda" when available, else "cpu"."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+class TorchEngine:
+    """Engine on plain PyTorch + transformers (always available)."""
+
+    name = "torch"
+
+    def __init__(self, device: str = "auto", dtype: torch.dtype | None = None):
+        self.device = pick_device(device)
+        self.dtype = dtype
+        self.model = None
+        self._tokenizer = None
+        self.path: Path | None = None
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def load(self, path: Path) -> None:
+        self.model = load_model(path, device=self.device, dtype=self.dtype)
+        self._tokenizer = load_tokenizer(path)
+        self.path = Path(path)
+
+    def swap_weights(self, path: Path) -> None:
+        """Copy a new checkpoint's tensors into the loaded model in place.
+
+        Refuses (ValueError) a checkpoint whose tensor names or shapes differ: a new architecture
+        needs ``load``. Uses safetensors directly so no second model is built in memory.
+        """
+        if self.model is None:
+            raise RuntimeError("swap_weights before load")
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors file")
+        incoming: dict[str, torch.Tensor] = {}
+        for f in files:
+            incoming.update(load_file(str(f)))
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        # Tied embeddings are saved once; every parameter must still be covered.
+        missing = [k for k, p in self.model.state_dict().items() if k not in incoming and not _is_tied(self.model, k)]
+        unexpected = [k for k in incoming if k not in params]
+        if missing or unexpected:
+            raise ValueError(f"{path}: weights do not match the loaded architecture "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        with torch.no_grad():
+            for name, tensor in incoming.items():
+                target = params[name]
+                if target.shape != tensor.shape:
+                    raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        self.path = Path(path)
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    # -- generation ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+        capture_hidden: bool = True,
+    ) -> list[list[Sample]]:
+        if self.model is None:
+            raise RuntimeError("generate before load")
+        if not prompts or n < 1 or max_new_tokens < 1:
+            raise ValueError("need at least one prompt, n >= 1 and max_new_tokens >= 1")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        tok = self._tokenizer
+        eos = tok.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        seeds = [sequence_seed(seed, i, j) for i, j in rows]
+        B, L = len(rows), max(len(p) for p in prompts)
+        dev = self.device
+
+        input_ids = torch.full((B, L), pad, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for r, (i, _) in enumerate(rows):
+            p = list(prompts[i])
+            input_ids[r, L - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[r, L - len(p):] = 1
+        input_ids, mask = input_ids.to(dev), mask.to(dev)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        seed_t = torch.tensor(seeds, dtype=torch.int64, device=dev)
+
+        tokens = torch.empty((B, max_new_tokens), dtype=torch.long, device=dev)
+        logps = torch.empty((B, max_new_tokens), dtype=torch.float32, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=dev)
+
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        with _maybe_capture(self.model, capture_hidden) as cap:
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :]  # (B, V)
+            next_pos = positions[:, -1] + 1  # (B,)
+            steps = 0
+            for t in range(max_new_tokens):
+                tok_t, lp_t = sample_tokens(logits, seed_t, t, temperature, top_p)
+                tok_t = torch.where(done, torch.full_like(tok_t, pad), tok_t)
+                tokens[:, t], logps[:, t] = tok_t, lp_t
+                newly = (~done) & (tok_t == eos)
+                lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
+                done |= newly
+                steps = t + 1
+                if bool(done.all()) or t + 1 == max_new_tokens:
+                    break
+                mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
+                out = self.model(input_ids=tok_t[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                                 past_key_values=cache, use_cache=True)
+                logits = out.logits[:, -1, :]
+                next_pos = next_pos + 1
+            hidden = _generated_hidden(cap, B, steps) if cap is not None else None  # (B, steps, H)
+
+        tokens_c, logps_c, lengths_c = tokens.cpu(), logps.cpu(), lengths.cpu()
+        groups: list[list[Sample]] = [[] for _ in prompts]
+        for r, (i, j) in enumerate(rows):
+            k = int(lengths_c[r])
+            ids = tokens_c[r, :k].tolist()
+            finish = FINISH_STOP if ids and ids[-1] == eos else FINISH_LENGTH
+            groups[i].append(Sample(
+                prompt_index=i, sample_index=j, seed=seeds[r], prompt_ids=list(prompts[i]),
+                completion_ids=ids, logprobs=logps_c[r, :k].tolist(), finish_reason=finish,
+                hidden=None if hidden is None else hidden[r, :k].float().cpu(),
+                text=tok.decode(ids, skip_special_tokens=True),
+            ))
+        return groups
+
+
+def _is_tied(model, key: str) -> bool:
+    """True for the output projection when the model ties it to the input embedding."""
+    return bool(getattr(model.config, "tie_word_embeddings", False)) and key.endswith("lm_head.weight")
+
+
+class _NoCapture:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _maybe_capture(model, enabled: bool):
+    """The proofs module's final-hidden-state hook, or a no-op when capture is off."""
+    if not enabled:
+        return _NoCapture()
+    from ..proofs.capture import capture_final_hidden
+
+    return capture_final_hidden(model)
+
+
+def _generated_hidden(cap, batch: int, steps: int) -> torch.Tensor:
+    """(B, steps, H): the final hidden state that produced each generated token.
+
+    Token 0 is produced by the prefill's last position, token t > 0 by decode call t - 1; this is
+    the "decode position" convention of ``node.proofs.capture``.
+    """
+    return cap.generated(steps)

@@ -1,0 +1,427 @@
+"""The membership service: feeds the pure member table from gossip, probes and syncs, and acts on it.
+
+Tasks (one nursery): read the members topic; probe one member per period (libp2p ping, then
+indirect ping-reqs over ``/swarm/probe/1.0.0``); tick the table (suspicion timeouts, record
+refresh, periodic push-pull over ``/swarm/members/1.0.0``); run the connection manager and dial the
+bootstrap peers until one answers. On shutdown it publishes a signed goodbye.
+See membership.py for the protocol and its load model.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import trio
+
+from .. import __version__
+from ..context import NodeContext
+from ..wire import (
+    Message,
+    RemoteProtocolError,
+    bounded,
+    read_message,
+    register,
+    seal,
+    write_frame,
+)
+from .connections import ConnectionManager
+from .membership import MemberState, MembershipConfig, MemberTable, Verdict, next_seq
+from .records import (
+    DOMAIN_DEAD,
+    DOMAIN_GOODBYE,
+    DOMAIN_RECORD,
+    DOMAIN_SUSPECT,
+    MAX_PEER_ID,
+    Accusation,
+    Goodbye,
+    PeerRecord,
+    Signed,
+    open_membership,
+)
+from .topics import open_checked_topic
+
+log = logging.getLogger(__name__)
+
+SYNC_PROTOCOL = "/swarm/members/1.0.0"
+PROBE_PROTOCOL = "/swarm/probe/1.0.0"
+SYNC_BATCH = 256  # envelopes per frame in a push-pull exchange
+MAX_SYNC_FRAMES = 128  # 32k records: above MembershipConfig.max_members
+MAX_PROBE_REQS = 8  # ping-reqs we serve at once for others
+DIAL_TIMEOUT = 3.0
+TICK = 0.25
+
+
+@register
+@dataclass(frozen=True)
+class MemberBatch(Message):
+    """Part of a push-pull exchange: signed record envelopes; ``last`` ends one side's turn."""
+
+    TYPE: ClassVar[str] = "member.batch"
+    envelopes: list[bytes] = bounded(max_len=SYNC_BATCH)
+    last: bool = False
+
+
+@register
+@dataclass(frozen=True)
+class PingRequest(Message):
+    """Ask a peer to ping ``target`` for us (SWIM indirect probe)."""
+
+    TYPE: ClassVar[str] = "member.ping-req"
+    target: str = bounded(max_len=MAX_PEER_ID)
+    addrs: list[str] = bounded(max_len=8)
+
+
+@register
+@dataclass(frozen=True)
+class PingResult(Message):
+    TYPE: ClassVar[str] = "member.ping-res"
+    ok: bool = False
+
+
+def wall_ms() -> int:
+    # Edge of the system: sequence numbers need a clock that survives restarts.
+    return int(time.time() * 1000)
+
+
+@dataclass
+class Membership:
+    """The running service's API (``node.services["membership"]``)."""
+
+    node: NodeContext
+    config: MembershipConfig
+    table: MemberTable
+    record: PeerRecord
+    envelopes: dict[str, bytes] = field(default_factory=dict)  # peer id -> latest record envelope
+    changed: trio.Event = field(default_factory=trio.Event)
+    last_published: float = -1e18
+    synced_with: set[str] = field(default_factory=set)
+    conn: ConnectionManager | None = None
+
+    def update(self, **fields) -> None:
+        """Change our record (checkpoints held, load, capacity...); it is republished at once."""
+        new = replace(self.record, **fields)
+        if new != self.record:
+            self.record = replace(new, seq=next_seq(self.record.seq, wall_ms()))
+            self.changed.set()
+
+    def signed_record(self) -> bytes:
+        from ..wire import encode
+
+        return encode(seal(self.node.identity, DOMAIN_RECORD, self.record))
+
+    def members(self) -> dict[str, str]:
+        """Alive peer id -> role."""
+        return {pid: self.table.members[pid].record.role for pid in self.table.alive()}
+
+    def addrs_of(self, peer_id: str) -> list[str]:
+        m = self.table.members.get(peer_id)
+        return list(m.record.addrs) if m else []
+
+    def status(self) -> dict:
+        now = trio.current_time()
+        return {
+            "self": {
+                "peer_id": self.node.peer_id,
+                "role": self.record.role,
+                "seq": self.record.seq,
+                "addrs": self.node.host.listen_addrs(),
+                "checkpoints": list(self.record.checkpoints),
+            },
+            "counts": self.table.counts(),
+            "members": self.table.rows(now),
+            "connections": len(self.node.host.connected_peers()),
+            "rejected": self.node.metrics.rejections(),
+        }
+
+
+def own_record(node: NodeContext, seq: int) -> PeerRecord:
+    return PeerRecord(
+        run=node.run.name,
+        peer_id=node.peer_id,
+        role=node.config.role,
+        addrs=node.host.transport_addrs()[:8],
+        software=f"swarm-node/{__version__}",
+        seq=seq,
+        capabilities=[node.config.role],
+    )
+
+
+async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    cfg = node.run.section("membership", MembershipConfig)
+    table = MemberTable(node.peer_id, cfg)
+    svc = Membership(node, cfg, table, own_record(node, next_seq(0, wall_ms())))
+    svc.conn = ConnectionManager(cfg.conn_low, cfg.conn_high, cfg.dial_backoff)
+    node.services["membership"] = svc
+    node.status["membership"] = svc.status
+    members_gauge = node.metrics.gauge("members", "Known members by state", ["state"])
+    verdicts = node.metrics.counter("membership_events_total", "Member table inputs by verdict", ["verdict"])
+    run = node.run.name
+
+    def check(data: bytes) -> Signed:
+        return open_membership(data, run)
+
+    async with open_checked_topic(node, node.topic("members"), check) as topic:
+
+        async def publish(domain: str, msg) -> None:
+            from ..wire import encode
+
+            data = encode(seal(node.identity, domain, msg))
+            try:
+                await topic.publish(data)
+            except Exception as e:  # a publish failure is ours to log, not fatal
+                log.warning("publish failed: %s", e)
+
+        async def refute() -> None:
+            svc.record = replace(svc.record, seq=next_seq(svc.record.seq, wall_ms()))
+            svc.changed.set()
+
+        def apply(signed: Signed, now: float) -> Verdict:
+            msg = signed.message
+            if isinstance(msg, PeerRecord):
+                verdict = table.on_record(msg, now)
+                if verdict in (Verdict.NEW, Verdict.UPDATED):
+                    svc.envelopes[msg.peer_id] = _envelope_bytes(signed)
+            elif isinstance(msg, Accusation):
+                verdict = table.on_accusation(msg, signed.domain == DOMAIN_DEAD, now)
+                if verdict is Verdict.SELF and msg.seq >= svc.record.seq:
+                    svc.changed.set()  # refute below with a higher seq
+                    svc.record = replace(svc.record, seq=next_seq(svc.record.seq, wall_ms()))
+            else:
+                verdict = table.on_goodbye(msg, now)
+            verdicts.labels(verdict=verdict.value).inc()
+            if verdict is Verdict.STALE:
+                node.metrics.reject(topic.topic, "stale")
+            return verdict
+
+        async def read_topic() -> None:
+            async for delivery in topic:
+                apply(delivery.value, trio.current_time())
+
+        async def publish_record_loop() -> None:
+            while True:
+                now = trio.current_time()
+                due = svc.last_published + cfg.refresh_interval(table.size())
+                with trio.move_on_at(due):
+                    await svc.changed.wait()
+                svc.changed = trio.Event()
+                await publish(DOMAIN_RECORD, svc.record)
+                svc.last_published = trio.current_time()
+                del now
+
+        async def handle_sync(stream) -> None:
+            peer = stream.muxed_conn.peer_id.to_base58()
+            try:
+                with trio.fail_after(10):
+                    await receive_batches(stream, peer)
+                    await send_batches(stream)
+            except (RemoteProtocolError, trio.TooSlowError) as e:
+                node.metrics.reject(SYNC_PROTOCOL, getattr(e, "reason", "timeout"))
+            finally:
+                await _close(stream)
+
+        async def send_batches(stream) -> None:
+            envs = [svc.signed_record()] + [
+                svc.envelopes[p]
+                for p, m in table.members.items()
+                if m.state in (MemberState.ALIVE, MemberState.SUSPECT) and p in svc.envelopes
+            ]
+            for i in range(0, max(len(envs), 1), SYNC_BATCH):
+                chunk = envs[i : i + SYNC_BATCH]
+                await write_frame(stream, MemberBatch(envelopes=chunk, last=i + SYNC_BATCH >= len(envs)))
+
+        async def receive_batches(stream, peer: str) -> None:
+            for _ in range(MAX_SYNC_FRAMES):
+                batch = await read_message(stream)
+                if not isinstance(batch, MemberBatch):
+                    raise RemoteProtocolError("wrong-type", "expected member.batch")
+                now = trio.current_time()
+                for env in batch.envelopes:
+                    try:
+                        signed = check(env)
+                    except RemoteProtocolError as e:
+                        node.metrics.reject(SYNC_PROTOCOL, e.reason)
+                        continue
+                    if signed.domain == DOMAIN_RECORD:
+                        apply(signed, now)
+                if batch.last:
+                    return
+            raise RemoteProtocolError("oversized", "too many sync frames")
+
+        async def push_pull(peer: str) -> None:
+            try:
+                with trio.fail_after(10):
+                    stream = await node.host.open_stream(peer, SYNC_PROTOCOL)
+                    try:
+                        await send_batches(stream)
+                        await receive_batches(stream, peer)
+                    finally:
+                        await _close(stream)
+                svc.synced_with.add(peer)
+            except RemoteProtocolError as e:
+                node.metrics.reject(SYNC_PROTOCOL, e.reason)
+            except Exception as e:  # peer gone, stream refused: try another next time
+                log.debug("push-pull with %s failed: %s", peer[:16], e)
+
+        async def ping_once(peer: str, addrs: list[str], timeout: float) -> bool:
+            with trio.move_on_after(timeout + (0 if node.host.is_connected(peer) else DIAL_TIMEOUT)):
+                try:
+                    if not node.host.is_connected(peer):
+                        await node.host.connect_peer(peer, addrs)
+                    await node.host.ping(peer)
+                    return True
+                except Exception:
+                    return False
+            return False
+
+        probe_limit = trio.Semaphore(MAX_PROBE_REQS)
+
+        async def handle_probe(stream) -> None:
+            try:
+                if probe_limit.value == 0:
+                    node.metrics.reject(PROBE_PROTOCOL, "busy")
+                    return
+                async with probe_limit:
+                    with trio.fail_after(cfg.indirect_timeout + DIAL_TIMEOUT + 2):
+                        req = await read_message(stream, 4096)
+                        if not isinstance(req, PingRequest):
+                            raise RemoteProtocolError("wrong-type", "expected ping-req")
+                        ok = await ping_once(req.target, req.addrs, cfg.indirect_timeout)
+                        await write_frame(stream, PingResult(ok=ok))
+            except (RemoteProtocolError, trio.TooSlowError) as e:
+                node.metrics.reject(PROBE_PROTOCOL, getattr(e, "reason", "timeout"))
+            except Exception as e:
+                log.debug("probe handler: %s", e)
+            finally:
+                await _close(stream)
+
+        async def indirect(helper: str, target: str, addrs: list[str], results: list[bool]) -> None:
+            try:
+                with trio.fail_after(cfg.indirect_timeout + DIAL_TIMEOUT + 1):
+                    stream = await node.host.open_stream(helper, PROBE_PROTOCOL)
+                    try:
+                        await write_frame(stream, PingRequest(target=target, addrs=addrs[:8]))
+                        res = await read_message(stream, 4096)
+                        results.append(isinstance(res, PingResult) and res.ok)
+                    finally:
+                        await _close(stream)
+            except Exception:
+                results.append(False)
+
+        async def probe_loop() -> None:
+            while True:
+                await trio.sleep(cfg.probe_period)
+                target = table.next_probe_target()
+                if target is None:
+                    continue
+                addrs = svc.addrs_of(target)
+                if await ping_once(target, addrs, cfg.probe_timeout):
+                    table.on_probe_ok(target, trio.current_time())
+                    continue
+                helpers = table.indirect_helpers(target, set(node.host.connected_peers()), cfg.indirect_probes)
+                results: list[bool] = []
+                async with trio.open_nursery() as n:
+                    for h in helpers:
+                        n.start_soon(indirect, h, target, addrs, results)
+                now = trio.current_time()
+                if any(results):
+                    table.on_probe_ok(target, now)
+                    continue
+                acc = table.on_probe_failed(target, now)
+                if acc is not None:
+                    log.info("suspect %s (no ack from %d helpers)", target[:16], len(helpers))
+                    await publish(DOMAIN_SUSPECT, acc)
+
+        async def tick_loop() -> None:
+            next_sync = trio.current_time() + cfg.min_sync
+            while True:
+                await trio.sleep(TICK)
+                now = trio.current_time()
+                for acc in table.tick(now):
+                    log.info("dead %s", acc.target[:16])
+                    await publish(DOMAIN_DEAD, acc)
+                for state, count in table.counts().items():
+                    members_gauge.labels(state=state).set(count)
+                connected = set(node.host.connected_peers())
+                node.metrics.connections.set(len(connected))
+                # Push-pull with every peer we connect to for the first time (fast join), and with
+                # one random peer every sync_interval (heals whatever gossip lost).
+                fresh = [p for p in connected if p not in svc.synced_with]
+                if now >= next_sync and connected:
+                    fresh.append(random.choice(sorted(connected)))
+                    next_sync = now + cfg.sync_interval(table.size())
+                for p in fresh[:4]:
+                    svc.synced_with.add(p)
+                    nursery.start_soon(push_pull, p)
+
+        async def connection_loop() -> None:
+            bootstrap = list(node.config.bootstrap)
+            while True:
+                now = trio.current_time()
+                connected = set(node.host.connected_peers())
+                svc.synced_with &= connected
+                if bootstrap and not (connected & {_peer_of(a) for a in bootstrap}) and len(connected) < cfg.conn_low:
+                    for addr in bootstrap:
+                        nursery.start_soon(dial_bootstrap, addr)
+                plan = svc.conn.plan(connected, svc.members(), protected(), now)
+                for p in plan.dial:
+                    nursery.start_soon(dial_member, p)
+                for p in plan.prune:
+                    nursery.start_soon(node.host.disconnect, p)
+                await trio.sleep(2.0)
+
+        def protected() -> set[str]:
+            return {_peer_of(a) for a in node.config.bootstrap} | set(node.run.trainers) | set(node.run.validators)
+
+        async def dial_bootstrap(addr: str) -> None:
+            try:
+                with trio.fail_after(DIAL_TIMEOUT):
+                    await node.host.connect(addr)
+            except Exception as e:
+                log.info("bootstrap %s unreachable: %s", addr, type(e).__name__)
+
+        async def dial_member(peer: str) -> None:
+            try:
+                with trio.fail_after(DIAL_TIMEOUT):
+                    await node.host.connect_peer(peer, svc.addrs_of(peer))
+                svc.conn.on_connected(peer)
+            except Exception:
+                svc.conn.on_dial_failed(peer, trio.current_time())
+
+        node.host.set_handler(SYNC_PROTOCOL, handle_sync)
+        node.host.set_handler(PROBE_PROTOCOL, handle_probe)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_topic)
+                nursery.start_soon(publish_record_loop)
+                nursery.start_soon(probe_loop)
+                nursery.start_soon(tick_loop)
+                nursery.start_soon(connection_loop)
+                svc.changed.set()
+                task_status.started(svc)
+        finally:
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(1.0):
+                    await publish(DOMAIN_GOODBYE, Goodbye(run=run, peer_id=node.peer_id, seq=svc.record.seq))
+                    await trio.sleep(0.2)  # let the pubsub writer flush before the host closes
+
+
+def _envelope_bytes(signed: Signed) -> bytes:
+    from ..wire import encode
+
+    return encode(signed.envelope)
+
+
+def _peer_of(addr: str) -> str:
+    return addr.rsplit("/p2p/", 1)[-1]
+
+
+async def _close(stream) -> None:
+    with trio.move_on_after(1):
+        try:
+            await stream.close()
+        except Exception:
+            pass

@@ -1,0 +1,327 @@
+"""Chain rules: which entries join the replica, equivocation, totals per peer and the state digest.
+
+How this works
+--------------
+The replica is one append-only log per author, always contiguous from seq 1 (an entry whose
+predecessors we lack is a :attr:`Outcome.GAP`: not stored, it asks for anti-entropy). Adding an entry
+is two steps so that nothing is kept before it is durable: :meth:`Ledger.check` decides without
+changing anything, the caller stores an accepted entry, then :meth:`Ledger.apply` records it.
+
+Outcomes of :meth:`Ledger.check` (entries are already schema- and signature-checked by
+:func:`node.ledger.entries.parse_entry`):
+
+=============  ===============================================================================
+ACCEPT         seq = head + 1, ``prev`` = hash of the head (GENESIS for seq 1), allowed author,
+               right run, timestamp not beyond the clock-skew bound and not before the head's
+DUPLICATE      we already hold this exact entry
+GAP            seq > head + 1: fetch ``head+1 .. seq`` first
+EQUIVOCATION   the author signed two different entries for one seq: either a different entry at a
+               seq we hold, or an entry at head + 1 whose ``prev`` is not our head (it commits to
+               a different entry at our head's seq). The pair is :class:`Evidence`.
+REJECT         everything else, with a reason (wrong-run, unauthorized, future-timestamp,
+               time-regress, bad-link, equivocator)
+=============  ===============================================================================
+
+Equivocation (the classic fork attack on per-author logs, as in Secure Scuttlebutt and
+hypercore): both entries are kept as evidence, the author is flagged from the fork seq on (the lowest
+seq of any evidence we hold), its entries at or after the fork point give no credit, and no new ones
+are accepted. Replicas that saw different branches agree once they share the evidence, because
+every view below — heads, digest, totals — stops at ``fork_seq - 1``.
+
+The state digest hashes every author's (capped) head and fork seq in author order, so two replicas
+with the same entries and evidence have the same digest, whatever order they learned them in.
+
+Pure: time comes in as ``now_ms``; no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+
+from .. import hashes
+from ..wire import Message, RemoteProtocolError, bounded, register
+from .entries import GENESIS, KINDS, MAX_PEER_ID, MAX_SEQ, TOTAL_FIELDS, Authors, SignedEntry
+
+from typing import ClassVar
+
+_U64 = struct.Struct(">Q")
+DIGEST_DOMAIN = b"swarm-node/ledger-state/v1\x00"
+
+
+class Outcome(enum.Enum):
+    ACCEPT = "accept"
+    DUPLICATE = "duplicate"
+    GAP = "gap"
+    EQUIVOCATION = "equivocation"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: Outcome
+    entry: SignedEntry
+    reason: str = ""  # REJECT: why; GAP: "gap"
+    conflict_seq: int = 0  # EQUIVOCATION: seq of our stored entry that the new one conflicts with
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Two entries signed by one author that cannot both belong to an honest log.
+
+    Either ``a.seq == b.seq`` with different hashes, or ``b.seq == a.seq + 1`` with
+    ``b.prev != a.hash`` (b commits to an entry at a.seq other than a). The fork seq is ``a.seq``.
+    """
+
+    a: SignedEntry
+    b: SignedEntry
+
+    @property
+    def author(self) -> str:
+        return self.a.author
+
+    @property
+    def fork_seq(self) -> int:
+        return self.a.seq
+
+    def problem(self) -> str | None:
+        """Why this is not valid evidence, or None when it is."""
+        if self.a.author != self.b.author:
+            return "evidence-authors-differ"
+        if self.a.seq == self.b.seq:
+            return None if self.a.hash != self.b.hash else "evidence-identical"
+        if self.b.seq == self.a.seq + 1:
+            return None if self.b.prev != self.a.hash else "evidence-consistent"
+        return "evidence-unrelated"
+
+
+@register
+@dataclass(frozen=True)
+class Head(Message):
+    """One author's head as a replica sees it (capped below the fork point when flagged)."""
+
+    TYPE: ClassVar[str] = "ledger-head"
+    author: str = bounded(max_len=MAX_PEER_ID)
+    seq: int = bounded(min=0, max=MAX_SEQ)  # 0 = nothing usable (e.g. forked at seq 1)
+    hash: bytes = bounded(exact_len=32)  # GENESIS when seq is 0
+    fork_seq: int = bounded(min=0, max=MAX_SEQ)  # 0 = not flagged
+
+
+@dataclass(frozen=True)
+class Want:
+    """Entries ``start..end`` (inclusive) of ``author`` that a peer has and we lack."""
+
+    author: str
+    start: int
+    end: int
+
+
+@dataclass
+class PeerTotals:
+    """A peer's contribution as the ledger records it (fields: :data:`entries.TOTAL_FIELDS`)."""
+
+    entries: int = 0
+    checkpoints: int = 0
+    rollouts_accepted: int = 0
+    rollouts_rejected: int = 0
+    tokens: int = 0
+    verdicts: int = 0
+    verdicts_failed: int = 0
+    bytes_served: int = 0
+    penalties: int = 0
+    bans: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+assert tuple(f.name for f in fields(PeerTotals)) == TOTAL_FIELDS
+
+
+@dataclass
+class _Log:
+    """What the replica remembers of one author (entry bytes stay in the store)."""
+
+    hashes: list[bytes] = field(default_factory=list)  # hashes[i] is the hash of seq i + 1
+    credits: list[tuple] = field(default_factory=list)  # credits[i]: credits of seq i + 1
+    last_time_ms: int = 0
+    fork_seq: int = 0  # 0 = not flagged
+    evidence: Evidence | None = None
+
+    @property
+    def head(self) -> int:
+        return len(self.hashes)
+
+    def usable(self) -> int:
+        """Highest seq that counts: everything before the fork point."""
+        return min(self.head, self.fork_seq - 1) if self.fork_seq else self.head
+
+
+class Ledger:
+    """An in-memory replica of every author's log, checked against the run's rules."""
+
+    def __init__(self, run: str, trainers: Iterable[str], validators: Iterable[str], max_skew_ms: int) -> None:
+        self.run = run
+        self.trainers = frozenset(trainers)
+        self.validators = frozenset(validators)
+        self.max_skew_ms = max_skew_ms
+        self._logs: dict[str, _Log] = {}
+        self._totals: dict[str, PeerTotals] = {}
+
+    # ---------------------------------------------------------------- adding entries
+
+    def authority_problem(self, se: SignedEntry) -> str | None:
+        """Rules that need no chain state: run, author's role for the kind. None = fine."""
+        if se.entry.run != self.run:
+            return "wrong-run"
+        allowed = KINDS[se.kind].authors
+        if Authors.ANYONE in allowed:
+            return None
+        if Authors.TRAINER in allowed and se.author in self.trainers:
+            return None
+        if Authors.VALIDATOR in allowed and se.author in self.validators:
+            return None
+        return "unauthorized"
+
+    def check(self, se: SignedEntry, now_ms: int) -> Decision:
+        """Decide what to do with a parsed entry; changes nothing."""
+        problem = self.authority_problem(se)
+        if problem:
+            return Decision(Outcome.REJECT, se, problem)
+        if se.time_ms > now_ms + self.max_skew_ms:
+            return Decision(Outcome.REJECT, se, "future-timestamp")
+        log = self._logs.get(se.author)
+        head = log.head if log else 0
+        if se.seq <= head:
+            if log.hashes[se.seq - 1] == se.hash:
+                return Decision(Outcome.DUPLICATE, se)
+            return Decision(Outcome.EQUIVOCATION, se, "equivocation", conflict_seq=se.seq)
+        if log and log.fork_seq and se.seq >= log.fork_seq:
+            return Decision(Outcome.REJECT, se, "equivocator")
+        if se.seq > head + 1:
+            return Decision(Outcome.GAP, se, "gap")
+        if se.prev != (log.hashes[-1] if head else GENESIS):
+            if head:
+                return Decision(Outcome.EQUIVOCATION, se, "equivocation", conflict_seq=head)
+            return Decision(Outcome.REJECT, se, "bad-link")
+        if log and se.time_ms < log.last_time_ms:
+            return Decision(Outcome.REJECT, se, "time-regress")
+        return Decision(Outcome.ACCEPT, se)
+
+    def apply(self, decision: Decision) -> None:
+        """Record an accepted entry (after the caller stored it)."""
+        if decision.outcome is not Outcome.ACCEPT:
+            raise ValueError(f"apply() takes accepted entries, got {decision.outcome}")
+        se = decision.entry
+        log = self._logs.setdefault(se.author, _Log())
+        if se.seq != log.head + 1 or se.prev != (log.hashes[-1] if log.head else GENESIS):
+            raise ValueError("apply() of an entry that no longer fits; check() and apply() interleaved")
+        self._append(log, se)
+
+    def restore(self, se: SignedEntry) -> None:
+        """Re-load an entry from our own store on start (it passed check() when stored)."""
+        log = self._logs.setdefault(se.author, _Log())
+        if se.seq != log.head + 1 or se.prev != (log.hashes[-1] if log.head else GENESIS):
+            raise ValueError(f"stored chain of {se.author} is broken at seq {se.seq}")
+        self._append(log, se)
+
+    def _append(self, log: _Log, se: SignedEntry) -> None:
+        credits = tuple([(se.author, "entries", 1)] + [(c.peer, c.field, c.amount) for c in se.body.credits(se.author)])
+        log.hashes.append(se.hash)
+        log.credits.append(credits)
+        log.last_time_ms = max(log.last_time_ms, se.time_ms)
+        if not log.fork_seq or se.seq < log.fork_seq:
+            self._credit(credits, +1)
+
+    def _credit(self, credits: tuple, sign: int) -> None:
+        for peer, name, amount in credits:
+            t = self._totals.setdefault(peer, PeerTotals())
+            setattr(t, name, getattr(t, name) + sign * amount)
+
+    def add_evidence(self, ev: Evidence) -> bool:
+        """Flag an equivocating author. Returns True if it lowered (or set) the fork point.
+
+        Raises RemoteProtocolError when the pair proves nothing (the sender is wrong).
+        """
+        problem = ev.problem()
+        if problem:
+            raise RemoteProtocolError(problem)
+        log = self._logs.setdefault(ev.author, _Log())
+        if log.fork_seq and log.fork_seq <= ev.fork_seq:
+            return False
+        old_usable = log.usable()
+        log.fork_seq = ev.fork_seq
+        log.evidence = ev
+        for seq in range(log.usable() + 1, old_usable + 1):
+            self._credit(log.credits[seq - 1], -1)
+        return True
+
+    # ---------------------------------------------------------------- views
+
+    def head_of(self, author: str) -> int:
+        log = self._logs.get(author)
+        return log.head if log else 0
+
+    def hash_at(self, author: str, seq: int) -> bytes | None:
+        log = self._logs.get(author)
+        return log.hashes[seq - 1] if log and 1 <= seq <= log.head else None
+
+    def __len__(self) -> int:
+        return sum(log.head for log in self._logs.values())
+
+    def authors(self) -> list[str]:
+        return sorted(self._logs)
+
+    def heads(self) -> list[Head]:
+        """Every author's usable head, in author order (what anti-entropy exchanges)."""
+        out = []
+        for author in sorted(self._logs):
+            log = self._logs[author]
+            seq = log.usable()
+            out.append(Head(author, seq, log.hashes[seq - 1] if seq else GENESIS, log.fork_seq))
+        return out
+
+    def digest(self) -> bytes:
+        """Deterministic digest of the replica: equal iff the usable heads and fork points are."""
+        h = hashes.hasher()
+        h.update(DIGEST_DOMAIN)
+        for head in self.heads():
+            a = head.author.encode()
+            h.update(_U64.pack(len(a)) + a + _U64.pack(head.seq) + head.hash + _U64.pack(head.fork_seq))
+        return h.digest()
+
+    def flagged(self) -> dict[str, int]:
+        """Equivocating authors and their fork seq."""
+        return {a: log.fork_seq for a, log in sorted(self._logs.items()) if log.fork_seq}
+
+    def evidence(self, author: str) -> Evidence | None:
+        log = self._logs.get(author)
+        return log.evidence if log else None
+
+    def totals(self, peer: str | None = None) -> dict[str, dict[str, int]]:
+        """Totals per peer (credits of flagged authors' entries after the fork point excluded)."""
+        if peer is not None:
+            t = self._totals.get(peer)
+            return {peer: (t or PeerTotals()).as_dict()}
+        return {p: t.as_dict() for p, t in sorted(self._totals.items())}
+
+    def missing(self, remote: Iterable[Head]) -> tuple[list[Want], list[str]]:
+        """What a peer with ``remote`` heads has that we lack: entry ranges, and authors whose
+        equivocation evidence (a lower fork point than ours) we should fetch."""
+        wants: list[Want] = []
+        evidence: list[str] = []
+        for head in remote:
+            log = self._logs.get(head.author)
+            if head.fork_seq and (log is None or not log.fork_seq or head.fork_seq < log.fork_seq):
+                evidence.append(head.author)
+            ours = log.head if log else 0
+            limit = head.seq
+            if log and log.fork_seq:
+                limit = min(limit, log.fork_seq - 1)
+            if limit > ours:
+                wants.append(Want(head.author, ours + 1, limit))
+            elif 1 <= head.seq <= ours and log.hashes[head.seq - 1] != head.hash:
+                wants.append(Want(head.author, head.seq, head.seq))  # will show the fork
+        return wants, evidence

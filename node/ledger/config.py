@@ -1,0 +1,39 @@
+"""The ``[ledger]`` table of the run file. No libp2p or torch imports (config stays light)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LedgerConfig:
+    """Ledger settings every peer of a run should share."""
+
+    # Seconds between anti-entropy rounds with one random connected peer. Gossip carries new entries
+    # at once; this only repairs what gossip missed (offline peers, partitions, new nodes).
+    sync_interval: float = 10.0
+    # Entries per range reply on /swarm/ledger/1.0.0 (also capped at MAX_REPLY_BYTES per reply).
+    sync_batch: int = 512
+    # Seconds one sync session may take before it is abandoned (progress so far is kept).
+    sync_timeout: float = 60.0
+    # Entries whose timestamp is more than this many seconds ahead of our clock are rejected
+    # (they become acceptable once our clock catches up; anti-entropy brings them back).
+    max_clock_skew: float = 120.0
+    # Seconds between flushes of batched byte receipts (one entry per flush, not one per piece).
+    receipt_interval: float = 30.0
+    # Entries per author whose signature and links are re-verified when the node opens its database.
+    tail_verify: int = 16
+
+    def validate(self) -> None:
+        if not 0.05 <= self.sync_interval <= 3600:
+            raise ValueError(f"sync_interval: 0.05..3600 seconds, got {self.sync_interval}")
+        if not 1 <= self.sync_batch <= 4096:
+            raise ValueError(f"sync_batch: 1..4096, got {self.sync_batch}")
+        if not 1 <= self.sync_timeout <= 3600:
+            raise ValueError(f"sync_timeout: 1..3600 seconds, got {self.sync_timeout}")
+        if not 0 <= self.max_clock_skew <= 86400:
+            raise ValueError(f"max_clock_skew: 0..86400 seconds, got {self.max_clock_skew}")
+        if not 0.05 <= self.receipt_interval <= 86400:
+            raise ValueError(f"receipt_interval: 0.05..86400 seconds, got {self.receipt_interval}")
+        if not 0 <= self.tail_verify <= 1_000_000:
+            raise ValueError(f"tail_verify: 0..1000000, got {self.tail_verify}")

@@ -1,0 +1,232 @@
+"""The ledger's SQLite database in the node's data dir (``ledger.sqlite``).
+
+How this works
+--------------
+Two tables: ``entries`` (one row per accepted entry: author, seq, hash, the canonical envelope
+bytes) and ``evidence`` (pairs of entries that prove an equivocation). Rows are only written by
+:meth:`LedgerStore.commit`, which the service calls with entries that already passed every check,
+in one transaction: after a crash or ``kill -9`` a batch is either all there or not there, and a
+half-checked entry is never there because checking finishes before the transaction starts.
+
+Durability (SQLite "PRAGMA synchronous", https://sqlite.org/pragma.html#pragma_synchronous):
+the database runs in WAL mode. WAL with ``synchronous=NORMAL`` survives a process crash or
+``kill -9`` without losing a commit (the WAL is in the OS page cache); only a power loss or kernel
+crash can roll back the last commits. That is fine for *other* authors' entries — peers still hold
+them and anti-entropy fetches them again — so remote batches commit with NORMAL. It is not fine for
+*our own* entries: if we published seq n, lost it in a power cut and then signed a different seq n,
+we would be an equivocator. Own entries therefore commit with ``synchronous=FULL`` (WAL fsynced
+before the commit returns, and before the entry is published).
+
+On open, :meth:`LedgerStore.verify_tail` re-checks the last few entries of every author (signature,
+link, contiguous seqs) and :meth:`LedgerStore.truncate` drops a broken tail, which peers re-supply.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..wire import RemoteProtocolError
+from .chain import Evidence
+from .entries import GENESIS, SignedEntry, parse_entry
+
+DB_FILE = "ledger.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS entries (
+    author TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    hash BLOB NOT NULL,
+    raw BLOB NOT NULL,
+    PRIMARY KEY (author, seq)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS evidence (
+    author TEXT NOT NULL,
+    fork_seq INTEGER NOT NULL,
+    raw_a BLOB NOT NULL,
+    raw_b BLOB NOT NULL,
+    PRIMARY KEY (author, fork_seq)
+);
+"""
+
+
+class LedgerStoreError(Exception):
+    """The database cannot be used (another run's database, unreadable file): an operator problem."""
+
+
+class LedgerStore:
+    """Accepted entries and evidence on disk. Not thread-safe; one per node."""
+
+    def __init__(self, path: Path, *, read_only: bool = False) -> None:
+        self.path = Path(path)
+        try:
+            if read_only:
+                self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._db = sqlite3.connect(self.path, isolation_level=None)
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.executescript(_SCHEMA)
+            self._db.execute("SELECT count(*) FROM entries").fetchone()
+        except sqlite3.Error as e:
+            raise LedgerStoreError(f"ledger database {self.path}: {e}") from None
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> "LedgerStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- meta
+
+    def bind_run(self, run: str) -> None:
+        """Remember which run this database belongs to; refuse another run's database."""
+        row = self._db.execute("SELECT value FROM meta WHERE key='run'").fetchone()
+        if row is None:
+            self._db.execute("INSERT INTO meta(key, value) VALUES('run', ?)", (run,))
+        elif row[0] != run:
+            raise LedgerStoreError(f"ledger database {self.path} belongs to run {row[0]!r}, not {run!r}")
+
+    def run(self) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key='run'").fetchone()
+        return row[0] if row else None
+
+    # ---------------------------------------------------------------- writing
+
+    def commit(self, entries: list[SignedEntry], evidence: list[Evidence] = (), *, durable: bool = False) -> None:
+        """Store checked entries and evidence in one transaction (see the module doc for durable)."""
+        if not entries and not evidence:
+            return
+        self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.executemany(
+                "INSERT INTO entries(author, seq, hash, raw) VALUES(?, ?, ?, ?)",
+                [(e.author, e.seq, e.hash, e.raw) for e in entries],
+            )
+            self._db.executemany(
+                "INSERT OR REPLACE INTO evidence(author, fork_seq, raw_a, raw_b) VALUES(?, ?, ?, ?)",
+                [(ev.author, ev.fork_seq, ev.a.raw, ev.b.raw) for ev in evidence],
+            )
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+
+    def truncate(self, author: str, from_seq: int) -> int:
+        """Drop ``author``'s entries from ``from_seq`` on (a corrupt tail). Returns rows removed."""
+        with self._db:
+            cur = self._db.execute("DELETE FROM entries WHERE author=? AND seq>=?", (author, from_seq))
+        return cur.rowcount
+
+    # ---------------------------------------------------------------- reading
+
+    def count(self) -> int:
+        return self._db.execute("SELECT count(*) FROM entries").fetchone()[0]
+
+    def heads(self) -> dict[str, int]:
+        return dict(self._db.execute("SELECT author, max(seq) FROM entries GROUP BY author"))
+
+    def get(self, author: str, seq: int) -> bytes | None:
+        row = self._db.execute("SELECT raw FROM entries WHERE author=? AND seq=?", (author, seq)).fetchone()
+        return row[0] if row else None
+
+    def range(self, author: str, start: int, end: int, *, limit: int, max_bytes: int) -> list[bytes]:
+        """Raw entries ``start..end`` of ``author`` in order, at most ``limit`` / ``max_bytes``."""
+        out: list[bytes] = []
+        size = 0
+        for (raw,) in self._db.execute(
+            "SELECT raw FROM entries WHERE author=? AND seq BETWEEN ? AND ? ORDER BY seq LIMIT ?",
+            (author, start, end, limit),
+        ):
+            if out and size + len(raw) > max_bytes:
+                break
+            out.append(raw)
+            size += len(raw)
+        return out
+
+    def iter_raw(self) -> Iterator[tuple[str, int, bytes, bytes]]:
+        """(author, seq, hash, raw) of every entry, by author then seq."""
+        yield from self._db.execute("SELECT author, seq, hash, raw FROM entries ORDER BY author, seq")
+
+    def iter_evidence(self) -> Iterator[tuple[bytes, bytes]]:
+        yield from self._db.execute("SELECT raw_a, raw_b FROM evidence ORDER BY author, fork_seq")
+
+    # ---------------------------------------------------------------- checking
+
+    def verify_tail(self, n: int) -> dict[str, tuple[int, str]]:
+        """Re-verify each author's last ``n`` entries. Returns {author: (first bad seq, reason)}."""
+        problems: dict[str, tuple[int, str]] = {}
+        for author, head in self.heads().items():
+            count = self._db.execute("SELECT count(*) FROM entries WHERE author=?", (author,)).fetchone()[0]
+            if count != head:
+                first_missing = self._first_missing(author)
+                problems[author] = (first_missing, "gap")
+                continue
+            if n <= 0:
+                continue
+            start = max(1, head - n + 1)
+            bad = self.check_range(author, start, head)
+            if bad:
+                problems[author] = bad
+        return problems
+
+    def check_range(self, author: str, start: int, end: int) -> tuple[int, str] | None:
+        """Verify signatures and links of ``start..end``; (first bad seq, reason) or None."""
+        prev = GENESIS if start == 1 else self._hash_at(author, start - 1)
+        rows = self._db.execute(
+            "SELECT seq, hash, raw FROM entries WHERE author=? AND seq BETWEEN ? AND ? ORDER BY seq",
+            (author, start, end),
+        )
+        expect = start
+        for seq, h, raw in rows:
+            problem = _row_problem(author, seq, h, raw, expect, prev)
+            if problem:
+                return seq, problem
+            prev = h
+            expect += 1
+        return None
+
+    def _hash_at(self, author: str, seq: int) -> bytes | None:
+        row = self._db.execute("SELECT hash FROM entries WHERE author=? AND seq=?", (author, seq)).fetchone()
+        return row[0] if row else None
+
+    def _first_missing(self, author: str) -> int:
+        expect = 1
+        for (seq,) in self._db.execute("SELECT seq FROM entries WHERE author=? ORDER BY seq", (author,)):
+            if seq != expect:
+                return expect
+            expect += 1
+        return expect
+
+
+def _row_problem(author: str, seq: int, h: bytes, raw: bytes, expect: int, prev: bytes | None) -> str | None:
+    """Why a stored row is not a valid continuation of its chain (None when it is)."""
+    if seq != expect:
+        return "gap"
+    try:
+        se = parse_entry(raw)
+    except RemoteProtocolError as e:
+        return e.reason
+    if se.hash != h:
+        return "hash-mismatch"
+    if se.author != author or se.seq != seq:
+        return "row-mismatch"
+    if prev is None or se.prev != prev:
+        return "bad-link"
+    return None
+
+
+def open_ledger_store(data_dir: Path, *, read_only: bool = False) -> LedgerStore:
+    """The ledger database of a data dir (created unless ``read_only``). Close it when done."""
+    path = Path(data_dir) / DB_FILE
+    if read_only and not path.exists():
+        raise LedgerStoreError(f"no ledger database at {path}")
+    return LedgerStore(path, read_only=read_only)

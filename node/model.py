@@ -1,0 +1,134 @@
+"""The embedded default model: a tiny Qwen2-shaped causal LM with a locally built tokenizer.
+
+Why: the demo and the tests must run anywhere, offline, in minutes on two CPU cores. So the node
+ships no weights; it *creates* a model of a real architecture (transformers' ``Qwen2Config``, the
+same code path a 0.5B Qwen2 checkpoint takes) with random weights and a character-level tokenizer
+built from a fixed alphabet, and saves both as an ordinary Hugging Face folder (``config.json``,
+``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``). Everything downstream (engines,
+trainer, proofs, shards) only ever sees "a Hugging Face folder", so any local HF model folder works in
+its place.
+
+No chat template: prompts are plain text and a completion ends with the ``<eos>`` token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, EOS, UNK)  # ids 0, 1, 2
+# Printable ASCII plus newline: enough for the synthetic, math and code task sets we package.
+ALPHABET = tuple(chr(c) for c in range(32, 127)) + ("\n",)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the embedded model. Defaults: ~0.2M parameters, learns the synthetic task on a CPU."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2  # grouped-query attention, as in Qwen2
+    max_position_embeddings: int = 256
+
+
+def build_tokenizer():
+    """Character-level tokenizer (one token per character) wrapped for transformers.
+
+    Built with the `tokenizers` library: a WordLevel vocabulary over the alphabet, a pre-tokenizer
+    that isolates every character, and a Fuse decoder so decoding joins characters without spaces.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # "[\s\S]" rather than "." so that "\n" is a token too ("." skips newlines in Oniguruma).
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=4096
+    )
+
+
+def build_tiny_model(vocab_size: int, eos_id: int, pad_id: int, spec: TinyModelSpec = TinyModelSpec(), seed: int = 0):
+    """A randomly initialised Qwen2ForCausalLM (float32) of ``spec``'s shape, seeded."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        use_cache=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = pad_id
+    return model
+
+
+def save_model_folder(model, tokenizer, path: Path) -> Path:
+    """Write an ordinary HF folder (safetensors weights + tokenizer files)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def create_tiny_model(path: Path, *, seed: int = 0, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Create the random-init tiny default model at ``path`` (no download) and return the path."""
+    tok = build_tokenizer()
+    model = build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id, spec, seed)
+    return save_model_folder(model, tok, path)
+
+
+def is_model_folder(path: Path) -> bool:
+    """True when ``path`` looks like a loadable HF folder (config + weights)."""
+    p = Path(path)
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer of a local HF folder, exactly as its ``tokenizer.json`` defines it.
+
+    Why not plain ``AutoTokenizer``: transformers 5 picks the tokenizer class from the model type
+    (``qwen2`` -> ``Qwen2Tokenizer``), which replaces the pre-tokenizer of our character-level
+    tokenizer with Qwen2's byte-level one and silently drops newlines. Loading ``tokenizer.json``
+    through ``PreTrainedTokenizerFast`` keeps whatever the folder's author serialised. Folders with no
+    ``tokenizer.json`` (slow tokenizers only) fall back to ``AutoTokenizer``. Pad defaults to eos.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    p = Path(path)
+    if (p / "tokenizer.json").is_file():
+        tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: Path, *, device: str = "cpu", dtype=None):
+    """A causal LM from a local HF folder, in eval mode, on ``device`` (never downloads)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    return model.to(device).eval()

@@ -1,0 +1,107 @@
+"""Typed run-file tables of the ML core: ``[rl]`` (tasks and rollouts), ``[grpo]`` (the update) and
+``[inference]`` (the engine). Kept free of torch so ``node.config`` can import it cheaply.
+
+Defaults follow the INTELLECT-2 report (Prime Intellect, 2025) where it gives one; values sized for
+the tiny CPU demo say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TASK_KINDS = ("synthetic", "math", "code")
+ENGINES = ("auto", "torch", "vllm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class RLConfig:
+    """``[rl]``: which tasks a node draws and how it samples and scores them."""
+
+    taskset: str = "synthetic"  # packaged set name (synthetic | math | code) or a path to a JSONL file
+    group_size: int = 16  # G: completions sampled per prompt (INTELLECT-2: 16; the demo uses fewer)
+    prompts_per_batch: int = 4  # prompts drawn per rollout batch
+    max_new_tokens: int = 16  # completion length cap (tokens)
+    temperature: float = 1.0  # sampling temperature (the trainer divides logits by the same value)
+    top_p: float = 1.0  # nucleus sampling mass; 1.0 = off
+    length_reward: bool = False  # add INTELLECT-2's length reward with a thinking budget (off by default)
+    length_alpha: float = 0.1  # weight of the length term: r = r_task - alpha * |len - budget| / budget
+    thinking_budgets: list[int] | None = None  # budgets (tokens) a task may draw; None = [max_new_tokens]
+    code_timeout_s: float = 5.0  # wall-clock limit of one code-task run (CPU limit is the same)
+    code_memory_mb: int = 512  # address-space limit of one code-task run (RLIMIT_AS)
+    code_output_kb: int = 64  # stdout+stderr kept from one code-task run
+
+    def validate(self) -> None:
+        if self.group_size < 2:
+            raise ValueError("group_size: at least 2 (advantages are relative to the group)")
+        if self.prompts_per_batch < 1:
+            raise ValueError("prompts_per_batch: at least 1")
+        if not 1 <= self.max_new_tokens <= 32768:
+            raise ValueError("max_new_tokens: 1..32768")
+        if self.temperature <= 0:
+            raise ValueError("temperature: must be > 0 for RL sampling")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p: in (0, 1]")
+        if self.length_alpha < 0:
+            raise ValueError("length_alpha: must be >= 0")
+        if self.thinking_budgets is not None and any(b < 1 for b in self.thinking_budgets):
+            raise ValueError("thinking_budgets: every budget >= 1")
+        if self.code_timeout_s <= 0 or self.code_memory_mb < 16 or self.code_output_kb < 1:
+            raise ValueError("code limits: timeout > 0, memory >= 16 MB, output >= 1 KB")
+
+
+@dataclass
+class GRPOConfig:
+    """``[grpo]``: the policy update (INTELLECT-2 recipe; tiny-model values noted)."""
+
+    epsilon: float = 0.2  # PPO clip: ratio clipped to [1 - eps, 1 + eps]
+    delta: float = 4.0  # two-sided clip: for negative advantages the ratio is bounded above by delta
+    kl_coef: float = 0.001  # weight of the KL penalty to the reference policy (0 = no reference model)
+    entropy_coef: float = 1e-4  # entropy bonus weight
+    lr: float = 3e-3  # peak learning rate (INTELLECT-2: 3e-7 for 32B; the tiny model needs far more)
+    warmup_steps: int = 5  # linear lr warm-up, in optimizer steps (INTELLECT-2: 25)
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient-norm clip (INTELLECT-2: 0.1 at 32B scale)
+    optimizer_steps: int = 2  # optimizer steps per rollout step: the batch is split in this many parts
+    pack_length: int = 512  # tokens per packed row (INTELLECT-2: 32k)
+    temperature: float = 1.0  # logits are divided by the sampling temperature before log-softmax
+    async_level: int = 2  # accept rollouts made with policy version >= step - async_level
+    min_batch_samples: int = 16  # online filtering: wait for this many non-zero-advantage samples
+
+    def validate(self) -> None:
+        if not 0 < self.epsilon < 1:
+            raise ValueError("epsilon: in (0, 1)")
+        if self.delta <= 1 + self.epsilon:
+            raise ValueError("delta: must exceed 1 + epsilon")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("kl_coef and entropy_coef: >= 0")
+        if self.lr <= 0 or self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ValueError("lr > 0, warmup_steps >= 0, weight_decay >= 0")
+        if self.max_grad_norm <= 0:
+            raise ValueError("max_grad_norm: > 0")
+        if self.optimizer_steps < 1 or self.pack_length < 8:
+            raise ValueError("optimizer_steps >= 1, pack_length >= 8")
+        if self.temperature <= 0:
+            raise ValueError("temperature: > 0")
+        if not 0 <= self.async_level <= 64:
+            raise ValueError("async_level: 0..64")
+        if self.min_batch_samples < 1:
+            raise ValueError("min_batch_samples: >= 1")
+
+
+@dataclass
+class InferenceConfig:
+    """``[inference]``: which engine generates and where."""
+
+    engine: str = "auto"  # auto (vllm when importable and CUDA is present, else torch) | torch | vllm
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (torch engine)
+    dtype: str = "auto"  # auto (the checkpoint's dtype) | float32 | bfloat16 | float16
+    gpu_memory_utilization: float = 0.85  # vLLM's KV-cache budget as a fraction of GPU memory
+
+    def validate(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: one of {', '.join(ENGINES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: one of {', '.join(DTYPES)}")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError("gpu_memory_utilization: 0.05..0.99")

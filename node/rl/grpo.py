@@ -1,0 +1,288 @@
+"""GRPO as INTELLECT-2 ran it: token-level loss with two-sided clipping, KL, entropy, packing.
+
+How this works:
+
+1. Each training sample is prompt + completion tokens, the log-probs the inference node sampled
+   them with (``old_logprobs``, under logits / T of policy version v), and its group-relative
+   advantage (``node.rl.rewards.group_advantages``).
+2. :func:`pack` lays samples end to end into rows of ``pack_length`` tokens. Position ids restart at
+   0 for every sample and the attention mask is block-diagonal causal, so a packed row computes the
+   same log-probs as each sample alone (tested); padding wastes nothing but the row's tail.
+3. :func:`token_logprobs` runs the policy once per row: log softmax(logits / T) at each next token
+   and the entropy of that distribution.
+4. :func:`grpo_loss` is the token-level objective (every completion token weighs the same, as in
+   INTELLECT-2 / DAPO, rather than a mean per sequence):
+
+       r      = exp(logp - old_logp)
+       A >= 0: l = -min(r A, clip(r, 1-eps, 1+eps) A)
+       A <  0: l = -max(min(r A, clip(r, 1-eps, 1+eps) A), delta A)   # ratio bounded above by delta
+       loss   = mean(l) + kl_coef * mean(k3(ref, logp)) - entropy_coef * mean(H)
+
+   The delta bound is INTELLECT-2's two-sided clipping (also "dual-clip PPO", Ye et al. 2020): with a
+   negative advantage and a huge ratio the plain PPO objective is unbounded; capping it at delta A
+   zeroes the gradient there and keeps off-policy tokens from blowing up the update. k3 is Schulman's
+   unbiased low-variance KL estimator exp(q - p) - (q - p) - 1.
+5. :func:`train_step` splits one rollout step's samples into ``optimizer_steps`` mini-batches and
+   does one AdamW step (grad-norm clipped, linear warm-up) on each.
+
+Everything here is pure tensor maths plus the model's forward; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .config import GRPOConfig
+
+IGNORE = -100  # target id of positions that carry no loss
+
+
+@dataclass
+class TrainSample:
+    """One completion to learn from."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    old_logprobs: list[float]  # one per completion token, from the sampling policy
+    advantage: float
+    version: int = 0  # policy version that generated it (staleness bookkeeping)
+
+    def __post_init__(self):
+        if len(self.old_logprobs) != len(self.completion_ids):
+            raise ValueError("old_logprobs must have one entry per completion token")
+        if not self.prompt_ids or not self.completion_ids:
+            raise ValueError("prompt and completion must be non-empty")
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class PackedBatch:
+    """Rows of packed samples; every (R, S) tensor is aligned on input positions."""
+
+    input_ids: torch.Tensor  # (R, S) long
+    position_ids: torch.Tensor  # (R, S) long, restart at 0 per sample
+    segment_ids: torch.Tensor  # (R, S) long, sample index in the row (-1 = padding)
+    targets: torch.Tensor  # (R, S) long, next token to score at this position or IGNORE
+    old_logprobs: torch.Tensor  # (R, S) float, aligned with targets (0 where IGNORE)
+    advantages: torch.Tensor  # (R, S) float, aligned with targets (0 where IGNORE)
+    loss_mask: torch.Tensor  # (R, S) float, 1 where a completion token is scored
+    num_samples: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def attention_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(R, 1, S, S) additive mask: 0 where query i may see key j (same sample, j <= i), else -inf.
+
+        The 4-D form is what transformers accepts as a ready-made mask; keys of another sample (or
+        padding) are masked, so attention never crosses samples.
+        """
+        S = self.input_ids.shape[1]
+        seg = self.segment_ids
+        same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)  # (R, S, S)
+        causal = torch.ones(S, S, dtype=torch.bool, device=seg.device).tril()
+        allowed = same & causal
+        # padding queries attend to themselves only, so no row of the softmax is empty (NaN)
+        allowed |= torch.eye(S, dtype=torch.bool, device=seg.device)[None]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=seg.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[:, None]
+
+
+def pack(samples: Sequence[TrainSample], pack_length: int, pad_id: int = 0, one_per_row: bool = False) -> PackedBatch:
+    """First-fit-decreasing packing of samples into rows of ``pack_length`` tokens.
+
+    ``one_per_row=True`` gives the unpacked baseline (one right-padded sample per row). A sample
+    longer than ``pack_length`` raises ValueError (the caller caps prompt + max_new_tokens).
+    """
+    order = sorted(range(len(samples)), key=lambda k: -samples[k].length)
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for k in order:
+        n = samples[k].length
+        if n > pack_length:
+            raise ValueError(f"sample of {n} tokens exceeds pack_length {pack_length}")
+        for r in range(len(rows)):
+            if not one_per_row and used[r] + n <= pack_length:
+                rows[r].append(k)
+                used[r] += n
+                break
+        else:
+            rows.append([k])
+            used.append(n)
+    R, S = len(rows), pack_length if not one_per_row else max(used, default=1)
+    ids = torch.full((R, S), pad_id, dtype=torch.long)
+    pos = torch.zeros((R, S), dtype=torch.long)
+    seg = torch.full((R, S), -1, dtype=torch.long)
+    tgt = torch.full((R, S), IGNORE, dtype=torch.long)
+    old = torch.zeros((R, S), dtype=torch.float32)
+    adv = torch.zeros((R, S), dtype=torch.float32)
+    for r, members in enumerate(rows):
+        off = 0
+        for s_idx, k in enumerate(members):
+            s = samples[k]
+            seq = s.prompt_ids + s.completion_ids
+            n, p = len(seq), len(s.prompt_ids)
+            ids[r, off:off + n] = torch.tensor(seq)
+            pos[r, off:off + n] = torch.arange(n)
+            seg[r, off:off + n] = s_idx
+            # position off+p-1+t predicts completion token t
+            lo, hi = off + p - 1, off + n - 1
+            tgt[r, lo:hi] = torch.tensor(s.completion_ids)
+            old[r, lo:hi] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+            adv[r, lo:hi] = float(s.advantage)
+            off += n
+    return PackedBatch(ids, pos, seg, tgt, old, adv, (tgt != IGNORE).float(), num_samples=len(samples))
+
+
+def token_logprobs(model, batch: PackedBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp (R, S), entropy (R, S)) of each target under softmax(logits / T); 0 where IGNORE."""
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    out = model(
+        input_ids=batch.input_ids.to(dev),
+        position_ids=batch.position_ids.to(dev),
+        attention_mask=batch.attention_mask(dtype).to(dev),
+        use_cache=False,
+    )
+    logits = out.logits.float() / temperature  # (R, S, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    tgt = batch.targets.to(dev)
+    logp = logp_all.gather(-1, tgt.clamp(min=0)[..., None]).squeeze(-1)  # (R, S)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (R, S)
+    keep = (tgt != IGNORE).float()
+    return logp * keep, entropy * keep
+
+
+@dataclass
+class LossParts:
+    loss: torch.Tensor
+    policy: float
+    kl: float
+    entropy: float
+    clip_frac: float  # fraction of tokens whose ratio left [1 - eps, 1 + eps]
+    delta_frac: float  # fraction of negative-advantage tokens cut by the delta bound
+    mean_ratio: float
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: GRPOConfig,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> LossParts:
+    """Token-level two-sided-clipped GRPO loss (see module docstring); tensors share one shape."""
+    mask = mask.to(logp.dtype)
+    n = mask.sum().clamp(min=1.0)
+    ratio = torch.exp(logp - old_logp)
+    clipped = ratio.clamp(1 - cfg.epsilon, 1 + cfg.epsilon)
+    ppo = torch.min(ratio * advantages, clipped * advantages)
+    neg = advantages < 0
+    bounded = torch.where(neg, torch.max(ppo, cfg.delta * advantages), ppo)
+    policy = -(bounded * mask).sum() / n
+    loss = policy
+    kl_val = torch.zeros((), device=logp.device)
+    if ref_logp is not None and cfg.kl_coef > 0:
+        d = ref_logp - logp
+        kl_val = ((torch.exp(d) - d - 1) * mask).sum() / n
+        loss = loss + cfg.kl_coef * kl_val
+    ent_val = torch.zeros((), device=logp.device)
+    if entropy is not None:
+        ent_val = (entropy * mask).sum() / n
+        loss = loss - cfg.entropy_coef * ent_val
+    with torch.no_grad():
+        out_of_clip = ((ratio < 1 - cfg.epsilon) | (ratio > 1 + cfg.epsilon)).float()
+        cut = (neg & (ratio > cfg.delta)).float()
+        n_neg = (neg.float() * mask).sum().clamp(min=1.0)
+        return LossParts(
+            loss=loss,
+            policy=float(policy.detach()),
+            kl=float(kl_val.detach()),
+            entropy=float(ent_val.detach()),
+            clip_frac=float((out_of_clip * mask).sum() / n),
+            delta_frac=float((cut * mask).sum() / n_neg),
+            mean_ratio=float((ratio * mask).sum() / n),
+        )
+
+
+def batch_loss(model, batch: PackedBatch, cfg: GRPOConfig, ref_model=None) -> LossParts:
+    """The GRPO loss of a packed batch under ``model`` (and ``ref_model`` for the KL term)."""
+    dev = next(model.parameters()).device
+    logp, ent = token_logprobs(model, batch, cfg.temperature)
+    ref = None
+    if ref_model is not None and cfg.kl_coef > 0:
+        with torch.no_grad():
+            ref, _ = token_logprobs(ref_model, batch, cfg.temperature)
+    return grpo_loss(logp, batch.old_logprobs.to(dev), batch.advantages.to(dev), batch.loss_mask.to(dev),
+                     cfg, ref_logp=ref, entropy=ent)
+
+
+def make_optimizer(model, cfg: GRPOConfig):
+    """AdamW with linear warm-up to ``cfg.lr`` over ``cfg.warmup_steps`` optimizer steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    warm = max(cfg.warmup_steps, 0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
+    return opt, sched
+
+
+@dataclass
+class StepStats:
+    optimizer_steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    loss: float = 0.0
+    policy: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    clip_frac: float = 0.0
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    rows: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def split_minibatches(samples: Sequence[TrainSample], parts: int) -> list[list[TrainSample]]:
+    """``parts`` contiguous, nearly equal mini-batches (fewer if there are fewer samples)."""
+    parts = max(1, min(parts, len(samples)))
+    size = math.ceil(len(samples) / parts)
+    return [list(samples[i:i + size]) for i in range(0, len(samples), size)]
+
+
+def train_step(model, optimizer, scheduler, samples: Sequence[TrainSample], cfg: GRPOConfig,
+               ref_model=None, pad_id: int = 0, packed: bool = True) -> StepStats:
+    """One rollout step: ``cfg.optimizer_steps`` AdamW steps over mini-batches of ``samples``."""
+    stats = StepStats()
+    if not samples:
+        return stats
+    model.train()
+    for mb in split_minibatches(samples, cfg.optimizer_steps):
+        batch = pack(mb, cfg.pack_length, pad_id=pad_id, one_per_row=not packed)
+        parts = batch_loss(model, batch, cfg, ref_model)
+        optimizer.zero_grad(set_to_none=True)
+        parts.loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        stats.lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        k = stats.optimizer_steps
+        stats.optimizer_steps += 1
+        stats.samples += len(mb)
+        stats.tokens += batch.num_tokens
+        stats.rows += batch.input_ids.shape[0]
+        # running means over the mini-batches of this rollout step
+        for name, val in (("loss", float(parts.loss.detach())), ("policy", parts.policy), ("kl", parts.kl),
+                          ("entropy", parts.entropy), ("clip_frac", parts.clip_frac), ("grad_norm", float(gn))):
+            setattr(stats, name, (getattr(stats, name) * k + val) / (k + 1))
+    model.eval()
+    return stats

@@ -1,0 +1,130 @@
+"""Status of a running node, for people: ``<data dir>/status.json`` and ``/swarm/status/1.0.0``.
+
+Every second the node writes its status (all ``node.status`` providers) to status.json by
+write-then-rename, so ``swarm-node status`` can read it without talking to the node, and answers
+the status protocol so ``swarm-node status --connect ADDR`` can ask any reachable peer. Member
+tables are public information already (they travel on gossip); nothing secret is in status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import trio
+
+from .context import NodeContext
+from .wire import Message, RemoteProtocolError, bounded, read_message, register, write_frame
+
+log = logging.getLogger(__name__)
+
+STATUS_PROTOCOL = "/swarm/status/1.0.0"
+STATUS_FILE = "status.json"
+NODE_FILE = "node.json"  # peer id, addresses and pid of the running node (for scripts and tests)
+MAX_STATUS = 2 * 1024 * 1024
+STATUS_EVERY = 1.0
+MAX_STATUS_REQUESTS = 4  # served at once
+
+
+@register
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    TYPE: ClassVar[str] = "status.request"
+
+
+@register
+@dataclass(frozen=True)
+class StatusResponse(Message):
+    TYPE: ClassVar[str] = "status.response"
+    json: str = bounded(max_len=MAX_STATUS)
+
+
+def snapshot(node: NodeContext) -> dict:
+    out = {
+        "peer_id": node.peer_id,
+        "role": node.config.role,
+        "run": node.run.name,
+        "time": time.time(),
+        "uptime_s": round(trio.current_time() - node.started_at, 1),
+        "addrs": node.host.listen_addrs(),
+    }
+    for name, provider in node.status.items():
+        try:
+            out[name] = provider()
+        except Exception as e:  # a broken provider must not take status down
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    limit = trio.Semaphore(MAX_STATUS_REQUESTS)
+
+    async def handle(stream) -> None:
+        try:
+            if limit.value == 0:
+                node.metrics.reject(STATUS_PROTOCOL, "busy")
+                return
+            async with limit:
+                with trio.fail_after(5):
+                    req = await read_message(stream, 1024)
+                    if not isinstance(req, StatusRequest):
+                        raise RemoteProtocolError("wrong-type", "expected status.request")
+                    await write_frame(stream, StatusResponse(json=json.dumps(snapshot(node))))
+        except (RemoteProtocolError, trio.TooSlowError) as e:
+            node.metrics.reject(STATUS_PROTOCOL, getattr(e, "reason", "timeout"))
+        except Exception as e:
+            log.debug("status handler: %s", e)
+        finally:
+            with trio.move_on_after(1):
+                try:
+                    await stream.close()
+                except Exception:
+                    pass
+
+    node.host.set_handler(STATUS_PROTOCOL, handle)
+    info = {"peer_id": node.peer_id, "role": node.config.role, "addrs": node.host.listen_addrs(), "pid": os.getpid()}
+    write_atomic(node.data_dir / NODE_FILE, json.dumps(info).encode())
+    task_status.started()
+    path = node.data_dir / STATUS_FILE
+    try:
+        while True:
+            await trio.to_thread.run_sync(write_atomic, path, json.dumps(snapshot(node)).encode())
+            await trio.sleep(STATUS_EVERY)
+    finally:
+        with trio.CancelScope(shield=True):
+            try:
+                final = snapshot(node)
+                final["stopped"] = True
+                write_atomic(path, json.dumps(final).encode())
+                (node.data_dir / NODE_FILE).unlink(missing_ok=True)
+            except OSError:
+                pass
+
+
+async def call_status(host, addr: str) -> dict:
+    """Ask the node at ``addr`` for its status (client side of the status protocol)."""
+    peer = await host.connect(addr)
+    stream = await host.open_stream(peer, STATUS_PROTOCOL)
+    try:
+        await write_frame(stream, StatusRequest())
+        resp = await read_message(stream, MAX_STATUS + 1024)
+        if not isinstance(resp, StatusResponse):
+            raise RemoteProtocolError("wrong-type", "expected status.response")
+        try:
+            return json.loads(resp.json)
+        except ValueError:
+            raise RemoteProtocolError("malformed", "status is not JSON") from None
+    finally:
+        await stream.close()
