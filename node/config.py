@@ -33,6 +33,7 @@ DEFAULT_LISTEN = f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT}"
 SECTIONS: dict[str, str] = {
     "membership": "node.gossip.membership:MembershipConfig",
     "shards": "node.shards.config:ShardsConfig",
+    "ledger": "node.ledger.config:LedgerConfig",
 }
 
 T = TypeVar("T")

@@ -41,11 +41,11 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
+from typing import ClassVar
+
 from .. import hashes
 from ..wire import Message, RemoteProtocolError, bounded, register
 from .entries import GENESIS, KINDS, MAX_PEER_ID, MAX_SEQ, TOTAL_FIELDS, Authors, SignedEntry
-
-from typing import ClassVar
 
 _U64 = struct.Struct(">Q")
 DIGEST_DOMAIN = b"swarm-node/ledger-state/v1\x00"
@@ -263,6 +263,10 @@ class Ledger:
     def head_of(self, author: str) -> int:
         log = self._logs.get(author)
         return log.head if log else 0
+
+    def last_time_ms(self, author: str) -> int:
+        log = self._logs.get(author)
+        return log.last_time_ms if log else 0
 
     def hash_at(self, author: str, seq: int) -> bytes | None:
         log = self._logs.get(author)

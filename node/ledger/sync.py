@@ -1,0 +1,614 @@
+"""The ledger service: the API other roles append through, gossip of new entries, anti-entropy sync.
+
+How this works
+--------------
+* :class:`LedgerService` owns the replica (:class:`~node.ledger.chain.Ledger`, in memory) and the
+  database (:class:`~node.ledger.store.LedgerStore`). Every entry, ours or a peer's, goes
+  parse -> ``Ledger.check`` -> ``LedgerStore.commit`` -> ``Ledger.apply``; nothing is stored or
+  forwarded before it is checked. There is no ``await`` between check and apply, so trio tasks never
+  interleave inside one ingest.
+* Gossip: new entries are published on ``/swarm/<run>/ledger/1``. A synchronous topic validator
+  parses each message (size, schema, canonical bytes, signature) and runs the chain check before
+  py-libp2p forwards it; rejected messages are counted and feed gossipsub's P4 penalty. Entries that
+  arrive ahead of a gap are valid (forwarded) but not stored; they trigger a sync with the peer that
+  published them.
+* Anti-entropy on ``/swarm/ledger/1.0.0`` (pull, as in Demers et al., "Epidemic algorithms for
+  replicated database maintenance", PODC 1987): every ``sync_interval`` (jittered) the node picks a
+  random connected peer, both send their per-author heads (:class:`SyncHello`), and the caller asks
+  for equivocation evidence it lacks, then for missing ranges in bounded batches
+  (:class:`RangeRequest`, at most ``sync_batch`` entries and :data:`MAX_REPLY_BYTES` per reply). The
+  answering side, seeing the caller's heads, schedules a pull of its own from the caller when the
+  caller has something it lacks (push-pull), so a healed partition converges in one round trip each way.
+* Receipts: downloaders call :meth:`LedgerService.note_received` per verified piece; the service
+  adds them up and appends one ``receipts`` entry per ``receipt_interval``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import trio
+from libp2p.exceptions import BaseLibp2pError
+
+from .. import hashes
+from ..wire import (
+    LocalProtocolError,
+    Message,
+    RemoteProtocolError,
+    bounded,
+    read_message,
+    register,
+    write_frame,
+)
+from .chain import Decision, Evidence, Head, Ledger, Outcome
+from .config import LedgerConfig
+from .entries import MAX_ENTRY, MAX_RECEIPT_ITEMS, Body, ReceiptItem, Receipts, SignedEntry, parse_entry
+from .store import LedgerStore, open_ledger_store
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/swarm/ledger/1.0.0"
+MAX_AUTHORS = 20_000  # heads in one SyncHello (about 130 bytes each: well under the 4 MiB frame cap)
+MAX_REPLY_BYTES = 1024 * 1024  # entry bytes in one RangeReply
+MAX_REPLY_ENTRIES = 4096  # schema bound; sync_batch (config) is the working value
+MAX_REQUESTS_PER_STREAM = 1024  # requests one sync session may make; the next session continues
+VALIDATED_CACHE = 1024  # gossip entries parsed by the validator, awaiting the receive loop
+SYNC_HINTS = 16  # queued "sync with this peer soon" requests; extra hints are dropped
+MAX_PENDING_RECEIPTS = 4 * MAX_RECEIPT_ITEMS  # (peer, manifest) pairs waiting for the next flush
+SYNC_PENALTY = -20.0  # app score step for a peer that sends invalid entries over sync
+# Reasons that are the sending peer's fault on a sync stream (as opposed to, e.g., our clock).
+_SENDER_FAULTS = {"wrong-run", "unauthorized", "bad-link", "unrequested"}
+
+
+# --------------------------------------------------------------------------------------------
+# Sync protocol messages
+
+
+@register
+@dataclass(frozen=True)
+class SyncHello(Message):
+    """Both sides' first frame: every author's head as the sender sees it."""
+
+    TYPE: ClassVar[str] = "ledger-hello"
+    heads: tuple[Head, ...] = bounded(max_len=MAX_AUTHORS)
+
+
+@register
+@dataclass(frozen=True)
+class RangeRequest(Message):
+    TYPE: ClassVar[str] = "ledger-range?"
+    id: int = bounded(min=0, max=2**32)
+    author: str = bounded(max_len=64)
+    start: int = bounded(min=1, max=2**53)
+    end: int = bounded(min=1, max=2**53)
+
+
+@register
+@dataclass(frozen=True)
+class RangeReply(Message):
+    TYPE: ClassVar[str] = "ledger-range"
+    id: int = bounded(min=0, max=2**32)
+    entries: tuple[bytes, ...] = bounded(max_len=MAX_REPLY_ENTRIES)
+
+    def __post_init__(self) -> None:
+        if any(len(e) > MAX_ENTRY for e in self.entries):
+            raise ValueError("an entry exceeds MAX_ENTRY")
+
+
+@register
+@dataclass(frozen=True)
+class EvidenceRequest(Message):
+    TYPE: ClassVar[str] = "ledger-evidence?"
+    id: int = bounded(min=0, max=2**32)
+    author: str = bounded(max_len=64)
+
+
+@register
+@dataclass(frozen=True)
+class EvidenceReply(Message):
+    TYPE: ClassVar[str] = "ledger-evidence"
+    id: int = bounded(min=0, max=2**32)
+    a: bytes = bounded(max_len=MAX_ENTRY)  # both empty: no evidence
+    b: bytes = bounded(max_len=MAX_ENTRY)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IngestReport:
+    """What happened to a batch of incoming entries."""
+
+    accepted: int = 0
+    duplicates: int = 0
+    gaps: list[str] = field(default_factory=list)  # authors we are behind on
+    equivocations: int = 0
+    rejected: collections.Counter = field(default_factory=collections.Counter)  # reason -> count
+
+
+class LedgerError(Exception):
+    """A local caller asked for something the ledger refuses (e.g. a kind this node may not author)."""
+
+
+class LedgerService:
+    """The ledger of one node. Exposed as ``node.services["ledger"]``.
+
+    API for other roles: :meth:`append` (async), :meth:`note_received` (sync, batched),
+    :meth:`totals`, :meth:`digest`, :meth:`status`.
+    """
+
+    def __init__(
+        self,
+        node,
+        store: LedgerStore,
+        config: LedgerConfig,
+        wall_clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.node = node
+        self.store = store
+        self.config = config
+        self.topic = node.topic("ledger")
+        self._wall_clock = wall_clock
+        self._rng = rng or random.Random()
+        run = node.config.run
+        self.ledger = Ledger(run.name, run.trainers, run.validators, int(config.max_clock_skew * 1000))
+        self.rejections: collections.Counter = collections.Counter()  # "source/reason" -> count
+        self._append_lock = trio.Lock()
+        self._validated: collections.OrderedDict[bytes, SignedEntry] = collections.OrderedDict()
+        self._hint_send, self._hint_recv = trio.open_memory_channel[str](SYNC_HINTS)
+        self._receipts: dict[tuple[str, bytes], list[int]] = {}
+        self._receipts_full = trio.Event()
+        self._request_id = 0
+        self._bad_peers: collections.Counter = collections.Counter()
+        self.syncs = collections.Counter()  # "ok" / "failed" sessions as caller
+        self.last_sync: dict[str, float] = {}  # peer -> wall time of the last completed session
+        m = node.metrics
+        self._m_entries = m.gauge("ledger_entries", "Entries in the local ledger replica")
+        self._m_accepted = m.counter("ledger_accepted_total", "Ledger entries accepted", ["source"])
+        self._m_flagged = m.gauge("ledger_flagged_authors", "Authors caught equivocating")
+
+    def now_ms(self) -> int:
+        return int(self._wall_clock() * 1000)
+
+    # ---------------------------------------------------------------- start-up
+
+    def load(self) -> dict[str, tuple[int, str]]:
+        """Verify each author's stored tail, drop a broken one, and rebuild the replica."""
+        problems = self.store.verify_tail(self.config.tail_verify)
+        for author, (seq, reason) in problems.items():
+            dropped = self.store.truncate(author, seq)
+            log.warning("ledger: %s's stored chain broken at seq %d (%s); dropped %d entries", author, seq, reason, dropped)
+            self._reject("store", reason)
+        for _author, _seq, _h, raw in self.store.iter_raw():
+            self.ledger.restore(parse_entry(raw, verify_signature=False))
+        for raw_a, raw_b in self.store.iter_evidence():
+            a, b = parse_entry(raw_a), parse_entry(raw_b)
+            self.ledger.add_evidence(Evidence(a, b))
+        self._update_gauges()
+        return problems
+
+    # ---------------------------------------------------------------- API
+
+    async def append(self, body: Body) -> SignedEntry:
+        """Sign, store durably, apply and publish a new entry of ours. LedgerError if refused."""
+        from .entries import make_entry
+
+        async with self._append_lock:
+            me = self.node.peer_id
+            head = self.ledger.head_of(me)
+            prev = self.ledger.hash_at(me, head) if head else bytes(32)
+            # Never before our own head's time: the chain rules refuse time going backwards.
+            last = self.ledger.last_time_ms(me)
+            se = make_entry(self.node.identity, self.ledger.run, head + 1, prev, max(self.now_ms(), last), body)
+            decision = self.ledger.check(se, self.now_ms())
+            if decision.outcome is not Outcome.ACCEPT:
+                raise LedgerError(f"cannot append {body.TYPE}: {decision.reason or decision.outcome.value}")
+            self.store.commit([se], durable=True)  # durable before anyone can see it
+            self.ledger.apply(decision)
+            self._m_accepted.labels(source="local").inc()
+            self._update_gauges()
+        try:
+            await self.node.host.pubsub.publish(self.topic, se.raw)
+            self.node.metrics.messages_out.labels(topic=self.topic).inc()
+        except BaseLibp2pError as e:  # anti-entropy will carry it instead
+            log.info("ledger: publishing seq %d failed (%s); peers will sync it", se.seq, e)
+        return se
+
+    def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
+        """Record verified bytes received from ``peer`` (batched into one receipt per interval)."""
+        if peer == self.node.peer_id or nbytes <= 0:
+            return
+        key = (peer, manifest_id)
+        acc = self._receipts.get(key)
+        if acc is None:
+            if len(self._receipts) >= MAX_PENDING_RECEIPTS:
+                self._reject("receipts", "backlog-full")
+                return
+            acc = self._receipts[key] = [0, 0]
+        acc[0] += nbytes
+        acc[1] += pieces
+        if len(self._receipts) >= MAX_RECEIPT_ITEMS:
+            self._receipts_full.set()
+
+    async def flush_receipts(self) -> SignedEntry | None:
+        """Append one receipts entry with up to MAX_RECEIPT_ITEMS pending pairs (None if none)."""
+        if not self._receipts:
+            return None
+        keys = sorted(self._receipts)[:MAX_RECEIPT_ITEMS]
+        items = tuple(
+            ReceiptItem(peer=p, manifest_id=m, nbytes=self._receipts[(p, m)][0], pieces=self._receipts[(p, m)][1])
+            for p, m in keys
+        )
+        for k in keys:
+            del self._receipts[k]
+        return await self.append(Receipts(items=items))
+
+    def totals(self, peer: str | None = None) -> dict[str, dict[str, int]]:
+        return self.ledger.totals(peer)
+
+    def digest(self) -> bytes:
+        return self.ledger.digest()
+
+    def status(self) -> dict:
+        """For ``swarm-node status``."""
+        me = self.node.peer_id
+        return {
+            "entries": len(self.ledger),
+            "authors": len(self.ledger.authors()),
+            "own_seq": self.ledger.head_of(me),
+            "digest": self.ledger.digest().hex()[:16],
+            "flagged": self.ledger.flagged(),
+            "rejected": dict(self.rejections),
+            "syncs": dict(self.syncs),
+            "pending_receipts": len(self._receipts),
+        }
+
+    # ---------------------------------------------------------------- ingest (all inputs)
+
+    def ingest(self, items: Iterable[bytes | SignedEntry], source: str) -> IngestReport:
+        """Check and store incoming entries; one transaction for the batch. Never raises for bad input."""
+        report = IngestReport()
+        pending: list[SignedEntry] = []
+        pending_by_key: dict[tuple[str, int], SignedEntry] = {}
+        evidence: list[Evidence] = []
+        now = self.now_ms()
+        for item in items:
+            try:
+                se = item if isinstance(item, SignedEntry) else parse_entry(item)
+            except RemoteProtocolError as e:
+                report.rejected[e.reason] += 1
+                self._reject(source, e.reason)
+                continue
+            decision = self.ledger.check(se, now)
+            if decision.outcome is Outcome.ACCEPT:
+                self.ledger.apply(decision)
+                pending.append(se)
+                pending_by_key[(se.author, se.seq)] = se
+                report.accepted += 1
+            elif decision.outcome is Outcome.DUPLICATE:
+                report.duplicates += 1
+            elif decision.outcome is Outcome.GAP:
+                if se.author not in report.gaps:
+                    report.gaps.append(se.author)
+            elif decision.outcome is Outcome.EQUIVOCATION:
+                ev = self._evidence_for(decision, pending_by_key)
+                if self.ledger.add_evidence(ev):
+                    evidence.append(ev)
+                    log.warning("ledger: %s equivocated at seq %d", se.author, ev.fork_seq)
+                report.equivocations += 1
+                self._reject(source, "equivocation")
+            else:
+                report.rejected[decision.reason] += 1
+                self._reject(source, decision.reason)
+        self.store.commit(pending, evidence)
+        if report.accepted:
+            self._m_accepted.labels(source=source).inc(report.accepted)
+        self._update_gauges()
+        return report
+
+    def _evidence_for(self, decision: Decision, pending: dict[tuple[str, int], SignedEntry]) -> Evidence:
+        se = decision.entry
+        ours = pending.get((se.author, decision.conflict_seq))
+        if ours is None:
+            raw = self.store.get(se.author, decision.conflict_seq)
+            if raw is None:
+                raise LocalProtocolError(f"ledger holds {se.author} seq {decision.conflict_seq} but the store does not")
+            ours = parse_entry(raw, verify_signature=False)
+        return Evidence(ours, se)
+
+    def ingest_evidence(self, raw_a: bytes, raw_b: bytes, source: str) -> bool:
+        """Check and store an equivocation proof from a peer. True if it lowered a fork point."""
+        try:
+            ev = Evidence(parse_entry(raw_a), parse_entry(raw_b))
+            if self.ledger.authority_problem(ev.a) or self.ledger.authority_problem(ev.b):
+                raise RemoteProtocolError("evidence-not-ours")
+            if not self.ledger.add_evidence(ev):
+                return False
+        except RemoteProtocolError as e:
+            self._reject(source, e.reason)
+            return False
+        self.store.commit([], [ev])
+        log.warning("ledger: %s equivocated at seq %d (evidence from %s)", ev.author, ev.fork_seq, source)
+        self._update_gauges()
+        return True
+
+    def _reject(self, source: str, reason: str) -> None:
+        self.rejections[f"{source}/{reason}"] += 1
+        self.node.metrics.reject(source, reason)
+
+    def _update_gauges(self) -> None:
+        self._m_entries.set(len(self.ledger))
+        self._m_flagged.set(len(self.ledger.flagged()))
+
+    def _penalize(self, peer: str, reason: str) -> None:
+        self._bad_peers[peer] += 1
+        self.node.host.set_app_score(peer, SYNC_PENALTY * self._bad_peers[peer])
+        log.info("ledger: peer %s sent bad ledger data (%s)", peer, reason)
+
+    # ---------------------------------------------------------------- gossip
+
+    def validate_gossip(self, forwarder, msg) -> bool:
+        """py-libp2p topic validator: True lets the message be delivered and forwarded."""
+        try:
+            se = parse_entry(msg.data)
+        except RemoteProtocolError as e:
+            self._reject(self.topic, e.reason)
+            return False
+        decision = self.ledger.check(se, self.now_ms())
+        if decision.outcome is Outcome.REJECT:
+            self._reject(self.topic, decision.reason)
+            return False
+        # GAP and EQUIVOCATION are forwarded: the entry is validly signed, and others need it too.
+        self._validated[hashes.digest(msg.data)] = se
+        while len(self._validated) > VALIDATED_CACHE:
+            self._validated.popitem(last=False)
+        return True
+
+    async def _receive_loop(self, subscription) -> None:
+        while True:
+            msg = await subscription.get()
+            se = self._validated.pop(hashes.digest(msg.data), None)
+            self.node.metrics.messages_in.labels(topic=self.topic).inc()
+            report = self.ingest([se if se is not None else msg.data], self.topic)
+            if report.gaps:
+                try:
+                    from libp2p.peer.id import ID
+
+                    self.hint_sync(ID(msg.from_id).to_base58())
+                except Exception:  # a malformed origin id only costs us the hint  # noqa: BLE001
+                    self.hint_sync(None)
+
+    def hint_sync(self, peer: str | None) -> None:
+        """Ask the sync loop for a round soon (with ``peer`` if connected). Drops when busy."""
+        try:
+            self._hint_send.send_nowait(peer or "")
+        except trio.WouldBlock:
+            pass
+
+    # ---------------------------------------------------------------- anti-entropy: caller
+
+    async def _sync_loop(self) -> None:
+        interval = self.config.sync_interval
+        while True:
+            peer = ""
+            with trio.move_on_after(interval * self._rng.uniform(0.5, 1.5)):
+                peer = await self._hint_recv.receive()
+            connected = [p for p in self.node.host.connected_peers() if p != self.node.peer_id]
+            if not connected:
+                continue
+            if peer not in connected:
+                peer = self._rng.choice(connected)
+            await self.sync_with(peer)
+
+    async def sync_with(self, peer: str) -> IngestReport:
+        """One anti-entropy session with ``peer`` as the caller. Never raises for remote faults."""
+        total = IngestReport()
+        with trio.move_on_after(self.config.sync_timeout) as scope:
+            try:
+                await self._call_sync(peer, total)
+                self.syncs["ok"] += 1
+                self.last_sync[peer] = self._wall_clock()
+            except RemoteProtocolError as e:
+                self.syncs["failed"] += 1
+                self._reject(PROTOCOL, e.reason)
+                self._penalize(peer, e.reason)
+            except (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                self.syncs["failed"] += 1
+                log.debug("ledger: sync with %s failed: %s", peer, e)
+        if scope.cancelled_caught:
+            self.syncs["timeout"] += 1
+        return total
+
+    def _next_id(self) -> int:
+        self._request_id = (self._request_id + 1) % 2**32
+        return self._request_id
+
+    async def _call_sync(self, peer: str, total: IngestReport) -> None:
+        stream = await self.node.host.open_stream(peer, PROTOCOL)
+        try:
+            await write_frame(stream, SyncHello(heads=tuple(self.ledger.heads()[:MAX_AUTHORS])))
+            hello = await _expect(stream, SyncHello)
+            requests = 0
+            _, evidence_authors = self.ledger.missing(hello.heads)
+            for author in evidence_authors:
+                if requests >= MAX_REQUESTS_PER_STREAM:
+                    return
+                requests += 1
+                rid = self._next_id()
+                await write_frame(stream, EvidenceRequest(id=rid, author=author))
+                reply = await _expect(stream, EvidenceReply, rid)
+                if reply.a and reply.b:
+                    self.ingest_evidence(reply.a, reply.b, PROTOCOL)
+            wants, _ = self.ledger.missing(hello.heads)  # again: new evidence caps what we want
+            for want in wants:
+                start = want.start
+                while start <= want.end and requests < MAX_REQUESTS_PER_STREAM:
+                    requests += 1
+                    rid = self._next_id()
+                    end = min(want.end, start + self.config.sync_batch - 1)
+                    await write_frame(stream, RangeRequest(id=rid, author=want.author, start=start, end=end))
+                    reply = await _expect(stream, RangeReply, rid)
+                    if not reply.entries:
+                        break
+                    report = self._ingest_range(peer, want.author, start, reply.entries)
+                    _merge(total, report)
+                    if report.rejected or report.gaps or report.equivocations:
+                        break  # this author's range from this peer is not usable further
+                    start += len(reply.entries)
+                    if report.accepted == 0 and report.duplicates == 0:
+                        break
+        finally:
+            with trio.move_on_after(1):
+                try:
+                    await stream.close()
+                except BaseLibp2pError:
+                    pass
+
+    def _ingest_range(self, peer: str, author: str, start: int, raws: tuple[bytes, ...]) -> IngestReport:
+        parsed: list[SignedEntry] = []
+        report = IngestReport()
+        for i, raw in enumerate(raws):
+            try:
+                se = parse_entry(raw)
+            except RemoteProtocolError as e:
+                report.rejected[e.reason] += 1
+                self._reject(PROTOCOL, e.reason)
+                self._penalize(peer, e.reason)
+                break
+            if se.author != author or se.seq != start + i:
+                report.rejected["unrequested"] += 1
+                self._reject(PROTOCOL, "unrequested")
+                self._penalize(peer, "unrequested")
+                break
+            parsed.append(se)
+        sub = self.ingest(parsed, PROTOCOL)
+        _merge(report, sub)
+        if any(r in _SENDER_FAULTS for r in sub.rejected):
+            self._penalize(peer, ",".join(sorted(sub.rejected)))
+        return report
+
+    # ---------------------------------------------------------------- anti-entropy: answerer
+
+    async def handle_sync(self, stream) -> None:
+        """Answer one sync session on ``/swarm/ledger/1.0.0``."""
+        peer = stream.muxed_conn.peer_id.to_base58()
+        try:
+            with trio.fail_after(self.config.sync_timeout):
+                hello = await _expect(stream, SyncHello)
+                await write_frame(stream, SyncHello(heads=tuple(self.ledger.heads()[:MAX_AUTHORS])))
+                wants, evidence = self.ledger.missing(hello.heads)
+                if wants or evidence:
+                    self.hint_sync(peer)  # push-pull: the caller has something we lack
+                for _ in range(MAX_REQUESTS_PER_STREAM):
+                    msg = await read_message(stream)
+                    if msg is None:
+                        break
+                    await write_frame(stream, self._answer(msg))
+        except RemoteProtocolError as e:
+            self._reject(PROTOCOL, e.reason)
+            self._penalize(peer, e.reason)
+            await _reset(stream)
+            return
+        except trio.TooSlowError:
+            self._reject(PROTOCOL, "timeout")
+            await _reset(stream)
+            return
+        except (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError):
+            await _reset(stream)
+            return
+        with trio.move_on_after(1):
+            try:
+                await stream.close()
+            except BaseLibp2pError:
+                pass
+
+    def _answer(self, msg: Message) -> Message:
+        if isinstance(msg, RangeRequest):
+            if msg.end < msg.start:
+                raise RemoteProtocolError("bad-range", f"{msg.start}..{msg.end}")
+            limit = min(self.config.sync_batch, msg.end - msg.start + 1)
+            raws = self.store.range(msg.author, msg.start, msg.end, limit=limit, max_bytes=MAX_REPLY_BYTES)
+            return RangeReply(id=msg.id, entries=tuple(raws))
+        if isinstance(msg, EvidenceRequest):
+            ev = self.ledger.evidence(msg.author)
+            return EvidenceReply(id=msg.id, a=ev.a.raw if ev else b"", b=ev.b.raw if ev else b"")
+        raise RemoteProtocolError("unexpected-message", msg.TYPE)
+
+    # ---------------------------------------------------------------- receipts
+
+    async def _receipt_loop(self) -> None:
+        while True:
+            with trio.move_on_after(self.config.receipt_interval):
+                await self._receipts_full.wait()
+            self._receipts_full = trio.Event()
+            await self.flush_receipts()
+
+
+def _merge(into: IngestReport, other: IngestReport) -> None:
+    into.accepted += other.accepted
+    into.duplicates += other.duplicates
+    into.equivocations += other.equivocations
+    into.gaps.extend(a for a in other.gaps if a not in into.gaps)
+    into.rejected.update(other.rejected)
+
+
+async def _expect(stream, cls, request_id: int | None = None):
+    msg = await read_message(stream)
+    if msg is None:
+        raise RemoteProtocolError("truncated", f"stream closed before {cls.TYPE}")
+    if not isinstance(msg, cls):
+        raise RemoteProtocolError("unexpected-message", f"{msg.TYPE} instead of {cls.TYPE}")
+    if request_id is not None and msg.id != request_id:
+        raise RemoteProtocolError("wrong-id", f"{msg.id} != {request_id}")
+    return msg
+
+
+async def _reset(stream) -> None:
+    with trio.move_on_after(1):
+        try:
+            await stream.reset()
+        except BaseLibp2pError:
+            pass
+
+
+async def serve_ledger(
+    node,
+    *,
+    wall_clock: Callable[[], float] = time.time,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the ledger of ``node`` until cancelled (see the module docstring)."""
+    config: LedgerConfig = node.run.section("ledger")
+    with open_ledger_store(node.data_dir) as store:
+        store.bind_run(node.run.name)
+        service = LedgerService(node, store, config, wall_clock=wall_clock)
+        problems = service.load()
+        if problems:
+            log.warning("ledger: repaired %d broken author tails on open", len(problems))
+        node.host.set_handler(PROTOCOL, service.handle_sync)
+        node.host.pubsub.set_topic_validator(service.topic, service.validate_gossip, False)
+        subscription = await node.host.pubsub.subscribe(service.topic)
+        node.services["ledger"] = service
+        node.status["ledger"] = service.status
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service._receive_loop, subscription)
+                nursery.start_soon(service._sync_loop)
+                nursery.start_soon(service._receipt_loop)
+                task_status.started(service)
+        finally:
+            # Bytes already received deserve their receipt; give the flush a moment, no more.
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + 2
+                try:
+                    await service.flush_receipts()
+                except (LedgerError, BaseLibp2pError):
+                    pass
+            node.host.pubsub.remove_topic_validator(service.topic)

@@ -1,0 +1,436 @@
+"""Pure ledger rules: entry parsing, chain checks, equivocation, totals, digest (no I/O, no clock)."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.identity import Identity
+from node.ledger.chain import Evidence, Head, Ledger, Outcome
+from node.ledger.entries import (
+    DOMAIN,
+    GENESIS,
+    MAX_ENTRY,
+    CheckpointPublished,
+    Entry,
+    Penalty,
+    ReceiptItem,
+    Receipts,
+    RolloutsJudged,
+    Verdict,
+    make_entry,
+    parse_entry,
+)
+from node.wire import Envelope, RemoteProtocolError, encode, pack, seal
+
+RUN = "test-run"
+NOW = 1_700_000_000_000  # ms; time is an argument, never the wall clock
+SKEW = 120_000
+
+TRAINER = Identity.from_seed(b"T" * 32)
+VALIDATOR = Identity.from_seed(b"V" * 32)
+WORKER = Identity.from_seed(b"W" * 32)
+OTHER = Identity.from_seed(b"O" * 32)
+
+
+def new_ledger() -> Ledger:
+    return Ledger(RUN, [TRAINER.peer_id], [VALIDATOR.peer_id], SKEW)
+
+
+def rollouts(samples=4, tokens=100, accepted=True, worker=WORKER):
+    return RolloutsJudged(
+        worker=worker.peer_id, step=1, accepted=accepted, samples=samples, tokens=tokens, batch_hash=b"b" * 32
+    )
+
+
+def receipt(peer=TRAINER, nbytes=1000):
+    return Receipts(items=(ReceiptItem(peer=peer.peer_id, manifest_id=b"m" * 32, nbytes=nbytes, pieces=1),))
+
+
+class Author:
+    """Builds a chain for one identity, like a node would."""
+
+    def __init__(self, identity, run=RUN):
+        self.identity = identity
+        self.run = run
+        self.seq = 0
+        self.prev = GENESIS
+
+    def next(self, body, time_ms=NOW, seq=None, prev=None):
+        se = make_entry(
+            self.identity, self.run, seq or self.seq + 1, self.prev if prev is None else prev, time_ms, body
+        )
+        if seq is None:
+            self.seq, self.prev = se.seq, se.hash
+        return se
+
+
+def add(ledger, se, now=NOW):
+    d = ledger.check(se, now)
+    if d.outcome is Outcome.ACCEPT:
+        ledger.apply(d)
+    return d
+
+
+# ------------------------------------------------------------------ entries
+
+
+def test_roundtrip_and_hash_is_of_envelope_bytes():
+    se = Author(TRAINER).next(rollouts())
+    parsed = parse_entry(se.raw)
+    assert parsed == se
+    from node.hashes import digest
+
+    assert parsed.hash == digest(se.raw)
+    assert parsed.body == rollouts()
+
+
+def test_bad_signature_rejected():
+    se = Author(TRAINER).next(rollouts())
+    env = se.envelope()
+    forged = Envelope(domain=env.domain, payload=env.payload, public_key=env.public_key,
+                      signature=bytes(64))
+    with pytest.raises(RemoteProtocolError) as e:
+        parse_entry(encode(forged))
+    assert e.value.reason == "bad-signature"
+
+
+def test_author_must_be_the_signer():
+    entry = Entry(run=RUN, author=TRAINER.peer_id, seq=1, prev=GENESIS, time_ms=NOW, kind="rollouts",
+                  body=encode(rollouts()))
+    raw = encode(seal(OTHER, DOMAIN, entry))  # OTHER signs an entry claiming to be TRAINER's
+    with pytest.raises(RemoteProtocolError) as e:
+        parse_entry(raw)
+    assert e.value.reason == "author-mismatch"
+
+
+def test_wrong_domain_rejected():
+    entry = Entry(run=RUN, author=TRAINER.peer_id, seq=1, prev=GENESIS, time_ms=NOW, kind="rollouts",
+                  body=encode(rollouts()))
+    with pytest.raises(RemoteProtocolError) as e:
+        parse_entry(encode(seal(TRAINER, "member-record", entry)))
+    assert e.value.reason == "wrong-domain"
+
+
+def test_unknown_kind_rejected():
+    entry = Entry(run=RUN, author=TRAINER.peer_id, seq=1, prev=GENESIS, time_ms=NOW, kind="free-money",
+                  body=encode(rollouts()))
+    with pytest.raises(RemoteProtocolError) as e:
+        parse_entry(encode(seal(TRAINER, DOMAIN, entry)))
+    assert e.value.reason == "unknown-kind"
+
+
+def test_body_of_another_kind_rejected():
+    entry = Entry(run=RUN, author=TRAINER.peer_id, seq=1, prev=GENESIS, time_ms=NOW, kind="verdict",
+                  body=encode(rollouts()))
+    with pytest.raises(RemoteProtocolError) as e:
+        parse_entry(encode(seal(TRAINER, DOMAIN, entry)))
+    assert e.value.reason == "wrong-type"
+
+
+def test_oversized_entry_and_body_rejected():
+    with pytest.raises(RemoteProtocolError) as e:
+        parse_entry(b"\x00" * (MAX_ENTRY + 1))
+    assert e.value.reason == "oversized"
+    big = {"t": "ledger-entry", "v": 1, "run": RUN, "author": TRAINER.peer_id, "seq": 1, "prev": GENESIS,
+           "time_ms": NOW, "kind": "rollouts", "body": b"x" * 7000}
+    raw = encode(seal(TRAINER, DOMAIN, pack(big)))
+    with pytest.raises(RemoteProtocolError) as e:
+        parse_entry(raw)
+    assert e.value.reason == "oversized"
+
+
+def test_non_canonical_encoding_rejected():
+    """A relay re-encoding an envelope (same signature) must not create a second 'same' entry."""
+    se = Author(TRAINER).next(rollouts())
+    wire = se.envelope().to_wire()
+    reordered = dict(reversed(list(wire.items())))
+    raw2 = msgpack.packb(reordered, use_bin_type=True)
+    assert raw2 != se.raw
+    with pytest.raises(RemoteProtocolError) as e:
+        parse_entry(raw2)
+    assert e.value.reason == "non-canonical"
+
+
+def test_bad_peer_id_in_body_rejected():
+    body = {"t": "penalty", "v": 1, "peer": "not-a-peer", "reason": "x", "points": 1, "ban_seconds": 0}
+    entry = Entry(run=RUN, author=TRAINER.peer_id, seq=1, prev=GENESIS, time_ms=NOW, kind="penalty",
+                  body=pack(body))
+    with pytest.raises(RemoteProtocolError) as e:
+        parse_entry(encode(seal(TRAINER, DOMAIN, entry)))
+    assert e.value.reason == "bad-message"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=2000))
+def test_parse_never_crashes_on_garbage(data):
+    try:
+        parse_entry(data)
+    except RemoteProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 255))
+def test_bit_flips_are_rejected(pos_seed, xor):
+    se = Author(TRAINER).next(rollouts())
+    pos = pos_seed % len(se.raw)
+    flipped = bytearray(se.raw)
+    flipped[pos] ^= xor or 1
+    with pytest.raises(RemoteProtocolError):
+        parse_entry(bytes(flipped))
+
+
+# ------------------------------------------------------------------ chain rules
+
+
+def test_append_and_totals():
+    led = new_ledger()
+    t, v, w = Author(TRAINER), Author(VALIDATOR), Author(WORKER)
+    assert add(led, t.next(rollouts(samples=4, tokens=100))).outcome is Outcome.ACCEPT
+    assert add(led, t.next(rollouts(samples=2, tokens=50, accepted=False))).outcome is Outcome.ACCEPT
+    assert add(led, t.next(CheckpointPublished(version=1, manifest_id=b"m" * 32, total_bytes=10))).outcome is Outcome.ACCEPT
+    assert add(led, v.next(Verdict(worker=WORKER.peer_id, step=1, batch_hash=b"b" * 32, ok=False,
+                                   reasons=("toploc",)))).outcome is Outcome.ACCEPT
+    assert add(led, v.next(Penalty(peer=WORKER.peer_id, reason="forged-proof", points=5,
+                                   ban_seconds=60))).outcome is Outcome.ACCEPT
+    assert add(led, w.next(receipt(TRAINER, 1234))).outcome is Outcome.ACCEPT
+    tot = led.totals()
+    assert tot[WORKER.peer_id]["rollouts_accepted"] == 4
+    assert tot[WORKER.peer_id]["rollouts_rejected"] == 2
+    assert tot[WORKER.peer_id]["tokens"] == 100
+    assert tot[WORKER.peer_id]["verdicts_failed"] == 1
+    assert tot[WORKER.peer_id]["penalties"] == 5
+    assert tot[WORKER.peer_id]["bans"] == 1
+    assert tot[WORKER.peer_id]["entries"] == 1
+    assert tot[VALIDATOR.peer_id]["verdicts"] == 1
+    assert tot[TRAINER.peer_id]["checkpoints"] == 1
+    assert tot[TRAINER.peer_id]["bytes_served"] == 1234
+    assert tot[TRAINER.peer_id]["entries"] == 3
+    assert len(led) == 6
+
+
+def test_receipt_for_oneself_credits_nothing():
+    led = new_ledger()
+    add(led, Author(WORKER).next(receipt(WORKER, 10**9)))
+    assert led.totals(WORKER.peer_id)[WORKER.peer_id]["bytes_served"] == 0
+
+
+def test_duplicate_is_idempotent():
+    led = new_ledger()
+    se = Author(TRAINER).next(rollouts())
+    assert add(led, se).outcome is Outcome.ACCEPT
+    before = led.totals()
+    assert add(led, se).outcome is Outcome.DUPLICATE
+    assert led.totals() == before
+
+
+def test_gap_is_not_stored():
+    led = new_ledger()
+    t = Author(TRAINER)
+    e1, e2, e3 = t.next(rollouts()), t.next(rollouts()), t.next(rollouts())
+    add(led, e1)
+    d = add(led, e3)
+    assert d.outcome is Outcome.GAP
+    assert led.head_of(TRAINER.peer_id) == 1
+    wants, _ = led.missing([Head(TRAINER.peer_id, 3, e3.hash, 0)])
+    assert [(w.start, w.end) for w in wants] == [(2, 3)]
+    assert add(led, e2).outcome is Outcome.ACCEPT
+    assert add(led, e3).outcome is Outcome.ACCEPT
+
+
+def test_first_entry_must_point_at_genesis():
+    se = Author(TRAINER).next(rollouts(), prev=b"x" * 32)
+    assert add(new_ledger(), se).reason == "bad-link"
+
+
+@pytest.mark.parametrize(
+    "author, body, reason",
+    [
+        (WORKER, rollouts(), "unauthorized"),  # only trainers judge rollouts
+        (VALIDATOR, rollouts(), "unauthorized"),
+        (TRAINER, Verdict(worker=WORKER.peer_id, step=1, batch_hash=b"b" * 32, ok=True), "unauthorized"),
+        (WORKER, Penalty(peer=OTHER.peer_id, reason="x", points=1), "unauthorized"),
+        (WORKER, CheckpointPublished(version=1, manifest_id=b"m" * 32, total_bytes=1), "unauthorized"),
+    ],
+)
+def test_authority(author, body, reason):
+    d = add(new_ledger(), Author(author).next(body))
+    assert d.outcome is Outcome.REJECT and d.reason == reason
+
+
+def test_penalty_allowed_from_trainer_and_validator():
+    led = new_ledger()
+    for ident in (TRAINER, VALIDATOR):
+        assert add(led, Author(ident).next(Penalty(peer=WORKER.peer_id, reason="x", points=1))).outcome is Outcome.ACCEPT
+
+
+def test_wrong_run_rejected():
+    d = add(new_ledger(), Author(TRAINER, run="other-run").next(rollouts()))
+    assert d.reason == "wrong-run"
+
+
+def test_future_timestamp_beyond_skew_rejected():
+    led = new_ledger()
+    assert add(led, Author(TRAINER).next(rollouts(), time_ms=NOW + SKEW + 1)).reason == "future-timestamp"
+    assert add(led, Author(TRAINER).next(rollouts(), time_ms=NOW + SKEW)).outcome is Outcome.ACCEPT
+    # the same entry becomes acceptable once our clock has caught up
+    late = Author(VALIDATOR).next(Penalty(peer=WORKER.peer_id, reason="x", points=1), time_ms=NOW + 10 * SKEW)
+    assert add(led, late, now=NOW).reason == "future-timestamp"
+    assert add(led, late, now=NOW + 10 * SKEW).outcome is Outcome.ACCEPT
+
+
+def test_time_must_not_go_backwards_within_a_log():
+    led = new_ledger()
+    t = Author(TRAINER)
+    add(led, t.next(rollouts(), time_ms=NOW))
+    d = add(led, t.next(rollouts(), time_ms=NOW - 1))
+    assert d.reason == "time-regress"
+
+
+def test_apply_refuses_a_non_accepted_decision():
+    led = new_ledger()
+    d = led.check(Author(WORKER).next(rollouts()), NOW)
+    with pytest.raises(ValueError):
+        led.apply(d)
+
+
+# ------------------------------------------------------------------ equivocation
+
+
+def fork_two_ways():
+    """An author that signs two different seq-3 entries (two branches of length 4)."""
+    t = Author(TRAINER)
+    common = [t.next(rollouts(samples=1, tokens=1)) for _ in range(2)]
+    base_seq, base_prev = t.seq, t.prev
+    branch_a = [t.next(rollouts(samples=10, tokens=10)) for _ in range(2)]
+    t.seq, t.prev = base_seq, base_prev
+    branch_b = [t.next(rollouts(samples=100, tokens=100)) for _ in range(2)]
+    return common, branch_a, branch_b
+
+
+def test_same_seq_equivocation_flags_and_excludes_after_fork():
+    common, a, b = fork_two_ways()
+    led = new_ledger()
+    for se in common + a:
+        assert add(led, se).outcome is Outcome.ACCEPT
+    assert led.totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == 22
+    d = add(led, b[0])
+    assert d.outcome is Outcome.EQUIVOCATION and d.conflict_seq == 3
+    assert led.add_evidence(Evidence(a[0], b[0])) is True
+    assert led.flagged() == {TRAINER.peer_id: 3}
+    # entries at or after the fork point give no credit
+    assert led.totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == 2
+    assert led.totals(TRAINER.peer_id)[TRAINER.peer_id]["entries"] == 2
+    # and no more entries are accepted beyond it
+    t = Author(TRAINER)
+    t.seq, t.prev = a[-1].seq, a[-1].hash
+    assert add(led, t.next(rollouts())).reason == "equivocator"
+
+
+def test_link_equivocation_detected():
+    common, a, b = fork_two_ways()
+    led = new_ledger()
+    for se in common + [a[0]]:
+        add(led, se)
+    d = add(led, b[1])  # seq 4 whose prev is b[0], not our a[0]
+    assert d.outcome is Outcome.EQUIVOCATION and d.conflict_seq == 3
+    assert led.add_evidence(Evidence(a[0], b[1])) is True
+    assert led.flagged() == {TRAINER.peer_id: 3}
+
+
+def test_invalid_evidence_refused():
+    common, a, b = fork_two_ways()
+    led = new_ledger()
+    with pytest.raises(RemoteProtocolError):
+        led.add_evidence(Evidence(a[0], a[0]))
+    with pytest.raises(RemoteProtocolError):
+        led.add_evidence(Evidence(a[0], a[1]))  # consistent link: proves nothing
+    with pytest.raises(RemoteProtocolError):
+        led.add_evidence(Evidence(common[0], a[1]))
+    other = Author(VALIDATOR).next(Penalty(peer=WORKER.peer_id, reason="x", points=1))
+    with pytest.raises(RemoteProtocolError):
+        led.add_evidence(Evidence(a[0], other))
+    assert led.flagged() == {}
+
+
+def test_replicas_that_saw_different_branches_converge_with_evidence():
+    common, a, b = fork_two_ways()
+    r1, r2 = new_ledger(), new_ledger()
+    for se in common + a:
+        add(r1, se)
+    for se in common + b:
+        add(r2, se)
+    assert r1.digest() != r2.digest()
+    ev = Evidence(a[0], b[0])
+    r1.add_evidence(ev)
+    r2.add_evidence(Evidence(b[0], a[0]))
+    assert r1.digest() == r2.digest()
+    assert r1.totals() == r2.totals()
+    assert r1.heads() == r2.heads()
+    assert r1.heads()[0].seq == 2
+
+
+def test_lower_fork_point_wins():
+    t = Author(TRAINER)
+    e = [t.next(rollouts(samples=1)) for _ in range(5)]
+    x2 = Author(TRAINER).next(rollouts(samples=7), seq=2, prev=e[0].hash)
+    x4 = Author(TRAINER).next(rollouts(samples=7), seq=4, prev=e[2].hash)
+    led = new_ledger()
+    for se in e:
+        add(led, se)
+    assert led.add_evidence(Evidence(e[3], x4)) is True
+    assert led.flagged()[TRAINER.peer_id] == 4
+    assert led.add_evidence(Evidence(e[1], x2)) is True
+    assert led.flagged()[TRAINER.peer_id] == 2
+    assert led.add_evidence(Evidence(e[3], x4)) is False
+    assert led.totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == 1
+    # a peer without evidence learns it must fetch ours
+    fresh = new_ledger()
+    add(fresh, e[0])
+    wants, evidence = fresh.missing(led.heads())
+    assert evidence == [TRAINER.peer_id]
+    assert wants == []  # nothing usable beyond seq 1 there
+
+
+def test_missing_detects_divergent_head():
+    common, a, b = fork_two_ways()
+    r1 = new_ledger()
+    for se in common + [a[0]]:
+        add(r1, se)
+    wants, _ = r1.missing([Head(TRAINER.peer_id, 3, b[0].hash, 0)])
+    assert [(w.start, w.end) for w in wants] == [(3, 3)]
+
+
+# ------------------------------------------------------------------ digest
+
+
+def test_digest_is_order_independent():
+    """Same entries learned in any order (gaps filled later) give the same digest."""
+    authors = [Author(TRAINER), Author(VALIDATOR), Author(WORKER), Author(OTHER)]
+    entries = []
+    for i in range(30):
+        a = authors[i % 4]
+        body = (
+            rollouts(samples=i) if a.identity is TRAINER
+            else Penalty(peer=WORKER.peer_id, reason="x", points=i) if a.identity is VALIDATOR
+            else receipt(TRAINER, i + 1)
+        )
+        entries.append(a.next(body))
+    ref = new_ledger()
+    for se in entries:
+        assert add(ref, se).outcome is Outcome.ACCEPT
+    for seed in range(5):
+        shuffled = entries[:]
+        random.Random(seed).shuffle(shuffled)
+        led = new_ledger()
+        pending = shuffled
+        while pending:  # re-offer gapped entries, as anti-entropy would
+            pending = [se for se in pending if add(led, se).outcome is Outcome.GAP]
+        assert led.digest() == ref.digest()
+        assert led.totals() == ref.totals()
+    assert new_ledger().digest() != ref.digest()
