@@ -1,0 +1,68 @@
+"""Several real nodes in one trio run over loopback sockets: convergence and garbage on gossip."""
+
+from __future__ import annotations
+
+import trio
+
+from node.gossip.records import DOMAIN_RECORD, PeerRecord
+from node.host import open_swarm_host
+from node.identity import Identity
+from node.wire import encode, seal
+
+from swarmtest import node_config, open_nodes
+
+CONVERGE_BOUND = 45.0  # generous: a correctness bound on a shared 2-core machine, not a speed test
+
+
+async def wait_for(predicate, bound: float) -> None:
+    with trio.fail_after(bound):
+        while not predicate():
+            await trio.sleep(0.1)
+
+
+def sees_all(nodes) -> bool:
+    ids = {n.peer_id for n in nodes}
+    return all(set(n.services["membership"].table.alive()) == ids - {n.peer_id} for n in nodes)
+
+
+async def test_nodes_converge_through_one_bootstrap(tmp_path, fast_membership):
+    roles = ["relay", "trainer", "validator", "inference", "inference"]
+    configs = [node_config(tmp_path, f"n{i}", role, membership=fast_membership) for i, role in enumerate(roles)]
+    async with open_nodes(configs) as nodes:
+        await wait_for(lambda: sees_all(nodes), CONVERGE_BOUND)
+        relay_view = nodes[0].services["membership"].members()
+        assert sorted(relay_view.values()) == sorted(roles[1:])
+
+
+async def test_forged_and_oversized_records_rejected_and_counted(tmp_path, fast_membership):
+    configs = [node_config(tmp_path, f"n{i}", membership=fast_membership) for i in range(2)]
+    async with open_nodes(configs) as nodes:
+        target = nodes[0]
+        await wait_for(lambda: sees_all(nodes), CONVERGE_BOUND)
+        topic = target.topic("members")
+        mallory, victim = Identity.generate(), nodes[1]
+        async with open_swarm_host(mallory, ["/ip4/127.0.0.1/tcp/0"]) as host:
+            await host.pubsub.subscribe(topic)
+            await host.connect(target.host.listen_addrs()[0])
+            await trio.sleep(1.5)  # let the subscription and mesh form (gossipsub heartbeat 1 s)
+            victim_record = target.services["membership"].table.members[victim.peer_id].record
+            forged = PeerRecord(
+                run="test", peer_id=victim.peer_id, role="trainer", addrs=["/ip4/6.6.6.6/tcp/1"],
+                software="evil", seq=victim_record.seq + 1000,
+            )
+            await host.pubsub.publish(topic, encode(seal(mallory, DOMAIN_RECORD, forged)))
+            await host.pubsub.publish(topic, b"\x91" * 10_000)  # oversized garbage
+            await host.pubsub.publish(topic, b"\xc1")  # invalid msgpack
+
+            def counted() -> bool:
+                r = target.metrics.rejections()
+                return r.get(f"{topic}/forged", 0) >= 1 and r.get(f"{topic}/oversized", 0) >= 1 and r.get(f"{topic}/malformed", 0) >= 1
+
+            await wait_for(counted, 20)
+        record = target.services["membership"].table.members[victim.peer_id].record
+        assert record.role == "relay" and record.software != "evil"  # state untouched
+        status = target.status["membership"]()
+        assert status["rejected"][f"{topic}/forged"] >= 1
+        # still running: the victim's real record refresh is still accepted
+        victim.services["membership"].update(load=3.0)
+        await wait_for(lambda: target.services["membership"].table.members[victim.peer_id].record.load == 3.0, 20)
