@@ -1,0 +1,220 @@
+"""Ledger service in one process: real libp2p hosts on loopback, gossip and anti-entropy sync."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from node.config import NodeConfig, RunConfig
+from node.context import NodeContext
+from node.host import open_swarm_host
+from node.identity import Identity
+from node.ledger.chain import Head
+from node.ledger.entries import (
+    GENESIS,
+    Penalty,
+    RolloutsJudged,
+    make_entry,
+    parse_entry,
+)
+from node.ledger.store import open_ledger_store
+from node.ledger.sync import (
+    PROTOCOL,
+    LedgerError,
+    RangeReply,
+    RangeRequest,
+    SyncHello,
+    serve_ledger,
+)
+from node.wire import read_message, write_frame
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+RUN = "ledger-test"
+TRAINER = Identity.from_seed(b"t" * 32)
+VALIDATOR = Identity.from_seed(b"v" * 32)
+WORKER = Identity.from_seed(b"w" * 32)
+FAST = {"sync_interval": 0.3, "sync_timeout": 10.0, "receipt_interval": 0.3, "sync_batch": 7}
+
+
+def run_config(**ledger) -> RunConfig:
+    return RunConfig(
+        name=RUN, trainers=[TRAINER.peer_id], validators=[VALIDATOR.peer_id], tables={"ledger": {**FAST, **ledger}}
+    )
+
+
+@asynccontextmanager
+async def open_ledger_node(tmp_path, name: str, identity: Identity | None = None, run: RunConfig | None = None):
+    """A host plus the ledger service only (no membership), in its own data dir."""
+    identity = identity or Identity.generate()
+    config = NodeConfig(listen=LOOPBACK, data_dir=str(tmp_path / name), run=run or run_config())
+    async with open_swarm_host(identity, LOOPBACK) as host:
+        node = NodeContext(config, identity, host, tmp_path / name)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_ledger, node)
+            yield node
+            nursery.cancel_scope.cancel()
+
+
+def rollouts(samples: int, worker: Identity = WORKER) -> RolloutsJudged:
+    return RolloutsJudged(
+        worker=worker.peer_id, step=1, accepted=True, samples=samples, tokens=samples * 10, batch_hash=b"h" * 32
+    )
+
+
+def penalty(points: int) -> Penalty:
+    return Penalty(peer=WORKER.peer_id, reason="slow", points=points)
+
+
+async def connect(a: NodeContext, b: NodeContext) -> None:
+    await a.host.connect(b.host.listen_addrs()[0])
+
+
+async def wait_for(predicate, timeout: float = 20.0, step: float = 0.05) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(step)
+
+
+def ledger(node: NodeContext):
+    return node.services["ledger"]
+
+
+async def test_three_nodes_offline_node_catches_up(tmp_path):
+    """Two nodes append while the third is offline; it starts later and reaches the same digest."""
+    async with open_ledger_node(tmp_path, "t", TRAINER) as t, open_ledger_node(tmp_path, "v", VALIDATOR) as v:
+        await connect(t, v)
+        for i in range(20):
+            await ledger(t).append(rollouts(i + 1))
+            await ledger(v).append(penalty(i))
+        await wait_for(lambda: ledger(t).digest() == ledger(v).digest())
+        async with open_ledger_node(tmp_path, "w", WORKER) as w:
+            assert len(ledger(w).ledger) == 0
+            await connect(w, t)
+            await wait_for(lambda: ledger(w).digest() == ledger(t).digest())
+            assert len(ledger(w).ledger) == 40
+            assert ledger(w).totals() == ledger(t).totals()
+            assert ledger(w).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == sum(range(1, 21))
+            # nothing was rejected along the way
+            assert not ledger(w).rejections and not ledger(t).rejections and not ledger(v).rejections
+            # and the worker's own entries flow back
+            ledger(w).note_received(TRAINER.peer_id, b"m" * 32, 5000)
+            ledger(w).note_received(TRAINER.peer_id, b"m" * 32, 3000)
+            await wait_for(lambda: ledger(t).totals(TRAINER.peer_id)[TRAINER.peer_id]["bytes_served"] == 8000)
+            assert ledger(w).ledger.head_of(WORKER.peer_id) == 1  # one batched receipt entry
+
+
+async def test_restart_resumes_from_disk(tmp_path):
+    async with open_ledger_node(tmp_path, "t", TRAINER) as t:
+        for i in range(5):
+            await ledger(t).append(rollouts(i + 1))
+        digest = ledger(t).digest()
+        status = t.status["ledger"]()
+        assert status["entries"] == 5 and status["own_seq"] == 5
+    async with open_ledger_node(tmp_path, "t", TRAINER) as t:
+        assert ledger(t).digest() == digest
+        se = await ledger(t).append(rollouts(9))
+        assert se.seq == 6
+
+
+async def test_unauthorized_append_is_refused_locally(tmp_path):
+    async with open_ledger_node(tmp_path, "w", WORKER) as w:
+        with pytest.raises(LedgerError):
+            await ledger(w).append(rollouts(1))
+        assert len(ledger(w).ledger) == 0
+
+
+async def test_wrong_run_database_is_refused(tmp_path):
+    async with open_ledger_node(tmp_path, "n", WORKER):
+        pass
+    other = RunConfig(name="another-run", tables={"ledger": FAST})
+    with pytest.raises(BaseException) as info:
+        async with open_ledger_node(tmp_path, "n", WORKER, run=other):
+            pass
+    assert any("belongs to run 'ledger-test'" in str(e) for e in leaves(info.value))
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in leaves(e)]
+    return [exc]
+
+
+async def test_forged_and_bad_entries_rejected_over_gossip(tmp_path):
+    """Garbage, forged signatures, unauthorized kinds and wrong-run entries are counted, not stored."""
+    async with open_ledger_node(tmp_path, "t", TRAINER) as t, open_ledger_node(tmp_path, "w", WORKER) as w:
+        await connect(t, w)
+        await ledger(t).append(rollouts(1))
+        await wait_for(lambda: ledger(w).digest() == ledger(t).digest())
+        topic = ledger(t).topic
+        forged_bytes = bytearray(make_entry(TRAINER, RUN, 2, ledger(t).ledger.hash_at(TRAINER.peer_id, 1), 1, rollouts(99)).raw)
+        forged_bytes[-1] ^= 1  # break the signature
+        # publish from the raw pubsub of a third, hostile host so our own validator isn't in the way
+        mallory = Identity.generate()
+        async with open_swarm_host(mallory, LOOPBACK) as m:
+            await m.connect(w.host.listen_addrs()[0])
+            await m.pubsub.subscribe(topic)
+            await trio.sleep(2.5)  # let the mesh form (heartbeat 1 s)
+            bad = [
+                b"\x93garbage",
+                bytes(forged_bytes),
+                make_entry(mallory, RUN, 1, GENESIS, 1, rollouts(1000)).raw,  # not a trainer
+                make_entry(mallory, "other-run", 1, GENESIS, 1, penalty(1)).raw,
+            ]
+            for data in bad:
+                await m.pubsub.publish(topic, data)
+            await wait_for(lambda: sum(ledger(w).rejections.values()) >= 4)
+        rej = ledger(w).rejections
+        assert rej[f"{topic}/malformed"] == 1
+        assert rej[f"{topic}/bad-signature"] == 1
+        assert rej[f"{topic}/unauthorized"] == 1
+        assert rej[f"{topic}/wrong-run"] == 1
+        assert len(ledger(w).ledger) == 1
+        assert ledger(w).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == 1
+        with open_ledger_store(w.data_dir) as store:
+            assert store.count() == 1
+
+
+async def test_equivocation_is_caught_spread_and_shown(tmp_path):
+    """A trainer signs two different seq-2 entries and shows each to a different peer."""
+    a_first = make_entry(TRAINER, RUN, 1, GENESIS, 1, rollouts(1))
+    x = make_entry(TRAINER, RUN, 2, a_first.hash, 2, rollouts(10))
+    y = make_entry(TRAINER, RUN, 2, a_first.hash, 2, rollouts(500))
+    async with open_ledger_node(tmp_path, "p", VALIDATOR) as p, open_ledger_node(tmp_path, "q", WORKER) as q:
+        rep_p = ledger(p).ingest([a_first.raw, x.raw], "test")
+        rep_q = ledger(q).ingest([a_first.raw, y.raw], "test")
+        assert rep_p.accepted == rep_q.accepted == 2
+        assert ledger(p).digest() != ledger(q).digest()
+        await connect(p, q)
+        await wait_for(lambda: ledger(p).ledger.flagged() and ledger(q).ledger.flagged())
+        await wait_for(lambda: ledger(p).digest() == ledger(q).digest())
+        for node in (p, q):
+            assert ledger(node).ledger.flagged() == {TRAINER.peer_id: 2}
+            assert node.status["ledger"]()["flagged"] == {TRAINER.peer_id: 2}
+            # only the entry before the fork counts
+            assert ledger(node).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == 1
+            with open_ledger_store(node.data_dir) as store:
+                assert len(list(store.iter_evidence())) == 1
+        # the evidence survives a restart
+    async with open_ledger_node(tmp_path, "p", VALIDATOR) as p:
+        assert ledger(p).ledger.flagged() == {TRAINER.peer_id: 2}
+
+
+async def test_sync_server_answers_bounded_batches_and_rejects_junk(tmp_path):
+    async with open_ledger_node(tmp_path, "t", TRAINER) as t:
+        for i in range(20):
+            await ledger(t).append(rollouts(i + 1))
+        async with open_swarm_host(Identity.generate(), LOOPBACK) as client:
+            peer = await client.connect(t.host.listen_addrs()[0])
+            stream = await client.open_stream(peer, PROTOCOL)
+            await write_frame(stream, SyncHello(heads=()))
+            hello = await read_message(stream)
+            assert isinstance(hello, SyncHello)
+            assert hello.heads == (Head(TRAINER.peer_id, 20, ledger(t).ledger.hash_at(TRAINER.peer_id, 20), 0),)
+            await write_frame(stream, RangeRequest(id=7, author=TRAINER.peer_id, start=3, end=1000))
+            reply = await read_message(stream)
+            assert isinstance(reply, RangeReply) and reply.id == 7
+            assert [parse_entry(r).seq for r in reply.entries] == list(range(3, 10))  # sync_batch = 7
+            await write_frame(stream, b"\x00\x01junk")
+            await wait_for(lambda: ledger(t).rejections.get(f"{PROTOCOL}/malformed", 0) == 1)
