@@ -41,7 +41,7 @@ class SuperSeeder:
             if 0 <= i < self.num_pieces and i not in d.holds:
                 d.holds.add(i)
                 self.held[i] += 1
-        return self._top_up(peer)
+        return self.top_up(peer)
 
     def on_have(self, peer: str, piece: int) -> list[int]:
         """A downloader finished a piece. Returns further pieces to reveal to it."""
@@ -52,7 +52,7 @@ class SuperSeeder:
             d.holds.add(piece)
             self.held[piece] += 1
         d.revealed.discard(piece)
-        return self._top_up(peer)
+        return self.top_up(peer)
 
     def on_peer_gone(self, peer: str) -> None:
         d = self.peers.pop(peer, None)
@@ -67,16 +67,21 @@ class SuperSeeder:
         d = self.peers.get(peer)
         return set() if d is None else d.revealed | set()
 
-    def _top_up(self, peer: str) -> list[int]:
-        d = self.peers[peer]
+    def top_up(self, peer: str) -> list[int]:
+        """Reveal pieces to ``peer`` until it has ``reveal_ahead`` outstanding; returns the new ones."""
+        d = self.peers.get(peer)
+        if d is None:
+            return []
         out: list[int] = []
         while len(d.revealed) < self.reveal_ahead:
             options = [i for i in range(self.num_pieces) if i not in d.holds and i not in d.revealed]
             if not options:
                 break
-            # Least spread first: pieces we have sent least, then pieces the swarm holds least.
-            key = min((self.sent[i], self.held[i]) for i in options)
-            piece = self.rng.choice([i for i in options if (self.sent[i], self.held[i]) == key])
+            # Pieces no downloader holds yet first (the others it can get from its peers), then the
+            # ones we have sent least, then the ones the swarm holds least.
+            keys = {i: (self.held[i] > 0, self.sent[i], self.held[i]) for i in options}
+            best = min(keys.values())
+            piece = self.rng.choice([i for i, k in keys.items() if k == best])
             d.revealed.add(piece)
             self.sent[piece] += 1
             out.append(piece)

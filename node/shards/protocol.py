@@ -1,0 +1,158 @@
+"""Wire messages of ``/swarm/shards/1.0.0`` and of the checkpoint announcements.
+
+How this works
+--------------
+A stream starts with one message from the side that opened it:
+
+* ``ManifestRequest(root)`` -> one ``ManifestReply(envelope)`` or ``Reject``; the stream closes.
+* ``Hello(root, bitfield)`` opens a transfer session for one manifest. The server answers with its
+  ``Bitfield`` (or ``Reject`` and closes). Then, in any order, until either side closes:
+  the downloader sends ``Request(piece, offset, length)``, ``Cancel(...)`` and ``Have(piece)`` (so the
+  server knows what it may hand to whom: super-seeding); the server sends ``Data(piece, offset,
+  bytes)`` or ``Reject(piece, offset, reason)`` per request, and ``Have(piece)`` when it verifies
+  (or reveals) a piece, so a relay serves pieces onward while it is still downloading.
+
+This follows BitTorrent's peer wire protocol (BEP 3: bitfield, have, request, piece, cancel) with
+BEP 6's reject; choking is replaced by a bounded serving queue per session and a global cap on
+requests served at once. Frames are capped at :data:`MAX_SHARDS_FRAME`; every field is bounded.
+
+Announcements (gossip, ``/swarm/<run>/checkpoints/1``) are :class:`Announce` sealed by a trainer
+under :data:`ANNOUNCE_DOMAIN`: the manifest itself may be larger than a gossip message, so only its
+root id travels there and the manifest is fetched over a stream and checked against that id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..hashes import DIGEST_SIZE
+from ..identity import peer_id_of
+from ..wire import Envelope, Message, RemoteProtocolError, bounded, decode_as, register
+from .manifest import MAX_FILE_NAME, MAX_MANIFEST_BYTES, MAX_PIECE_SIZE, MAX_PIECES, MAX_TOTAL_SIZE, MAX_VERSION
+
+PROTOCOL = "/swarm/shards/1.0.0"
+ANNOUNCE_DOMAIN = "shards-announce"
+MAX_BLOCK = 1 << 20  # largest block a request may ask for (config block_size <= this)
+MAX_BITFIELD = MAX_PIECES // 8
+MAX_REASON = 32
+# The largest frame either side reads: a manifest reply or a data block, plus msgpack overhead.
+MAX_SHARDS_FRAME = max(MAX_MANIFEST_BYTES + 1024, MAX_BLOCK + 1024) + MAX_FILE_NAME
+MAX_ANNOUNCE = 1024
+
+_piece = dict(min=0, max=MAX_PIECES - 1)
+
+
+@register
+@dataclass(frozen=True)
+class ManifestRequest(Message):
+    TYPE: ClassVar[str] = "shards.manifest-request"
+    root: bytes = bounded(exact_len=DIGEST_SIZE)
+
+
+@register
+@dataclass(frozen=True)
+class ManifestReply(Message):
+    TYPE: ClassVar[str] = "shards.manifest-reply"
+    envelope: Envelope = bounded()
+
+
+@register
+@dataclass(frozen=True)
+class Hello(Message):
+    TYPE: ClassVar[str] = "shards.hello"
+    root: bytes = bounded(exact_len=DIGEST_SIZE)
+    bitfield: bytes = bounded(max_len=MAX_BITFIELD)
+
+
+@register
+@dataclass(frozen=True)
+class Bitfield(Message):
+    TYPE: ClassVar[str] = "shards.bitfield"
+    bitfield: bytes = bounded(max_len=MAX_BITFIELD)
+
+
+@register
+@dataclass(frozen=True)
+class Have(Message):
+    TYPE: ClassVar[str] = "shards.have"
+    piece: int = bounded(**_piece)
+
+
+@register
+@dataclass(frozen=True)
+class Request(Message):
+    TYPE: ClassVar[str] = "shards.request"
+    piece: int = bounded(**_piece)
+    offset: int = bounded(min=0, max=MAX_PIECE_SIZE - 1)
+    length: int = bounded(min=1, max=MAX_BLOCK)
+
+
+@register
+@dataclass(frozen=True)
+class Cancel(Message):
+    TYPE: ClassVar[str] = "shards.cancel"
+    piece: int = bounded(**_piece)
+    offset: int = bounded(min=0, max=MAX_PIECE_SIZE - 1)
+    length: int = bounded(min=1, max=MAX_BLOCK)
+
+
+@register
+@dataclass(frozen=True)
+class Data(Message):
+    TYPE: ClassVar[str] = "shards.data"
+    piece: int = bounded(**_piece)
+    offset: int = bounded(min=0, max=MAX_PIECE_SIZE - 1)
+    data: bytes = bounded(max_len=MAX_BLOCK)
+
+
+@register
+@dataclass(frozen=True)
+class Reject(Message):
+    """A request (piece >= 0) or the whole stream (piece = -1) refused, with a short reason."""
+
+    TYPE: ClassVar[str] = "shards.reject"
+    piece: int = bounded(min=-1, max=MAX_PIECES - 1)
+    offset: int = bounded(min=0, max=MAX_PIECE_SIZE - 1)
+    reason: str = bounded(max_len=MAX_REASON)
+
+
+# Reject reasons
+UNKNOWN_ROOT = "unknown-root"
+NOT_HELD = "not-held"
+BAD_RANGE = "bad-range"
+BUSY = "busy"
+BANNED = "banned"
+
+
+@register
+@dataclass(frozen=True)
+class Announce(Message):
+    """A trainer says: version ``version`` of ``run`` is the manifest with root id ``root``."""
+
+    TYPE: ClassVar[str] = "shards.announce"
+    run: str = bounded(max_len=64)
+    version: int = bounded(min=0, max=MAX_VERSION)
+    root: bytes = bounded(exact_len=DIGEST_SIZE)
+    total_size: int = bounded(min=1, max=MAX_TOTAL_SIZE)
+    num_pieces: int = bounded(min=1, max=MAX_PIECES)
+
+
+@dataclass(frozen=True)
+class SignedAnnounce:
+    announce: Announce
+    signer: str
+
+
+def open_announce(data: bytes, run: str, trainers: list[str]) -> SignedAnnounce:
+    """Check a gossip announcement: size, envelope, signature, trainer, run. RemoteProtocolError."""
+    if len(data) > MAX_ANNOUNCE:
+        raise RemoteProtocolError("oversized", f"announce of {len(data)} bytes")
+    env = decode_as(Envelope, data, max_size=MAX_ANNOUNCE)
+    msg = env.open_as(ANNOUNCE_DOMAIN, Announce, max_size=MAX_ANNOUNCE)
+    signer = peer_id_of(env.public_key)
+    if signer not in trainers:
+        raise RemoteProtocolError("not-trainer", signer)
+    if msg.run != run:
+        raise RemoteProtocolError("wrong-run", msg.run)
+    return SignedAnnounce(msg, signer)

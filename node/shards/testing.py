@@ -1,0 +1,64 @@
+"""In-process shards nodes on loopback, for tests and benchmarks (no CLI, no roles)."""
+
+from __future__ import annotations
+
+import os
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+from ..config import NodeConfig, RunConfig
+from ..context import NodeContext
+from ..host import GossipParams, open_swarm_host
+from ..identity import Identity
+from .config import ShardsConfig
+from .service import ShardsService
+
+
+def write_checkpoint(folder: Path, size: int, seed: int = 0, files: int = 3) -> Path:
+    """A fake model folder of ``size`` bytes spread over ``files`` files (random, reproducible)."""
+    import random
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    (folder / "config.json").write_text('{"model_type": "test", "seed": %d}' % seed)
+    rest = size - (folder / "config.json").stat().st_size
+    for k in range(files - 1):
+        n = rest // (files - 1) + (rest % (files - 1) if k == files - 2 else 0)
+        (folder / f"model-{k:05d}.safetensors").write_bytes(rng.randbytes(n))
+    return folder
+
+
+def same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir() if not p.name.startswith("."))
+    if names != sorted(p.name for p in b.iterdir() if not p.name.startswith(".")):
+        return False
+    return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+@asynccontextmanager
+async def open_shards_node(
+    data_dir: Path,
+    *,
+    identity: Identity | None = None,
+    trainers: list[str],
+    role: str = "relay",
+    run: str = "test",
+    service_class: type[ShardsService] = ShardsService,
+    listen: str = "/ip4/127.0.0.1/tcp/0",
+    **shards: object,
+):
+    """A host plus the shards service; yields the NodeContext (service in ``services["shards"]``)."""
+    identity = identity or Identity.generate()
+    tables = {"shards": dict(shards)}
+    config = NodeConfig(role=role, listen=[listen], data_dir=str(data_dir),
+                        run=RunConfig(name=run, trainers=trainers, tables=tables))
+    cfg = config.run.section("shards", ShardsConfig)
+    os.makedirs(data_dir, exist_ok=True)
+    async with open_swarm_host(identity, [listen], GossipParams()) as host:
+        node = NodeContext(config=config, identity=identity, host=host, data_dir=Path(data_dir))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service_class(node, cfg).run)
+            yield node
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,123 @@
+"""In-process swarms on loopback: honest downloads, lying and silent peers, resume."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import pytest
+import trio
+
+from node.identity import Identity
+from node.shards.protocol import Data
+from node.shards.service import ShardsService, _ServerSession
+from node.shards.testing import open_shards_node, same_files, write_checkpoint
+
+MiB = 1 << 20
+FAST = dict(announce_interval=0.5, request_timeout=2.0, progress=False)
+
+
+async def connect_all(nodes) -> None:
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1 :]:
+            await a.host.connect(b.host.listen_addrs()[0])
+
+
+async def test_relay_fetches_published_version(tmp_path: Path) -> None:
+    trainer = Identity.generate()
+    src = write_checkpoint(tmp_path / "ckpt", 5 * MiB + 123, seed=1)
+    with trio.fail_after(60):
+        async with AsyncExitStack() as stack:
+            t = await stack.enter_async_context(
+                open_shards_node(tmp_path / "t", identity=trainer, trainers=[trainer.peer_id], role="trainer", **FAST))
+            r = await stack.enter_async_context(
+                open_shards_node(tmp_path / "r", trainers=[trainer.peer_id], role="relay", **FAST))
+            await connect_all([t, r])
+            signed = await t.services["shards"].publish(src, 7)
+            path = await r.services["shards"].wait_version(7)
+            assert same_files(src, path)
+            receipts = r.services["shards"].receipts()
+            assert receipts == {(t.peer_id, signed.root.hex()): signed.manifest.total_size}
+            assert r.services["shards"].status()["held"] == [7]
+
+
+class FlipBytes(_ServerSession):
+    def reply_to(self, req):
+        reply = super().reply_to(req)
+        if isinstance(reply, Data):
+            return Data(piece=reply.piece, offset=reply.offset, data=bytes([reply.data[0] ^ 0xFF]) + reply.data[1:])
+        return reply
+
+
+class WrongLength(_ServerSession):
+    def reply_to(self, req):
+        reply = super().reply_to(req)
+        if isinstance(reply, Data):
+            return Data(piece=reply.piece, offset=reply.offset, data=reply.data[:-1])
+        return reply
+
+
+class Silent(_ServerSession):
+    def reply_to(self, req):
+        return None  # accepts requests, never answers
+
+
+def liar(session_class):
+    return type(f"Liar{session_class.__name__}", (ShardsService,), {"server_session_class": session_class})
+
+
+SMALL = dict(piece_size=64 * 1024, block_size=16 * 1024, **FAST)
+
+
+async def test_liars_are_banned_and_download_is_correct(tmp_path: Path) -> None:
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    src = write_checkpoint(tmp_path / "ckpt", 8 * MiB, seed=2)
+    with trio.fail_after(90):
+        async with AsyncExitStack() as stack:
+            async def node(name, **kw):
+                return await stack.enter_async_context(open_shards_node(tmp_path / name, trainers=tr, **kw))
+
+            t = await node("t", identity=trainer, role="trainer", **SMALL)
+            honest = await node("h", role="relay", fetch="none", **SMALL)
+            flip = await node("flip", role="relay", fetch="none", service_class=liar(FlipBytes), **SMALL)
+            short = await node("short", role="relay", fetch="none", service_class=liar(WrongLength), **SMALL)
+            signed = await t.services["shards"].publish(src, 1)
+            for n in (honest, flip, short):
+                await n.services["shards"].seed(src, signed)
+            d = await node("d", role="inference", **SMALL)
+            await connect_all([t, honest, flip, short, d])
+            svc = d.services["shards"]
+            path = await svc.wait_version(1)
+            assert same_files(src, path)
+            now = trio.current_time()
+            assert svc.is_banned(flip.peer_id, now)
+            assert svc.is_banned(short.peer_id, now)
+            assert not svc.is_banned(honest.peer_id, now) and not svc.is_banned(t.peer_id, now)
+            credited = {peer for peer, _ in svc.receipts()}
+            assert flip.peer_id not in credited and short.peer_id not in credited
+            assert sum(svc.receipts().values()) == signed.manifest.total_size
+            rejected = d.metrics.rejections()
+            assert rejected.get("shards/bad-piece", 0) >= 1 and rejected.get("shards/wrong-length", 0) == 1
+
+
+async def test_silent_peer_is_banned_and_download_completes(tmp_path: Path) -> None:
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    src = write_checkpoint(tmp_path / "ckpt", 4 * MiB, seed=3)
+    slow = dict(SMALL, request_timeout=1.0)
+    with trio.fail_after(90):
+        async with AsyncExitStack() as stack:
+            t = await stack.enter_async_context(open_shards_node(
+                tmp_path / "t", identity=trainer, trainers=tr, role="trainer", upload_rate=1 * MiB, **slow))
+            silent = await stack.enter_async_context(open_shards_node(
+                tmp_path / "s", trainers=tr, fetch="none", service_class=liar(Silent), **slow))
+            signed = await t.services["shards"].publish(src, 1)
+            await silent.services["shards"].seed(src, signed)
+            d = await stack.enter_async_context(open_shards_node(tmp_path / "d", trainers=tr, **slow))
+            await connect_all([t, silent, d])
+            svc = d.services["shards"]
+            path = await svc.wait_version(1)
+            assert same_files(src, path)
+            assert svc.is_banned(silent.peer_id, trio.current_time())
+            assert d.metrics.rejections().get("shards/unresponsive") == 1
