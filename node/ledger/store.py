@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..wire import RemoteProtocolError
-from .chain import Evidence
+from .chain import Evidence, Ledger
 from .entries import GENESIS, SignedEntry, parse_entry
 
 DB_FILE = "ledger.sqlite"
@@ -222,6 +222,19 @@ def _row_problem(author: str, seq: int, h: bytes, raw: bytes, expect: int, prev:
     if prev is None or se.prev != prev:
         return "bad-link"
     return None
+
+
+def rebuild(store: LedgerStore, ledger: Ledger) -> None:
+    """Load every stored entry and piece of evidence into an empty replica.
+
+    Signatures of entries are not re-checked (they were before they were stored; ``verify_tail`` and
+    ``ledger verify`` re-check them); links are, by :meth:`Ledger.restore`. Evidence is re-verified,
+    since it is small and decides whose credit is excluded.
+    """
+    for _author, _seq, _hash, raw in store.iter_raw():
+        ledger.restore(parse_entry(raw, verify_signature=False))
+    for raw_a, raw_b in store.iter_evidence():
+        ledger.add_evidence(Evidence(parse_entry(raw_a), parse_entry(raw_b)))
 
 
 def open_ledger_store(data_dir: Path, *, read_only: bool = False) -> LedgerStore:

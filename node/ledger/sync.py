@@ -49,7 +49,7 @@ from ..wire import (
 from .chain import Decision, Evidence, Head, Ledger, Outcome
 from .config import LedgerConfig
 from .entries import MAX_ENTRY, MAX_RECEIPT_ITEMS, Body, ReceiptItem, Receipts, SignedEntry, parse_entry
-from .store import LedgerStore, open_ledger_store
+from .store import LedgerStore, open_ledger_store, rebuild
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +186,7 @@ class LedgerService:
             dropped = self.store.truncate(author, seq)
             log.warning("ledger: %s's stored chain broken at seq %d (%s); dropped %d entries", author, seq, reason, dropped)
             self._reject("store", reason)
-        for _author, _seq, _h, raw in self.store.iter_raw():
-            self.ledger.restore(parse_entry(raw, verify_signature=False))
-        for raw_a, raw_b in self.store.iter_evidence():
-            a, b = parse_entry(raw_a), parse_entry(raw_b)
-            self.ledger.add_evidence(Evidence(a, b))
+        rebuild(self.store, self.ledger)
         self._update_gauges()
         return problems
 

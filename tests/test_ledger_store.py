@@ -1,0 +1,158 @@
+"""Ledger database and CLI: transactions, tail repair, verify, export (no network)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+
+import pytest
+
+from node.identity import Identity
+from node.ledger import cli
+from node.ledger.chain import Evidence, Ledger
+from node.ledger.entries import GENESIS, Penalty, RolloutsJudged, make_entry
+from node.ledger.store import DB_FILE, LedgerStoreError, open_ledger_store, rebuild
+
+RUN = "store-test"
+TRAINER = Identity.from_seed(b"s" * 32)
+WORKER = Identity.from_seed(b"k" * 32)
+
+
+def chain(identity, n, run=RUN, start_samples=1):
+    out, prev = [], GENESIS
+    for i in range(n):
+        body = RolloutsJudged(worker=WORKER.peer_id, step=i, accepted=True, samples=start_samples + i, tokens=1,
+                              batch_hash=b"h" * 32)
+        se = make_entry(identity, run, i + 1, prev, 1000 + i, body)
+        out.append(se)
+        prev = se.hash
+    return out
+
+
+def write_db(tmp_path, entries, evidence=()):
+    with open_ledger_store(tmp_path) as store:
+        store.bind_run(RUN)
+        store.commit(entries, list(evidence), durable=True)
+
+
+def run_cli(argv, capsys):
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    cli.add_commands(sub)
+    args = parser.parse_args(argv)
+    rc = args.func(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_commit_is_one_transaction(tmp_path):
+    entries = chain(TRAINER, 5)
+    with open_ledger_store(tmp_path) as store:
+        store.commit(entries[:3])
+        with pytest.raises(sqlite3.IntegrityError):
+            store.commit(entries[3:] + [entries[0]])  # the duplicate fails the whole batch
+        assert store.count() == 3
+        assert store.heads() == {TRAINER.peer_id: 3}
+
+
+def test_rebuild_and_bounded_range(tmp_path):
+    entries = chain(TRAINER, 10)
+    write_db(tmp_path, entries)
+    with open_ledger_store(tmp_path) as store:
+        led = Ledger(RUN, [TRAINER.peer_id], [], 0)
+        rebuild(store, led)
+        assert led.head_of(TRAINER.peer_id) == 10
+        assert store.range(TRAINER.peer_id, 2, 100, limit=3, max_bytes=10**6) == [e.raw for e in entries[1:4]]
+        one = len(entries[0].raw)
+        assert len(store.range(TRAINER.peer_id, 1, 100, limit=100, max_bytes=2 * one + 1)) == 2
+
+
+def test_tail_verify_finds_and_truncates_corruption(tmp_path):
+    entries = chain(TRAINER, 6)
+    write_db(tmp_path, entries)
+    db = sqlite3.connect(tmp_path / DB_FILE)
+    raw = bytearray(entries[4].raw)
+    raw[-3] ^= 0xFF  # flip a bit inside the signature of seq 5
+    db.execute("UPDATE entries SET raw=? WHERE seq=5", (bytes(raw),))
+    db.commit()
+    db.close()
+    with open_ledger_store(tmp_path) as store:
+        assert store.verify_tail(0) == {}
+        problems = store.verify_tail(3)
+        assert problems == {TRAINER.peer_id: (5, "bad-signature")}
+        assert store.truncate(TRAINER.peer_id, 5) == 2
+        assert store.verify_tail(100) == {}
+
+
+def test_tail_verify_finds_gaps(tmp_path):
+    entries = chain(TRAINER, 4)
+    write_db(tmp_path, [entries[0], entries[1], entries[3]])
+    with open_ledger_store(tmp_path) as store:
+        assert store.verify_tail(16) == {TRAINER.peer_id: (3, "gap")}
+
+
+def test_database_of_another_run_refused(tmp_path):
+    write_db(tmp_path, chain(TRAINER, 1))
+    with open_ledger_store(tmp_path) as store:
+        with pytest.raises(LedgerStoreError, match="belongs to run"):
+            store.bind_run("other")
+
+
+def test_cli_totals_verify_export(tmp_path, capsys):
+    entries = chain(TRAINER, 4)
+    pen = make_entry(WORKER, RUN, 1, GENESIS, 5, Penalty(peer=TRAINER.peer_id, reason="x", points=3))
+    write_db(tmp_path, entries + [pen])
+    rc, out, _ = run_cli(["ledger", "--data-dir", str(tmp_path), "--json"], capsys)
+    assert rc == 0
+    data = json.loads(out)
+    assert data["entries"] == 5
+    assert data["totals"][WORKER.peer_id]["rollouts_accepted"] == 1 + 2 + 3 + 4
+    assert data["totals"][TRAINER.peer_id]["penalties"] == 3
+    rc, out, _ = run_cli(["ledger", "--data-dir", str(tmp_path), "--peer", WORKER.peer_id], capsys)
+    assert rc == 0 and "accepted" in out and "10" in out and "5 entries from 2 authors" in out
+    rc, out, _ = run_cli(["ledger", "verify", "--data-dir", str(tmp_path)], capsys)
+    assert rc == 0 and "verified 5 entries from 2 authors" in out and "OK" in out
+    target = tmp_path / "export.jsonl"
+    rc, _, _ = run_cli(["ledger", "--data-dir", str(tmp_path), "export", "--out", str(target)], capsys)
+    lines = [json.loads(x) for x in target.read_text().splitlines()]
+    assert rc == 0 and len(lines) == 5
+    assert {(x["author"], x["seq"]) for x in lines} == {(e.author, e.seq) for e in entries + [pen]}
+    assert lines[0]["envelope"] in {e.raw.hex() for e in entries + [pen]}
+
+
+def test_cli_verify_with_run_file_checks_authority(tmp_path, capsys):
+    """With the run file, entries whose author is not a trainer are reported."""
+    write_db(tmp_path / "data", chain(WORKER, 2))  # a worker's rollout entries: not allowed
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f'[run]\nname = "{RUN}"\ntrainers = ["{TRAINER.peer_id}"]\n')
+    rc, out, _ = run_cli(["ledger", "verify", "--data-dir", str(tmp_path / "data"), "--run", str(run_file)], capsys)
+    assert rc == 1 and out.count("unauthorized") == 2
+
+
+def test_cli_verify_reports_tampering(tmp_path, capsys):
+    entries = chain(TRAINER, 3)
+    write_db(tmp_path, entries)
+    db = sqlite3.connect(tmp_path / DB_FILE)
+    db.execute("UPDATE entries SET raw=? WHERE seq=2", (chain(TRAINER, 2, start_samples=50)[1].raw,))
+    db.commit()
+    db.close()
+    rc, out, _ = run_cli(["ledger", "verify", "--data-dir", str(tmp_path)], capsys)
+    assert rc == 1 and "seq 2: hash-mismatch" in out
+
+
+def test_cli_evidence_is_verified_and_exported(tmp_path, capsys):
+    a = chain(TRAINER, 2)
+    b = chain(TRAINER, 2, start_samples=7)
+    write_db(tmp_path, a, [Evidence(a[1], b[1])])
+    rc, out, _ = run_cli(["ledger", "--data-dir", str(tmp_path)], capsys)
+    assert rc == 0 and "EQUIVOCATION" in out
+    rc, out, _ = run_cli(["ledger", "verify", "--data-dir", str(tmp_path)], capsys)
+    assert rc == 0 and "1 evidence pair(s): OK" in out
+    rc, out, _ = run_cli(["ledger", "export", "--data-dir", str(tmp_path)], capsys)
+    assert rc == 0 and json.loads(out.splitlines()[-1])["evidence"]["fork_seq"] == 2
+
+
+def test_cli_missing_database_is_one_line_error(tmp_path, capsys):
+    rc, out, err = run_cli(["ledger", "--data-dir", str(tmp_path / "nothing")], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "no ledger database" in err
