@@ -1,0 +1,205 @@
+"""Pure tests of the piece picker and the super-seeder: no network, time passed in."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from node.shards.picker import Cancel, Picker, PickerParams, Request
+from node.shards.superseed import SuperSeeder
+
+B = 16 * 1024  # block size used in these tests
+
+
+def picker(pieces: int, blocks_per_piece: int = 1, seed: int = 0, have=(), **kw) -> Picker:
+    params = PickerParams(block_size=B, **kw)
+    return Picker([B * blocks_per_piece] * pieces, params, have=set(have), rng=random.Random(seed))
+
+
+def by_peer(reqs: list[Request]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for r in reqs:
+        out.setdefault(r.peer, []).append(r.piece)
+    return out
+
+
+def test_rarest_piece_first_once_a_few_pieces_are_verified() -> None:
+    p = picker(10, have={0, 1, 2, 3}, initial_depth=1)
+    p.on_bitfield("A", set(range(10)))
+    p.on_bitfield("B", set(range(9)))
+    p.on_bitfield("C", set(range(8)))
+    got = by_peer(p.poll(0.0).requests)
+    assert got["A"] == [9]  # only A has 9: rarest
+    assert got["B"] == [8]  # 8 is on two peers, 4..7 on three
+    assert got["C"][0] in {4, 5, 6, 7}
+
+
+def test_ties_and_first_pieces_are_random() -> None:
+    firsts = Counter()
+    for seed in range(40):
+        p = picker(8, seed=seed, initial_depth=1)
+        p.on_bitfield("A", set(range(8)))
+        p.on_bitfield("B", {0})  # piece 0 is the most common; not rarest, still a random first pick
+        firsts[p.poll(0.0).requests[0].piece] += 1
+    assert len(firsts) >= 5  # spread over the pieces, not always the lowest index
+
+
+def test_blocks_of_started_pieces_come_first() -> None:
+    p = picker(5, blocks_per_piece=4, initial_depth=3)
+    p.on_bitfield("A", set(range(5)))
+    reqs = p.poll(0.0).requests
+    assert len({r.piece for r in reqs}) == 1 and [r.offset for r in reqs] == [0, B, 2 * B]
+
+
+def test_queue_depth_follows_measured_rate() -> None:
+    p = picker(200, initial_depth=4, max_depth=64)
+    p.on_bitfield("A", set(range(200)))
+    t = 0.0
+    assert len(p.poll(t).requests) == 4
+    rate = 1024 * 1024  # 1 MiB/s: one 16 KiB block every 1/64 s
+    for _ in range(40):
+        r = next(iter(p.peers["A"].in_flight))
+        t += B / rate
+        keep, _ = p.on_block("A", r[0], r[1], B, t)
+        assert keep
+        p.on_piece_verified(r[0])
+        p.poll(t)
+    assert abs(p.rate_of("A") - rate) / rate < 0.05
+    assert p.depth_of("A") == 64  # ceil(1 MiB/s * 3 s / 16 KiB) = 192, clamped to max_depth
+    p2 = picker(10, max_depth=64)
+    p2.on_bitfield("S", set(range(10)))
+    p2.peers["S"].rate = 16 * 1024  # one block per second -> 3 s of rate = 3 blocks
+    assert p2.depth_of("S") == 3
+
+
+def test_peer_choice_is_weighted_by_throughput() -> None:
+    wins = Counter()
+    for seed in range(300):
+        p = picker(1, seed=seed, have=set())
+        p.on_bitfield("fast", {0})
+        p.on_bitfield("slow", {0})
+        p.peers["fast"].rate, p.peers["slow"].rate = 9e6, 1e6
+        wins[p.poll(0.0).requests[0].peer] += 1  # one block: one winner
+    assert 240 <= wins["fast"] <= 295  # expected 270 of 300 (90%)
+
+
+def test_endgame_duplicates_then_cancels() -> None:
+    p = picker(2, blocks_per_piece=2, initial_depth=4)
+    p.on_bitfield("A", {0, 1})
+    first = p.poll(0.0).requests
+    assert len(first) == 4 and p.in_endgame  # every block is in flight to A
+    p.on_bitfield("B", {0, 1})
+    dup = p.poll(0.1).requests
+    assert {(r.piece, r.offset) for r in dup} == {(r.piece, r.offset) for r in first}
+    assert all(r.peer == "B" for r in dup)
+    keep, acts = p.on_block("A", 0, 0, B, 0.2)
+    assert keep and acts.cancels == [Cancel("B", 0, 0, B)]
+    keep, _ = p.on_block("B", 0, 0, B, 0.3)  # the cancel raced the data: dropped quietly
+    assert not keep and not p.is_banned("B", 0.3)
+
+
+def test_bad_pieces_ban_after_threshold_and_parole_isolates() -> None:
+    p = picker(6, blocks_per_piece=2, have=set(), initial_depth=2, random_first=0)
+    p.on_bitfield("liar", set(range(6)))
+    reqs = p.poll(0.0).requests
+    assert len({r.piece for r in reqs}) == 1
+    for r in reqs:
+        p.on_block("liar", r.piece, r.offset, r.length, 0.1)
+    assert p.piece_ready(reqs[0].piece)
+    acts = p.on_piece_failed(reqs[0].piece, 0.2)
+    assert acts.banned == [] and p.strikes["liar"] == 1.0
+    p.on_bitfield("honest", set(range(6)))
+    # On parole the failed piece goes to one peer only.
+    reqs = [r for r in p.poll(0.3).requests if r.piece == reqs[0].piece]
+    assert len({r.peer for r in reqs}) == 1
+    # A second bad piece from the liar alone: banned, nothing more asked of it.
+    p2 = picker(4, blocks_per_piece=1, initial_depth=1, min_depth=1, max_depth=1, random_first=0)
+    p2.on_bitfield("liar", set(range(4)))
+    for k in range(2):
+        (r,) = p2.poll(float(k)).requests
+        p2.on_block("liar", r.piece, r.offset, r.length, k + 0.1)
+        acts = p2.on_piece_failed(r.piece, k + 0.2)
+    assert acts.banned == [("liar", "bad-piece")]
+    assert p2.is_banned("liar", 100.0) and not p2.is_banned("liar", 2.2 + 600.0)
+    assert p2.poll(3.0).requests == []
+
+
+def test_blame_is_shared_between_contributors() -> None:
+    p = picker(1, blocks_per_piece=2, initial_depth=1)
+    p.on_bitfield("A", {0})
+    p.on_bitfield("B", {0})
+    reqs = p.poll(0.0).requests
+    assert {r.peer for r in reqs} == {"A", "B"}
+    for r in reqs:
+        p.on_block(r.peer, r.piece, r.offset, r.length, 0.1)
+    p.on_piece_failed(0, 0.2)
+    assert p.strikes == {"A": 0.5, "B": 0.5}
+
+
+def test_wrong_length_bans_at_once() -> None:
+    p = picker(2, initial_depth=1)
+    p.on_bitfield("A", {0, 1})
+    (r,) = p.poll(0.0).requests
+    keep, acts = p.on_block("A", r.piece, r.offset, B - 1, 0.1)
+    assert not keep and acts.banned == [("A", "wrong-length")]
+
+
+def test_timeouts_reissue_elsewhere_then_ban_unresponsive() -> None:
+    p = picker(20, initial_depth=2, min_depth=1, request_timeout=5.0)
+    p.on_bitfield("mute", set(range(20)))
+    first = p.poll(0.0).requests
+    assert len(first) == 2
+    p.on_bitfield("ok", set(range(20)))
+    acts = p.poll(5.0)
+    assert {(c.peer, c.piece) for c in acts.cancels} == {("mute", r.piece) for r in first}
+    assert {r.piece for r in acts.requests} >= {r.piece for r in first}  # stuck pieces asked again
+    assert any(r.peer == "ok" for r in acts.requests)
+    assert p.depth_of("mute") == 1  # snubbed: minimum queue until it answers
+    p.on_peer_gone("ok")
+    assert p.poll(10.0).banned == []
+    banned = p.poll(15.0).banned + p.poll(20.0).banned
+    assert banned == [("mute", "unresponsive")]
+
+
+def test_peer_gone_returns_its_blocks() -> None:
+    p = picker(1, blocks_per_piece=1, initial_depth=1)
+    p.on_bitfield("A", {0})
+    (r,) = p.poll(0.0).requests
+    p.on_peer_gone("A")
+    p.on_bitfield("B", {0})
+    assert p.poll(0.1).requests == [Request("B", 0, 0, B)]
+
+
+def test_resume_never_requests_verified_pieces() -> None:
+    p = picker(10, have={0, 2, 4, 6, 8}, initial_depth=10)
+    p.on_bitfield("A", set(range(10)))
+    assert sorted(r.piece for r in p.poll(0.0).requests) == [1, 3, 5, 7, 9]
+    for piece in (1, 3, 5, 7, 9):
+        p.on_block("A", piece, 0, B, 0.1)
+        p.on_piece_verified(piece)
+    assert p.complete and p.poll(0.2).requests == []
+
+
+def test_super_seeder_sends_each_piece_once_before_any_twice() -> None:
+    s = SuperSeeder(12, reveal_ahead=2, rng=random.Random(1))
+    outstanding = {p: list(s.on_bitfield(p, set())) for p in "abc"}
+    assert sorted(len(v) for v in outstanding.values()) == [2, 2, 2]
+    while min(s.sent) == 0:  # downloaders finish pieces in turn
+        for p in "abc":
+            if outstanding[p]:
+                outstanding[p] += s.on_have(p, outstanding[p].pop(0))
+            assert max(s.sent) == 1 or min(s.sent) > 0  # nothing twice while something is unsent
+    assert sum(s.sent) <= 12 + 6
+    # Everything is out: pieces a downloader lacks but peers hold are shown only after unheld ones.
+    later = s.on_have("a", outstanding["a"].pop(0)) if outstanding["a"] else s.top_up("a")
+    unheld_missing = [i for i in range(12) if s.held[i] == 0 and i not in s.peers["a"].holds]
+    if unheld_missing:
+        assert all(s.held[i] == 0 for i in later)
+
+
+def test_super_seeder_forgets_gone_peers() -> None:
+    s = SuperSeeder(4, reveal_ahead=2, rng=random.Random(2))
+    gone = s.on_bitfield("x", set())
+    s.on_peer_gone("x")
+    assert all(s.sent[i] == 0 for i in gone)
+    assert len(s.on_bitfield("y", set())) == 2
