@@ -77,6 +77,38 @@ class GossipParams:
     accept_px_threshold: float = -10.0
 
 
+class TcpBytes:
+    """Bytes this process moved over libp2p TCP connections (after Noise and Yamux framing).
+
+    py-libp2p keeps no such count, so the first host wraps ``TrioTCPStream.read/write`` once.
+    Process-wide: one node per process in normal runs (in-process tests share the count).
+    """
+
+    sent = 0
+    received = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        from libp2p.io.trio import TrioTCPStream
+
+        write, read = TrioTCPStream.write, TrioTCPStream.read
+
+        async def counted_write(self, data: bytes) -> None:
+            await write(self, data)
+            cls.sent += len(data)
+
+        async def counted_read(self, n: int | None = None) -> bytes:
+            data = await read(self, n)
+            cls.received += len(data)
+            return data
+
+        TrioTCPStream.write, TrioTCPStream.read = counted_write, counted_read
+        cls._installed = True
+
+
 def to_libp2p_keypair(identity: Identity) -> KeyPair:
     priv = Libp2pEd25519PrivateKey.from_bytes(identity.private_bytes)
     return KeyPair(priv, priv.get_public_key())
@@ -179,6 +211,7 @@ async def open_swarm_host(
 ) -> AsyncIterator[SwarmHost]:
     """Start a host listening on ``listen`` with pubsub running; stop everything on exit."""
     gossip = gossip or GossipParams()
+    TcpBytes.install()
     keypair = to_libp2p_keypair(identity)
     noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
     addrs = [parse_multiaddr(a) for a in listen]

@@ -10,6 +10,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
+def _tcp_bytes():
+    from .host import TcpBytes  # imported lazily: metrics must not pull in libp2p
+
+    return TcpBytes
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -22,6 +28,9 @@ class Metrics:
         self.bytes_out = self.counter("gossip_bytes_out_total", "Gossip payload bytes published", ["topic"])
         self.bytes_in = self.counter("gossip_bytes_in_total", "Gossip payload bytes received", ["topic"])
         self.connections = self.gauge("connections", "Open peer connections")
+        tcp = self.gauge("tcp_bytes", "Bytes moved over libp2p TCP connections by this process", ["direction"])
+        tcp.labels(direction="sent").set_function(lambda: _tcp_bytes().sent)
+        tcp.labels(direction="received").set_function(lambda: _tcp_bytes().received)
 
     def _get(self, kind, name: str, doc: str, labels: list[str] | tuple[str, ...] = (), **kw):
         full = f"swarm_{name}"
@@ -51,6 +60,11 @@ class Metrics:
                 if s.name.endswith("_total"):
                     out[f"{s.labels['source']}/{s.labels['reason']}"] = int(s.value)
         return out
+
+    def totals(self) -> dict:
+        """A few headline counters for status views (bytes, connections)."""
+        tcp = _tcp_bytes()
+        return {"tcp_bytes_sent": tcp.sent, "tcp_bytes_received": tcp.received}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -52,6 +52,7 @@ def snapshot(node: NodeContext) -> dict:
         "time": time.time(),
         "uptime_s": round(trio.current_time() - node.started_at, 1),
         "addrs": node.host.listen_addrs(),
+        "traffic": node.metrics.totals(),
     }
     for name, provider in node.status.items():
         try:

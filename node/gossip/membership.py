@@ -286,6 +286,23 @@ class MemberTable:
         return sorted(rows, key=lambda r: (r["role"], r["peer_id"]))
 
 
+RECORD_BYTES = 400  # a signed record envelope with two addresses (measured: ~330-420 B)
+PROBE_BYTES = 2 * (32 + 60)  # libp2p ping payload both ways plus Yamux/Noise framing, approx.
+
+
+def load_model(n: int, config: MembershipConfig, degree: int = 6, record_bytes: int = RECORD_BYTES) -> dict:
+    """Steady-state membership load per node (no failures), from the module's load model.
+
+    Returns messages/s received and bytes/s sent by one node in a swarm of ``n``. Gossipsub
+    delivers each record to every node and each node forwards it to up to ``degree`` mesh peers.
+    """
+    records_in = n / config.refresh_interval(n)
+    probes = 2.0 / config.probe_period  # one probe sent, one answered on average
+    sync_bytes = 2 * n * record_bytes / config.sync_interval(n)  # push and pull, half of them ours
+    bytes_sent = records_in * degree * record_bytes + probes / 2 * PROBE_BYTES + sync_bytes / 2
+    return {"msgs_per_s": records_in + probes, "bytes_per_s": bytes_sent}
+
+
 def next_seq(previous: int, now_ms: int) -> int:
     """Sequence numbers only grow, also across restarts: wall-clock ms, or previous + 1."""
     return max(previous + 1, now_ms)
