@@ -64,6 +64,8 @@ MAX_PENDING_RECEIPTS = 4 * MAX_RECEIPT_ITEMS  # (peer, manifest) pairs waiting f
 SYNC_PENALTY = -20.0  # app score step for a peer that sends invalid entries over sync
 # Reasons that are the sending peer's fault on a sync stream (as opposed to, e.g., our clock).
 _SENDER_FAULTS = {"wrong-run", "unauthorized", "bad-link", "unrequested"}
+# Stream failures (reset, closed, EOF mid-frame) happen when connections drop: not a bad peer.
+_TRANSPORT_FAILURES = {"stream-error", "truncated"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,8 +415,11 @@ class LedgerService:
                 self.last_sync[peer] = self._wall_clock()
             except RemoteProtocolError as e:
                 self.syncs["failed"] += 1
-                self._reject(PROTOCOL, e.reason)
-                self._penalize(peer, e.reason)
+                if e.reason in _TRANSPORT_FAILURES:
+                    log.debug("ledger: sync with %s broke off: %s", peer, e)
+                else:
+                    self._reject(PROTOCOL, e.reason)
+                    self._penalize(peer, e.reason)
             except (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                 self.syncs["failed"] += 1
                 log.debug("ledger: sync with %s failed: %s", peer, e)
@@ -508,8 +513,9 @@ class LedgerService:
                         break
                     await write_frame(stream, self._answer(msg))
         except RemoteProtocolError as e:
-            self._reject(PROTOCOL, e.reason)
-            self._penalize(peer, e.reason)
+            if e.reason not in _TRANSPORT_FAILURES:
+                self._reject(PROTOCOL, e.reason)
+                self._penalize(peer, e.reason)
             await _reset(stream)
             return
         except trio.TooSlowError:
