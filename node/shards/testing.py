@@ -62,3 +62,57 @@ async def open_shards_node(
             await nursery.start(service_class(node, cfg).run)
             yield node
             nursery.cancel_scope.cancel()
+
+
+async def _child(args) -> None:
+    """One process of a multi-process test swarm (see ``main``)."""
+    import json
+    import sys
+
+    identity = Identity.from_seed(bytes.fromhex(args.seed)) if args.seed else None
+    trainer = Identity.from_seed(bytes.fromhex(args.trainer_seed))
+    extra = json.loads(args.shards) if args.shards else {}
+    async with open_shards_node(Path(args.data_dir), identity=identity, trainers=[trainer.peer_id],
+                                role=args.role, run=args.run, **extra) as node:
+        svc = node.services["shards"]
+        resumed = {v: len(vs.verified) for vs in svc.serving.values() for v in [vs.version]}
+        print(json.dumps({"addr": node.host.listen_addrs()[0], "resumed": resumed}), flush=True)
+        for addr in args.connect:
+            try:
+                await node.host.connect(addr)
+            except Exception as e:  # a dead peer in the list: carry on with the others
+                print(json.dumps({"connect_failed": addr, "error": str(e)[:80]}), file=sys.stderr, flush=True)
+        if args.publish:
+            await svc.publish(Path(args.publish), args.version)
+        start = trio.current_time()
+        await svc.wait_version(args.version)
+        print(json.dumps({"complete": args.version, "seconds": trio.current_time() - start,
+                          "receipts": {f"{p}:{r[:8]}": n for (p, r), n in svc.receipts().items()}}), flush=True)
+        await trio.sleep_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m node.shards.testing``: a host plus the shards service, for multi-process tests."""
+    import argparse
+    import logging
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--seed", default="", help="hex 32-byte identity seed")
+    p.add_argument("--trainer-seed", required=True)
+    p.add_argument("--role", default="relay")
+    p.add_argument("--run", default="test")
+    p.add_argument("--connect", nargs="*", default=[])
+    p.add_argument("--publish", default="")
+    p.add_argument("--version", type=int, default=1)
+    p.add_argument("--shards", default="", help="JSON of [shards] settings")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        trio.run(_child, args)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

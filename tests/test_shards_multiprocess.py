@@ -1,0 +1,141 @@
+"""Real processes on loopback: a seeder, 2 relays and 4 downloaders fetch a 64 MiB checkpoint.
+
+The seeder's upload is capped (4 MiB/s) so the download takes long enough to kill it "halfway":
+once every piece has left the seeder (the union of the others' bitmaps covers the checkpoint) and
+before the downloaders are done. One downloader is killed with SIGKILL at the same moment and
+restarted; it must resume from its bitmap and re-fetch only what it had not verified.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node.identity import Identity
+from node.shards.store import pieces_of
+from node.shards.testing import same_files, write_checkpoint
+
+pytestmark = pytest.mark.slow
+
+MiB = 1 << 20
+SIZE = 64 * MiB
+PIECES = SIZE // MiB
+TRAINER_SEED = "11" * 32
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Child:
+    def __init__(self, name: str, tmp: Path, role: str, connect: list[str], *, publish: Path | None = None,
+                 shards: dict | None = None, seed: str | None = None) -> None:
+        self.name, self.data = name, tmp / name
+        self.seed = seed or os.urandom(32).hex()
+        cmd = [sys.executable, "-m", "node.shards.testing", "--data-dir", str(self.data), "--seed", self.seed,
+               "--trainer-seed", TRAINER_SEED, "--role", role, "--shards",
+               json.dumps({"announce_interval": 1.0, "progress": False, **(shards or {})}), "--connect", *connect]
+        if publish is not None:
+            cmd += ["--publish", str(publish)]
+        self.log = open(tmp / f"{name}.err", "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        hello = json.loads(self._line(30))
+        self.addr, self.resumed = hello["addr"], hello["resumed"]
+        self.complete: dict | None = None
+
+    def _line(self, timeout: float) -> str:
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"{self.name}: no output in {timeout}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} exited ({self.proc.poll()}); see {self.log.name}")
+        return line
+
+    def poll_complete(self) -> bool:
+        import select
+
+        while self.complete is None and select.select([self.proc.stdout], [], [], 0)[0]:
+            msg = json.loads(self._line(1))
+            if "complete" in msg:
+                self.complete = msg
+        return self.complete is not None
+
+    def verified(self) -> set[int]:
+        try:
+            raw = (self.data / "checkpoints" / "1" / ".shards" / "bitmap").read_bytes()
+        except OSError:
+            return set()
+        return pieces_of(raw[32:], PIECES)
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+def test_seven_processes_kill_seeder_and_resume_downloader(tmp_path: Path) -> None:
+    src = write_checkpoint(tmp_path / "ckpt", SIZE, seed=9)
+    assert Identity.from_seed(bytes.fromhex(TRAINER_SEED))  # the seeder's key is the run's trainer
+    children: list[Child] = []
+    try:
+        seeder = Child("seeder", tmp_path, "trainer", [], publish=src, shards={"upload_rate": 4 * MiB},
+                       seed=TRAINER_SEED)
+        children.append(seeder)
+        relays, downloaders = [], []
+        for name, role, group in [("relay0", "relay", relays), ("relay1", "relay", relays)] + [
+            (f"dl{k}", "inference", downloaders) for k in range(4)
+        ]:
+            group.append(Child(name, tmp_path, role, [c.addr for c in children]))
+            children.append(group[-1])
+        others = relays + downloaders
+        deadline = time.monotonic() + 120
+        while True:  # wait until every piece has left the seeder, downloaders not yet done
+            union = set().union(*(c.verified() for c in others))
+            if len(union) == PIECES:
+                break
+            assert time.monotonic() < deadline, f"only {len(union)} pieces left the seeder"
+            time.sleep(0.2)
+        progress = {c.name: len(c.verified()) for c in others}
+        assert min(progress.values()) < PIECES, f"too late to test the kill: {progress}"
+        seeder.kill9()
+        victim = downloaders[0]
+        victim.kill9()
+        had = victim.verified()
+        time.sleep(0.5)
+        alive = [c for c in others if c is not victim]
+        restarted = Child("dl0", tmp_path, "inference", [c.addr for c in alive], seed=victim.seed)
+        children.append(restarted)
+        resumed = restarted.resumed.get("1", restarted.resumed.get(1, 0))
+        assert resumed >= len(had), f"resumed {resumed} pieces, bitmap had {len(had)}"
+        deadline = time.monotonic() + 120
+        for c in alive + [restarted]:
+            while not c.poll_complete():
+                assert time.monotonic() < deadline, f"{c.name} incomplete: {len(c.verified())}/{PIECES}"
+                time.sleep(0.2)
+        for c in alive + [restarted]:
+            assert same_files(src, c.data / "checkpoints" / "1"), c.name
+        refetched = PIECES - resumed
+        print(f"\nkill at {progress}; victim had {len(had)} verified, resumed {resumed}, "
+              f"fetched {refetched} after restart; completion times "
+              f"{ {c.name: round(c.complete['seconds'], 1) for c in alive + [restarted]} }")
+        # Nothing it had verified before the kill was fetched again (all pieces are 1 MiB here).
+        assert sum(restarted.complete["receipts"].values()) == refetched * MiB
+    finally:
+        for c in children:
+            c.stop()
