@@ -31,7 +31,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import multiaddr
-import trio
 from libp2p import new_host
 from libp2p.crypto.ed25519 import Ed25519PrivateKey as Libp2pEd25519PrivateKey
 from libp2p.crypto.keys import KeyPair

@@ -21,6 +21,7 @@ from .. import __version__
 from ..context import NodeContext
 from ..wire import (
     Message,
+    encode,
     RemoteProtocolError,
     bounded,
     read_message,
@@ -108,9 +109,12 @@ class Membership:
             self.record = replace(new, seq=next_seq(self.record.seq, wall_ms()))
             self.changed.set()
 
-    def signed_record(self) -> bytes:
-        from ..wire import encode
+    def refute(self) -> None:
+        """Someone accused us: republish our record with a higher sequence number (SWIM 4.2)."""
+        self.record = replace(self.record, seq=next_seq(self.record.seq, wall_ms()))
+        self.changed.set()
 
+    def signed_record(self) -> bytes:
         return encode(seal(self.node.identity, DOMAIN_RECORD, self.record))
 
     def members(self) -> dict[str, str]:
@@ -167,17 +171,11 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
     async with open_checked_topic(node, node.topic("members"), check) as topic:
 
         async def publish(domain: str, msg) -> None:
-            from ..wire import encode
-
             data = encode(seal(node.identity, domain, msg))
             try:
                 await topic.publish(data)
             except Exception as e:  # a publish failure is ours to log, not fatal
                 log.warning("publish failed: %s", e)
-
-        async def refute() -> None:
-            svc.record = replace(svc.record, seq=next_seq(svc.record.seq, wall_ms()))
-            svc.changed.set()
 
         def apply(signed: Signed, now: float) -> Verdict:
             msg = signed.message
@@ -188,8 +186,7 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
             elif isinstance(msg, Accusation):
                 verdict = table.on_accusation(msg, signed.domain == DOMAIN_DEAD, now)
                 if verdict is Verdict.SELF and msg.seq >= svc.record.seq:
-                    svc.changed.set()  # refute below with a higher seq
-                    svc.record = replace(svc.record, seq=next_seq(svc.record.seq, wall_ms()))
+                    svc.refute()
             else:
                 verdict = table.on_goodbye(msg, now)
             verdicts.labels(verdict=verdict.value).inc()
@@ -203,14 +200,11 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
 
         async def publish_record_loop() -> None:
             while True:
-                now = trio.current_time()
-                due = svc.last_published + cfg.refresh_interval(table.size())
-                with trio.move_on_at(due):
+                with trio.move_on_at(svc.last_published + cfg.refresh_interval(table.size())):
                     await svc.changed.wait()
                 svc.changed = trio.Event()
                 await publish(DOMAIN_RECORD, svc.record)
                 svc.last_published = trio.current_time()
-                del now
 
         async def handle_sync(stream) -> None:
             peer = stream.muxed_conn.peer_id.to_base58()
@@ -410,8 +404,6 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
 
 
 def _envelope_bytes(signed: Signed) -> bytes:
-    from ..wire import encode
-
     return encode(signed.envelope)
 
 
