@@ -20,14 +20,16 @@ from ..context import NodeContext
 from ..gossip.service import serve_membership
 from ..host import open_swarm_host
 from ..identity import load_or_create_identity
+from ..ledger.sync import serve_ledger
+from ..shards.service import serve_shards
 from ..status import serve_status
 
 log = logging.getLogger("node")
 
 Service = Callable[..., Awaitable[None]]
 
-# Services every role runs, in start order.
-CORE_SERVICES: list[Service] = [serve_status, serve_membership]
+# Services every role runs, in start order: the ledger before shards, which credits bytes in it.
+CORE_SERVICES: list[Service] = [serve_status, serve_membership, serve_ledger, serve_shards]
 
 # Each role module exposes SERVICES: the services it adds on top of the core.
 ROLE_MODULES = {
