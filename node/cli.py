@@ -17,7 +17,7 @@ from . import __version__
 from .config import DEFAULT_LISTEN, LOG_LEVELS, ROLES, ConfigError, NodeConfig, load_config
 
 # Modules that add subcommands (each has add_commands(subparsers)); owned by their components.
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = ["node.ledger.cli", "node.shards.cli"]
 
 EPILOG = """\
 examples:
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     parser.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")
     _common(parser)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="[COMMAND]", required=False)
 
     p = sub.add_parser("keygen", help="create the node key in the data dir (if absent) and print the peer id")
     _common(p)
