@@ -66,3 +66,21 @@ async def test_forged_and_oversized_records_rejected_and_counted(tmp_path, fast_
         # still running: the victim's real record refresh is still accepted
         victim.services["membership"].update(load=3.0)
         await wait_for(lambda: target.services["membership"].table.members[victim.peer_id].record.load == 3.0, 20)
+
+
+async def test_metrics_endpoint_on_loopback(tmp_path, fast_membership):
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    configs = [node_config(tmp_path, f"n{i}", membership=fast_membership) for i in range(2)]
+    configs[0].metrics_port = port
+    async with open_nodes(configs) as nodes:
+        await wait_for(lambda: sees_all(nodes), CONVERGE_BOUND)
+        body = await trio.to_thread.run_sync(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        )
+    assert 'swarm_members{state="alive"} 1.0' in body
+    assert "swarm_messages_in_total" in body and "swarm_tcp_bytes" in body
