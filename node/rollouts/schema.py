@@ -26,6 +26,13 @@ from ..identity import peer_id_of
 from ..wire import Envelope, Message, RemoteProtocolError, bounded, decode_as, register
 
 ROLLOUTS_PROTOCOL = "/swarm/rollouts/1.0.0"
+# Trainer -> assigned validator: one frame holding the signed batch envelope (as received from the
+# worker, i.e. ``SignedBatch.envelope``); the validator answers one RolloutAck frame (accepted =
+# queued for checking; reason "busy" when its queue is full, so the trainer tries the next one).
+VERIFY_PROTOCOL = "/swarm/verify/1.0.0"
+# Validator -> trainer, later, on a stream the validator opens: frames each holding one signed Verdict
+# envelope; the trainer answers each with a RolloutAck (batch_id of the verdict; accepted = recorded).
+VERDICTS_PROTOCOL = "/swarm/verdicts/1.0.0"
 DOMAIN_BATCH = "rollout-batch"
 DOMAIN_VERDICT = "verdict"
 
