@@ -344,7 +344,7 @@ def test_link_equivocation_detected():
 
 
 def test_invalid_evidence_refused():
-    common, a, b = fork_two_ways()
+    common, a, _ = fork_two_ways()
     led = new_ledger()
     with pytest.raises(RemoteProtocolError):
         led.add_evidence(Evidence(a[0], a[0]))

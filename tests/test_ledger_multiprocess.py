@@ -234,7 +234,7 @@ def wait_until(predicate, timeout: float = 90.0, step: float = 0.3):
 
 def cli(*argv) -> subprocess.CompletedProcess:
     code = "import sys, argparse; from node.ledger import cli; p = argparse.ArgumentParser(); cli.add_commands(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
-    return subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
 
 
 def drain(nodes, expect_each: dict[int, int]) -> None:
@@ -242,7 +242,7 @@ def drain(nodes, expect_each: dict[int, int]) -> None:
     for n in nodes:
         want = expect_each.get(n.index, 0)
         if len(n.appended) < want:
-            n.read(lambda m, n=n: len(n.appended) >= want, timeout=120)
+            n.read(lambda m, n=n, want=want: len(n.appended) >= want, timeout=120)
 
 
 def test_five_nodes_concurrent_appends_partition_and_heal(children):
@@ -316,7 +316,11 @@ def test_kill_minus_nine_mid_ingest_loses_nothing(children, tmp_path):
     victim = children(3)
     victim.call("append", n=400, delay=0.002)  # its own entries, while it ingests the history
     victim.call("connect", addrs=[seed.addr])
-    seen = wait_until(lambda: (lambda s: s if 2000 < s["entries"] < total else None)(victim.state()), timeout=120, step=0.05)
+    def mid_ingest():
+        s = victim.state()
+        return s if 2000 < s["entries"] < total else None
+
+    seen = wait_until(mid_ingest, timeout=120, step=0.05)
     victim.kill9()
     own_acknowledged = max(victim.appended, default=0)
     stored = db_count(victim.data_dir)

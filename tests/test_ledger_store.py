@@ -94,9 +94,8 @@ def test_tail_verify_finds_gaps(tmp_path):
 
 def test_database_of_another_run_refused(tmp_path):
     write_db(tmp_path, chain(TRAINER, 1))
-    with open_ledger_store(tmp_path) as store:
-        with pytest.raises(LedgerStoreError, match="belongs to run"):
-            store.bind_run("other")
+    with open_ledger_store(tmp_path) as store, pytest.raises(LedgerStoreError, match="belongs to run"):
+        store.bind_run("other")
 
 
 def test_cli_totals_verify_export(tmp_path, capsys):
@@ -154,5 +153,5 @@ def test_cli_evidence_is_verified_and_exported(tmp_path, capsys):
 
 
 def test_cli_missing_database_is_one_line_error(tmp_path, capsys):
-    rc, out, err = run_cli(["ledger", "--data-dir", str(tmp_path / "nothing")], capsys)
+    rc, _, err = run_cli(["ledger", "--data-dir", str(tmp_path / "nothing")], capsys)
     assert rc == 2 and err.count("\n") == 1 and "no ledger database" in err

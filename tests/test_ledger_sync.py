@@ -218,3 +218,27 @@ async def test_sync_server_answers_bounded_batches_and_rejects_junk(tmp_path):
             assert [parse_entry(r).seq for r in reply.entries] == list(range(3, 10))  # sync_batch = 7
             await write_frame(stream, b"\x00\x01junk")
             await wait_for(lambda: ledger(t).rejections.get(f"{PROTOCOL}/malformed", 0) == 1)
+
+
+async def test_gossip_gap_triggers_sync_without_periodic_rounds(tmp_path):
+    """With anti-entropy rounds effectively off, an entry that arrives by gossip ahead of a gap makes
+    the receiver pull the missing range from the publisher at once."""
+    slow = run_config(sync_interval=3600.0)
+    async with open_ledger_node(tmp_path, "t", TRAINER, run=slow) as t, open_ledger_node(tmp_path, "w", WORKER, run=slow) as w:
+        for i in range(5):  # before the two are connected: w misses these
+            await ledger(t).append(rollouts(i + 1))
+        await connect(w, t)
+
+        async def keep_appending():
+            # the mesh forms within a heartbeat or two; keep publishing until one gets through
+            while True:
+                await ledger(t).append(rollouts(1))
+                await trio.sleep(0.5)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_appending)
+            await wait_for(lambda: len(ledger(w).ledger) >= 6)
+            nursery.cancel_scope.cancel()
+        await wait_for(lambda: ledger(w).digest() == ledger(t).digest())
+        assert ledger(w).syncs["ok"] >= 1
+        assert ledger(w).ledger.head_of(TRAINER.peer_id) == ledger(t).ledger.head_of(TRAINER.peer_id)

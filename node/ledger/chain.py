@@ -40,12 +40,19 @@ import enum
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-
 from typing import ClassVar
 
 from .. import hashes
 from ..wire import Message, RemoteProtocolError, bounded, register
-from .entries import GENESIS, KINDS, MAX_PEER_ID, MAX_SEQ, TOTAL_FIELDS, Authors, SignedEntry
+from .entries import (
+    GENESIS,
+    KINDS,
+    MAX_PEER_ID,
+    MAX_SEQ,
+    TOTAL_FIELDS,
+    Authors,
+    SignedEntry,
+)
 
 _U64 = struct.Struct(">Q")
 DIGEST_DOMAIN = b"swarm-node/ledger-state/v1\x00"

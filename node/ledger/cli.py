@@ -7,6 +7,7 @@ read-only, so they are safe while the node runs (SQLite WAL readers never block 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -167,17 +168,12 @@ def cmd_verify(args) -> int:
 
 @_guard
 def cmd_export(args) -> int:
-    store, _config_ = _open(args)
-    out = open(args.out, "w") if args.out else sys.stdout
-    try:
-        with store:
-            for _author, _seq, _h, raw in store.iter_raw():
-                out.write(json.dumps(entry_to_json(parse_entry(raw, verify_signature=False)), sort_keys=True) + "\n")
-            for raw_a, raw_b in store.iter_evidence():
-                a, b = parse_entry(raw_a, verify_signature=False), parse_entry(raw_b, verify_signature=False)
-                line = {"evidence": {"author": a.author, "fork_seq": a.seq, "a": entry_to_json(a), "b": entry_to_json(b)}}
-                out.write(json.dumps(line, sort_keys=True) + "\n")
-    finally:
-        if args.out:
-            out.close()
+    store, _ = _open(args)
+    with store, (open(args.out, "w") if args.out else contextlib.nullcontext(sys.stdout)) as out:
+        for _author, _seq, _h, raw in store.iter_raw():
+            out.write(json.dumps(entry_to_json(parse_entry(raw, verify_signature=False)), sort_keys=True) + "\n")
+        for raw_a, raw_b in store.iter_evidence():
+            a, b = parse_entry(raw_a, verify_signature=False), parse_entry(raw_b, verify_signature=False)
+            line = {"evidence": {"author": a.author, "fork_seq": a.seq, "a": entry_to_json(a), "b": entry_to_json(b)}}
+            out.write(json.dumps(line, sort_keys=True) + "\n")
     return 0

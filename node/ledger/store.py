@@ -77,7 +77,7 @@ class LedgerStore:
     def close(self) -> None:
         self._db.close()
 
-    def __enter__(self) -> "LedgerStore":
+    def __enter__(self) -> LedgerStore:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -48,7 +48,17 @@ from ..wire import (
 )
 from .chain import Decision, Evidence, Head, Ledger, Outcome
 from .config import LedgerConfig
-from .entries import MAX_ENTRY, MAX_RECEIPT_ITEMS, Body, ReceiptItem, Receipts, SignedEntry, parse_entry
+from .entries import (
+    GENESIS,
+    MAX_ENTRY,
+    MAX_RECEIPT_ITEMS,
+    Body,
+    ReceiptItem,
+    Receipts,
+    SignedEntry,
+    make_entry,
+    parse_entry,
+)
 from .store import LedgerStore, open_ledger_store, rebuild
 
 log = logging.getLogger(__name__)
@@ -196,12 +206,10 @@ class LedgerService:
 
     async def append(self, body: Body) -> SignedEntry:
         """Sign, store durably, apply and publish a new entry of ours. LedgerError if refused."""
-        from .entries import make_entry
-
         async with self._append_lock:
             me = self.node.peer_id
             head = self.ledger.head_of(me)
-            prev = self.ledger.hash_at(me, head) if head else bytes(32)
+            prev = self.ledger.hash_at(me, head) if head else GENESIS
             # Never before our own head's time: the chain rules refuse time going backwards.
             last = self.ledger.last_time_ms(me)
             se = make_entry(self.node.identity, self.ledger.run, head + 1, prev, max(self.now_ms(), last), body)
