@@ -1,0 +1,306 @@
+"""Delivering signed rollout batches to trainers: the outbox (pure) and one submission (I/O).
+
+How this works:
+
+* The wire exchange (``/swarm/rollouts/1.0.0``, client side): open a stream to a trainer, write one
+  length-prefixed frame holding the encoded signed :class:`~node.wire.Envelope` of a
+  :class:`~node.rollouts.schema.RolloutBatch` (at most ``MAX_FRAME`` bytes: bigger step outputs are
+  split into several batches before signing), read one frame holding a
+  :class:`~node.rollouts.schema.RolloutAck` for that batch id, close. :func:`call_submit` does this
+  with a deadline and turns every way it can fail into a :class:`SubmitFailure` naming whose fault
+  it was.
+* :class:`Outbox` is the pure state machine around it: a bounded queue of unsent batches (so a node
+  with no reachable trainer keeps generating up to a bound, then waits: backpressure), per-trainer
+  exponential backoff after failures (a dead or overloaded trainer is skipped, the batch goes to
+  another one), a per-batch attempt limit, and dropping batches whose policy version became too old
+  to be trained on (INTELLECT-2's async level: a trainer at step n takes versions >= n - async_level,
+  so sending older ones only wastes both sides' bandwidth). Time is an argument; it never sleeps.
+
+Batch states (one per batch, refused loudly when illegal)::
+
+    QUEUED --take--> IN_FLIGHT --accepted--------> ACCEPTED
+       ^                 |------refused (final)---> REFUSED
+       |                 |------stale / attempts--> DROPPED
+       +---retry---------+  (transport failure, or a refusal with a transient reason)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from ..wire import MAX_FRAME, LocalProtocolError, RemoteProtocolError, decode_as, read_frame, write_frame
+from .schema import ROLLOUTS_PROTOCOL, RolloutAck
+
+MAX_ACK_BYTES = 4096  # a RolloutAck is ~100 bytes; anything bigger is garbage
+# Refusal reasons that say "not now" rather than "never": the batch goes back to the queue and the
+# trainer is backed off. Every other reason is final (the batch itself is bad or unwanted).
+TRANSIENT_REASONS = frozenset({"busy", "overloaded", "not-ready", "shutting-down"})
+
+
+class BatchState(enum.Enum):
+    QUEUED = "queued"
+    IN_FLIGHT = "in_flight"
+    ACCEPTED = "accepted"
+    REFUSED = "refused"
+    DROPPED = "dropped"
+
+
+class FailureKind(enum.Enum):
+    """Why a submission got no ack. All are the remote's or the network's doing, never ours."""
+
+    UNREACHABLE = "unreachable"  # could not open a stream
+    TIMEOUT = "timeout"  # no ack before the deadline
+    STREAM = "stream"  # the stream broke (reset, EOF before the ack)
+    GARBAGE = "garbage"  # an ack that does not decode, or acknowledges another batch
+
+
+class SubmitFailure(Exception):
+    def __init__(self, kind: FailureKind, detail: str = "") -> None:
+        super().__init__(f"{kind.value}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+@dataclass
+class Pending:
+    """One signed batch waiting for delivery."""
+
+    batch_id: bytes
+    envelope: bytes  # encoded signed Envelope, exactly what goes on the wire
+    policy_version: int
+    num_samples: int
+    created_at: float  # trio time it entered the outbox
+    state: BatchState = BatchState.QUEUED
+    attempts: int = 0  # transport failures and transient refusals so far
+    tried: list[str] = field(default_factory=list)  # trainers it was sent to, in order
+    not_before: float = 0.0  # earliest time of the next attempt
+
+
+@dataclass
+class _TrainerHealth:
+    failures: int = 0  # consecutive failures; 0 after any ack
+    blocked_until: float = 0.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to a batch after a result (for counters and logs)."""
+
+    state: BatchState
+    reason: str  # "ok", the trainer's refusal reason, a FailureKind value, "stale" or "undeliverable"
+
+
+class Outbox:
+    """Bounded queue of unsent batches with trainer selection, retries and backoff. No I/O, no clock."""
+
+    def __init__(
+        self, capacity: int, *, max_attempts: int, backoff: float, backoff_max: float, async_level: int
+    ) -> None:
+        if capacity < 1 or max_attempts < 1 or not 0 < backoff <= backoff_max or async_level < 0:
+            raise ValueError("capacity >= 1, max_attempts >= 1, 0 < backoff <= backoff_max, async_level >= 0")
+        self.capacity = capacity
+        self.max_attempts = max_attempts
+        self.backoff = backoff
+        self.backoff_max = backoff_max
+        self.async_level = async_level
+        self._queue: OrderedDict[bytes, Pending] = OrderedDict()  # oldest first
+        self._health: dict[str, _TrainerHealth] = {}
+        self._rotation = 0  # spreads batches over equally healthy trainers
+        self.newest_version = 0  # highest policy version / trainer step seen: staleness reference
+
+    # -- queue -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    @property
+    def full(self) -> bool:
+        return len(self._queue) >= self.capacity
+
+    def pending(self) -> list[Pending]:
+        return list(self._queue.values())
+
+    def offer(self, item: Pending) -> bool:
+        """Queue a new batch; False (and nothing queued) when the outbox is full or it is known."""
+        if self.full or item.batch_id in self._queue:
+            return False
+        if item.state is not BatchState.QUEUED:
+            raise LocalProtocolError(f"offer of a batch in state {item.state}")
+        self._queue[item.batch_id] = item
+        return True
+
+    def observe_version(self, version: int) -> list[Pending]:
+        """A newer policy version or trainer step is known: drop queued batches now too old to train on.
+
+        In-flight batches are left to finish (the trainer decides); returns the dropped ones.
+        """
+        self.newest_version = max(self.newest_version, version)
+        floor = self.newest_version - self.async_level
+        stale = [p for p in self._queue.values() if p.state is BatchState.QUEUED and p.policy_version < floor]
+        for p in stale:
+            self._finish(p, BatchState.DROPPED)
+        return stale
+
+    def is_stale(self, policy_version: int) -> bool:
+        return policy_version < self.newest_version - self.async_level
+
+    # -- choosing what to send where ---------------------------------------------------------
+
+    def take(self, trainers: Iterable[str], now: float) -> tuple[Pending, str] | None:
+        """The oldest due batch and the trainer to send it to (marked IN_FLIGHT), or None.
+
+        Trainer choice: only trainers not backed off; among them those this batch has not tried yet,
+        then the fewest consecutive failures, then rotation (so several trainers share the load).
+        """
+        ready = sorted(t for t in set(trainers) if self._health_of(t).blocked_until <= now)
+        if not ready:
+            return None
+        for item in self._queue.values():
+            if item.state is not BatchState.QUEUED or item.not_before > now:
+                continue
+            self._rotation += 1
+            rank = {t: (t in item.tried, self._health_of(t).failures, (i - self._rotation) % len(ready))
+                    for i, t in enumerate(ready)}
+            trainer = min(ready, key=rank.__getitem__)
+            item.state = BatchState.IN_FLIGHT
+            item.tried.append(trainer)
+            return item, trainer
+        return None
+
+    def next_wakeup(self, trainers: Iterable[str], now: float) -> float:
+        """Earliest time :meth:`take` could return something (``math.inf`` if only new input can)."""
+        ts = list(set(trainers))
+        queued = [p for p in self._queue.values() if p.state is BatchState.QUEUED]
+        if not ts or not queued:
+            return math.inf
+        trainer_ready = min(self._health_of(t).blocked_until for t in ts)
+        batch_ready = min(p.not_before for p in queued)
+        return max(now, trainer_ready, batch_ready)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def on_ack(self, batch_id: bytes, trainer: str, ack: RolloutAck, now: float) -> Outcome:
+        """The trainer answered. Accepted or finally refused: done; transiently refused: retry later."""
+        item = self._in_flight(batch_id)
+        health = self._health_of(trainer)
+        if ack.trainer_step:
+            self.observe_version(ack.trainer_step)
+        if ack.accepted:
+            health.failures, health.blocked_until = 0, 0.0
+            self._finish(item, BatchState.ACCEPTED)
+            return Outcome(BatchState.ACCEPTED, "ok")
+        reason = ack.reason or "unspecified"
+        if reason in TRANSIENT_REASONS:
+            self._back_off(trainer, now)
+            return self._retry(item, now, reason)
+        health.failures, health.blocked_until = 0, 0.0  # it answered sensibly: it is alive
+        self._finish(item, BatchState.REFUSED)
+        return Outcome(BatchState.REFUSED, reason)
+
+    def on_failure(self, batch_id: bytes, trainer: str, kind: FailureKind, now: float) -> Outcome:
+        """No ack: back the trainer off and retry the batch elsewhere, up to ``max_attempts``."""
+        item = self._in_flight(batch_id)
+        self._back_off(trainer, now)
+        return self._retry(item, now, kind.value)
+
+    def backoff_of(self, trainer: str) -> float:
+        """Seconds a trainer is skipped after its latest failure (exponential, capped)."""
+        failures = self._health_of(trainer).failures
+        return 0.0 if failures == 0 else min(self.backoff_max, self.backoff * 2 ** (failures - 1))
+
+    def blocked_until(self, trainer: str) -> float:
+        return self._health_of(trainer).blocked_until
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _retry(self, item: Pending, now: float, reason: str) -> Outcome:
+        item.attempts += 1
+        if self.is_stale(item.policy_version):
+            self._finish(item, BatchState.DROPPED)
+            return Outcome(BatchState.DROPPED, "stale")
+        if item.attempts >= self.max_attempts:
+            self._finish(item, BatchState.DROPPED)
+            return Outcome(BatchState.DROPPED, "undeliverable")
+        item.state = BatchState.QUEUED
+        # The batch may go to another trainer at once; only the failed trainer waits. A batch that
+        # failed everywhere waits for the shortest trainer backoff (next_wakeup), not longer.
+        item.not_before = now
+        return Outcome(BatchState.QUEUED, reason)
+
+    def _back_off(self, trainer: str, now: float) -> None:
+        health = self._health_of(trainer)
+        health.failures += 1
+        health.blocked_until = now + self.backoff_of(trainer)
+
+    def _in_flight(self, batch_id: bytes) -> Pending:
+        item = self._queue.get(batch_id)
+        if item is None or item.state is not BatchState.IN_FLIGHT:
+            raise LocalProtocolError(f"result for a batch that is not in flight ({batch_id.hex()[:12]})")
+        return item
+
+    def _finish(self, item: Pending, state: BatchState) -> None:
+        item.state = state
+        self._queue.pop(item.batch_id, None)
+
+    def _health_of(self, trainer: str) -> _TrainerHealth:
+        return self._health.setdefault(trainer, _TrainerHealth())
+
+
+# --------------------------------------------------------------------------------------------
+# One submission over the network
+
+
+async def call_submit(host, trainer: str, batch_id: bytes, envelope: bytes, timeout: float) -> RolloutAck:
+    """Send one signed batch to ``trainer`` and return its ack; :class:`SubmitFailure` otherwise.
+
+    ``host`` is a :class:`~node.host.SwarmHost` (anything with ``open_stream(peer, protocol)``).
+    """
+    if len(envelope) > MAX_FRAME:
+        raise LocalProtocolError(f"batch of {len(envelope)} bytes exceeds one frame: split it before signing")
+    with trio.move_on_after(timeout) as deadline:
+        try:
+            stream = await host.open_stream(trainer, ROLLOUTS_PROTOCOL)
+        except trio.Cancelled:
+            raise
+        except Exception as e:  # libp2p raises many types for "cannot dial / protocol refused"
+            raise SubmitFailure(FailureKind.UNREACHABLE, f"{type(e).__name__}: {e}") from None
+        try:
+            try:
+                await write_frame(stream, envelope)
+            except LocalProtocolError:
+                raise
+            except Exception as e:
+                raise SubmitFailure(FailureKind.STREAM, f"write: {type(e).__name__}") from None
+            try:
+                frame = await read_frame(stream, MAX_ACK_BYTES)
+            except RemoteProtocolError as e:
+                kind = FailureKind.GARBAGE if e.reason == "oversized" else FailureKind.STREAM
+                raise SubmitFailure(kind, str(e)) from None
+            if frame is None:
+                raise SubmitFailure(FailureKind.STREAM, "closed without an ack")
+            try:
+                ack = decode_as(RolloutAck, frame, MAX_ACK_BYTES)
+            except RemoteProtocolError as e:
+                raise SubmitFailure(FailureKind.GARBAGE, str(e)) from None
+            if ack.batch_id != batch_id:
+                raise SubmitFailure(FailureKind.GARBAGE, "ack for another batch")
+            return ack
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                try:
+                    await stream.close()
+                except Exception:
+                    pass
+    assert deadline.cancelled_caught
+    raise SubmitFailure(FailureKind.TIMEOUT, f"no ack within {timeout:g}s")
+
+
+def alive_trainers(members: dict[str, str], trainers: Sequence[str], self_id: str) -> list[str]:
+    """Trainers of the run that membership currently sees alive (whatever role they advertise)."""
+    return [t for t in trainers if t in members and t != self_id]

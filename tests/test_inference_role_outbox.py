@@ -1,0 +1,167 @@
+"""The inference role's outbox: bounded queue, trainer choice, retries, backoff, staleness (pure)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from node.rollouts.config import WorkerConfig
+from node.rollouts.schema import RolloutAck
+from node.rollouts.submit import BatchState, FailureKind, Outbox, Pending, alive_trainers
+from node.wire import LocalProtocolError
+
+
+def item(n: int, version: int = 0, now: float = 0.0) -> Pending:
+    return Pending(batch_id=bytes([n]) * 32, envelope=b"x", policy_version=version, num_samples=4, created_at=now)
+
+
+def ack(p: Pending, accepted: bool = True, reason: str = "", step: int = 0) -> RolloutAck:
+    return RolloutAck(batch_id=p.batch_id, accepted=accepted, reason=reason, trainer_step=step)
+
+
+def outbox(capacity: int = 4, attempts: int = 3, async_level: int = 2) -> Outbox:
+    return Outbox(capacity, max_attempts=attempts, backoff=1.0, backoff_max=8.0, async_level=async_level)
+
+
+def test_capacity_bounds_the_queue_and_frees_on_delivery():
+    ob = outbox(capacity=2)
+    a, b, c = item(1), item(2), item(3)
+    assert ob.offer(a) and ob.offer(b)
+    assert ob.full and not ob.offer(c)
+    assert not ob.offer(item(1))  # already known
+    got, trainer = ob.take(["T"], 0.0)
+    assert got is a and got.state is BatchState.IN_FLIGHT
+    assert ob.on_ack(a.batch_id, trainer, ack(a), 0.1).state is BatchState.ACCEPTED
+    assert not ob.full and ob.offer(c)
+    assert [p.batch_id[0] for p in ob.pending()] == [2, 3]
+
+
+def test_oldest_first_and_one_flight_per_batch():
+    ob = outbox()
+    a, b = item(1), item(2)
+    ob.offer(a)
+    ob.offer(b)
+    assert ob.take(["T"], 0)[0] is a
+    assert ob.take(["T"], 0)[0] is b  # a is in flight, not offered twice
+    assert ob.take(["T"], 0) is None
+
+
+def test_failure_backs_the_trainer_off_and_retries_on_another():
+    ob = outbox()
+    a = item(1)
+    ob.offer(a)
+    first, t1 = ob.take(["T1", "T2"], 0.0)
+    out = ob.on_failure(a.batch_id, t1, FailureKind.UNREACHABLE, 10.0)
+    assert (out.state, out.reason) == (BatchState.QUEUED, "unreachable")
+    assert ob.blocked_until(t1) == 11.0  # first backoff: 1 s
+    again, t2 = ob.take(["T1", "T2"], 10.0)
+    assert again is a and t2 != t1
+    assert a.tried == [t1, t2]
+
+
+def test_backoff_doubles_is_capped_and_resets_on_ack():
+    ob = outbox(attempts=100)
+    a = item(1)
+    ob.offer(a)
+    now = 0.0
+    waits = []
+    for _ in range(6):
+        _, t = ob.take(["T"], now)
+        ob.on_failure(a.batch_id, t, FailureKind.TIMEOUT, now)
+        waits.append(ob.blocked_until("T") - now)
+        assert ob.take(["T"], now) is None  # the only trainer is backed off
+        assert ob.next_wakeup(["T"], now) == ob.blocked_until("T")
+        now = ob.blocked_until("T")
+    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    _, t = ob.take(["T"], now)
+    ob.on_ack(a.batch_id, t, ack(a), now)
+    assert ob.backoff_of("T") == 0.0 and ob.blocked_until("T") == 0.0
+
+
+def test_batch_dropped_after_max_attempts():
+    ob = outbox(attempts=3)
+    a = item(1)
+    ob.offer(a)
+    outcomes = []
+    now = 0.0
+    for _ in range(3):
+        now = ob.next_wakeup(["T1", "T2"], now)
+        _, t = ob.take(["T1", "T2"], now)
+        outcomes.append(ob.on_failure(a.batch_id, t, FailureKind.STREAM, now).reason)
+    assert outcomes == ["stream", "stream", "undeliverable"]
+    assert a.state is BatchState.DROPPED and len(ob) == 0
+
+
+def test_final_refusal_is_not_retried_transient_is():
+    ob = outbox()
+    a, b = item(1), item(2)
+    ob.offer(a)
+    ob.offer(b)
+    _, t = ob.take(["T"], 0)
+    out = ob.on_ack(a.batch_id, t, ack(a, False, "wrong_task"), 0)
+    assert (out.state, out.reason) == (BatchState.REFUSED, "wrong_task")
+    assert ob.backoff_of("T") == 0.0  # a sensible refusal says the trainer is alive
+    _, t = ob.take(["T"], 0)
+    out = ob.on_ack(b.batch_id, t, ack(b, False, "busy"), 0)
+    assert (out.state, out.reason) == (BatchState.QUEUED, "busy")
+    assert ob.blocked_until("T") == 1.0
+    assert ob.take(["T"], 0.5) is None and ob.take(["T"], 1.0)[0] is b
+
+
+def test_stale_batches_are_dropped_not_sent():
+    ob = outbox(async_level=2)
+    old, mid, new = item(1, version=0), item(2, version=3), item(3, version=5)
+    for p in (old, mid, new):
+        ob.offer(p)
+    dropped = ob.observe_version(5)  # floor = 3
+    assert dropped == [old] and old.state is BatchState.DROPPED
+    _, t = ob.take(["T"], 0)  # mid in flight
+    # The trainer says it is at step 6: floor 4; mid (v3) is in flight, new (v5) stays.
+    out = ob.on_ack(mid.batch_id, t, ack(mid, False, "busy", step=6), 0)
+    assert (out.state, out.reason) == (BatchState.DROPPED, "stale")
+    assert [p.batch_id[0] for p in ob.pending()] == [3]
+    assert ob.is_stale(3) and not ob.is_stale(4)
+
+
+def test_load_spreads_over_healthy_trainers():
+    ob = outbox(capacity=8)
+    for n in range(6):
+        ob.offer(item(n))
+    used = []
+    for _ in range(6):
+        p, t = ob.take(["A", "B", "C"], 0)
+        ob.on_ack(p.batch_id, t, ack(p), 0)
+        used.append(t)
+    assert sorted(used) == ["A", "A", "B", "B", "C", "C"]
+
+
+def test_results_for_unknown_batches_are_our_bug():
+    ob = outbox()
+    a = item(1)
+    with pytest.raises(LocalProtocolError):
+        ob.on_failure(a.batch_id, "T", FailureKind.TIMEOUT, 0)
+    ob.offer(a)
+    with pytest.raises(LocalProtocolError):  # queued, not in flight
+        ob.on_ack(a.batch_id, "T", ack(a), 0)
+
+
+def test_no_trainer_no_send_and_wakeup_is_infinite():
+    ob = outbox()
+    ob.offer(item(1))
+    assert ob.take([], 0) is None
+    assert ob.next_wakeup([], 0) == math.inf
+    assert ob.next_wakeup(["T"], 3.0) == 3.0
+
+
+def test_alive_trainers_filters_by_run_and_liveness():
+    members = {"T1": "trainer", "T2": "relay", "X": "trainer", "me": "inference"}
+    assert alive_trainers(members, ["T1", "T2", "T3", "me"], "me") == ["T1", "T2"]
+
+
+def test_worker_config_validation():
+    WorkerConfig().validate()
+    for bad in (dict(max_pending_batches=0), dict(cheat="lie"), dict(backoff_s=5, backoff_max_s=1),
+                dict(max_batch_bytes=8 * 1024 * 1024)):
+        with pytest.raises(ValueError):
+            WorkerConfig(**bad).validate()
