@@ -129,10 +129,10 @@ class TorchEngine:
 
         from transformers import DynamicCache
 
-        cache = DynamicCache()
+        kv = {_cache_kwarg(self.model): DynamicCache()}
         with _maybe_capture(self.model, capture_hidden) as cap:
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True)
+                             use_cache=True, **kv, **_last_logits_only(self.model))
             logits = out.logits[:, -1, :]  # (B, V)
             next_pos = positions[:, -1] + 1  # (B,)
             steps = 0
@@ -148,7 +148,7 @@ class TorchEngine:
                     break
                 mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
                 out = self.model(input_ids=tok_t[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                                 past_key_values=cache, use_cache=True)
+                                 use_cache=True, **kv)
                 logits = out.logits[:, -1, :]
                 next_pos = next_pos + 1
             hidden = _generated_hidden(cap, B, steps) if cap is not None else None  # (B, steps, H)
@@ -166,6 +166,20 @@ class TorchEngine:
                 text=tok.decode(ids, skip_special_tokens=True),
             ))
         return groups
+
+
+def _cache_kwarg(model) -> str:
+    """Name of the KV-cache argument: transformers >= 5.2x calls it ``cache``, older ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _last_logits_only(model) -> dict:
+    """Ask the prefill for the last position's logits only, where the model supports it."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def _is_tied(model, key: str) -> bool:
