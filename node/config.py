@@ -34,6 +34,7 @@ SECTIONS: dict[str, str] = {
     "membership": "node.gossip.membership:MembershipConfig",
     "shards": "node.shards.config:ShardsConfig",
     "ledger": "node.ledger.config:LedgerConfig",
+    "trainer": "node.trainer.config:TrainerConfig",
     "validator": "node.validator.config:ValidatorConfig",
     "worker": "node.rollouts.config:WorkerConfig",
 }
