@@ -182,24 +182,8 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: expected true or false, got {value!r}")
         return value
-    if hint is int:
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise ConfigError(f"{path}: expected an integer, got {value!r}") from None
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(f"{path}: expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
+    if hint in (int, float):
+        return _number(hint, value, path)
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
@@ -209,6 +193,20 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
             return None
         return _coerce([a for a in args if a is not type(None)][0], value, path)
     return value
+
+
+def _number(kind: type, value: Any, path: str) -> Any:
+    """An int or float from TOML (numbers) or from env/flags (strings); bools are not numbers."""
+    what = "an integer" if kind is int else "a number"
+    accepted = (int,) if kind is int else (int, float)
+    if isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            raise ConfigError(f"{path}: expected {what}, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, accepted):
+        raise ConfigError(f"{path}: expected {what}, got {value!r}")
+    return kind(value)
 
 
 def read_run_file(path: Path) -> dict[str, Any]:
