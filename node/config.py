@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import os
 import tomllib
 import typing
@@ -201,11 +202,13 @@ def _number(kind: type, value: Any, path: str) -> Any:
     accepted = (int,) if kind is int else (int, float)
     if isinstance(value, str):
         try:
-            return kind(value)
+            value = kind(value)
         except ValueError:
             raise ConfigError(f"{path}: expected {what}, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, accepted):
         raise ConfigError(f"{path}: expected {what}, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{path}: expected a finite number, got {value!r}")
     return kind(value)
 
 
