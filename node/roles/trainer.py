@@ -1,3 +1,5 @@
 """The trainer role: the services it runs on top of the core (see node/roles/core.py)."""
 
-SERVICES: list = []
+from ..trainer.service import serve_trainer
+
+SERVICES: list = [serve_trainer]

@@ -1,0 +1,106 @@
+"""Where the trainer keeps its model folders and its training state, written so a crash never tears them.
+
+Layout under ``<data dir>/trainer/``:
+
+    models/v<N>/        one ordinary Hugging Face folder per version (config, safetensors, tokenizer)
+    state.pt            the training state of the newest saved step (model, optimizer, scheduler,
+                        step, RNG): what ``kill -9`` + restart resumes from
+
+Both are written to a temporary name, fsynced, and renamed into place (POSIX rename is atomic), then
+the directory is fsynced, so after a crash each path is either the old complete object or the new
+complete one. The model folder of version N is complete before ``state.pt`` says step N, so a saved
+state always has its folder (INTELLECT-2 writes a "stable" marker last for the same reason).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+MODELS = "models"
+STATE = "state.pt"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def model_dir(root: Path, version: int) -> Path:
+    return Path(root) / MODELS / f"v{version}"
+
+
+def versions_on_disk(root: Path) -> list[int]:
+    base = Path(root) / MODELS
+    if not base.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in base.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
+
+
+def write_model_folder(root: Path, version: int, model, tokenizer) -> Path:
+    """Save ``model`` + ``tokenizer`` as the HF folder of ``version`` atomically; returns its path."""
+    from ..model import save_model_folder
+
+    final = model_dir(root, version)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model_folder(model, tokenizer, tmp)
+    _fsync_tree(tmp)
+    if final.exists():  # a crash after the rename but before state.pt: the same step is redone
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def prune_model_folders(root: Path, keep: int, protect: set[int] = frozenset()) -> list[int]:
+    """Delete all but the newest ``keep`` version folders (and stray temporaries); returns those removed."""
+    base = Path(root) / MODELS
+    for tmp in base.glob("*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    held = versions_on_disk(root)
+    doomed = [v for v in held[:-keep] if v not in protect] if keep > 0 else []
+    for v in doomed:
+        shutil.rmtree(model_dir(root, v), ignore_errors=True)
+    return doomed
+
+
+def save_state(root: Path, state: dict) -> Path:
+    """``torch.save`` the training state atomically to ``<root>/state.pt``."""
+    import torch
+
+    root = Path(root)
+    final = root / STATE
+    tmp = root / (STATE + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def load_state(root: Path) -> dict | None:
+    """The saved training state, or None on first start."""
+    import torch
+
+    path = Path(root) / STATE
+    if not path.is_file():
+        return None
+    # weights_only=False: the state holds RNG states and optimizer dicts we wrote ourselves.
+    return torch.load(path, map_location="cpu", weights_only=False)

@@ -1,0 +1,39 @@
+"""``[trainer]``: how the trainer node keeps batches, talks to validators and stores checkpoints.
+
+The GRPO hyper-parameters (async level, batch size, learning rate...) are the ``[grpo]`` table
+(:class:`node.rl.config.GRPOConfig`); this table holds what only the trainer node needs.
+Kept free of torch and libp2p so ``node.config`` can build it cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEVICES_HINT = "auto | cpu | cuda | cuda:N"
+
+
+@dataclass
+class TrainerConfig:
+    """``[trainer]`` table of the run file."""
+
+    keep_checkpoints: int = 4  # K: model folders kept on the trainer's disk (async_level + 2 is enough)
+    max_pending_batches: int = 256  # spooled batches not yet trained; beyond it intake answers "busy"
+    max_step_samples: int = 1024  # cap on samples in one rollout step (batches are taken whole)
+    max_concurrent_intake: int = 16  # rollout streams handled at once; more wait for a slot
+    verify_timeout_s: float = 120.0  # a validator silent this long on a batch is skipped for it
+    max_verify_in_flight: int = 64  # batches sent to validators and awaiting a verdict
+    device: str = "auto"  # auto (cuda when present, else cpu) | cpu | cuda | cuda:N
+    seed: int = 0  # seeds the torch RNG on first start (restored from the training state afterwards)
+    init_warmup_steps: int = -1  # supervised warm-up steps for a fresh embedded tiny model (-1 = the model module's default)
+
+    def validate(self) -> None:
+        if self.keep_checkpoints < 1:
+            raise ValueError("keep_checkpoints: at least 1")
+        if self.max_pending_batches < 1 or self.max_step_samples < 1 or self.max_concurrent_intake < 1:
+            raise ValueError("max_pending_batches, max_step_samples, max_concurrent_intake: at least 1")
+        if self.verify_timeout_s <= 0:
+            raise ValueError("verify_timeout_s: > 0")
+        if self.max_verify_in_flight < 1:
+            raise ValueError("max_verify_in_flight: at least 1")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device: {DEVICES_HINT}")

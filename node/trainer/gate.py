@@ -1,0 +1,153 @@
+"""The validator gate: which batch goes to which validator, when to give up on one, what a verdict means.
+
+How this works
+--------------
+Pure state machine, time passed in. Each gated batch is in one of these states:
+
+    UNASSIGNED ──due()──> SENDING ──sent()──> AWAITING ──verdict──> (removed: decided)
+         ^                   │                    │
+         └──send_failed()────┘                    │ (now >= deadline: that validator is
+         └──────────────── expire() ──────────────┘  skipped for this batch; reassigned)
+
+* Assignment is rendezvous hashing over the *live* validators of the run
+  (:func:`node.validator.assign.assign_validator`, Thaler & Ravishankar 1998): every trainer picks
+  the same validator for a batch, load spreads evenly, and when one goes silent only its batches move,
+  each to its own next choice. The validators that failed a batch are skipped for it; once every live
+  validator has failed it, the list is cleared and the batch starts over, so a batch is never dropped
+  while it waits (the spool holds it on disk; this table is rebuilt from the spool on restart).
+* A verdict counts whoever signed it, as long as the signer is a validator of the run (checked by
+  ``open_verdict`` before it reaches here): a late verdict from a validator we had given up on is as
+  good as the one we were waiting for, and the second verdict for a batch is ignored (``decided``).
+* At most ``max_in_flight`` batches are SENDING or AWAITING at once (bounded work on validators).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+from ..validator.assign import assign_validator
+
+MAX_DECIDED = 65536  # batch ids remembered as decided, to answer duplicate verdicts cheaply
+
+
+class Phase(enum.Enum):
+    UNASSIGNED = "unassigned"
+    SENDING = "sending"
+    AWAITING = "awaiting"
+
+
+@dataclass
+class Gated:
+    batch_id: bytes
+    phase: Phase = Phase.UNASSIGNED
+    validator: str | None = None
+    deadline: float = 0.0
+    failed: set[str] = field(default_factory=set)  # validators that timed out or refused this batch
+    attempts: int = 0
+
+
+@dataclass(frozen=True)
+class VerdictOutcome:
+    """What a verdict did: ``decided`` False means it was ignored (``reason`` says why)."""
+
+    decided: bool
+    passed: bool = False
+    reason: str = ""
+
+
+class ValidatorGate:
+    """Routing of gated batches to validators (see the module docstring)."""
+
+    def __init__(self, timeout: float, max_in_flight: int) -> None:
+        self.timeout = timeout
+        self.max_in_flight = max_in_flight
+        self.batches: dict[bytes, Gated] = {}
+        self.decided: dict[bytes, bool] = {}  # insertion-ordered; bounded by MAX_DECIDED
+        self.timeouts = 0
+        self.reassignments = 0
+
+    def add(self, batch_id: bytes) -> None:
+        if batch_id not in self.batches and batch_id not in self.decided:
+            self.batches[batch_id] = Gated(batch_id)
+
+    def in_flight(self) -> int:
+        return sum(1 for g in self.batches.values() if g.phase is not Phase.UNASSIGNED)
+
+    def due(self, live_validators: Collection[str], now: float) -> list[tuple[bytes, str]]:
+        """(batch id, validator) pairs to send now; each is SENDING until sent() or send_failed()."""
+        self.expire(now)
+        out: list[tuple[bytes, str]] = []
+        budget = self.max_in_flight - self.in_flight()
+        if budget <= 0 or not live_validators:
+            return out
+        for g in self.batches.values():
+            if len(out) >= budget:
+                break
+            if g.phase is not Phase.UNASSIGNED:
+                continue
+            v = assign_validator(g.batch_id, live_validators, exclude=g.failed)
+            if v is None:  # every live validator failed this batch: start over
+                g.failed.clear()
+                v = assign_validator(g.batch_id, live_validators)
+            if v is None:
+                continue
+            if g.attempts:
+                self.reassignments += 1
+            g.phase, g.validator, g.attempts = Phase.SENDING, v, g.attempts + 1
+            out.append((g.batch_id, v))
+        return out
+
+    def sent(self, batch_id: bytes, now: float) -> None:
+        """The validator queued the batch: wait for its verdict until now + timeout."""
+        g = self.batches.get(batch_id)
+        if g is not None and g.phase is Phase.SENDING:
+            g.phase, g.deadline = Phase.AWAITING, now + self.timeout
+
+    def send_failed(self, batch_id: bytes) -> None:
+        """The validator could not be reached or refused (busy): try the next one."""
+        g = self.batches.get(batch_id)
+        if g is not None and g.phase is Phase.SENDING:
+            g.failed.add(g.validator)
+            g.phase, g.validator = Phase.UNASSIGNED, None
+
+    def expire(self, now: float) -> list[bytes]:
+        """Batches whose validator stayed silent past the deadline go back to UNASSIGNED."""
+        out = []
+        for g in self.batches.values():
+            if g.phase is Phase.AWAITING and now >= g.deadline:
+                g.failed.add(g.validator)
+                g.phase, g.validator = Phase.UNASSIGNED, None
+                self.timeouts += 1
+                out.append(g.batch_id)
+        return out
+
+    def next_deadline(self) -> float | None:
+        ds = [g.deadline for g in self.batches.values() if g.phase is Phase.AWAITING]
+        return min(ds) if ds else None
+
+    def on_verdict(self, batch_id: bytes, accepted: bool, reasons: Iterable[str]) -> VerdictOutcome:
+        """A checked verdict (signature, run, validator of the run) for ``batch_id``."""
+        if batch_id in self.decided:
+            return VerdictOutcome(False, reason="already-decided")
+        if batch_id not in self.batches:
+            return VerdictOutcome(False, reason="unknown-batch")
+        del self.batches[batch_id]
+        self.decided[batch_id] = accepted
+        while len(self.decided) > MAX_DECIDED:
+            self.decided.pop(next(iter(self.decided)))
+        if accepted:
+            return VerdictOutcome(True, True)
+        bad = next((r for r in reasons if r != "ok"), "rejected")
+        return VerdictOutcome(True, False, f"verdict:{bad}"[:64])
+
+    def status(self) -> dict:
+        by_phase: dict[str, int] = {}
+        per_validator: dict[str, int] = {}
+        for g in self.batches.values():
+            by_phase[g.phase.value] = by_phase.get(g.phase.value, 0) + 1
+            if g.validator:
+                per_validator[g.validator] = per_validator.get(g.validator, 0) + 1
+        return {"waiting": by_phase, "per_validator": per_validator, "timeouts": self.timeouts,
+                "reassignments": self.reassignments, "decided": len(self.decided)}

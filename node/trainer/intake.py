@@ -1,0 +1,93 @@
+"""Pure checks of a rollout batch that has already passed :func:`node.rollouts.schema.open_batch`.
+
+``open_batch`` checked size, signature, schema, run and signer; what is left depends on the
+trainer's state, so it lives here, as a function of that state (no I/O, no clock):
+
+* **staleness** (INTELLECT-2 §3, "asynchronous RL"): a batch made with policy version ``v`` is used
+  at step ``s`` only if ``v >= s - async_level``; a version newer than ours cannot exist (``future``);
+* **replay**: a batch id seen before (spooled, trained or refused) is refused; batch ids are content
+  hashes of the signed payload, so a replay is byte-identical and always caught. A different batch
+  for a (worker, step) already spooled is refused too: a worker must not sample many batches for one
+  task draw and send the best (cherry-picking; INTELLECT-2's deterministic draw assumes one per step);
+* **shape**: sampling temperature equal to the trainer's (the GRPO ratio divides logits by it),
+  token ids inside the vocabulary, every sequence fits a packed row, groups no larger than claimed.
+
+Each refusal is a short reason code (a metrics label, a status key, a ledger entry's reason).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ..rollouts.schema import RolloutBatch
+
+TEMPERATURE_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class IntakeLimits:
+    """What the trainer can train on (from the model and the [grpo] table)."""
+
+    vocab_size: int
+    pack_length: int  # longest prompt + completion a packed row holds
+    temperature: float
+    async_level: int
+
+
+def staleness_reason(policy_version: int, step: int, async_level: int) -> str | None:
+    """None if a batch of ``policy_version`` may be trained at ``step``, else "stale" / "future"."""
+    if policy_version > step:
+        return "future"
+    if policy_version < step - async_level:
+        return "stale"
+    return None
+
+
+def shape_reason(batch: RolloutBatch, limits: IntakeLimits) -> str | None:
+    """None if every sample of ``batch`` can be trained on, else why not."""
+    if not batch.samples:
+        return "empty"
+    if abs(batch.temperature - limits.temperature) > TEMPERATURE_TOLERANCE:
+        return "wrong-temperature"
+    per_prompt = Counter(s.prompt_index for s in batch.samples)
+    if max(per_prompt.values()) > batch.group_size:
+        return "bad-group"
+    for s in batch.samples:
+        if not s.prompt_ids or not s.completion_ids:
+            return "empty-sample"
+        if len(s.prompt_ids) + len(s.completion_ids) > limits.pack_length:
+            return "too-long"
+        if min(s.prompt_ids) < 0 or min(s.completion_ids) < 0:
+            return "bad-token"
+        if max(s.prompt_ids) >= limits.vocab_size or max(s.completion_ids) >= limits.vocab_size:
+            return "bad-token"
+    return None
+
+
+def intake_reason(
+    batch: RolloutBatch,
+    *,
+    known_batch: bool,
+    known_worker_step: bool,
+    step: int,
+    limits: IntakeLimits,
+) -> str | None:
+    """The first reason to refuse ``batch`` given the trainer's state, or None to accept it.
+
+    ``known_batch``: the batch id is already in the spool. ``known_worker_step``: another batch of
+    this worker for ``batch.step`` is. Cheapest checks first.
+    """
+    if known_batch:
+        return "duplicate"
+    if known_worker_step:
+        return "duplicate-step"
+    stale = staleness_reason(batch.policy_version, step, limits.async_level)
+    if stale:
+        return stale
+    return shape_reason(batch, limits)
+
+
+# Refusals that say nothing about the worker's honesty or that a third party can cause (replaying a
+# worker's signed batch) are not recorded against the worker in the ledger.
+NOT_ATTRIBUTABLE = frozenset({"duplicate", "busy"})

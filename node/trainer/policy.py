@@ -1,0 +1,185 @@
+"""The policy being trained: model, optimizer, step counter and their saved state. No network here.
+
+The version of the policy is its step: version 0 is the initial model, and rollout step ``s`` turns
+version ``s - 1`` into version ``s``. :meth:`Policy.train` runs one rollout step with
+:func:`node.rl.grpo.train_step` (``[grpo] optimizer_steps`` AdamW steps with warm-up and grad-norm
+clipping); :meth:`Policy.save` writes the version's model folder, then the training state
+(:mod:`node.trainer.checkpoints`), so a restart resumes at the last saved step exactly: weights,
+AdamW moments, learning-rate schedule position and RNG states.
+
+Online filtering (INTELLECT-2 §3.2; DAPO "dynamic sampling"): a group whose rewards are all equal
+has all-zero advantages and gives no gradient, yet it would dilute the token-level mean; such groups
+are dropped here, and the trainer waits until ``[grpo] min_batch_samples`` samples with signal are
+available before it steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import defaultdict
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..rl.config import GRPOConfig
+from ..rl.grpo import StepStats, TrainSample, make_optimizer, train_step
+from ..rollouts.schema import RolloutBatch
+from . import checkpoints
+from .config import TrainerConfig
+
+log = logging.getLogger("node.trainer")
+
+FLAT_REWARD = 1e-9  # a group whose rewards differ by less than this carries no signal
+
+
+def training_samples(batch: RolloutBatch) -> tuple[list[TrainSample], int]:
+    """The batch's samples as :class:`TrainSample` s, zero-signal groups dropped; (samples, groups dropped)."""
+    groups: dict[int, list] = defaultdict(list)
+    for s in batch.samples:
+        groups[s.prompt_index].append(s)
+    out: list[TrainSample] = []
+    dropped = 0
+    for members in groups.values():
+        rewards = [s.reward for s in members]
+        if len(members) < 2 or max(rewards) - min(rewards) <= FLAT_REWARD:
+            dropped += 1
+            continue
+        out.extend(
+            TrainSample(list(s.prompt_ids), list(s.completion_ids), list(s.logprobs), s.advantage, batch.policy_version)
+            for s in members
+        )
+    return out, dropped
+
+
+@dataclass
+class StepResult:
+    """What one rollout step did (for status, the steps table and the reward curve)."""
+
+    step: int  # the version it produced
+    stats: StepStats
+    samples: int  # trained on
+    seconds: float
+
+
+def _initial_model(source: str, tcfg: TrainerConfig):
+    """(model, tokenizer) of version 0: ``run.model`` or the embedded tiny default."""
+    from ..model import build_tiny_model, build_tokenizer, load_model, load_tokenizer
+
+    if source:
+        return load_model(Path(source)), load_tokenizer(Path(source))
+    tok = build_tokenizer()
+    model = build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id, seed=tcfg.seed)
+    if tcfg.init_warmup_steps > 0:
+        from ..rl.synthetic import make_reversal_tasks
+        from ..rl.warmup import supervised_warmup
+
+        # A seed far from the packaged task set's (1) so the warm-up never sees evaluation tasks.
+        pairs = [(t["prompt"], t["answer"]) for t in make_reversal_tasks(2000, seed=1000 + tcfg.seed)]
+        st = supervised_warmup(model, tok, pairs, tcfg.init_warmup_steps, seed=tcfg.seed)
+        log.info("trainer: supervised warm-up of the tiny model: loss %.3f -> %.3f in %d steps",
+                 st.first_loss, st.last_loss, st.steps)
+    return model, tok
+
+
+class Policy:
+    """Model + optimizer + step of the trainer (one process; see node/trainer/fsdp.py for several GPUs)."""
+
+    def __init__(self, root: Path, model, tokenizer, cfg: GRPOConfig, tcfg: TrainerConfig, step: int,
+                 device: str) -> None:
+        self.root = Path(root)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.tcfg = tcfg
+        self.step = step
+        self.device = device
+        self.optimizer, self.scheduler = make_optimizer(model, cfg)
+        self.ref_model = None
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, root: Path, source: str, cfg: GRPOConfig, tcfg: TrainerConfig) -> tuple["Policy", bool]:
+        """Resume from ``<root>/state.pt`` or create version 0; returns (policy, created)."""
+        from ..engines.torch_engine import pick_device
+        from ..model import load_model, load_tokenizer
+
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        device = pick_device(tcfg.device)
+        state = checkpoints.load_state(root)
+        if state is None:
+            torch.manual_seed(tcfg.seed)
+            random.seed(tcfg.seed)
+            model, tok = _initial_model(source, tcfg)
+            model = model.to(device=device, dtype=torch.float32)
+            policy = cls(root, model, tok, cfg, tcfg, 0, device)
+            policy.save()
+            created = True
+        else:
+            folder = checkpoints.model_dir(root, state["step"])
+            model = load_model(folder, device=device, dtype=torch.float32)
+            model.load_state_dict(state["model"])
+            policy = cls(root, model, load_tokenizer(folder), cfg, tcfg, state["step"], device)
+            policy.optimizer.load_state_dict(state["optimizer"])
+            policy.scheduler.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["rng"]["torch"])
+            random.setstate(state["rng"]["python"])
+            if torch.cuda.is_available() and state["rng"].get("cuda") is not None:
+                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+            created = False
+        policy.model.eval()
+        if cfg.kl_coef > 0:
+            # The KL reference is the initial policy (version 0), frozen; its folder is kept on disk.
+            policy.ref_model = load_model(checkpoints.model_dir(root, 0), device=device, dtype=torch.float32)
+            policy.ref_model.requires_grad_(False)
+        return policy, created
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def pad_id(self) -> int:
+        pid = self.tokenizer.pad_token_id
+        return int(pid if pid is not None else self.tokenizer.eos_token_id or 0)
+
+    def folder(self, version: int | None = None) -> Path:
+        return checkpoints.model_dir(self.root, self.step if version is None else version)
+
+    # ------------------------------------------------------------------ training
+
+    def train(self, samples: list[TrainSample]) -> StepStats:
+        """One rollout step on ``samples``; the step counter advances (version = step)."""
+        amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.startswith("cuda") else nullcontext()
+        with amp:
+            stats = train_step(self.model, self.optimizer, self.scheduler, samples, self.cfg,
+                               ref_model=self.ref_model, pad_id=self.pad_id)
+        self.step += 1
+        return stats
+
+    def state(self) -> dict:
+        return {
+            "step": self.step,
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            },
+        }
+
+    def save(self) -> Path:
+        """Write the model folder of the current version, then the training state; returns the folder."""
+        folder = checkpoints.write_model_folder(self.root, self.step, self.model, self.tokenizer)
+        checkpoints.save_state(self.root, self.state())
+        protect = {0} if self.cfg.kl_coef > 0 else set()
+        checkpoints.prune_model_folders(self.root, self.tcfg.keep_checkpoints, protect=protect | {self.step})
+        return folder

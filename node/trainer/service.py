@@ -1,0 +1,500 @@
+"""The trainer service: intake of rollout batches, the validator gate, the GRPO loop, publishing.
+
+How this works
+--------------
+* **Intake** (``/swarm/rollouts/1.0.0``, :meth:`Trainer.handle_rollouts`): one frame in, one
+  :class:`RolloutAck` out. ``open_batch`` checks size, signature, schema, run and signer; then the
+  pure :func:`node.trainer.intake.intake_reason` checks replay, staleness and shape against the
+  trainer's state. The batch is committed to the spool (SQLite, fsync) *before* the ack is written,
+  so an acknowledged batch survives ``kill -9``.
+* **Validator gate**: when the run names validators, a spooled batch is GATED: the gate
+  (:mod:`node.trainer.gate`) picks a live validator by rendezvous hashing and we forward the signed
+  batch over ``/swarm/verify/1.0.0``; the validator later opens ``/swarm/verdicts/1.0.0`` to us with
+  a signed Verdict (:meth:`Trainer.handle_verdicts`). A pass makes the batch READY, a failure
+  REJECTED; a silent validator is skipped for that batch after ``verify_timeout_s``.
+  With no validators the gate is off (shown in status) and batches are READY at once.
+* **Loop** (:meth:`Trainer.train_loop`): take READY batches oldest first, drop the ones that became
+  too stale while they waited, drop zero-signal groups (online filtering), and once
+  ``min_batch_samples`` samples with signal are there, run one rollout step in a worker thread,
+  save the model folder and training state, publish the folder through the shard swarm as the
+  next version and record it in the ledger. Generation never waits for training and training never
+  waits for one inference node: whatever batches are ready make the step.
+* **Ledger** (:meth:`Trainer.ledger_loop`): one "rollouts" entry per judged batch (accepted when
+  trained, rejected with its reason), written from the spool's ``ledger_due`` rows so none is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from pathlib import Path
+
+import trio
+
+from ..hashes import digest
+from ..rl.config import GRPOConfig
+from ..rl.grpo import TrainSample
+from ..rollouts.schema import (
+    MAX_BATCH_BYTES,
+    ROLLOUTS_PROTOCOL,
+    VERDICTS_PROTOCOL,
+    VERIFY_PROTOCOL,
+    RolloutAck,
+    open_batch,
+    open_verdict,
+)
+from ..wire import MAX_FRAME, RemoteProtocolError, decode_as, read_frame, write_frame
+from .config import TrainerConfig
+from .gate import ValidatorGate
+from .intake import NOT_ATTRIBUTABLE, IntakeLimits, intake_reason, staleness_reason
+from .policy import Policy, training_samples
+from .spool import BatchState, Spool, StepRecord, open_spool
+
+log = logging.getLogger("node.trainer")
+
+SOURCE = "rollouts"  # metrics label of refused batches
+VERDICT_SOURCE = "verdicts"
+MAX_INTAKE_FRAME = min(MAX_FRAME, MAX_BATCH_BYTES)  # a batch must also fit one frame to a validator
+MAX_VERDICT_FRAME = 1024 * 1024
+MAX_ACK_FRAME = 4096
+READ_TIMEOUT = 30.0  # seconds a peer may take to send its frame
+SEND_TIMEOUT = 30.0  # seconds to hand a batch to a validator and get its ack
+MAX_FRAMES_PER_STREAM = 256  # verdict frames on one stream before we close it (bounded work)
+LEDGER_CHUNK = 32  # ledger entries written per wake-up
+GATE_TICK = 1.0  # seconds between gate passes when nothing happens
+STATUS_STEPS = 200  # reward-curve points in status
+ZERO_ID = bytes(32)
+
+
+class Trainer:
+    """The running trainer (``node.services["trainer"]``)."""
+
+    def __init__(self, node, policy: Policy, spool: Spool, cfg: GRPOConfig, tcfg: TrainerConfig,
+                 wall_clock=time.time) -> None:
+        self.node = node
+        self.policy = policy
+        self.spool = spool
+        self.cfg = cfg
+        self.tcfg = tcfg
+        self.wall_clock = wall_clock
+        run = node.config.run
+        self.run_name = run.name
+        self.validators = set(run.validators)
+        self.gate = ValidatorGate(tcfg.verify_timeout_s, tcfg.max_verify_in_flight) if self.validators else None
+        self.limits = IntakeLimits(policy.vocab_size, cfg.pack_length, cfg.temperature, cfg.async_level)
+        self.intake_slots = trio.Semaphore(tcfg.max_concurrent_intake)
+        self.intake = Counter()  # "accepted" or refusal reason -> batches, since start
+        self.verdicts = Counter()  # verdict outcomes since start
+        self._samples: dict[bytes, tuple[list[TrainSample], int]] = {}  # decoded READY batches (cache)
+        self._wake_train = trio.Event()
+        self._wake_gate = trio.Event()
+        self._wake_ledger = trio.Event()
+        self.idle_s = 0.0  # time the loop waited for rollouts since the first rollout arrived
+        self.busy_s = 0.0  # time spent in steps (train + save)
+        self.last_step: dict = {}
+        self.published: int | None = None
+        self.publish_error = ""
+        self.reward_curve = deque(((r.step, r.mean_reward) for r in spool.steps(STATUS_STEPS)), maxlen=STATUS_STEPS)
+        m = node.metrics
+        self.m_batches = m.counter("trainer_batches_total", "Rollout batches judged at intake", ["outcome"])
+        self.m_step = m.gauge("trainer_step", "Policy version of the trainer")
+        self.m_tokens = m.counter("trainer_tokens_total", "Completion tokens trained on")
+        self.m_step.set(policy.step)
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def step(self) -> int:
+        return self.policy.step
+
+    def _wake(self, which: str) -> None:
+        getattr(self, f"_wake_{which}").set()
+
+    async def _wait(self, which: str, timeout: float) -> None:
+        ev = getattr(self, f"_wake_{which}")
+        with trio.move_on_after(timeout):
+            await ev.wait()
+        setattr(self, f"_wake_{which}", trio.Event())
+
+    def live_validators(self) -> list[str]:
+        """Validators of the run that membership believes alive (all of them without membership)."""
+        membership = self.node.services.get("membership")
+        if membership is None:
+            return sorted(self.validators)
+        alive = membership.members()
+        return sorted(v for v in self.validators if v in alive)
+
+    # ------------------------------------------------------------------ intake
+
+    def judge(self, data: bytes, sender: str) -> RolloutAck:
+        """Judge one received batch and spool it; the returned ack is true once this returns."""
+        try:
+            signed = open_batch(data, self.run_name)
+        except RemoteProtocolError as e:
+            return self._refuse(digest(data), e.reason)
+        b = signed.batch
+        if self.spool.pending() >= self.tcfg.max_pending_batches and not self.spool.knows(signed.batch_id):
+            return self._refuse(signed.batch_id, "busy")
+        reason = intake_reason(
+            b,
+            known_batch=self.spool.knows(signed.batch_id),
+            known_worker_step=self.spool.knows_worker_step(b.worker, b.step),
+            step=self.step,
+            limits=self.limits,
+        )
+        if reason is not None:
+            if reason not in NOT_ATTRIBUTABLE:
+                # A third party may replay a worker's signed batch: only the worker's own submission
+                # is recorded against it in the ledger.
+                self.spool.add(signed, BatchState.REJECTED, reason=reason, ledger_due=sender == b.worker)
+                self._wake("ledger")
+            return self._refuse(signed.batch_id, reason)
+        if self.gate is not None:
+            self.spool.add(signed, BatchState.GATED)
+            self.gate.add(signed.batch_id)
+            self._wake("gate")
+        else:
+            self.spool.add(signed, BatchState.READY)
+            self._wake("train")
+        self.intake["accepted"] += 1
+        self.m_batches.labels(outcome="accepted").inc()
+        return RolloutAck(batch_id=signed.batch_id, accepted=True, trainer_step=self.step)
+
+    def _refuse(self, batch_id: bytes, reason: str) -> RolloutAck:
+        self.intake[reason] += 1
+        self.m_batches.labels(outcome=reason).inc()
+        self.node.metrics.reject(SOURCE, reason)
+        return RolloutAck(batch_id=batch_id, accepted=False, reason=reason, trainer_step=self.step)
+
+    async def handle_rollouts(self, stream) -> None:
+        """``/swarm/rollouts/1.0.0``: one batch frame in, one ack frame out."""
+        sender = _peer_of(stream)
+        async with self.intake_slots:
+            try:
+                with trio.fail_after(READ_TIMEOUT):
+                    data = await read_frame(stream, MAX_INTAKE_FRAME)
+                if data is None:
+                    return
+                ack = self.judge(data, sender)
+                await write_frame(stream, ack)
+            except RemoteProtocolError as e:
+                self.intake[e.reason] += 1
+                self.node.metrics.reject(SOURCE, e.reason)
+                await _reset(stream)
+            except trio.TooSlowError:
+                self.node.metrics.reject(SOURCE, "timeout")
+                await _reset(stream)
+            finally:
+                await _close(stream)
+
+    # ------------------------------------------------------------------ validator gate
+
+    async def handle_verdicts(self, stream) -> None:
+        """``/swarm/verdicts/1.0.0``: signed verdict frames from a validator, one ack each."""
+        try:
+            for _ in range(MAX_FRAMES_PER_STREAM):
+                with trio.fail_after(READ_TIMEOUT):
+                    data = await read_frame(stream, MAX_VERDICT_FRAME)
+                if data is None:
+                    return
+                batch_id, ok, reason = self.on_verdict_bytes(data)
+                await write_frame(stream, RolloutAck(batch_id=batch_id, accepted=ok, reason=reason,
+                                                     trainer_step=self.step))
+        except RemoteProtocolError as e:
+            self.node.metrics.reject(VERDICT_SOURCE, e.reason)
+            await _reset(stream)
+        except trio.TooSlowError:
+            await _reset(stream)
+        finally:
+            await _close(stream)
+
+    def on_verdict_bytes(self, data: bytes) -> tuple[bytes, bool, str]:
+        """Check and apply one verdict; (batch id, recorded?, reason)."""
+        try:
+            verdict = open_verdict(data, self.run_name, self.validators)
+        except RemoteProtocolError as e:
+            self.verdicts[e.reason] += 1
+            self.node.metrics.reject(VERDICT_SOURCE, e.reason)
+            return ZERO_ID, False, e.reason
+        row = self.spool.get(verdict.batch_id)
+        if row is None:
+            reason = "unknown-batch"
+        elif row.worker != verdict.worker:
+            reason = "wrong-worker"
+        elif row.state is not BatchState.GATED or self.gate is None:
+            reason = "already-decided"
+        else:
+            outcome = self.gate.on_verdict(verdict.batch_id, verdict.accepted, verdict.reasons)
+            if not outcome.decided:
+                reason = outcome.reason
+            else:
+                self.spool.decide(verdict.batch_id, outcome.passed, outcome.reason, data)
+                self.verdicts["passed" if outcome.passed else "failed"] += 1
+                self._wake("train" if outcome.passed else "ledger")
+                return verdict.batch_id, True, ""
+        self.verdicts[reason] += 1
+        self.node.metrics.reject(VERDICT_SOURCE, reason)
+        # A repeated verdict is not the validator's fault: acknowledge it as recorded.
+        return verdict.batch_id, reason == "already-decided", reason
+
+    async def gate_loop(self) -> None:
+        """Send due batches to their validators; wake on new batches, deadlines or every GATE_TICK."""
+        assert self.gate is not None
+        async with trio.open_nursery() as nursery:
+            while True:
+                now = trio.current_time()
+                for batch_id, validator in self.gate.due(self.live_validators(), now):
+                    nursery.start_soon(self._send_to_validator, batch_id, validator)
+                nxt = self.gate.next_deadline()
+                await self._wait("gate", GATE_TICK if nxt is None else max(0.0, min(GATE_TICK, nxt - now)))
+
+    async def _send_to_validator(self, batch_id: bytes, validator: str) -> None:
+        envelope = self.spool.envelope(batch_id)
+        if envelope is None:  # decided meanwhile
+            self.gate.send_failed(batch_id)
+            return
+        ok = False
+        try:
+            with trio.move_on_after(SEND_TIMEOUT):
+                stream = await self.node.host.open_stream(validator, VERIFY_PROTOCOL)
+                try:
+                    await write_frame(stream, envelope)
+                    frame = await read_frame(stream, MAX_ACK_FRAME)
+                    if frame is not None:
+                        ack = decode_as(RolloutAck, frame, MAX_ACK_FRAME)
+                        ok = ack.accepted and ack.batch_id == batch_id
+                finally:
+                    await _close(stream)
+        except RemoteProtocolError as e:
+            self.node.metrics.reject(VERIFY_PROTOCOL, e.reason)
+        except Exception as e:  # dial / negotiation failures of libp2p: the validator is unreachable
+            log.info("trainer: cannot hand batch %s to validator %s: %s", batch_id.hex()[:12], validator[-8:], e)
+        if ok:
+            self.gate.sent(batch_id, trio.current_time())
+        else:
+            self.gate.send_failed(batch_id)
+            self._wake("gate")
+
+    # ------------------------------------------------------------------ training
+
+    def _decoded(self, batch_id: bytes) -> tuple[list[TrainSample], int]:
+        if batch_id not in self._samples:
+            envelope = self.spool.envelope(batch_id)
+            # Our own spool: it passed open_batch before it was written.
+            signed = open_batch(envelope, self.run_name)
+            self._samples[batch_id] = training_samples(signed.batch)
+        return self._samples[batch_id]
+
+    def pick(self) -> tuple[list[bytes], list[TrainSample], float] | None:
+        """READY batches for the next step: (ids, samples, mean reward), or None to keep waiting.
+
+        Batches too stale for this step are rejected ("expired": our delay, not the worker's fault,
+        so no ledger entry). Batches are taken oldest first and whole, until ``min_batch_samples``
+        samples with signal are in hand (capped at ``max_step_samples``).
+        """
+        ids: list[bytes] = []
+        samples: list[TrainSample] = []
+        reward_sum = 0.0
+        n_all = 0
+        expired = []
+        for row in self.spool.in_state(BatchState.READY, limit=self.tcfg.max_pending_batches):
+            if staleness_reason(row.policy_version, self.step, self.cfg.async_level):
+                expired.append(row.batch_id)
+                continue
+            got, _ = self._decoded(row.batch_id)
+            if ids and len(samples) + len(got) > self.tcfg.max_step_samples:
+                break
+            ids.append(row.batch_id)
+            samples.extend(got)
+            reward_sum += row.mean_reward * row.samples
+            n_all += row.samples
+            if len(samples) >= self.cfg.min_batch_samples:
+                break
+        if expired:
+            self.spool.reject(expired, "expired", ledger_due=False)
+            for bid in expired:
+                self._samples.pop(bid, None)
+        if len(samples) < self.cfg.min_batch_samples:
+            return None
+        return ids, samples, reward_sum / max(n_all, 1)
+
+    async def train_loop(self) -> None:
+        """Step whenever enough READY samples are there; publish each new version."""
+        while True:
+            picked = self.pick()
+            if picked is None:
+                t0 = trio.current_time()
+                await self._wait("train", GATE_TICK)
+                if self.spool.pending() or self.published is not None:
+                    self.idle_s += trio.current_time() - t0
+                continue
+            await self.run_step(*picked)
+
+    async def run_step(self, ids: list[bytes], samples: list[TrainSample], mean_reward: float) -> StepRecord:
+        """One rollout step on the given READY batches, saved, recorded and published."""
+        version = self.step + 1
+        self.spool.take(ids, version)  # before training: see Spool.recover
+        t0 = trio.current_time()
+        stats = await trio.to_thread.run_sync(self._train_and_save, samples)
+        seconds = trio.current_time() - t0
+        self.busy_s += seconds
+        record = StepRecord(version, mean_reward, len(samples), len(ids), stats.tokens, stats.loss, seconds)
+        self.spool.finish_step(record)
+        for bid in ids:
+            self._samples.pop(bid, None)
+        self.reward_curve.append((version, mean_reward))
+        self.last_step = {"step": version, "samples": len(samples), "batches": len(ids), "tokens": stats.tokens,
+                          "loss": round(stats.loss, 5), "entropy": round(stats.entropy, 4),
+                          "clip_frac": round(stats.clip_frac, 4), "grad_norm": round(stats.grad_norm, 4),
+                          "lr": stats.lr, "seconds": round(seconds, 3),
+                          "tokens_per_s": round(stats.tokens / seconds, 1) if seconds > 0 else None}
+        self.m_step.set(version)
+        self.m_tokens.inc(stats.tokens)
+        log.info("trainer: step %d: %d samples from %d batches, mean reward %.3f, loss %.4f, %.2fs",
+                 version, len(samples), len(ids), mean_reward, stats.loss, seconds)
+        self.spool.prune(version - self.cfg.async_level - 1)
+        self._wake("ledger")
+        await self.publish(version)
+        return record
+
+    def _train_and_save(self, samples: list[TrainSample]):
+        stats = self.policy.train(samples)
+        self.policy.save()
+        return stats
+
+    async def publish(self, version: int) -> None:
+        """Announce the model folder of ``version`` through the shard swarm and the ledger."""
+        shards = self.node.services.get("shards")
+        if shards is None:
+            return
+        try:
+            signed = await shards.publish(self.policy.folder(version), version)
+        except (PermissionError, OSError, ValueError) as e:
+            self.publish_error = str(e)
+            log.error("trainer: publishing v%d failed: %s", version, e)
+            return
+        self.published = version
+        self.publish_error = ""
+        membership = self.node.services.get("membership")
+        if membership is not None and hasattr(shards, "versions_held"):
+            try:
+                membership.update(checkpoints=tuple(shards.versions_held()))
+            except (TypeError, ValueError):
+                pass
+        ledger = self.node.services.get("ledger")
+        if ledger is not None:
+            from ..ledger.entries import CheckpointPublished
+
+            try:
+                await ledger.append(CheckpointPublished(version=version, manifest_id=signed.root,
+                                                        total_bytes=signed.manifest.total_size))
+            except Exception as e:  # a refused entry is our bug; the checkpoint itself is out
+                log.error("trainer: ledger refused checkpoint v%d: %s", version, e)
+
+    # ------------------------------------------------------------------ ledger
+
+    async def ledger_loop(self) -> None:
+        """Write the due "rollouts" entries (accepted when trained, rejected with a reason)."""
+        from ..ledger.entries import RolloutsJudged
+
+        while True:
+            ledger = self.node.services.get("ledger")
+            rows = self.spool.ledger_due(LEDGER_CHUNK) if ledger is not None else []
+            for row in rows:
+                body = RolloutsJudged(worker=row.worker, step=min(row.step, 2**32), accepted=row.state is BatchState.TRAINED,
+                                      samples=min(row.samples, 2**20), tokens=row.tokens, batch_hash=row.batch_id,
+                                      reason=row.reason)
+                try:
+                    await ledger.append(body)
+                except Exception as e:  # our own entry refused: log it, do not retry forever
+                    log.error("trainer: ledger refused rollouts entry for %s: %s", row.batch_id.hex()[:12], e)
+                self.spool.mark_ledger_done(row.batch_id)
+            if len(rows) < LEDGER_CHUNK:
+                await self._wait("ledger", 5.0)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict:
+        counts = self.spool.counts()
+        gate: dict | str
+        if self.gate is None:
+            gate = "off (no validators in the run)"
+        else:
+            gate = {"live_validators": len(self.live_validators()), "validators": len(self.validators),
+                    **self.gate.status(), "verdicts": dict(self.verdicts)}
+        total = self.idle_s + self.busy_s
+        return {
+            "step": self.step,
+            "version": self.step,
+            "published": self.published,
+            "publish_error": self.publish_error,
+            "device": self.policy.device,
+            "intake": dict(self.intake),
+            "batches": {
+                "gated": counts.get(BatchState.GATED.value, 0),
+                "ready": counts.get(BatchState.READY.value, 0),
+                "trained": counts.get(BatchState.TRAINED.value, 0),
+                "rejected": counts.get(BatchState.REJECTED.value, 0),
+            },
+            "rejected_by_reason": self.spool.rejected_by_reason(),
+            "gate": gate,
+            "reward": [[s, round(r, 4)] for s, r in self.reward_curve],
+            "last_step": self.last_step,
+            "idle_fraction": round(self.idle_s / total, 4) if total > 0 else None,
+        }
+
+
+def _peer_of(stream) -> str:
+    try:
+        return stream.muxed_conn.peer_id.to_base58()
+    except AttributeError:
+        return ""
+
+
+async def _reset(stream) -> None:
+    try:
+        await stream.reset()
+    except Exception:
+        pass
+
+
+async def _close(stream) -> None:
+    try:
+        await stream.close()
+    except Exception:
+        pass
+
+
+async def serve_trainer(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run the trainer role's service until cancelled (see the module docstring)."""
+    cfg: GRPOConfig = node.run.section("grpo", GRPOConfig)
+    tcfg: TrainerConfig = node.run.section("trainer", TrainerConfig)
+    root = Path(node.data_dir) / "trainer"
+    policy, created = await trio.to_thread.run_sync(Policy.open, root, node.run.model, cfg, tcfg)
+    with open_spool(root / "spool.sqlite") as spool:
+        returned = spool.recover(policy.step)
+        if returned:
+            log.warning("trainer: %d batches of an unsaved step go back to the queue", returned)
+        trainer = Trainer(node, policy, spool, cfg, tcfg)
+        if trainer.gate is not None:
+            for row in spool.in_state(BatchState.GATED):
+                trainer.gate.add(row.batch_id)
+        shards = node.services.get("shards")
+        if shards is not None and shards.path_of(policy.step) is None:
+            await trainer.publish(policy.step)
+        elif shards is not None:
+            trainer.published = policy.step
+        node.host.set_handler(ROLLOUTS_PROTOCOL, trainer.handle_rollouts)
+        node.host.set_handler(VERDICTS_PROTOCOL, trainer.handle_verdicts)
+        node.services["trainer"] = trainer
+        node.status["trainer"] = trainer.status
+        log.info("trainer: %s at step %d on %s", "created the policy" if created else "resumed", policy.step,
+                 policy.device)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trainer.train_loop)
+            nursery.start_soon(trainer.ledger_loop)
+            if trainer.gate is not None:
+                nursery.start_soon(trainer.gate_loop)
+            task_status.started(trainer)
+

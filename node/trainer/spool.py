@@ -1,0 +1,257 @@
+"""The durable batch spool: every acknowledged batch is on disk before its ack is sent.
+
+How this works
+--------------
+One SQLite database (WAL journal, ``synchronous=FULL``: a committed transaction survives power loss)
+with a row per batch id the trainer has judged. A batch moves through named states:
+
+    GATED ──verdict ok──> READY ──taken by step s──> TRAINED(s)
+      │                     │
+      └──verdict failed──>  └──too stale by now──>  REJECTED  <── refused at intake (attributable)
+
+(with no validators configured a batch is spooled straight into READY). Rows are never deleted
+while a replay of them could still be accepted, so the primary key doubles as the replay filter.
+
+Exactly-once training across ``kill -9``: batches are marked TRAINED(s+1) *before* step s+1 runs,
+and the training state of step s+1 is saved after it. On restart with saved step ``k``,
+:meth:`Spool.recover` returns every TRAINED(s > k) batch to READY, so a crash mid-step neither
+loses nor double-trains a batch.
+
+Ledger entries ("rollouts accepted/rejected") are due when a batch reaches TRAINED or REJECTED; the
+``ledger_done`` flag is set only after the entry is appended, so they too survive a crash.
+"""
+
+from __future__ import annotations
+
+import enum
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..rollouts.schema import SignedBatch
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS batches (
+    arrival INTEGER PRIMARY KEY AUTOINCREMENT,
+    batch_id BLOB NOT NULL UNIQUE,
+    worker TEXT NOT NULL,
+    step INTEGER NOT NULL,            -- the worker's draw step
+    policy_version INTEGER NOT NULL,
+    samples INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,          -- completion tokens
+    mean_reward REAL NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    envelope BLOB,                    -- the signed batch; dropped once trained or rejected
+    verdict BLOB,                     -- the signed verdict that decided it, if any
+    trained_step INTEGER,
+    ledger_due INTEGER NOT NULL,      -- 1: an accepted/rejected ledger entry must be written
+    ledger_done INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS batches_worker_step ON batches (worker, step);
+CREATE INDEX IF NOT EXISTS batches_state ON batches (state);
+CREATE TABLE IF NOT EXISTS steps (
+    step INTEGER PRIMARY KEY,         -- the version this step produced
+    mean_reward REAL NOT NULL,        -- over every sample of the step's batches (before filtering)
+    samples INTEGER NOT NULL,         -- samples trained on (after zero-advantage filtering)
+    batches INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    loss REAL NOT NULL,
+    seconds REAL NOT NULL             -- wall time of the update
+);
+"""
+
+
+class BatchState(enum.Enum):
+    GATED = "gated"  # waiting for a validator's verdict
+    READY = "ready"  # may be trained
+    TRAINED = "trained"
+    REJECTED = "rejected"
+
+
+# Legal transitions (anything else is a bug in the caller).
+TRANSITIONS = {
+    BatchState.GATED: {BatchState.READY, BatchState.REJECTED},
+    BatchState.READY: {BatchState.TRAINED, BatchState.REJECTED},
+    BatchState.TRAINED: {BatchState.READY},  # only by recover() after a crash mid-step
+    BatchState.REJECTED: set(),
+}
+
+
+class SpoolError(Exception):
+    """An illegal state transition or unknown batch: a bug in the trainer, not the remote's fault."""
+
+
+@dataclass(frozen=True)
+class SpooledBatch:
+    batch_id: bytes
+    worker: str
+    step: int
+    policy_version: int
+    samples: int
+    tokens: int
+    mean_reward: float
+    state: BatchState
+    reason: str
+    trained_step: int | None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    mean_reward: float
+    samples: int
+    batches: int
+    tokens: int
+    loss: float
+    seconds: float
+
+
+_COLS = "batch_id, worker, step, policy_version, samples, tokens, mean_reward, state, reason, trained_step"
+
+
+def _row(r) -> SpooledBatch:
+    return SpooledBatch(bytes(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], BatchState(r[7]), r[8], r[9])
+
+
+class Spool:
+    """The trainer's batch table. Synchronous and fast (one fsync per write transaction)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    # ------------------------------------------------------------------ queries
+
+    def knows(self, batch_id: bytes) -> bool:
+        return self.db.execute("SELECT 1 FROM batches WHERE batch_id = ?", (batch_id,)).fetchone() is not None
+
+    def knows_worker_step(self, worker: str, step: int) -> bool:
+        q = "SELECT 1 FROM batches WHERE worker = ? AND step = ?"
+        return self.db.execute(q, (worker, step)).fetchone() is not None
+
+    def get(self, batch_id: bytes) -> SpooledBatch | None:
+        r = self.db.execute(f"SELECT {_COLS} FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+        return _row(r) if r else None
+
+    def envelope(self, batch_id: bytes) -> bytes | None:
+        r = self.db.execute("SELECT envelope FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+        return bytes(r[0]) if r and r[0] is not None else None
+
+    def in_state(self, state: BatchState, limit: int = -1) -> list[SpooledBatch]:
+        q = f"SELECT {_COLS} FROM batches WHERE state = ? ORDER BY arrival LIMIT ?"
+        return [_row(r) for r in self.db.execute(q, (state.value, limit))]
+
+    def pending(self) -> int:
+        """Batches acknowledged and not yet trained or rejected."""
+        q = "SELECT COUNT(*) FROM batches WHERE state IN (?, ?)"
+        return self.db.execute(q, (BatchState.GATED.value, BatchState.READY.value)).fetchone()[0]
+
+    def counts(self) -> dict[str, int]:
+        return dict(self.db.execute("SELECT state, COUNT(*) FROM batches GROUP BY state").fetchall())
+
+    def rejected_by_reason(self) -> dict[str, int]:
+        q = "SELECT reason, COUNT(*) FROM batches WHERE state = ? GROUP BY reason"
+        return dict(self.db.execute(q, (BatchState.REJECTED.value,)).fetchall())
+
+    def ledger_due(self, limit: int) -> list[SpooledBatch]:
+        q = (f"SELECT {_COLS} FROM batches WHERE ledger_due = 1 AND ledger_done = 0 AND state IN (?, ?) "
+             "ORDER BY arrival LIMIT ?")
+        return [_row(r) for r in self.db.execute(q, (BatchState.TRAINED.value, BatchState.REJECTED.value, limit))]
+
+    def steps(self, last: int = 0) -> list[StepRecord]:
+        q = "SELECT step, mean_reward, samples, batches, tokens, loss, seconds FROM steps ORDER BY step"
+        rows = [StepRecord(*r) for r in self.db.execute(q)]
+        return rows[-last:] if last else rows
+
+    # ------------------------------------------------------------------ writes (each one transaction)
+
+    def add(self, signed: SignedBatch, state: BatchState, *, reason: str = "", ledger_due: bool = True) -> None:
+        """Record a judged batch; durable when this returns (ack only after that)."""
+        b = signed.batch
+        tokens = sum(len(s.completion_ids) for s in b.samples)
+        mean_reward = sum(s.reward for s in b.samples) / len(b.samples) if b.samples else 0.0
+        keep = signed.envelope if state in (BatchState.GATED, BatchState.READY) else None
+        with self.db:
+            self.db.execute(
+                "INSERT INTO batches (batch_id, worker, step, policy_version, samples, tokens, mean_reward, "
+                "state, reason, envelope, ledger_due) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (signed.batch_id, b.worker, b.step, b.policy_version, len(b.samples), tokens, mean_reward,
+                 state.value, reason, keep, int(ledger_due)),
+            )
+
+    def _move(self, batch_ids: list[bytes], to: BatchState, **cols) -> None:
+        for bid in batch_ids:
+            cur = self.get(bid)
+            if cur is None:
+                raise SpoolError(f"unknown batch {bid.hex()[:12]}")
+            if to not in TRANSITIONS[cur.state]:
+                raise SpoolError(f"batch {bid.hex()[:12]}: {cur.state.value} -> {to.value} is not allowed")
+        sets = ", ".join(["state = ?"] + [f"{k} = ?" for k in cols])
+        if to in (BatchState.TRAINED, BatchState.REJECTED):
+            sets += ", envelope = NULL" if to is BatchState.REJECTED else ""
+        with self.db:
+            self.db.executemany(f"UPDATE batches SET {sets} WHERE batch_id = ?",
+                                [(to.value, *cols.values(), bid) for bid in batch_ids])
+
+    def decide(self, batch_id: bytes, passed: bool, reason: str, verdict: bytes | None) -> None:
+        """A verdict arrived for a GATED batch."""
+        self._move([batch_id], BatchState.READY if passed else BatchState.REJECTED,
+                   reason="" if passed else reason, verdict=verdict)
+
+    def reject(self, batch_ids: list[bytes], reason: str, *, ledger_due: bool = True) -> None:
+        self._move(batch_ids, BatchState.REJECTED, reason=reason, ledger_due=int(ledger_due))
+
+    def take(self, batch_ids: list[bytes], step: int) -> None:
+        """Mark READY batches as consumed by ``step`` (before the step runs; see recover())."""
+        self._move(batch_ids, BatchState.TRAINED, trained_step=step)
+
+    def trained_envelopes(self, step: int) -> list[tuple[bytes, bytes]]:
+        q = "SELECT batch_id, envelope FROM batches WHERE state = ? AND trained_step = ? ORDER BY arrival"
+        return [(bytes(a), bytes(b)) for a, b in self.db.execute(q, (BatchState.TRAINED.value, step))]
+
+    def finish_step(self, record: StepRecord) -> None:
+        """Step ``record.step`` is saved: drop its batches' envelopes and remember its figures."""
+        with self.db:
+            self.db.execute("UPDATE batches SET envelope = NULL WHERE state = ? AND trained_step = ?",
+                            (BatchState.TRAINED.value, record.step))
+            self.db.execute("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?)",
+                            (record.step, record.mean_reward, record.samples, record.batches, record.tokens,
+                             record.loss, record.seconds))
+
+    def recover(self, saved_step: int) -> int:
+        """After a restart at ``saved_step``: batches taken by later (lost) steps become READY again."""
+        with self.db:
+            cur = self.db.execute(
+                "UPDATE batches SET state = ?, trained_step = NULL WHERE state = ? AND trained_step > ?",
+                (BatchState.READY.value, BatchState.TRAINED.value, saved_step))
+            self.db.execute("DELETE FROM steps WHERE step > ?", (saved_step,))
+        return cur.rowcount
+
+    def mark_ledger_done(self, batch_id: bytes) -> None:
+        with self.db:
+            self.db.execute("UPDATE batches SET ledger_done = 1 WHERE batch_id = ?", (batch_id,))
+
+    def prune(self, oldest_useful_version: int) -> int:
+        """Forget finished batches whose replay would be refused as stale anyway (bounds the table)."""
+        with self.db:
+            cur = self.db.execute(
+                "DELETE FROM batches WHERE state IN (?, ?) AND policy_version < ? AND (ledger_due = 0 OR ledger_done = 1)",
+                (BatchState.TRAINED.value, BatchState.REJECTED.value, oldest_useful_version))
+        return cur.rowcount
+
+
+@contextmanager
+def open_spool(path: Path) -> Iterator[Spool]:
+    """Open (creating) the spool database at ``path``; closed on exit."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(str(path), isolation_level="DEFERRED", check_same_thread=False)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(SCHEMA)
+        yield Spool(db)
+    finally:
+        db.close()

@@ -1,0 +1,91 @@
+"""A fake inference client for trainer tests and benchmarks: signed batches with honest log-probs.
+
+Builds :class:`RolloutBatch` es the way an inference node would, minus generation and proofs:
+prompts are synthetic reversal tasks (:mod:`node.rl.synthetic`), completions are random digit
+strings (or given ones), rewards come from the real verifier, advantages are group-relative
+((r - mean) / (std + 1e-6), INTELLECT-2), and the log-probs are those of the given model at
+temperature T, so the trainer's importance ratios start at 1 as they would for real rollouts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from ..rollouts.schema import DOMAIN_BATCH, RolloutBatch, RolloutSample
+from ..wire import encode, seal
+
+ADV_EPS = 1e-6
+
+
+def group_advantages(rewards: Sequence[float]) -> list[float]:
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+    return [(r - mean) / (std + ADV_EPS) for r in rewards]
+
+
+def model_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float) -> list[float]:
+    """Per-token log-probs of ``completion_ids`` after ``prompt_ids`` under ``model`` at ``temperature``."""
+    import torch
+
+    from ..rl.grpo import TrainSample, pack, token_logprobs
+
+    s = TrainSample(prompt_ids, completion_ids, [0.0] * len(completion_ids), 0.0)
+    batch = pack([s], len(prompt_ids) + len(completion_ids))
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature)
+    mask = batch.loss_mask[0].bool()
+    return [float(x) for x in logp[0][mask]]
+
+
+def reversal_batch(
+    identity,
+    run: str,
+    *,
+    step: int,
+    policy_version: int,
+    tokenizer,
+    model=None,
+    prompts: int = 2,
+    group_size: int = 4,
+    temperature: float = 1.0,
+    seed: int = 0,
+    completions: Sequence[Sequence[str]] | None = None,
+) -> RolloutBatch:
+    """A batch of ``prompts`` reversal tasks x ``group_size`` completions, signed-ready.
+
+    ``completions[p][g]`` overrides the random completion text of sample g of prompt p.
+    Without ``model`` the log-probs are uniform over the vocabulary.
+    """
+    import math
+
+    from ..rl.synthetic import make_reversal_tasks, reversal_reward
+
+    rng = random.Random(seed)
+    tasks = make_reversal_tasks(prompts, seed=seed + 7)
+    samples = []
+    for p, task in enumerate(tasks):
+        texts = [completions[p][g] if completions else "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 6)))
+                 for g in range(group_size)]
+        rewards = [reversal_reward(t, task["answer"]) for t in texts]
+        advs = group_advantages(rewards)
+        prompt_ids = tokenizer(task["prompt"], add_special_tokens=False)["input_ids"]
+        for g, text in enumerate(texts):
+            comp = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            if model is not None:
+                lps = model_logprobs(model, prompt_ids, comp, temperature)
+            else:
+                lps = [-math.log(len(tokenizer))] * len(comp)
+            samples.append(RolloutSample(
+                prompt_index=p, sample_index=g, task_id=task["id"], prompt_ids=prompt_ids, completion_ids=comp,
+                logprobs=lps, finish_reason="stop", reward=rewards[g], task_reward=rewards[g],
+                advantage=advs[g], proof=b"",
+            ))
+    return RolloutBatch(run=run, worker=identity.peer_id, step=step, policy_version=policy_version,
+                        taskset="synthetic", seed=seed, temperature=temperature, top_p=1.0, max_new_tokens=8,
+                        group_size=group_size, created_ms=0, samples=samples)
+
+
+def sign_batch(identity, batch: RolloutBatch) -> bytes:
+    """The wire bytes of ``batch`` signed by ``identity`` (what ROLLOUTS_PROTOCOL carries)."""
+    return encode(seal(identity, DOMAIN_BATCH, batch))

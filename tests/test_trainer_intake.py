@@ -1,0 +1,202 @@
+"""Trainer intake: every refusal reason, replay filtering, and acks that survive kill -9."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from node.config import NodeConfig, RunConfig
+from node.identity import Identity
+from node.metrics import Metrics
+from node.model import build_tokenizer
+from node.rl.config import GRPOConfig
+from node.rollouts.schema import MAX_BATCH_BYTES, open_batch
+from node.trainer.config import TrainerConfig
+from node.trainer.intake import IntakeLimits, intake_reason, staleness_reason
+from node.trainer.service import Trainer
+from node.trainer.spool import BatchState, SpoolError, open_spool
+from node.trainer.testing import reversal_batch, sign_batch
+from node.wire import Envelope, decode_as, encode
+
+RUN = "test"
+WORKER = Identity.from_seed(b"w" * 32)
+OTHER = Identity.from_seed(b"o" * 32)
+TOK = build_tokenizer()
+
+
+def batch(step=0, version=5, ident=WORKER, **kw):
+    return reversal_batch(ident, RUN, step=step, policy_version=version, tokenizer=TOK, **kw)
+
+
+def fake_node(validators=()):
+    run = RunConfig(name=RUN, validators=list(validators))
+    return SimpleNamespace(config=NodeConfig(run=run), metrics=Metrics(), services={}, status={}, peer_id="me")
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    """A Trainer at step 5 (async level 2) over a real spool; the policy is a stand-in (no model)."""
+    policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
+    with open_spool(tmp_path / "spool.sqlite") as spool:
+        yield Trainer(fake_node(), policy, spool, GRPOConfig(async_level=2, pack_length=64), TrainerConfig(max_pending_batches=4))
+
+
+def test_staleness_window():
+    assert staleness_reason(5, 5, 2) is None
+    assert staleness_reason(3, 5, 2) is None
+    assert staleness_reason(2, 5, 2) == "stale"
+    assert staleness_reason(6, 5, 2) == "future"
+    assert staleness_reason(0, 0, 0) is None
+
+
+def test_accepts_a_fresh_batch_and_spools_it_ready(trainer):
+    data = sign_batch(WORKER, batch())
+    ack = trainer.judge(data, WORKER.peer_id)
+    assert ack.accepted and ack.trainer_step == 5
+    row = trainer.spool.get(ack.batch_id)
+    assert row.state is BatchState.READY and row.samples == 8
+    assert trainer.spool.envelope(ack.batch_id) == data
+
+
+@pytest.mark.parametrize("version, reason", [(2, "stale"), (6, "future")])
+def test_refuses_stale_and_future_versions(trainer, version, reason):
+    ack = trainer.judge(sign_batch(WORKER, batch(version=version)), WORKER.peer_id)
+    assert not ack.accepted and ack.reason == reason
+    assert trainer.spool.get(ack.batch_id).state is BatchState.REJECTED
+
+
+def test_replay_is_refused_and_not_counted_against_the_worker(trainer):
+    data = sign_batch(WORKER, batch())
+    assert trainer.judge(data, WORKER.peer_id).accepted
+    again = trainer.judge(data, OTHER.peer_id)
+    assert not again.accepted and again.reason == "duplicate"
+    assert trainer.spool.counts() == {"ready": 1}
+
+
+def test_second_batch_for_the_same_draw_step_is_refused(trainer):
+    assert trainer.judge(sign_batch(WORKER, batch(seed=1)), WORKER.peer_id).accepted
+    ack = trainer.judge(sign_batch(WORKER, batch(seed=2)), WORKER.peer_id)
+    assert ack.reason == "duplicate-step"
+
+
+def test_forged_worker_field(trainer):
+    forged = dataclasses.replace(batch(), worker=OTHER.peer_id)  # WORKER signs a batch claiming to be OTHER
+    ack = trainer.judge(sign_batch(WORKER, forged), WORKER.peer_id)
+    assert ack.reason == "forged"
+    assert trainer.spool.counts() == {}
+
+
+def test_tampered_signature(trainer):
+    env = decode_as(Envelope, sign_batch(WORKER, batch()))
+    bad = dataclasses.replace(env, signature=bytes(64))
+    assert trainer.judge(encode(bad), WORKER.peer_id).reason == "bad-signature"
+
+
+def test_wrong_run(trainer):
+    other_run = dataclasses.replace(batch(), run="another")
+    assert trainer.judge(sign_batch(WORKER, other_run), WORKER.peer_id).reason == "wrong-run"
+
+
+def test_oversized_and_garbage(trainer):
+    assert trainer.judge(b"\x00" * (MAX_BATCH_BYTES + 1), WORKER.peer_id).reason == "oversized"
+    assert trainer.judge(b"\xc1garbage", WORKER.peer_id).reason == "malformed"
+    assert trainer.spool.counts() == {}
+
+
+def test_shape_refusals(trainer):
+    assert trainer.judge(sign_batch(WORKER, batch(temperature=0.7, step=1)), WORKER.peer_id).reason == "wrong-temperature"
+    long = batch(step=2, completions=[["1" * 60] * 4, ["2"] * 4])
+    assert trainer.judge(sign_batch(WORKER, long), WORKER.peer_id).reason == "too-long"
+    b = batch(step=3)
+    s0 = dataclasses.replace(b.samples[0], completion_ids=[len(TOK) + 5], logprobs=[-1.0])
+    bad_token = dataclasses.replace(b, samples=[s0, *b.samples[1:]])
+    assert trainer.judge(sign_batch(WORKER, bad_token), WORKER.peer_id).reason == "bad-token"
+
+
+def test_busy_when_the_spool_is_full(trainer):
+    for step in range(4):
+        assert trainer.judge(sign_batch(WORKER, batch(step=step)), WORKER.peer_id).accepted
+    ack = trainer.judge(sign_batch(WORKER, batch(step=9)), WORKER.peer_id)
+    assert ack.reason == "busy"
+    assert not trainer.spool.knows(ack.batch_id)  # "busy" is not final: the worker may retry
+
+
+def test_only_the_workers_own_submission_is_recorded_against_it(trainer):
+    stale = batch(version=1)
+    trainer.judge(sign_batch(WORKER, stale), OTHER.peer_id)  # a third party replays an old batch
+    assert trainer.spool.ledger_due(10) == []
+    trainer.judge(sign_batch(WORKER, batch(version=0, step=1)), WORKER.peer_id)
+    assert [r.reason for r in trainer.spool.ledger_due(10)] == ["stale"]
+
+
+def test_pure_intake_order_of_checks():
+    limits = IntakeLimits(vocab_size=len(TOK), pack_length=64, temperature=1.0, async_level=2)
+    b = batch(version=0)
+    assert intake_reason(b, known_batch=True, known_worker_step=True, step=5, limits=limits) == "duplicate"
+    assert intake_reason(b, known_batch=False, known_worker_step=True, step=5, limits=limits) == "duplicate-step"
+    assert intake_reason(b, known_batch=False, known_worker_step=False, step=5, limits=limits) == "stale"
+    assert intake_reason(b, known_batch=False, known_worker_step=False, step=1, limits=limits) is None
+
+
+def test_spool_refuses_illegal_transitions(tmp_path):
+    with open_spool(tmp_path / "s.sqlite") as spool:
+        signed = open_batch(sign_batch(WORKER, batch()), RUN)
+        spool.add(signed, BatchState.READY)
+        with pytest.raises(SpoolError):
+            spool.decide(signed.batch_id, True, "", None)  # READY has no verdict to wait for
+        spool.reject([signed.batch_id], "expired", ledger_due=False)
+        with pytest.raises(SpoolError):
+            spool.take([signed.batch_id], 1)
+
+
+def test_a_step_lost_in_a_crash_gives_its_batches_back(tmp_path):
+    with open_spool(tmp_path / "s.sqlite") as spool:
+        ids = []
+        for step in range(3):
+            signed = open_batch(sign_batch(WORKER, batch(step=step)), RUN)
+            spool.add(signed, BatchState.READY)
+            ids.append(signed.batch_id)
+        spool.take(ids[:2], 6)
+    with open_spool(tmp_path / "s.sqlite") as spool:  # restarted; the saved state says step 5
+        assert spool.recover(5) == 2
+        assert [r.batch_id for r in spool.in_state(BatchState.READY)] == ids
+        assert all(spool.envelope(i) for i in ids)
+
+
+KILL_AFTER_ACK = textwrap.dedent("""
+    import os, signal, sys
+    from types import SimpleNamespace
+    sys.path.insert(0, {tests!r})
+    from test_trainer_intake import fake_node, batch, WORKER, TOK
+    from node.rl.config import GRPOConfig
+    from node.trainer.config import TrainerConfig
+    from node.trainer.service import Trainer
+    from node.trainer.spool import open_spool
+    from node.trainer.testing import sign_batch
+    from node.wire import encode
+    with open_spool({db!r}) as spool:
+        t = Trainer(fake_node(), SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu"), spool,
+                    GRPOConfig(pack_length=64), TrainerConfig())
+        ack = t.judge(sign_batch(WORKER, batch()), WORKER.peer_id)
+        sys.stdout.write(ack.batch_id.hex() + "\\n")
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)  # no close, no checkpoint of the WAL: a crash
+""")
+
+
+def test_acknowledged_batch_survives_kill_9(tmp_path):
+    db = str(tmp_path / "spool.sqlite")
+    script = KILL_AFTER_ACK.format(tests=os.path.dirname(__file__), db=db)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    batch_id = bytes.fromhex(proc.stdout.strip())
+    with open_spool(db) as spool:
+        row = spool.get(batch_id)
+        assert row is not None and row.state is BatchState.READY
+        assert open_batch(spool.envelope(batch_id), RUN).batch_id == batch_id
