@@ -1,0 +1,123 @@
+"""The validator gate as a pure state machine: assignment, timeouts, reassignment, verdicts."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.hashes import digest
+from node.trainer.gate import Phase, ValidatorGate
+from node.validator.assign import validator_ranking
+
+VALS = ["val-a", "val-b", "val-c"]
+
+
+def bid(i: int) -> bytes:
+    return digest(i.to_bytes(4, "big"))
+
+
+def test_a_batch_goes_to_its_rendezvous_choice_and_waits():
+    g = ValidatorGate(timeout=10.0, max_in_flight=8)
+    g.add(bid(1))
+    [(b, v)] = g.due(VALS, now=0.0)
+    assert b == bid(1) and v == validator_ranking(bid(1), VALS)[0]
+    g.sent(b, now=0.0)
+    assert g.due(VALS, now=5.0) == []  # waiting within its deadline
+    assert g.batches[b].phase is Phase.AWAITING and g.next_deadline() == 10.0
+
+
+def test_silent_validator_is_skipped_after_the_timeout():
+    g = ValidatorGate(timeout=10.0, max_in_flight=8)
+    g.add(bid(1))
+    [(_, first)] = g.due(VALS, 0.0)
+    g.sent(bid(1), 0.0)
+    [(_, second)] = g.due(VALS, 10.0)
+    assert second == validator_ranking(bid(1), VALS)[1] != first
+    assert g.timeouts == 1 and g.reassignments == 1
+
+
+def test_unreachable_validator_moves_the_batch_at_once():
+    g = ValidatorGate(timeout=10.0, max_in_flight=8)
+    g.add(bid(2))
+    [(_, first)] = g.due(VALS, 0.0)
+    g.send_failed(bid(2))
+    [(_, second)] = g.due(VALS, 0.0)
+    assert second != first
+
+
+def test_after_every_validator_failed_the_batch_starts_over_never_dropped():
+    g = ValidatorGate(timeout=1.0, max_in_flight=8)
+    g.add(bid(3))
+    seen = []
+    for _ in range(len(VALS) + 1):
+        [(_, v)] = g.due(VALS, 0.0)
+        seen.append(v)
+        g.send_failed(bid(3))
+    assert seen[:3] == validator_ranking(bid(3), VALS) and seen[3] == seen[0]
+    assert bid(3) in g.batches
+
+
+def test_no_live_validator_means_the_batch_waits():
+    g = ValidatorGate(timeout=1.0, max_in_flight=8)
+    g.add(bid(4))
+    assert g.due([], 0.0) == []
+    assert g.batches[bid(4)].phase is Phase.UNASSIGNED
+
+
+def test_in_flight_is_bounded():
+    g = ValidatorGate(timeout=1.0, max_in_flight=3)
+    for i in range(10):
+        g.add(bid(i))
+    assert len(g.due(VALS, 0.0)) == 3
+    assert g.due(VALS, 0.0) == []
+
+
+def test_verdicts_decide_once():
+    g = ValidatorGate(timeout=1.0, max_in_flight=8)
+    g.add(bid(5))
+    g.add(bid(6))
+    assert g.on_verdict(bid(5), True, ["ok"]).passed
+    again = g.on_verdict(bid(5), True, ["ok"])
+    assert not again.decided and again.reason == "already-decided"
+    failed = g.on_verdict(bid(6), False, ["ok", "toploc-exponent"])
+    assert failed.decided and not failed.passed and failed.reason == "verdict:toploc-exponent"
+    assert g.on_verdict(bid(7), True, []).reason == "unknown-batch"
+    g.add(bid(5))  # a replayed batch id that was decided is not gated again
+    assert bid(5) not in g.batches
+
+
+def test_late_verdict_from_a_skipped_validator_still_counts():
+    g = ValidatorGate(timeout=1.0, max_in_flight=8)
+    g.add(bid(8))
+    g.due(VALS, 0.0)
+    g.sent(bid(8), 0.0)
+    g.due(VALS, 5.0)  # timed out, reassigned
+    assert g.on_verdict(bid(8), True, ["ok"]).passed
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.sampled_from(["sent", "fail", "tick", "verdict"]), max_size=40), st.integers(1, 20))
+def test_every_batch_is_either_decided_or_still_gated(ops, n):
+    """Whatever validators do, no batch is lost and none is decided twice."""
+    g = ValidatorGate(timeout=2.0, max_in_flight=4)
+    ids = [bid(i) for i in range(n)]
+    for b in ids:
+        g.add(b)
+    now = 0.0
+    decided = []
+    for op in ops:
+        pairs = g.due(VALS, now)
+        for b, _ in pairs:
+            if op == "sent":
+                g.sent(b, now)
+            elif op == "fail":
+                g.send_failed(b)
+            elif op == "verdict":
+                g.sent(b, now)
+                if g.on_verdict(b, True, ["ok"]).decided:
+                    decided.append(b)
+        now += 1.0
+        assert g.in_flight() <= 4
+    assert len(decided) == len(set(decided))
+    assert set(decided) | set(g.batches) == set(ids)
+    assert not set(decided) & set(g.batches)
