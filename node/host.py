@@ -108,6 +108,57 @@ class TcpBytes:
         cls._installed = True
 
 
+class HandlerErrors:
+    """Counts of stream handlers that failed, by protocol and exception type (for metrics/status)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def add(self, protocol: str, exc: BaseException) -> None:
+        key = (protocol, type(exc).__name__)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
+def guard_handlers(host, errors: HandlerErrors) -> None:
+    """Make every stream handler of ``host`` unable to crash the node.
+
+    py-libp2p runs stream handlers inside the connection's nursery, and that nursery inside the
+    swarm service that ``host.run`` waits on: an exception escaping any handler tears down the
+    whole host. Its own pubsub handler lets a protobuf ``DecodeError`` escape (pubsub.py,
+    ``stream_handler`` catches only StreamError/ParseError/IncompleteReadError), so one peer
+    sending a malformed gossip RPC could stop us. We wrap the handlers already registered and
+    every one registered later: a failing handler is logged, counted and its stream reset.
+    """
+    muxer = host.get_mux()
+
+    def guard(protocol, handler):
+        if handler is None or getattr(handler, "_guarded", False):
+            return handler
+
+        async def guarded(stream) -> None:
+            try:
+                await handler(stream)
+            except Exception as exc:  # the remote's bytes or a library bug: never fatal
+                errors.add(str(protocol), exc)
+                log.info("stream handler failed", extra={"protocol": str(protocol), "error": type(exc).__name__})
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass
+
+        guarded._guarded = True
+        return guarded
+
+    for protocol, handler in list(muxer.handlers.items()):
+        muxer.handlers[protocol] = guard(protocol, handler)
+    original = host.set_stream_handler
+
+    def set_stream_handler(protocol, handler):
+        return original(protocol, guard(protocol, handler))
+
+    host.set_stream_handler = set_stream_handler
+
+
 def to_libp2p_keypair(identity: Identity) -> KeyPair:
     priv = Libp2pEd25519PrivateKey.from_bytes(identity.private_bytes)
     return KeyPair(priv, priv.get_public_key())
@@ -141,6 +192,7 @@ class SwarmHost:
     gossipsub: GossipSub
     ping_service: PingService
     _app_scores: dict[str, float] = field(default_factory=dict)
+    handler_errors: HandlerErrors = field(default_factory=lambda: HandlerErrors())
 
     @property
     def peer_id(self) -> str:
@@ -220,6 +272,8 @@ async def open_swarm_host(
         muxer_preference="YAMUX",
         listen_addrs=addrs,
     )
+    handler_errors = HandlerErrors()
+    guard_handlers(host, handler_errors)
     app_scores: dict[str, float] = {}
     router = GossipSub(
         protocols=GOSSIPSUB_PROTOCOLS,
@@ -236,7 +290,7 @@ async def open_swarm_host(
         eclipse_protection_enabled=False,
     )
     pubsub = Pubsub(host, router, seen_ttl=gossip.seen_ttl, max_inbound_rpc_size=1024 * 1024)
-    swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), app_scores)
+    swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), app_scores, handler_errors)
     async with host.run(addrs):
         async with background_trio_service(pubsub), background_trio_service(router):
             await pubsub.wait_until_ready()

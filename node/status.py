@@ -53,6 +53,7 @@ def snapshot(node: NodeContext) -> dict:
         "uptime_s": round(trio.current_time() - node.started_at, 1),
         "addrs": node.host.listen_addrs(),
         "traffic": node.metrics.totals(),
+        "handler_errors": {f"{p}/{e}": n for (p, e), n in node.host.handler_errors.counts.items()},
     }
     for name, provider in node.status.items():
         try:

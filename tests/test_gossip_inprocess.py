@@ -88,3 +88,21 @@ async def test_metrics_endpoint_on_loopback(tmp_path, fast_membership):
                     break
                 await trio.sleep(0.2)
     assert "swarm_messages_in_total" in body and "swarm_tcp_bytes" in body
+
+
+async def test_garbage_on_the_gossipsub_stream_does_not_stop_the_node(tmp_path, fast_membership):
+    """py-libp2p's own pubsub handler lets a protobuf DecodeError escape; our guard contains it."""
+    configs = [node_config(tmp_path, f"n{i}", membership=fast_membership) for i in range(2)]
+    async with open_nodes(configs) as nodes:
+        target = nodes[0]
+        await wait_for(lambda: sees_all(nodes), CONVERGE_BOUND)
+        async with open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as mallory:
+            await mallory.connect(target.host.listen_addrs()[0])
+            for payload in (b"\x05\xff\xff\xff\xff\xff", b"\x03\x0a\xff\x01"):  # varint length + bad protobuf
+                stream = await mallory.open_stream(target.peer_id, "/meshsub/1.1.0")
+                await stream.write(payload)
+                await trio.sleep(0.5)
+            await wait_for(lambda: sum(target.host.handler_errors.counts.values()) >= 1, 20)
+        # the node still works: a record change from the other node still arrives
+        nodes[1].services["membership"].update(load=7.0)
+        await wait_for(lambda: target.services["membership"].table.members[nodes[1].peer_id].record.load == 7.0, 20)
