@@ -1,0 +1,133 @@
+"""The inference role in-process: a fake trainer publishes the tiny model and takes the batches.
+
+What is checked on the batches the real inference node sends: signed by the node, tasks and seed are
+the deterministic draw's, TOPLOC proofs verify against a validator-style prefill of the checkpoint
+that generated them (and fail against the other version: weights really were swapped), log-probs,
+rewards, advantages and termination recompute. Real libp2p hosts on loopback; real time, bounded.
+"""
+
+from __future__ import annotations
+
+import torch
+import trio
+
+from node.config import RunConfig
+from node.identity import load_or_create_identity
+from node.model import create_tiny_model, load_model, load_tokenizer
+from node.proofs.capture import logits_from_hidden, recompute_decode_states
+from node.proofs.checks import check_advantages, check_logprobs, check_termination, token_logprobs
+from node.proofs.config import ProofsConfig
+from node.proofs.toploc import verify_proofs
+from node.rl.tasks import load_taskset
+from node.rl.verifiers import task_reward
+from node.rollouts.assemble import split_proofs
+from node.rollouts.draw import draw_tasks, sampling_seed
+from node.rollouts.schema import MAX_BATCH_BYTES, ROLLOUTS_PROTOCOL, RolloutAck, open_batch
+from node.wire import read_frame, write_frame
+from swarmtest import node_config, open_nodes
+
+RL = {"group_size": 3, "prompts_per_batch": 2, "max_new_tokens": 6}
+
+
+def run_config(tmp_path, fast_membership, trainers: list[str], **worker) -> RunConfig:
+    return RunConfig(name="test", trainers=trainers, tables={
+        "membership": fast_membership,
+        "shards": {"announce_interval": 1.0},
+        "rl": dict(RL),
+        "inference": {"engine": "torch", "device": "cpu"},
+        "worker": {"checkpoint_poll_s": 0.1, "backoff_s": 0.2, "backoff_max_s": 1.0, "submit_timeout_s": 10.0, **worker},
+    })
+
+
+class FakeTrainer:
+    """Answers ROLLOUTS_PROTOCOL: checks each batch with open_batch, keeps it, acks per ``decide``."""
+
+    def __init__(self, run: str, decide=lambda batch: (True, "")) -> None:
+        self.run = run
+        self.decide = decide
+        self.batches = []
+        self.arrived = trio.Event()
+
+    async def handle(self, stream) -> None:
+        data = await read_frame(stream, MAX_BATCH_BYTES)
+        sb = open_batch(data, self.run)
+        accepted, reason = self.decide(sb.batch)
+        self.batches.append(sb)
+        await write_frame(stream, RolloutAck(batch_id=sb.batch_id, accepted=accepted, reason=reason))
+        await stream.close()
+        self.arrived.set()
+        self.arrived = trio.Event()
+
+    async def wait_for(self, predicate, timeout: float = 120.0):
+        with trio.fail_after(timeout):
+            while True:
+                hits = [sb for sb in self.batches if predicate(sb)]
+                if hits:
+                    return hits[0]
+                await self.arrived.wait()
+
+
+def check_batch(sb, model, tokenizer, peer_id: str, version: int) -> list[str]:
+    """A validator's checks of one batch against ``model``; returns the failures (empty = valid)."""
+    b = sb.batch
+    failures = []
+    if b.worker != peer_id or b.policy_version != version or b.seed != sampling_seed("test", peer_id, b.step):
+        failures.append("header")
+    tasks = draw_tasks(load_taskset(b.taskset), peer_id, b.step, RL["prompts_per_batch"])
+    cfg = ProofsConfig()
+    hidden = recompute_decode_states(model, [s.prompt_ids for s in b.samples], [s.completion_ids for s in b.samples],
+                                     tokenizer.pad_token_id)
+    for s, h in zip(b.samples, hidden):
+        task = tasks[s.prompt_index]
+        if s.task_id != task.id or s.prompt_ids != tokenizer(task.prompt, add_special_tokens=False)["input_ids"]:
+            failures.append(f"task {s.prompt_index}")
+        proofs = split_proofs(s.proof, len(s.completion_ids), h.shape[1], cfg.chunk_tokens, cfg.topk)
+        if proofs is None or not verify_proofs(h, proofs, cfg).ok:
+            failures.append(f"proof {s.prompt_index}/{s.sample_index}")
+        lp = token_logprobs(logits_from_hidden(model, h), torch.tensor(s.completion_ids), b.temperature)
+        if not check_logprobs(s.logprobs, lp, tolerance_mean=1e-3, tolerance_max=1e-2):
+            failures.append(f"logprobs {s.prompt_index}/{s.sample_index}")
+        if not check_termination(s.completion_ids, [tokenizer.eos_token_id], b.max_new_tokens):
+            failures.append(f"termination {s.prompt_index}/{s.sample_index}")
+        text = tokenizer.decode(s.completion_ids, skip_special_tokens=True)
+        if abs(task_reward(task, text) - s.task_reward) > 1e-9 or s.reward != s.task_reward:
+            failures.append(f"reward {s.prompt_index}/{s.sample_index}")
+    for i in {s.prompt_index for s in b.samples}:
+        group = [s for s in b.samples if s.prompt_index == i]
+        if len(group) != b.group_size or not check_advantages([s.reward for s in group], [s.advantage for s in group],
+                                                              tolerance=1e-4):
+            failures.append(f"group {i}")
+    return failures
+
+
+async def test_inference_node_sends_valid_batches_and_follows_new_versions(tmp_path, fast_membership):
+    trainer_id, _ = load_or_create_identity(tmp_path / "trainer")
+    run = run_config(tmp_path, fast_membership, [trainer_id.peer_id])
+    m0 = create_tiny_model(tmp_path / "m0", seed=0)
+    m1 = create_tiny_model(tmp_path / "m1", seed=1)  # same architecture, other weights
+    fake = FakeTrainer("test")
+    configs = [node_config(tmp_path, "trainer", "relay", run=run), node_config(tmp_path, "worker", "inference", run=run)]
+    async with open_nodes(configs) as (trainer, worker):
+        assert trainer.peer_id == trainer_id.peer_id
+        trainer.host.set_handler(ROLLOUTS_PROTOCOL, fake.handle)
+        await trainer.services["shards"].publish(m0, 0)
+
+        first = await fake.wait_for(lambda sb: sb.batch.policy_version == 0)
+        await trainer.services["shards"].publish(m1, 1)
+        later = await fake.wait_for(lambda sb: sb.batch.policy_version == 1)
+
+        status = worker.services["inference"].status()
+        assert status["policy_version"] == 1 and status["weight_swaps"] >= 1
+        assert status["batches"]["accepted"] >= 2 and status["steps"] >= 2
+        assert status["tokens_per_s"] > 0 and status["trainers_alive"] == 1
+        record = worker.services["membership"].record
+        assert record.capacity > 0  # advertised tokens/s
+
+    tok = load_tokenizer(m0)
+    model0, model1 = load_model(m0), load_model(m1)
+    assert check_batch(first, model0, tok, worker.peer_id, 0) == []
+    assert check_batch(later, model1, tok, worker.peer_id, 1) == []
+    # The proofs bind each batch to its own weights: checked against the other version they fail.
+    assert any(f.startswith("proof") for f in check_batch(later, model0, tok, worker.peer_id, 1))
+    steps = [sb.batch.step for sb in fake.batches]
+    assert len(set(steps)) == len(steps)  # one batch per draw step
