@@ -16,9 +16,19 @@ How it works (libp2p spec ``relay/circuit-v2.md``):
   per circuit (constants below). A circuit past its limit is reset; the two peers redial.
 
 This module wraps py-libp2p 0.8.1's implementation (``libp2p/relay/circuit_v2/``) and works
-around its quirks in :class:`_SwarmCircuitProtocol` and :func:`call_reserve`; each workaround
-cites the py-libp2p source line it depends on. Pure helpers (address building, reservation
-parsing, refresh scheduling) take their inputs, including the time, as arguments.
+around its quirks, each citing the py-libp2p source line it depends on:
+
+* relay side (:class:`_SwarmCircuitProtocol`): reservations are for the authenticated sender, not
+  for any id the message names; slots of disconnected holders are freed; reservations per IP are
+  capped; idle circuits are reset at their duration limit; our own EOF noise is not logged as
+  an error;
+* target side: relayed connections are accepted only from relays we reserved on;
+* client side: our own RESERVE exchange (:func:`call_reserve`, keeps the relay's addresses) and
+  refresh loop (:meth:`RelayClient.keep_reservations`, survives relay restarts), and
+  :func:`connect_addr`, because py-libp2p's swarm never dials ``/p2p-circuit`` addresses itself.
+
+Pure helpers (address building, reservation parsing, refresh scheduling) take their inputs,
+including the time, as arguments.
 """
 
 from __future__ import annotations
@@ -60,6 +70,9 @@ log = logging.getLogger(__name__)
 RESERVATION_TTL_S = 3600
 # Reserved peers one relay keeps at most (py-libp2p's cap is global, not per IP: resources.py:260).
 MAX_RESERVATIONS = 128
+# Reservations from one IP address: peer ids are free to mint, addresses are not. py-libp2p
+# defines this very value (config.py:32, HopConfig) but never enforces it.
+MAX_RESERVATIONS_PER_IP = 8
 # Concurrent circuits towards one reserved peer; total circuits <= MAX_RESERVATIONS * this.
 MAX_CIRCUITS_PER_PEER = 8
 # A circuit is reset after this long; the peers redial (relay capacity turns over).
@@ -234,11 +247,15 @@ class _SwarmCircuitProtocol(CircuitV2Protocol):
     ``stop_from`` says which peers may hand us relayed connections (STOP streams).
     """
 
-    def __init__(self, host, limits: RelayLimits | None, allow_hop: bool, stop_from) -> None:
+    def __init__(self, host, limits: RelayLimits | None, allow_hop: bool, stop_from,
+                 max_reservations_per_ip: int = MAX_RESERVATIONS_PER_IP) -> None:
         super().__init__(host, limits, allow_hop=allow_hop)
         self._stop_from = stop_from
+        self.max_reservations_per_ip = max_reservations_per_ip
+        self._reservation_ip: dict[ID, str] = {}  # reserved peer -> IP it reserved from
         self.circuits_active = 0  # CONNECT requests being answered or relayed now
         self.connects_total = 0  # CONNECT requests received
+        self.reservations_refused = 0
 
     async def _handle_reserve(self, stream, msg: HopMessage) -> None:
         # Fix 1: py-libp2p reserves for whatever peer id the RESERVE message names
@@ -247,7 +264,33 @@ class _SwarmCircuitProtocol(CircuitV2Protocol):
         # remote of the connection, as go/rust do.
         if msg.HasField("peer"):
             msg.ClearField("peer")
+        peer = stream.muxed_conn.peer_id
+        self._drop_dead_reservations()
+        ip = _remote_ip(stream)
+        table = self.resource_manager._reservations
+        if peer not in table and ip is not None:
+            same_ip = sum(1 for p in table if self._reservation_ip.get(p) == ip)
+            if same_ip >= self.max_reservations_per_ip:
+                self.reservations_refused += 1
+                log.info("relay: refused a reservation for %s: %d already from %s", peer, same_ip, ip)
+                await self._send_status(stream, StatusCode.RESERVATION_REFUSED, "too many reservations from this IP")
+                return
         await super()._handle_reserve(stream, msg)
+        if peer in table and ip is not None:
+            self._reservation_ip[peer] = ip
+
+    def _drop_dead_reservations(self) -> None:
+        # Fix 4: a reservation is only honoured while its holder stays connected
+        # (resources.py:449 and :514), yet it keeps counting against max_reservations until its
+        # TTL ends (resources.py:260), an hour by default: churning NAT'd peers would lock
+        # everyone else out. Free the slots of expired or disconnected holders first.
+        rm = self.resource_manager
+        for peer, res in list(rm._reservations.items()):
+            if res.is_expired() or not rm._is_peer_connected(peer):
+                del rm._reservations[peer]
+        for peer in list(self._reservation_ip):
+            if peer not in rm._reservations:
+                del self._reservation_ip[peer]
 
     async def _handle_connect(self, stream, msg: HopMessage) -> None:
         # Fix 2: py-libp2p checks a circuit's duration only when bytes arrive
@@ -297,6 +340,14 @@ class _SwarmCircuitProtocol(CircuitV2Protocol):
         await super()._handle_stop_stream(stream)
 
 
+def _remote_ip(stream) -> str | None:
+    try:
+        addr = stream.get_remote_address()  # (ip, port) of the underlying TCP connection
+    except Exception:
+        return None
+    return str(addr[0]) if addr else None
+
+
 def _peer_of(msg: HopMessage) -> ID | None:
     try:
         return ID(msg.peer.id) if msg.HasField("peer") else None
@@ -341,12 +392,14 @@ class RelayHop:
             "reservations": self.reservation_count(),
             "circuits_active": self.protocol.circuits_active,
             "connects_total": self.protocol.connects_total,
+            "reservations_refused_per_ip": self.protocol.reservations_refused,
             "limits": {
                 "reservations": limits.max_reservations,
                 "circuits_per_peer": limits.max_circuit_conns,
                 "circuit_duration_s": limits.duration,
                 "circuit_bytes": limits.data,
                 "reservation_ttl_s": limits.reservation_ttl,
+                "reservations_per_ip": self.protocol.max_reservations_per_ip,
             },
         }
 
@@ -355,12 +408,14 @@ async def serve_relay_hop(
     node: NodeContext,
     *,
     limits: RelayLimits | None = None,
+    max_reservations_per_ip: int = MAX_RESERVATIONS_PER_IP,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the Circuit Relay v2 HOP service until cancelled (the ``relay`` role)."""
     limits = limits or hop_limits()
     # A relay does not take relayed connections itself (no reservations of its own).
-    protocol = _SwarmCircuitProtocol(node.host.host, limits, allow_hop=True, stop_from=lambda _: False)
+    protocol = _SwarmCircuitProtocol(node.host.host, limits, allow_hop=True, stop_from=lambda _: False,
+                                     max_reservations_per_ip=max_reservations_per_ip)
     hop = RelayHop(protocol)
     m = node.metrics
     m.gauge("relay_reservations", "Peers holding a reservation on this relay").set_function(

@@ -29,6 +29,7 @@ from node.host import open_swarm_host
 from node.identity import Identity
 from node.relay import (
     RelayError,
+    call_reserve,
     circuit_addr,
     connect_addr,
     dial_via_relay,
@@ -151,6 +152,35 @@ async def test_reservation_is_for_the_sender_whatever_the_message_says(tmp_path)
         assert resp.status == StatusCode.OK
         table = a.services["relay"].protocol.resource_manager._reservations
         assert set(table) == {ID.from_base58(x.peer_id)}
+
+
+async def test_slot_of_a_disconnected_reservation_holder_is_reused(tmp_path):
+    async with (
+        open_node(tmp_path, "a", serve_relay_hop, limits=hop_limits(reservations=1)) as a,
+        open_node(tmp_path, "x") as x,
+        open_node(tmp_path, "y") as y,
+    ):
+        a_addr = a.host.listen_addrs()[0]
+        await call_reserve(x.host, a_addr)
+        await x.host.disconnect(a.peer_id)
+        await wait_for(lambda: not a.host.is_connected(x.peer_id))
+        res = await call_reserve(y.host, a_addr)  # py-libp2p alone: RESOURCE_LIMIT_EXCEEDED for an hour
+        assert res.relay_peer_id == a.peer_id
+        assert a.services["relay"].reservation_count() == 1
+
+
+async def test_reservations_per_ip_are_capped(tmp_path):
+    async with (
+        open_node(tmp_path, "a", serve_relay_hop, max_reservations_per_ip=1) as a,
+        open_node(tmp_path, "x") as x,
+        open_node(tmp_path, "y") as y,
+    ):
+        a_addr = a.host.listen_addrs()[0]
+        first = await call_reserve(x.host, a_addr)
+        with pytest.raises(RemoteProtocolError, match="RESERVATION_REFUSED"):
+            await call_reserve(y.host, a_addr)  # same 127.0.0.1
+        assert (await call_reserve(x.host, a_addr)).relay_peer_id == first.relay_peer_id  # refresh is fine
+        assert a.services["relay"].status()["reservations_refused_per_ip"] == 1
 
 
 async def test_target_refuses_relayed_connection_from_a_peer_it_has_no_reservation_on(tmp_path):
