@@ -1,0 +1,441 @@
+"""Judging one rollout batch: every check a validator runs, in order, with one reason per sample.
+
+How this works (DESIGN.md "The loop", step 4; TOPLOC paper §3-§6; INTELLECT-2 report §3):
+
+1. **Batch rules** (:func:`check_batch_rules`, no model): the sampling parameters are the run's
+   (temperature, top-p, length cap, group size, task set), the base seed is the one the run assigns
+   to (worker, step) (``node.rollouts.draw.sampling_seed``: a worker cannot shop for lucky seeds), the groups
+   are complete (G samples per drawn prompt, prompt indices below ``prompts_per_batch``: no
+   drawing more tasks than the step allows and keeping the easy ones), and the policy version is at
+   most ``async_level`` behind the newest checkpoint and not from the future. A failure here is the
+   reason of every sample, and no model work is done.
+2. **Per sample, cheap**: the task id and prompt tokens are the run's deterministic draw for
+   (worker, step, prompt index) (anti cherry-picking); the completion stops at its first EOS or
+   runs to the cap, and ``finish_reason`` says which; the verifier's reward, recomputed here on the
+   decoded completion, equals the claimed task reward, length penalty and total; the advantage is
+   ``(r - mean) / (std + 1e-6)`` of its group.
+3. **Per sample, with the checkpoint's model** (one batched prefill of prompt+completion, see
+   :class:`CheckModel`): the TOPLOC proofs match the validator's own final hidden states at the
+   decode positions; the claimed log-probs match log softmax(logits / T); and every token is the
+   seeded Gumbel-max choice (TOPLOC2 / prime-rl: the sampling noise comes from a counter-based hash
+   of the per-sequence seed, so a validator holding the logits replays it exactly, up to
+   ``sampling_tolerance`` of numeric noise). The proof binds the hidden states to the model and the
+   tokens; the replay binds the tokens to the seed; together a worker can neither use another
+   model, nor edit a completion after proving it, nor pick among several samples.
+
+The first failing check names the sample's reason (``"ok"`` when all pass); the batch is accepted
+only when every sample is. Reason codes are :class:`node.proofs.reasons.Reason` values plus the
+batch-level ones in :class:`BatchReason`. Pure given a model: no I/O, no clock, no network.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..engines.sampling import sequence_seed, top_p_mask, uniform_noise
+from ..hashes import digest
+from ..proofs import checks
+from ..proofs.capture import logits_from_hidden, recompute_decode_states
+from ..proofs.config import ProofsConfig
+from ..proofs.reasons import PASS, CheckResult, Reason, fail
+from ..proofs.toploc import COEFF_BYTES, HEADER_BYTES, num_chunks, verify_proofs
+from ..rollouts.draw import sampling_seed
+from ..rollouts.schema import RolloutBatch, RolloutSample, SignedBatch, open_batch
+from ..wire import RemoteProtocolError
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"  # as node.engines.base (not imported: keeps this module light)
+PARAM_TOLERANCE = 1e-6  # temperature / top-p travel as floats: allow a round trip, nothing more
+TOP_P_SLACK = 1e-4  # nucleus membership of the sampled token may differ by this much mass (numeric noise)
+MAX_PREFILL_TOKENS = 32768  # tokens per batched prefill (bounds the validator's activation memory)
+
+
+class BatchReason(str, enum.Enum):
+    """Reasons a validator gives beyond the per-check ones in :class:`node.proofs.reasons.Reason`."""
+
+    FORGED = "forged_signature"  # the envelope is not signed by the batch's worker
+    MALFORMED = "malformed_batch"  # does not decode as a RolloutBatch of this run
+    REPLAYED = "replayed"  # this (worker, step, prompt index) was already judged in another batch
+    WRONG_PARAMS = "wrong_params"  # top-p, length cap, group size or task set differ from the run's
+    BAD_GROUPS = "bad_groups"  # incomplete/duplicate groups or prompt indices beyond the step's draw
+    WRONG_PROMPT = "wrong_prompt"  # prompt tokens are not the drawn task's prompt
+    WRONG_FINISH = "wrong_finish"  # finish_reason contradicts the tokens
+    SAMPLING_MISMATCH = "sampling_mismatch"  # a token is not the seeded Gumbel-max choice
+    BANNED = "banned"  # the worker is banned (no checks run)
+    NO_CHECKPOINT = "no_checkpoint"  # the claimed checkpoint could not be obtained (not the worker's fault)
+
+
+# --------------------------------------------------------------------------------------------
+# What the run fixes, and what the validator needs from the task set and the model
+
+
+@dataclass(frozen=True)
+class BatchRules:
+    """The run's parameters every batch must carry (from the run file's [rl], [grpo], [proofs])."""
+
+    run: str
+    taskset: str
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    group_size: int
+    prompts_per_batch: int
+    async_level: int
+    proofs: ProofsConfig = field(default_factory=ProofsConfig)
+    sampling_tolerance: float = 0.05
+    check_sampling: bool = True
+    check_seed: bool = True
+
+
+@dataclass(frozen=True)
+class DrawnTask:
+    """What the run's deterministic draw gives a worker at (step, index)."""
+
+    task_id: str
+    prompt: str
+    target_length: int = 0  # thinking budget in tokens (0 = none)
+    data: Any = None  # whatever the scorer needs (answer, unit tests, ...)
+
+
+@dataclass(frozen=True)
+class Score:
+    """A recomputed reward: ``reward`` is what the advantage is computed from."""
+
+    task_reward: float
+    length_penalty: float
+    reward: float
+
+
+class TaskSet(Protocol):
+    """The run's task draw and verifiers, as the validator uses them."""
+
+    def draw(self, worker: str, step: int, index: int) -> DrawnTask: ...
+
+    def score(self, task: DrawnTask, completion_text: str, completion_tokens: int) -> Score: ...
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+    pad_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class Recomputed:
+    """The validator's own view of one sample: decode-position states and their logits."""
+
+    hidden: torch.Tensor  # (T, H) final hidden states at the decode positions
+    logits: torch.Tensor  # (T, V) logits they produce
+
+
+class CheckModel:
+    """A checkpoint loaded for checking: one batched prefill gives hidden states and logits."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, version: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.version = version
+        self.eos_ids = frozenset({int(tokenizer.eos_token_id)})
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def recompute(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> list[Recomputed]:
+        """Per sample, (T, H) states and (T, V) logits, prefilled in batches of bounded size."""
+        out: list[Recomputed] = []
+        start = 0
+        while start < len(prompts):
+            end, tokens = start, 0
+            while end < len(prompts) and (end == start or tokens + len(prompts[end]) + len(completions[end]) <= MAX_PREFILL_TOKENS):
+                tokens += len(prompts[end]) + len(completions[end])
+                end += 1
+            states = recompute_decode_states(self.model, prompts[start:end], completions[start:end], self.pad_id)
+            for h in states:
+                out.append(Recomputed(h, logits_from_hidden(self.model, h)))
+            start = end
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class Judgement:
+    """One reason per sample (``"ok"`` if it passed), with human-readable details."""
+
+    reasons: list[str]
+    details: list[str]
+    tokens: int = 0  # completion tokens checked (for throughput figures)
+
+    @property
+    def accepted(self) -> bool:
+        return bool(self.reasons) and all(r == Reason.OK.value for r in self.reasons)
+
+    def main_reason(self) -> str:
+        """The most frequent rejection reason ("ok" when accepted)."""
+        bad = [r for r in self.reasons if r != Reason.OK.value]
+        if not bad:
+            return Reason.OK.value
+        return max(sorted(set(bad)), key=bad.count)
+
+    @classmethod
+    def uniform(cls, n: int, check: CheckResult) -> Judgement:
+        return cls([_code(check)] * max(n, 1), [check.detail] * max(n, 1))
+
+
+def _code(check: CheckResult) -> str:
+    return check.reason.value if isinstance(check.reason, enum.Enum) else str(check.reason)
+
+
+def reject(reason: BatchReason, detail: str) -> CheckResult:
+    """A failing CheckResult carrying one of the validator's own reasons."""
+    return CheckResult(reason, detail)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# 0. Bytes to batch
+
+
+def parse_batch(data: bytes, run: str) -> SignedBatch | CheckResult:
+    """A checked signed batch, or why not: ``forged_signature`` (signature or signer wrong) or
+    ``malformed_batch`` (size, schema, run). Never raises on bad bytes."""
+    try:
+        return open_batch(data, run)
+    except RemoteProtocolError as e:
+        reason = BatchReason.FORGED if e.reason in ("forged", "bad-signature") else BatchReason.MALFORMED
+        return reject(reason, f"{e.reason}: {e.detail}"[:200])
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Batch rules
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= PARAM_TOLERANCE * max(1.0, abs(b))
+
+
+def check_batch_rules(batch: RolloutBatch, rules: BatchRules, current_version: int) -> CheckResult:
+    """Parameters, seed, group structure and staleness of a whole batch (no model needed)."""
+    seed = sampling_seed(rules.run, batch.worker, batch.step) if rules.check_seed else None
+    check = checks.check_sampling_params(batch.temperature, batch.seed, run_temperature=rules.temperature, expected_seed=seed)
+    if not check:
+        return check
+    wrong = [
+        name
+        for name, ok in (
+            ("top_p", _close(batch.top_p, rules.top_p)),
+            ("max_new_tokens", batch.max_new_tokens == rules.max_new_tokens),
+            ("group_size", batch.group_size == rules.group_size),
+            ("taskset", batch.taskset == rules.taskset),
+        )
+        if not ok
+    ]
+    if wrong:
+        return reject(BatchReason.WRONG_PARAMS, f"{', '.join(wrong)} differ from the run's")
+    check = check_groups(batch.samples, rules.group_size, rules.prompts_per_batch)
+    if not check:
+        return check
+    return checks.check_policy_version(batch.policy_version, current_step=current_version, async_level=rules.async_level)
+
+
+def check_groups(samples: Sequence[RolloutSample], group_size: int, prompts_per_batch: int) -> CheckResult:
+    """Complete groups: each prompt index below the step's draw count, with sample indices 0..G-1 once."""
+    if not samples:
+        return reject(BatchReason.BAD_GROUPS, "empty batch")
+    groups: dict[int, list[int]] = defaultdict(list)
+    for s in samples:
+        if s.prompt_index >= prompts_per_batch:
+            return reject(BatchReason.BAD_GROUPS, f"prompt index {s.prompt_index} >= prompts_per_batch {prompts_per_batch}")
+        groups[s.prompt_index].append(s.sample_index)
+    for p, idx in groups.items():
+        if sorted(idx) != list(range(group_size)):
+            return reject(BatchReason.BAD_GROUPS, f"prompt {p}: sample indices {sorted(idx)[:8]} != 0..{group_size - 1}")
+    return PASS
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Cheap per-sample checks
+
+
+def check_task(sample: RolloutSample, worker: str, step: int, tasks: TaskSet, tokenizer: Tokenizer) -> tuple[CheckResult, DrawnTask | None]:
+    """The sample's task is the draw's, and its prompt tokens are that task's prompt."""
+    task = tasks.draw(worker, step, sample.prompt_index)
+    if sample.task_id != task.task_id:
+        return fail(Reason.WRONG_TASK, f"task {sample.task_id!r} != drawn {task.task_id!r} (step {step}, index {sample.prompt_index})"), None
+    if list(sample.prompt_ids) != list(tokenizer.encode(task.prompt, add_special_tokens=False)):
+        return reject(BatchReason.WRONG_PROMPT, f"prompt tokens are not task {task.task_id!r}'s prompt"), None
+    if sample.target_length != task.target_length:
+        return fail(Reason.OUT_OF_BOUNDS, f"target_length {sample.target_length} != drawn {task.target_length}"), None
+    return PASS, task
+
+
+def check_finish(sample: RolloutSample, eos_ids: Collection[int], max_new_tokens: int) -> CheckResult:
+    """Termination rule, and a finish_reason that agrees with the tokens."""
+    check = checks.check_termination(sample.completion_ids, eos_ids, max_new_tokens)
+    if not check:
+        return check
+    expected = FINISH_STOP if sample.completion_ids[-1] in eos_ids else FINISH_LENGTH
+    if sample.finish_reason != expected:
+        return reject(BatchReason.WRONG_FINISH, f"finish_reason {sample.finish_reason!r}, tokens say {expected!r}")
+    return PASS
+
+
+def check_score(sample: RolloutSample, task: DrawnTask, tasks: TaskSet, tokenizer: Tokenizer, tolerance: float) -> CheckResult:
+    """Claimed task reward, length penalty and total equal the verifier's, recomputed here."""
+    text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
+    mine = tasks.score(task, text, len(sample.completion_ids))
+    claimed = [sample.task_reward, sample.length_penalty, sample.reward]
+    return checks.check_rewards(claimed, [mine.task_reward, mine.length_penalty, mine.reward], tolerance=tolerance)
+
+
+def advantage_results(samples: Sequence[RolloutSample], tolerance: float) -> list[CheckResult]:
+    """Per sample: its advantage equals the group-relative advantage of its group's claimed rewards.
+
+    Claimed rewards are used (each is checked against the verifier separately), so a sample is
+    blamed only for its own wrong advantage.
+    """
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, s in enumerate(samples):
+        groups[s.prompt_index].append(i)
+    out: list[CheckResult] = [PASS] * len(samples)
+    for members in groups.values():
+        rewards = np.array([samples[i].reward for i in members], dtype=np.float64)
+        if not np.isfinite(rewards).all():
+            for i in members:
+                out[i] = fail(Reason.OUT_OF_BOUNDS, "non-finite reward in the group")
+            continue
+        expected = checks.group_advantages(rewards)
+        for i, e in zip(members, expected):
+            a = samples[i].advantage
+            if not np.isfinite(a) or abs(a - e) > tolerance:
+                out[i] = fail(Reason.ADVANTAGE_MISMATCH, f"advantage {a} != {e:.6f}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Model checks
+
+
+def split_proofs(proof: bytes, num_tokens: int, hidden_size: int, cfg: ProofsConfig) -> list[bytes] | CheckResult:
+    """Cut a sample's concatenated chunk proofs (2 + 2k bytes each; k = min(topk, chunk values))."""
+    sizes = [
+        HEADER_BYTES + COEFF_BYTES * min(cfg.topk, min(cfg.chunk_tokens, num_tokens - i * cfg.chunk_tokens) * hidden_size)
+        for i in range(num_chunks(num_tokens, cfg.chunk_tokens))
+    ]
+    if len(proof) != sum(sizes):
+        return fail(Reason.PROOF_COUNT, f"{len(proof)} proof bytes, expected {sum(sizes)} for {num_tokens} tokens")
+    out, at = [], 0
+    for n in sizes:
+        out.append(proof[at : at + n])
+        at += n
+    return out
+
+
+def check_sampling_replay(
+    logits: torch.Tensor, tokens: Sequence[int], seq_seed: int, temperature: float, top_p: float, tolerance: float
+) -> CheckResult:
+    """Each token is the argmax of (logits/T + Gumbel noise of its seed and step) within the nucleus.
+
+    Mirrors :func:`node.engines.sampling.sample_tokens`; ``tolerance`` (logit units) absorbs the
+    difference between the worker's decode-time logits and this prefill's.
+    """
+    z = logits.float() / temperature  # (T, V)
+    keep = top_p_mask(z, min(1.0, top_p + TOP_P_SLACK)) if top_p < 1.0 else torch.ones_like(z, dtype=torch.bool)
+    seed = torch.tensor([seq_seed], dtype=torch.int64, device=z.device)
+    for t, token in enumerate(tokens):
+        if not 0 <= token < z.shape[1]:
+            return reject(BatchReason.SAMPLING_MISMATCH, f"token {t}: id {token} outside the vocabulary")
+        if not keep[t, token]:
+            return reject(BatchReason.SAMPLING_MISMATCH, f"token {t}: outside the top-p nucleus")
+        gumbel = -torch.log(-torch.log(uniform_noise(seed, t, z.shape[1])[0]))  # (V,) float64
+        scores = torch.where(keep[t], z[t].double() + gumbel, torch.tensor(float("-inf"), dtype=torch.float64))
+        gap = float(scores.max() - scores[token])
+        if gap > tolerance:
+            return reject(BatchReason.SAMPLING_MISMATCH, f"token {t}: {gap:.4f} below the seeded choice")
+    return PASS
+
+
+def model_results(
+    batch: RolloutBatch, samples_to_check: Sequence[int], model: CheckModel, rules: BatchRules
+) -> dict[int, CheckResult]:
+    """Proof, log-prob and sampling checks of the given samples against ``model``'s prefill."""
+    samples = [batch.samples[i] for i in samples_to_check]
+    if not samples:
+        return {}
+    recomputed = model.recompute([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
+    out: dict[int, CheckResult] = {}
+    for i, s, r in zip(samples_to_check, samples, recomputed):
+        out[i] = _model_checks(batch, s, r, rules)
+    return out
+
+
+def _model_checks(batch: RolloutBatch, s: RolloutSample, r: Recomputed, rules: BatchRules) -> CheckResult:
+    chunks = split_proofs(s.proof, len(s.completion_ids), r.hidden.shape[1], rules.proofs)
+    if isinstance(chunks, CheckResult):
+        return chunks
+    verdict = verify_proofs(r.hidden, chunks, rules.proofs)
+    if not verdict.ok:
+        return verdict.check
+    mine = checks.token_logprobs(r.logits, torch.tensor(s.completion_ids), batch.temperature)
+    check = checks.check_logprobs(
+        s.logprobs, mine, tolerance_mean=rules.proofs.logprob_tolerance_mean, tolerance_max=rules.proofs.logprob_tolerance_max
+    )
+    if not check or not rules.check_sampling:
+        return check
+    seq_seed = sequence_seed(batch.seed, s.prompt_index, s.sample_index)
+    return check_sampling_replay(r.logits, s.completion_ids, seq_seed, batch.temperature, batch.top_p, rules.sampling_tolerance)
+
+
+# --------------------------------------------------------------------------------------------
+# Everything together
+
+
+def judge_batch(
+    batch: RolloutBatch,
+    rules: BatchRules,
+    *,
+    current_version: int,
+    tasks: TaskSet,
+    model: CheckModel | None,
+    replayed: Callable[[int], bool] = lambda prompt_index: False,
+) -> Judgement:
+    """All checks of one batch; ``model`` is the checkpoint of ``batch.policy_version``.
+
+    ``replayed(prompt_index)`` says whether (worker, step, prompt_index) was already judged in
+    another batch (the caller's replay store). ``model=None`` is allowed only when the batch rules
+    fail (then no sample needs the model); otherwise it is our bug.
+    """
+    n = len(batch.samples)
+    rule = check_batch_rules(batch, rules, current_version)
+    if not rule:
+        return Judgement.uniform(n, rule)
+    if model is None:
+        raise ValueError("judge_batch needs the checkpoint's model for a batch that passes the batch rules")
+    results: list[CheckResult] = [PASS] * n
+    advantages = advantage_results(batch.samples, rules.proofs.advantage_tolerance)
+    for i, s in enumerate(batch.samples):
+        if replayed(s.prompt_index):
+            results[i] = reject(BatchReason.REPLAYED, f"step {batch.step}, prompt {s.prompt_index} already judged")
+            continue
+        check, task = check_task(s, batch.worker, batch.step, tasks, model.tokenizer)
+        if check:
+            check = check_finish(s, model.eos_ids, rules.max_new_tokens)
+        if check:
+            check = check_score(s, task, tasks, model.tokenizer, rules.proofs.reward_tolerance)
+        if check:
+            check = advantages[i]
+        results[i] = check
+    todo = [i for i, r in enumerate(results) if r.ok]
+    for i, check in model_results(batch, todo, model, rules).items():
+        results[i] = check
+    tokens = sum(len(s.completion_ids) for s in batch.samples)
+    return Judgement([_code(r) for r in results], [r.detail for r in results], tokens)

@@ -1,0 +1,138 @@
+"""Honest batches and named cheats, for the validator's tests, benchmark and demo checks.
+
+:func:`make_batch` builds a batch the way the contract in node/rollouts/schema.py and
+node/rollouts/draw.py says an honest inference node must (draw, seeded sampling with the torch
+engine, verifier rewards, group advantages, TOPLOC proofs, signature). It is written from the
+contract, independently of the inference role's code, so the validator's tests check the contract
+rather than one implementation of it.
+
+:data:`FAULTS` are cheats a dishonest worker might try (hivemind's named ``Fault`` cases are the
+model), each with the reasons a validator must give. Not imported by the running node.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..identity import Identity
+from ..proofs.checks import group_advantages
+from ..proofs.reasons import Reason
+from ..proofs.toploc import build_proofs_many
+from ..rollouts.draw import sampling_seed
+from ..rollouts.schema import DOMAIN_BATCH, RolloutBatch, RolloutSample, SignedBatch, batch_id_of
+from ..wire import encode, seal
+from .pipeline import BatchReason, BatchRules, TaskSet
+
+
+def sign_batch(identity: Identity, batch: RolloutBatch) -> SignedBatch:
+    env = seal(identity, DOMAIN_BATCH, batch)
+    return SignedBatch(batch, batch_id_of(env), encode(env))
+
+
+def make_batch(
+    engine,
+    identity: Identity,
+    rules: BatchRules,
+    tasks: TaskSet,
+    *,
+    step: int,
+    policy_version: int,
+    created_ms: int = 0,
+    seed: int | None = None,
+    draw_step: int | None = None,
+) -> SignedBatch:
+    """An honest batch of ``identity``'s worker at ``step`` (``seed``/``draw_step`` override for cheats)."""
+    worker = identity.peer_id
+    tok = engine.tokenizer
+    drawn = [tasks.draw(worker, step if draw_step is None else draw_step, i) for i in range(rules.prompts_per_batch)]
+    prompts = [tok.encode(t.prompt, add_special_tokens=False) for t in drawn]
+    base_seed = sampling_seed(rules.run, worker, step) if seed is None else seed
+    groups = engine.generate(prompts, rules.group_size, rules.temperature, rules.top_p, rules.max_new_tokens, base_seed)
+    flat = [s for g in groups for s in g]
+    proofs = build_proofs_many([s.hidden for s in flat], rules.proofs.chunk_tokens, rules.proofs.topk)
+    samples = []
+    for task, group in zip(drawn, groups):
+        scores = [tasks.score(task, s.text, len(s.completion_ids)) for s in group]
+        advantages = group_advantages([sc.reward for sc in scores])
+        for s, sc, adv in zip(group, scores, advantages):
+            samples.append(RolloutSample(
+                prompt_index=s.prompt_index, sample_index=s.sample_index, task_id=task.task_id,
+                prompt_ids=list(s.prompt_ids), completion_ids=list(s.completion_ids),
+                logprobs=[float(x) for x in s.logprobs], finish_reason=s.finish_reason,
+                reward=sc.reward, task_reward=sc.task_reward, length_penalty=sc.length_penalty,
+                target_length=task.target_length, advantage=float(adv), proof=b"".join(proofs[len(samples)]),
+            ))
+    batch = RolloutBatch(
+        run=rules.run, worker=worker, step=step, policy_version=policy_version, taskset=rules.taskset,
+        seed=base_seed, temperature=rules.temperature, top_p=rules.top_p, max_new_tokens=rules.max_new_tokens,
+        group_size=rules.group_size, created_ms=created_ms, samples=samples,
+    )
+    return sign_batch(identity, batch)
+
+
+def perturbed_model(model: torch.nn.Module, scale: float, seed: int = 1) -> torch.nn.Module:
+    """The model plus Gaussian noise of ``scale`` x each tensor's std (another fine-tune, a cheap quantisation)."""
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_((scale * p.float().std() * torch.randn(p.shape, generator=g)).to(p.dtype))
+    return other
+
+
+def with_samples(signed: SignedBatch, identity: Identity, edit: Callable[[int, RolloutSample], RolloutSample], **fields) -> SignedBatch:
+    """Re-sign ``signed`` with each sample replaced by ``edit(i, sample)`` and batch fields changed."""
+    samples = [edit(i, s) for i, s in enumerate(signed.batch.samples)]
+    return sign_batch(identity, replace(signed.batch, samples=samples, **fields))
+
+
+def regroup_advantages(samples: list[RolloutSample]) -> list[RolloutSample]:
+    """Recompute every group's advantages from its (possibly edited) rewards, as a careful cheat would."""
+    out = list(samples)
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.prompt_index, []).append(i)
+    for members in groups.values():
+        adv = group_advantages([samples[i].reward for i in members])
+        for i, a in zip(members, adv):
+            out[i] = replace(samples[i], advantage=float(a))
+    return out
+
+
+PROOF_REASONS = frozenset({Reason.PROOF_EXPONENT.value, Reason.PROOF_MANTISSA_MEAN.value, Reason.PROOF_MANTISSA_MEDIAN.value})
+# The sampling checks: log-probs recomputed from the validator's logits, and the seeded Gumbel-max replay.
+SAMPLING_REASONS = frozenset({Reason.LOGPROB_MISMATCH.value, BatchReason.SAMPLING_MISMATCH.value})
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A named cheat: the reasons the validator must give to (at least one of) its tampered samples."""
+
+    name: str
+    expected: frozenset[str]
+    doc: str
+
+
+FAULTS = {
+    f.name: f
+    for f in (
+        Fault("wrong_model_weights", PROOF_REASONS, "generated with perturbed weights, claims the run's checkpoint"),
+        # On the tiny random-init model an edited early token moves the later states only a little (chunk
+        # mantissa means of 10.6-12.4 against the threshold 10, measured), so some edited samples pass
+        # the proof and are caught by the sampling replay instead: both are the right reason.
+        Fault("altered_completion", PROOF_REASONS | SAMPLING_REASONS, "completion tokens edited after the proof was built"),
+        Fault("copied_proofs", PROOF_REASONS, "proofs taken from other sequences of the same length"),
+        Fault("reward_inflation", frozenset({Reason.REWARD_MISMATCH.value}), "every reward claimed as 1.0"),
+        Fault("stale_policy", frozenset({Reason.STALE_POLICY.value}), "a policy version older than the async level allows"),
+        Fault("replayed_batch", frozenset({BatchReason.REPLAYED.value}), "an already judged batch re-signed with a new time"),
+        Fault("cherry_picked_tasks", frozenset({Reason.WRONG_TASK.value}), "tasks drawn at another step, not the assigned ones"),
+        Fault("forged_signature", frozenset({BatchReason.FORGED.value}), "a batch naming another worker, signed by the cheat"),
+        Fault("chosen_seed", frozenset({Reason.WRONG_SEED.value}), "sampled with a seed of the worker's choosing"),
+        Fault("altered_last_token", SAMPLING_REASONS,
+              "last token edited: the proof cannot see it (no later state), the sampling checks must"),
+    )
+}

@@ -1,0 +1,188 @@
+"""The cheating suite: honest batches pass, each named cheat is rejected with the right reason.
+
+Batches are made with the embedded tiny model and the torch engine exactly as the contract says
+(node/validator/testing.py), then tampered with, then judged by the pure pipeline in-process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from node.engines.torch_engine import TorchEngine
+from node.identity import Identity
+from node.model import create_tiny_model
+from node.proofs.reasons import Reason
+from node.rl.config import RLConfig
+from node.validator import testing as T
+from node.validator.pipeline import BatchReason, BatchRules, CheckModel, Judgement, judge_batch, parse_batch
+from node.validator.store import ValidatorStore
+from node.validator.tasks import RunTasks
+
+RUN = "demo"
+VERSION = 3  # the checkpoint version the honest batches claim (the model is the same file)
+RULES = BatchRules(run=RUN, taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
+                   group_size=4, prompts_per_batch=2, async_level=2)
+HONEST_BATCHES = 6
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    folder = create_tiny_model(Path(tmp_path_factory.mktemp("model")))
+    engine = TorchEngine("cpu")
+    engine.load(folder)
+    tasks = RunTasks(RLConfig(group_size=RULES.group_size, prompts_per_batch=RULES.prompts_per_batch,
+                              max_new_tokens=RULES.max_new_tokens))
+    worker = Identity.generate()
+    honest = [T.make_batch(engine, worker, RULES, tasks, step=s, policy_version=VERSION) for s in range(HONEST_BATCHES)]
+    return engine, tasks, worker, honest, CheckModel(engine.model, engine.tokenizer, VERSION)
+
+
+def judge(world, signed, current=VERSION, replayed=lambda p: False) -> Judgement:
+    engine, tasks, _, _, model = world
+    return judge_batch(signed.batch, RULES, current_version=current, tasks=tasks, model=model, replayed=replayed)
+
+
+def assert_rejected(j: Judgement, expected: frozenset[str]) -> None:
+    assert not j.accepted
+    bad = {r for r in j.reasons if r != "ok"}
+    assert bad and bad <= expected, (bad, expected, j.details)
+
+
+def test_honest_batches_pass_zero_false_rejections(world):
+    judgements = [judge(world, b) for b in world[3]]
+    false_rejections = [(j.reasons, j.details) for j in judgements if not j.accepted]
+    assert false_rejections == []
+    assert sum(len(j.reasons) for j in judgements) == HONEST_BATCHES * RULES.prompts_per_batch * RULES.group_size
+
+
+def test_honest_batch_parses_and_a_stale_one_is_still_judged_ok_within_the_async_level(world):
+    b = world[3][0]
+    assert parse_batch(b.envelope, RUN).batch_id == b.batch_id
+    assert judge(world, b, current=VERSION + RULES.async_level).accepted
+
+
+def test_fault_wrong_model_weights(world):
+    engine, tasks, worker, _, _ = world
+    # 10% of each tensor's std. At 3% this tiny random-init model's proofs, log-probs and sampling
+    # replay all still pass (measured): its final states barely depend on the weights' details.
+    cheat = TorchEngine("cpu")
+    cheat.model, cheat._tokenizer = T.perturbed_model(engine.model, 0.1), engine.tokenizer
+    signed = T.make_batch(cheat, worker, RULES, tasks, step=1, policy_version=VERSION)
+    assert_rejected(judge(world, signed), T.FAULTS["wrong_model_weights"].expected)
+
+
+def test_fault_altered_completion(world):
+    honest, worker = world[3][1], world[2]
+
+    def edit(i, s):  # rewrite the first token (every later state changes), keep everything else
+        ids = list(s.completion_ids)
+        ids[0] = 20 + (ids[0] + 1) % 60
+        return replace(s, completion_ids=ids)
+
+    j = judge(world, T.with_samples(honest, worker, edit))
+    assert_rejected(j, T.FAULTS["altered_completion"].expected)
+    assert all(r != "ok" for r in j.reasons)  # every edited sample is caught
+
+
+def test_fault_altered_last_token_is_caught_by_the_sampling_checks(world):
+    honest, worker = world[3][1], world[2]
+
+    def edit(i, s):
+        ids = list(s.completion_ids)
+        ids[-1] = 20 + (ids[-1] + 7) % 60
+        return replace(s, completion_ids=ids, finish_reason="length")
+
+    j = judge(world, T.with_samples(honest, worker, edit))
+    assert_rejected(j, T.FAULTS["altered_last_token"].expected | {Reason.NOT_TERMINATED.value})
+    assert BatchReason.SAMPLING_MISMATCH.value in j.reasons or Reason.LOGPROB_MISMATCH.value in j.reasons
+
+
+def test_fault_copied_proofs(world):
+    honest, worker = world[3][2], world[2]
+    samples = honest.batch.samples
+    by_len: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_len.setdefault(len(s.completion_ids), []).append(i)
+    rotate = {}
+    for members in by_len.values():
+        for a, b in zip(members, members[1:] + members[:1]):
+            if a != b:
+                rotate[a] = samples[b].proof
+    assert rotate, "need two completions of equal length"
+    signed = T.with_samples(honest, worker, lambda i, s: replace(s, proof=rotate.get(i, s.proof)))
+    j = judge(world, signed)
+    assert_rejected(j, T.FAULTS["copied_proofs"].expected)
+    assert all(j.reasons[i] != "ok" for i in rotate)
+
+
+def test_fault_reward_inflation(world):
+    honest, worker = world[3][3], world[2]
+    inflated = [replace(s, reward=1.0, task_reward=1.0) for s in honest.batch.samples]
+    signed = T.sign_batch(worker, replace(honest.batch, samples=T.regroup_advantages(inflated)))
+    assert_rejected(judge(world, signed), T.FAULTS["reward_inflation"].expected)
+
+
+def test_fault_stale_policy_version(world):
+    honest = world[3][0]
+    j = judge(world, honest, current=VERSION + RULES.async_level + 1)
+    assert_rejected(j, T.FAULTS["stale_policy"].expected)
+    assert_rejected(judge(world, honest, current=VERSION - 1), frozenset({Reason.FUTURE_POLICY.value}))
+
+
+def test_fault_replayed_batch(world, tmp_path):
+    honest, worker = world[3][4], world[2]
+    store = ValidatorStore(tmp_path / "v.sqlite")
+    prompts = [s.prompt_index for s in honest.batch.samples]
+    store.record(honest.batch_id, worker.peer_id, honest.batch.step, prompts, True, ["ok"], "t", b"v", 1)
+    again = T.sign_batch(worker, replace(honest.batch, created_ms=honest.batch.created_ms + 1))
+    assert again.batch_id != honest.batch_id
+    slots = store.replayed_slots(worker.peer_id, again.batch.step, prompts, again.batch_id)
+    assert_rejected(judge(world, again, replayed=slots.__contains__), T.FAULTS["replayed_batch"].expected)
+    # The original batch sent again is not a replay: it gets its stored verdict back.
+    assert store.replayed_slots(worker.peer_id, honest.batch.step, prompts, honest.batch_id) == set()
+    assert store.verdict_of(honest.batch_id) == ("t", b"v")
+
+
+def test_fault_cherry_picked_tasks(world):
+    engine, tasks, worker, _, _ = world
+    # Solve the tasks drawn at another step (say, the easy ones found by looking ahead).
+    signed = T.make_batch(engine, worker, RULES, tasks, step=2, draw_step=7, policy_version=VERSION)
+    assert_rejected(judge(world, signed), T.FAULTS["cherry_picked_tasks"].expected)
+
+
+def test_fault_forged_signature(world):
+    honest = world[3][5]
+    forger = Identity.generate()
+    forged = T.sign_batch(forger, honest.batch)  # names the honest worker, signed by someone else
+    got = parse_batch(forged.envelope, RUN)
+    assert not isinstance(got, type(honest)) and got.reason.value in T.FAULTS["forged_signature"].expected
+
+
+def test_fault_chosen_seed(world):
+    engine, tasks, worker, _, _ = world
+    signed = T.make_batch(engine, worker, RULES, tasks, step=3, seed=12345, policy_version=VERSION)
+    assert_rejected(judge(world, signed), T.FAULTS["chosen_seed"].expected)
+
+
+def test_wrong_parameters_and_incomplete_groups(world):
+    honest, worker = world[3][0], world[2]
+    hot = T.sign_batch(worker, replace(honest.batch, temperature=2.0))
+    assert_rejected(judge(world, hot), frozenset({Reason.WRONG_TEMPERATURE.value}))
+    longer = T.sign_batch(worker, replace(honest.batch, max_new_tokens=9))
+    assert_rejected(judge(world, longer), frozenset({BatchReason.WRONG_PARAMS.value}))
+    partial = T.sign_batch(worker, replace(honest.batch, samples=honest.batch.samples[1:]))
+    assert_rejected(judge(world, partial), frozenset({BatchReason.BAD_GROUPS.value}))
+
+
+def test_garbage_bytes_are_a_reason_not_a_crash():
+    for data in (b"", b"\x00" * 10, b"\x92\x01\x02", bytes(range(256))):
+        got = parse_batch(data, RUN)
+        assert got.reason.value in (BatchReason.MALFORMED.value, BatchReason.FORGED.value)
+
+
+def test_every_named_fault_has_a_test():
+    tested = {name[len("test_fault_"):] for name in globals() if name.startswith("test_fault_")}
+    assert set(T.FAULTS) <= tested | {"stale_policy", "replayed_batch", "altered_last_token"}
