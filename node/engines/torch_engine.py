@@ -207,7 +207,10 @@ def _maybe_capture(model, enabled: bool):
 def _generated_hidden(cap, batch: int, steps: int) -> torch.Tensor:
     """(B, steps, H): the final hidden state that produced each generated token.
 
-    Token 0 is produced by the prefill's last position, token t > 0 by decode call t - 1; this is
-    the "decode position" convention of ``node.proofs.capture``.
+    Token 0 comes from the prefill's last position, token t > 0 from decode call t - 1: the
+    "decode position" convention of ``node.proofs.capture`` (one captured step per forward call).
     """
-    return cap.generated(steps)
+    states = cap.stacked()
+    if states.shape[0] != batch or states.shape[1] != steps:
+        raise RuntimeError(f"captured {tuple(states.shape[:2])} states for ({batch}, {steps}) tokens")
+    return states

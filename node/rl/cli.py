@@ -1,0 +1,108 @@
+"""Subcommands of the ML core: ``init-model`` (the embedded default model) and ``rl-local`` (the RL
+loop in one process, to watch a model learn without a swarm)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("init-model", help="create the tiny default model (Qwen2-shaped, local tokenizer, no download)")
+    p.add_argument("--out", required=True, help="folder to write (an ordinary Hugging Face model folder)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="supervised warm-up steps on the synthetic task's format (default: the demo's; 0 = random init)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace an existing folder")
+    p.set_defaults(func=cmd_init_model)
+
+    p = sub.add_parser("rl-local", help="run draw -> sample -> score -> GRPO in one process and print the reward per step")
+    p.add_argument("--model", default="", help="HF model folder (default: create the tiny default model in a temp dir)")
+    p.add_argument("--taskset", default="synthetic", help="synthetic | math | code | path to a JSONL file")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seconds", type=float, default=None, help="stop after this much wall time")
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--max-new-tokens", type=int, default=10)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: [grpo] default)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--csv", default="", help="write step,mean_reward,seconds to this file")
+    p.set_defaults(func=cmd_rl_local)
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from ..model import DEFAULT_WARMUP_STEPS, create_default_model
+
+    out = Path(args.out).expanduser()
+    steps = DEFAULT_WARMUP_STEPS if args.warmup_steps is None else args.warmup_steps
+    if steps < 0:
+        return _fail("--warmup-steps must be >= 0")
+    if out.exists() and any(out.iterdir()):
+        if not args.force:
+            return _fail(f"{out} exists and is not empty (use --force to replace it)")
+        shutil.rmtree(out)
+    try:
+        path, stats = create_default_model(out, seed=args.seed, warmup_steps=steps)
+    except OSError as e:
+        return _fail(f"{out}: {e.strerror or e}")
+    note = f"warm-up {stats.steps} steps, loss {stats.first_loss:.2f} -> {stats.last_loss:.2f}" if stats else "random init"
+    print(f"wrote {path} ({note})")
+    return 0
+
+
+def cmd_rl_local(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import torch
+
+    from ..engines.torch_engine import TorchEngine
+    from ..model import create_default_model, is_model_folder
+    from .config import GRPOConfig, RLConfig
+    from .loop import run_local_loop
+    from .tasks import TaskFormatError, load_taskset
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        rl = RLConfig(group_size=args.group_size, prompts_per_batch=args.prompts, max_new_tokens=args.max_new_tokens)
+        rl.validate()
+        grpo = GRPOConfig() if args.lr is None else GRPOConfig(lr=args.lr)
+        grpo.validate()
+        taskset = load_taskset(args.taskset)
+    except (ValueError, TaskFormatError) as e:
+        return _fail(str(e))
+    with tempfile.TemporaryDirectory(prefix="swarm-rl-local-") as tmp:
+        model_dir = Path(args.model).expanduser() if args.model else Path(tmp) / "model"
+        if args.model and not is_model_folder(model_dir):
+            return _fail(f"{model_dir}: not a Hugging Face model folder (config.json + *.safetensors)")
+        if not args.model:
+            create_default_model(model_dir)
+        engine = TorchEngine("cpu")
+        engine.load(model_dir)
+        rows = []
+
+        def show(s) -> None:
+            rows.append(s)
+            print(f"step {s.step:4d}  reward {s.mean_reward:.3f}  groups with signal {s.groups_with_signal}"
+                  f"  trained {s.samples_trained:4d}  entropy {s.entropy:.2f}  {s.seconds:.2f}s", flush=True)
+
+        run_local_loop(engine, taskset, rl, grpo, args.steps, seed=args.seed, max_seconds=args.seconds, on_step=show)
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("step,mean_reward,seconds\n")
+            for s in rows:
+                f.write(f"{s.step},{s.mean_reward:.5f},{s.seconds:.4f}\n")
+    k = max(1, min(10, len(rows) // 4))
+    first = sum(s.mean_reward for s in rows[:k]) / k
+    last = sum(s.mean_reward for s in rows[-k:]) / k
+    print(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f} ({len(rows)} steps, "
+          f"{sum(s.seconds for s in rows):.0f}s)")
+    return 0

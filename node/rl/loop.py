@@ -1,0 +1,58 @@
+"""The whole RL loop in one process, no networking: draw -> sample -> score -> GRPO step -> repeat.
+
+Used to check that a model + task + hyper-parameters learn at all (``swarm-node rl-local``), by the
+benchmarks, and as the reference the networked loop must match: the same functions
+(``rollout.make_groups``, ``rollout.train_samples``, ``grpo.train_step``) run inside the inference and
+trainer roles, only with the network in between.
+
+Synchronous on purpose (async level 0): the engine samples from the very weights being trained.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import GRPOConfig, RLConfig
+from .grpo import make_optimizer, train_step
+from .rollout import make_groups, train_samples
+from .tasks import TaskSet
+
+
+@dataclass
+class LoopStep:
+    step: int
+    mean_reward: float  # over every sample of the step (before filtering)
+    groups_with_signal: int
+    samples_trained: int
+    entropy: float
+    clip_frac: float
+    seconds: float  # wall time of this step (generate + score + train)
+
+
+def run_local_loop(engine, taskset: TaskSet, rl: RLConfig, grpo: GRPOConfig, steps: int, *,
+                   peer_id: str = "local", seed: int = 0, max_seconds: float | None = None,
+                   clock: Callable[[], float] = time.monotonic,
+                   on_step: Callable[[LoopStep], None] | None = None) -> list[LoopStep]:
+    """Run up to ``steps`` rollout steps (or until ``max_seconds``), training ``engine.model`` in place."""
+    model = engine.model
+    opt, sched = make_optimizer(model, grpo)
+    pad = engine.tokenizer.pad_token_id or 0
+    history: list[LoopStep] = []
+    start = clock()
+    for step in range(steps):
+        t0 = clock()
+        groups = make_groups(engine, taskset, rl, peer_id, step, seed=seed * 1_000_003 + step)
+        rewards = [r for g in groups for r in g.rewards]
+        batch = train_samples(groups, version=step)
+        stats = train_step(model, opt, sched, batch, grpo, pad_id=pad)
+        rec = LoopStep(step, statistics.fmean(rewards), sum(g.has_signal for g in groups), len(batch),
+                       stats.entropy, stats.clip_frac, clock() - t0)
+        history.append(rec)
+        if on_step is not None:
+            on_step(rec)
+        if max_seconds is not None and clock() - start >= max_seconds:
+            break
+    return history
