@@ -94,6 +94,7 @@ async def test_three_nodes_offline_node_catches_up(tmp_path):
             await connect(w, t)
             await wait_for(lambda: ledger(w).digest() == ledger(t).digest())
             assert len(ledger(w).ledger) == 40
+            assert ledger(w).accepted[PROTOCOL] > 0  # at least part came by anti-entropy
             assert ledger(w).totals() == ledger(t).totals()
             assert ledger(w).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == sum(range(1, 21))
             # nothing was rejected along the way
@@ -246,4 +247,5 @@ async def test_gossip_gap_triggers_sync_without_periodic_rounds(tmp_path):
             nursery.cancel_scope.cancel()
         await wait_for(lambda: ledger(w).digest() == ledger(t).digest())
         await wait_for(lambda: ledger(w).syncs["ok"] >= 1)  # w pulled (the session ends after the data)
+        assert ledger(w).accepted[PROTOCOL] >= 5
         assert ledger(w).ledger.head_of(TRAINER.peer_id) == ledger(t).ledger.head_of(TRAINER.peer_id)

@@ -172,6 +172,7 @@ class LedgerService:
         run = node.config.run
         self.ledger = Ledger(run.name, run.trainers, run.validators, int(config.max_clock_skew * 1000))
         self.rejections: collections.Counter = collections.Counter()  # "source/reason" -> count
+        self.accepted: collections.Counter = collections.Counter()  # source -> entries accepted
         self._append_lock = trio.Lock()
         self._validated: collections.OrderedDict[bytes, SignedEntry] = collections.OrderedDict()
         self._hint_send, self._hint_recv = trio.open_memory_channel[str](SYNC_HINTS)
@@ -219,6 +220,7 @@ class LedgerService:
             self.store.commit([se], durable=True)  # durable before anyone can see it
             self.ledger.apply(decision)
             self._m_accepted.labels(source="local").inc()
+            self.accepted["local"] += 1
             self._update_gauges()
         try:
             await self.node.host.pubsub.publish(self.topic, se.raw)
@@ -271,6 +273,7 @@ class LedgerService:
             "own_seq": self.ledger.head_of(me),
             "digest": self.ledger.digest().hex()[:16],
             "flagged": self.ledger.flagged(),
+            "accepted": dict(self.accepted),
             "rejected": dict(self.rejections),
             "syncs": dict(self.syncs),
             "pending_receipts": len(self._receipts),
@@ -316,6 +319,7 @@ class LedgerService:
         self.store.commit(pending, evidence)
         if report.accepted:
             self._m_accepted.labels(source=source).inc(report.accepted)
+            self.accepted[source] += report.accepted
         self._update_gauges()
         return report
 
