@@ -131,3 +131,39 @@ async def test_inference_node_sends_valid_batches_and_follows_new_versions(tmp_p
     assert any(f.startswith("proof") for f in check_batch(later, model0, tok, worker.peer_id, 1))
     steps = [sb.batch.step for sb in fake.batches]
     assert len(set(steps)) == len(steps)  # one batch per draw step
+
+
+async def test_backpressure_retries_elsewhere_and_counts_refusals(tmp_path, fast_membership):
+    """No usable trainer: the node generates up to its outbox bound, then waits. A trainer that resets
+    streams is backed off; once a good trainer answers, every batch lands there, refusals counted."""
+    ids = [load_or_create_identity(tmp_path / n)[0].peer_id for n in ("bad", "good")]
+    run = run_config(tmp_path, fast_membership, ids, max_pending_batches=2)
+    model = create_tiny_model(tmp_path / "m0", seed=0)
+    refuse_first = iter([(False, "wrong_task")])
+    good = FakeTrainer("test", decide=lambda batch: next(refuse_first, (True, "")))
+
+    async def reset(stream) -> None:
+        await stream.reset()
+
+    configs = [node_config(tmp_path, "bad", "relay", run=run), node_config(tmp_path, "good", "relay", run=run),
+               node_config(tmp_path, "worker", "inference", run=run)]
+    async with open_nodes(configs) as (bad, good_node, worker):
+        bad.host.set_handler(ROLLOUTS_PROTOCOL, reset)
+        await bad.services["shards"].publish(model, 0)
+        svc = worker.services["inference"]
+        with trio.fail_after(60):
+            while svc.stats.steps < 2 or svc.failures["stream"] + svc.failures["unreachable"] < 2:
+                await trio.sleep(0.1)
+        await trio.sleep(1.0)
+        assert svc.stats.steps == 2 and len(svc.outbox) == 2  # bounded: waits instead of generating more
+        assert svc.status()["batches"]["accepted"] == 0
+
+        good_node.host.set_handler(ROLLOUTS_PROTOCOL, good.handle)
+        with trio.fail_after(60):
+            while svc.status()["batches"]["accepted"] < 3:
+                await trio.sleep(0.1)
+        status = svc.status()["batches"]
+        assert status["refused"] == {"wrong_task": 1}
+        assert sum(status["transport_failures"].values()) >= 2  # both trainers failed at first
+        assert svc.stats.steps >= 4  # generation resumed once batches drained
+    assert {sb.batch.worker for sb in good.batches} == {worker.peer_id}

@@ -93,6 +93,19 @@ def test_batch_dropped_after_max_attempts():
     assert a.state is BatchState.DROPPED and len(ob) == 0
 
 
+def test_unreachable_trainers_cost_no_attempts():
+    """With no trainer reachable the batch waits (backpressure), it is not thrown away."""
+    ob = outbox(attempts=2)
+    a = item(1)
+    ob.offer(a)
+    now = 0.0
+    for _ in range(10):
+        now = ob.next_wakeup(["T"], now)
+        _, t = ob.take(["T"], now)
+        assert ob.on_failure(a.batch_id, t, FailureKind.UNREACHABLE, now).state is BatchState.QUEUED
+    assert a.attempts == 0 and len(ob) == 1
+
+
 def test_final_refusal_is_not_retried_transient_is():
     ob = outbox()
     a, b = item(1), item(2)

@@ -27,7 +27,7 @@ class WorkerConfig:
 
     max_pending_batches: int = 8  # unsent batches kept; generation waits when the outbox is full
     submit_timeout_s: float = 30.0  # one submission (write the batch, read the ack) to one trainer
-    max_attempts: int = 6  # transport failures before a batch is dropped as undeliverable
+    max_attempts: int = 6  # failures after reaching a trainer (reset, timeout, bad ack) before a batch is dropped
     backoff_s: float = 1.0  # first wait before retrying a trainer that failed; doubles per failure
     backoff_max_s: float = 30.0  # cap of that wait
     checkpoint_poll_s: float = 0.5  # how often to look for a newer complete checkpoint version

@@ -77,7 +77,7 @@ class Pending:
     num_samples: int
     created_at: float  # trio time it entered the outbox
     state: BatchState = BatchState.QUEUED
-    attempts: int = 0  # transport failures and transient refusals so far
+    attempts: int = 0  # failures after reaching a trainer, and transient refusals, so far
     tried: list[str] = field(default_factory=list)  # trainers it was sent to, in order
     not_before: float = 0.0  # earliest time of the next attempt
 
@@ -204,10 +204,14 @@ class Outbox:
         return Outcome(BatchState.REFUSED, reason)
 
     def on_failure(self, batch_id: bytes, trainer: str, kind: FailureKind, now: float) -> Outcome:
-        """No ack: back the trainer off and retry the batch elsewhere, up to ``max_attempts``."""
+        """No ack: back the trainer off and retry the batch elsewhere (up to ``max_attempts`` failures
+        that happened after the batch reached a trainer)."""
         item = self._in_flight(batch_id)
         self._back_off(trainer, now)
-        return self._retry(item, now, kind.value)
+        # Only a failure after the batch reached the trainer can be the batch's fault (a batch that
+        # makes every trainer choke must not circulate forever); an unreachable trainer says nothing
+        # about the batch, so it costs no attempt: staleness bounds how long such a batch waits.
+        return self._retry(item, now, kind.value, counts=kind is not FailureKind.UNREACHABLE)
 
     def backoff_of(self, trainer: str) -> float:
         """Seconds a trainer is skipped after its latest failure (exponential, capped)."""
@@ -219,8 +223,8 @@ class Outbox:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _retry(self, item: Pending, now: float, reason: str) -> Outcome:
-        item.attempts += 1
+    def _retry(self, item: Pending, now: float, reason: str, counts: bool = True) -> Outcome:
+        item.attempts += counts
         if self.is_stale(item.policy_version):
             self._finish(item, BatchState.DROPPED)
             return Outcome(BatchState.DROPPED, "stale")
