@@ -155,3 +155,17 @@ def test_cli_evidence_is_verified_and_exported(tmp_path, capsys):
 def test_cli_missing_database_is_one_line_error(tmp_path, capsys):
     rc, _, err = run_cli(["ledger", "--data-dir", str(tmp_path / "nothing")], capsys)
     assert rc == 2 and err.count("\n") == 1 and "no ledger database" in err
+
+
+def test_rebuild_skips_a_broken_middle_and_reports_it(tmp_path):
+    entries = chain(TRAINER, 5)
+    write_db(tmp_path, entries)
+    db = sqlite3.connect(tmp_path / DB_FILE)
+    db.execute("UPDATE entries SET raw=? WHERE seq=2", (chain(TRAINER, 2, start_samples=50)[1].raw,))
+    db.commit()
+    db.close()
+    with open_ledger_store(tmp_path) as store:
+        led = Ledger(RUN, [TRAINER.peer_id], [], 0)
+        # the replacement seq 2 points at another seq 1, so the chain breaks at 2
+        assert rebuild(store, led) == {TRAINER.peer_id: (2, "bad-link")}
+        assert led.head_of(TRAINER.peer_id) == 1

@@ -224,17 +224,30 @@ def _row_problem(author: str, seq: int, h: bytes, raw: bytes, expect: int, prev:
     return None
 
 
-def rebuild(store: LedgerStore, ledger: Ledger) -> None:
+def rebuild(store: LedgerStore, ledger: Ledger) -> dict[str, tuple[int, str]]:
     """Load every stored entry and piece of evidence into an empty replica.
 
     Signatures of entries are not re-checked (they were before they were stored; ``verify_tail`` and
     ``ledger verify`` re-check them); links are, by :meth:`Ledger.restore`. Evidence is re-verified,
-    since it is small and decides whose credit is excluded.
+    since it is small and decides whose credit is excluded. Returns what could not be loaded,
+    ``{author: (first seq not loaded, reason)}`` (evidence under the key ``"evidence:<author>"``);
+    only a database edited behind the node's back has any.
     """
-    for _author, _seq, _hash, raw in store.iter_raw():
-        ledger.restore(parse_entry(raw, verify_signature=False))
+    skipped: dict[str, tuple[int, str]] = {}
+    for author, seq, _hash, raw in store.iter_raw():
+        if author in skipped:
+            continue
+        try:
+            ledger.restore(parse_entry(raw, verify_signature=False))
+        except (RemoteProtocolError, ValueError) as e:
+            skipped[author] = (seq, getattr(e, "reason", "bad-link"))
     for raw_a, raw_b in store.iter_evidence():
-        ledger.add_evidence(Evidence(parse_entry(raw_a), parse_entry(raw_b)))
+        try:
+            ev = Evidence(parse_entry(raw_a), parse_entry(raw_b))
+            ledger.add_evidence(ev)
+        except RemoteProtocolError as e:
+            skipped[f"evidence:{len(skipped)}"] = (0, e.reason)
+    return skipped
 
 
 def open_ledger_store(data_dir: Path, *, read_only: bool = False) -> LedgerStore:

@@ -71,6 +71,7 @@ MAX_REQUESTS_PER_STREAM = 1024  # requests one sync session may make; the next s
 VALIDATED_CACHE = 1024  # gossip entries parsed by the validator, awaiting the receive loop
 SYNC_HINTS = 16  # queued "sync with this peer soon" requests; extra hints are dropped
 MAX_PENDING_RECEIPTS = 4 * MAX_RECEIPT_ITEMS  # (peer, manifest) pairs waiting for the next flush
+MAX_TRACKED_PEERS = 4096  # peers remembered for penalties and last-sync times (oldest dropped)
 SYNC_PENALTY = -20.0  # app score step for a peer that sends invalid entries over sync
 # Reasons that are the sending peer's fault on a sync stream (as opposed to, e.g., our clock).
 _SENDER_FAULTS = {"wrong-run", "unauthorized", "bad-link", "unrequested"}
@@ -199,7 +200,12 @@ class LedgerService:
             dropped = self.store.truncate(author, seq)
             log.warning("ledger: %s's stored chain broken at seq %d (%s); dropped %d entries", author, seq, reason, dropped)
             self._reject("store", reason)
-        rebuild(self.store, self.ledger)
+        for author, (seq, reason) in rebuild(self.store, self.ledger).items():
+            log.warning("ledger: stored %s not loaded from seq %d (%s)", author, seq, reason)
+            self._reject("store", reason)
+            if not author.startswith("evidence:"):
+                self.store.truncate(author, seq)  # peers re-supply it; a chain must stay contiguous
+                problems[author] = (seq, reason)
         self._update_gauges()
         return problems
 
@@ -359,6 +365,8 @@ class LedgerService:
 
     def _penalize(self, peer: str, reason: str) -> None:
         self._bad_peers[peer] += 1
+        while len(self._bad_peers) > MAX_TRACKED_PEERS:
+            del self._bad_peers[next(iter(self._bad_peers))]
         self.node.host.set_app_score(peer, SYNC_PENALTY * self._bad_peers[peer])
         log.info("ledger: peer %s sent bad ledger data (%s)", peer, reason)
 
@@ -424,7 +432,10 @@ class LedgerService:
             try:
                 await self._call_sync(peer, total)
                 self.syncs["ok"] += 1
+                self.last_sync.pop(peer, None)
                 self.last_sync[peer] = self._wall_clock()
+                while len(self.last_sync) > MAX_TRACKED_PEERS:
+                    del self.last_sync[next(iter(self.last_sync))]
             except RemoteProtocolError as e:
                 self.syncs["failed"] += 1
                 if e.reason in _TRANSPORT_FAILURES:
