@@ -1,0 +1,113 @@
+"""Pure pieces of the inference role: draw inputs, proof packing, size cap, step file, advertising;
+and one step of the generator, honest and with each cheating mode (no network)."""
+
+from __future__ import annotations
+
+import pytest
+
+from node.identity import Identity
+from node.model import create_tiny_model, load_model, load_tokenizer
+from node.proofs.config import ProofsConfig
+from node.rl.config import InferenceConfig, RLConfig
+from node.roles.inference import advertise_due, read_step, write_step
+from node.rollouts.assemble import chunk_proof_sizes, join_proofs, seal_within, split_proofs
+from node.rollouts.config import WorkerConfig
+from node.rollouts.draw import sampling_seed, thinking_budget
+from node.rollouts.generate import RolloutGenerator
+from node.rollouts.schema import RolloutBatch, RolloutSample, open_batch
+from test_inference_role import RL, check_batch
+
+
+def test_seed_and_budget_depend_on_every_input_and_nothing_else():
+    s = sampling_seed("run", "peer", 3)
+    assert s == sampling_seed("run", "peer", 3) and 0 <= s < 2**63
+    assert len({s, sampling_seed("run", "peer", 4), sampling_seed("run", "other", 3), sampling_seed("x", "peer", 3)}) == 4
+    budgets = [64, 128, 256]
+    drawn = {thinking_budget(budgets, "peer", step, i) for step in range(20) for i in range(4)}
+    assert drawn == set(budgets)  # every budget is reachable
+    assert thinking_budget(budgets, "peer", 5, 1) == thinking_budget(budgets, "peer", 5, 1)
+    with pytest.raises(ValueError):
+        sampling_seed("run", "peer", -1)
+
+
+@pytest.mark.parametrize("tokens,hidden,chunk,topk", [(1, 64, 32, 128), (33, 64, 32, 128), (64, 2, 32, 128), (70, 8, 16, 16)])
+def test_proofs_split_back_exactly(tokens, hidden, chunk, topk):
+    sizes = chunk_proof_sizes(tokens, hidden, chunk, topk)
+    chunks = [bytes([i]) * n for i, n in enumerate(sizes)]
+    assert split_proofs(join_proofs(chunks), tokens, hidden, chunk, topk) == chunks
+    assert split_proofs(join_proofs(chunks)[:-1], tokens, hidden, chunk, topk) is None
+    assert split_proofs(join_proofs(chunks) + b"\0", tokens, hidden, chunk, topk) is None
+
+
+def _batch(groups: int, tokens: int, worker: str = "w") -> RolloutBatch:
+    samples = [RolloutSample(prompt_index=g, sample_index=j, task_id=f"t{g}", prompt_ids=[1, 2], completion_ids=[3] * tokens,
+                             logprobs=[-1.0] * tokens, finish_reason="length", reward=0.0, task_reward=0.0,
+                             advantage=0.0, proof=b"") for g in range(groups) for j in range(2)]
+    return RolloutBatch(run="r", worker=worker, step=0, policy_version=0, taskset="s", seed=1, temperature=1.0, top_p=1.0,
+                        max_new_tokens=tokens, group_size=2, created_ms=0, samples=samples)
+
+
+def test_size_cap_trims_whole_trailing_groups():
+    ident = Identity.generate()
+    whole = seal_within(ident, _batch(8, 500, ident.peer_id), 10**9)
+    assert whole.trimmed_groups == 0 and open_batch(whole.envelope, "r").batch_id == whole.batch_id
+    cap = len(whole.envelope) // 2
+    half = seal_within(ident, _batch(8, 500), cap)
+    assert len(half.envelope) <= cap and half.trimmed_groups > 0
+    kept = sorted({s.prompt_index for s in half.batch.samples})
+    assert kept == list(range(8 - half.trimmed_groups))  # leading groups, each complete
+    assert all(sum(s.prompt_index == g for s in half.batch.samples) == 2 for g in kept)
+    # One more group would not have fitted: the most that fits is kept.
+    assert len(seal_within(ident, _batch(len(kept) + 1, 500), 10**9).envelope) > cap
+    assert seal_within(ident, _batch(1, 500), 100) is None
+
+
+def test_step_file_round_trip_and_garbage(tmp_path):
+    p = tmp_path / "step"
+    assert read_step(p) == 0
+    write_step(p, 41)
+    assert read_step(p) == 41
+    p.write_text("garbage")
+    assert read_step(p) == 0
+
+
+def test_advertise_only_on_noticeable_change():
+    assert advertise_due((0.0, 0.0), (100.0, 0.0))
+    assert not advertise_due((100.0, 0.0), (110.0, 0.0))
+    assert advertise_due((100.0, 0.0), (130.0, 0.0))
+    assert advertise_due((100.0, 0.0), (100.0, 1.0))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = create_tiny_model(tmp_path_factory.mktemp("m") / "m0", seed=0)
+    return path, load_model(path), load_tokenizer(path)
+
+
+def _generate(path, cheat: str, ident: Identity):
+    gen = RolloutGenerator(identity=ident, run_name="test", rl=RLConfig(**RL), proofs=ProofsConfig(),
+                           inference=InferenceConfig(engine="torch", device="cpu"), worker=WorkerConfig(cheat=cheat))
+    gen.follow(path)
+    result = gen.run_step(7, 0, 0)
+    return open_batch(result.sealed.envelope, "test"), result
+
+
+@pytest.mark.parametrize("cheat,caught", [
+    ("", None),
+    ("perturbed-model", "proof"),
+    ("fake-rewards", "reward"),
+    ("cherry-pick", "task"),
+])
+def test_generator_step_honest_and_cheating(tiny, cheat, caught):
+    path, model, tok = tiny
+    ident = Identity.generate()
+    sb, result = _generate(path, cheat, ident)
+    assert sb.batch.step == 7 and len(sb.batch.samples) == RL["prompts_per_batch"] * RL["group_size"]
+    assert result.completion_tokens == sum(len(s.completion_ids) for s in sb.batch.samples)
+    failures = check_batch(sb, model, tok, ident.peer_id, 0)
+    if caught is None:
+        assert failures == []
+    else:
+        assert failures and all(f.startswith(caught) for f in failures if not f.startswith("logprobs")), failures
+    if cheat == "fake-rewards":
+        assert result.mean_reward > result.mean_true_reward
