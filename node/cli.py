@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="peers to join through; with no value, the packaged list (bootstrap/peers.txt)",
     )
     parser.add_argument("--listen", nargs="+", metavar="MULTIADDR", help=f"listen addresses (default {DEFAULT_LISTEN})")
+    parser.add_argument(
+        "--relay-via", nargs="+", metavar="MULTIADDR",
+        help="behind NAT: reserve a slot on these relays and advertise the relayed address",
+    )
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     parser.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")
     _common(parser)
@@ -103,6 +107,7 @@ def flags_of(args: argparse.Namespace) -> dict:
         "log_level": getattr(args, "log_level", None),
         "log_json": getattr(args, "log_json", None),
         "metrics_port": getattr(args, "metrics_port", None),
+        "relay_via": getattr(args, "relay_via", None),
     }
     bootstrap = getattr(args, "bootstrap", None)
     if bootstrap is not None:

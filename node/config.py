@@ -81,6 +81,7 @@ class NodeConfig:
     role: str = "relay"  # trainer | inference | relay | validator
     listen: list[str] = field(default_factory=lambda: [DEFAULT_LISTEN])  # multiaddrs to listen on
     bootstrap: list[str] = field(default_factory=list)  # full multiaddrs (with /p2p/<id>) to dial
+    relay_via: list[str] = field(default_factory=list)  # relays to reserve a slot on when not dialable (NAT)
     data_dir: str = ""  # "" = the user's data dir, scoped by run
     log_level: str = "info"
     log_json: bool = False  # one JSON object per log line (for log shippers)
@@ -111,6 +112,12 @@ class NodeConfig:
             check_multiaddr(a, "listen", need_peer_id=False)
         for a in self.bootstrap:
             check_multiaddr(a, "bootstrap", need_peer_id=True)
+        for a in self.relay_via:
+            check_multiaddr(a, "relay_via", need_peer_id=True)
+        if len(self.relay_via) > 8:
+            raise ConfigError(f"relay_via: at most 8 relays, got {len(self.relay_via)}")
+        if self.relay_via and self.role == "relay":
+            raise ConfigError("relay_via: a relay is dialable itself; drop --relay-via or pick another role")
         if not self.run.name or "/" in self.run.name or len(self.run.name) > 64:
             raise ConfigError(f"run.name: 1..64 characters without '/', got {self.run.name!r}")
         from .identity import public_key_of

@@ -19,6 +19,7 @@ import trio
 
 from .. import __version__
 from ..context import NodeContext
+from ..relay import connect_addr
 from ..wire import (
     Message,
     encode,
@@ -142,12 +143,19 @@ class Membership:
         }
 
 
+def advertised_addrs(node: NodeContext) -> list[str]:
+    """Direct transport addresses, then relayed ones (a NAT'd node's only reachable addresses)."""
+    relay = node.services.get("relay")
+    circuits = relay.circuit_addrs() if relay is not None and hasattr(relay, "circuit_addrs") else []
+    return (node.host.transport_addrs() + circuits)[:8]
+
+
 def own_record(node: NodeContext, seq: int) -> PeerRecord:
     return PeerRecord(
         run=node.run.name,
         peer_id=node.peer_id,
         role=node.config.role,
-        addrs=node.host.transport_addrs()[:8],
+        addrs=advertised_addrs(node),
         software=f"swarm-node/{__version__}",
         seq=seq,
         capabilities=[node.config.role],
@@ -264,7 +272,7 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
             with trio.move_on_after(timeout + (0 if node.host.is_connected(peer) else DIAL_TIMEOUT)):
                 try:
                     if not node.host.is_connected(peer):
-                        await node.host.connect_peer(peer, addrs)
+                        await dial(node, peer, addrs)
                     await node.host.ping(peer)
                     return True
                 except Exception:
@@ -334,6 +342,7 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
             while True:
                 await trio.sleep(TICK)
                 now = trio.current_time()
+                svc.update(addrs=advertised_addrs(node))  # a relay reservation adds an address
                 for acc in table.tick(now):
                     log.info("dead %s", acc.target[:16])
                     await publish(DOMAIN_DEAD, acc)
@@ -373,14 +382,14 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
         async def dial_bootstrap(addr: str) -> None:
             try:
                 with trio.fail_after(DIAL_TIMEOUT):
-                    await node.host.connect(addr)
+                    await connect_addr(node, addr)
             except Exception as e:
                 log.info("bootstrap %s unreachable: %s", addr, type(e).__name__)
 
         async def dial_member(peer: str) -> None:
             try:
                 with trio.fail_after(DIAL_TIMEOUT):
-                    await node.host.connect_peer(peer, svc.addrs_of(peer))
+                    await dial(node, peer, svc.addrs_of(peer))
                 svc.conn.on_connected(peer)
             except Exception:
                 svc.conn.on_dial_failed(peer, trio.current_time())
@@ -401,6 +410,29 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                 with trio.move_on_after(1.0):
                     await publish(DOMAIN_GOODBYE, Goodbye(run=run, peer_id=node.peer_id, seq=svc.record.seq))
                     await trio.sleep(0.2)  # let the pubsub writer flush before the host closes
+
+
+async def dial(node: NodeContext, peer: str, addrs: list[str]) -> None:
+    """Dial a member: its direct addresses first, then its relayed ones (py-libp2p's swarm skips
+    /p2p-circuit addresses, so those go through the relay module)."""
+    direct = [a for a in addrs if "/p2p-circuit" not in a]
+    relayed = [a for a in addrs if "/p2p-circuit" in a]
+    if direct:
+        try:
+            await node.host.connect_peer(peer, direct)
+            return
+        except Exception:
+            if not relayed:
+                raise
+    for i, addr in enumerate(relayed):
+        try:
+            await connect_addr(node, addr)
+            return
+        except Exception:
+            if i == len(relayed) - 1:
+                raise
+    if not direct and not relayed:
+        raise ConnectionError(f"no address known for {peer[:16]}")
 
 
 def _envelope_bytes(signed: Signed) -> bytes:

@@ -21,6 +21,7 @@ from ..gossip.service import serve_membership
 from ..host import open_swarm_host
 from ..identity import load_or_create_identity
 from ..ledger.sync import serve_ledger
+from ..relay import serve_relay_client, serve_relay_hop
 from ..shards.service import serve_shards
 from ..status import serve_status
 
@@ -42,7 +43,10 @@ SHUTDOWN_GRACE = 5.0  # seconds for services to finish after a signal before we 
 
 
 def role_services(role: str) -> list[Service]:
-    return list(importlib.import_module(ROLE_MODULES[role]).SERVICES)
+    """The relay hop service on relays, the relay client (accept relayed connections, reserve when
+    behind NAT) everywhere else, then the role's own services."""
+    relay = serve_relay_hop if role == "relay" else serve_relay_client
+    return [relay] + list(importlib.import_module(ROLE_MODULES[role]).SERVICES)
 
 
 async def run_node(
