@@ -1,6 +1,6 @@
 """Membership at N = 10, 25, 50 real processes on this machine: convergence, detection, load, RSS.
 
-For each N it starts a relay plus N-1 inference nodes (each given only the relay's address) and
+For each N it starts a relay plus N-1 more nodes (each given only the first one's address) and
 measures:
   * convergence: from the last node being ready until every node sees every other alive;
   * bytes sent per node per second (all libp2p TCP bytes, i.e. membership + gossipsub control)
@@ -57,8 +57,10 @@ def measure(n: int, run_file: str, steady: float, detect: bool, timeout: float) 
     out: dict = {"n": n}
     with LocalSwarm(root, log_level="warning") as swarm:
         swarm.write_run_file(run_file)
-        for i, name in enumerate(names):
-            swarm.start(name, "relay" if i == 0 else "inference", wait=60)
+        for name in names:
+            # All relays: membership is the same in every role, and the ML roles would load torch
+            # and a model, which measures something else.
+            swarm.start(name, "relay", wait=60)
         ids = {name: swarm.node_info(name)["peer_id"] for name in names}
         t0 = time.monotonic()
 
