@@ -99,6 +99,8 @@ def main() -> int:
     ap.add_argument("--steady", type=float, default=20.0, help="seconds of steady traffic measured")
     ap.add_argument("--timeout", type=float, default=240.0)
     args = ap.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so LocalSwarm reaps the node processes it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = [int(x) for x in args.sizes.split(",") if x]
     base_sizes = {int(x) for x in args.baseline_sizes.split(",") if x}
     cfg = MembershipConfig()
