@@ -66,10 +66,10 @@ def test_queue_depth_follows_measured_rate() -> None:
         p.poll(t)
     assert abs(p.rate_of("A") - rate) / rate < 0.05
     assert p.depth_of("A") == 64  # ceil(1 MiB/s * 3 s / 16 KiB) = 192, clamped to max_depth
-    p2 = picker(10, max_depth=64)
-    p2.on_bitfield("S", set(range(10)))
-    p2.peers["S"].rate = 16 * 1024  # one block per second -> 3 s of rate = 3 blocks
-    assert p2.depth_of("S") == 3
+    p = picker(10, max_depth=64)
+    p.on_bitfield("S", set(range(10)))
+    p.peers["S"].rate = 16 * 1024  # one block per second -> 3 s of rate = 3 blocks
+    assert p.depth_of("S") == 3
 
 
 def test_peer_choice_is_weighted_by_throughput() -> None:
@@ -113,27 +113,34 @@ def test_bad_pieces_ban_after_threshold_and_parole_isolates() -> None:
     reqs = [r for r in p.poll(0.3).requests if r.piece == reqs[0].piece]
     assert len({r.peer for r in reqs}) == 1
     # A second bad piece from the liar alone: banned, nothing more asked of it.
-    p2 = picker(4, blocks_per_piece=1, initial_depth=1, min_depth=1, max_depth=1, random_first=0)
-    p2.on_bitfield("liar", set(range(4)))
+    p = picker(4, blocks_per_piece=1, initial_depth=1, min_depth=1, max_depth=1, random_first=0)
+    p.on_bitfield("liar", set(range(4)))
     for k in range(2):
-        (r,) = p2.poll(float(k)).requests
-        p2.on_block("liar", r.piece, r.offset, r.length, k + 0.1)
-        acts = p2.on_piece_failed(r.piece, k + 0.2)
+        (r,) = p.poll(float(k)).requests
+        p.on_block("liar", r.piece, r.offset, r.length, k + 0.1)
+        acts = p.on_piece_failed(r.piece, k + 0.2)
     assert acts.banned == [("liar", "bad-piece")]
-    assert p2.is_banned("liar", 100.0) and not p2.is_banned("liar", 2.2 + 600.0)
-    assert p2.poll(3.0).requests == []
+    assert p.is_banned("liar", 100.0) and not p.is_banned("liar", 2.2 + 600.0)
+    assert p.poll(3.0).requests == []
 
 
-def test_blame_is_shared_between_contributors() -> None:
-    p = picker(1, blocks_per_piece=2, initial_depth=1)
+def test_smart_ban_convicts_only_the_peer_whose_bytes_differ() -> None:
+    # A and B each deliver one block of the same piece; B's is bad.
+    p = picker(1, blocks_per_piece=2, initial_depth=1, max_depth=1, min_depth=1, ban_threshold=1.0)
     p.on_bitfield("A", {0})
     p.on_bitfield("B", {0})
-    reqs = p.poll(0.0).requests
-    assert {r.peer for r in reqs} == {"A", "B"}
-    for r in reqs:
+    got = p.poll(0.0).requests
+    assert {r.peer for r in got} == {"A", "B"}
+    for r in got:
         p.on_block(r.peer, r.piece, r.offset, r.length, 0.1)
-    p.on_piece_failed(0, 0.2)
-    assert p.strikes == {"A": 0.5, "B": 0.5}
+    sent_by = {r.offset: r.peer for r in got}
+    bad = {0: b"good0" if sent_by[0] == "A" else b"evil0", B: b"good1" if sent_by[B] == "A" else b"evil1"}
+    acts = p.on_piece_failed(0, 0.2, bad)
+    assert acts.banned == [] and p.strikes == {}  # nobody blamed yet
+    for r in p.poll(0.3).requests:  # re-fetched on parole from a single peer
+        p.on_block(r.peer, r.piece, r.offset, r.length, 0.4)
+    acts = p.on_piece_verified(0, 0.5, {0: b"good0", B: b"good1"})
+    assert acts.banned == [("B", "bad-piece")] and "A" not in p.strikes
 
 
 def test_wrong_length_bans_at_once() -> None:
@@ -203,3 +210,14 @@ def test_super_seeder_forgets_gone_peers() -> None:
     s.on_peer_gone("x")
     assert all(s.sent[i] == 0 for i in gone)
     assert len(s.on_bitfield("y", set())) == 2
+
+
+def test_a_banned_peers_delivered_blocks_are_fetched_again() -> None:
+    p = picker(3, blocks_per_piece=2, initial_depth=1, max_depth=1, min_depth=1, random_first=0)
+    p.on_bitfield("liar", {0, 1, 2})
+    (r,) = p.poll(0.0).requests
+    p.on_block("liar", r.piece, r.offset, r.length, 0.1)  # half of a piece from the liar
+    p.on_misbehaved("liar", 0.2, "test")
+    p.on_bitfield("honest", {0, 1, 2})
+    reqs = p.poll(0.3).requests
+    assert reqs == [Request("honest", r.piece, 0, B)]  # the liar's block is asked for again

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import trio
 from node.identity import Identity
 from node.shards.protocol import Data
 from node.shards.service import ShardsService, _ServerSession
-from node.shards.testing import open_shards_node, same_files, write_checkpoint
+from node.shards.testing import open_shards_swarm, same_files, write_checkpoint
 
 MiB = 1 << 20
 FAST = dict(announce_interval=0.5, request_timeout=2.0, progress=False)
@@ -27,11 +26,9 @@ async def test_relay_fetches_published_version(tmp_path: Path) -> None:
     trainer = Identity.generate()
     src = write_checkpoint(tmp_path / "ckpt", 5 * MiB + 123, seed=1)
     with trio.fail_after(60):
-        async with AsyncExitStack() as stack:
-            t = await stack.enter_async_context(
-                open_shards_node(tmp_path / "t", identity=trainer, trainers=[trainer.peer_id], role="trainer", **FAST))
-            r = await stack.enter_async_context(
-                open_shards_node(tmp_path / "r", trainers=[trainer.peer_id], role="relay", **FAST))
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=[trainer.peer_id], role="trainer", **FAST)
+            r = await swarm.add(tmp_path / "r", trainers=[trainer.peer_id], role="relay", **FAST)
             await connect_all([t, r])
             signed = await t.services["shards"].publish(src, 7)
             path = await r.services["shards"].wait_version(7)
@@ -74,12 +71,13 @@ async def test_liars_are_banned_and_download_is_correct(tmp_path: Path) -> None:
     tr = [trainer.peer_id]
     src = write_checkpoint(tmp_path / "ckpt", 8 * MiB, seed=2)
     with trio.fail_after(90):
-        async with AsyncExitStack() as stack:
+        async with open_shards_swarm() as swarm:
             async def node(name, **kw):
-                return await stack.enter_async_context(open_shards_node(tmp_path / name, trainers=tr, **kw))
+                return await swarm.add(tmp_path / name, trainers=tr, **kw)
 
-            t = await node("t", identity=trainer, role="trainer", **SMALL)
-            honest = await node("h", role="relay", fetch="none", **SMALL)
+            # Honest peers are slow (capped upload), liars fast: they will be asked for plenty.
+            t = await node("t", identity=trainer, role="trainer", upload_rate=2 * MiB, **SMALL)
+            honest = await node("h", role="relay", fetch="none", upload_rate=2 * MiB, **SMALL)
             flip = await node("flip", role="relay", fetch="none", service_class=liar(FlipBytes), **SMALL)
             short = await node("short", role="relay", fetch="none", service_class=liar(WrongLength), **SMALL)
             signed = await t.services["shards"].publish(src, 1)
@@ -107,14 +105,12 @@ async def test_silent_peer_is_banned_and_download_completes(tmp_path: Path) -> N
     src = write_checkpoint(tmp_path / "ckpt", 4 * MiB, seed=3)
     slow = dict(SMALL, request_timeout=1.0)
     with trio.fail_after(90):
-        async with AsyncExitStack() as stack:
-            t = await stack.enter_async_context(open_shards_node(
-                tmp_path / "t", identity=trainer, trainers=tr, role="trainer", upload_rate=1 * MiB, **slow))
-            silent = await stack.enter_async_context(open_shards_node(
-                tmp_path / "s", trainers=tr, fetch="none", service_class=liar(Silent), **slow))
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", upload_rate=1 * MiB, **slow)
+            silent = await swarm.add(tmp_path / "s", trainers=tr, fetch="none", service_class=liar(Silent), **slow)
             signed = await t.services["shards"].publish(src, 1)
             await silent.services["shards"].seed(src, signed)
-            d = await stack.enter_async_context(open_shards_node(tmp_path / "d", trainers=tr, **slow))
+            d = await swarm.add(tmp_path / "d", trainers=tr, **slow)
             await connect_all([t, silent, d])
             svc = d.services["shards"]
             path = await svc.wait_version(1)

@@ -24,10 +24,12 @@ Policies, with their sources:
   SHARDCAST's clients weight servers, but across every peer that has the piece).
 * **Endgame**: once every missing block has been requested, idle slots re-request in-flight blocks
   from other peers (at most ``endgame_copies`` copies); the first arrival cancels the rest.
-* **Bad pieces**: every peer that contributed a block to a piece that fails its hash gets a strike
-  of 1/k (k contributors). A failed piece is re-fetched "on parole" from one peer only
-  (libtorrent's parole mode), so a liar cannot hide behind honest peers for long. Reaching
-  ``ban_threshold`` strikes, a peer is banned for ``ban_seconds``. Malformed data (wrong length,
+* **Bad pieces**: a piece that fails its hash is re-fetched "on parole" from one peer only
+  (libtorrent's parole mode). If one peer sent all of it, that peer gets a strike; if several did,
+  the digest of each one's block is kept and compared with the good piece once it verifies, and
+  only those whose bytes differ get a strike (libtorrent's smart ban), so honest peers that shared
+  a piece with a liar are never blamed. Reaching ``ban_threshold`` strikes, a peer is banned for
+  ``ban_seconds``. Malformed data (wrong length,
   unrequested pieces) bans at once: that is never an accident.
 * **Timeouts**: a request unanswered after ``request_timeout`` goes back to MISSING (re-requested
   elsewhere) and the peer's queue is cut to the minimum; ``max_timeouts`` in a row and it is banned
@@ -82,7 +84,7 @@ class PickerParams:
     max_depth: int = 32  # 8 MiB of 256 KiB blocks in flight per peer: bounds unverified memory
     random_first: int = 4  # pieces picked at random before rarest-first starts (libtorrent: 4)
     endgame_copies: int = 2  # a block is requested from at most this many peers at once
-    ban_threshold: float = 2.0  # strikes (bad pieces) before a ban
+    ban_threshold: float = 2.0  # strikes (pieces proven bad) before a ban
     ban_seconds: float = 600.0
     max_timeouts: int = 3  # timeouts in a row before an unresponsive peer is banned
     rate_alpha: float = 0.25  # EWMA weight of a new rate sample
@@ -139,6 +141,9 @@ class Picker:
         self.peers: dict[str, _Peer] = {}
         self.strikes: dict[str, float] = {}
         self.banned_until: dict[str, float] = {}
+        # piece -> {offset: (peer, digest of the block it sent)} for pieces that failed with
+        # several contributors: resolved when the piece verifies (smart ban).
+        self._suspects: dict[int, dict[int, tuple[str, bytes]]] = {}
         self._unstarted = set(range(len(self.piece_lengths))) - self.verified
 
     # ----------------------------------------------------------------------------------------
@@ -184,6 +189,10 @@ class Picker:
         """(offset, length) of each block of ``piece``."""
         n, b = self.piece_lengths[piece], self.params.block_size
         return [(off, min(b, n - off)) for off in range(0, n, b)]
+
+    def has_suspects(self, piece: int) -> bool:
+        """Did ``piece`` fail before with several contributors (block digests wanted)?"""
+        return piece in self._suspects
 
     def interesting(self, peer: str) -> bool:
         """Does ``peer`` have a piece we still need?"""
@@ -295,23 +304,40 @@ class Picker:
                 out[who] = out.get(who, 0) + n
         return out
 
-    def on_piece_verified(self, piece: int) -> None:
+    def on_piece_verified(self, piece: int, now: float = 0.0, block_digests: dict[int, bytes] | None = None) -> Actions:
+        """The piece matched its hash. ``block_digests`` (offset -> digest of each block) lets us
+        convict whoever sent different bytes for this piece before (smart ban, as libtorrent)."""
         self.active.pop(piece, None)
         self._unstarted.discard(piece)
         self.verified.add(piece)
+        acts = Actions()
+        suspects = self._suspects.pop(piece, {})
+        if block_digests is not None:
+            for offset, (peer, bad) in suspects.items():
+                if block_digests.get(offset) != bad:
+                    acts.banned += self._strike(peer, now)
+        return acts
 
-    def on_piece_failed(self, piece: int, now: float) -> Actions:
-        """The assembled piece did not match its hash: blame contributors, re-fetch on parole."""
+    def on_piece_failed(self, piece: int, now: float, block_digests: dict[int, bytes] | None = None) -> Actions:
+        """The assembled piece did not match its hash: re-fetch it on parole.
+
+        With one contributor the fault is certain: one strike. With several we cannot tell yet,
+        so nobody is struck now; the digests of what each sent are kept and compared with the good
+        piece once it verifies (libtorrent's smart ban), so a liar is convicted and honest peers
+        that shared the piece with it never are.
+        """
         acts = Actions()
         ap = self.active.get(piece)
         if ap is None:
             return acts
-        who = [p for p in ap.received_from if p is not None]
-        culprits = set(who)
-        for peer in culprits:
-            self.strikes[peer] = self.strikes.get(peer, 0.0) + 1.0 / len(culprits)
-            if self.strikes[peer] >= self.params.ban_threshold - 1e-9:
-                acts.banned += self._ban(peer, now, "bad-piece")
+        culprits = {p for p in ap.received_from if p is not None}
+        if len(culprits) == 1:
+            acts.banned += self._strike(culprits.pop(), now)
+        elif block_digests is not None:
+            kept = self._suspects.setdefault(piece, {})
+            for (offset, _), who in zip(self.blocks_of(piece), ap.received_from):
+                if who is not None and offset in block_digests:
+                    kept[offset] = (who, block_digests[offset])
         n = len(ap.states)
         self.active[piece] = _Piece(
             [BlockState.MISSING] * n, [set() for _ in range(n)], [None] * n, on_parole=True
@@ -322,6 +348,12 @@ class Picker:
                 del st.in_flight[key]
                 acts.cancels.append(Cancel(peer, piece, key[1], self._block_length(piece, key[1])))
         return acts
+
+    def _strike(self, peer: str, now: float) -> list[tuple[str, str]]:
+        self.strikes[peer] = self.strikes.get(peer, 0.0) + 1.0
+        if self.strikes[peer] >= self.params.ban_threshold:
+            return self._ban(peer, now, "bad-piece")
+        return []
 
     def on_misbehaved(self, peer: str, now: float, reason: str) -> Actions:
         """The peer broke the protocol (malformed data): ban at once."""
@@ -450,4 +482,11 @@ class Picker:
             for piece, offset in list(st.in_flight):
                 self._release(peer, piece, offset)
             st.in_flight.clear()
+        # Blocks it already delivered to unfinished pieces are suspect too: fetch them again, or
+        # they would fail those pieces later and the blame would fall on the honest co-authors.
+        for ap in self.active.values():
+            for idx, who in enumerate(ap.received_from):
+                if who == peer:
+                    ap.received_from[idx] = None
+                    ap.states[idx] = BlockState.MISSING
         return [] if already else [(peer, reason)]

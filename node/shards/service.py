@@ -34,6 +34,7 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
+from ..hashes import digest
 from ..wire import (
     LocalProtocolError,
     Message,
@@ -310,13 +311,16 @@ class Download:
                     n.start_soon(sess.write_loop)
                     await self._read_loop(sess)
                     n.cancel_scope.cancel()
-        except RemoteProtocolError as e:
+        # except*: errors raised under the session's nursery arrive as exception groups.
+        except* (LocalProtocolError, AssertionError):
+            raise  # our bug: crash loudly
+        except* RemoteProtocolError as group:
+            e = group.exceptions[0]
             svc.node.metrics.reject(SOURCE, e.reason)
-            self._apply(self.picker.on_misbehaved(peer, trio.current_time(), e.reason))
-        except (trio.TooSlowError, Exception) as e:  # stream reset, connection lost, timeouts
-            if isinstance(e, (LocalProtocolError, AssertionError)):
-                raise
-            log.debug("shards: session with %s ended: %s", peer[-8:], e)
+            if e.reason != "stream-error":  # a reset is a peer leaving, not misbehaving
+                self._apply(self.picker.on_misbehaved(peer, trio.current_time(), e.reason))
+        except* Exception as group:  # connection lost, timeouts
+            log.debug("shards: session with %s ended: %r", peer[-8:], group.exceptions[0])
         finally:
             self.refused[peer] = trio.current_time()  # do not redial a peer that just left at once
             self.sessions.pop(peer, None)
@@ -366,8 +370,9 @@ class Download:
         parts = self.buffers.pop(piece, {})
         data = b"".join(parts[o] for o in sorted(parts))
         contributors = self.picker.contributors(piece)
+        blocks = {o: digest(b) for o, b in parts.items()} if self.picker.has_suspects(piece) or len(contributors) > 1 else None
         if self.vs.put_piece(piece, data):
-            self.picker.on_piece_verified(piece)
+            self._apply(self.picker.on_piece_verified(piece, now, blocks))
             for peer, nbytes in contributors.items():
                 self.svc.credit(peer, self.root, nbytes)
             self.svc.on_piece_verified(self.vs, piece)
@@ -380,7 +385,7 @@ class Download:
             self.svc.node.metrics.reject(SOURCE, "bad-piece")
             log.warning("shards: piece %d of v%d failed its hash (from %s)", piece, self.vs.version,
                         ",".join(p[-8:] for p in contributors))
-            self._apply(self.picker.on_piece_failed(piece, now))
+            self._apply(self.picker.on_piece_failed(piece, now, blocks))
 
     def _drop_stale_buffers(self) -> None:
         """Forget received blocks the picker no longer counts (their piece was reset)."""
@@ -506,6 +511,15 @@ class ShardsService:
         self._version_complete(vs)
         return vs
 
+    def fetch(self, version: int, root: bytes, source: str) -> None:
+        """Download ``version`` (manifest root ``root``, first asked of ``source``) whatever the policy."""
+        self.announced.setdefault(version, (root, source))
+        if version not in self.downloads and self.path_of(version) is None:
+            scope = trio.CancelScope()
+            self._download_scopes[version] = scope
+            self.downloads[version] = None  # type: ignore[assignment]  # reserved
+            self._nursery.start_soon(self._fetch_version, version, scope)
+
     # ---------------------------------------------------------------------------------------
     # Bookkeeping used by sessions
 
@@ -587,13 +601,14 @@ class ShardsService:
                             self._nursery.start_soon(_quietly, other.reveal, sess.seeder.top_up(other.peer))
             elif first is not None:
                 raise RemoteProtocolError("unexpected", first.TYPE)
-        except RemoteProtocolError as e:
-            self.node.metrics.reject(SOURCE, e.reason)
-            log.debug("shards: %s sent garbage: %s", peer[-8:], e)
-        except (LocalProtocolError, AssertionError):
+        # except*: errors raised under the session's nursery arrive as exception groups.
+        except* (LocalProtocolError, AssertionError):
             raise
-        except Exception as e:  # resets, timeouts, closed connections: the peer left
-            log.debug("shards: inbound session with %s ended: %s", peer[-8:], e)
+        except* RemoteProtocolError as group:
+            self.node.metrics.reject(SOURCE, group.exceptions[0].reason)
+            log.debug("shards: %s sent garbage: %s", peer[-8:], group.exceptions[0])
+        except* Exception as group:  # resets, timeouts, closed connections: the peer left
+            log.debug("shards: inbound session with %s ended: %r", peer[-8:], group.exceptions[0])
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 try:
@@ -654,10 +669,8 @@ class ShardsService:
                     scope.cancel()  # an older version is no longer worth fetching
         elif held is not None and version < held - self.cfg.keep_versions:
             return
-        scope = trio.CancelScope()
-        self._download_scopes[version] = scope
-        self.downloads[version] = None  # type: ignore[assignment]  # reserved
-        self._nursery.start_soon(self._fetch_version, version, scope)
+        root, source = self.announced[version]
+        self.fetch(version, root, source)
 
     async def _fetch_version(self, version: int, scope: trio.CancelScope) -> None:
         try:

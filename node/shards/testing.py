@@ -60,8 +60,37 @@ async def open_shards_node(
         node = NodeContext(config=config, identity=identity, host=host, data_dir=Path(data_dir))
         async with trio.open_nursery() as nursery:
             await nursery.start(service_class(node, cfg).run)
-            yield node
-            nursery.cancel_scope.cancel()
+            try:
+                yield node
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+class ShardsSwarm:
+    """Nodes started as siblings in one nursery (see :func:`open_shards_swarm`)."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    async def add(self, data_dir: Path, **kw) -> NodeContext:
+        async def run(task_status=trio.TASK_STATUS_IGNORED):
+            async with open_shards_node(data_dir, **kw) as node:
+                task_status.started(node)
+                await trio.sleep_forever()
+
+        return await self._nursery.start(run)
+
+
+@asynccontextmanager
+async def open_shards_swarm():
+    """Yield a :class:`ShardsSwarm`; on exit every node is stopped at once.
+
+    Stopping nodes one after another (nested contexts) lets a live peer open a pubsub stream into a
+    host whose pubsub service already stopped, which py-libp2p 0.8.1 turns into a crash.
+    """
+    async with trio.open_nursery() as nursery:
+        yield ShardsSwarm(nursery)
+        nursery.cancel_scope.cancel()
 
 
 async def _child(args) -> None:
