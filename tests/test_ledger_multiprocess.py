@@ -335,3 +335,59 @@ def test_kill_minus_nine_mid_ingest_loses_nothing(children, tmp_path):
     assert victim.state()["own"] >= own_acknowledged
     check = cli("ledger", "verify", "--data-dir", str(victim.data_dir))
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_swarm_node_processes_replicate_the_ledger(tmp_path):
+    """Real `swarm-node --role relay` processes (the ledger is a core service): a node holding a
+    trainer's history spreads it to nodes that join later; one is killed with -9 mid-ingest and
+    restarted; all end with the same digest and `ledger verify` passes everywhere."""
+    from node.identity import load_or_create_identity
+    from node.localswarm import LocalSwarm
+
+    total = 6000
+    with LocalSwarm(tmp_path / "swarm", log_level="warning") as swarm:
+        holder_id = load_or_create_identity(swarm.root / "holder")[0]
+        swarm.write_run_file(
+            f'[run]\nname = "{RUN}"\ntrainers = ["{holder_id.peer_id}"]\n\n[ledger]\nsync_interval = 0.5\n'
+        )
+        history = []
+        prev = GENESIS
+        for i in range(total):
+            body = RolloutsJudged(worker=IDS[4].peer_id, step=i, accepted=True, samples=2, tokens=20,
+                                  batch_hash=i.to_bytes(32, "big"))
+            se = make_entry(holder_id, RUN, i + 1, prev, 1000 + i, body)
+            history.append(se)
+            prev = se.hash
+        with open_ledger_store(swarm.root / "holder") as store:
+            store.bind_run(RUN)
+            store.commit(history, durable=True)
+
+        swarm.start("relay", "relay")
+        swarm.start("holder", "relay")
+        swarm.start("late-1", "relay")
+        swarm.start("late-2", "relay")
+        names = ["relay", "holder", "late-1", "late-2"]
+
+        def ledger_status(name):
+            return swarm.status(name).get("ledger", {})
+
+        # kill late-2 once it is part-way through the history, then restart it
+        swarm.wait_until(lambda: 0 < ledger_status("late-2").get("entries", 0) < total, 120, poll=0.05)
+        swarm.kill("late-2", signal.SIGKILL)
+        check = cli("ledger", "verify", "--data-dir", str(swarm.root / "late-2"))
+        assert check.returncode == 0, check.stdout + check.stderr
+        swarm.restart("late-2")
+
+        swarm.wait_until(lambda: all(ledger_status(n).get("entries") == total for n in names), 240)
+        digests = {ledger_status(n)["digest"] for n in names}
+        assert len(digests) == 1
+        for n in names:
+            assert not ledger_status(n)["rejected"], (n, ledger_status(n)["rejected"])
+    for n in names:  # after a clean stop: full digest and a full re-verification of every database
+        out = cli("ledger", "--json", "--data-dir", str(swarm.root / n))
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert data["entries"] == total
+        assert data["totals"][IDS[4].peer_id]["rollouts_accepted"] == 2 * total
+        check = cli("ledger", "verify", "--data-dir", str(swarm.root / n))
+        assert check.returncode == 0 and "OK" in check.stdout, check.stdout + check.stderr
