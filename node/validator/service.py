@@ -1,0 +1,443 @@
+"""The validator service: batches in from trainers, checks, signed verdicts out, ledger entries.
+
+How this works (DESIGN.md "The loop" step 4; the trainer side is node/trainer/gate.py):
+
+* **Intake** (``/swarm/verify/1.0.0``, :meth:`ValidatorService.handle_verify`): a trainer of the run
+  sends one frame holding a worker's signed batch envelope and gets one RolloutAck back:
+  ``accepted`` = queued (or already judged: its verdict is sent again), ``reason="busy"`` when the
+  bounded queue is full, so the trainer hands the batch to its next-ranked validator
+  (node/validator/assign.py) instead of waiting on us. Batches come from trainers, not straight
+  from workers, because the trainer already spooled them durably: a validator that dies loses
+  nothing, the trainer re-assigns after its timeout, and workers need not know the validators.
+* **Checking** (one batch at a time, in a worker thread so the node keeps answering probes): the
+  batch's checkpoint is fetched through the shard swarm if needed (the last ``keep_models``
+  versions stay loaded), then node/validator/pipeline.py judges it against the replay store.
+* **Verdict**: signed (domain ``verdict``), stored with the batch's task slots in one SQLite
+  transaction (node/validator/store.py), appended to the ledger as a ``verdict`` entry, and, for a
+  rejected batch, a ``penalty`` entry (and a ban past the threshold, node/validator/policy.py).
+* **Delivery** (``/swarm/verdicts/1.0.0``, a stream we open to the trainer): verdicts are sent until
+  the trainer acknowledges them; undelivered ones survive a restart in the store and are re-sent.
+
+When behind (queue full) we say so: ``behind`` in ``swarm-node status``, the queue-depth gauge and
+the ``busy`` counter, and the trainer gets "busy" instead of a silent drop.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import trio
+
+from ..hashes import digest
+from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
+from ..ledger.entries import Verdict as LedgerVerdict
+from ..proofs.config import ProofsConfig
+from ..rl.config import GRPOConfig, RLConfig
+from ..rollouts.schema import (
+    DOMAIN_VERDICT,
+    VERDICTS_PROTOCOL,
+    VERIFY_PROTOCOL,
+    RolloutAck,
+    SignedBatch,
+    Verdict,
+)
+from ..wire import Envelope, MAX_FRAME, RemoteProtocolError, decode_as, encode, read_frame, seal, write_frame
+from .config import ValidatorConfig
+from .pipeline import BatchReason, BatchRules, CheckModel, Judgement, TaskSet, check_batch_rules, judge_batch, parse_batch, reject
+from .policy import PenaltyBook
+from .store import DB_FILE, ValidatorStore
+
+log = logging.getLogger("node.validator")
+
+SOURCE = "validator"  # metrics label of rejections counted here
+ZERO_ID = bytes(32)
+READ_TIMEOUT = 30.0  # seconds a trainer has to send its batch frame
+ACK_TIMEOUT = 30.0  # seconds a trainer has to acknowledge a verdict frame
+MAX_ACK_FRAME = 4096  # a RolloutAck is ~100 bytes
+DELIVER_PER_STREAM = 64  # verdict frames sent on one delivery stream before it is closed
+BEHIND_FRACTION = 0.8  # queue fill at which status says "behind"
+LEDGER_STEP_MAX = 2**32  # the ledger's verdict body bounds the step
+FUTURE_GRACE = 5.0  # seconds to wait for the announcement of a version newer than any we know
+POLL_INTERVAL = 0.25  # seconds between looks at the known versions while waiting
+
+
+@dataclass
+class Job:
+    """A batch waiting to be checked, and the trainer that sent it."""
+
+    trainer: str
+    signed: SignedBatch
+    received_at: float
+
+
+def rules_from_run(run, cfg: ValidatorConfig) -> BatchRules:
+    """The run's sampling, task and proof parameters every batch must carry."""
+    rl = run.section("rl", RLConfig)
+    grpo = run.section("grpo", GRPOConfig)
+    return BatchRules(
+        run=run.name, taskset=rl.taskset, temperature=rl.temperature, top_p=rl.top_p,
+        max_new_tokens=rl.max_new_tokens, group_size=rl.group_size, prompts_per_batch=rl.prompts_per_batch,
+        async_level=grpo.async_level, proofs=run.section("proofs", ProofsConfig),
+        sampling_tolerance=cfg.sampling_tolerance, check_sampling=cfg.check_sampling, check_seed=cfg.check_seed,
+    )
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class ValidatorService:
+    """Everything the validator does; ``node.services["validator"]``."""
+
+    def __init__(self, node, cfg: ValidatorConfig, rules: BatchRules, tasks: TaskSet, store: ValidatorStore,
+                 wall_clock=time.time) -> None:
+        self.node = node
+        self.cfg = cfg
+        self.rules = rules
+        self.tasks = tasks
+        self.store = store
+        self.wall_clock = wall_clock
+        run = node.config.run
+        self.trainers = set(run.trainers)
+        self.is_validator = node.peer_id in set(run.validators)
+        self.book = PenaltyBook(cfg)
+        for peer, until, reason in store.bans(wall_clock()):
+            self.book.apply_ban(peer, reason, until)
+        self._send, self._recv = trio.open_memory_channel[Job](cfg.queue_size)
+        self.queued: set[bytes] = set()
+        self.checking: bytes | None = None
+        self.models: OrderedDict[int, CheckModel] = OrderedDict()
+        self.pending: dict[str, OrderedDict[bytes, bytes]] = collections.defaultdict(OrderedDict)  # trainer -> id -> verdict
+        self._pending_changed = trio.Event()
+        self.results: collections.Counter = collections.Counter()  # accepted / rejected / busy / dropped
+        self.reasons: collections.Counter = collections.Counter()  # sample reason -> count
+        self.tokens_checked = 0
+        self.check_seconds = 0.0
+        m = node.metrics
+        self.m_queue = m.gauge("validator_queue_depth", "Batches waiting to be checked")
+        self.m_busy = m.counter("validator_busy_total", "Batches refused because the check queue was full")
+        self.m_verdicts = m.counter("validator_verdicts_total", "Verdicts signed", ["result"])
+        self.m_seconds = m.histogram("validator_check_seconds", "Time to check one batch (model work included)")
+        self.m_tokens = m.counter("validator_tokens_total", "Completion tokens checked")
+        for trainer, batch_id, verdict in ((t, b, v) for b, t, v in store.undelivered(cfg.max_pending_verdicts)):
+            self.pending[trainer][batch_id] = verdict
+
+    # ------------------------------------------------------------------ intake
+
+    async def handle_verify(self, stream) -> None:
+        """``/swarm/verify/1.0.0``: one signed batch from a trainer, one RolloutAck back."""
+        peer = stream.muxed_conn.peer_id.to_base58()
+        try:
+            if peer not in self.trainers:
+                self.node.metrics.reject(VERIFY_PROTOCOL, "not-trainer")
+                await stream.reset()
+                return
+            with trio.fail_after(READ_TIMEOUT):
+                data = await read_frame(stream, MAX_FRAME)
+            if data is None:
+                return
+            batch_id, ok, reason = self.submit(peer, data, trio.current_time())
+            await write_frame(stream, RolloutAck(batch_id=batch_id, accepted=ok, reason=reason))
+        except RemoteProtocolError as e:
+            self.node.metrics.reject(VERIFY_PROTOCOL, e.reason)
+            await _reset(stream)
+        except trio.TooSlowError:
+            self.node.metrics.reject(VERIFY_PROTOCOL, "timeout")
+            await _reset(stream)
+        finally:
+            await _close(stream)
+
+    def submit(self, trainer: str, data: bytes, now: float) -> tuple[bytes, bool, str]:
+        """Queue a batch from ``trainer``: (batch id, accepted, reason when refused)."""
+        parsed = parse_batch(data, self.rules.run)
+        if not isinstance(parsed, SignedBatch):
+            # The trainer checks signatures at intake, so this is the trainer's fault, not a worker's.
+            code = parsed.reason.value
+            self.node.metrics.reject(VERIFY_PROTOCOL, code)
+            return _payload_id(data), False, code
+        batch_id = parsed.batch_id
+        stored = self.store.verdict_of(batch_id)
+        if stored is not None:  # judged before: send the same verdict to whoever asks now
+            self._queue_delivery(trainer, batch_id, stored[1])
+            return batch_id, True, ""
+        if batch_id in self.queued or batch_id == self.checking:
+            return batch_id, True, ""
+        try:
+            self._send.send_nowait(Job(trainer, parsed, now))
+        except trio.WouldBlock:
+            self.results["busy"] += 1
+            self.m_busy.inc()
+            return batch_id, False, "busy"
+        self.queued.add(batch_id)
+        self.m_queue.set(len(self.queued))
+        return batch_id, True, ""
+
+    # ------------------------------------------------------------------ checking
+
+    def current_version(self) -> int | None:
+        """The newest checkpoint version this node knows of (held or announced)."""
+        shards = self.node.services.get("shards")
+        if shards is None:
+            return None
+        known = [v for v in (shards.latest(),) if v is not None] + list(getattr(shards, "announced", {}))
+        return max(known) if known else None
+
+    async def check_loop(self) -> None:
+        async for job in self._recv:
+            self.queued.discard(job.signed.batch_id)
+            self.m_queue.set(len(self.queued))
+            self.checking = job.signed.batch_id
+            try:
+                await self.check_one(job)
+            finally:
+                self.checking = None
+
+    async def check_one(self, job: Job) -> None:
+        """Judge one batch, then sign, store, record and queue its verdict."""
+        batch = job.signed.batch
+        started = trio.current_time()
+        judgement = await self.judge(job)
+        if judgement is None:
+            self.results["dropped"] += 1
+            return
+        elapsed = trio.current_time() - started
+        self.check_seconds += elapsed
+        self.tokens_checked += judgement.tokens
+        self.m_seconds.observe(elapsed)
+        self.m_tokens.inc(judgement.tokens)
+        verdict = Verdict(
+            run=self.rules.run, batch_id=job.signed.batch_id, worker=batch.worker, validator=self.node.peer_id,
+            accepted=judgement.accepted, reasons=judgement.reasons, policy_version=batch.policy_version,
+            created_ms=int(self.wall_clock() * 1000),
+        )
+        raw = encode(seal(self.node.identity, DOMAIN_VERDICT, verdict))
+        self.store.record(job.signed.batch_id, batch.worker, batch.step, [s.prompt_index for s in batch.samples],
+                          judgement.accepted, judgement.reasons, job.trainer, raw, verdict.created_ms)
+        result = "accepted" if judgement.accepted else "rejected"
+        self.results[result] += 1
+        self.m_verdicts.labels(result=result).inc()
+        for r in judgement.reasons:
+            if r != "ok":
+                self.reasons[r] += 1
+                self.node.metrics.reject(SOURCE, r)
+        self._queue_delivery(job.trainer, job.signed.batch_id, raw)
+        log.info("validator: batch %s of %s %s (%s)", job.signed.batch_id.hex()[:12], batch.worker[-8:], result,
+                 judgement.main_reason())
+        await self.record_in_ledger(job.signed, judgement)
+
+    async def judge(self, job: Job) -> Judgement | None:
+        """The batch's judgement, or None when it cannot be judged here (no checkpoint): the trainer
+        re-assigns it after its timeout."""
+        batch = job.signed.batch
+        n = len(batch.samples)
+        if self.book.is_banned(batch.worker, self.wall_clock()):
+            return Judgement.uniform(n, reject(BatchReason.BANNED, "worker is banned"))
+        current = self.current_version()
+        if current is None or batch.policy_version > current:
+            # Maybe the announcement is still on its way (gossip takes ~1 s); a longer wait would let
+            # a cheat stall the queue with made-up future versions.
+            with trio.move_on_after(FUTURE_GRACE):
+                while (current := self.current_version()) is None or batch.policy_version > current:
+                    await trio.sleep(POLL_INTERVAL)
+            if current is None:
+                log.info("validator: no checkpoint known yet; batch %s left to another validator",
+                         job.signed.batch_id.hex()[:12])
+                return None
+        rule = check_batch_rules(batch, self.rules, current)
+        if not rule:
+            return Judgement.uniform(n, rule)
+        model = await self.model_for(batch.policy_version)
+        if model is None:
+            log.info("validator: checkpoint v%d not obtained; batch %s left to another validator",
+                     batch.policy_version, job.signed.batch_id.hex()[:12])
+            return None
+        replayed = self.store.replayed_slots(batch.worker, batch.step, [s.prompt_index for s in batch.samples],
+                                             job.signed.batch_id)
+        return await trio.to_thread.run_sync(
+            lambda: judge_batch(batch, self.rules, current_version=current, tasks=self.tasks, model=model,
+                                replayed=replayed.__contains__)
+        )
+
+    async def model_for(self, version: int) -> CheckModel | None:
+        """The checkpoint of ``version``, loaded (LRU of ``keep_models``), fetched through the shard swarm if needed."""
+        if version in self.models:
+            self.models.move_to_end(version)
+            return self.models[version]
+        shards = self.node.services.get("shards")
+        if shards is None:
+            return None
+        path = shards.path_of(version)
+        if path is None:
+            announced = getattr(shards, "announced", {})
+            if version in announced and hasattr(shards, "fetch"):
+                shards.fetch(version, *announced[version])  # a validator needs old versions too
+            with trio.move_on_after(self.cfg.checkpoint_timeout):
+                path = await shards.wait_version(version)
+            if path is None:
+                return None
+        model = await trio.to_thread.run_sync(self._load, path, version)
+        self.models[version] = model
+        while len(self.models) > self.cfg.keep_models:
+            self.models.popitem(last=False)
+        return model
+
+    def _load(self, path, version: int) -> CheckModel:
+        from ..engines.torch_engine import pick_device
+        from ..model import load_model, load_tokenizer
+
+        model = load_model(path, device=pick_device(self.cfg.device), dtype=_dtype(self.cfg.dtype))
+        return CheckModel(model, load_tokenizer(path), version)
+
+    async def record_in_ledger(self, signed: SignedBatch, judgement: Judgement) -> None:
+        """A verdict entry, and a penalty entry (with a ban past the threshold) for a cheat."""
+        batch = signed.batch
+        now = self.wall_clock()
+        decision = self.book.on_verdict(batch.worker, judgement.reasons, now)
+        if decision is not None and decision.ban_seconds:
+            self.store.save_ban(batch.worker, now + decision.ban_seconds, decision.reason)
+            log.warning("validator: banned %s for %ds (%s)", batch.worker, decision.ban_seconds, decision.reason)
+        ledger = self.node.services.get("ledger")
+        if ledger is None:
+            return
+        distinct = sorted(set(judgement.reasons), key=lambda r: (r == "ok", r))[:MAX_VERDICT_REASONS]
+        bodies = [LedgerVerdict(worker=batch.worker, step=min(batch.step, LEDGER_STEP_MAX), batch_hash=signed.batch_id,
+                                ok=judgement.accepted, reasons=tuple(distinct))]
+        if decision is not None:
+            bodies.append(Penalty(peer=decision.peer, reason=decision.reason, points=decision.points,
+                                  ban_seconds=decision.ban_seconds))
+        for body in bodies:
+            try:
+                await ledger.append(body)
+            except Exception as e:  # LedgerError (e.g. we are not a validator of the run): ours to fix, keep going
+                self.node.metrics.reject(SOURCE, "ledger-refused")
+                log.warning("validator: ledger refused a %s entry: %s", body.TYPE, e)
+
+    # ------------------------------------------------------------------ delivery
+
+    def _queue_delivery(self, trainer: str, batch_id: bytes, verdict: bytes) -> None:
+        queue = self.pending[trainer]
+        queue[batch_id] = verdict
+        while len(queue) > self.cfg.max_pending_verdicts:
+            queue.popitem(last=False)  # still undelivered in the store: re-sent after a restart
+            self.results["delivery-dropped"] += 1
+        self._pending_changed.set()
+
+    async def deliver_loop(self) -> None:
+        """Hand queued verdicts to their trainers; retry unreachable ones every ``deliver_retry`` seconds."""
+        while True:
+            self._pending_changed = trio.Event()
+            failed = False
+            for trainer in [t for t, q in self.pending.items() if q]:
+                failed |= not await self.deliver_to(trainer)
+            if failed:
+                with trio.move_on_after(self.cfg.deliver_retry):
+                    await self._pending_changed.wait()
+            elif not any(self.pending.values()):
+                await self._pending_changed.wait()
+
+    async def deliver_to(self, trainer: str) -> bool:
+        """Send up to DELIVER_PER_STREAM verdicts on one stream; True if all were acknowledged."""
+        queue = self.pending[trainer]
+        items = list(queue.items())[:DELIVER_PER_STREAM]
+        try:
+            stream = await self.node.host.open_stream(trainer, VERDICTS_PROTOCOL)
+        except Exception as e:  # libp2p dial/negotiation failure: the trainer is unreachable for now
+            log.debug("validator: cannot reach trainer %s: %s", trainer[-8:], e)
+            return False
+        try:
+            for batch_id, verdict in items:
+                await write_frame(stream, verdict)
+                with trio.fail_after(ACK_TIMEOUT):
+                    frame = await read_frame(stream, MAX_ACK_FRAME)
+                if frame is None:
+                    return False
+                ack = decode_as(RolloutAck, frame, MAX_ACK_FRAME)
+                if ack.batch_id != batch_id and ack.batch_id != ZERO_ID:
+                    raise RemoteProtocolError("wrong-ack", ack.batch_id.hex()[:12])
+                if not ack.accepted and ack.reason:
+                    self.results[f"trainer:{ack.reason}"] += 1
+                # Recorded, or refused for good ("unknown-batch", "already-decided"): either way, done.
+                queue.pop(batch_id, None)
+                self.store.mark_delivered(batch_id)
+            return True
+        except RemoteProtocolError as e:
+            self.node.metrics.reject(VERDICTS_PROTOCOL, e.reason)
+            await _reset(stream)
+            return False
+        except trio.TooSlowError:
+            await _reset(stream)
+            return False
+        finally:
+            await _close(stream)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict:
+        now = self.wall_clock()
+        depth = len(self.queued)
+        return {
+            "validator_of_run": self.is_validator,
+            "queue": depth,
+            "queue_max": self.cfg.queue_size,
+            "behind": depth >= BEHIND_FRACTION * self.cfg.queue_size,
+            "checking": self.checking.hex()[:12] if self.checking else None,
+            "verdicts": dict(self.results),
+            "reasons": dict(self.reasons),
+            "bans": self.book.bans(now),
+            "models_loaded": list(self.models),
+            "undelivered": sum(len(q) for q in self.pending.values()),
+            "tokens_per_s": round(self.tokens_checked / self.check_seconds, 1) if self.check_seconds else None,
+        }
+
+
+def _payload_id(data: bytes) -> bytes:
+    """The batch id of an envelope that failed its checks, if it decodes at all (else zeros)."""
+    try:
+        return digest(decode_as(Envelope, data, MAX_FRAME).payload)
+    except RemoteProtocolError:
+        return ZERO_ID
+
+
+async def _reset(stream) -> None:
+    try:
+        await stream.reset()
+    except Exception:  # already gone
+        pass
+
+
+async def _close(stream) -> None:
+    try:
+        await stream.close()
+    except Exception:  # already reset or closed by the peer
+        pass
+
+
+async def serve_validator(node, *, task_status=trio.TASK_STATUS_IGNORED, tasks: TaskSet | None = None) -> None:
+    """Run the validator until cancelled (``tasks`` overrides the run's task set, for tests)."""
+    cfg: ValidatorConfig = node.config.run.section("validator", ValidatorConfig)
+    rules = rules_from_run(node.config.run, cfg)
+    if tasks is None:
+        from .tasks import RunTasks
+
+        tasks = RunTasks(node.config.run.section("rl", RLConfig))
+    store = ValidatorStore(node.data_dir / DB_FILE)
+    svc = ValidatorService(node, cfg, rules, tasks, store)
+    if not svc.is_validator:
+        log.warning("validator: %s is not in the run's validators; trainers and the ledger will refuse its verdicts",
+                    node.peer_id)
+    node.services["validator"] = svc
+    node.status["validator"] = svc.status
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.check_loop)
+            nursery.start_soon(svc.deliver_loop)
+            node.host.set_handler(VERIFY_PROTOCOL, svc.handle_verify)
+            task_status.started(svc)
+    finally:
+        store.close()

@@ -1,0 +1,155 @@
+"""The validator service in-process: intake, verdict delivery, ledger entries, bans, back-pressure.
+
+A "trainer" here is a plain node whose peer id is in run.trainers: it publishes the checkpoint
+through the shard swarm, forwards batches over /swarm/verify/1.0.0 and collects verdicts on
+/swarm/verdicts/1.0.0, acknowledging each (the trainer role's side of the contract).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import trio
+
+from node.config import RunConfig
+from node.engines.torch_engine import TorchEngine
+from node.identity import Identity, load_or_create_identity
+from node.metrics import Metrics
+from node.model import create_tiny_model
+from node.rl.config import RLConfig
+from node.rollouts.schema import VERDICTS_PROTOCOL, VERIFY_PROTOCOL, RolloutAck, open_verdict
+from node.validator import testing as T
+from node.validator.config import ValidatorConfig
+from node.validator.pipeline import BatchReason, BatchRules
+from node.validator.service import ValidatorService, rules_from_run
+from node.validator.store import ValidatorStore
+from node.validator.tasks import RunTasks
+from node.wire import decode_as, read_frame, write_frame
+from swarmtest import node_config, open_nodes
+
+RL = {"group_size": 4, "prompts_per_batch": 2, "max_new_tokens": 8}
+FAST_SHARDS = {"announce_interval": 0.5, "request_timeout": 2.0, "progress": False}
+
+
+async def send_batch(trainer_node, validator_id: str, envelope: bytes) -> RolloutAck:
+    stream = await trainer_node.host.open_stream(validator_id, VERIFY_PROTOCOL)
+    try:
+        await write_frame(stream, envelope)
+        return decode_as(RolloutAck, await read_frame(stream))
+    finally:
+        await stream.close()
+
+
+async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(tmp_path: Path) -> None:
+    tid, _ = load_or_create_identity(tmp_path / "t")
+    vid, _ = load_or_create_identity(tmp_path / "v")
+    run = RunConfig(name="test", trainers=[tid.peer_id], validators=[vid.peer_id],
+                    tables={"rl": RL, "shards": FAST_SHARDS, "validator": {"ban_threshold": 2}})
+    folder = create_tiny_model(tmp_path / "model")
+    engine = TorchEngine("cpu")
+    engine.load(folder)
+    cfg = ValidatorConfig()
+    rules = rules_from_run(run, cfg)
+    tasks = RunTasks(RLConfig(**RL))
+    honest_w, cheat_w = Identity.generate(), Identity.generate()
+    honest = [T.make_batch(engine, honest_w, rules, tasks, step=s, policy_version=0) for s in range(2)]
+    cheats = []
+    for s in range(3):
+        b = T.make_batch(engine, cheat_w, rules, tasks, step=s, policy_version=0)
+        inflated = [replace(x, reward=1.0, task_reward=1.0) for x in b.batch.samples]
+        cheats.append(T.sign_batch(cheat_w, replace(b.batch, samples=T.regroup_advantages(inflated))))
+
+    received: dict[bytes, object] = {}
+    raw_by_id: dict[bytes, list[bytes]] = {}
+    got_all = trio.Event()
+    expected = {b.batch_id for b in honest + cheats}
+
+    async def handle_verdicts(stream):
+        while (data := await read_frame(stream)) is not None:
+            v = open_verdict(data, run.name, set(run.validators))
+            received[v.batch_id] = v
+            raw_by_id.setdefault(v.batch_id, []).append(data)
+            await write_frame(stream, RolloutAck(batch_id=v.batch_id, accepted=True))
+            if expected <= set(received):
+                got_all.set()
+
+    with trio.fail_after(180):
+        async with open_nodes([
+            node_config(tmp_path, "t", role="relay", run=run),
+            node_config(tmp_path, "v", role="validator", run=run),
+        ]) as (trainer, validator):
+            trainer.host.set_handler(VERDICTS_PROTOCOL, handle_verdicts)
+            await trainer.services["shards"].publish(folder, 0)
+            for b in honest + cheats:
+                ack = await send_batch(trainer, validator.peer_id, b.envelope)
+                assert ack.accepted and ack.batch_id == b.batch_id
+            await got_all.wait()
+
+            for b in honest:
+                assert received[b.batch_id].accepted, received[b.batch_id].reasons
+            first, second, third = (received[b.batch_id] for b in cheats)
+            assert set(first.reasons) == set(second.reasons) == {"reward_mismatch"}
+            assert set(third.reasons) == {BatchReason.BANNED.value}  # banned after two offences
+            assert all(v.validator == validator.peer_id for v in received.values())
+
+            totals = validator.services["ledger"].totals()
+            assert totals[validator.peer_id]["verdicts"] == 5
+            assert totals[cheat_w.peer_id]["verdicts_failed"] == 3
+            assert totals[cheat_w.peer_id]["penalties"] == 2 and totals[cheat_w.peer_id]["bans"] == 1
+            assert totals.get(honest_w.peer_id, {}).get("penalties", 0) == 0
+            status = validator.status["validator"]()
+            assert cheat_w.peer_id in status["bans"] and status["bans"][cheat_w.peer_id]["reason"] == "reward_mismatch"
+            assert status["verdicts"]["accepted"] == 2 and status["verdicts"]["rejected"] == 3
+
+            # The same batch sent again (the trainer lost our ack) gets the same signed verdict again.
+            again = await send_batch(trainer, validator.peer_id, honest[0].envelope)
+            assert again.accepted
+            with trio.fail_after(30):
+                while len(raw_by_id[honest[0].batch_id]) < 2:
+                    await trio.sleep(0.05)
+            assert raw_by_id[honest[0].batch_id][0] == raw_by_id[honest[0].batch_id][1]
+
+
+def _stub_node(tmp_path: Path, trainer: str, queue_size: int):
+    ident = Identity.generate()
+    run = RunConfig(name="test", trainers=[trainer], validators=[ident.peer_id],
+                    tables={"rl": RL, "validator": {"queue_size": queue_size}})
+    return SimpleNamespace(config=SimpleNamespace(run=run, role="validator"), identity=ident, peer_id=ident.peer_id,
+                           metrics=Metrics(), services={}, status={}, data_dir=tmp_path)
+
+
+class _NoTasks:
+    def draw(self, worker, step, index):
+        raise AssertionError("intake must not draw tasks")
+
+    def score(self, task, text, n):
+        raise AssertionError("intake must not score")
+
+
+def test_full_queue_answers_busy_and_status_says_behind(tmp_path: Path) -> None:
+    trainer = Identity.generate().peer_id
+    node = _stub_node(tmp_path, trainer, queue_size=2)
+    cfg = node.config.run.section("validator", ValidatorConfig)
+    rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
+                       group_size=1, prompts_per_batch=1, async_level=2)
+    svc = ValidatorService(node, cfg, rules, _NoTasks(), ValidatorStore(tmp_path / "v.sqlite"))
+    worker = Identity.generate()
+    batches = [T.sign_batch(worker, _tiny_batch(worker.peer_id, step)) for step in range(3)]
+    answers = [svc.submit(trainer, b.envelope, 0.0) for b in batches]
+    assert [a[1:] for a in answers] == [(True, ""), (True, ""), (False, "busy")]
+    assert svc.submit(trainer, batches[0].envelope, 0.0)[1:] == (True, "")  # already queued: not twice
+    assert svc.status()["behind"] and svc.status()["queue"] == 2
+    assert svc.submit(trainer, b"\x00garbage", 0.0)[1:] == (False, BatchReason.MALFORMED.value)
+    forged = T.sign_batch(Identity.generate(), _tiny_batch(worker.peer_id, 9))
+    assert svc.submit(trainer, forged.envelope, 0.0)[1:] == (False, BatchReason.FORGED.value)
+
+
+def _tiny_batch(worker: str, step: int):
+    from node.rollouts.schema import RolloutBatch, RolloutSample
+
+    s = RolloutSample(prompt_index=0, sample_index=0, task_id="t", prompt_ids=[5], completion_ids=[1], logprobs=[-0.1],
+                      finish_reason="stop", reward=0.0, task_reward=0.0, advantage=0.0, proof=b"")
+    return RolloutBatch(run="test", worker=worker, step=step, policy_version=0, taskset="synthetic", seed=0,
+                        temperature=1.0, top_p=1.0, max_new_tokens=8, group_size=1, created_ms=0, samples=[s])
