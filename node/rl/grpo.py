@@ -153,7 +153,8 @@ def token_logprobs(model, batch: PackedBatch, temperature: float) -> tuple[torch
         attention_mask=batch.attention_mask(dtype).to(dev),
         use_cache=False,
     )
-    logits = out.logits.float() / temperature  # (R, S, V)
+    # at least float32 for the softmax (bf16 logits lose the small log-probs); float64 stays float64
+    logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)) / temperature  # (R, S, V)
     logp_all = torch.log_softmax(logits, dim=-1)
     tgt = batch.targets.to(dev)
     logp = logp_all.gather(-1, tgt.clamp(min=0)[..., None]).squeeze(-1)  # (R, S)
