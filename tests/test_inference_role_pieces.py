@@ -71,11 +71,12 @@ def test_step_file_round_trip_and_garbage(tmp_path):
     assert read_step(p) == 0
 
 
-def test_advertise_only_on_noticeable_change():
-    assert advertise_due((0.0, 0.0), (100.0, 0.0))
-    assert not advertise_due((100.0, 0.0), (110.0, 0.0))
-    assert advertise_due((100.0, 0.0), (130.0, 0.0))
-    assert advertise_due((100.0, 0.0), (100.0, 1.0))
+def test_advertise_only_on_noticeable_change_and_rate_limited():
+    assert advertise_due((0.0, 0.0), (100.0, 0.0), 0.0)  # first figure at once
+    assert not advertise_due((100.0, 0.0), (110.0, 0.0), 60.0)  # jitter
+    assert advertise_due((100.0, 0.0), (130.0, 0.0), 60.0)
+    assert advertise_due((100.0, 0.0), (100.0, 1.0), 60.0)
+    assert not advertise_due((100.0, 0.0), (300.0, 5.0), 1.0)  # too soon after the last one
 
 
 @pytest.fixture(scope="module")

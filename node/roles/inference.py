@@ -42,21 +42,23 @@ STEP_FILE = "inference-step"  # next draw step, persisted before a step starts
 TRAINER_RECHECK_S = 1.0  # how often the submit loop looks for trainers when none is usable
 RATE_SMOOTHING = 0.3  # weight of the newest step in the tokens/s moving average
 ADVERTISE_CHANGE = 0.25  # republish capacity when it moved by more than this fraction
+ADVERTISE_MIN_INTERVAL_S = 10.0  # at most one record change per this many seconds (gossip cost)
 STEP_ERROR_PAUSE_S = 2.0  # pause after a failed step (a bug or a bad checkpoint) before trying again
 
 
-def advertise_due(old: tuple[float, float], new: tuple[float, float]) -> bool:
+def advertise_due(old: tuple[float, float], new: tuple[float, float], since_last: float) -> bool:
     """Whether a (capacity, load) change is worth a new signed membership record.
 
-    Records cost gossip for the whole swarm, so small capacity jitter is not republished; load is a
-    small integer (queued batches) and every change of it is.
+    Records are gossiped to the whole swarm, so: the first capacity figure goes out at once; later
+    ones only when capacity moved by more than ``ADVERTISE_CHANGE`` or the load changed, and never
+    more often than every ``ADVERTISE_MIN_INTERVAL_S`` (a busy node's queue depth changes every step).
     """
     (old_cap, old_load), (cap, load) = old, new
-    if load != old_load:
-        return True
     if old_cap <= 0:
         return cap > 0
-    return abs(cap - old_cap) / old_cap > ADVERTISE_CHANGE
+    if since_last < ADVERTISE_MIN_INTERVAL_S:
+        return False
+    return load != old_load or abs(cap - old_cap) / old_cap > ADVERTISE_CHANGE
 
 
 def read_step(path: Path) -> int:
@@ -120,6 +122,7 @@ class InferenceService:
         self.loaded = trio.Event()
         self._changed = trio.Event()  # outbox changed: a batch queued, or room freed
         self._advertised = (0.0, 0.0)
+        self._advertised_at = 0.0
         mt = node.metrics
         self.m_steps = mt.counter("inference_steps_total", "Rollout steps generated")
         self.m_tokens = mt.counter("inference_tokens_total", "Completion tokens generated")
@@ -301,8 +304,9 @@ class InferenceService:
 
     def _advertise(self) -> None:
         new = (round(self.stats.tokens_per_s, 1), float(len(self.outbox)))
-        if advertise_due(self._advertised, new):
-            self._advertised = new
+        now = trio.current_time()
+        if advertise_due(self._advertised, new, now - self._advertised_at):
+            self._advertised, self._advertised_at = new, now
             self.node.services["membership"].update(capacity=new[0], load=new[1])
 
     def status(self) -> dict:

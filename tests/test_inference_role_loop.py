@@ -1,0 +1,32 @@
+"""The real loop in one process: the trainer role publishes v0, the inference role sends batches,
+the trainer trains on them and publishes v1, the inference node swaps to v1 and keeps sending."""
+
+from __future__ import annotations
+
+import trio
+
+from node.config import RunConfig
+from node.identity import load_or_create_identity
+from swarmtest import node_config, open_nodes
+
+
+async def test_trainer_and_inference_close_the_loop(tmp_path, fast_membership):
+    trainer_id, _ = load_or_create_identity(tmp_path / "trainer")
+    run = RunConfig(name="test", trainers=[trainer_id.peer_id], tables={
+        "membership": fast_membership,
+        "shards": {"announce_interval": 1.0},
+        "rl": {"group_size": 4, "prompts_per_batch": 2, "max_new_tokens": 8},
+        "grpo": {"min_batch_samples": 4, "optimizer_steps": 1},
+        "trainer": {"init_warmup_steps": 0, "device": "cpu"},
+        "inference": {"engine": "torch", "device": "cpu"},
+        "worker": {"checkpoint_poll_s": 0.1, "backoff_s": 0.2, "backoff_max_s": 1.0},
+    })
+    configs = [node_config(tmp_path, "trainer", "trainer", run=run), node_config(tmp_path, "worker", "inference", run=run)]
+    async with open_nodes(configs) as (trainer, worker):
+        svc = worker.services["inference"]
+        with trio.fail_after(240):
+            while (svc.version or 0) < 1 or svc.status()["batches"]["accepted"] < 2:
+                await trio.sleep(0.2)
+        status = svc.status()
+        assert status["weight_swaps"] >= 1 and status["batches"]["refused"] == {}
+        assert trainer.status["trainer"]()["intake"]["accepted"] >= 2
