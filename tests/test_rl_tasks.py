@@ -1,0 +1,106 @@
+"""Task sets, the deterministic draw, rewards helpers and the synthetic task."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from node.rl.rewards import budget_instruction, combined_reward, length_penalty
+from node.rl.synthetic import make_reversal_tasks, reversal_reward, write_taskset
+from node.rl.tasks import KINDS, TaskFormatError, draw_index, draw_task, load_taskset, parse_taskset
+
+
+def line(**kw):
+    return json.dumps(kw).encode() + b"\n"
+
+
+def test_packaged_sets_load_and_have_their_kind():
+    for kind in KINDS:
+        ts = load_taskset(kind)
+        assert len(ts) > 0
+        assert {t.kind for t in ts.tasks} == {kind}
+        assert len(ts.digest) == 32
+
+
+def test_packaged_synthetic_set_is_what_its_generator_writes(tmp_path):
+    path = write_taskset(tmp_path / "s.jsonl", 2000, 1)
+    assert load_taskset(str(path)).digest == load_taskset("synthetic").digest
+
+
+@pytest.mark.parametrize("data, needle", [
+    (b"{not json}\n", "not JSON"),
+    (b"[1, 2]\n", "JSON object"),
+    (line(id="a", kind="poetry", prompt="p", answer="x"), "kind"),
+    (line(id="", kind="math", prompt="p", answer="x"), "id"),
+    (line(id="a", kind="math", prompt="", answer="x"), "prompt"),
+    (line(id="a", kind="math", prompt="p"), "answer"),
+    (line(id="a", kind="code", prompt="p"), "tests"),
+    (line(id="a", kind="math", prompt="p", answer="1", metadata=[1]), "metadata"),
+    (line(id="a", kind="math", prompt="p", answer="1") + line(id="a", kind="math", prompt="q", answer="2"), "duplicate"),
+    (b"\n\n", "no tasks"),
+])
+def test_malformed_task_files_are_rejected_with_the_line(data, needle):
+    with pytest.raises(TaskFormatError) as e:
+        parse_taskset(data, "f.jsonl")
+    assert needle in str(e.value)
+
+
+def test_missing_file_and_bad_utf8_are_clear_errors(tmp_path):
+    with pytest.raises(TaskFormatError):
+        load_taskset(str(tmp_path / "nope.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(TaskFormatError):
+        load_taskset(str(bad))
+
+
+def test_draw_is_deterministic_and_depends_on_every_input():
+    ts = load_taskset("synthetic")
+    a = [draw_task(ts, "peerA", 5, i).id for i in range(16)]
+    assert a == [draw_task(ts, "peerA", 5, i).id for i in range(16)]
+    assert a != [draw_task(ts, "peerB", 5, i).id for i in range(16)]
+    assert a != [draw_task(ts, "peerA", 6, i).id for i in range(16)]
+    other = parse_taskset(b"".join(line(id=t.id, kind=t.kind, prompt=t.prompt, answer=t.answer)
+                                   for t in reversed(ts.tasks)), "reordered")
+    assert a != [draw_task(other, "peerA", 5, i).id for i in range(16)]  # the set's digest is an input
+
+
+def test_draw_spreads_over_the_whole_set():
+    counts = Counter(draw_index(b"x" * 32, 10, "peer", step, i) for step in range(50) for i in range(40))
+    assert set(counts) == set(range(10))
+    assert max(counts.values()) < 2 * min(counts.values())
+
+
+def test_draw_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        draw_index(b"x" * 32, 0, "p", 0, 0)
+    with pytest.raises(ValueError):
+        draw_index(b"x" * 32, 5, "p", -1, 0)
+
+
+def test_reversal_reward_is_graded_and_exact_only_for_the_answer():
+    assert reversal_reward("4321", "4321") == 1.0
+    assert reversal_reward(" 4321\n", "4321") == 1.0
+    assert reversal_reward("4301", "4321") == 0.75
+    assert reversal_reward("43", "4321") == 0.5
+    assert reversal_reward("432100", "4321") == pytest.approx(4 / 6)
+    assert reversal_reward("", "4321") == 0.0
+    assert reversal_reward("abc", "") == 0.0
+
+
+def test_reversal_tasks_are_well_formed():
+    for t in make_reversal_tasks(50, seed=3):
+        digits = t["prompt"][len("rev "):-1]
+        assert t["answer"] == digits[::-1] and digits.isdigit() and 3 <= len(digits) <= 6
+
+
+def test_length_reward():
+    assert length_penalty(100, 100) == 0.0
+    assert length_penalty(150, 100) == 0.5 and length_penalty(50, 100) == 0.5
+    assert combined_reward(1.0, 150, 100, 0.2) == pytest.approx(0.9)
+    assert combined_reward(1.0, 150, None, 0.2) == 1.0  # off
+    assert "100" in budget_instruction(100)
+    with pytest.raises(ValueError):
+        length_penalty(3, 0)
