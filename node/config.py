@@ -38,6 +38,9 @@ SECTIONS: dict[str, str] = {
     "trainer": "node.trainer.config:TrainerConfig",
     "validator": "node.validator.config:ValidatorConfig",
     "worker": "node.rollouts.config:WorkerConfig",
+    "rl": "node.rl.config:RLConfig",
+    "grpo": "node.rl.config:GRPOConfig",
+    "inference": "node.rl.config:InferenceConfig",
 }
 
 T = TypeVar("T")
