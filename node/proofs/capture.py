@@ -163,13 +163,17 @@ def recompute_decode_states(
 
 
 def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Final states -> logits through the LM head (exact for Llama/Qwen2-style heads without soft-capping).
+    """Final states (..., H) -> float32 logits (..., V) through the LM head's weights.
 
-    Decode states (T, H) give the (T, V) logits each completion token was sampled from, so a validator
-    recomputes log-probabilities from the same prefill that checks the proofs.
+    Exact for Llama/Qwen2-style linear heads (no soft-capping or scaling). Computed in float32
+    whatever the model's dtype: a bf16 head rounds logits of magnitude ~10 by ~0.04, which would eat
+    the log-prob tolerance; the sampler's own logits should be taken the same way. Decode states
+    (T, H) give the logits each completion token was sampled from, so a validator recomputes
+    log-probabilities from the same prefill that checks the proofs.
     """
     head = model.get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings")
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{type(model).__name__}: output embeddings are not a linear layer")
     with torch.no_grad():
-        return head(hidden)
+        bias = None if head.bias is None else head.bias.float()
+        return nn.functional.linear(hidden.float(), head.weight.float(), bias)

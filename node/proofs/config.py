@@ -28,7 +28,10 @@ class ProofsConfig:
     max_exp_mismatches: int = 38  # per chunk of `topk` points; scaled down for a shorter last chunk
     max_mantissa_mean: float = 10.0  # mean |mantissa difference| over exponent-matching points
     max_mantissa_median: float = 8.0  # median of the same
-    logprob_tolerance_mean: float = 0.05  # mean |claimed - recomputed| token log-prob allowed
+    # Log-prob tolerances: bf16 KV-cache decoding vs one prefill moves log-probs a little (measured on
+    # the tiny test model: mean |diff| <= 0.06, max <= 0.26 per rollout); a replaced token moves its own
+    # by nats unless the replacement is about as likely as the sampled token.
+    logprob_tolerance_mean: float = 0.1  # mean |claimed - recomputed| token log-prob allowed
     logprob_tolerance_max: float = 1.0  # largest single-token |claimed - recomputed| allowed
     reward_tolerance: float = 1e-6  # |claimed - recomputed| reward allowed
     advantage_tolerance: float = 1e-4  # |claimed - (r - mean)/(std + 1e-6)| allowed
