@@ -54,7 +54,8 @@ def reversal_batch(
 ) -> RolloutBatch:
     """A batch of ``prompts`` reversal tasks x ``group_size`` completions, signed-ready.
 
-    ``completions[p][g]`` overrides the random completion text of sample g of prompt p.
+    Each group holds the right answer once and random digit strings otherwise (so every group has
+    signal); ``completions[p][g]`` overrides the text of sample g of prompt p.
     Without ``model`` the log-probs are uniform over the vocabulary.
     """
     import math
@@ -65,8 +66,11 @@ def reversal_batch(
     tasks = make_reversal_tasks(prompts, seed=seed + 7)
     samples = []
     for p, task in enumerate(tasks):
-        texts = [completions[p][g] if completions else "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 6)))
-                 for g in range(group_size)]
+        if completions:
+            texts = list(completions[p])
+        else:  # one right answer per group (a policy that sometimes succeeds), the rest random digits
+            texts = [task["answer"]] + ["".join(rng.choice("0123456789") for _ in range(rng.randint(1, 6)))
+                                        for _ in range(group_size - 1)]
         rewards = [reversal_reward(t, task["answer"]) for t in texts]
         advs = group_advantages(rewards)
         prompt_ids = tokenizer(task["prompt"], add_special_tokens=False)["input_ids"]

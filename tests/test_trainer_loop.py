@@ -1,0 +1,146 @@
+"""The trainer in a real node: batches over the network -> a GRPO step -> version 1 published.
+
+In-process nodes over loopback (tests/swarmtest.py): a trainer and a client acting as an inference
+node that sends honest signed batches (node/trainer/testing.py). Also the validator gate end to end
+with a fake validator, and a restart that resumes at the saved step with the same peer id.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from node.config import RunConfig
+from node.hashes import digest
+from node.identity import load_or_create_identity
+from node.rollouts.schema import (
+    DOMAIN_VERDICT,
+    ROLLOUTS_PROTOCOL,
+    VERDICTS_PROTOCOL,
+    VERIFY_PROTOCOL,
+    RolloutAck,
+    Verdict,
+    open_batch,
+)
+from node.trainer.spool import BatchState
+from node.trainer.testing import reversal_batch, sign_batch
+from node.wire import decode_as, encode, read_frame, seal, write_frame
+from swarmtest import node_config, open_nodes
+
+GRPO = {"min_batch_samples": 16, "optimizer_steps": 2, "pack_length": 64, "kl_coef": 0.0, "lr": 1e-3}
+DEADLINE = 120  # seconds of real time; the loop itself takes a few
+
+
+def make_run(tmp_path, validators=()):
+    trainer_id, _ = load_or_create_identity(tmp_path / "trainer")
+    run = RunConfig(name="test", trainers=[trainer_id.peer_id], validators=list(validators))
+    run.tables.update(grpo=dict(GRPO), trainer={"verify_timeout_s": 5.0})
+    return run
+
+
+async def submit(node, trainer_peer: str, data: bytes) -> RolloutAck:
+    stream = await node.host.open_stream(trainer_peer, ROLLOUTS_PROTOCOL)
+    await write_frame(stream, data)
+    frame = await read_frame(stream, 4096)
+    await stream.close()
+    return decode_as(RolloutAck, frame, 4096)
+
+
+async def wait_for(predicate, timeout=DEADLINE, what=""):
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+def honest(client, trainer, step, seed):
+    policy = trainer.policy
+    return sign_batch(client.identity, reversal_batch(
+        client.identity, "test", step=step, policy_version=policy.step, tokenizer=policy.tokenizer,
+        model=policy.model, prompts=2, group_size=4, seed=seed))
+
+
+async def test_batches_make_a_step_and_version_1_is_published(tmp_path):
+    run = make_run(tmp_path)
+    cfgs = [node_config(tmp_path, "trainer", "trainer", run=run), node_config(tmp_path, "client", "relay", run=run)]
+    async with open_nodes(cfgs) as (tnode, client):
+        trainer = tnode.services["trainer"]
+        shards = tnode.services["shards"]
+        assert trainer.step == 0 and trainer.published == 0 and shards.latest() == 0
+        first = honest(client, trainer, step=0, seed=1)
+        ack = await submit(client, tnode.peer_id, first)
+        assert ack.accepted, ack.reason
+        await trio.sleep(0.5)
+        assert trainer.step == 0  # 16 samples with signal are needed: the first batch has 8
+        ack = await submit(client, tnode.peer_id, honest(client, trainer, step=1, seed=2))
+        assert ack.accepted, ack.reason
+        await wait_for(lambda: trainer.published == 1)
+        assert shards.latest() == 1 and trainer.step == 1
+        status = trainer.status()
+        assert status["batches"]["trained"] == 2 and status["last_step"]["samples"] == 16
+        assert status["reward"][0][0] == 1
+        assert status["gate"].startswith("off")
+        # ledger: accepted entries for the worker, and the checkpoint entries of v0 and v1
+        ledger = tnode.services["ledger"]
+        await wait_for(lambda: ledger.totals().get(client.peer_id, {}).get("rollouts_accepted", 0) == 16)
+        assert ledger.totals()[tnode.peer_id]["checkpoints"] == 2
+        # the new version differs from v0 and is a loadable HF folder
+        folder = shards.path_of(1)
+        assert (folder / "config.json").is_file() and digest((folder / "model.safetensors").read_bytes()) != \
+            digest((shards.path_of(0) / "model.safetensors").read_bytes())
+        replay = await submit(client, tnode.peer_id, first)
+        assert replay.reason == "duplicate"
+        again = await submit(client, tnode.peer_id, honest(client, trainer, step=1, seed=3))
+        assert again.reason == "duplicate-step"
+    # restart: same peer id, resumes at step 1, nothing retrained, v1 still served
+    cfgs = [node_config(tmp_path, "trainer", "trainer", run=make_run(tmp_path))]
+    async with open_nodes(cfgs) as (tnode,):
+        trainer = tnode.services["trainer"]
+        assert tnode.peer_id == run.trainers[0]
+        assert trainer.step == 1 and trainer.published == 1
+        assert trainer.spool.counts() == {"trained": 2, "rejected": 1}  # the duplicate-step one
+        assert trainer.status()["reward"][0][0] == 1
+
+
+async def test_validator_gate_end_to_end(tmp_path):
+    """Batches wait for a verdict; a pass trains, a failure is rejected with the validator's reason."""
+    val_id, _ = load_or_create_identity(tmp_path / "validator")
+    run = make_run(tmp_path, validators=[val_id.peer_id])
+    cfgs = [node_config(tmp_path, "trainer", "trainer", run=run),
+            node_config(tmp_path, "validator", "relay", run=run),
+            node_config(tmp_path, "client", "relay", run=run)]
+    async with open_nodes(cfgs) as (tnode, vnode, client):
+        trainer = tnode.services["trainer"]
+        received: list[bytes] = []
+        verdict_acks: list[RolloutAck] = []
+
+        async def handle_verify(stream):  # a fake validator: queue, ack, and judge later
+            data = await read_frame(stream, 8 * 1024 * 1024)
+            signed = open_batch(data, "test")
+            received.append(signed.batch_id)
+            await write_frame(stream, RolloutAck(batch_id=signed.batch_id, accepted=True))
+            await stream.close()
+            ok = len(received) == 1  # first batch passes, second fails
+            verdict = Verdict(run="test", batch_id=signed.batch_id, worker=signed.batch.worker,
+                              validator=vnode.peer_id, accepted=ok,
+                              reasons=["ok" if ok else "toploc-exponent"] * len(signed.batch.samples),
+                              policy_version=signed.batch.policy_version, created_ms=0)
+            out = await vnode.host.open_stream(tnode.peer_id, VERDICTS_PROTOCOL)
+            await write_frame(out, encode(seal(vnode.identity, DOMAIN_VERDICT, verdict)))
+            verdict_acks.append(decode_as(RolloutAck, await read_frame(out, 4096)))
+            await out.close()
+
+        vnode.host.set_handler(VERIFY_PROTOCOL, handle_verify)
+        await wait_for(lambda: vnode.peer_id in trainer.live_validators(), what="validator alive")
+        ack1 = await submit(client, tnode.peer_id, honest(client, trainer, step=0, seed=1))
+        assert ack1.accepted
+        assert trainer.spool.get(ack1.batch_id).state in (BatchState.GATED, BatchState.READY)
+        await wait_for(lambda: len(verdict_acks) == 1)
+        assert verdict_acks[0].accepted and trainer.spool.get(ack1.batch_id).state is not BatchState.GATED
+        ack2 = await submit(client, tnode.peer_id, honest(client, trainer, step=1, seed=2))
+        await wait_for(lambda: len(verdict_acks) == 2)
+        row = trainer.spool.get(ack2.batch_id)
+        assert row.state is BatchState.REJECTED and row.reason == "verdict:toploc-exponent"
+        assert trainer.status()["gate"]["verdicts"] == {"passed": 1, "failed": 1}
+        # a verdict signed by a peer that is not a validator of the run is refused
+        forged = Verdict(run="test", batch_id=ack2.batch_id, worker=client.peer_id, validator=client.peer_id,
+                         accepted=True, reasons=[], policy_version=0, created_ms=0)
+        assert trainer.on_verdict_bytes(encode(seal(client.identity, DOMAIN_VERDICT, forged)))[2] == "not-validator"
