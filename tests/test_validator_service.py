@@ -7,6 +7,7 @@ through the shard swarm, forwards batches over /swarm/verify/1.0.0 and collects 
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from node.model import create_tiny_model
 from node.rl.config import RLConfig
 from node.rollouts.schema import VERDICTS_PROTOCOL, VERIFY_PROTOCOL, RolloutAck, open_verdict
 from node.validator import testing as T
+from node.validator.cli import cmd_penalties
 from node.validator.config import ValidatorConfig
 from node.validator.pipeline import BatchReason, BatchRules
 from node.validator.service import ValidatorService, rules_from_run
@@ -42,7 +44,7 @@ async def send_batch(trainer_node, validator_id: str, envelope: bytes) -> Rollou
         await stream.close()
 
 
-async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(tmp_path: Path) -> None:
+async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(tmp_path: Path, capsys) -> None:
     tid, _ = load_or_create_identity(tmp_path / "t")
     vid, _ = load_or_create_identity(tmp_path / "v")
     run = RunConfig(name="test", trainers=[tid.peer_id], validators=[vid.peer_id],
@@ -110,6 +112,14 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
                 while len(raw_by_id[honest[0].batch_id]) < 2:
                     await trio.sleep(0.05)
             assert raw_by_id[honest[0].batch_id][0] == raw_by_id[honest[0].batch_id][1]
+
+    # `swarm-node penalties` reads the same facts (with reasons) back from the validator's ledger.
+    args = SimpleNamespace(run=None, data_dir=str(tmp_path / "v"), json=True)
+    assert cmd_penalties(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [p["reason"] for p in report["penalties"]] == ["reward_mismatch"] * 2
+    assert report["bans"][cheat_w.peer_id]["reason"] == "reward_mismatch"
+    assert report["failed_verdicts"][cheat_w.peer_id] == {"reward_mismatch": 2, "banned": 1}  # verdicts naming each reason
 
 
 def _stub_node(tmp_path: Path, trainer: str, queue_size: int):

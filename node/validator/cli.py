@@ -1,0 +1,77 @@
+"""``swarm-node penalties``: who was penalised or banned, by whom and why, from the local ledger.
+
+Reads the ledger database of a data dir read-only (safe while the node runs), like ``swarm-node
+ledger``, and lists every ``penalty`` entry, the active bans, and failed verdicts per worker and
+reason. Penalties and verdicts are replicated to every peer, so any node can answer this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("penalties", help="penalties, bans and failed verdicts (with reasons) from the local ledger")
+    p.add_argument("--data-dir", help="node data dir (default: the run's data dir)")
+    p.add_argument("--run", metavar="FILE", type=Path, help="run file (TOML)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=cmd_penalties)
+
+
+def collect(store, now_s: float) -> dict:
+    """Penalty entries, active bans and failed-verdict reasons from a ledger store."""
+    from ..ledger.entries import Penalty, Verdict, parse_entry
+    from .policy import bans_from_penalties
+
+    penalties, failed = [], collections.defaultdict(collections.Counter)
+    for _author, _seq, _hash, raw in store.iter_raw():
+        se = parse_entry(bytes(raw), verify_signature=False)  # our own database: checked before it was stored
+        if isinstance(se.body, Penalty):
+            penalties.append((se.author, se.time_ms, se.body))
+        elif isinstance(se.body, Verdict) and not se.body.ok:
+            for r in se.body.reasons:
+                if r != "ok":
+                    failed[se.body.worker][r] += 1
+    bans = bans_from_penalties(penalties, now_s)
+    return {
+        "penalties": [
+            {"peer": b.peer, "by": a, "time_ms": t, "reason": b.reason, "points": b.points, "ban_seconds": b.ban_seconds}
+            for a, t, b in penalties
+        ],
+        "bans": {p: {"seconds_left": round(b.until_s - now_s), "reason": b.reason, "by": b.by} for p, b in bans.items()},
+        "failed_verdicts": {w: dict(c) for w, c in failed.items()},
+    }
+
+
+def cmd_penalties(args) -> int:
+    from ..config import ConfigError, load_config
+    from ..ledger.store import LedgerStoreError, open_ledger_store
+
+    try:
+        config = load_config(args.run, dict(os.environ), {"data_dir": args.data_dir})
+        store = open_ledger_store(config.resolved_data_dir(), read_only=True)
+    except (ConfigError, LedgerStoreError) as e:
+        print(f"swarm-node penalties: error: {e}", file=sys.stderr)
+        return 2
+    with store:
+        report = collect(store, time.time())
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    print(f"{len(report['penalties'])} penalties")
+    for p in report["penalties"]:
+        ban = f", banned {p['ban_seconds']}s" if p["ban_seconds"] else ""
+        print(f"  {p['peer'][-12:]}  {p['reason']}  {p['points']} pt{ban}  (by {p['by'][-8:]})")
+    print(f"{len(report['bans'])} active bans")
+    for peer, b in report["bans"].items():
+        print(f"  {peer}  {b['reason']}  {b['seconds_left']}s left")
+    print("failed verdicts per worker, by reason named")
+    for worker, reasons in report["failed_verdicts"].items():
+        print(f"  {worker[-12:]}  " + ", ".join(f"{r} x{n}" for r, n in sorted(reasons.items())))
+    return 0
