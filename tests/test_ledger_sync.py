@@ -166,15 +166,25 @@ async def test_forged_and_bad_entries_rejected_over_gossip(tmp_path):
             for data in bad:
                 await m.pubsub.publish(topic, data)
             await wait_for(lambda: sum(ledger(w).rejections.values()) >= 4)
-        rej = ledger(w).rejections
-        assert rej[f"{topic}/malformed"] == 1
-        assert rej[f"{topic}/bad-signature"] == 1
-        assert rej[f"{topic}/unauthorized"] == 1
-        assert rej[f"{topic}/wrong-run"] == 1
-        assert len(ledger(w).ledger) == 1
-        assert ledger(w).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == 1
-        with open_ledger_store(w.data_dir) as store:
-            assert store.count() == 1
+            rej = ledger(w).rejections
+            assert rej[f"{topic}/malformed"] == 1
+            assert rej[f"{topic}/bad-signature"] == 1
+            assert rej[f"{topic}/unauthorized"] == 1
+            assert rej[f"{topic}/wrong-run"] == 1
+            assert len(ledger(w).ledger) == 1
+            assert ledger(w).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == 1
+            with open_ledger_store(w.data_dir) as store:
+                assert store.count() == 1
+
+            # an equivocation (a second, different seq 1 signed by the trainer) relayed by gossip:
+            # kept as evidence, the trainer flagged, its credit from seq 1 on withdrawn
+            fork = make_entry(TRAINER, RUN, 1, GENESIS, 1, rollouts(77))
+            await m.pubsub.publish(topic, fork.raw)
+            await wait_for(lambda: ledger(w).ledger.flagged() == {TRAINER.peer_id: 1})
+            assert ledger(w).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == 0
+            assert w.status["ledger"]()["flagged"] == {TRAINER.peer_id: 1}
+            with open_ledger_store(w.data_dir) as store:
+                assert store.count() == 1 and len(list(store.iter_evidence())) == 1
 
 
 async def test_equivocation_is_caught_spread_and_shown(tmp_path):
