@@ -8,6 +8,7 @@ with a fake validator, and a restart that resumes at the saved step with the sam
 from __future__ import annotations
 
 import trio
+from swarmtest import node_config, open_nodes
 
 from node.config import RunConfig
 from node.hashes import digest
@@ -24,7 +25,6 @@ from node.rollouts.schema import (
 from node.trainer.spool import BatchState
 from node.trainer.testing import reversal_batch, sign_batch
 from node.wire import decode_as, encode, read_frame, seal, write_frame
-from swarmtest import node_config, open_nodes
 
 GRPO = {"min_batch_samples": 16, "optimizer_steps": 2, "pack_length": 64, "kl_coef": 0.0, "lr": 1e-3}
 DEADLINE = 120  # seconds of real time; the loop itself takes a few

@@ -102,7 +102,7 @@ class Policy:
     # ------------------------------------------------------------------ opening
 
     @classmethod
-    def open(cls, root: Path, source: str, cfg: GRPOConfig, tcfg: TrainerConfig) -> tuple["Policy", bool]:
+    def open(cls, root: Path, source: str, cfg: GRPOConfig, tcfg: TrainerConfig) -> tuple[Policy, bool]:
         """Resume from ``<root>/state.pt`` or create version 0; returns (policy, created)."""
         from ..engines.torch_engine import pick_device
         from ..model import load_model, load_tokenizer

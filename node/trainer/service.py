@@ -25,14 +25,17 @@ How this works
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter, deque
 from pathlib import Path
 
 import trio
+from libp2p.exceptions import BaseLibp2pError
 
 from ..hashes import digest
+from ..ledger.sync import LedgerError
 from ..rl.config import GRPOConfig
 from ..rl.grpo import TrainSample
 from ..rollouts.schema import (
@@ -65,6 +68,8 @@ LEDGER_CHUNK = 32  # ledger entries written per wake-up
 GATE_TICK = 1.0  # seconds between gate passes when nothing happens
 STATUS_STEPS = 200  # reward-curve points in status
 ZERO_ID = bytes(32)
+# What a libp2p stream or dial raises when the other side is gone or misbehaves.
+STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 class Trainer:
@@ -185,6 +190,8 @@ class Trainer:
             except trio.TooSlowError:
                 self.node.metrics.reject(SOURCE, "timeout")
                 await _reset(stream)
+            except STREAM_ERRORS as e:  # the sender went away; a spooled batch stays spooled
+                log.debug("trainer: rollouts stream from %s broke: %s", sender[-8:], e)
             finally:
                 await _close(stream)
 
@@ -206,6 +213,8 @@ class Trainer:
             await _reset(stream)
         except trio.TooSlowError:
             await _reset(stream)
+        except STREAM_ERRORS as e:
+            log.debug("trainer: verdicts stream broke: %s", e)
         finally:
             await _close(stream)
 
@@ -268,7 +277,7 @@ class Trainer:
                     await _close(stream)
         except RemoteProtocolError as e:
             self.node.metrics.reject(VERIFY_PROTOCOL, e.reason)
-        except Exception as e:  # dial / negotiation failures of libp2p: the validator is unreachable
+        except STREAM_ERRORS as e:  # dial / negotiation / stream failures: the validator is unreachable
             log.info("trainer: cannot hand batch %s to validator %s: %s", batch_id.hex()[:12], validator[-8:], e)
         if ok:
             self.gate.sent(batch_id, trio.current_time())
@@ -389,7 +398,7 @@ class Trainer:
             try:
                 await ledger.append(CheckpointPublished(version=version, manifest_id=signed.root,
                                                         total_bytes=signed.manifest.total_size))
-            except Exception as e:  # a refused entry is our bug; the checkpoint itself is out
+            except LedgerError as e:  # a refused entry is our bug; the checkpoint itself is out
                 log.error("trainer: ledger refused checkpoint v%d: %s", version, e)
 
     # ------------------------------------------------------------------ ledger
@@ -407,7 +416,7 @@ class Trainer:
                                       reason=row.reason)
                 try:
                     await ledger.append(body)
-                except Exception as e:  # our own entry refused: log it, do not retry forever
+                except LedgerError as e:  # our own entry refused (a bug): log it, do not retry forever
                     log.error("trainer: ledger refused rollouts entry for %s: %s", row.batch_id.hex()[:12], e)
                 self.spool.mark_ledger_done(row.batch_id)
             if len(rows) < LEDGER_CHUNK:
@@ -453,17 +462,13 @@ def _peer_of(stream) -> str:
 
 
 async def _reset(stream) -> None:
-    try:
+    with contextlib.suppress(*STREAM_ERRORS):
         await stream.reset()
-    except Exception:
-        pass
 
 
 async def _close(stream) -> None:
-    try:
+    with contextlib.suppress(*STREAM_ERRORS):
         await stream.close()
-    except Exception:
-        pass
 
 
 async def serve_trainer(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
