@@ -24,10 +24,15 @@ ALPHABET = tuple(chr(c) for c in range(32, 127)) + ("\n",)
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of the embedded model. Defaults: ~0.2M parameters, learns the synthetic task on a CPU."""
+    """Shape of the embedded model. Defaults: ~0.45M parameters, learns the synthetic task on a CPU.
 
-    hidden_size: int = 64
-    intermediate_size: int = 256
+    Why 128 wide: at 64 the warmed-up model's greedy accuracy barely moves under RL (sampled reward
+    rises only by sharpening towards it); at 128 RL raises the greedy accuracy itself (measured in
+    the ML report: greedy 0.29 -> 0.54 in 200 GRPO steps after a 30-step warm-up).
+    """
+
+    hidden_size: int = 128
+    intermediate_size: int = 512
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2  # grouped-query attention, as in Qwen2
@@ -135,9 +140,10 @@ def load_model(path: Path, *, device: str = "cpu", dtype=None):
 
 
 # Supervised warm-up of the default model on the synthetic task's format (see node/rl/warmup.py):
-# enough that sampled completions score ~0.3 on the digit-reversal reward (greedy ~0.55), leaving
-# RL a visible gap to close. Examples come from a seed different from the packaged task set's.
-DEFAULT_WARMUP_STEPS = 60
+# enough that sampled completions score ~0.1 on the digit-reversal reward (greedy ~0.3) and most
+# groups carry signal, leaving RL a wide gap to close. Examples come from a seed different from
+# the packaged task set's.
+DEFAULT_WARMUP_STEPS = 30
 WARMUP_EXAMPLES = 5000
 WARMUP_SEED = 12345
 
