@@ -154,7 +154,7 @@ def test_store_writes_verified_pieces_and_resumes(tmp_path: Path, folder: Path) 
     assert not vs.put_piece(0, b"\0" * m.piece_length(0))  # wrong bytes are never written
     assert vs.put_piece(0, piece(0)) and vs.put_piece(3, piece(3))
     vs.close()
-    # A crash later: the bitmap is reread and every claimed piece re-hashed.
+    # A crash later: the verified log is reread and every claimed piece re-hashed.
     vs = _store(tmp_path).open_version(signed)
     assert vs.verified == {0, 3}
     vs.close()

@@ -1,9 +1,9 @@
 """Real processes on loopback: a seeder, 2 relays and 4 downloaders fetch a 64 MiB checkpoint.
 
 The seeder's upload is capped (4 MiB/s) so the download takes long enough to kill it "halfway":
-once every piece has left the seeder (the union of the others' bitmaps covers the checkpoint) and
+once every piece has left the seeder (the union of the others' verified logs covers the checkpoint) and
 before the downloaders are done. One downloader is killed with SIGKILL at the same moment and
-restarted; it must resume from its bitmap and re-fetch only what it had not verified.
+restarted; it must resume from its verified log and re-fetch only what it had not verified.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from node.identity import Identity
-from node.shards.store import pieces_of
+from node.shards.store import read_verified_log
 from node.shards.testing import same_files, write_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -68,11 +68,12 @@ class Child:
         return self.complete is not None
 
     def verified(self) -> set[int]:
+        folder = self.data / "checkpoints" / "1"
         try:
-            raw = (self.data / "checkpoints" / "1" / ".shards" / "bitmap").read_bytes()
+            root = (folder / ".shards" / "verified").read_bytes()[:32]
         except OSError:
             return set()
-        return pieces_of(raw[32:], PIECES)
+        return read_verified_log(folder, root, PIECES)
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -122,7 +123,7 @@ def test_seven_processes_kill_seeder_and_resume_downloader(tmp_path: Path) -> No
         restarted = Child("dl0", tmp_path, "inference", [c.addr for c in alive], seed=victim.seed)
         children.append(restarted)
         resumed = restarted.resumed.get("1", restarted.resumed.get(1, 0))
-        assert resumed >= len(had), f"resumed {resumed} pieces, bitmap had {len(had)}"
+        assert resumed >= len(had), f"resumed {resumed} pieces, its log had {len(had)}"
         deadline = time.monotonic() + 120
         for c in alive + [restarted]:
             while not c.poll_complete():

@@ -114,7 +114,7 @@ async def _publish(config, path: Path, version: int, seed_for: float) -> int:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from .store import PieceStore
+    from .store import PieceStore, read_verified_log
 
     try:
         config = _config(args, None)
@@ -134,12 +134,6 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         elif signed is None:
             print(f"v{v}\tpartial (no valid manifest)")
         else:
-            from .store import pieces_of
-
-            try:
-                raw = (store.folder_of(v) / ".shards" / "bitmap").read_bytes()
-                have = len(pieces_of(raw[32:], signed.manifest.num_pieces)) if raw[:32] == signed.root else 0
-            except OSError:
-                have = 0
+            have = len(read_verified_log(store.folder_of(v), signed.root, signed.manifest.num_pieces))
             print(f"v{v}\tpartial {have}/{signed.manifest.num_pieces} pieces\t{store.folder_of(v)}")
     return 0

@@ -257,9 +257,12 @@ class Download:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._check_done()
+            next_scan = -math.inf
             while not self.done.is_set():
                 now = trio.current_time()
-                self._connect_new(now)
+                if now >= next_scan:
+                    self._connect_new(now)
+                    next_scan = now + RESCAN_INTERVAL
                 self._apply(self.picker.poll(now))
                 self.changed = trio.Event()
                 wait = min(RESCAN_INTERVAL, max(0.0, self.picker.next_deadline() - now))

@@ -6,15 +6,17 @@ Layout under ``<data_dir>/checkpoints/``::
 
     <version>/                  the model folder itself (config.json, *.safetensors, ...): load it
     <version>/.shards/manifest  the signed manifest (envelope bytes)
-    <version>/.shards/bitmap    which pieces are verified (root id + bitfield), replaced by rename
+    <version>/.shards/verified  which pieces are verified: root id, then one uint32 per piece, appended
     <version>/.shards/COMPLETE  written last, by rename, after every piece is verified and fsync'd
 
 * Files are preallocated to their final size and each verified piece is written in place with
   ``pwrite``; unverified bytes never reach the disk (the downloader hashes a piece in memory first).
-* After each verified piece the bitmap is replaced atomically (write a temporary file, rename). It is
-  not fsync'd per piece: on resume every piece the bitmap claims is hashed again (SHA-256 reads
-  ~1.8 GB/s, so 1 GB costs about half a second), which also catches data lost in a power cut. A piece
-  that fails is simply fetched again.
+* After each verified piece its index is appended to ``verified`` (one ``write`` of 4 bytes, after
+  the piece's ``pwrite``), so a process killed with SIGKILL loses nothing it had verified. It is not
+  fsync'd per piece (replacing a bitmap by rename per piece cost ~3.6 ms here, a third of the event
+  loop at 100 MiB/s): on resume every piece the log claims is hashed again (SHA-256 reads ~1.8 GB/s,
+  1 GB in about half a second), which also catches data lost in a power cut or a torn last record.
+  A piece that fails is simply fetched again.
 * A version is complete only when ``.shards/COMPLETE`` exists; it is created after the data files are
   fsync'd, with write-fsync-rename-fsync(dir), so a crash never leaves a "complete" version with
   missing bytes. Hidden names keep the state out of the model folder's file list.
@@ -26,12 +28,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 from pathlib import Path
 
 from ..wire import Envelope, RemoteProtocolError, decode_as, encode
 from .manifest import Manifest, SignedManifest, open_manifest
 
 STATE = ".shards"
+_INDEX = struct.Struct(">I")
 TRASH_PREFIX = ".trash-"
 
 
@@ -52,6 +56,18 @@ def pieces_of(bits: bytes, n: int) -> set[int]:
     return {i for i in range(min(n, len(bits) * 8)) if bits[i >> 3] & (0x80 >> (i & 7))}
 
 
+
+
+def read_verified_log(folder: Path, root: bytes, num_pieces: int) -> set[int]:
+    """Pieces the ``verified`` log of a version folder claims (unchecked; a torn tail is ignored)."""
+    try:
+        raw = (Path(folder) / STATE / "verified").read_bytes()
+    except FileNotFoundError:
+        return set()
+    if raw[:32] != root:
+        return set()
+    body = raw[32 : 32 + (len(raw) - 32) // 4 * 4]
+    return {i for (i,) in _INDEX.iter_unpack(body) if i < num_pieces}
 
 
 def _write_atomic(path: Path, data: bytes, *, durable: bool) -> None:
@@ -84,6 +100,7 @@ class VersionStore:
         self.state = folder / STATE
         self.verified: set[int] = set()
         self._fds: list[int] = []
+        self._log = -1  # fd of .shards/verified, opened for appending
 
     @property
     def version(self) -> int:
@@ -118,6 +135,9 @@ class VersionStore:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        if self._log >= 0:
+            os.close(self._log)
+            self._log = -1
 
     def _pwrite(self, start: int, data: bytes | memoryview) -> None:
         view = memoryview(data)
@@ -137,7 +157,7 @@ class VersionStore:
             return False
         self._pwrite(index * self.manifest.piece_size, data)
         self.verified.add(index)
-        _write_atomic(self.state / "bitmap", self.signed.root + self.bitfield(), durable=False)
+        os.write(self._log, _INDEX.pack(index))
         return True
 
     def read_block(self, piece: int, offset: int, length: int) -> bytes:
@@ -152,17 +172,20 @@ class VersionStore:
         return self._pread(piece * self.manifest.piece_size, self.manifest.piece_length(piece))
 
     def resume(self) -> int:
-        """Load the bitmap and re-check every piece it claims. Returns how many were kept."""
-        try:
-            raw = (self.state / "bitmap").read_bytes()
-        except FileNotFoundError:
-            return 0
-        if raw[:32] != self.signed.root:
-            return 0
-        for i in sorted(pieces_of(raw[32:], self.manifest.num_pieces)):
+        """Re-check every piece the log claims, then start a fresh log. Returns how many were kept."""
+        for i in sorted(read_verified_log(self.folder, self.signed.root, self.manifest.num_pieces)):
             if self.manifest.check_piece(i, self.read_piece(i)):
                 self.verified.add(i)
+        self._start_log()
         return len(self.verified)
+
+    def _start_log(self) -> None:
+        """Rewrite the log with the pieces verified now (atomically), then open it for appending."""
+        if self._log >= 0:
+            os.close(self._log)
+        body = self.signed.root + b"".join(_INDEX.pack(i) for i in sorted(self.verified))
+        _write_atomic(self.state / "verified", body, durable=False)
+        self._log = os.open(self.state / "verified", os.O_WRONLY | os.O_APPEND)
 
     def finish(self) -> None:
         """Mark the version complete (every piece verified): fsync data, then COMPLETE by rename."""
@@ -170,7 +193,8 @@ class VersionStore:
             raise RuntimeError("finish() before every piece is verified")
         for fd in self._fds:
             os.fsync(fd)
-        _write_atomic(self.state / "bitmap", self.signed.root + self.bitfield(), durable=True)
+        self._start_log()
+        os.fsync(self._log)
         _write_atomic(self.state / "COMPLETE", self.signed.root, durable=True)
 
 
@@ -221,8 +245,8 @@ class PieceStore:
         vs._open(create=True)
         if saved is None:
             _write_atomic(vs.state / "manifest", encode(signed.envelope), durable=True)
-            (vs.state / "bitmap").unlink(missing_ok=True)
             (vs.state / "COMPLETE").unlink(missing_ok=True)
+            vs._start_log()
         else:
             vs.resume()
         return vs

@@ -97,12 +97,13 @@ async def _child(args) -> None:
     """One process of a multi-process test swarm (see ``main``)."""
     import json
     import sys
+    import time
 
     identity = Identity.from_seed(bytes.fromhex(args.seed)) if args.seed else None
     trainer = Identity.from_seed(bytes.fromhex(args.trainer_seed))
     extra = json.loads(args.shards) if args.shards else {}
     async with open_shards_node(Path(args.data_dir), identity=identity, trainers=[trainer.peer_id],
-                                role=args.role, run=args.run, **extra) as node:
+                                role=args.role, run=args.run, listen=args.listen, **extra) as node:
         svc = node.services["shards"]
         resumed = {v: len(vs.verified) for vs in svc.serving.values() for v in [vs.version]}
         print(json.dumps({"addr": node.host.listen_addrs()[0], "resumed": resumed}), flush=True)
@@ -112,10 +113,12 @@ async def _child(args) -> None:
             except Exception as e:  # a dead peer in the list: carry on with the others
                 print(json.dumps({"connect_failed": addr, "error": str(e)[:80]}), file=sys.stderr, flush=True)
         if args.publish:
+            await trio.sleep(args.publish_delay)  # let gossip meshes form before announcing
+            print(json.dumps({"published_at": time.time()}), flush=True)
             await svc.publish(Path(args.publish), args.version)
         start = trio.current_time()
         await svc.wait_version(args.version)
-        print(json.dumps({"complete": args.version, "seconds": trio.current_time() - start,
+        print(json.dumps({"complete": args.version, "seconds": trio.current_time() - start, "at": time.time(),
                           "receipts": {f"{p}:{r[:8]}": n for (p, r), n in svc.receipts().items()}}), flush=True)
         await trio.sleep_forever()
 
@@ -132,7 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--role", default="relay")
     p.add_argument("--run", default="test")
     p.add_argument("--connect", nargs="*", default=[])
+    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
     p.add_argument("--publish", default="")
+    p.add_argument("--publish-delay", type=float, default=0.0)
     p.add_argument("--version", type=int, default=1)
     p.add_argument("--shards", default="", help="JSON of [shards] settings")
     args = p.parse_args(argv)

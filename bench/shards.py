@@ -1,0 +1,284 @@
+"""Checkpoint swarm benchmarks: each figure is printed beside a baseline measured in the same run.
+
+    .venv/bin/python bench/shards.py calibrate                 # block size sweep (manifest.py's table)
+    .venv/bin/python bench/shards.py overhead [--size-mib 256] [--seeders 4]
+    .venv/bin/python bench/shards.py swarm [--n 8] [--size-mib 48] [--mbit 40]     # needs root
+    .venv/bin/python bench/shards.py all
+
+1. **calibrate**: goodput of one libp2p stream (TCP + Noise + Yamux) carrying length-prefixed
+   frames of 16 KiB .. 1 MiB, and SHA-256 speed: why blocks are 256 KiB and pieces 1 MiB.
+2. **overhead**: one downloader fetching a checkpoint from 4 seeders (all in this process, loopback)
+   vs one plain libp2p stream between two hosts copying the same bytes with 1 MiB writes (the stack's
+   ceiling here). Ratio = swarm goodput / stream goodput.
+3. **swarm**: a seeder and N downloaders, each in its own network namespace behind a veth on one
+   bridge, every host's upload capped with ``tc tbf`` (no download cap). Distribution time (publish
+   -> last downloader complete, announcement included) vs the Kumar & Ross lower bound
+   T_min = max(F/u_s, F/d_min, N*F/(u_s + sum u_i)) (IEEE HotWeb 2006). Skipped with a message when
+   not root or when ``ip netns`` fails.
+
+The machine is shared and noisy (2 cores, other jobs): compare the ratios, not absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from node.host import open_swarm_host  # noqa: E402
+from node.identity import Identity  # noqa: E402
+from node.shards.testing import open_shards_swarm, same_files, write_checkpoint  # noqa: E402
+from node.wire import read_frame, write_frame  # noqa: E402
+
+MiB = 1 << 20
+PROTO = "/bench/stream/1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain stream baseline
+
+
+async def stream_goodput(total: int, frame: int | None) -> float:
+    """MiB/s of one libp2p stream between two fresh hosts: raw 1 MiB writes, or frames of ``frame``."""
+    async with open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as a, open_swarm_host(
+        Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]
+    ) as b:
+        done = trio.Event()
+        elapsed = {}
+
+        async def handler(stream):
+            got = 0
+            t0 = time.perf_counter()
+            if frame is None:
+                while got < total:
+                    chunk = await stream.read(MiB)
+                    if not chunk:
+                        break
+                    got += len(chunk)
+            else:
+                while got < total:
+                    got += len(await read_frame(stream, 2 * MiB))
+            elapsed["t"] = time.perf_counter() - t0
+            await stream.write(b"k")
+            done.set()
+
+        b.set_handler(PROTO, handler)
+        await a.connect(b.listen_addrs()[0])
+        s = await a.open_stream(b.peer_id, PROTO)
+        block = os.urandom(frame or MiB)
+        t0 = time.perf_counter()
+        for _ in range(total // len(block)):
+            if frame is None:
+                await s.write(block)
+            else:
+                await write_frame(s, block)
+        await s.read(1)
+        await done.wait()
+        return total / (time.perf_counter() - t0) / MiB
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. calibrate
+
+
+def calibrate() -> None:
+    print("== calibrate: stream goodput by frame (block) size, SHA-256 by piece size")
+    data = os.urandom(16 * MiB)
+    for piece in (1 * MiB, 4 * MiB, 16 * MiB):
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < 0.5:
+            for off in range(0, len(data), piece):
+                hashlib.sha256(memoryview(data)[off : off + piece]).digest()
+                n += piece
+        print(f"  sha256, {piece // MiB:>2} MiB pieces: {n / (time.perf_counter() - t0) / MiB:7.0f} MiB/s")
+    for kib in (16, 64, 256, 1024):
+        rate = trio.run(stream_goodput, 64 * MiB, kib * 1024)
+        print(f"  stream, {kib:>4} KiB frames: {rate:7.1f} MiB/s")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. overhead
+
+
+async def _overhead(size: int, seeders: int, tmp: Path) -> tuple[float, float]:
+    src = write_checkpoint(tmp / "src", size, seed=1)
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    quiet = dict(progress=False, announce_interval=3600.0, super_seed=False)
+    async with open_shards_swarm() as swarm:
+        t = await swarm.add(tmp / "t", identity=trainer, trainers=tr, role="trainer", **quiet)
+        signed = await t.services["shards"].publish(src, 1)
+        seeds = [await swarm.add(tmp / f"s{k}", trainers=tr, fetch="none", **quiet) for k in range(seeders)]
+        for s in seeds:
+            await s.services["shards"].seed(src, signed)
+        d = await swarm.add(tmp / "d", trainers=tr, role="inference", **quiet)
+        for s in seeds:
+            await d.host.connect(s.host.listen_addrs()[0])
+        svc = d.services["shards"]
+        t0 = time.perf_counter()
+        svc.fetch(1, signed.root, seeds[0].peer_id)
+        path = await svc.wait_version(1)
+        dt = time.perf_counter() - t0
+        assert same_files(src, path), "downloaded bytes differ"
+        per_peer = {p[-6:]: round(n / MiB) for (p, _), n in svc.receipts().items()}
+        print(f"  per seeder (MiB): {per_peer}")
+    return size / dt / MiB, dt
+
+
+def overhead(size_mib: int, seeders: int) -> float:
+    size = size_mib * MiB
+    print(f"== overhead: 1 downloader, {seeders} seeders, {size_mib} MiB, one process on loopback")
+    base1 = trio.run(stream_goodput, size, None)
+    with tempfile.TemporaryDirectory(prefix="bench-shards-") as tmp:
+        swarm, dt = trio.run(_overhead, size, seeders, Path(tmp))
+    base2 = trio.run(stream_goodput, size, None)
+    base = (base1 + base2) / 2
+    print(f"  plain libp2p stream (1 MiB writes), mean of before/after: {base:.1f} MiB/s ({base1:.1f}, {base2:.1f})")
+    print(f"  shards download from {seeders} seeders: {swarm:.1f} MiB/s ({dt:.2f} s)")
+    ratio = swarm / base
+    print(f"  ratio (shards goodput / plain stream goodput): {ratio:.2f}")
+    return ratio
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. swarm efficiency in network namespaces
+
+
+class Namespaces:
+    """A bridge and one namespace per host, each with an upload cap (tc tbf on its veth)."""
+
+    def __init__(self, count: int, mbit: float, prefix: str = "shb") -> None:
+        self.names = [f"{prefix}{i}" for i in range(count)]
+        self.bridge = f"{prefix}br"
+        self.mbit = mbit
+
+    def ip(self, i: int) -> str:
+        return f"10.77.0.{i + 1}"
+
+    def _sh(self, *cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    def __enter__(self) -> "Namespaces":
+        self.__exit__()
+        self._sh("ip", "link", "add", self.bridge, "type", "bridge")
+        self._sh("ip", "link", "set", self.bridge, "up")
+        for i, ns in enumerate(self.names):
+            self._sh("ip", "netns", "add", ns)
+            self._sh("ip", "link", "add", f"{ns}a", "type", "veth", "peer", "name", f"{ns}b")
+            self._sh("ip", "link", "set", f"{ns}a", "netns", ns)
+            self._sh("ip", "link", "set", f"{ns}b", "master", self.bridge)
+            self._sh("ip", "link", "set", f"{ns}b", "up")
+            self._sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.ip(i)}/24", "dev", f"{ns}a")
+            self._sh("ip", "netns", "exec", ns, "ip", "link", "set", f"{ns}a", "up")
+            self._sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            # Upload cap: what leaves this host. Burst ~ a few ms of traffic, as a real link.
+            self._sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", f"{ns}a", "root", "tbf",
+                     "rate", f"{self.mbit}mbit", "burst", "64kb", "latency", "100ms")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for ns in self.names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+def _spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen:
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "node.shards.testing", *args]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+
+
+def _read_json(proc: subprocess.Popen, timeout: float) -> dict:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise TimeoutError("child silent")
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"child exited with {proc.poll()}")
+    return json.loads(line)
+
+
+def swarm(n: int, size_mib: int, mbit: float, timeout: float = 300.0) -> float | None:
+    print(f"== swarm: seeder + {n} downloaders in network namespaces, {size_mib} MiB, upload {mbit} Mbit/s each")
+    if os.geteuid() != 0:
+        print("  skipped: needs root (ip netns, tc)")
+        return None
+    size = size_mib * MiB
+    u = mbit * 1e6 / 8  # bytes/s
+    t_min = max(size / u, n * size / (u + n * u))  # no download cap: F/d_min = 0
+    trainer_seed = "22" * 32
+    procs: list[subprocess.Popen] = []
+    tmp = Path(tempfile.mkdtemp(prefix="bench-shards-ns-"))
+    try:
+        with Namespaces(n + 1, mbit) as nets:
+            src = write_checkpoint(tmp / "src", size, seed=3)
+            common = ["--trainer-seed", trainer_seed, "--shards", json.dumps({"announce_interval": 1.0, "progress": False})]
+            addrs = []
+            for i in range(1, n + 1):  # downloaders first, each dialing the ones before it
+                p = _spawn(nets.names[i], ["--data-dir", str(tmp / f"d{i}"), "--role", "inference",
+                                           "--listen", f"/ip4/{nets.ip(i)}/tcp/4001", *common, "--connect", *addrs],
+                           tmp / f"d{i}.err")
+                procs.append(p)
+                addrs.append(_read_json(p, 60)["addr"])
+            seeder = _spawn(nets.names[0], ["--data-dir", str(tmp / "seed"), "--seed", trainer_seed, "--role", "trainer",
+                                            "--listen", f"/ip4/{nets.ip(0)}/tcp/4001", "--publish", str(src),
+                                            "--publish-delay", "3", *common, "--connect", *addrs], tmp / "seed.err")
+            procs.append(seeder)
+            _read_json(seeder, 60)  # hello
+            published = _read_json(seeder, 60)["published_at"]
+            done = []
+            for p in procs[:-1]:
+                while True:
+                    msg = _read_json(p, timeout)
+                    if "complete" in msg:
+                        done.append(msg["at"] - published)
+                        break
+            for i in range(1, n + 1):
+                assert same_files(src, tmp / f"d{i}" / "checkpoints" / "1"), f"d{i} differs"
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        print(f"  skipped: could not set up namespaces ({e})")
+        return None
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    t = max(done)
+    print(f"  completion times (s): {sorted(round(x, 1) for x in done)}")
+    print(f"  Kumar-Ross T_min = max(F/u_s, N*F/(u_s + sum u_i)) = {t_min:.1f} s")
+    print(f"  distribution time: {t:.1f} s")
+    ratio = t / t_min
+    print(f"  ratio (distribution time / T_min): {ratio:.2f}")
+    return ratio
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["calibrate", "overhead", "swarm", "all"], nargs="?", default="all")
+    ap.add_argument("--size-mib", type=int, default=0, help="checkpoint size (default 256 overhead, 48 swarm)")
+    ap.add_argument("--seeders", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8, help="downloaders in the swarm benchmark")
+    ap.add_argument("--mbit", type=float, default=40.0, help="upload cap per host in the swarm benchmark")
+    args = ap.parse_args()
+    if args.what in ("calibrate", "all"):
+        calibrate()
+    if args.what in ("overhead", "all"):
+        overhead(args.size_mib or 256, args.seeders)
+    if args.what in ("swarm", "all"):
+        swarm(args.n, args.size_mib or 48, args.mbit)
+
+
+if __name__ == "__main__":
+    main()
