@@ -167,7 +167,7 @@ class InferenceService:
     async def _load(self, version: int, path: Path) -> bool:
         async with self.engine_lock:
             try:
-                how = await trio.to_thread.run_sync(self.generator.follow, path)
+                how = await trio.to_thread.run_sync(self.generator.follow, path, abandon_on_cancel=True)
             except Exception as e:  # a checkpoint we cannot load: keep the current weights
                 self.stats.load_errors += 1
                 log.error("inference: cannot load checkpoint v%d from %s: %s", version, path, e)
@@ -197,7 +197,9 @@ class InferenceService:
                 version = self.version
                 created_ms = int(time.time() * 1000)  # edge of the system: a wall-clock stamp for people
                 try:
-                    result = await trio.to_thread.run_sync(self.generator.run_step, step, version, created_ms)
+                    # Abandoned on cancel: a long step must not hold up shutdown (the process is exiting).
+                    result = await trio.to_thread.run_sync(self.generator.run_step, step, version, created_ms,
+                                                           abandon_on_cancel=True)
                 except Exception:
                     self.stats.step_errors += 1
                     log.exception("inference: step %d failed", step)
