@@ -41,6 +41,7 @@ SECTIONS: dict[str, str] = {
     "rl": "node.rl.config:RLConfig",
     "grpo": "node.rl.config:GRPOConfig",
     "inference": "node.rl.config:InferenceConfig",
+    "proofs": "node.proofs.config:ProofsConfig",
 }
 
 T = TypeVar("T")
