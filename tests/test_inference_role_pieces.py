@@ -109,6 +109,8 @@ def test_generator_step_honest_and_cheating(tiny, cheat, caught):
     if caught is None:
         assert failures == []
     else:
-        assert failures and all(f.startswith(caught) for f in failures if not f.startswith("logprobs")), failures
+        assert any(f.startswith(caught) for f in failures), failures
+        if cheat != "perturbed-model":  # only a changed model changes the activations
+            assert not any(f.startswith(("proof", "logprobs")) for f in failures), failures
     if cheat == "fake-rewards":
         assert result.mean_reward > result.mean_true_reward
