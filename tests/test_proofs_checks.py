@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -172,3 +174,14 @@ def test_config_defaults_and_validation():
                 {"topk": 100000}, {"typo": 1}):
         with pytest.raises(ConfigError):
             build(ProofsConfig, bad, "run.proofs")
+
+
+def test_proofs_package_imports_without_the_network_stack():
+    code = (
+        "import sys\n"
+        "for m in ('libp2p', 'trio', 'msgpack'): sys.modules[m] = None\n"
+        "import node.proofs.toploc, node.proofs.capture, node.proofs.checks, node.proofs.config\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    light = "import sys, node.proofs.config; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", light], check=True, timeout=60)
