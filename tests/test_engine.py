@@ -231,3 +231,25 @@ def test_gumbel_sampling_is_unbiased_over_seeds_for_a_random_distribution():
     chi2 = float(((freq - probs.double()) ** 2 / probs.double()).sum() * n)
     assert chi2 < 20.5, chi2
     assert math.isfinite(chi2)
+
+
+def test_vllm_hook_maps_recorded_states_back_to_completions():
+    """The vLLM engine's pre-hook bookkeeping, driven with stand-ins for vLLM's sampling metadata."""
+    from types import SimpleNamespace as NS
+
+    from node.engines.vllm_engine import _states_by_prompt, _StepRecorder, _take_states
+
+    rec = _StepRecorder()
+    prompt = (5, 6)
+    # two sequences of one prompt; step 0 (prefill, 2 positions each, last one selected), then one decode step
+    data = {1: NS(prompt_token_ids=prompt, output_token_ids=()), 2: NS(prompt_token_ids=prompt, output_token_ids=())}
+    meta0 = NS(selected_token_indices=torch.tensor([1, 3]), seq_groups=[NS(seq_ids=[1], seq_data=data), NS(seq_ids=[2], seq_data=data)])
+    rec(None, (None, torch.arange(4.0)[:, None].expand(4, 3), meta0))
+    data[1].output_token_ids, data[2].output_token_ids = (7,), (8,)
+    meta1 = NS(selected_token_indices=torch.tensor([0, 1]), seq_groups=[NS(seq_ids=[2], seq_data=data), NS(seq_ids=[1], seq_data=data)])
+    rec(None, (None, torch.tensor([[20.0] * 3, [10.0] * 3]), meta1))
+    by_key = _states_by_prompt(rec)
+    s1 = _take_states(by_key, prompt, [7, 9])  # sequence 1 produced 7 then 9
+    s2 = _take_states(by_key, prompt, [8, 1])
+    assert s1[:, 0].tolist() == [1.0, 10.0] and s2[:, 0].tolist() == [3.0, 20.0]
+    assert _take_states(by_key, prompt, [7, 9]) is None  # each recording is used once
