@@ -89,7 +89,7 @@ class Proof:
             raise ProofFormatError(f"modulus {modulus} outside {len(coeffs)}..{P}")
         if (coeffs >= P).any():
             raise ProofFormatError(f"coefficient >= {P}")
-        return cls(modulus, tuple(int(c) for c in coeffs))
+        return cls(modulus, tuple(coeffs.tolist()))
 
     @classmethod
     def null(cls, k: int) -> Proof:
@@ -272,11 +272,12 @@ def build_proofs_many(
         bits = np.stack([per_seq[s][g].bits[r] for s, g, r in rows])
         moduli = injective_moduli(index)
         coeffs = interpolate(index % np.maximum(moduli, 1)[:, None], bits)
-        for (s, g, r), m, c in zip(rows, moduli, coeffs):
+        encoded = np.concatenate([moduli[:, None], coeffs], axis=1).astype(">u2")  # (C, 1 + k): the byte format
+        for (s, g, r), m, row in zip(rows, moduli, encoded):
             if m == 0:
                 failed.add(s)
                 continue
-            proofs[s][per_seq[s][g].chunk_ids[r]] = Proof(int(m), tuple(int(v) for v in c)).to_bytes()
+            proofs[s][per_seq[s][g].chunk_ids[r]] = row.tobytes()
     out = []
     for s, hidden in enumerate(hiddens):
         n = num_chunks(int(hidden.shape[0]) if hidden.dim() >= 1 else 0, chunk_tokens)
