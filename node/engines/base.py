@@ -29,7 +29,7 @@ class Sample:
     completion_ids: list[int]  # generated tokens, eos included when finish_reason == "stop"
     logprobs: list[float]  # log softmax(logits / T)[token] per completion token
     finish_reason: str  # FINISH_STOP | FINISH_LENGTH
-    hidden: Any = None  # torch.Tensor (len(completion_ids), H) float32 on CPU, or None if not captured
+    hidden: Any = None  # torch.Tensor (len(completion_ids), H) on CPU in the model's dtype; None if not captured
     text: str = ""  # decoded completion without special tokens (for verifiers)
 
     @property

@@ -162,7 +162,7 @@ class TorchEngine:
             groups[i].append(Sample(
                 prompt_index=i, sample_index=j, seed=seeds[r], prompt_ids=list(prompts[i]),
                 completion_ids=ids, logprobs=logps_c[r, :k].tolist(), finish_reason=finish,
-                hidden=None if hidden is None else hidden[r, :k].float().cpu(),
+                hidden=None if hidden is None else hidden[r, :k].cpu(),  # model dtype kept (bf16 bits matter to TOPLOC)
                 text=tok.decode(ids, skip_special_tokens=True),
             ))
         return groups

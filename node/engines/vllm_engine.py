@@ -58,14 +58,15 @@ class _StepRecorder:
 
     def __call__(self, _module, args):
         _lm_head, hidden, meta = args[0], args[1], args[2]
-        picked = hidden.index_select(0, meta.selected_token_indices)  # (num sampled, H)
+        # one device->host copy per step, in the model's dtype (bf16 bits are what TOPLOC proves)
+        picked = hidden.index_select(0, meta.selected_token_indices).cpu()  # (num sampled, H)
         row = 0
         for group in meta.seq_groups:
             for seq_id in group.seq_ids:
                 data = group.seq_data[seq_id]
                 self.prompts.setdefault(seq_id, tuple(data.prompt_token_ids))
                 self.prefix[seq_id] = tuple(data.output_token_ids)
-                self.states.setdefault(seq_id, []).append(picked[row].float().cpu())
+                self.states.setdefault(seq_id, []).append(picked[row])
                 row += 1
         return None
 
