@@ -35,7 +35,7 @@ def world(tmp_path_factory):
     engine.load(folder)
     tasks = RunTasks(RLConfig(group_size=RULES.group_size, prompts_per_batch=RULES.prompts_per_batch,
                               max_new_tokens=RULES.max_new_tokens))
-    worker = Identity.generate()
+    worker = Identity.from_seed(bytes(range(32)))  # fixed: the same draws, seeds and tokens every run
     honest = [T.make_batch(engine, worker, RULES, tasks, step=s, policy_version=VERSION) for s in range(HONEST_BATCHES)]
     return engine, tasks, worker, honest, CheckModel(engine.model, engine.tokenizer, VERSION)
 
@@ -75,16 +75,25 @@ def test_fault_wrong_model_weights(world):
 
 
 def test_fault_altered_completion(world):
-    honest, worker = world[3][1], world[2]
+    engine, tasks, worker, honest_batches, _ = world
+    honest = honest_batches[1]
+    eos = engine.tokenizer.eos_token_id
 
-    def edit(i, s):  # rewrite the first token (every later state changes), keep everything else
-        ids = list(s.completion_ids)
-        ids[0] = 20 + (ids[0] + 1) % 60
-        return replace(s, completion_ids=ids)
+    def edit(i, s):  # a careful cheat: rewrite the first token, then re-score and keep the rest consistent
+        if s.completion_ids[0] == eos:
+            return s
+        ids = [20 + (s.completion_ids[0] + 1) % 60] + list(s.completion_ids[1:])
+        task = tasks.draw(worker.peer_id, honest.batch.step, s.prompt_index)
+        sc = tasks.score(task, engine.tokenizer.decode(ids, skip_special_tokens=True), len(ids))
+        return replace(s, completion_ids=ids, reward=sc.reward, task_reward=sc.task_reward, length_penalty=sc.length_penalty)
 
-    j = judge(world, T.with_samples(honest, worker, edit))
+    edited = [edit(i, s) for i, s in enumerate(honest.batch.samples)]
+    changed = [i for i, (a, b) in enumerate(zip(edited, honest.batch.samples)) if a is not b]
+    assert changed
+    signed = T.sign_batch(worker, replace(honest.batch, samples=T.regroup_advantages(edited)))
+    j = judge(world, signed)
     assert_rejected(j, T.FAULTS["altered_completion"].expected)
-    assert all(r != "ok" for r in j.reasons)  # every edited sample is caught
+    assert all(j.reasons[i] != "ok" for i in changed)  # every edited sample is caught
 
 
 def test_fault_altered_last_token_is_caught_by_the_sampling_checks(world):
