@@ -1,7 +1,10 @@
 """The real loop in one process: the trainer role publishes v0, the inference role sends batches,
-the trainer trains on them and publishes v1, the inference node swaps to v1 and keeps sending."""
+the trainer trains on them and publishes v1, the inference node swaps to v1 and keeps sending.
+A second inference node replays its batches: the trainer refuses every replay as a duplicate."""
 
 from __future__ import annotations
+
+import copy
 
 import trio
 
@@ -21,12 +24,20 @@ async def test_trainer_and_inference_close_the_loop(tmp_path, fast_membership):
         "inference": {"engine": "torch", "device": "cpu"},
         "worker": {"checkpoint_poll_s": 0.1, "backoff_s": 0.2, "backoff_max_s": 1.0},
     })
-    configs = [node_config(tmp_path, "trainer", "trainer", run=run), node_config(tmp_path, "worker", "inference", run=run)]
-    async with open_nodes(configs) as (trainer, worker):
-        svc = worker.services["inference"]
+    cheater_run = copy.deepcopy(run)
+    cheater_run.tables["worker"]["cheat"] = "replay"  # node-local: only this node's run file says so
+    configs = [node_config(tmp_path, "trainer", "trainer", run=run), node_config(tmp_path, "worker", "inference", run=run),
+               node_config(tmp_path, "cheater", "inference", run=cheater_run)]
+    async with open_nodes(configs) as (trainer, worker, cheater):
+        svc, bad = worker.services["inference"], cheater.services["inference"]
         with trio.fail_after(240):
-            while (svc.version or 0) < 1 or svc.status()["batches"]["accepted"] < 2:
+            while ((svc.version or 0) < 1 or svc.status()["batches"]["accepted"] < 2
+                   or not bad.status()["batches"]["refused"].get("duplicate")):
                 await trio.sleep(0.2)
         status = svc.status()
-        assert status["weight_swaps"] >= 1 and status["batches"]["refused"] == {}
-        assert trainer.status["trainer"]()["intake"]["accepted"] >= 2
+        assert status["weight_swaps"] >= 1
+        assert set(status["batches"]["refused"]) <= {"stale"}  # the trainer may step past a slow batch
+        assert trainer.status["trainer"]()["intake"]["accepted"] >= 3
+        # Every batch the cheater replays after its acceptance is refused as a duplicate.
+        bad_batches = bad.status()["batches"]
+        assert bad_batches["refused"]["duplicate"] >= 1 and set(bad_batches["refused"]) <= {"duplicate", "stale"}

@@ -156,6 +156,13 @@ class InferenceService:
         shards = self.node.services["shards"]
         failed: set[int] = set()
         while True:
+            # The newest announced version is the trainer's step even before it is downloaded here:
+            # batches now too old for it are dropped instead of sent (INTELLECT-2's async level).
+            announced = max(getattr(shards, "announced", None) or [0])
+            if announced > self.outbox.newest_version:
+                for _ in self.outbox.observe_version(announced):
+                    self._count("dropped", "stale")
+                self._notify()
             latest = shards.latest()
             if latest is not None and latest not in failed and (self.version is None or latest > self.version):
                 path = shards.path_of(latest)
