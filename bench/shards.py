@@ -192,12 +192,20 @@ class Namespaces:
     def __exit__(self, *exc) -> None:
         for ns in self.names:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "link", "del", f"{ns}b"], capture_output=True)  # if a process kept the ns
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
 
 def _spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen:
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "node.shards.testing", *args]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
 
 
 def _read_json(proc: subprocess.Popen, timeout: float) -> dict:
@@ -239,24 +247,27 @@ def swarm(n: int, size_mib: int, mbit: float, timeout: float = 300.0) -> float |
             _read_json(seeder, 60)  # hello
             published = _read_json(seeder, 60)["published_at"]
             done = []
+            from_seed = 0
+            seed_id = Identity.from_seed(bytes.fromhex(trainer_seed)).peer_id
             for p in procs[:-1]:
                 while True:
                     msg = _read_json(p, timeout)
                     if "complete" in msg:
                         done.append(msg["at"] - published)
+                        from_seed += sum(b for k, b in msg["receipts"].items() if k.startswith(seed_id))
                         break
             for i in range(1, n + 1):
                 assert same_files(src, tmp / f"d{i}" / "checkpoints" / "1"), f"d{i} differs"
+            _stop(procs)  # before the namespaces go away
     except (subprocess.CalledProcessError, FileNotFoundError) as e:
         print(f"  skipped: could not set up namespaces ({e})")
         return None
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        _stop(procs)
         shutil.rmtree(tmp, ignore_errors=True)
     t = max(done)
     print(f"  completion times (s): {sorted(round(x, 1) for x in done)}")
+    print(f"  the seeder uploaded {from_seed / size:.2f} x the checkpoint (1.00 = each piece once)")
     print(f"  Kumar-Ross T_min = max(F/u_s, N*F/(u_s + sum u_i)) = {t_min:.1f} s")
     print(f"  distribution time: {t:.1f} s")
     ratio = t / t_min

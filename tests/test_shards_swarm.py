@@ -102,7 +102,8 @@ async def test_liars_are_banned_and_download_is_correct(tmp_path: Path) -> None:
 async def test_silent_peer_is_banned_and_download_completes(tmp_path: Path) -> None:
     trainer = Identity.generate()
     tr = [trainer.peer_id]
-    src = write_checkpoint(tmp_path / "ckpt", 4 * MiB, seed=3)
+    # 8 MiB at 1 MiB/s from the only honest peer: ~8 s, well past the 3 timeouts of 1 s that ban.
+    src = write_checkpoint(tmp_path / "ckpt", 8 * MiB, seed=3)
     slow = dict(SMALL, request_timeout=1.0)
     with trio.fail_after(90):
         async with open_shards_swarm() as swarm:

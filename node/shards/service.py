@@ -127,10 +127,12 @@ class _ServerSession:
     async def run(self, hello: Hello) -> None:
         n = self.vs.manifest.num_pieces
         if self.seeder is not None:
-            self.shown |= set(self.seeder.on_bitfield(self.peer, pieces_of(hello.bitfield, n)))
+            self.shown |= set(self.seeder.on_bitfield(self.peer, pieces_of(hello.bitfield, n), trio.current_time()))
         await _send(self.stream, self.lock, Bitfield(bitfield=bitfield_of(self.visible(), n)))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_queue)
+            if self.seeder is not None:
+                nursery.start_soon(self._reveal_stalled)
             try:
                 await self._read_loop()
             finally:
@@ -154,7 +156,7 @@ class _ServerSession:
                     pass  # already sent: the cancel raced the data
             elif isinstance(msg, Have):
                 if self.seeder is not None and msg.piece < self.vs.manifest.num_pieces:
-                    await self.reveal(self.seeder.on_have(self.peer, msg.piece))
+                    await self.reveal(self.seeder.on_have(self.peer, msg.piece, trio.current_time()))
             else:
                 raise RemoteProtocolError("unexpected", msg.TYPE)
 
@@ -163,6 +165,12 @@ class _ServerSession:
             if p not in self.shown:
                 self.shown.add(p)
                 await _send(self.stream, self.lock, Have(piece=p))
+
+    async def _reveal_stalled(self) -> None:
+        """Super-seeding: pieces stuck at a slow first recipient are shown again after a while."""
+        while True:
+            await trio.sleep(self.seeder.stall_seconds / 4)
+            await self.reveal(self.seeder.top_up(self.peer, trio.current_time()))
 
     async def push_have(self, piece: int) -> None:
         """We verified ``piece`` (a download in progress): tell this peer at once."""
@@ -601,7 +609,7 @@ class ShardsService:
                         sess.seeder.on_peer_gone(peer)
                         # Pieces shown to the gone peer may now go to others: top everyone up.
                         for other in list(self.server_sessions[first.root]):
-                            self._nursery.start_soon(_quietly, other.reveal, sess.seeder.top_up(other.peer))
+                            self._nursery.start_soon(_quietly, other.reveal, sess.seeder.top_up(other.peer, trio.current_time()))
             elif first is not None:
                 raise RemoteProtocolError("unexpected", first.TYPE)
         # except*: errors raised under the session's nursery arrive as exception groups.

@@ -8,6 +8,12 @@ against 1.7-2.1x without) instead advertises to each downloader only pieces that
 least: a fake bitfield with a few pieces, and a new piece each time the downloader reports (have)
 that it finished one.
 
+Here a piece is revealed to a second downloader only when it was never sent, or when its first
+recipient has held it back for ``stall_seconds`` without anyone reporting it (a slow or stuck
+peer) — or the recipient left. Otherwise a downloader that has seen every unsent piece is shown
+nothing more: it gets the rest from the other downloaders, which is the point. (Revealing
+"least-sent first" alone made the seed upload 1.47x the checkpoint with 8 downloaders.)
+
 Pure: the server feeds it what each downloader holds and asks which pieces to reveal.
 """
 
@@ -26,24 +32,28 @@ class _Downloader:
 class SuperSeeder:
     """Decides which pieces the origin advertises to each downloader."""
 
-    def __init__(self, num_pieces: int, reveal_ahead: int = 4, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, num_pieces: int, reveal_ahead: int = 2, stall_seconds: float = 15.0, rng: random.Random | None = None
+    ) -> None:
         self.num_pieces = num_pieces
         self.reveal_ahead = reveal_ahead  # pieces revealed and not yet held, per downloader
+        self.stall_seconds = stall_seconds
         self.rng = rng or random.Random()
         self.sent = [0] * num_pieces  # times revealed (≈ times uploaded by us)
+        self.last_sent = [0.0] * num_pieces  # when it was last revealed
         self.held = [0] * num_pieces  # downloaders known to hold it
         self.peers: dict[str, _Downloader] = {}
 
-    def on_bitfield(self, peer: str, pieces: set[int]) -> list[int]:
+    def on_bitfield(self, peer: str, pieces: set[int], now: float) -> list[int]:
         """A downloader connected and told us what it holds. Returns pieces to reveal to it."""
         d = self.peers.setdefault(peer, _Downloader())
         for i in pieces:
             if 0 <= i < self.num_pieces and i not in d.holds:
                 d.holds.add(i)
                 self.held[i] += 1
-        return self.top_up(peer)
+        return self.top_up(peer, now)
 
-    def on_have(self, peer: str, piece: int) -> list[int]:
+    def on_have(self, peer: str, piece: int, now: float) -> list[int]:
         """A downloader finished a piece. Returns further pieces to reveal to it."""
         d = self.peers.get(peer)
         if d is None or not 0 <= piece < self.num_pieces:
@@ -52,7 +62,7 @@ class SuperSeeder:
             d.holds.add(piece)
             self.held[piece] += 1
         d.revealed.discard(piece)
-        return self.top_up(peer)
+        return self.top_up(peer, now)
 
     def on_peer_gone(self, peer: str) -> None:
         d = self.peers.pop(peer, None)
@@ -67,7 +77,7 @@ class SuperSeeder:
         d = self.peers.get(peer)
         return set() if d is None else d.revealed | set()
 
-    def top_up(self, peer: str) -> list[int]:
+    def top_up(self, peer: str, now: float) -> list[int]:
         """Reveal pieces to ``peer`` until it has ``reveal_ahead`` outstanding; returns the new ones."""
         d = self.peers.get(peer)
         if d is None:
@@ -75,14 +85,18 @@ class SuperSeeder:
         out: list[int] = []
         while len(d.revealed) < self.reveal_ahead:
             options = [i for i in range(self.num_pieces) if i not in d.holds and i not in d.revealed]
-            if not options:
-                break
-            # Pieces no downloader holds yet first (the others it can get from its peers), then the
-            # ones we have sent least, then the ones the swarm holds least.
-            keys = {i: (self.held[i] > 0, self.sent[i], self.held[i]) for i in options}
-            best = min(keys.values())
-            piece = self.rng.choice([i for i, k in keys.items() if k == best])
+            fresh = [i for i in options if self.sent[i] == 0]
+            if fresh:
+                # Never sent: the ones the swarm holds least (normally none hold them).
+                least = min(self.held[i] for i in fresh)
+                piece = self.rng.choice([i for i in fresh if self.held[i] == least])
+            else:
+                stuck = [i for i in options if self.held[i] == 0 and now - self.last_sent[i] >= self.stall_seconds]
+                if not stuck:
+                    break
+                piece = min(stuck, key=lambda i: (self.sent[i], self.last_sent[i]))
             d.revealed.add(piece)
             self.sent[piece] += 1
+            self.last_sent[piece] = now
             out.append(piece)
         return out
