@@ -21,13 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node.identity import Identity  # noqa: E402
-from node.model import create_tiny_model  # noqa: E402
-from node.proofs.config import ProofsConfig  # noqa: E402
-from node.rl.config import InferenceConfig, RLConfig  # noqa: E402
-from node.rollouts.config import WorkerConfig  # noqa: E402
-from node.rollouts.draw import draw_tasks, sampling_seed  # noqa: E402
-from node.rollouts.generate import RolloutGenerator  # noqa: E402
+from node.identity import Identity
+from node.model import create_tiny_model
+from node.proofs.config import ProofsConfig
+from node.rl.config import InferenceConfig, RLConfig
+from node.rollouts.config import WorkerConfig
+from node.rollouts.draw import draw_tasks, sampling_seed
+from node.rollouts.generate import RolloutGenerator
 
 
 def main() -> int:

@@ -10,21 +10,31 @@ from __future__ import annotations
 
 import torch
 import trio
+from swarmtest import node_config, open_nodes
 
 from node.config import RunConfig
 from node.identity import load_or_create_identity
 from node.model import create_tiny_model, load_model, load_tokenizer
 from node.proofs.capture import logits_from_hidden, recompute_decode_states
-from node.proofs.checks import check_advantages, check_logprobs, check_termination, token_logprobs
+from node.proofs.checks import (
+    check_advantages,
+    check_logprobs,
+    check_termination,
+    token_logprobs,
+)
 from node.proofs.config import ProofsConfig
 from node.proofs.toploc import verify_proofs
 from node.rl.tasks import load_taskset
 from node.rl.verifiers import task_reward
 from node.rollouts.assemble import split_proofs
 from node.rollouts.draw import draw_tasks, sampling_seed
-from node.rollouts.schema import MAX_BATCH_BYTES, ROLLOUTS_PROTOCOL, RolloutAck, open_batch
+from node.rollouts.schema import (
+    MAX_BATCH_BYTES,
+    ROLLOUTS_PROTOCOL,
+    RolloutAck,
+    open_batch,
+)
 from node.wire import read_frame, write_frame
-from swarmtest import node_config, open_nodes
 
 RL = {"group_size": 3, "prompts_per_batch": 2, "max_new_tokens": 6}
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import copy
 
 import trio
+from swarmtest import node_config, open_nodes
 
 from node.config import RunConfig
 from node.identity import load_or_create_identity
-from swarmtest import node_config, open_nodes
 
 
 async def test_trainer_and_inference_close_the_loop(tmp_path, fast_membership):

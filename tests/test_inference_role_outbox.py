@@ -8,7 +8,13 @@ import pytest
 
 from node.rollouts.config import WorkerConfig
 from node.rollouts.schema import RolloutAck
-from node.rollouts.submit import BatchState, FailureKind, Outbox, Pending, alive_trainers
+from node.rollouts.submit import (
+    BatchState,
+    FailureKind,
+    Outbox,
+    Pending,
+    alive_trainers,
+)
 from node.wire import LocalProtocolError
 
 
@@ -51,7 +57,7 @@ def test_failure_backs_the_trainer_off_and_retries_on_another():
     ob = outbox()
     a = item(1)
     ob.offer(a)
-    first, t1 = ob.take(["T1", "T2"], 0.0)
+    _, t1 = ob.take(["T1", "T2"], 0.0)
     out = ob.on_failure(a.batch_id, t1, FailureKind.UNREACHABLE, 10.0)
     assert (out.state, out.reason) == (BatchState.QUEUED, "unreachable")
     assert ob.blocked_until(t1) == 11.0  # first backoff: 1 s
@@ -174,7 +180,7 @@ def test_alive_trainers_filters_by_run_and_liveness():
 
 def test_worker_config_validation():
     WorkerConfig().validate()
-    for bad in (dict(max_pending_batches=0), dict(cheat="lie"), dict(backoff_s=5, backoff_max_s=1),
-                dict(max_batch_bytes=8 * 1024 * 1024)):
+    for bad in ({"max_pending_batches": 0}, {"cheat": "lie"}, {"backoff_s": 5, "backoff_max_s": 1},
+                {"max_batch_bytes": 8 * 1024 * 1024}):
         with pytest.raises(ValueError):
             WorkerConfig(**bad).validate()

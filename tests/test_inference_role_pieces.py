@@ -4,18 +4,23 @@ and one step of the generator, honest and with each cheating mode (no network)."
 from __future__ import annotations
 
 import pytest
+from test_inference_role import RL, check_batch
 
 from node.identity import Identity
 from node.model import create_tiny_model, load_model, load_tokenizer
 from node.proofs.config import ProofsConfig
 from node.rl.config import InferenceConfig, RLConfig
 from node.roles.inference import advertise_due, read_step, write_step
-from node.rollouts.assemble import chunk_proof_sizes, join_proofs, seal_within, split_proofs
+from node.rollouts.assemble import (
+    chunk_proof_sizes,
+    join_proofs,
+    seal_within,
+    split_proofs,
+)
 from node.rollouts.config import WorkerConfig
 from node.rollouts.draw import sampling_seed, thinking_budget
 from node.rollouts.generate import RolloutGenerator
 from node.rollouts.schema import RolloutBatch, RolloutSample, open_batch
-from test_inference_role import RL, check_batch
 
 
 def test_seed_and_budget_depend_on_every_input_and_nothing_else():

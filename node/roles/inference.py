@@ -34,7 +34,15 @@ import trio
 
 from ..context import NodeContext
 from ..rollouts.config import WorkerConfig
-from ..rollouts.submit import BatchState, FailureKind, Outbox, Pending, SubmitFailure, alive_trainers, call_submit
+from ..rollouts.submit import (
+    BatchState,
+    FailureKind,
+    Outbox,
+    Pending,
+    SubmitFailure,
+    alive_trainers,
+    call_submit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,16 +174,15 @@ class InferenceService:
             latest = shards.latest()
             if latest is not None and latest not in failed and (self.version is None or latest > self.version):
                 path = shards.path_of(latest)
-                if path is not None:
-                    if not await self._load(latest, path):
-                        failed.add(latest)
+                if path is not None and not await self._load(latest, path):
+                    failed.add(latest)  # a checkpoint we cannot load is not retried; the next one is
             await trio.sleep(self.cfg.checkpoint_poll_s)
 
     async def _load(self, version: int, path: Path) -> bool:
         async with self.engine_lock:
             try:
                 how = await trio.to_thread.run_sync(self.generator.follow, path, abandon_on_cancel=True)
-            except Exception as e:  # a checkpoint we cannot load: keep the current weights
+            except Exception as e:  # noqa: BLE001 — a checkpoint we cannot load: keep the current weights
                 self.stats.load_errors += 1
                 log.error("inference: cannot load checkpoint v%d from %s: %s", version, path, e)
                 return False
@@ -293,7 +300,7 @@ class InferenceService:
         try:
             with trio.fail_after(self.cfg.submit_timeout_s):
                 await host.connect_peer(trainer, addrs)
-        except Exception as e:  # TooSlowError or any dial error (trio.Cancelled is not an Exception)
+        except Exception as e:  # noqa: BLE001 — TooSlowError or any dial error (trio.Cancelled is not an Exception)
             raise SubmitFailure(FailureKind.UNREACHABLE, f"dial: {type(e).__name__}") from None
 
     # -- bookkeeping ---------------------------------------------------------------------------------

@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..wire import MAX_FRAME, LocalProtocolError, RemoteProtocolError, decode_as, read_frame, write_frame
+from ..wire import (
+    MAX_FRAME,
+    LocalProtocolError,
+    RemoteProtocolError,
+    decode_as,
+    read_frame,
+    write_frame,
+)
 from .schema import ROLLOUTS_PROTOCOL, RolloutAck
 
 MAX_ACK_BYTES = 4096  # a RolloutAck is ~100 bytes; anything bigger is garbage
@@ -272,14 +279,14 @@ async def call_submit(host, trainer: str, batch_id: bytes, envelope: bytes, time
             stream = await host.open_stream(trainer, ROLLOUTS_PROTOCOL)
         except trio.Cancelled:
             raise
-        except Exception as e:  # libp2p raises many types for "cannot dial / protocol refused"
+        except Exception as e:  # noqa: BLE001 — libp2p raises many types for "cannot dial / protocol refused"
             raise SubmitFailure(FailureKind.UNREACHABLE, f"{type(e).__name__}: {e}") from None
         try:
             try:
                 await write_frame(stream, envelope)
             except LocalProtocolError:
                 raise
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 — a reset or closed stream, whatever libp2p calls it
                 raise SubmitFailure(FailureKind.STREAM, f"write: {type(e).__name__}") from None
             try:
                 frame = await read_frame(stream, MAX_ACK_BYTES)
@@ -299,7 +306,7 @@ async def call_submit(host, trainer: str, batch_id: bytes, envelope: bytes, time
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 try:
                     await stream.close()
-                except Exception:
+                except Exception:  # noqa: BLE001, S110 — closing a broken stream may fail; nothing to do
                     pass
     assert deadline.cancelled_caught
     raise SubmitFailure(FailureKind.TIMEOUT, f"no ack within {timeout:g}s")
