@@ -259,3 +259,46 @@ async def test_gossip_gap_triggers_sync_without_periodic_rounds(tmp_path):
         await wait_for(lambda: ledger(w).syncs["ok"] >= 1)  # w pulled (the session ends after the data)
         assert ledger(w).accepted[PROTOCOL] >= 5
         assert ledger(w).ledger.head_of(TRAINER.peer_id) == ledger(t).ledger.head_of(TRAINER.peer_id)
+
+
+async def test_node_that_lost_its_database_does_not_equivocate(tmp_path):
+    """A trainer whose database is gone relearns its own log from a peer before appending again."""
+    async with open_ledger_node(tmp_path, "w", WORKER) as w:
+        async with open_ledger_node(tmp_path, "t", TRAINER) as t:
+            await connect(t, w)
+            for i in range(3):
+                await ledger(t).append(rollouts(i + 1))
+            await wait_for(lambda: ledger(w).ledger.head_of(TRAINER.peer_id) == 3)
+        for f in (tmp_path / "t").glob("ledger.sqlite*"):
+            f.unlink()
+        # no periodic rounds on t: only the pull before its first append can bring its log back
+        async with open_ledger_node(tmp_path, "t", TRAINER, run=run_config(sync_interval=3600.0)) as t:
+            assert len(ledger(t).ledger) == 0
+            await connect(t, w)
+            se = await ledger(t).append(rollouts(4))
+            assert se.seq == 4 and se.prev == ledger(w).ledger.hash_at(TRAINER.peer_id, 3)
+            # a newcomer that hears from both sees one consistent log, no equivocation
+            async with open_ledger_node(tmp_path, "x", VALIDATOR) as x:
+                await connect(x, t)
+                await connect(x, w)
+                await wait_for(lambda: ledger(x).ledger.head_of(TRAINER.peer_id) == 4)
+                await wait_for(lambda: ledger(x).ledger.head_of(WORKER.peer_id) == ledger(w).ledger.head_of(WORKER.peer_id))
+                assert ledger(x).ledger.flagged() == {} and ledger(t).ledger.flagged() == {}
+                assert ledger(x).ledger.hash_at(TRAINER.peer_id, 3) == ledger(w).ledger.hash_at(TRAINER.peer_id, 3)
+
+
+def test_note_received_refuses_impossible_receipts(tmp_path):
+    from node.ledger.config import LedgerConfig
+    from node.ledger.sync import LedgerService
+
+    config = NodeConfig(data_dir=str(tmp_path), run=run_config())
+    node = NodeContext(config, WORKER, host=None, data_dir=tmp_path)
+    with open_ledger_store(tmp_path) as store:
+        svc = LedgerService(node, store, LedgerConfig())
+        for args in (("nope", b"m" * 32, 1), (TRAINER.peer_id, b"short", 1), (TRAINER.peer_id, b"m" * 32, -1)):
+            with pytest.raises(ValueError):
+                svc.note_received(*args)
+        svc.note_received(WORKER.peer_id, b"m" * 32, 100)  # from ourselves: no credit, nothing pending
+        svc.note_received(TRAINER.peer_id, b"m" * 32, 100)
+        svc.note_received(TRAINER.peer_id, b"m" * 32, 50, pieces=2)
+        assert svc.status()["pending_receipts"] == 1

@@ -74,7 +74,8 @@ class Authors(enum.Flag):
 
 
 @functools.lru_cache(maxsize=PEER_ID_CACHE)
-def _is_peer_id(value: str) -> bool:
+def is_peer_id(value: str) -> bool:
+    """Whether ``value`` names an Ed25519 peer (cached: the same peers recur in every entry)."""
     try:
         public_key_of(value)
         return True
@@ -83,7 +84,7 @@ def _is_peer_id(value: str) -> bool:
 
 
 def _check_peer_id(name: str, value: str) -> None:
-    if not _is_peer_id(value):
+    if not is_peer_id(value):
         raise ValueError(f"{name} is not an Ed25519 peer id")
 
 

@@ -56,6 +56,7 @@ from .entries import (
     ReceiptItem,
     Receipts,
     SignedEntry,
+    is_peer_id,
     make_entry,
     parse_entry,
 )
@@ -72,6 +73,10 @@ VALIDATED_CACHE = 1024  # gossip entries parsed by the validator, awaiting the r
 SYNC_HINTS = 16  # queued "sync with this peer soon" requests; extra hints are dropped
 MAX_PENDING_RECEIPTS = 4 * MAX_RECEIPT_ITEMS  # (peer, manifest) pairs waiting for the next flush
 MAX_TRACKED_PEERS = 4096  # peers remembered for penalties and last-sync times (oldest dropped)
+# Opening a stream normally takes milliseconds. py-libp2p 0.8.1 can keep a dead connection to a
+# peer that restarted with the same key and try to open streams on it, which then hang; a short
+# bound keeps one such peer from stalling anti-entropy for a whole sync_timeout.
+STREAM_OPEN_TIMEOUT = 5.0
 SYNC_PENALTY = -20.0  # app score step for a peer that sends invalid entries over sync
 # Reasons that are the sending peer's fault on a sync stream (as opposed to, e.g., our clock).
 _SENDER_FAULTS = {"wrong-run", "unauthorized", "bad-link", "unrequested"}
@@ -179,6 +184,7 @@ class LedgerService:
         self._hint_send, self._hint_recv = trio.open_memory_channel[str](SYNC_HINTS)
         self._receipts: dict[tuple[str, bytes], list[int]] = {}
         self._receipts_full = trio.Event()
+        self._own_head_confirmed = False
         self._request_id = 0
         self._bad_peers: collections.Counter = collections.Counter()
         self.syncs = collections.Counter()  # "ok" / "failed" sessions as caller
@@ -214,6 +220,7 @@ class LedgerService:
     async def append(self, body: Body) -> SignedEntry:
         """Sign, store durably, apply and publish a new entry of ours. LedgerError if refused."""
         async with self._append_lock:
+            await self._confirm_own_head()
             me = self.node.peer_id
             head = self.ledger.head_of(me)
             prev = self.ledger.hash_at(me, head) if head else GENESIS
@@ -235,9 +242,30 @@ class LedgerService:
             log.info("ledger: publishing seq %d failed (%s); peers will sync it", se.seq, e)
         return se
 
+    async def _confirm_own_head(self) -> None:
+        """Before our first append after start, pull once from a connected peer.
+
+        A node that lost its database (or restored an old one) but whose entries peers still hold
+        would otherwise sign a second, different entry for a seq it already used: an equivocation.
+        One sync round first brings our own log back. With no peer connected we go ahead: there is
+        nobody to learn from, and the risk only exists for a node whose disk lost committed data.
+        """
+        if self._own_head_confirmed:
+            return
+        self._own_head_confirmed = True
+        connected = [p for p in self.node.host.connected_peers() if p != self.node.peer_id]
+        if connected:
+            await self.sync_with(self._rng.choice(connected))
+
     def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
-        """Record verified bytes received from ``peer`` (batched into one receipt per interval)."""
-        if peer == self.node.peer_id or nbytes <= 0:
+        """Record verified bytes received from ``peer`` (batched into one receipt per interval).
+
+        Called by the shard downloader for every verified piece; cheap, never blocks. ValueError for
+        arguments that could never make a valid receipt (a caller's bug).
+        """
+        if not isinstance(peer, str) or not is_peer_id(peer) or len(manifest_id) != 32 or nbytes < 0 or pieces < 0:
+            raise ValueError(f"note_received: bad receipt ({peer[:20]!r}, {len(manifest_id)}-byte id, {nbytes}, {pieces})")
+        if peer == self.node.peer_id or nbytes == 0:
             return
         key = (peer, manifest_id)
         acc = self._receipts.get(key)
@@ -455,7 +483,11 @@ class LedgerService:
         return self._request_id
 
     async def _call_sync(self, peer: str, total: IngestReport) -> None:
-        stream = await self.node.host.open_stream(peer, PROTOCOL)
+        with trio.move_on_after(STREAM_OPEN_TIMEOUT) as scope:
+            stream = await self.node.host.open_stream(peer, PROTOCOL)
+        if scope.cancelled_caught:
+            self.syncs["open-timeout"] += 1
+            raise trio.BrokenResourceError(f"no stream to {peer} within {STREAM_OPEN_TIMEOUT} s")
         try:
             await write_frame(stream, SyncHello(heads=tuple(self.ledger.heads()[:MAX_AUTHORS])))
             hello = await _expect(stream, SyncHello)
@@ -573,7 +605,10 @@ class LedgerService:
             with trio.move_on_after(self.config.receipt_interval):
                 await self._receipts_full.wait()
             self._receipts_full = trio.Event()
-            await self.flush_receipts()
+            try:
+                await self.flush_receipts()
+            except LedgerError as e:  # e.g. our own log is flagged: keep the node running
+                log.error("ledger: receipts not recorded: %s", e)
 
 
 def _merge(into: IngestReport, other: IngestReport) -> None:
