@@ -1,0 +1,103 @@
+"""Real processes: trainer + 2 validators + an honest and a cheating inference node; kill -9 a validator.
+
+The survivor takes over the dead validator's share (the trainer re-assigns after ``verify_timeout_s``
+by rendezvous ranking), the cheat's batches are rejected with a reason and it is penalised in the
+ledger, and every batch the trainer acknowledged ends in exactly one state: none lost, none trained
+twice. Slow: six Python processes that each import torch.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from node.ledger.store import open_ledger_store
+from node.localswarm import LocalSwarm
+from node.validator.cli import collect
+
+pytestmark = pytest.mark.slow
+
+RUN = """
+[run]
+name = "mp-validator"
+trainers = ["{trainer}"]
+validators = ["{v1}", "{v2}"]
+
+[rl]
+group_size = 4
+prompts_per_batch = 2
+max_new_tokens = 8
+
+[grpo]
+min_batch_samples = 8
+
+[trainer]
+verify_timeout_s = 15.0
+init_warmup_steps = 0
+
+[shards]
+announce_interval = 1.0
+progress = false
+
+[validator]
+ban_threshold = 1000
+"""
+CHEAT = '\n[worker]\ncheat = "fake-rewards"\n'
+
+
+def section(swarm: LocalSwarm, name: str, key: str) -> dict:
+    return swarm.status(name).get(key) or {}
+
+
+def judged(swarm: LocalSwarm, name: str) -> int:
+    v = section(swarm, name, "validator").get("verdicts", {})
+    return v.get("accepted", 0) + v.get("rejected", 0)
+
+
+def test_validator_killed_mid_run_the_other_takes_over(tmp_path):
+    with LocalSwarm(tmp_path, log_level="warning") as swarm:
+        ids = {n: swarm.peer_id(n) for n in ("trainer", "v1", "v2")}
+        honest_run = swarm.write_run_file(RUN.format(**ids))
+        cheat_run = tmp_path / "cheat.toml"
+        cheat_run.write_text(RUN.format(**ids) + CHEAT)
+
+        swarm.start("trainer", "trainer", wait=120)
+        swarm.wait_until(lambda: section(swarm, "trainer", "trainer").get("published") == 0, timeout=180)
+        swarm.start("v1", "validator", wait=120)
+        swarm.start("v2", "validator", wait=120)
+        swarm.start("honest", "inference", wait=120)
+        swarm.run_file = cheat_run
+        swarm.start("cheat", "inference", wait=120)
+        swarm.run_file = honest_run
+
+        # Both validators get a share (rendezvous hashing over the live ones).
+        swarm.wait_until(lambda: judged(swarm, "v1") >= 1 and judged(swarm, "v2") >= 1, timeout=300)
+        swarm.kill("v1", signal.SIGKILL)
+        killed_at = time.monotonic()
+        before = judged(swarm, "v2")
+        # The survivor keeps judging: new batches, and those the dead one held once the trainer times out.
+        swarm.wait_until(lambda: judged(swarm, "v2") >= before + 4, timeout=300)
+        trainer = section(swarm, "trainer", "trainer")
+        assert trainer["batches"]["trained"] >= 1, trainer
+
+        # Stop generating, then every acknowledged batch must be decided: none lost between validators.
+        swarm.kill("honest", signal.SIGTERM)
+        swarm.kill("cheat", signal.SIGTERM)
+        swarm.wait_until(lambda: section(swarm, "trainer", "trainer")["batches"]["gated"] == 0, timeout=240)
+        assert time.monotonic() - killed_at > 0
+        trainer = section(swarm, "trainer", "trainer")
+        b = trainer["batches"]
+        # Each acknowledged batch is in exactly one state (gated/ready/trained/rejected): none twice.
+        assert b["gated"] + b["ready"] + b["trained"] + b["rejected"] == trainer["intake"]["accepted"], trainer
+        assert trainer["gate"]["verdicts"].get("failed", 0) >= 1, trainer["gate"]
+
+        v2 = section(swarm, "v2", "validator")
+        assert v2["reasons"].get("reward_mismatch", 0) >= 1, v2
+        with open_ledger_store(tmp_path / "v2", read_only=True) as store:
+            report = collect(store, time.time())
+        cheat_id = swarm.peer_id("cheat")
+        honest_id = swarm.peer_id("honest")
+        assert any(p["peer"] == cheat_id and p["reason"] == "reward_mismatch" for p in report["penalties"]), report
+        assert not any(p["peer"] == honest_id for p in report["penalties"]), report
