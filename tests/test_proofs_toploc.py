@@ -33,25 +33,25 @@ def acts(t: int, h: int, seed: int = 0) -> torch.Tensor:
 
 def test_interpolation_passes_through_every_point():
     rng = np.random.default_rng(0)
-    x = np.stack([rng.choice(P, size=128, replace=False) for _ in range(5)]).astype(np.int64)
-    y = rng.integers(0, P, size=(5, 128), dtype=np.int64)
-    coeffs = interpolate(x, y)
+    x = torch.tensor(np.stack([rng.choice(P, size=128, replace=False) for _ in range(5)]), dtype=torch.int64)
+    y = torch.tensor(rng.integers(0, P, size=(5, 128)), dtype=torch.int64)
+    coeffs = interpolate(x, y.clone())
     assert coeffs.shape == (5, 128) and (coeffs < P).all() and (coeffs >= 0).all()
-    assert (evaluate(coeffs, x) == y).all()
+    assert torch.equal(evaluate(coeffs, x), y)
 
 
 def test_interpolation_matches_a_known_polynomial():
     # 3 + 2X + X^2 through three points: the coefficients come back, lowest degree first.
-    x = np.array([[1, 5, 9]], dtype=np.int64)
+    x = torch.tensor([[1, 5, 9]])
     y = 3 + 2 * x + x * x
     assert interpolate(x, y).tolist() == [[3, 2, 1]]
 
 
 def test_modulus_is_the_largest_injective_one():
-    small = np.arange(128, dtype=np.int64)[None, :] * 3  # all below P: P itself works
+    small = torch.arange(128)[None, :] * 3  # all below P: P itself works
     assert injective_moduli(small).tolist() == [P]
     # 0 and P collide mod P, so the search must go lower; check against a plain scan.
-    idx = np.array([[0, P, 2 * P + 5, 7]], dtype=np.int64)
+    idx = torch.tensor([[0, P, 2 * P + 5, 7]])
     m = int(injective_moduli(idx)[0])
     expected = next(c for c in range(P, 3, -1) if len({int(v) % c for v in idx[0]}) == 4)
     assert m == expected < P
