@@ -164,20 +164,27 @@ def _topk_points(hidden: torch.Tensor, chunk_tokens: int, topk: int) -> list[_Po
 
 
 # --------------------------------------------------------------------------------------------
-# Field arithmetic over GF(65497), vectorised over chunks in torch int64 on the activations' device
-# (products of two residues stay < 2^32; ``%`` on tensors is floor-mod, so results are in [0, p)).
+# Field arithmetic over GF(65497), vectorised over chunks with torch on the activations' device.
+# Residues are held in float64: every intermediate (a product of two residues plus a residue, or a
+# sum of 128 such products) stays below 2^53 and so is exact, and float ``fmod`` is vectorised on
+# CPUs where int64 ``%`` is a scalar division (~7x slower here). Operands are kept non-negative,
+# so ``fmod`` is the field's reduction.
+
+
+def _mod(x: torch.Tensor) -> torch.Tensor:
+    return torch.fmod(x, P)
 
 
 @functools.cache
 def _inverses(device: torch.device) -> torch.Tensor:
-    """inv[a] = a^(p-2) mod p for every a (Fermat), on ``device``; inv[0] = 0 is never used."""
-    base = torch.arange(P, dtype=torch.int64, device=device)
-    result = torch.ones(P, dtype=torch.int64, device=device)
+    """inv[a] = a^(p-2) mod p for every a (Fermat), as float64 on ``device``; inv[0] = 0 is never used."""
+    base = torch.arange(P, dtype=torch.float64, device=device)
+    result = torch.ones(P, dtype=torch.float64, device=device)
     e = P - 2
     while e:
         if e & 1:
-            result = result * base % P
-        base = base * base % P
+            result = _mod(result * base)
+        base = _mod(base * base)
         e >>= 1
     return result
 
@@ -192,7 +199,7 @@ def injective_moduli(index: torch.Tensor) -> torch.Tensor:
     top = P
     while todo.numel() and top >= k:
         cand = torch.arange(top, max(top - MODULUS_BLOCK, k - 1), -1, dtype=torch.int64, device=index.device)  # (M,)
-        rem = (index[todo][:, None, :] % cand[None, :, None]).sort(dim=2).values  # (C', M, k)
+        rem = torch.fmod(index[todo][:, None, :].double(), cand[None, :, None].double()).sort(dim=2).values
         injective = (rem.diff(dim=2) != 0).all(dim=2)  # (C', M)
         found = injective.any(dim=1)
         first = injective.int().argmax(dim=1)
@@ -205,33 +212,38 @@ def injective_moduli(index: torch.Tensor) -> torch.Tensor:
 def interpolate(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Coefficients (lowest degree first) of the polynomials through (x[c], y[c]) over GF(p).
 
-    x, y: (C, k) int64 with each row of x distinct mod p. Newton's divided differences, then
-    expansion of the Newton form into the monomial basis; O(k^2) work per chunk in 2k vector steps.
+    x, y: (C, k) non-negative int64 with each row of x distinct mod p; returns (C, k) int64.
+    Newton's divided differences, then expansion of the Newton form into the monomial basis;
+    O(k^2) work per chunk in 2k vector steps.
     """
     inv = _inverses(x.device)
-    x = x % P
-    dd = y % P  # (C, k)
+    x = _mod(x.double())
+    dd = _mod(y.double())  # (C, k)
     k = dd.shape[1]
     for j in range(1, k):  # dd[:, i] <- (dd[:, i] - dd[:, i-1]) / (x[:, i] - x[:, i-j]) for i >= j
-        dd[:, j:] = (dd[:, j:] - dd[:, j - 1 : -1]) % P * inv[(x[:, j:] - x[:, :-j]) % P] % P
-    coeffs = torch.zeros_like(dd)
+        denom = _mod(x[:, j:] - x[:, :-j] + P).long()
+        dd[:, j:] = _mod(_mod(dd[:, j:] - dd[:, j - 1 : -1] + P) * inv[denom])
+    neg_x = P - x  # -x_i mod p, kept positive (x_i = 0 gives p, which reduces to 0 below)
+    coeffs = torch.zeros_like(dd)  # reduced once at the end: 128 terms < p^2 stay below 2^53
     basis = torch.zeros_like(dd)  # prod_{i' < i} (X - x_i'), lowest degree first
     basis[:, 0] = 1
     for i in range(k):
-        coeffs = (coeffs + dd[:, i : i + 1] * basis) % P
+        coeffs += dd[:, i : i + 1] * basis
         if i + 1 < k:  # basis <- basis * (X - x_i)
             shifted = torch.zeros_like(basis)
             shifted[:, 1:] = basis[:, :-1]
-            basis = (shifted - x[:, i : i + 1] * basis) % P
-    return coeffs
+            basis = _mod(shifted + neg_x[:, i : i + 1] * basis)
+    return _mod(coeffs).long()
 
 
 def evaluate(coeffs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Horner: (C, k) coefficients at (C, n) points -> (C, n) values in [0, p)."""
-    y = coeffs[:, -1:].expand(x.shape).clone()
-    for j in range(coeffs.shape[1] - 2, -1, -1):
-        y = (y * x + coeffs[:, j : j + 1]) % P
-    return y
+    """Horner: (C, k) coefficients at (C, n) non-negative points -> (C, n) int64 values in [0, p)."""
+    c = coeffs.double()
+    x = _mod(x.double())
+    y = c[:, -1:].expand(x.shape).clone()
+    for j in range(c.shape[1] - 2, -1, -1):
+        y = _mod(y * x + c[:, j : j + 1])
+    return y.long()
 
 
 # --------------------------------------------------------------------------------------------
