@@ -187,37 +187,42 @@ def test_resume_never_requests_verified_pieces() -> None:
     assert p.complete and p.poll(0.2).requests == []
 
 
-def test_super_seeder_sends_each_piece_once() -> None:
-    s = SuperSeeder(12, reveal_ahead=2, stall_seconds=10.0, rng=random.Random(1))
-    outstanding = {p: list(s.on_bitfield(p, set(), 0.0)) for p in "abc"}
-    assert sorted(len(v) for v in outstanding.values()) == [2, 2, 2]
-    assert len(set().union(*map(set, outstanding.values()))) == 6  # six different pieces
+def test_super_seeder_sends_each_piece_once_two_at_a_time() -> None:
+    s = SuperSeeder(12, in_transit=2, stall_seconds=10.0, rng=random.Random(1))
+    shown: list[tuple[str, int]] = []
+    for p in "abc":
+        shown += s.on_bitfield(p, set(), 0.0)
+    assert len(shown) == 2 and len({piece for _, piece in shown}) == 2  # two pieces out, not six
     t = 0.0
-    while any(outstanding.values()):  # downloaders finish what they were shown, in turn
-        for p in "abc":
-            if outstanding[p]:
-                t += 0.1
-                outstanding[p] += s.on_have(p, outstanding[p].pop(0), t)
+    while shown:  # recipients report their piece; each report frees a slot for the next piece
+        peer, piece = shown.pop(0)
+        t += 0.1
+        new = s.on_have(peer, piece, t)
+        assert s.outstanding() <= 2
+        # The next piece goes to a downloader with nothing in transit, holding fewest pieces.
+        for p, _ in new:
+            assert not s.peers[p].revealed - {x for q, x in new if q == p}
+        shown += new
     assert s.sent == [1] * 12  # every piece went out exactly once; the rest is peer to peer
-    assert s.top_up("a", t + 100.0) == []  # everything is held by someone: nothing to re-send
+    assert s.reveal(t + 100.0) == []  # everything is held by someone: nothing to re-send
+    counts = Counter(len(d.holds) for d in s.peers.values())
+    assert sum(k * v for k, v in counts.items()) == 12 and max(counts) - min(counts) <= 1  # spread evenly
 
 
 def test_super_seeder_resends_stalled_or_orphaned_pieces() -> None:
-    s = SuperSeeder(3, reveal_ahead=1, stall_seconds=10.0, rng=random.Random(2))
-    (pa,) = s.on_bitfield("a", set(), 0.0)
-    (pb,) = s.on_bitfield("b", set(), 0.0)
-    (pc,) = s.on_bitfield("c", set(), 0.0)
-    s.on_have("b", pb, 1.0)
-    s.on_have("c", pc, 1.0)
-    assert s.top_up("b", 5.0) == []  # a's piece is in transit, not stalled yet
-    assert s.top_up("b", 10.0) == [pa]  # a sat on it for 10 s: show it to b as well
-    s.on_peer_gone("a")
-    assert s.sent[pa] == 1  # a never delivered; b's copy is the one that counts
+    s = SuperSeeder(1, in_transit=1, stall_seconds=10.0, rng=random.Random(2))
+    ((first, pa),) = s.on_bitfield("a", set(), 0.0)
+    assert s.on_bitfield("b", set(), 0.0) == []  # budget used: b waits
+    assert s.reveal(5.0) == []  # a's piece is in transit, not stalled yet
+    again = s.reveal(10.0)  # a sat on it for 10 s: it goes out again, to b
+    assert again == [("b", pa)]
+    assert s.sent[pa] == 2
+    gone = s.on_peer_gone("a", 11.0)
+    assert s.sent[pa] == 1 and gone == []  # a never delivered; the second copy is the one that counts
 
 
-def test_super_seeder_forgets_gone_peers() -> None:
-    s = SuperSeeder(4, reveal_ahead=2, rng=random.Random(2))
-    gone = s.on_bitfield("x", set(), 0.0)
-    s.on_peer_gone("x")
-    assert all(s.sent[i] == 0 for i in gone)
-    assert len(s.on_bitfield("y", set(), 0.0)) == 2
+def test_super_seeder_gives_a_gone_peers_piece_to_another() -> None:
+    s = SuperSeeder(4, in_transit=1, rng=random.Random(2))
+    ((_, piece),) = s.on_bitfield("x", set(), 0.0)
+    s.on_bitfield("y", set(), 0.0)
+    assert s.on_peer_gone("x", 1.0) == [("y", piece)] or s.sent[piece] == 0

@@ -118,6 +118,7 @@ class _ServerSession:
         self.wakeup = trio.Event()
         self.seeder = svc.superseeders.get(vs.signed.root)
         self.shown: set[int] = set()  # pieces advertised to this peer (super-seeding)
+        self.bitfield_sent = False
 
     def visible(self) -> set[int]:
         if self.seeder is None:
@@ -126,9 +127,17 @@ class _ServerSession:
 
     async def run(self, hello: Hello) -> None:
         n = self.vs.manifest.num_pieces
+        later: list[tuple[str, int]] = []
         if self.seeder is not None:
-            self.shown |= set(self.seeder.on_bitfield(self.peer, pieces_of(hello.bitfield, n), trio.current_time()))
-        await _send(self.stream, self.lock, Bitfield(bitfield=bitfield_of(self.visible(), n)))
+            for peer, piece in self.seeder.on_bitfield(self.peer, pieces_of(hello.bitfield, n), trio.current_time()):
+                if peer == self.peer:
+                    self.shown.add(piece)  # goes out in the bitfield below
+                else:
+                    later.append((peer, piece))
+        async with self.lock:  # reveals routed meanwhile wait, then go out as Have after this
+            await write_frame(self.stream, Bitfield(bitfield=bitfield_of(self.visible(), n)))
+            self.bitfield_sent = True
+        self.svc.route_reveals(self.vs.signed.root, later)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_queue)
             if self.seeder is not None:
@@ -156,21 +165,25 @@ class _ServerSession:
                     pass  # already sent: the cancel raced the data
             elif isinstance(msg, Have):
                 if self.seeder is not None and msg.piece < self.vs.manifest.num_pieces:
-                    await self.reveal(self.seeder.on_have(self.peer, msg.piece, trio.current_time()))
+                    reveals = self.seeder.on_have(self.peer, msg.piece, trio.current_time())
+                    self.svc.route_reveals(self.vs.signed.root, reveals)
             else:
                 raise RemoteProtocolError("unexpected", msg.TYPE)
 
-    async def reveal(self, pieces: list[int]) -> None:
-        for p in pieces:
-            if p not in self.shown:
-                self.shown.add(p)
-                await _send(self.stream, self.lock, Have(piece=p))
+    async def reveal(self, piece: int) -> None:
+        """Super-seeding: show this peer one more piece."""
+        async with self.lock:
+            if piece in self.shown:
+                return
+            self.shown.add(piece)
+            if self.bitfield_sent:  # else it goes out in the bitfield
+                await write_frame(self.stream, Have(piece=piece))
 
     async def _reveal_stalled(self) -> None:
         """Super-seeding: pieces stuck at a slow first recipient are shown again after a while."""
         while True:
             await trio.sleep(self.seeder.stall_seconds / 4)
-            await self.reveal(self.seeder.top_up(self.peer, trio.current_time()))
+            self.svc.route_reveals(self.vs.signed.root, self.seeder.reveal(trio.current_time()))
 
     async def push_have(self, piece: int) -> None:
         """We verified ``piece`` (a download in progress): tell this peer at once."""
@@ -564,6 +577,14 @@ class ShardsService:
         for sess in list(self.server_sessions.get(vs.signed.root, ())):
             self._nursery.start_soon(_quietly, sess.push_have, piece)
 
+    def route_reveals(self, root: bytes, reveals: list[tuple[str, int]]) -> None:
+        """Send super-seeding reveals to the sessions of the peers they are for."""
+        for peer, piece in reveals:
+            for sess in self.server_sessions.get(root, ()):
+                if sess.peer == peer:
+                    self._nursery.start_soon(_quietly, sess.reveal, piece)
+                    break
+
     def _serve(self, vs: VersionStore) -> None:
         self.serving[vs.signed.root] = vs
 
@@ -605,11 +626,8 @@ class ShardsService:
                     await sess.run(first)
                 finally:
                     self.server_sessions[first.root].discard(sess)
-                    if sess.seeder is not None:
-                        sess.seeder.on_peer_gone(peer)
-                        # Pieces shown to the gone peer may now go to others: top everyone up.
-                        for other in list(self.server_sessions[first.root]):
-                            self._nursery.start_soon(_quietly, other.reveal, sess.seeder.top_up(other.peer, trio.current_time()))
+                    if sess.seeder is not None:  # what it was shown may now go to others
+                        self.route_reveals(first.root, sess.seeder.on_peer_gone(peer, trio.current_time()))
             elif first is not None:
                 raise RemoteProtocolError("unexpected", first.TYPE)
         # except*: errors raised under the session's nursery arrive as exception groups.
