@@ -21,14 +21,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from node.model import build_tiny_model, build_tokenizer  # noqa: E402
-from node.rl.config import GRPOConfig  # noqa: E402
-from node.rl.grpo import TrainSample, make_optimizer, pack, train_step  # noqa: E402
+from node.model import build_tiny_model, build_tokenizer
+from node.rl.config import GRPOConfig
+from node.rl.grpo import TrainSample, make_optimizer, pack, train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from inference import PRESETS  # noqa: E402
+from inference import PRESETS
 
 
 def make_samples(n: int, max_len: int, vocab: int, seed: int) -> list[TrainSample]:
@@ -77,7 +77,7 @@ def main() -> None:
     res = {True: [0.0, 0], False: [0.0, 0]}
     for _ in range(args.repeats):
         for packed in (False, True):
-            s, toks, rows = run(copy.deepcopy(base), samples, cfg, packed, args.device)
+            s, toks, _ = run(copy.deepcopy(base), samples, cfg, packed, args.device)
             res[packed][0] += s
             res[packed][1] += toks
     un = res[False][1] / res[False][0]

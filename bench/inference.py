@@ -18,13 +18,19 @@ import os
 import sys
 import tempfile
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from node.engines.torch_engine import TorchEngine  # noqa: E402
-from node.model import TinyModelSpec, build_tiny_model, build_tokenizer, save_model_folder  # noqa: E402
+from node.engines.torch_engine import TorchEngine
+from node.model import (
+    TinyModelSpec,
+    build_tiny_model,
+    build_tokenizer,
+    save_model_folder,
+)
 
 PRESETS = {
     "tiny": TinyModelSpec(),
@@ -81,17 +87,21 @@ def main() -> None:
     base_tok = base_s = eng_tok = eng_s = proof_s = 0.0
     for r in range(args.repeats):
         torch.manual_seed(r)
-        with torch.no_grad():
-            out, s = timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
-                                               max_new_tokens=args.tokens, pad_token_id=tok.pad_token_id), args.device)
+
+        def baseline():
+            with torch.no_grad():
+                return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                                   max_new_tokens=args.tokens, pad_token_id=tok.pad_token_id)
+
+        out, s = timed(baseline, args.device)
         new = out[:, len(prompt):]
         n_base = sum(int((row == tok.eos_token_id).nonzero()[0, 0]) + 1 if (row == tok.eos_token_id).any() else len(row)
                      for row in new)
         base_tok, base_s = base_tok + n_base, base_s + s
-        groups, s = timed(lambda: engine.generate([prompt], args.batch, 1.0, 1.0, args.tokens, seed=r), args.device)
+        groups, s = timed(partial(engine.generate, [prompt], args.batch, 1.0, 1.0, args.tokens, seed=r), args.device)
         samples = groups[0]
         eng_tok, eng_s = eng_tok + sum(x.num_tokens for x in samples), eng_s + s
-        _, s = timed(lambda: build_proofs_many([x.hidden for x in samples]), "cpu")
+        _, s = timed(partial(build_proofs_many, [x.hidden for x in samples]), "cpu")
         proof_s += s
 
     base_rate, eng_rate = base_tok / base_s, eng_tok / eng_s

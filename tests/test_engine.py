@@ -9,11 +9,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from node.engines.base import FINISH_LENGTH, FINISH_STOP, Engine  # noqa: E402
-from node.engines.sampling import sample_tokens, sequence_seed, top_p_mask, uniform_noise  # noqa: E402
-from node.engines.torch_engine import TorchEngine  # noqa: E402
-from node.model import TinyModelSpec, create_tiny_model  # noqa: E402
-from node.proofs.capture import recompute_decode_states  # noqa: E402
+from node.engines.base import FINISH_LENGTH, FINISH_STOP, Engine
+from node.engines.sampling import (
+    sample_tokens,
+    sequence_seed,
+    top_p_mask,
+    uniform_noise,
+)
+from node.engines.torch_engine import TorchEngine
+from node.model import TinyModelSpec, create_tiny_model
+from node.proofs.capture import recompute_decode_states
 
 SMALL = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1)
@@ -107,7 +112,7 @@ def test_fixed_seed_gives_identical_samples_and_other_seeds_differ(engine):
     a = engine.generate(prompts, 3, 1.0, 1.0, 8, seed=11)
     b = engine.generate(prompts, 3, 1.0, 1.0, 8, seed=11)
     c = engine.generate(prompts, 3, 1.0, 1.0, 8, seed=12)
-    ids = lambda g: [s.completion_ids for grp in g for s in grp]  # noqa: E731
+    ids = lambda g: [s.completion_ids for grp in g for s in grp]
     assert ids(a) == ids(b)
     assert ids(a) != ids(c)
     assert [s.logprobs for grp in a for s in grp] == [s.logprobs for grp in b for s in grp]

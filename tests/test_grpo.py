@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from node.model import TinyModelSpec, build_tiny_model, build_tokenizer  # noqa: E402
-from node.rl.config import GRPOConfig  # noqa: E402
-from node.rl.grpo import (  # noqa: E402
+from node.model import TinyModelSpec, build_tiny_model, build_tokenizer
+from node.rl.config import GRPOConfig
+from node.rl.grpo import (
     IGNORE,
     TrainSample,
     batch_loss,
@@ -22,7 +22,7 @@ from node.rl.grpo import (  # noqa: E402
     token_logprobs,
     train_step,
 )
-from node.rl.rewards import filter_groups, group_advantages, has_signal  # noqa: E402
+from node.rl.rewards import filter_groups, group_advantages, has_signal
 
 CFG = GRPOConfig(epsilon=0.2, delta=4.0, kl_coef=0.0, entropy_coef=0.0)
 SMALL = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from node.model import (  # noqa: E402
+from node.model import (
     ALPHABET,
     EOS,
     PAD,

@@ -9,13 +9,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from node.engines.torch_engine import TorchEngine  # noqa: E402
-from node.model import TinyModelSpec, create_default_model, create_tiny_model, is_model_folder  # noqa: E402
-from node.rl.cli import add_commands  # noqa: E402
-from node.rl.config import GRPOConfig, RLConfig  # noqa: E402
-from node.rl.loop import run_local_loop  # noqa: E402
-from node.rl.rollout import make_groups, train_samples  # noqa: E402
-from node.rl.tasks import draw_task, load_taskset  # noqa: E402
+from node.engines.torch_engine import TorchEngine
+from node.model import (
+    TinyModelSpec,
+    create_default_model,
+    create_tiny_model,
+    is_model_folder,
+)
+from node.rl.cli import add_commands
+from node.rl.config import GRPOConfig, RLConfig
+from node.rl.loop import run_local_loop
+from node.rl.rollout import make_groups, train_samples
+from node.rl.tasks import draw_task, load_taskset
 
 SMALL = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1)

@@ -9,7 +9,14 @@ import pytest
 
 from node.rl.rewards import budget_instruction, combined_reward, length_penalty
 from node.rl.synthetic import make_reversal_tasks, reversal_reward, write_taskset
-from node.rl.tasks import KINDS, TaskFormatError, draw_index, draw_task, load_taskset, parse_taskset
+from node.rl.tasks import (
+    KINDS,
+    TaskFormatError,
+    draw_index,
+    draw_task,
+    load_taskset,
+    parse_taskset,
+)
 
 
 def line(**kw):

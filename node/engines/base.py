@@ -10,9 +10,10 @@ the per-token log-probabilities under the tempered sampling distribution, and th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 FINISH_STOP = "stop"  # the sequence ended with the eos token (included in completion_ids)
 FINISH_LENGTH = "length"  # max_new_tokens reached without eos

@@ -13,8 +13,8 @@ same forward calls, so the engine never computes them twice.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

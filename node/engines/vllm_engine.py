@@ -28,8 +28,8 @@ Settings, following INTELLECT-2:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .base import FINISH_LENGTH, FINISH_STOP, Sample
 from .sampling import sequence_seed
@@ -68,7 +68,6 @@ class _StepRecorder:
                 self.prefix[seq_id] = tuple(data.output_token_ids)
                 self.states.setdefault(seq_id, []).append(picked[row])
                 row += 1
-        return None
 
 
 class VLLMEngine:
@@ -114,11 +113,12 @@ class VLLMEngine:
         def tensors():
             for f in files:
                 with safe_open(str(f), framework="pt") as fh:
-                    for key in fh.keys():
+                    for key in fh.keys():  # noqa: SIM118 - safe_open handles are not dicts
                         yield key, fh.get_tensor(key)
 
         self._model().load_weights(tensors())
-        self.llm.llm_engine.reset_prefix_cache() if hasattr(self.llm.llm_engine, "reset_prefix_cache") else None
+        if hasattr(self.llm.llm_engine, "reset_prefix_cache"):  # cached KV of old weights must not be reused
+            self.llm.llm_engine.reset_prefix_cache()
         self.path = Path(path)
 
     @property

@@ -98,8 +98,7 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("step,mean_reward,seconds\n")
-            for s in rows:
-                f.write(f"{s.step},{s.mean_reward:.5f},{s.seconds:.4f}\n")
+            f.writelines(f"{s.step},{s.mean_reward:.5f},{s.seconds:.4f}\n" for s in rows)
     k = max(1, min(10, len(rows) // 4))
     first = sum(s.mean_reward for s in rows[:k]) / k
     last = sum(s.mean_reward for s in rows[-k:]) / k

@@ -31,8 +31,8 @@ Everything here is pure tensor maths plus the model's forward; no I/O.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .config import GRPOConfig, RLConfig
 from .grpo import make_optimizer, train_step

@@ -7,7 +7,7 @@ functions must be deterministic and cheap.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 ADV_EPS = 1e-6  # INTELLECT-2 / GRPO: (r - mean) / (std + 1e-6)
 

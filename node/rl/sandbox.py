@@ -47,6 +47,9 @@ class Limits:
     output_kb: int = 64  # RLIMIT_FSIZE: max bytes of stdout, of stderr and of any file written
 
 
+DEFAULT_LIMITS = Limits()
+
+
 @dataclass
 class SandboxResult:
     returncode: int | None  # None when killed at the wall-clock limit
@@ -88,7 +91,8 @@ def isolation_mode() -> tuple[str, tuple[str, ...], str]:
     for name, prefix in ladder:
         for python in _interpreters():
             try:
-                r = subprocess.run(list(prefix) + [python, "-I", "-S", "-c", "pass"], capture_output=True, timeout=10)
+                r = subprocess.run(list(prefix) + [python, "-I", "-S", "-c", "pass"], capture_output=True, timeout=10,
+                                   check=False)
             except (OSError, subprocess.SubprocessError):
                 continue
             if r.returncode == 0:
@@ -124,7 +128,7 @@ def _limit_prefix(limits: Limits, nproc: int) -> list[str]:
             f"--nofile={OPEN_FILES}", f"--nproc={nproc}", "--"]
 
 
-def run_python(code: str, limits: Limits = Limits()) -> SandboxResult:
+def run_python(code: str, limits: Limits = DEFAULT_LIMITS) -> SandboxResult:
     """Run ``code`` as a Python program under the sandbox; never raises for anything the code does."""
     mode, prefix, python = isolation_mode()
     if len(code.encode("utf-8", "replace")) > MAX_CODE_BYTES:

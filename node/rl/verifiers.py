@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .sandbox import Limits, run_python
+from .sandbox import DEFAULT_LIMITS, Limits, run_python
 from .synthetic import reversal_reward
 from .tasks import Task
 
@@ -126,7 +126,7 @@ class CodeVerdict:
     isolation: str
 
 
-def code_verdict(completion: str, tests: str, limits: Limits = Limits()) -> CodeVerdict:
+def code_verdict(completion: str, tests: str, limits: Limits = DEFAULT_LIMITS) -> CodeVerdict:
     """Run candidate + tests in the sandbox; reward 1 only on a clean exit within the limits."""
     program = extract_code(completion) + "\n\n# --- tests ---\n" + tests + "\n"
     res = run_python(program, limits)
@@ -139,11 +139,11 @@ def code_verdict(completion: str, tests: str, limits: Limits = Limits()) -> Code
     return CodeVerdict(0.0, "failed", res.isolation)
 
 
-def code_reward(completion: str, tests: str, limits: Limits = Limits()) -> float:
+def code_reward(completion: str, tests: str, limits: Limits = DEFAULT_LIMITS) -> float:
     return code_verdict(completion, tests, limits).reward
 
 
-def task_reward(task: Task, completion: str, code_limits: Limits = Limits()) -> float:
+def task_reward(task: Task, completion: str, code_limits: Limits = DEFAULT_LIMITS) -> float:
     """The reward of ``completion`` for ``task`` (dispatch on the task kind)."""
     if task.kind == "synthetic":
         return reversal_reward(completion, task.answer or "")

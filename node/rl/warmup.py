@@ -9,8 +9,8 @@ task set), stopped early on purpose so that RL still has a clear gap to close on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
