@@ -76,22 +76,27 @@ def test_validator_killed_mid_run_the_other_takes_over(tmp_path):
         swarm.wait_until(lambda: judged(swarm, "v1") >= 1 and judged(swarm, "v2") >= 1, timeout=300)
         swarm.kill("v1", signal.SIGKILL)
         killed_at = time.monotonic()
+        gate = section(swarm, "trainer", "trainer").get("gate", {})
+        held_by_dead = gate.get("per_validator", {}).get(ids["v1"], 0)  # as of the trainer's last status write
         before = judged(swarm, "v2")
         # The survivor keeps judging: new batches, and those the dead one held once the trainer times out.
         swarm.wait_until(lambda: judged(swarm, "v2") >= before + 4, timeout=300)
-        trainer = section(swarm, "trainer", "trainer")
-        assert trainer["batches"]["trained"] >= 1, trainer
 
         # Stop generating, then every acknowledged batch must be decided: none lost between validators.
         swarm.kill("honest", signal.SIGTERM)
         swarm.kill("cheat", signal.SIGTERM)
         swarm.wait_until(lambda: section(swarm, "trainer", "trainer")["batches"]["gated"] == 0, timeout=240)
-        assert time.monotonic() - killed_at > 0
         trainer = section(swarm, "trainer", "trainer")
+        gate = trainer["gate"]
+        print(f"batches at v1 when killed: {held_by_dead}; trainer timeouts {gate['timeouts']}, "
+              f"reassignments {gate['reassignments']}; decided in {time.monotonic() - killed_at:.0f}s")
+        if held_by_dead:
+            assert gate["timeouts"] + gate["reassignments"] >= 1, gate
         b = trainer["batches"]
         # Each acknowledged batch is in exactly one state (gated/ready/trained/rejected): none twice.
         assert b["gated"] + b["ready"] + b["trained"] + b["rejected"] == trainer["intake"]["accepted"], trainer
         assert trainer["gate"]["verdicts"].get("failed", 0) >= 1, trainer["gate"]
+        assert trainer["gate"]["verdicts"].get("passed", 0) >= 1, trainer["gate"]
 
         v2 = section(swarm, "v2", "validator")
         assert v2["reasons"].get("reward_mismatch", 0) >= 1, v2
