@@ -51,14 +51,22 @@ def versions_on_disk(root: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in base.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
 
 
-def write_model_folder(root: Path, version: int, model, tokenizer) -> Path:
-    """Save ``model`` + ``tokenizer`` as the HF folder of ``version`` atomically; returns its path."""
+def write_model_folder(root: Path, version: int, model, tokenizer, state_dict: dict | None = None) -> Path:
+    """Save ``model`` + ``tokenizer`` as the HF folder of ``version`` atomically; returns its path.
+
+    ``state_dict``: full weights to write instead of the model's own (a sharded model's gathered state).
+    """
     from ..model import save_model_folder
 
     final = model_dir(root, version)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model_folder(model, tokenizer, tmp)
+    if state_dict is None:
+        save_model_folder(model, tokenizer, tmp)
+    else:
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
     _fsync_tree(tmp)
     if final.exists():  # a crash after the rename but before state.pt: the same step is redone
         shutil.rmtree(final)

@@ -84,6 +84,20 @@ def _initial_model(source: str, tcfg: TrainerConfig):
     return model, tok
 
 
+def _load_optimizer(policy: Policy, saved: dict) -> None:
+    """Restore AdamW state saved by one process (``optimizer.state_dict()``) or under FSDP (keyed by name)."""
+    if saved.get("fsdp"):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        set_optimizer_state_dict(policy.model, policy.optimizer, saved["state"],
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        policy.optimizer.load_state_dict(saved)
+
+
 class Policy:
     """Model + optimizer + step of the trainer (one process; see node/trainer/fsdp.py for several GPUs)."""
 
@@ -124,7 +138,7 @@ class Policy:
             model = load_model(folder, device=device, dtype=torch.float32)
             model.load_state_dict(state["model"])
             policy = cls(root, model, load_tokenizer(folder), cfg, tcfg, state["step"], device)
-            policy.optimizer.load_state_dict(state["optimizer"])
+            _load_optimizer(policy, state["optimizer"])
             policy.scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["rng"]["torch"])
             random.setstate(state["rng"]["python"])
@@ -176,6 +190,9 @@ class Policy:
             },
         }
 
+    def close(self) -> None:
+        """Release what the policy holds beyond memory (FSDP: the follower ranks)."""
+
     def save(self) -> Path:
         """Write the model folder of the current version, then the training state; returns the folder."""
         folder = checkpoints.write_model_folder(self.root, self.step, self.model, self.tokenizer)
@@ -183,3 +200,14 @@ class Policy:
         protect = {0} if self.cfg.kl_coef > 0 else set()
         checkpoints.prune_model_folders(self.root, self.tcfg.keep_checkpoints, protect=protect | {self.step})
         return folder
+
+
+def open_policy(root: Path, source: str, cfg: GRPOConfig, tcfg: TrainerConfig) -> tuple[Policy, bool]:
+    """The trainer's policy: sharded over the ranks when launched under torchrun (node/trainer/fsdp.py)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from .fsdp import FSDPPolicy
+
+        return FSDPPolicy.open(root, source, cfg, tcfg)
+    return Policy.open(root, source, cfg, tcfg)

@@ -51,7 +51,7 @@ from ..wire import MAX_FRAME, RemoteProtocolError, decode_as, read_frame, write_
 from .config import TrainerConfig
 from .gate import ValidatorGate
 from .intake import NOT_ATTRIBUTABLE, IntakeLimits, intake_reason, staleness_reason
-from .policy import Policy, training_samples
+from .policy import Policy, open_policy, training_samples
 from .spool import BatchState, Spool, StepRecord, open_spool
 
 log = logging.getLogger("node.trainer")
@@ -476,8 +476,8 @@ async def serve_trainer(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     cfg: GRPOConfig = node.run.section("grpo", GRPOConfig)
     tcfg: TrainerConfig = node.run.section("trainer", TrainerConfig)
     root = Path(node.data_dir) / "trainer"
-    policy, created = await trio.to_thread.run_sync(Policy.open, root, node.run.model, cfg, tcfg)
-    with open_spool(root / "spool.sqlite") as spool:
+    policy, created = await trio.to_thread.run_sync(open_policy, root, node.run.model, cfg, tcfg)
+    with open_spool(root / "spool.sqlite") as spool, contextlib.closing(policy):
         returned = spool.recover(policy.step)
         if returned:
             log.warning("trainer: %d batches of an unsaved step go back to the queue", returned)
