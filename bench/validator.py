@@ -27,17 +27,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from node.engines.torch_engine import TorchEngine  # noqa: E402
-from node.identity import Identity  # noqa: E402
-from node.model import TinyModelSpec, build_tiny_model, build_tokenizer, save_model_folder  # noqa: E402
-from node.proofs.toploc import build_proofs_many  # noqa: E402
-from node.rl.config import RLConfig  # noqa: E402
-from node.rollouts.draw import sampling_seed  # noqa: E402
-from node.validator import testing as T  # noqa: E402
-from node.validator.pipeline import BatchRules, CheckModel, judge_batch  # noqa: E402
-from node.validator.tasks import RunTasks  # noqa: E402
+from node.engines.torch_engine import TorchEngine
+from node.identity import Identity
+from node.model import (
+    TinyModelSpec,
+    build_tiny_model,
+    build_tokenizer,
+    save_model_folder,
+)
+from node.proofs.toploc import build_proofs_many
+from node.rl.config import RLConfig
+from node.rollouts.draw import sampling_seed
+from node.validator import testing as T
+from node.validator.pipeline import BatchRules, CheckModel, judge_batch
+from node.validator.tasks import RunTasks
 
 SHAPES = {
     "tiny": TinyModelSpec(),  # the embedded default (hidden 64, 2 layers)

@@ -17,7 +17,14 @@ from node.model import create_tiny_model
 from node.proofs.reasons import Reason
 from node.rl.config import RLConfig
 from node.validator import testing as T
-from node.validator.pipeline import BatchReason, BatchRules, CheckModel, Judgement, judge_batch, parse_batch
+from node.validator.pipeline import (
+    BatchReason,
+    BatchRules,
+    CheckModel,
+    Judgement,
+    judge_batch,
+    parse_batch,
+)
 from node.validator.store import ValidatorStore
 from node.validator.tasks import RunTasks
 
@@ -41,7 +48,7 @@ def world(tmp_path_factory):
 
 
 def judge(world, signed, current=VERSION, replayed=lambda p: False) -> Judgement:
-    engine, tasks, _, _, model = world
+    _, tasks, _, _, model = world
     return judge_batch(signed.batch, RULES, current_version=current, tasks=tasks, model=model, replayed=replayed)
 
 

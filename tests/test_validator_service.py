@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import trio
+from swarmtest import node_config, open_nodes
 
 from node.config import RunConfig
 from node.engines.torch_engine import TorchEngine
@@ -20,7 +21,12 @@ from node.identity import Identity, load_or_create_identity
 from node.metrics import Metrics
 from node.model import create_tiny_model
 from node.rl.config import RLConfig
-from node.rollouts.schema import VERDICTS_PROTOCOL, VERIFY_PROTOCOL, RolloutAck, open_verdict
+from node.rollouts.schema import (
+    VERDICTS_PROTOCOL,
+    VERIFY_PROTOCOL,
+    RolloutAck,
+    open_verdict,
+)
 from node.validator import testing as T
 from node.validator.cli import cmd_penalties
 from node.validator.config import ValidatorConfig
@@ -29,7 +35,6 @@ from node.validator.service import ValidatorService, rules_from_run
 from node.validator.store import ValidatorStore
 from node.validator.tasks import RunTasks
 from node.wire import decode_as, read_frame, write_frame
-from swarmtest import node_config, open_nodes
 
 RL = {"group_size": 4, "prompts_per_batch": 2, "max_new_tokens": 8}
 FAST_SHARDS = {"announce_interval": 0.5, "request_timeout": 2.0, "progress": False}

@@ -7,7 +7,6 @@ reason. Penalties and verdicts are replicated to every peer, so any node can ans
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os

@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from ..engines.sampling import sequence_seed, top_p_mask, uniform_noise
-from ..hashes import digest
 from ..proofs import checks
 from ..proofs.capture import logits_from_hidden, recompute_decode_states
 from ..proofs.config import ProofsConfig

@@ -25,16 +25,19 @@ the ``busy`` counter, and the trainer gets "busy" instead of a silent drop.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import trio
+from libp2p.exceptions import BaseLibp2pError
 
 from ..hashes import digest
 from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
+from ..ledger.sync import LedgerError
 from ..proofs.config import ProofsConfig
 from ..rl.config import GRPOConfig, RLConfig
 from ..rollouts.schema import (
@@ -45,9 +48,28 @@ from ..rollouts.schema import (
     SignedBatch,
     Verdict,
 )
-from ..wire import Envelope, MAX_FRAME, RemoteProtocolError, decode_as, encode, read_frame, seal, write_frame
+from ..wire import (
+    MAX_FRAME,
+    Envelope,
+    RemoteProtocolError,
+    decode_as,
+    encode,
+    read_frame,
+    seal,
+    write_frame,
+)
 from .config import ValidatorConfig
-from .pipeline import BatchReason, BatchRules, CheckModel, Judgement, TaskSet, check_batch_rules, judge_batch, parse_batch, reject
+from .pipeline import (
+    BatchReason,
+    BatchRules,
+    CheckModel,
+    Judgement,
+    TaskSet,
+    check_batch_rules,
+    judge_batch,
+    parse_batch,
+    reject,
+)
 from .policy import PenaltyBook
 from .store import DB_FILE, ValidatorStore
 
@@ -63,6 +85,8 @@ BEHIND_FRACTION = 0.8  # queue fill at which status says "behind"
 LEDGER_STEP_MAX = 2**32  # the ledger's verdict body bounds the step
 FUTURE_GRACE = 5.0  # seconds to wait for the announcement of a version newer than any we know
 POLL_INTERVAL = 0.25  # seconds between looks at the known versions while waiting
+# What a broken, reset or unreachable peer stream raises (the remote's or the network's doing).
+STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 @dataclass
@@ -149,6 +173,8 @@ class ValidatorService:
             await _reset(stream)
         except trio.TooSlowError:
             self.node.metrics.reject(VERIFY_PROTOCOL, "timeout")
+            await _reset(stream)
+        except STREAM_ERRORS:  # the trainer went away before our ack; it will send the batch again
             await _reset(stream)
         finally:
             await _close(stream)
@@ -314,7 +340,7 @@ class ValidatorService:
         for body in bodies:
             try:
                 await ledger.append(body)
-            except Exception as e:  # LedgerError (e.g. we are not a validator of the run): ours to fix, keep going
+            except LedgerError as e:  # e.g. we are not a validator of the run: ours to fix, keep checking
                 self.node.metrics.reject(SOURCE, "ledger-refused")
                 log.warning("validator: ledger refused a %s entry: %s", body.TYPE, e)
 
@@ -347,7 +373,7 @@ class ValidatorService:
         items = list(queue.items())[:DELIVER_PER_STREAM]
         try:
             stream = await self.node.host.open_stream(trainer, VERDICTS_PROTOCOL)
-        except Exception as e:  # libp2p dial/negotiation failure: the trainer is unreachable for now
+        except STREAM_ERRORS as e:  # dial / negotiation failure: the trainer is unreachable for now
             log.debug("validator: cannot reach trainer %s: %s", trainer[-8:], e)
             return False
         try:
@@ -370,7 +396,7 @@ class ValidatorService:
             self.node.metrics.reject(VERDICTS_PROTOCOL, e.reason)
             await _reset(stream)
             return False
-        except trio.TooSlowError:
+        except (trio.TooSlowError, *STREAM_ERRORS):  # silent or gone: keep the rest for the next try
             await _reset(stream)
             return False
         finally:
@@ -405,17 +431,13 @@ def _payload_id(data: bytes) -> bytes:
 
 
 async def _reset(stream) -> None:
-    try:
+    with contextlib.suppress(*STREAM_ERRORS):  # already gone
         await stream.reset()
-    except Exception:  # already gone
-        pass
 
 
 async def _close(stream) -> None:
-    try:
+    with contextlib.suppress(*STREAM_ERRORS):  # already reset or closed by the peer
         await stream.close()
-    except Exception:  # already reset or closed by the peer
-        pass
 
 
 async def serve_validator(node, *, task_status=trio.TASK_STATUS_IGNORED, tasks: TaskSet | None = None) -> None:

@@ -23,7 +23,13 @@ from ..proofs.checks import group_advantages
 from ..proofs.reasons import Reason
 from ..proofs.toploc import build_proofs_many
 from ..rollouts.draw import sampling_seed
-from ..rollouts.schema import DOMAIN_BATCH, RolloutBatch, RolloutSample, SignedBatch, batch_id_of
+from ..rollouts.schema import (
+    DOMAIN_BATCH,
+    RolloutBatch,
+    RolloutSample,
+    SignedBatch,
+    batch_id_of,
+)
 from ..wire import encode, seal
 from .pipeline import BatchReason, BatchRules, TaskSet
 
