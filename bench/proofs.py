@@ -27,9 +27,9 @@ from node.proofs.config import ProofsConfig  # noqa: E402
 from node.proofs.toploc import build_proofs_many, summarize, verify_proofs  # noqa: E402
 
 PRESETS = {
-    # hidden, intermediate, layers, heads, kv heads, vocab
-    "tiny": (256, 512, 4, 4, 2, 256),
-    "qwen0.5b": (896, 4864, 24, 14, 2, 151936),  # Qwen2-0.5B's shape, 494M parameters
+    # hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings
+    "tiny": (256, 512, 4, 4, 2, 256, False),
+    "qwen0.5b": (896, 4864, 24, 14, 2, 151936, True),  # Qwen2-0.5B's shape, 494M parameters
 }
 
 
@@ -61,11 +61,11 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="repeats of the cheap steps (best is kept)")
     args = ap.parse_args()
 
-    hidden, inter, layers, heads, kv, vocab = PRESETS[args.preset]
+    hidden, inter, layers, heads, kv, vocab, tied = PRESETS[args.preset]
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=vocab, initializer_range=0.2, eos_token_id=None,
+        num_key_value_heads=kv, vocab_size=vocab, initializer_range=0.2, eos_token_id=None, tie_word_embeddings=tied,
     )
     dtype = getattr(torch, args.dtype)
     model = transformers.LlamaForCausalLM(cfg).to(dtype).to(args.device).eval()
