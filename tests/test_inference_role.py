@@ -24,10 +24,12 @@ from node.proofs.checks import (
 )
 from node.proofs.config import ProofsConfig
 from node.proofs.toploc import verify_proofs
+from node.rl.config import RLConfig
+from node.rl.rewards import length_penalty
 from node.rl.tasks import load_taskset
 from node.rl.verifiers import task_reward
 from node.rollouts.assemble import split_proofs
-from node.rollouts.draw import draw_tasks, sampling_seed
+from node.rollouts.draw import draw_step, prompt_ids
 from node.rollouts.schema import (
     MAX_BATCH_BYTES,
     ROLLOUTS_PROTOCOL,
@@ -77,19 +79,20 @@ class FakeTrainer:
                 await self.arrived.wait()
 
 
-def check_batch(sb, model, tokenizer, peer_id: str, version: int) -> list[str]:
+def check_batch(sb, model, tokenizer, peer_id: str, version: int, rl: RLConfig | None = None) -> list[str]:
     """A validator's checks of one batch against ``model``; returns the failures (empty = valid)."""
     b = sb.batch
+    rl = rl or RLConfig(**RL)
     failures = []
-    if b.worker != peer_id or b.policy_version != version or b.seed != sampling_seed("test", peer_id, b.step):
+    drawn = draw_step(load_taskset(b.taskset), rl, "test", peer_id, b.step)
+    if b.worker != peer_id or b.policy_version != version or b.seed != drawn.seed:
         failures.append("header")
-    tasks = draw_tasks(load_taskset(b.taskset), peer_id, b.step, RL["prompts_per_batch"])
     cfg = ProofsConfig()
     hidden = recompute_decode_states(model, [s.prompt_ids for s in b.samples], [s.completion_ids for s in b.samples],
                                      tokenizer.pad_token_id)
     for s, h in zip(b.samples, hidden):
-        task = tasks[s.prompt_index]
-        if s.task_id != task.id or s.prompt_ids != tokenizer(task.prompt, add_special_tokens=False)["input_ids"]:
+        task, budget = drawn.tasks[s.prompt_index], drawn.budgets[s.prompt_index]
+        if s.task_id != task.id or s.prompt_ids != prompt_ids(tokenizer, task, budget) or s.target_length != budget:
             failures.append(f"task {s.prompt_index}")
         proofs = split_proofs(s.proof, len(s.completion_ids), h.shape[1], cfg.chunk_tokens, cfg.topk)
         if proofs is None or not verify_proofs(h, proofs, cfg).ok:
@@ -100,7 +103,9 @@ def check_batch(sb, model, tokenizer, peer_id: str, version: int) -> list[str]:
         if not check_termination(s.completion_ids, [tokenizer.eos_token_id], b.max_new_tokens):
             failures.append(f"termination {s.prompt_index}/{s.sample_index}")
         text = tokenizer.decode(s.completion_ids, skip_special_tokens=True)
-        if abs(task_reward(task, text) - s.task_reward) > 1e-9 or s.reward != s.task_reward:
+        penalty = rl.length_alpha * length_penalty(len(s.completion_ids), budget) if budget else 0.0
+        if (abs(task_reward(task, text) - s.task_reward) > 1e-9 or abs(s.length_penalty - penalty) > 1e-9
+                or abs(s.reward - (s.task_reward - s.length_penalty)) > 1e-9):
             failures.append(f"reward {s.prompt_index}/{s.sample_index}")
     for i in {s.prompt_index for s in b.samples}:
         group = [s for s in b.samples if s.prompt_index == i]

@@ -90,8 +90,8 @@ def tiny(tmp_path_factory):
     return path, load_model(path), load_tokenizer(path)
 
 
-def _generate(path, cheat: str, ident: Identity):
-    gen = RolloutGenerator(identity=ident, run_name="test", rl=RLConfig(**RL), proofs=ProofsConfig(),
+def _generate(path, cheat: str, ident: Identity, rl: RLConfig | None = None):
+    gen = RolloutGenerator(identity=ident, run_name="test", rl=rl or RLConfig(**RL), proofs=ProofsConfig(),
                            inference=InferenceConfig(engine="torch", device="cpu"), worker=WorkerConfig(cheat=cheat))
     gen.follow(path)
     result = gen.run_step(7, 0, 0)
@@ -119,3 +119,14 @@ def test_generator_step_honest_and_cheating(tiny, cheat, caught):
             assert not any(f.startswith(("proof", "logprobs")) for f in failures), failures
     if cheat == "fake-rewards":
         assert result.mean_reward > result.mean_true_reward
+
+
+def test_generator_step_with_length_reward(tiny):
+    """Thinking budgets drawn per prompt, stated in the prompt, and the length penalty in the reward."""
+    path, model, tok = tiny
+    ident = Identity.generate()
+    rl = RLConfig(**RL, length_reward=True, thinking_budgets=[2, 5], length_alpha=0.5)
+    sb, _ = _generate(path, "", ident, rl)
+    assert {s.target_length for s in sb.batch.samples} <= {2, 5}
+    assert any(s.length_penalty > 0 for s in sb.batch.samples)
+    assert check_batch(sb, model, tok, ident.peer_id, 0, rl) == []

@@ -16,6 +16,7 @@ Pure functions; no I/O.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..hashes import digest
 
@@ -40,6 +41,36 @@ def thinking_budget(budgets: Sequence[int], peer_id: str, step: int, index: int)
         raise ValueError("no budgets")
     h = _hash_int(b"swarm-thinking-budget", peer_id.encode(), step.to_bytes(8, "big"), index.to_bytes(8, "big"))
     return int(budgets[h % len(budgets)])
+
+
+@dataclass(frozen=True)
+class DrawnStep:
+    """Everything a worker must use at one step; a validator rebuilds it from the batch header."""
+
+    step: int
+    seed: int  # RolloutBatch.seed
+    tasks: list  # node.rl.tasks.Task, by prompt index (RolloutSample.task_id = tasks[i].id)
+    budgets: list[int]  # thinking budget per prompt index (RolloutSample.target_length); 0 = none
+
+
+def draw_step(taskset, rl, run: str, peer_id: str, step: int) -> DrawnStep:
+    """The tasks, budgets and seed of ``step`` for ``peer_id`` under the run's ``[rl]`` table."""
+    tasks = draw_tasks(taskset, peer_id, step, rl.prompts_per_batch)
+    budgets = [thinking_budget(rl.thinking_budgets or [rl.max_new_tokens], peer_id, step, i) if rl.length_reward else 0
+               for i in range(len(tasks))]
+    return DrawnStep(step, sampling_seed(run, peer_id, step), tasks, budgets)
+
+
+def prompt_text(task, budget: int) -> str:
+    """The prompt a model sees: the task's prompt, plus the thinking-budget line when there is one."""
+    from ..rl.rewards import budget_instruction
+
+    return task.prompt + (budget_instruction(budget) if budget else "")
+
+
+def prompt_ids(tokenizer, task, budget: int) -> list[int]:
+    """The prompt's token ids (no special tokens added): what ``RolloutSample.prompt_ids`` must be."""
+    return list(tokenizer(prompt_text(task, budget), add_special_tokens=False)["input_ids"])
 
 
 def draw_tasks(taskset, peer_id: str, step: int, count: int) -> list:

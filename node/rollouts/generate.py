@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .assemble import Scored, Sealed, make_samples, seal_within
 from .config import WorkerConfig
-from .draw import cherry_picked_tasks, draw_tasks, sampling_seed, thinking_budget
+from .draw import cherry_picked_tasks, draw_step, prompt_ids
 from .schema import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -136,25 +136,17 @@ class RolloutGenerator:
 
     def run_step(self, step: int, policy_version: int, created_ms: int) -> StepResult:
         from ..proofs.toploc import build_proofs_many
-        from ..rl.rewards import budget_instruction, group_advantages, length_penalty
+        from ..rl.rewards import group_advantages, length_penalty
         from ..rl.verifiers import task_reward
 
         if self.loaded is None:
             raise RuntimeError("run_step before a checkpoint was loaded")
         rl, peer = self.rl, self.identity.peer_id
-        n = rl.prompts_per_batch
+        drawn = draw_step(self.taskset, rl, self.run_name, peer, step)
+        tasks, budgets, seed = drawn.tasks, drawn.budgets, drawn.seed
         if self.worker.cheat == "cherry-pick":
-            tasks = cherry_picked_tasks(self.taskset, peer, step, n)  # CHEAT: not the drawn tasks
-        else:
-            tasks = draw_tasks(self.taskset, peer, step, n)
-        budgets = [thinking_budget(rl.thinking_budgets or [rl.max_new_tokens], peer, step, i) if rl.length_reward else 0
-                   for i in range(n)]
-        tok = self.engine.tokenizer
-        prompts = []
-        for task, budget in zip(tasks, budgets):
-            text = task.prompt + (budget_instruction(budget) if budget else "")
-            prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-        seed = sampling_seed(self.run_name, peer, step)
+            tasks = cherry_picked_tasks(self.taskset, peer, step, len(tasks))  # CHEAT: not the drawn tasks
+        prompts = [prompt_ids(self.engine.tokenizer, t, b) for t, b in zip(tasks, budgets)]
 
         t0 = time.perf_counter()
         groups = self.engine.generate(prompts, n=rl.group_size, temperature=rl.temperature, top_p=rl.top_p,
