@@ -104,5 +104,6 @@ def test_rl_local_runs_a_step_on_a_given_model(tmp_path, capsys):
     csv = tmp_path / "r.csv"
     assert run_cli("rl-local", "--model", str(path), "--steps", "1", "--prompts", "2", "--group-size", "2",
                    "--max-new-tokens", "4", "--csv", str(csv)) == 0
-    assert "mean reward" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mean reward" in out and "greedy reward" in out
     assert csv.read_text().startswith("step,mean_reward,seconds\n")

@@ -66,7 +66,7 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
     from ..engines.torch_engine import TorchEngine
     from ..model import create_default_model, is_model_folder
     from .config import GRPOConfig, RLConfig
-    from .loop import run_local_loop
+    from .loop import greedy_score, run_local_loop
     from .tasks import TaskFormatError, load_taskset
 
     if args.threads > 0:
@@ -94,7 +94,9 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
             print(f"step {s.step:4d}  reward {s.mean_reward:.3f}  groups with signal {s.groups_with_signal}"
                   f"  trained {s.samples_trained:4d}  entropy {s.entropy:.2f}  {s.seconds:.2f}s", flush=True)
 
+        greedy_before = greedy_score(engine, taskset, rl)
         run_local_loop(engine, taskset, rl, grpo, args.steps, seed=args.seed, max_seconds=args.seconds, on_step=show)
+        greedy_after = greedy_score(engine, taskset, rl)
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("step,mean_reward,seconds\n")
@@ -104,4 +106,5 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
     last = sum(s.mean_reward for s in rows[-k:]) / k
     print(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f} ({len(rows)} steps, "
           f"{sum(s.seconds for s in rows):.0f}s)")
+    print(f"greedy reward on the set's first 64 tasks: {greedy_before:.3f} before, {greedy_after:.3f} after")
     return 0

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from .config import GRPOConfig, RLConfig
 from .grpo import make_optimizer, train_step
-from .rollout import make_groups, train_samples
+from .rollout import code_limits, encode_prompt, make_groups, train_samples
 from .tasks import TaskSet
+from .verifiers import task_reward
 
 
 @dataclass
@@ -56,3 +57,16 @@ def run_local_loop(engine, taskset: TaskSet, rl: RLConfig, grpo: GRPOConfig, ste
         if max_seconds is not None and clock() - start >= max_seconds:
             break
     return history
+
+
+def greedy_score(engine, taskset: TaskSet, rl: RLConfig, count: int = 64) -> float:
+    """Mean task reward of greedy (temperature 0) completions on the set's first ``count`` tasks.
+
+    Separates learning from sharpening: sampled reward also rises when the policy merely gets more
+    confident in what greedy decoding already answers; greedy reward rises only when answers improve.
+    """
+    tasks = list(taskset.tasks[:count])
+    prompts = [encode_prompt(engine.tokenizer, t, None) for t in tasks]
+    groups = engine.generate(prompts, 1, 0.0, 1.0, rl.max_new_tokens, seed=0, capture_hidden=False)
+    limits = code_limits(rl)
+    return statistics.fmean(task_reward(t, g[0].text, limits) for t, g in zip(tasks, groups))
