@@ -21,6 +21,7 @@ from node.identity import Identity, load_or_create_identity
 from node.metrics import Metrics
 from node.model import create_tiny_model
 from node.rl.config import RLConfig
+from node.rollouts.draw import sampling_seed
 from node.rollouts.schema import (
     VERDICTS_PROTOCOL,
     VERIFY_PROTOCOL,
@@ -168,3 +169,51 @@ def _tiny_batch(worker: str, step: int):
                       finish_reason="stop", reward=0.0, task_reward=0.0, advantage=0.0, proof=b"")
     return RolloutBatch(run="test", worker=worker, step=step, policy_version=0, taskset="synthetic", seed=0,
                         temperature=1.0, top_p=1.0, max_new_tokens=8, group_size=1, created_ms=0, samples=[s])
+
+
+def _stub_service(tmp_path: Path, trainer: str, store: ValidatorStore, **services) -> ValidatorService:
+    node = _stub_node(tmp_path, trainer, queue_size=4)
+    node.services.update(services)
+    cfg = node.config.run.section("validator", ValidatorConfig)
+    rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
+                       group_size=1, prompts_per_batch=1, async_level=2)
+    return ValidatorService(node, cfg, rules, _NoTasks(), store, wall_clock=lambda: 1000.0)
+
+
+def test_bans_and_undelivered_verdicts_survive_a_restart(tmp_path: Path) -> None:
+    trainer = Identity.generate().peer_id
+    store = ValidatorStore(tmp_path / "v.sqlite")
+    store.save_ban("cheat", 1500.0, "wrong_task")
+    store.save_ban("old", 900.0, "wrong_task")  # expired before "now" (1000)
+    store.record(b"\x01" * 32, "w", 0, [0], True, ["ok"], trainer, b"verdict-1", 1)
+    store.record(b"\x02" * 32, "w", 1, [0], True, ["ok"], trainer, b"verdict-2", 2)
+    store.mark_delivered(b"\x01" * 32)
+    svc = _stub_service(tmp_path, trainer, store)
+    assert svc.book.is_banned("cheat", 1000.0) and not svc.book.is_banned("old", 1000.0)
+    assert dict(svc.pending[trainer]) == {b"\x02" * 32: b"verdict-2"}
+    assert svc.status()["undelivered"] == 1 and "cheat" in svc.status()["bans"]
+
+
+async def test_a_batch_for_an_unknown_checkpoint_is_left_to_another_validator(tmp_path: Path, autojump_clock) -> None:
+    """No verdict (the worker may be honest and we just lack the version): the trainer re-assigns."""
+    trainer = Identity.generate().peer_id
+    shards = SimpleNamespace(latest=lambda: None, announced={}, path_of=lambda v: None)
+    svc = _stub_service(tmp_path, trainer, ValidatorStore(tmp_path / "v.sqlite"), shards=shards)
+    worker = Identity.generate()
+    job = SimpleNamespace(trainer=trainer, signed=T.sign_batch(worker, _tiny_batch(worker.peer_id, 0)), received_at=0.0)
+    start = trio.current_time()
+    assert await svc.judge(job) is None
+    assert 5.0 <= trio.current_time() - start < 6.0  # waited FUTURE_GRACE for an announcement, no longer
+
+
+async def test_a_batch_claiming_a_future_version_is_rejected_after_the_grace(tmp_path: Path, autojump_clock) -> None:
+    trainer = Identity.generate().peer_id
+    shards = SimpleNamespace(latest=lambda: 3, announced={3: (b"r", "p")}, path_of=lambda v: None)
+    svc = _stub_service(tmp_path, trainer, ValidatorStore(tmp_path / "v.sqlite"), shards=shards)
+    worker = Identity.generate()
+    batch = replace(_tiny_batch(worker.peer_id, 0), policy_version=9, seed=sampling_seed("test", worker.peer_id, 0))
+    job = SimpleNamespace(trainer=trainer, signed=T.sign_batch(worker, batch), received_at=0.0)
+    start = trio.current_time()
+    j = await svc.judge(job)
+    assert set(j.reasons) == {"future_policy"}
+    assert 5.0 <= trio.current_time() - start < 6.0
