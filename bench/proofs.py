@@ -19,12 +19,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
-from node.proofs.capture import capture_final_hidden, completion_lengths, recompute_decode_states  # noqa: E402
-from node.proofs.config import ProofsConfig  # noqa: E402
-from node.proofs.toploc import build_proofs_many, summarize, verify_proofs  # noqa: E402
+from node.proofs.capture import (
+    capture_final_hidden,
+    completion_lengths,
+    recompute_decode_states,
+)
+from node.proofs.config import ProofsConfig
+from node.proofs.toploc import build_proofs_many, summarize, verify_proofs
 
 PRESETS = {
     # hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings

@@ -67,7 +67,7 @@ def test_token_logprobs_is_log_softmax_of_scaled_logits():
 
 def test_logprob_check():
     mine = torch.tensor([-0.5, -1.0, -2.0])
-    tol = dict(tolerance_mean=0.1, tolerance_max=1.0)
+    tol = {"tolerance_mean": 0.1, "tolerance_max": 1.0}
     assert check_logprobs([-0.52, -0.98, -2.01], mine, **tol).ok
     assert check_logprobs([-0.5, -1.0, -4.0], mine, **tol).reason is Reason.LOGPROB_MISMATCH  # one forced token
     assert check_logprobs([-0.7, -1.2, -2.2], mine, **tol).reason is Reason.LOGPROB_MISMATCH  # systematic

@@ -20,17 +20,17 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from node.proofs.capture import (  # noqa: E402
+from node.proofs.capture import (
     capture_final_hidden,
     completion_lengths,
     logits_from_hidden,
     prefill_hidden_states,
     recompute_decode_states,
 )
-from node.proofs.checks import check_logprobs, check_termination, token_logprobs  # noqa: E402
-from node.proofs.config import ProofsConfig  # noqa: E402
-from node.proofs.reasons import Reason  # noqa: E402
-from node.proofs.toploc import build_proofs_many, summarize, verify_proofs  # noqa: E402
+from node.proofs.checks import check_logprobs, check_termination, token_logprobs
+from node.proofs.config import ProofsConfig
+from node.proofs.reasons import Reason
+from node.proofs.toploc import build_proofs_many, summarize, verify_proofs
 
 CFG = ProofsConfig()
 EOS, PAD = 2, 0
@@ -178,7 +178,7 @@ def test_perturbed_weights_are_detected(model, honest, scale):
 
 
 def test_different_prompt_is_detected(model, honest):
-    prompts, completions, proofs, _ = honest
+    _, completions, proofs, _ = honest
     claimed = random_prompts(8)  # the node generated for other prompts than it claims
     verdicts, _ = validate(model, claimed, completions, proofs)
     assert_all_rejected(verdicts, "different prompt")

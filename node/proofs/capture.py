@@ -173,7 +173,7 @@ def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
-        raise ValueError(f"{type(model).__name__}: output embeddings are not a linear layer")
+        raise TypeError(f"{type(model).__name__}: output embeddings are not a linear layer")
     with torch.no_grad():
         bias = None if head.bias is None else head.bias.float()
         return nn.functional.linear(hidden.float(), head.weight.float(), bias)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .config import FIELD_PRIME, ProofsConfig
-from .reasons import CheckResult, Reason, fail, PASS
+from .reasons import PASS, CheckResult, Reason, fail
 
 P = FIELD_PRIME
 HEADER_BYTES = 2  # the modulus
@@ -280,7 +280,7 @@ def build_proofs_many(
             for r in range(len(pts.chunk_ids)):
                 by_k.setdefault(pts.index.shape[1], []).append((s, g, r))
     proofs: list[dict[int, bytes]] = [{} for _ in hiddens]
-    for k, rows in by_k.items():
+    for rows in by_k.values():
         index = torch.stack([per_seq[s][g].index[r] for s, g, r in rows])  # (C, k)
         bits = torch.stack([per_seq[s][g].bits[r] for s, g, r in rows])
         moduli = injective_moduli(index)
