@@ -3,7 +3,8 @@
 What is checked on the batches the real inference node sends: signed by the node, tasks and seed are
 the deterministic draw's, TOPLOC proofs verify against a validator-style prefill of the checkpoint
 that generated them (and fail against the other version: weights really were swapped), log-probs,
-rewards, advantages and termination recompute. Real libp2p hosts on loopback; real time, bounded.
+rewards, advantages and termination recompute; and that the node stops generating while its weights are
+too old for the trainer's step. Real libp2p hosts on loopback; real time, bounded.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class FakeTrainer:
     def __init__(self, run: str, decide=lambda batch: (True, "")) -> None:
         self.run = run
         self.decide = decide
+        self.step = 0  # trainer_step told in acks
         self.batches = []
         self.arrived = trio.Event()
 
@@ -65,7 +67,8 @@ class FakeTrainer:
         sb = open_batch(data, self.run)
         accepted, reason = self.decide(sb.batch)
         self.batches.append(sb)
-        await write_frame(stream, RolloutAck(batch_id=sb.batch_id, accepted=accepted, reason=reason))
+        await write_frame(stream, RolloutAck(batch_id=sb.batch_id, accepted=accepted, reason=reason,
+                                             trainer_step=self.step))
         await stream.close()
         self.arrived.set()
         self.arrived = trio.Event()
@@ -128,11 +131,21 @@ async def test_inference_node_sends_valid_batches_and_follows_new_versions(tmp_p
         await trainer.services["shards"].publish(m0, 0)
 
         first = await fake.wait_for(lambda sb: sb.batch.policy_version == 0)
-        await trainer.services["shards"].publish(m1, 1)
-        later = await fake.wait_for(lambda sb: sb.batch.policy_version == 1)
+        # The trainer says it is at step 3: v0 is now beyond async_level (2); the node must stop
+        # generating batches that would be refused, and resume once it holds a recent version.
+        fake.step = 3
+        svc = worker.services["inference"]
+        with trio.fail_after(60):
+            while not svc.status()["waiting_for_checkpoint"]:
+                await trio.sleep(0.05)
+        steps = svc.stats.steps
+        await trio.sleep(1.0)
+        assert svc.stats.steps == steps and svc.status()["waiting_for_checkpoint"]
+        await trainer.services["shards"].publish(m1, 3)
+        later = await fake.wait_for(lambda sb: sb.batch.policy_version == 3)
 
         status = worker.services["inference"].status()
-        assert status["policy_version"] == 1 and status["weight_swaps"] >= 1
+        assert status["policy_version"] == 3 and status["weight_swaps"] >= 1
         assert status["batches"]["accepted"] >= 2 and status["steps"] >= 2
         assert status["tokens_per_s"] > 0 and status["trainers_alive"] == 1
         record = worker.services["membership"].record
@@ -141,9 +154,9 @@ async def test_inference_node_sends_valid_batches_and_follows_new_versions(tmp_p
     tok = load_tokenizer(m0)
     model0, model1 = load_model(m0), load_model(m1)
     assert check_batch(first, model0, tok, worker.peer_id, 0) == []
-    assert check_batch(later, model1, tok, worker.peer_id, 1) == []
+    assert check_batch(later, model1, tok, worker.peer_id, 3) == []
     # The proofs bind each batch to its own weights: checked against the other version they fail.
-    assert any(f.startswith("proof") for f in check_batch(later, model0, tok, worker.peer_id, 1))
+    assert any(f.startswith("proof") for f in check_batch(later, model0, tok, worker.peer_id, 3))
     steps = [sb.batch.step for sb in fake.batches]
     assert len(set(steps)) == len(steps)  # one batch per draw step
 

@@ -128,6 +128,7 @@ class InferenceService:
         self.sent = 0  # submissions attempted
         self.engine_lock = trio.Lock()  # held around each step and each weight swap
         self.loaded = trio.Event()
+        self.waiting_for_checkpoint = False  # our version is too old for the trainer: not generating
         self._changed = trio.Event()  # outbox changed: a batch queued, or room freed
         self._advertised = (0.0, 0.0)
         self._advertised_at = 0.0
@@ -204,6 +205,13 @@ class InferenceService:
         while True:
             while self.outbox.full:
                 await self._wait_changed()
+            if self.outbox.is_stale(self.version):
+                # The trainer moved more than async_level steps past our weights (the download is
+                # behind): anything generated now would be refused. Wait for the newer version.
+                self.waiting_for_checkpoint = True
+                while self.outbox.is_stale(self.version):
+                    await trio.sleep(self.cfg.checkpoint_poll_s)
+                self.waiting_for_checkpoint = False
             step = self.next_step
             self.next_step = step + 1
             await trio.to_thread.run_sync(write_step, self.step_file, self.next_step)
@@ -349,6 +357,7 @@ class InferenceService:
             },
             "trainers_alive": len(self.trainers()),
             "weight_swaps": st.swaps,
+            "waiting_for_checkpoint": self.waiting_for_checkpoint,
             "errors": {"step": st.step_errors, "load": st.load_errors},
             "cheat": self.cfg.cheat or None,
         }
