@@ -434,3 +434,99 @@ def test_digest_is_order_independent():
         assert led.digest() == ref.digest()
         assert led.totals() == ref.totals()
     assert new_ledger().digest() != ref.digest()
+
+
+# ------------------------------------------------------------------ replicas converge (property)
+
+
+class Replica:
+    """A Ledger plus the entries it stored, fed the way the service feeds it."""
+
+    def __init__(self):
+        self.ledger = new_ledger()
+        self.stored: dict[tuple[str, int], object] = {}
+
+    def offer(self, se) -> None:
+        d = self.ledger.check(se, NOW)
+        if d.outcome is Outcome.ACCEPT:
+            self.ledger.apply(d)
+            self.stored[(se.author, se.seq)] = se
+        elif d.outcome is Outcome.EQUIVOCATION:
+            self.ledger.add_evidence(Evidence(self.stored[(se.author, d.conflict_seq)], se))
+
+    def pull_from(self, other: "Replica") -> None:
+        """One anti-entropy session, as LedgerService._call_sync does it."""
+        _, evidence = self.ledger.missing(other.ledger.heads())
+        for author in evidence:
+            ev = other.ledger.evidence(author)
+            self.ledger.add_evidence(ev)
+        wants, _ = self.ledger.missing(other.ledger.heads())
+        for w in wants:
+            for seq in range(w.start, w.end + 1):
+                se = other.stored.get((w.author, seq))
+                if se is None:
+                    break
+                self.offer(se)
+
+
+def author_logs(fork_at: dict):
+    """Each author's log of 6 entries, plus a second branch from ``fork_at[author]`` if set."""
+    logs = {}
+    for ident in (TRAINER, VALIDATOR, WORKER):
+        def body(i, alt=0):
+            if ident is TRAINER:
+                return rollouts(samples=i + 1 + alt)
+            if ident is VALIDATOR:
+                return Penalty(peer=WORKER.peer_id, reason="x", points=i + alt)
+            return receipt(TRAINER, i + 1 + alt)
+
+        a = Author(ident)
+        main = [a.next(body(i)) for i in range(6)]
+        branch = []
+        f = fork_at.get(ident.peer_id)
+        if f:
+            b = Author(ident)
+            b.seq, b.prev = f - 1, (main[f - 2].hash if f > 1 else GENESIS)
+            branch = [b.next(body(i, alt=1000)) for i in range(f - 1, 6)]
+        logs[ident.peer_id] = (main, branch)
+    return logs
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from([TRAINER.peer_id, WORKER.peer_id]), st.integers(1, 6), max_size=2),
+    st.randoms(use_true_random=False),
+)
+def test_replicas_converge_under_forks_and_partial_delivery(fork_at, rnd):
+    """Three replicas each get a random part of the entries (forked authors: each replica may see
+    either branch) in random order; pull-only anti-entropy rounds make their digests and totals equal."""
+    logs = author_logs(fork_at)
+    replicas = [Replica() for _ in range(3)]
+    for k, r in enumerate(replicas):
+        offered = []
+        for main, branch in logs.values():
+            chosen = branch if branch and rnd.random() < 0.5 else main
+            # replica 0 gets every honest author's whole log, so that nothing is lost to all three
+            keep = 1.0 if (k == 0 and not branch) else 0.7
+            offered += [se for se in chosen if rnd.random() < keep]
+            if branch:  # the branch needs its shared prefix to link
+                offered += [se for se in main if se.seq < branch[0].seq]
+        rnd.shuffle(offered)
+        while True:  # gossip may deliver out of order; gapped entries are offered again
+            before = (len(r.ledger), r.ledger.flagged())
+            for se in offered:
+                r.offer(se)
+            if (len(r.ledger), r.ledger.flagged()) == before:
+                break
+    for _ in range(20):
+        for i in range(3):
+            for j in range(3):
+                if i != j:
+                    replicas[i].pull_from(replicas[j])
+        if len({r.ledger.digest() for r in replicas}) == 1:
+            break
+    assert len({r.ledger.digest() for r in replicas}) == 1
+    assert all(r.ledger.totals() == replicas[0].ledger.totals() for r in replicas)
+    assert replicas[0].ledger.head_of(VALIDATOR.peer_id) == 6  # honest authors complete
+    if not fork_at:
+        assert all(len(r.ledger) == 18 for r in replicas)
