@@ -19,6 +19,9 @@ How this works
   (:class:`RangeRequest`, at most ``sync_batch`` entries and :data:`MAX_REPLY_BYTES` per reply). The
   answering side, seeing the caller's heads, schedules a pull of its own from the caller when the
   caller has something it lacks (push-pull), so a healed partition converges in one round trip each way.
+* SQLite calls run on the trio thread, not in a worker thread: each is one short transaction (one
+  entry, or one batch of at most ``sync_batch``), and keeping them inline is what guarantees that no
+  other task runs between an entry's check and its commit.
 * Receipts: downloaders call :meth:`LedgerService.note_received` per verified piece; the service
   adds them up and appends one ``receipts`` entry per ``receipt_interval``.
 """
