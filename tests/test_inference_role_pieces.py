@@ -130,3 +130,36 @@ def test_generator_step_with_length_reward(tiny):
     assert {s.target_length for s in sb.batch.samples} <= {2, 5}
     assert any(s.length_penalty > 0 for s in sb.batch.samples)
     assert check_batch(sb, model, tok, ident.peer_id, 0, rl) == []
+
+
+def _cli(*argv: str) -> int:
+    import argparse
+
+    from node.rollouts.cli import add_commands
+
+    parser = argparse.ArgumentParser(prog="swarm-node")
+    add_commands(parser.add_subparsers())
+    args = parser.parse_args(list(argv))
+    return args.func(args)
+
+
+def test_rollout_cli_runs_steps_offline(tiny, capsys):
+    import json
+
+    assert _cli("rollout", "--model", str(tiny[0]), "--steps", "2", "--json") == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["samples"] == 64 and r["tokens"] > 0 and r["batch_bytes"] > 0 for r in rows)  # [rl] defaults: 4 x 16
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], "--steps"),
+    (["--model", "."], "not a model folder"),
+    (["--run", "RUN"], "group_size"),
+])
+def test_rollout_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    run = tmp_path / "run.toml"
+    run.write_text("[rl]\ngroup_size = 1\n")
+    assert _cli("rollout", *[str(run) if a == "RUN" else a for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
