@@ -169,7 +169,7 @@ def perturbed(model, scale: float, seed: int = 1):
     return other.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("scale", [0.03, 0.1])
+@pytest.mark.parametrize("scale", [0.03])  # 3% of each tensor's std; larger ones fail harder
 def test_perturbed_weights_are_detected(model, honest, scale):
     prompts = honest[0]
     completions, proofs, _, _ = generate(perturbed(model, scale), prompts, seed=7, min_new=MAX_NEW)
