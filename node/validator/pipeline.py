@@ -339,28 +339,48 @@ def split_proofs(proof: bytes, num_tokens: int, hidden_size: int, cfg: ProofsCon
     return out
 
 
-def check_sampling_replay(
-    logits: torch.Tensor, tokens: Sequence[int], seq_seed: int, temperature: float, top_p: float, tolerance: float
-) -> CheckResult:
-    """Each token is the argmax of (logits/T + Gumbel noise of its seed and step) within the nucleus.
+@dataclass(frozen=True)
+class Replay:
+    """One sequence to replay: its (T, V) logits (validator's), sampled tokens and per-sequence seed."""
+
+    logits: torch.Tensor
+    tokens: Sequence[int]
+    seed: int
+
+
+def check_sampling_replay(replays: Sequence[Replay], temperature: float, top_p: float, tolerance: float) -> list[CheckResult]:
+    """Per sequence: each token is the argmax of (logits/T + Gumbel noise of its seed and step) in the nucleus.
 
     Mirrors :func:`node.engines.sampling.sample_tokens`; ``tolerance`` (logit units) absorbs the
-    difference between the worker's decode-time logits and this prefill's.
+    difference between the worker's decode-time logits and this prefill's. Vectorised over the
+    sequences at each step (one noise draw per step for all of them), as the engine samples.
     """
-    z = logits.float() / temperature  # (T, V)
-    keep = top_p_mask(z, min(1.0, top_p + TOP_P_SLACK)) if top_p < 1.0 else torch.ones_like(z, dtype=torch.bool)
-    seed = torch.tensor([seq_seed], dtype=torch.int64, device=z.device)
-    for t, token in enumerate(tokens):
-        if not 0 <= token < z.shape[1]:
-            return reject(BatchReason.SAMPLING_MISMATCH, f"token {t}: id {token} outside the vocabulary")
-        if not keep[t, token]:
-            return reject(BatchReason.SAMPLING_MISMATCH, f"token {t}: outside the top-p nucleus")
-        gumbel = -torch.log(-torch.log(uniform_noise(seed, t, z.shape[1])[0]))  # (V,) float64
-        scores = torch.where(keep[t], z[t].double() + gumbel, torch.tensor(float("-inf"), dtype=torch.float64))
-        gap = float(scores.max() - scores[token])
-        if gap > tolerance:
-            return reject(BatchReason.SAMPLING_MISMATCH, f"token {t}: {gap:.4f} below the seeded choice")
-    return PASS
+    results: list[CheckResult] = [PASS] * len(replays)
+    longest = max((len(r.tokens) for r in replays), default=0)
+    for t in range(longest):
+        rows = [i for i, r in enumerate(replays) if len(r.tokens) > t and results[i].ok]
+        if not rows:
+            break
+        vocab = replays[rows[0]].logits.shape[1]
+        for i in rows:
+            if not 0 <= replays[i].tokens[t] < vocab:
+                results[i] = reject(BatchReason.SAMPLING_MISMATCH, f"token {t}: id {replays[i].tokens[t]} outside the vocabulary")
+        rows = [i for i in rows if results[i].ok]
+        if not rows:
+            continue
+        tokens = [int(replays[i].tokens[t]) for i in rows]
+        z = torch.stack([replays[i].logits[t] for i in rows]).float() / temperature  # (R, V)
+        keep = top_p_mask(z, min(1.0, top_p + TOP_P_SLACK)) if top_p < 1.0 else torch.ones_like(z, dtype=torch.bool)
+        seeds = torch.tensor([replays[i].seed for i in rows], dtype=torch.int64, device=z.device)
+        gumbel = -torch.log(-torch.log(uniform_noise(seeds, t, vocab)))  # (R, V) float64
+        scores = torch.where(keep, z.double() + gumbel, torch.tensor(float("-inf"), dtype=torch.float64, device=z.device))
+        chosen = scores.gather(1, torch.tensor(tokens, device=z.device)[:, None]).squeeze(1)  # (R,)
+        gaps = (scores.max(dim=1).values - chosen).tolist()
+        for j, gap in enumerate(gaps):
+            if not gap <= tolerance:  # also catches -inf (outside the nucleus) and NaN
+                why = "outside the top-p nucleus" if gap == float("inf") else f"{gap:.4f} below the seeded choice"
+                results[rows[j]] = reject(BatchReason.SAMPLING_MISMATCH, f"token {t}: {why}")
+    return results
 
 
 def model_results(
@@ -371,13 +391,18 @@ def model_results(
     if not samples:
         return {}
     recomputed = model.recompute([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
-    out: dict[int, CheckResult] = {}
-    for i, s, r in zip(samples_to_check, samples, recomputed):
-        out[i] = _model_checks(batch, s, r, rules)
+    out = {i: _proof_and_logprob_checks(batch, s, r, rules) for i, s, r in zip(samples_to_check, samples, recomputed)}
+    if rules.check_sampling:
+        todo = [(i, s, r) for i, s, r in zip(samples_to_check, samples, recomputed) if out[i].ok]
+        replays = [Replay(r.logits, s.completion_ids, sequence_seed(batch.seed, s.prompt_index, s.sample_index))
+                   for _, s, r in todo]
+        for (i, _, _), check in zip(todo, check_sampling_replay(replays, batch.temperature, batch.top_p,
+                                                                 rules.sampling_tolerance)):
+            out[i] = check
     return out
 
 
-def _model_checks(batch: RolloutBatch, s: RolloutSample, r: Recomputed, rules: BatchRules) -> CheckResult:
+def _proof_and_logprob_checks(batch: RolloutBatch, s: RolloutSample, r: Recomputed, rules: BatchRules) -> CheckResult:
     chunks = split_proofs(s.proof, len(s.completion_ids), r.hidden.shape[1], rules.proofs)
     if isinstance(chunks, CheckResult):
         return chunks
@@ -385,13 +410,9 @@ def _model_checks(batch: RolloutBatch, s: RolloutSample, r: Recomputed, rules: B
     if not verdict.ok:
         return verdict.check
     mine = checks.token_logprobs(r.logits, torch.tensor(s.completion_ids), batch.temperature)
-    check = checks.check_logprobs(
+    return checks.check_logprobs(
         s.logprobs, mine, tolerance_mean=rules.proofs.logprob_tolerance_mean, tolerance_max=rules.proofs.logprob_tolerance_max
     )
-    if not check or not rules.check_sampling:
-        return check
-    seq_seed = sequence_seed(batch.seed, s.prompt_index, s.sample_index)
-    return check_sampling_replay(r.logits, s.completion_ids, seq_seed, batch.temperature, batch.top_p, rules.sampling_tolerance)
 
 
 # --------------------------------------------------------------------------------------------
