@@ -95,7 +95,7 @@ class Trainer:
         self._wake_train = trio.Event()
         self._wake_gate = trio.Event()
         self._wake_ledger = trio.Event()
-        self.idle_s = 0.0  # time the loop waited for rollouts since the first rollout arrived
+        self.idle_s = 0.0  # time the loop waited for rollouts since the first batch of this run arrived
         self.busy_s = 0.0  # time spent in steps (train + save)
         self.last_step: dict = {}
         self.published: int | None = None
@@ -335,7 +335,7 @@ class Trainer:
             if picked is None:
                 t0 = trio.current_time()
                 await self._wait("train", GATE_TICK)
-                if self.spool.pending() or self.published is not None:
+                if self.intake["accepted"] or self.spool.pending():  # idle = waiting once rollouts flow
                     self.idle_s += trio.current_time() - t0
                 continue
             await self.run_step(*picked)

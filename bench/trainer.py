@@ -1,0 +1,210 @@
+"""Trainer benchmark: step throughput beside plain transformers, and idle time vs the async level.
+
+    .venv/bin/python bench/trainer.py [--steps 6] [--seconds 45] [--levels 0,1,2]
+
+1. Tokens/s of the trainer's rollout step on the tiny default model on CPU: what the loop really
+   does (GRPO train_step with packing, ``optimizer_steps`` AdamW steps, then the model folder and
+   training state written atomically), beside a plain transformers step on the same samples in the
+   same run (one right-padded sample per row, cross-entropy on the completion tokens, forward +
+   backward + AdamW, no checkpoint). Loss tokens (completion tokens) are counted for both.
+2. The fraction of wall time the trainer sat idle waiting for rollouts, at async level 0, 1, 2:
+   the real :class:`node.trainer.service.Trainer` (intake, spool, loop) in one process with two
+   simulated inference workers that generate with the torch engine from the newest saved version
+   and submit signed batches through the same intake (no network, no proofs). At level 0 every
+   batch generated while a step runs becomes stale; the async design lets workers keep going.
+
+The machine is shared and noisy (2 cores for several agents): compare ratios, not absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import trio.lowlevel
+
+from node.config import NodeConfig, RunConfig
+from node.engines.torch_engine import TorchEngine
+from node.identity import Identity
+from node.metrics import Metrics
+from node.rl.config import GRPOConfig
+from node.rl.synthetic import make_reversal_tasks, reversal_reward
+from node.rollouts.schema import RolloutBatch, RolloutSample
+from node.trainer.config import TrainerConfig
+from node.trainer.policy import Policy, training_samples
+from node.trainer.service import Trainer
+from node.trainer.spool import open_spool
+from node.trainer.testing import group_advantages, reversal_batch, sign_batch
+
+RUN = "bench"
+PROMPTS, GROUP, NEW_TOKENS = 4, 8, 8
+
+
+def grpo_cfg(**kw) -> GRPOConfig:
+    return GRPOConfig(**{"pack_length": 64, "kl_coef": 0.0, "min_batch_samples": 32, **kw})
+
+
+# ------------------------------------------------------------------------------------- 1. throughput
+
+
+def plain_step(model, optimizer, samples, pad_id: int) -> int:
+    """Baseline: padded rows, cross-entropy on completion tokens, forward+backward+AdamW."""
+    L = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    ids = torch.full((len(samples), L), pad_id, dtype=torch.long)
+    labels = torch.full((len(samples), L), -100, dtype=torch.long)
+    attn = torch.zeros((len(samples), L), dtype=torch.long)
+    for r, s in enumerate(samples):
+        seq = s.prompt_ids + s.completion_ids
+        ids[r, :len(seq)] = torch.tensor(seq)
+        labels[r, len(s.prompt_ids):len(seq)] = torch.tensor(s.completion_ids)
+        attn[r, :len(seq)] = 1
+    model.train()
+    loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    model.eval()
+    return int((labels != -100).sum())
+
+
+def bench_throughput(steps: int) -> None:
+    worker = Identity.from_seed(b"b" * 32)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = grpo_cfg(optimizer_steps=1)
+        policy, _ = Policy.open(Path(tmp) / "t", "", cfg, TrainerConfig())
+        batches = [training_samples(reversal_batch(worker, RUN, step=i, policy_version=0, tokenizer=policy.tokenizer,
+                                                   model=policy.model, prompts=PROMPTS, group_size=GROUP, seed=i))[0]
+                   for i in range(steps + 1)]
+        base_model, _ = Policy.open(Path(tmp) / "b", "", cfg, TrainerConfig())
+        base_opt = torch.optim.AdamW(base_model.model.parameters(), lr=cfg.lr)
+        # warm-up (first-call allocations) for both, then timed steps alternating to share the noise
+        policy.train(batches[0])
+        plain_step(base_model.model, base_opt, batches[0], policy.pad_id)
+        t_trainer = t_plain = 0.0
+        tok_trainer = tok_plain = 0
+        for b in batches[1:]:
+            t0 = time.perf_counter()
+            stats = policy.train(b)
+            policy.save()
+            t_trainer += time.perf_counter() - t0
+            tok_trainer += stats.tokens
+            t0 = time.perf_counter()
+            tok_plain += plain_step(base_model.model, base_opt, b, policy.pad_id)
+            t_plain += time.perf_counter() - t0
+    tr, pl = tok_trainer / t_trainer, tok_plain / t_plain
+    print(f"1. rollout step throughput, tiny model, CPU, {steps} steps of {PROMPTS}x{GROUP} samples")
+    print(f"   trainer (GRPO packed + save):      {tr:10.0f} loss tokens/s")
+    print(f"   plain transformers fwd+bwd+AdamW:  {pl:10.0f} loss tokens/s")
+    print(f"   ratio trainer / plain:             {tr / pl:10.2f}")
+
+
+# ------------------------------------------------------------------------------------- 2. idle time
+
+
+def fake_node() -> SimpleNamespace:
+    return SimpleNamespace(config=NodeConfig(run=RunConfig(name=RUN)), metrics=Metrics(), services={}, status={},
+                           peer_id="bench-trainer")
+
+
+# transformers' from_pretrained patches torch's init functions process-wide: two loads at once in two
+# threads of one process can leave tied weights untied. Real nodes load one model per process.
+_LOAD_LOCK = threading.Lock()
+
+
+def _serialized(fn, *args):
+    with _LOAD_LOCK:
+        return fn(*args)
+
+
+async def worker_loop(trainer: Trainer, ident: Identity, counts: dict) -> None:
+    """A simulated inference node: newest version -> generate -> score -> sign -> submit."""
+    engine = TorchEngine(device="cpu")
+    loaded = -1
+    step = 0
+    while True:
+        version = trainer.step
+        folder = trainer.policy.folder(version)
+        try:
+            if loaded != version:
+                load = engine.load if loaded < 0 else engine.swap_weights
+                await trio.to_thread.run_sync(_serialized, load, folder)
+        except (OSError, ValueError, RuntimeError):  # not written yet (the step counter leads the save)
+            await trio.sleep(0.05)
+            continue
+        loaded = version
+        tasks = make_reversal_tasks(PROMPTS, seed=hash((ident.peer_id, step)) % 2**31)
+        prompts = [engine.tokenizer(t["prompt"], add_special_tokens=False)["input_ids"] for t in tasks]
+        generate = functools.partial(engine.generate, prompts, n=GROUP, temperature=1.0, top_p=1.0,
+                                     max_new_tokens=NEW_TOKENS, seed=step, capture_hidden=False)
+        groups = await trio.to_thread.run_sync(generate)
+        samples = []
+        for p, (task, group) in enumerate(zip(tasks, groups)):
+            rewards = [reversal_reward(s.text, task["answer"]) for s in group]
+            for s, r, a in zip(group, rewards, group_advantages(rewards)):
+                samples.append(RolloutSample(prompt_index=p, sample_index=s.sample_index, task_id=task["id"],
+                                             prompt_ids=list(s.prompt_ids), completion_ids=list(s.completion_ids),
+                                             logprobs=list(s.logprobs), finish_reason=s.finish_reason, reward=r,
+                                             task_reward=r, advantage=a, proof=b""))
+        batch = RolloutBatch(run=RUN, worker=ident.peer_id, step=step, policy_version=version, taskset="synthetic",
+                             seed=step, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS, group_size=GROUP,
+                             created_ms=0, samples=samples)
+        ack = trainer.judge(sign_batch(ident, batch), ident.peer_id)
+        counts[ack.reason or "accepted"] = counts.get(ack.reason or "accepted", 0) + 1
+        step += 1
+        await trio.lowlevel.checkpoint()
+
+
+async def idle_at(level: int, seconds: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = grpo_cfg(async_level=level)
+        policy = await trio.to_thread.run_sync(lambda: Policy.open(Path(tmp), "", cfg, TrainerConfig(keep_checkpoints=8))[0])
+        with open_spool(Path(tmp) / "spool.sqlite") as spool:
+            trainer = Trainer(fake_node(), policy, spool, cfg, TrainerConfig())
+            counts: dict = {}
+            with trio.move_on_after(seconds):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(trainer.train_loop)
+                    for i in range(2):
+                        nursery.start_soon(worker_loop, trainer, Identity.from_seed(bytes([i + 1]) * 32), counts)
+            st = trainer.status()
+            rewards = [r for _, r in trainer.reward_curve]
+            return {"level": level, "steps": trainer.step, "idle": st["idle_fraction"], "batches": counts,
+                    "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None}
+
+
+def bench_idle(levels: list[int], seconds: float) -> None:
+    print(f"2. trainer idle fraction, 2 simulated workers, {PROMPTS}x{GROUP} samples per batch, "
+          f"min_batch_samples 32, {seconds:.0f} s per level")
+    rows = [trio.run(idle_at, level, seconds) for level in levels]
+    for r in rows:
+        print(f"   async level {r['level']}: steps {r['steps']:3d}  idle {r['idle']}  batches {r['batches']}  "
+              f"reward first/last step {r['reward_first']} / {r['reward_last']}")
+    base = rows[0]["idle"]
+    for r in rows[1:]:
+        if base and r["idle"] is not None:
+            print(f"   ratio idle(level {r['level']}) / idle(level {rows[0]['level']}): {r['idle'] / base:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6, help="timed rollout steps for the throughput figure")
+    ap.add_argument("--seconds", type=float, default=45.0, help="wall time per async level")
+    ap.add_argument("--levels", default="0,1,2", help="async levels to compare")
+    args = ap.parse_args()
+    bench_throughput(args.steps)
+    bench_idle([int(x) for x in args.levels.split(",")], args.seconds)
+
+
+if __name__ == "__main__":
+    main()
