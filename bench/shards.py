@@ -218,8 +218,9 @@ def _read_json(proc: subprocess.Popen, timeout: float) -> dict:
     return json.loads(line)
 
 
-def swarm(n: int, size_mib: int, mbit: float, timeout: float = 300.0) -> float | None:
-    print(f"== swarm: seeder + {n} downloaders in network namespaces, {size_mib} MiB, upload {mbit} Mbit/s each")
+def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, timeout: float = 300.0) -> float | None:
+    print(f"== swarm: seeder + {n} downloaders in network namespaces, {size_mib} MiB, upload {mbit} Mbit/s each, "
+          f"pieces {piece_kib or 1024} KiB")
     if os.geteuid() != 0:
         print("  skipped: needs root (ip netns, tc)")
         return None
@@ -232,7 +233,10 @@ def swarm(n: int, size_mib: int, mbit: float, timeout: float = 300.0) -> float |
     try:
         with Namespaces(n + 1, mbit) as nets:
             src = write_checkpoint(tmp / "src", size, seed=3)
-            common = ["--trainer-seed", trainer_seed, "--shards", json.dumps({"announce_interval": 1.0, "progress": False})]
+            settings = {"announce_interval": 1.0, "progress": False}
+            if piece_kib:
+                settings.update(piece_size=piece_kib * 1024, block_size=min(256, piece_kib) * 1024)
+            common = ["--trainer-seed", trainer_seed, "--shards", json.dumps(settings)]
             addrs = []
             for i in range(1, n + 1):  # downloaders first, each dialing the ones before it
                 p = _spawn(nets.names[i], ["--data-dir", str(tmp / f"d{i}"), "--role", "inference",
@@ -282,13 +286,14 @@ def main() -> None:
     ap.add_argument("--seeders", type=int, default=4)
     ap.add_argument("--n", type=int, default=8, help="downloaders in the swarm benchmark")
     ap.add_argument("--mbit", type=float, default=40.0, help="upload cap per host in the swarm benchmark")
+    ap.add_argument("--piece-kib", type=int, default=0, help="piece size for the swarm benchmark (default: automatic)")
     args = ap.parse_args()
     if args.what in ("calibrate", "all"):
         calibrate()
     if args.what in ("overhead", "all"):
         overhead(args.size_mib or 256, args.seeders)
     if args.what in ("swarm", "all"):
-        swarm(args.n, args.size_mib or 48, args.mbit)
+        swarm(args.n, args.size_mib or 48, args.mbit, args.piece_kib)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,14 @@ async def connect_all(nodes) -> None:
             await a.host.connect(b.host.listen_addrs()[0])
 
 
+class FakeLedger:
+    def __init__(self) -> None:
+        self.entries = []
+
+    def append(self, kind, body) -> None:
+        self.entries.append((kind, body))
+
+
 async def test_relay_fetches_published_version(tmp_path: Path) -> None:
     trainer = Identity.generate()
     src = write_checkpoint(tmp_path / "ckpt", 5 * MiB + 123, seed=1)
@@ -29,6 +37,8 @@ async def test_relay_fetches_published_version(tmp_path: Path) -> None:
         async with open_shards_swarm() as swarm:
             t = await swarm.add(tmp_path / "t", identity=trainer, trainers=[trainer.peer_id], role="trainer", **FAST)
             r = await swarm.add(tmp_path / "r", trainers=[trainer.peer_id], role="relay", **FAST)
+            ledger = FakeLedger()
+            r.services["ledger"] = ledger
             await connect_all([t, r])
             signed = await t.services["shards"].publish(src, 7)
             path = await r.services["shards"].wait_version(7)
@@ -36,6 +46,8 @@ async def test_relay_fetches_published_version(tmp_path: Path) -> None:
             receipts = r.services["shards"].receipts()
             assert receipts == {(t.peer_id, signed.root.hex()): signed.manifest.total_size}
             assert r.services["shards"].status()["held"] == [7]
+            assert ledger.entries == [("shards.received", {"peer": t.peer_id, "root": signed.root.hex(),
+                                                           "version": 7, "bytes": signed.manifest.total_size})]
 
 
 class FlipBytes(_ServerSession):
@@ -118,3 +130,60 @@ async def test_silent_peer_is_banned_and_download_completes(tmp_path: Path) -> N
             assert same_files(src, path)
             assert svc.is_banned(silent.peer_id, trio.current_time())
             assert d.metrics.rejections().get("shards/unresponsive") == 1
+
+
+async def test_relay_serves_pieces_while_still_downloading(tmp_path: Path) -> None:
+    """trainer -> relay -> downloader, the downloader not connected to the trainer: it gets every
+    byte through the relay, and its first piece arrives before the relay has the whole version."""
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    src = write_checkpoint(tmp_path / "ckpt", 6 * MiB, seed=4)
+    with trio.fail_after(90):
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", upload_rate=2 * MiB, **FAST)
+            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **FAST)
+            d = await swarm.add(tmp_path / "d", trainers=tr, role="inference", **FAST)
+            await t.host.connect(r.host.listen_addrs()[0])
+            await d.host.connect(r.host.listen_addrs()[0])
+            signed = await t.services["shards"].publish(src, 3)
+            svc = d.services["shards"]
+            first_piece_at = relay_done_at = None
+            async with trio.open_nursery() as nursery:
+                async def relay_done():
+                    nonlocal relay_done_at
+                    await r.services["shards"].wait_version(3)
+                    relay_done_at = trio.current_time()
+
+                nursery.start_soon(relay_done)
+                while first_piece_at is None:
+                    dl = svc.downloads.get(3)
+                    if dl is not None and dl.vs.verified:
+                        first_piece_at = trio.current_time()
+                    await trio.sleep(0.01)
+                path = await svc.wait_version(3)
+            assert same_files(src, path)
+            assert first_piece_at < relay_done_at
+            assert {p for p, _ in svc.receipts()} == {r.peer_id}
+            assert sum(svc.receipts().values()) == signed.manifest.total_size
+
+
+async def test_inference_fetches_newest_relay_fetches_all(tmp_path: Path) -> None:
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    with trio.fail_after(90):
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", upload_rate=2 * MiB, **FAST)
+            d = await swarm.add(tmp_path / "d", trainers=tr, role="inference", **FAST)
+            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **FAST)
+            await connect_all([t, d, r])
+            await trio.sleep(1.5)  # gossip meshes form (heartbeat 1 s)
+            await t.services["shards"].publish(write_checkpoint(tmp_path / "v1", 4 * MiB, seed=1), 1)
+            while 1 not in d.services["shards"].downloads:  # version 1 is on its way to d ...
+                await trio.sleep(0.05)
+            await t.services["shards"].publish(write_checkpoint(tmp_path / "v2", 1 * MiB, seed=2), 2)
+            await d.services["shards"].wait_version(2)
+            await r.services["shards"].wait_version(1)
+            await r.services["shards"].wait_version(2)
+            assert d.services["shards"].versions_held() == [2]  # ... and abandoned for version 2
+            assert 1 not in d.services["shards"].downloads
+            assert r.services["shards"].versions_held() == [1, 2]
