@@ -1,0 +1,75 @@
+"""A reward-per-step line plot as a PNG, with nothing but the standard library (zlib + struct).
+
+Why not matplotlib: it is not a dependency of the node, and the demo only needs one honest line
+chart. The image is a white canvas, light grid lines at each tenth of the axes, axes, and the
+curve drawn with Bresenham segments (no antialiasing). PNG per RFC 2083: signature, IHDR, one
+zlib-compressed IDAT of filter-0 scanlines, IEND, each chunk CRC-32'd.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+WIDTH, HEIGHT, MARGIN = 640, 360, 32
+WHITE, GRID, AXIS, LINE = (255, 255, 255), (228, 228, 228), (60, 60, 60), (31, 119, 180)
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def _segment(px, x0: int, y0: int, x1: int, y1: int, color) -> None:
+    """Bresenham's line from (x0, y0) to (x1, y1), 2 pixels thick."""
+    dx, dy = abs(x1 - x0), -abs(y1 - y0)
+    sx, sy = (1 if x0 < x1 else -1), (1 if y0 < y1 else -1)
+    err = dx + dy
+    while True:
+        for ox, oy in ((0, 0), (0, 1), (1, 0)):
+            if 0 <= x0 + ox < WIDTH and 0 <= y0 + oy < HEIGHT:
+                px[y0 + oy][x0 + ox] = color
+        if x0 == x1 and y0 == y1:
+            return
+        e2 = 2 * err
+        if e2 >= dy:
+            err += dy
+            x0 += sx
+        if e2 <= dx:
+            err += dx
+            y0 += sy
+
+
+def render_curve(points: Sequence[tuple[float, float]]) -> bytes:
+    """PNG bytes of the polyline through ``points`` (x = step, y = mean reward), axes scaled to fit."""
+    px = [[WHITE] * WIDTH for _ in range(HEIGHT)]
+    x_lo, x_hi = (min(p[0] for p in points), max(p[0] for p in points)) if points else (0.0, 1.0)
+    y_lo, y_hi = (min(0.0, *(p[1] for p in points)), max(1e-9, *(p[1] for p in points))) if points else (0.0, 1.0)
+    x_hi = x_hi if x_hi > x_lo else x_lo + 1
+    w, h = WIDTH - 2 * MARGIN, HEIGHT - 2 * MARGIN
+
+    def to_px(x: float, y: float) -> tuple[int, int]:
+        return (MARGIN + round((x - x_lo) / (x_hi - x_lo) * w), HEIGHT - MARGIN - round((y - y_lo) / (y_hi - y_lo) * h))
+
+    for i in range(11):
+        gx, gy = MARGIN + i * w // 10, MARGIN + i * h // 10
+        _segment(px, gx, MARGIN, gx, HEIGHT - MARGIN, GRID)
+        _segment(px, MARGIN, gy, WIDTH - MARGIN, gy, GRID)
+    _segment(px, MARGIN, HEIGHT - MARGIN, WIDTH - MARGIN, HEIGHT - MARGIN, AXIS)
+    _segment(px, MARGIN, MARGIN, MARGIN, HEIGHT - MARGIN, AXIS)
+    pts = [to_px(x, y) for x, y in points]
+    for (a, b), (c, d) in itertools.pairwise(pts):
+        _segment(px, a, b, c, d, LINE)
+    if len(pts) == 1:
+        _segment(px, *pts[0], *pts[0], LINE)
+    raw = b"".join(b"\x00" + bytes(v for rgb in row for v in rgb) for row in px)
+    ihdr = struct.pack(">IIBBBBB", WIDTH, HEIGHT, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(raw, 9)) + _chunk(b"IEND", b"")
+
+
+def write_curve_png(points: Sequence[tuple[float, float]], path: Path) -> Path:
+    path = Path(path)
+    path.write_bytes(render_curve(points))
+    return path

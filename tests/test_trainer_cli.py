@@ -1,0 +1,49 @@
+"""``swarm-node trainer-steps``: the steps table from a trainer's spool, JSON, the PNG, and bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import zlib
+
+from node.trainer import cli
+from node.trainer.plot import HEIGHT, WIDTH, render_curve
+from node.trainer.spool import StepRecord, open_spool
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_prints_the_steps_and_writes_a_png(tmp_path, capsys):
+    with open_spool(tmp_path / "trainer" / "spool.sqlite") as spool:
+        for step, reward in ((1, 0.1), (2, 0.25), (3, 0.4)):
+            spool.finish_step(StepRecord(step, reward, 16, 2, 80, -0.1, 0.5))
+    png = tmp_path / "reward.png"
+    assert run(["trainer-steps", "--data-dir", str(tmp_path), "--json", "--png", str(png)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["mean_reward"]) for r in rows] == [(1, 0.1), (2, 0.25), (3, 0.4)]
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", data[16:24]) == (WIDTH, HEIGHT)
+    assert run(["trainer-steps", "--data-dir", str(tmp_path)]) == 0
+    assert "0.4000" in capsys.readouterr().out
+
+
+def test_png_decodes_and_the_curve_is_drawn():
+    data = render_curve([(1, 0.0), (2, 1.0)])
+    idat_len = struct.unpack(">I", data[33:37])[0]
+    raw = zlib.decompress(data[41:41 + idat_len])
+    assert len(raw) == HEIGHT * (1 + 3 * WIDTH)
+    assert bytes((31, 119, 180)) in raw  # the line colour is somewhere on the canvas
+    assert render_curve([]) != b""  # no steps yet: an empty chart, not a crash
+
+
+def test_not_a_trainer_data_dir_is_one_line_and_exit_2(tmp_path, capsys):
+    assert run(["trainer-steps", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no trainer spool" in err
