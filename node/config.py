@@ -133,6 +133,11 @@ class NodeConfig:
                 except ValueError:
                     raise ConfigError(f"run.{kind}: {pid!r} is not an Ed25519 peer id") from None
         self.run.check_sections()
+        rl, grpo = self.run.section("rl"), self.run.section("grpo")
+        if rl.temperature != grpo.temperature:
+            # The trainer divides logits by the sampling temperature; another value trains on a
+            # distribution the rollouts were not sampled from.
+            raise ConfigError(f"grpo.temperature ({grpo.temperature}) must equal rl.temperature ({rl.temperature})")
 
 
 def check_connect_addr(addr: str) -> None:
