@@ -193,6 +193,12 @@ def test_wrong_parameters_and_incomplete_groups(world):
     assert_rejected(judge(world, partial), frozenset({BatchReason.BAD_GROUPS.value}))
 
 
+def test_token_ids_outside_the_vocabulary_are_a_reason_not_a_crash(world):
+    honest, worker = world[3][2], world[2]
+    huge = T.with_samples(honest, worker, lambda i, s: replace(s, completion_ids=[10**9] + list(s.completion_ids[1:])))
+    assert_rejected(judge(world, huge), frozenset({Reason.OUT_OF_BOUNDS.value}))
+
+
 def test_garbage_bytes_are_a_reason_not_a_crash():
     for data in (b"", b"\x00" * 10, b"\x92\x01\x02", bytes(range(256))):
         got = parse_batch(data, RUN)

@@ -144,6 +144,7 @@ class CheckModel:
         self.tokenizer = tokenizer
         self.version = version
         self.eos_ids = frozenset({int(tokenizer.eos_token_id)})
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     @torch.no_grad()
@@ -277,8 +278,11 @@ def check_task(sample: RolloutSample, worker: str, step: int, tasks: TaskSet, to
     return PASS, task
 
 
-def check_finish(sample: RolloutSample, eos_ids: Collection[int], max_new_tokens: int) -> CheckResult:
-    """Termination rule, and a finish_reason that agrees with the tokens."""
+def check_finish(sample: RolloutSample, eos_ids: Collection[int], max_new_tokens: int, vocab_size: int) -> CheckResult:
+    """Token ids the model has, the termination rule, and a finish_reason that agrees with the tokens."""
+    bad = next((t for t in sample.completion_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:  # would index past the embedding table in our prefill
+        return fail(Reason.OUT_OF_BOUNDS, f"completion token id {bad} outside the vocabulary of {vocab_size}")
     check = checks.check_termination(sample.completion_ids, eos_ids, max_new_tokens)
     if not check:
         return check
@@ -448,7 +452,7 @@ def judge_batch(
             continue
         check, task = check_task(s, batch.worker, batch.step, tasks, model.tokenizer)
         if check:
-            check = check_finish(s, model.eos_ids, rules.max_new_tokens)
+            check = check_finish(s, model.eos_ids, rules.max_new_tokens, model.vocab_size)
         if check:
             check = check_score(s, task, tasks, model.tokenizer, rules.proofs.reward_tolerance)
         if check:

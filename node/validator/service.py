@@ -307,7 +307,12 @@ class ValidatorService:
                 path = await shards.wait_version(version)
             if path is None:
                 return None
-        model = await trio.to_thread.run_sync(self._load, path, version)
+        try:
+            model = await trio.to_thread.run_sync(self._load, path, version)
+        except (OSError, ValueError, RuntimeError) as e:  # a complete, signed checkpoint that does not load
+            log.error("validator: cannot load checkpoint v%d from %s: %s", version, path, e)
+            self.results["load-errors"] += 1
+            return None
         self.models[version] = model
         while len(self.models) > self.cfg.keep_models:
             self.models.popitem(last=False)
