@@ -18,7 +18,7 @@ class ValidatorConfig:
     keep_models: int = 2  # checkpoint versions kept loaded in memory (a batch may be async_level old)
     checkpoint_timeout: float = 120.0  # seconds to wait for a batch's checkpoint before giving up on it
     device: str = "auto"  # where the validator's prefill runs: auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # model dtype for the prefill: auto (the checkpoint's) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # prefill dtype: auto (the run's [inference] dtype) | float32 | bfloat16 | float16
     # Gumbel-max replay (TOPLOC2-style): the sampled token's score may trail the best score by at
     # most this much (logit units), to absorb prefill-vs-decode numeric noise (fp32: ~1e-5; bf16: ~1e-2).
     sampling_tolerance: float = 0.05

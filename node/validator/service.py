@@ -39,7 +39,7 @@ from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
 from ..ledger.sync import LedgerError
 from ..proofs.config import ProofsConfig
-from ..rl.config import GRPOConfig, RLConfig
+from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 from ..rollouts.schema import (
     DOMAIN_VERDICT,
     VERDICTS_PROTOCOL,
@@ -287,7 +287,8 @@ class ValidatorService:
                                              job.signed.batch_id)
         return await trio.to_thread.run_sync(
             lambda: judge_batch(batch, self.rules, current_version=current, tasks=self.tasks, model=model,
-                                replayed=replayed.__contains__)
+                                replayed=replayed.__contains__),
+            abandon_on_cancel=True,  # a long check must not hold up shutdown
         )
 
     async def model_for(self, version: int) -> CheckModel | None:
@@ -322,7 +323,9 @@ class ValidatorService:
         from ..engines.torch_engine import pick_device
         from ..model import load_model, load_tokenizer
 
-        model = load_model(path, device=pick_device(self.cfg.device), dtype=_dtype(self.cfg.dtype))
+        # Prefill in the precision the workers generate in: TOPLOC tells bf16 from fp32 apart (paper §5).
+        name = self.cfg.dtype if self.cfg.dtype != "auto" else self.node.config.run.section("inference", InferenceConfig).dtype
+        model = load_model(path, device=pick_device(self.cfg.device), dtype=_dtype(name))
         return CheckModel(model, load_tokenizer(path), version)
 
     async def record_in_ledger(self, signed: SignedBatch, judgement: Judgement) -> None:
