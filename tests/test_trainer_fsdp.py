@@ -74,7 +74,7 @@ def step_samples(model, tokenizer):
 
 def test_two_gloo_ranks_match_one_process(tmp_path):
     cfg = GRPOConfig(**CFG)
-    single, _ = Policy.open(tmp_path / "single", "", cfg, TrainerConfig())
+    single, _ = Policy.open(tmp_path / "single", "", cfg, TrainerConfig(init_warmup_steps=0))
     samples = step_samples(single.model, single.tokenizer)
     single.train(samples)  # step 1 in one process, so AdamW has moments to hand over
     single.save()

@@ -33,7 +33,7 @@ DEADLINE = 120  # seconds of real time; the loop itself takes a few
 def make_run(tmp_path, validators=()):
     trainer_id, _ = load_or_create_identity(tmp_path / "trainer")
     run = RunConfig(name="test", trainers=[trainer_id.peer_id], validators=list(validators))
-    run.tables.update(grpo=dict(GRPO), trainer={"verify_timeout_s": 5.0})
+    run.tables.update(grpo=dict(GRPO), trainer={"verify_timeout_s": 5.0, "init_warmup_steps": 0})
     return run
 
 

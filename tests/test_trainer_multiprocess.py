@@ -30,6 +30,7 @@ trainers = ["{trainer}"]
 
 [trainer]
 keep_checkpoints = 3
+init_warmup_steps = 0
 """
 CLIENT = Identity.from_seed(b"c" * 32)
 

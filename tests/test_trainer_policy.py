@@ -13,7 +13,7 @@ from node.trainer.policy import Policy, training_samples
 from node.trainer.testing import reversal_batch
 
 CFG = GRPOConfig(optimizer_steps=2, pack_length=64, kl_coef=0.0, lr=1e-3, warmup_steps=3)
-TCFG = TrainerConfig(keep_checkpoints=2)
+TCFG = TrainerConfig(keep_checkpoints=2, init_warmup_steps=0)  # random init: fast
 WORKER = Identity.from_seed(b"p" * 32)
 
 

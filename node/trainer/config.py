@@ -24,7 +24,7 @@ class TrainerConfig:
     max_verify_in_flight: int = 64  # batches sent to validators and awaiting a verdict
     device: str = "auto"  # auto (cuda when present, else cpu) | cpu | cuda | cuda:N
     seed: int = 0  # seeds the torch RNG on first start (restored from the training state afterwards)
-    init_warmup_steps: int = -1  # supervised warm-up steps for a fresh embedded tiny model (-1 = the model module's default)
+    init_warmup_steps: int = -1  # warm-up steps of a fresh embedded default model (-1 = node.model's default, 0 = random)
 
     def validate(self) -> None:
         if self.keep_checkpoints < 1:
@@ -35,5 +35,7 @@ class TrainerConfig:
             raise ValueError("verify_timeout_s: > 0")
         if self.max_verify_in_flight < 1:
             raise ValueError("max_verify_in_flight: at least 1")
+        if self.init_warmup_steps < -1:
+            raise ValueError("init_warmup_steps: -1 (default), 0 (none) or more")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device: {DEVICES_HINT}")

@@ -64,24 +64,30 @@ class StepResult:
     seconds: float
 
 
-def _initial_model(source: str, tcfg: TrainerConfig):
-    """(model, tokenizer) of version 0: ``run.model`` or the embedded tiny default."""
-    from ..model import build_tiny_model, build_tokenizer, load_model, load_tokenizer
+def _initial_model(root: Path, source: str, tcfg: TrainerConfig):
+    """(model, tokenizer) of version 0: ``run.model``, or the embedded default (tiny Qwen2 + warm-up)."""
+    import shutil
+
+    from ..model import (
+        DEFAULT_WARMUP_STEPS,
+        create_default_model,
+        load_model,
+        load_tokenizer,
+    )
 
     if source:
         return load_model(Path(source)), load_tokenizer(Path(source))
-    tok = build_tokenizer()
-    model = build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id, seed=tcfg.seed)
-    if tcfg.init_warmup_steps > 0:
-        from ..rl.synthetic import make_reversal_tasks
-        from ..rl.warmup import supervised_warmup
-
-        # A seed far from the packaged task set's (1) so the warm-up never sees evaluation tasks.
-        pairs = [(t["prompt"], t["answer"]) for t in make_reversal_tasks(2000, seed=1000 + tcfg.seed)]
-        st = supervised_warmup(model, tok, pairs, tcfg.init_warmup_steps, seed=tcfg.seed)
-        log.info("trainer: supervised warm-up of the tiny model: loss %.3f -> %.3f in %d steps",
-                 st.first_loss, st.last_loss, st.steps)
-    return model, tok
+    steps = DEFAULT_WARMUP_STEPS if tcfg.init_warmup_steps < 0 else tcfg.init_warmup_steps
+    tmp = Path(root) / "init.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _, stats = create_default_model(tmp, seed=tcfg.seed, warmup_steps=steps)
+    if stats is not None:
+        log.info("trainer: supervised warm-up of the default model: loss %.3f -> %.3f in %d steps",
+                 stats.first_loss, stats.last_loss, stats.steps)
+    try:
+        return load_model(tmp), load_tokenizer(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_optimizer(policy: Policy, saved: dict) -> None:
@@ -128,7 +134,7 @@ class Policy:
         if state is None:
             torch.manual_seed(tcfg.seed)
             random.seed(tcfg.seed)
-            model, tok = _initial_model(source, tcfg)
+            model, tok = _initial_model(root, source, tcfg)
             model = model.to(device=device, dtype=torch.float32)
             policy = cls(root, model, tok, cfg, tcfg, 0, device)
             policy.save()
