@@ -1,6 +1,6 @@
 """The inference role: turn CPU/GPU time into signed, proven rollout batches for the trainers.
 
-How this works (DESIGN.md, the loop, step 3). :func:`serve_inference` runs four tasks in a nursery:
+How this works (DESIGN.md, the loop, step 3). :func:`serve_inference` runs three tasks in a nursery:
 
 * **follow**: watches ``node.services["shards"]`` for a newer complete checkpoint version (the
   shards service downloads every version the trainer announces) and loads it into the engine — the
@@ -13,9 +13,12 @@ How this works (DESIGN.md, the loop, step 3). :func:`serve_inference` runs four 
   generation runs ahead of delivery by at most ``[worker] max_pending_batches`` batches;
 * **submit**: hands each queued batch to an alive trainer of the run over ``/swarm/rollouts/1.0.0``
   and feeds the result (ack, refusal, failure) back to the outbox, which retries elsewhere with
-  backoff and drops batches that became too old to train on (``[grpo] async_level``);
-* **advertise**: puts the node's measured capacity (tokens/s) and load (queued batches) into its
-  membership record, republished only when they change noticeably.
+  backoff and drops batches that became too old to train on (``[grpo] async_level``).
+
+After steps and deliveries the node advertises its measured capacity (tokens/s) and load (queued
+batches) in its membership record, republished only on a noticeable change and at most every
+``ADVERTISE_MIN_INTERVAL_S``. Generation also pauses while the loaded version is too old for the
+trainer's step (known from announcements and acks): such batches would only be refused.
 
 The draw step counter is persisted in the data dir (write-then-rename) before each step, so a
 restarted node never reuses a step: trainers refuse a second batch for the same (worker, step).
