@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run a local swarm on loopback with a live table")
     p.add_argument("--duration", type=float, default=0.0, help="stop after SECONDS (default: until Ctrl-C)")
-    p.add_argument("--extra", type=int, default=0, help="extra inference nodes beyond one of each role")
+    p.add_argument("--extra", type=int, default=0, help="extra inference nodes beyond the default two")
+    p.add_argument("--cheat", choices=_cheats(), help="add a dishonest inference node of this kind")
     p.add_argument("--data-root", type=Path, default=Path("demo-data"), help="folder for the nodes' data dirs")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     p.set_defaults(func=cmd_demo)
@@ -97,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in COMMAND_MODULES:
         importlib.import_module(mod).add_commands(sub)
     return parser
+
+
+def _cheats() -> tuple[str, ...]:
+    from .rollouts.config import CHEATS
+
+    return tuple(c for c in CHEATS if c)  # "" is honest
 
 
 def flags_of(args: argparse.Namespace) -> dict:

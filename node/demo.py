@@ -1,60 +1,123 @@
-"""``make demo``: a local swarm on loopback with a live table, until Ctrl-C or ``--duration``.
+"""``make demo``: the whole loop on loopback with a live table, until Ctrl-C or ``--duration``.
 
-One relay (the bootstrap peer), a trainer, a validator and one inference node (more with
-``--extra``), each a real ``swarm-node`` process with its own data dir under ``--data-root``.
-The run file names the trainer and validator as the run's trusted peers.
+One relay (the bootstrap peer), a trainer, a validator and two inference nodes (more with
+``--extra``; ``--cheat KIND`` adds a dishonest inference node), each a real ``swarm-node``
+process with its own data dir under ``--data-root``, on the embedded tiny model and the synthetic
+digit-reversal task. The run file names the trainer and the validator as the run's trusted peers.
+The live table shows members, checkpoint versions and where they are, rollouts accepted and
+rejected, and the reward; the demo ends with the trainer's reward curve and the ledger totals.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from .localswarm import LocalSwarm
 
 RUN_TEMPLATE = """\
-# Written by `swarm-node demo`.
+# Written by `swarm-node demo`: the tiny default model on the synthetic digit-reversal task.
 [run]
 name = "demo"
 trainers = ["{trainer}"]
 validators = ["{validator}"]
+
+[rl]
+group_size = 8
+prompts_per_batch = 4
+max_new_tokens = 10
 """
 
 
-def build_table(swarm: LocalSwarm, started: float) -> Group:
+def _fmt(value, default: str = "-") -> str:
+    return default if value is None else str(value)
+
+
+def describe(role: str, status: dict) -> tuple[str, str, str]:
+    """(versions held, rollouts, reward) columns for one node's status."""
+    held = ",".join(map(str, (status.get("shards") or {}).get("held", []))) or "-"
+    if role == "trainer":
+        t = status.get("trainer") or {}
+        b = t.get("batches", {})
+        rewards = t.get("reward") or []
+        reward = f"{rewards[-1][1]:.3f}" if rewards else "-"
+        return held, f"step {_fmt(t.get('step'))}: trained {b.get('trained', 0)} rejected {b.get('rejected', 0)} waiting {b.get('gated', 0)}", reward
+    if role == "inference":
+        i = status.get("inference") or {}
+        b = i.get("batches", {})
+        refused = sum((b.get("refused") or {}).values())
+        cheat = f" [red]cheat={i['cheat']}[/]" if i.get("cheat") else ""
+        return held, f"v{_fmt(i.get('policy_version'))}: sent {b.get('sent', 0)} acked {b.get('accepted', 0)} refused {refused}{cheat}", _fmt(i.get("mean_reward"))
+    if role == "validator":
+        v = status.get("validator") or {}
+        verdicts = v.get("verdicts", {})
+        behind = " [yellow]behind[/]" if v.get("behind") else ""
+        return held, f"verdicts ok {verdicts.get('accepted', 0)} rejected {verdicts.get('rejected', 0)} queue {v.get('queue', 0)}{behind}", "-"
+    return held, "-", "-"
+
+
+def build_table(swarm: LocalSwarm, started: float) -> Table:
     table = Table(title=f"swarm-node demo — {time.monotonic() - started:.0f}s (Ctrl-C to stop)")
-    for col in ("node", "role", "pid", "peer id", "sees alive", "suspect", "dead", "left", "conns"):
+    for col in ("node", "role", "members a/s/d/l", "conns", "versions held", "rollouts", "reward"):
         table.add_column(col)
     for name, proc in swarm.procs.items():
         status = swarm.status(name)  # a stopped node leaves its last status behind
         member = status.get("membership", {})
-        counts = member.get("counts", {})
-        table.add_row(
-            name,
-            proc.role,
-            str(proc.pid) if proc.alive() else "[red]exited[/]",
-            status.get("peer_id", "…")[-12:],
-            str(counts.get("alive", "-")),
-            str(counts.get("suspect", "-")),
-            str(counts.get("dead", "-")),
-            str(counts.get("left", "-")),
-            str(member.get("connections", "-")),
-        )
-    return Group(table)
+        c = member.get("counts", {})
+        counts = f"{c.get('alive', '-')}/{c.get('suspect', '-')}/{c.get('dead', '-')}/{c.get('left', '-')}"
+        held, rollouts, reward = describe(proc.role, status)
+        label = name if proc.alive() else f"{name} [red](exited)[/]"
+        table.add_row(label, proc.role, counts, _fmt(member.get("connections")), held, rollouts, reward)
+    return table
+
+
+def reward_plot(curve: list[list[float]], width: int = 60, height: int = 10) -> str:
+    """A text plot of (step, mean reward) points: rows are reward levels, columns steps."""
+    if not curve:
+        return "(no training steps yet)"
+    values = [r for _, r in curve]
+    if len(values) > width:  # average into width buckets
+        size = len(values) / width
+        values = [sum(values[int(i * size): int((i + 1) * size)]) / max(1, len(values[int(i * size): int((i + 1) * size)])) for i in range(width)]
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    rows = []
+    for level in range(height, -1, -1):
+        y = lo + span * level / height
+        line = "".join("*" if round((v - lo) / span * height) == level else " " for v in values)
+        rows.append(f"{y:7.3f} |{line}")
+    rows.append(" " * 8 + "+" + "-" * len(values))
+    rows.append(" " * 9 + f"step {int(curve[0][0])} .. {int(curve[-1][0])}")
+    return "\n".join(rows)
+
+
+def ledger_totals(data_dir: Path) -> str:
+    """The ledger totals as printed by `swarm-node ledger` against one node's replica."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "node", "ledger", "--data-dir", str(data_dir)],
+        capture_output=True, text=True, timeout=60,
+    )
+    return proc.stdout if proc.returncode == 0 else proc.stderr
 
 
 def run_demo(args) -> int:
     console = Console()
-    root = args.data_root
+    root: Path = args.data_root
     if root.exists():
         shutil.rmtree(root)
-    names = [("relay", "relay"), ("trainer", "trainer"), ("validator", "validator"), ("inference-1", "inference")]
-    names += [(f"inference-{i + 2}", "inference") for i in range(args.extra)]
+    names = [("relay", "relay"), ("trainer", "trainer"), ("validator", "validator"),
+             ("inference-1", "inference"), ("inference-2", "inference")]
+    names += [(f"inference-{i + 3}", "inference") for i in range(args.extra)]
     stop = False
 
     def on_signal(signum, frame):
@@ -64,15 +127,28 @@ def run_demo(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     with LocalSwarm(root, log_level=args.log_level) as swarm:
-        swarm.write_run_file(RUN_TEMPLATE.format(trainer=swarm.peer_id("trainer"), validator=swarm.peer_id("validator")))
-        console.print(f"starting {len(names)} nodes on 127.0.0.1 (data in {root}/, logs in {root}/<node>/node.log)")
+        run_text = RUN_TEMPLATE.format(trainer=swarm.peer_id("trainer"), validator=swarm.peer_id("validator"))
+        swarm.write_run_file(run_text)
+        console.print(f"starting {len(names) + bool(args.cheat)} nodes on 127.0.0.1 "
+                      f"(data in {root}/, logs in {root}/<node>/node.log)")
         for name, role in names:
             swarm.start(name, role)
+        if args.cheat:
+            cheat_run = root / "cheat.toml"
+            cheat_run.write_text(run_text + f'\n[worker]\ncheat = "{args.cheat}"\n')
+            swarm.start("cheater", "inference", "--run", str(cheat_run))
         started = time.monotonic()
-        with Live(build_table(swarm, started), console=console, refresh_per_second=2) as live:
+        with Live(build_table(swarm, started), console=console, refresh_per_second=1) as live:
             while not stop and (not args.duration or time.monotonic() - started < args.duration):
-                time.sleep(0.5)
+                time.sleep(1.0)
                 live.update(build_table(swarm, started))
         console.print("stopping nodes (each leaves the swarm with a signed goodbye)…")
     console.print(build_table(swarm, started))
+    curve = (swarm.status("trainer").get("trainer") or {}).get("reward") or []
+    console.print(Text("\nmean reward per training step (trainer)", style="bold"))
+    console.print(reward_plot(curve))
+    (root / "reward.json").write_text(json.dumps(curve))
+    console.print(Text("\nledger totals (the trainer's replica)", style="bold"))
+    console.print(ledger_totals(root / "trainer"))
+    console.print(f"reward curve saved to {root / 'reward.json'}")
     return 0
