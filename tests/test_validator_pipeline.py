@@ -208,3 +208,20 @@ def test_garbage_bytes_are_a_reason_not_a_crash():
 def test_every_named_fault_has_a_test():
     tested = {name[len("test_fault_"):] for name in globals() if name.startswith("test_fault_")}
     assert set(T.FAULTS) <= tested | {"stale_policy", "replayed_batch", "altered_last_token"}
+
+
+def test_length_reward_runs_check_budgets_and_penalties(world):
+    engine, _, worker, _, model = world
+    rl = RLConfig(group_size=RULES.group_size, prompts_per_batch=RULES.prompts_per_batch,
+                  max_new_tokens=RULES.max_new_tokens, length_reward=True, thinking_budgets=[3, 6])
+    tasks = RunTasks(rl)
+    signed = T.make_batch(engine, worker, RULES, tasks, step=11, policy_version=VERSION)
+    assert {s.target_length for s in signed.batch.samples} <= {3, 6}
+    assert any(s.length_penalty > 0 for s in signed.batch.samples)
+    ok = judge_batch(signed.batch, RULES, current_version=VERSION, tasks=tasks, model=model)
+    assert ok.accepted, ok.details
+    # Claiming no length penalty (a higher reward) is a reward mismatch.
+    unpenalised = [replace(s, length_penalty=0.0, reward=s.task_reward) for s in signed.batch.samples]
+    cheat = T.sign_batch(worker, replace(signed.batch, samples=T.regroup_advantages(unpenalised)))
+    j = judge_batch(cheat.batch, RULES, current_version=VERSION, tasks=tasks, model=model)
+    assert_rejected(j, frozenset({Reason.REWARD_MISMATCH.value}))

@@ -1,18 +1,19 @@
 """The run's task set as the validator sees it: the deterministic draw and the verifiers of node/rl.
 
-Glue only: the draw is ``node.rl.tasks.draw_task`` (SHA-256 of set digest, peer id, step, index),
-the rewards ``node.rl.verifiers.task_reward`` and, when the run turns the length reward on,
-``node.rl.rewards`` with the budget ``node.rollouts.draw.thinking_budget`` picks — the same functions
-the inference role calls, so honest workers and validators cannot disagree by construction.
+Glue only: the draw is ``node.rl.tasks.draw_task`` (SHA-256 of set digest, peer id, step, index), the
+prompt ``node.rollouts.draw.prompt_text`` (with the ``thinking_budget`` line when the run turns the
+length reward on), the rewards ``node.rl.verifiers.task_reward`` and ``node.rl.rewards`` — the same
+functions the inference role calls, so honest workers and validators cannot disagree by construction.
 """
 
 from __future__ import annotations
 
 from ..rl.config import RLConfig
-from ..rl.rewards import budget_instruction, length_penalty
+from ..rl.rewards import length_penalty
 from ..rl.sandbox import Limits
 from ..rl.tasks import TaskSet, draw_task, load_taskset
 from ..rl.verifiers import task_reward
+from ..rollouts.draw import prompt_text, thinking_budget
 from .pipeline import DrawnTask, Score
 
 
@@ -27,12 +28,9 @@ class RunTasks:
 
     def draw(self, worker: str, step: int, index: int) -> DrawnTask:
         task = draw_task(self.taskset, worker, step, index)
-        if not self.rl.length_reward:
-            return DrawnTask(task.id, task.prompt, 0, task)
-        from ..rollouts.draw import thinking_budget
-
-        budget = thinking_budget(self.rl.thinking_budgets or [self.rl.max_new_tokens], worker, step, index)
-        return DrawnTask(task.id, task.prompt + budget_instruction(budget), budget, task)
+        budget = thinking_budget(self.rl.thinking_budgets or [self.rl.max_new_tokens], worker, step, index) \
+            if self.rl.length_reward else 0
+        return DrawnTask(task.id, prompt_text(task, budget), budget, task)
 
     def score(self, task: DrawnTask, completion_text: str, completion_tokens: int) -> Score:
         r = float(task_reward(task.data, completion_text, self.limits))
