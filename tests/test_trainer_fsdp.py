@@ -29,7 +29,7 @@ from node.trainer.testing import reversal_batch
 
 pytestmark = pytest.mark.slow
 
-CFG = dict(optimizer_steps=2, pack_length=64, kl_coef=0.0, lr=1e-3, warmup_steps=0, min_batch_samples=8)
+CFG = {"optimizer_steps": 2, "pack_length": 64, "kl_coef": 0.0, "lr": 1e-3, "warmup_steps": 0, "min_batch_samples": 8}
 WORKER = Identity.from_seed(b"f" * 32)
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent("""
     else:
         fsdp._FOLLOWER_CONFIGS = (cfg, tcfg)
         fsdp.follow()
-    dist.destroy_process_group()
+    fsdp.leave()
 """)
 
 

@@ -18,7 +18,7 @@ from node.model import build_tokenizer
 from node.rl.config import GRPOConfig
 from node.rollouts.schema import MAX_BATCH_BYTES, open_batch
 from node.trainer.config import TrainerConfig
-from node.trainer.intake import IntakeLimits, intake_reason, staleness_reason
+from node.trainer.intake import IntakeLimits, Strikes, intake_reason, staleness_reason
 from node.trainer.service import Trainer
 from node.trainer.spool import BatchState, SpoolError, open_spool
 from node.trainer.testing import reversal_batch, sign_batch
@@ -44,7 +44,10 @@ def trainer(tmp_path):
     """A Trainer at step 5 (async level 2) over a real spool; the policy is a stand-in (no model)."""
     policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
     with open_spool(tmp_path / "spool.sqlite") as spool:
-        yield Trainer(fake_node(), policy, spool, GRPOConfig(async_level=2, pack_length=64), TrainerConfig(max_pending_batches=4))
+        clock = SimpleNamespace(now=0.0)
+        yield Trainer(fake_node(), policy, spool, GRPOConfig(async_level=2, pack_length=64),
+                      TrainerConfig(max_pending_batches=4, ban_after_strikes=3, strike_window_s=60, ban_seconds=100),
+                      clock=lambda: clock.now)
 
 
 def test_staleness_window():
@@ -135,6 +138,25 @@ def test_only_the_workers_own_submission_is_recorded_against_it(trainer):
     assert [r.reason for r in trainer.spool.ledger_due(10)] == ["stale"]
 
 
+def test_repeated_garbage_gets_the_sender_banned(trainer):
+    for _ in range(2):
+        trainer.judge(b"\xc1garbage", OTHER.peer_id)
+        trainer.judge(sign_batch(WORKER, batch(version=1)), OTHER.peer_id)  # stale: lag, not a strike
+    assert not trainer.strikes.banned(OTHER.peer_id, 0.0)
+    trainer.judge(sign_batch(WORKER, dataclasses.replace(batch(), worker=OTHER.peer_id)), OTHER.peer_id)  # forged
+    assert trainer.strikes.banned(OTHER.peer_id, 0.0) and trainer.status()["banned"] == 1
+    assert not trainer.strikes.banned(OTHER.peer_id, 100.0)  # the ban ends
+    assert not trainer.strikes.banned(WORKER.peer_id, 0.0)
+
+
+def test_strikes_outside_the_window_do_not_add_up():
+    strikes = Strikes(limit=2, window=10.0, ban_seconds=5.0)
+    assert not strikes.strike("p", "malformed", 0.0)
+    assert not strikes.strike("p", "malformed", 11.0)  # the first one has expired
+    assert strikes.strike("p", "forged", 12.0)
+    assert strikes.banned("p", 16.9) and not strikes.banned("p", 17.0)
+
+
 def test_pure_intake_order_of_checks():
     limits = IntakeLimits(vocab_size=len(TOK), pack_length=64, temperature=1.0, async_level=2)
     b = batch(version=0)
@@ -182,7 +204,7 @@ KILL_AFTER_ACK = textwrap.dedent("""
     from node.wire import encode
     with open_spool({db!r}) as spool:
         t = Trainer(fake_node(), SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu"), spool,
-                    GRPOConfig(pack_length=64), TrainerConfig())
+                    GRPOConfig(pack_length=64), TrainerConfig(), clock=lambda: 0.0)
         ack = t.judge(sign_batch(WORKER, batch()), WORKER.peer_id)
         sys.stdout.write(ack.batch_id.hex() + "\\n")
         sys.stdout.flush()

@@ -22,6 +22,9 @@ class TrainerConfig:
     max_concurrent_intake: int = 16  # rollout streams handled at once; more wait for a slot
     verify_timeout_s: float = 120.0  # a validator silent this long on a batch is skipped for it
     max_verify_in_flight: int = 64  # batches sent to validators and awaiting a verdict
+    ban_after_strikes: int = 5  # invalid batches (forged, malformed, bad tokens...) that get a sender banned
+    strike_window_s: float = 600.0  # ... when they fall within this many seconds
+    ban_seconds: float = 3600.0  # how long a banned sender's streams are refused
     device: str = "auto"  # auto (cuda when present, else cpu) | cpu | cuda | cuda:N
     seed: int = 0  # seeds the torch RNG on first start (restored from the training state afterwards)
     init_warmup_steps: int = -1  # warm-up steps of a fresh embedded default model (-1 = node.model's default, 0 = random)
@@ -31,6 +34,8 @@ class TrainerConfig:
             raise ValueError("keep_checkpoints: at least 1")
         if self.max_pending_batches < 1 or self.max_step_samples < 1 or self.max_concurrent_intake < 1:
             raise ValueError("max_pending_batches, max_step_samples, max_concurrent_intake: at least 1")
+        if self.ban_after_strikes < 1 or self.strike_window_s <= 0 or self.ban_seconds < 0:
+            raise ValueError("ban_after_strikes >= 1, strike_window_s > 0, ban_seconds >= 0")
         if self.verify_timeout_s <= 0:
             raise ValueError("verify_timeout_s: > 0")
         if self.max_verify_in_flight < 1:

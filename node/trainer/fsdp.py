@@ -243,7 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         _FOLLOWER_CONFIGS = (config.run.section("grpo", GRPOConfig), config.run.section("trainer", TrainerConfig))
         return follow()
     finally:
-        dist.destroy_process_group()
+        leave()
+
+
+def leave() -> None:
+    """Every rank: wait for the others, then tear the process group down (gloo aborts otherwise)."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -91,3 +91,44 @@ def intake_reason(
 # Refusals that say nothing about the worker's honesty or that a third party can cause (replaying a
 # worker's signed batch) are not recorded against the worker in the ledger.
 NOT_ATTRIBUTABLE = frozenset({"duplicate", "busy"})
+
+
+# Refusals that are no fault of the sender: lag, replays, our own load.
+NOT_STRIKES = frozenset({"stale", "future", "duplicate", "busy"})
+MAX_TRACKED_PEERS = 4096  # peers whose strikes we remember (oldest forgotten first)
+
+
+class Strikes:
+    """Senders of invalid batches: ``limit`` strikes within ``window`` seconds earn a ban of ``ban_seconds``.
+
+    Pure (time is an argument). DESIGN.md "Trust": a peer that sends invalid signatures or malformed
+    data is scored down and, past a threshold, disconnected and banned for a while.
+    """
+
+    def __init__(self, limit: int, window: float, ban_seconds: float) -> None:
+        self.limit = limit
+        self.window = window
+        self.ban_seconds = ban_seconds
+        self.recent: dict[str, list[float]] = {}
+        self.bans: dict[str, float] = {}  # peer -> ban end
+
+    def banned(self, peer: str, now: float) -> bool:
+        end = self.bans.get(peer)
+        if end is not None and end <= now:
+            del self.bans[peer]
+            return False
+        return end is not None
+
+    def strike(self, peer: str, reason: str, now: float) -> bool:
+        """Record a refusal for ``reason``; True when it makes ``peer`` banned (just now)."""
+        if reason in NOT_STRIKES or self.banned(peer, now):
+            return False
+        times = [t for t in self.recent.pop(peer, []) if t > now - self.window] + [now]
+        self.recent[peer] = times  # re-inserted: most recent last
+        while len(self.recent) > MAX_TRACKED_PEERS:
+            self.recent.pop(next(iter(self.recent)))
+        if len(times) >= self.limit:
+            del self.recent[peer]
+            self.bans[peer] = now + self.ban_seconds
+            return True
+        return False

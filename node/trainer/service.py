@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections import Counter, deque
 from pathlib import Path
 
@@ -50,7 +49,13 @@ from ..rollouts.schema import (
 from ..wire import MAX_FRAME, RemoteProtocolError, decode_as, read_frame, write_frame
 from .config import TrainerConfig
 from .gate import ValidatorGate
-from .intake import NOT_ATTRIBUTABLE, IntakeLimits, intake_reason, staleness_reason
+from .intake import (
+    NOT_ATTRIBUTABLE,
+    IntakeLimits,
+    Strikes,
+    intake_reason,
+    staleness_reason,
+)
 from .policy import Policy, open_policy, training_samples
 from .spool import BatchState, Spool, StepRecord, open_spool
 
@@ -76,19 +81,21 @@ class Trainer:
     """The running trainer (``node.services["trainer"]``)."""
 
     def __init__(self, node, policy: Policy, spool: Spool, cfg: GRPOConfig, tcfg: TrainerConfig,
-                 wall_clock=time.time) -> None:
+                 clock=trio.current_time) -> None:
         self.node = node
+        self.clock = clock  # for strikes and bans (a fake in sync unit tests)
         self.policy = policy
         self.spool = spool
         self.cfg = cfg
         self.tcfg = tcfg
-        self.wall_clock = wall_clock
         run = node.config.run
         self.run_name = run.name
         self.validators = set(run.validators)
         self.gate = ValidatorGate(tcfg.verify_timeout_s, tcfg.max_verify_in_flight) if self.validators else None
         self.limits = IntakeLimits(policy.vocab_size, cfg.pack_length, cfg.temperature, cfg.async_level)
         self.intake_slots = trio.Semaphore(tcfg.max_concurrent_intake)
+        self.strikes = Strikes(tcfg.ban_after_strikes, tcfg.strike_window_s, tcfg.ban_seconds)
+        self._nursery: trio.Nursery | None = None
         self.intake = Counter()  # "accepted" or refusal reason -> batches, since start
         self.verdicts = Counter()  # verdict outcomes since start
         self._samples: dict[bytes, tuple[list[TrainSample], int]] = {}  # decoded READY batches (cache)
@@ -137,10 +144,10 @@ class Trainer:
         try:
             signed = open_batch(data, self.run_name)
         except RemoteProtocolError as e:
-            return self._refuse(digest(data), e.reason)
+            return self._refuse(digest(data), e.reason, sender)
         b = signed.batch
         if self.spool.pending() >= self.tcfg.max_pending_batches and not self.spool.knows(signed.batch_id):
-            return self._refuse(signed.batch_id, "busy")
+            return self._refuse(signed.batch_id, "busy", sender)
         reason = intake_reason(
             b,
             known_batch=self.spool.knows(signed.batch_id),
@@ -154,7 +161,7 @@ class Trainer:
                 # is recorded against it in the ledger.
                 self.spool.add(signed, BatchState.REJECTED, reason=reason, ledger_due=sender == b.worker)
                 self._wake("ledger")
-            return self._refuse(signed.batch_id, reason)
+            return self._refuse(signed.batch_id, reason, sender)
         if self.gate is not None:
             self.spool.add(signed, BatchState.GATED)
             self.gate.add(signed.batch_id)
@@ -166,15 +173,46 @@ class Trainer:
         self.m_batches.labels(outcome="accepted").inc()
         return RolloutAck(batch_id=signed.batch_id, accepted=True, trainer_step=self.step)
 
-    def _refuse(self, batch_id: bytes, reason: str) -> RolloutAck:
+    def _refuse(self, batch_id: bytes, reason: str, sender: str) -> RolloutAck:
         self.intake[reason] += 1
         self.m_batches.labels(outcome=reason).inc()
         self.node.metrics.reject(SOURCE, reason)
+        if sender and self.strikes.strike(sender, reason, self.clock()):
+            self._ban(sender, reason)
         return RolloutAck(batch_id=batch_id, accepted=False, reason=reason, trainer_step=self.step)
+
+    def _ban(self, peer: str, reason: str) -> None:
+        """Score the peer down in gossip, disconnect it, and record a penalty in the ledger."""
+        log.warning("trainer: banned %s for %.0fs after repeated invalid batches (last: %s)", peer[-8:],
+                    self.tcfg.ban_seconds, reason)
+        self.node.metrics.reject(SOURCE, "banned")
+        host = getattr(self.node, "host", None)
+        if host is not None:
+            host.set_app_score(peer, -1000.0)
+        if self._nursery is not None:
+            self._nursery.start_soon(self._disconnect_and_record, peer, reason)
+
+    async def _disconnect_and_record(self, peer: str, reason: str) -> None:
+        from ..ledger.entries import Penalty
+
+        with trio.move_on_after(5), contextlib.suppress(*STREAM_ERRORS):
+            await self.node.host.disconnect(peer)
+        ledger = self.node.services.get("ledger")
+        if ledger is not None:
+            try:
+                await ledger.append(Penalty(peer=peer, reason=f"trainer:{reason}"[:64], points=self.tcfg.ban_after_strikes,
+                                            ban_seconds=int(min(self.tcfg.ban_seconds, 30 * 86400))))
+            except (LedgerError, ValueError) as e:
+                log.error("trainer: ledger refused a penalty for %s: %s", peer[-8:], e)
 
     async def handle_rollouts(self, stream) -> None:
         """``/swarm/rollouts/1.0.0``: one batch frame in, one ack frame out."""
         sender = _peer_of(stream)
+        if self.strikes.banned(sender, self.clock()):
+            self.intake["banned"] += 1
+            self.node.metrics.reject(SOURCE, "banned")
+            await _reset(stream)
+            return
         async with self.intake_slots:
             try:
                 with trio.fail_after(READ_TIMEOUT):
@@ -183,9 +221,11 @@ class Trainer:
                     return
                 ack = self.judge(data, sender)
                 await write_frame(stream, ack)
-            except RemoteProtocolError as e:
+            except RemoteProtocolError as e:  # a broken frame: the sender's fault
                 self.intake[e.reason] += 1
                 self.node.metrics.reject(SOURCE, e.reason)
+                if self.strikes.strike(sender, e.reason, self.clock()):
+                    self._ban(sender, e.reason)
                 await _reset(stream)
             except trio.TooSlowError:
                 self.node.metrics.reject(SOURCE, "timeout")
@@ -386,11 +426,10 @@ class Trainer:
         self.published = version
         self.publish_error = ""
         membership = self.node.services.get("membership")
-        if membership is not None and hasattr(shards, "versions_held"):
-            try:
-                membership.update(checkpoints=tuple(shards.versions_held()))
-            except (TypeError, ValueError):
-                pass
+        if membership is not None:  # advertise the versions we seed in our peer record
+            from ..gossip.records import MAX_VERSIONS
+
+            membership.update(checkpoints=list(shards.versions_held())[-MAX_VERSIONS:])
         ledger = self.node.services.get("ledger")
         if ledger is not None:
             from ..ledger.entries import CheckpointPublished
@@ -440,6 +479,7 @@ class Trainer:
             "publish_error": self.publish_error,
             "device": self.policy.device,
             "intake": dict(self.intake),
+            "banned": len(self.strikes.bans),
             "batches": {
                 "gated": counts.get(BatchState.GATED.value, 0),
                 "ready": counts.get(BatchState.READY.value, 0),
@@ -497,6 +537,7 @@ async def serve_trainer(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         log.info("trainer: %s at step %d on %s", "created the policy" if created else "resumed", policy.step,
                  policy.device)
         async with trio.open_nursery() as nursery:
+            trainer._nursery = nursery
             nursery.start_soon(trainer.train_loop)
             nursery.start_soon(trainer.ledger_loop)
             if trainer.gate is not None:
