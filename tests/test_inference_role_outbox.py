@@ -1,10 +1,12 @@
-"""The inference role's outbox: bounded queue, trainer choice, retries, backoff, staleness (pure)."""
+"""The inference role's outbox (pure: bounded queue, trainer choice, retries, backoff, staleness) and
+one submission against fake streams on trio's fake clock."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import trio
 
 from node.rollouts.config import WorkerConfig
 from node.rollouts.schema import RolloutAck
@@ -13,9 +15,11 @@ from node.rollouts.submit import (
     FailureKind,
     Outbox,
     Pending,
+    SubmitFailure,
     alive_trainers,
+    call_submit,
 )
-from node.wire import LocalProtocolError
+from node.wire import LocalProtocolError, encode
 
 
 def item(n: int, version: int = 0, now: float = 0.0) -> Pending:
@@ -184,3 +188,74 @@ def test_worker_config_validation():
                 {"max_batch_bytes": 8 * 1024 * 1024}):
         with pytest.raises(ValueError):
             WorkerConfig(**bad).validate()
+
+
+# --------------------------------------------------------------------------------------------
+# call_submit against fake streams, on trio's fake clock
+
+
+class FakeStream:
+    """A stream that records what was written and answers with ``reply`` (bytes), or never."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        self.reply = reply
+        self.written = b""
+        self.closed = False
+
+    async def write(self, data: bytes) -> None:
+        self.written += data
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self.reply is None:
+            await trio.sleep_forever()
+        out, self.reply = self.reply[:n], self.reply[n:]
+        return out
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class FakeHost:
+    def __init__(self, stream: FakeStream | None) -> None:
+        self.stream = stream
+
+    async def open_stream(self, peer: str, protocol: str) -> FakeStream:
+        if self.stream is None:
+            raise ConnectionError("no route")
+        return self.stream
+
+
+def framed(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "big") + payload
+
+
+BID = b"\x07" * 32
+
+
+async def test_call_submit_returns_the_ack_and_closes():
+    stream = FakeStream(framed(encode(RolloutAck(batch_id=BID, accepted=True, trainer_step=4))))
+    ack = await call_submit(FakeHost(stream), "T", BID, b"batch", timeout=5)
+    assert ack.accepted and ack.trainer_step == 4
+    assert stream.written == framed(b"batch") and stream.closed
+
+
+@pytest.mark.parametrize("reply,kind", [
+    (None, "timeout"),  # the trainer never answers
+    (b"", "stream"),  # EOF before the ack
+    (framed(b"\xc1garbage"), "garbage"),  # not a message
+    (framed(encode(RolloutAck(batch_id=b"\x08" * 32, accepted=True))), "garbage"),  # another batch's ack
+    ((10**6).to_bytes(4, "big"), "garbage"),  # an absurd frame length
+])
+async def test_call_submit_failures_name_their_kind(reply, kind, autojump_clock):
+    start = trio.current_time()
+    with pytest.raises(SubmitFailure) as err:
+        await call_submit(FakeHost(FakeStream(reply)), "T", BID, b"batch", timeout=7)
+    assert err.value.kind.value == kind
+    # Only the silent trainer costs the whole deadline, exactly; every other failure is immediate.
+    assert trio.current_time() - start == (7 if kind == "timeout" else 0)
+
+
+async def test_call_submit_unreachable():
+    with pytest.raises(SubmitFailure) as err:
+        await call_submit(FakeHost(None), "T", BID, b"batch", timeout=5)
+    assert err.value.kind is FailureKind.UNREACHABLE

@@ -37,6 +37,7 @@ import trio
 
 from ..context import NodeContext
 from ..rollouts.config import WorkerConfig
+from ..rollouts.schema import ROLLOUTS_PROTOCOL
 from ..rollouts.submit import (
     BatchState,
     FailureKind,
@@ -291,6 +292,8 @@ class InferenceService:
                 ack = await call_submit(self.node.host, trainer, item.batch_id, item.envelope, self.cfg.submit_timeout_s)
             except SubmitFailure as e:
                 self.failures[e.kind.value] += 1
+                if e.kind is FailureKind.GARBAGE:  # the trainer's fault, not the network's: count it
+                    self.node.metrics.reject(ROLLOUTS_PROTOCOL, "bad-ack")
                 log.info("inference: batch %s to %s: %s", item.batch_id.hex()[:12], trainer[-8:], e)
                 outcome = self.outbox.on_failure(item.batch_id, trainer, e.kind, trio.current_time())
             else:
