@@ -157,6 +157,34 @@ def test_strikes_outside_the_window_do_not_add_up():
     assert strikes.banned("p", 16.9) and not strikes.banned("p", 17.0)
 
 
+def test_flat_batches_are_consumed_and_do_not_fill_the_queue(trainer):
+    flat = [["x"] * 4, ["y"] * 4]  # every completion of a group scores the same
+    for step in range(3):
+        assert trainer.judge(sign_batch(WORKER, batch(step=step, completions=flat)), WORKER.peer_id).accepted
+    assert trainer.pick() is None  # nothing to learn from, so no step...
+    assert trainer.spool.pending() == 0  # ...but nothing left waiting either
+    assert trainer.status()["batches"]["no_signal"] == 3
+    assert {r.trained_step for r in trainer.spool.in_state(BatchState.TRAINED)} == {6}
+    assert len(trainer.spool.ledger_due(10)) == 3  # valid work: credited as accepted
+
+
+def test_batches_that_grow_stale_while_queued_expire_without_blame(trainer):
+    ack = trainer.judge(sign_batch(WORKER, batch(version=3)), WORKER.peer_id)
+    assert ack.accepted
+    trainer.policy.step = 6  # two steps later, version 3 is out of the async window
+    assert trainer.pick() is None
+    row = trainer.spool.get(ack.batch_id)
+    assert row.state is BatchState.REJECTED and row.reason == "expired"
+    assert trainer.spool.ledger_due(10) == []
+
+
+def test_pick_takes_whole_batches_until_min_batch_samples(trainer):
+    trainer.cfg.min_batch_samples = 12
+    ids = [trainer.judge(sign_batch(WORKER, batch(step=s)), WORKER.peer_id).batch_id for s in range(3)]
+    picked_ids, samples, mean_reward = trainer.pick()
+    assert picked_ids == ids[:2] and len(samples) == 16 and 0 < mean_reward <= 1
+
+
 def test_pure_intake_order_of_checks():
     limits = IntakeLimits(vocab_size=len(TOK), pack_length=64, temperature=1.0, async_level=2)
     b = batch(version=0)

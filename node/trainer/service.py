@@ -105,6 +105,7 @@ class Trainer:
         self.idle_s = 0.0  # time the loop waited for rollouts since the first batch of this run arrived
         self.busy_s = 0.0  # time spent in steps (train + save)
         self.last_step: dict = {}
+        self.no_signal_batches = 0  # batches consumed with every group flat (nothing to learn from)
         self.published: int | None = None
         self.publish_error = ""
         self.reward_curve = deque(((r.step, r.mean_reward) for r in spool.steps(STATUS_STEPS)), maxlen=STATUS_STEPS)
@@ -339,19 +340,24 @@ class Trainer:
         """READY batches for the next step: (ids, samples, mean reward), or None to keep waiting.
 
         Batches too stale for this step are rejected ("expired": our delay, not the worker's fault,
-        so no ledger entry). Batches are taken oldest first and whole, until ``min_batch_samples``
-        samples with signal are in hand (capped at ``max_step_samples``).
+        so no ledger entry). Batches whose every group is flat (online filtering left nothing) are
+        consumed at once by the coming step: valid work, credited, but they must not fill the queue
+        while a weak policy scores everything alike. The rest are taken oldest first and whole, until
+        ``min_batch_samples`` samples with signal are in hand (capped at ``max_step_samples``).
         """
         ids: list[bytes] = []
         samples: list[TrainSample] = []
         reward_sum = 0.0
         n_all = 0
-        expired = []
+        expired, flat = [], []
         for row in self.spool.in_state(BatchState.READY, limit=self.tcfg.max_pending_batches):
             if staleness_reason(row.policy_version, self.step, self.cfg.async_level):
                 expired.append(row.batch_id)
                 continue
             got, _ = self._decoded(row.batch_id)
+            if not got:
+                flat.append(row.batch_id)
+                continue
             if ids and len(samples) + len(got) > self.tcfg.max_step_samples:
                 break
             ids.append(row.batch_id)
@@ -362,8 +368,12 @@ class Trainer:
                 break
         if expired:
             self.spool.reject(expired, "expired", ledger_due=False)
-            for bid in expired:
-                self._samples.pop(bid, None)
+        if flat:
+            self.spool.take(flat, self.step + 1)  # like any batch of that step: back to READY if it is lost
+            self.no_signal_batches += len(flat)
+            self._wake("ledger")
+        for bid in expired + flat:
+            self._samples.pop(bid, None)
         if len(samples) < self.cfg.min_batch_samples:
             return None
         return ids, samples, reward_sum / max(n_all, 1)
@@ -485,6 +495,7 @@ class Trainer:
                 "ready": counts.get(BatchState.READY.value, 0),
                 "trained": counts.get(BatchState.TRAINED.value, 0),
                 "rejected": counts.get(BatchState.REJECTED.value, 0),
+                "no_signal": self.no_signal_batches,
             },
             "rejected_by_reason": self.spool.rejected_by_reason(),
             "gate": gate,
