@@ -91,11 +91,12 @@ def bench_throughput(steps: int) -> None:
         # warm-up (first-call allocations) for both, then timed steps alternating to share the noise
         policy.train(batches[0])
         plain_step(base_model.model, base_opt, batches[0], policy.pad_id)
-        t_trainer = t_plain = 0.0
+        t_trainer = t_plain = t_train_only = 0.0
         tok_trainer = tok_plain = 0
         for b in batches[1:]:
             t0 = time.perf_counter()
             stats = policy.train(b)
+            t_train_only += time.perf_counter() - t0
             policy.save()
             t_trainer += time.perf_counter() - t0
             tok_trainer += stats.tokens
@@ -105,6 +106,8 @@ def bench_throughput(steps: int) -> None:
     tr, pl = tok_trainer / t_trainer, tok_plain / t_plain
     print(f"1. rollout step throughput, tiny model, CPU, {steps} steps of {PROMPTS}x{GROUP} samples")
     print(f"   trainer (GRPO packed + save):      {tr:10.0f} loss tokens/s")
+    print(f"   of which train_step alone:         {tok_trainer / t_train_only:10.0f} loss tokens/s"
+          f"  (save = {100 * (1 - t_train_only / t_trainer):.0f}% of the step)")
     print(f"   plain transformers fwd+bwd+AdamW:  {pl:10.0f} loss tokens/s")
     print(f"   ratio trainer / plain:             {tr / pl:10.2f}")
 

@@ -524,6 +524,9 @@ async def _close(stream) -> None:
 
 async def serve_trainer(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run the trainer role's service until cancelled (see the module docstring)."""
+    if node.peer_id not in node.run.trainers:
+        log.error("trainer: this node (%s) is not in run.trainers: peers will refuse its checkpoints; "
+                  "add its peer id to the run file", node.peer_id)
     cfg: GRPOConfig = node.run.section("grpo", GRPOConfig)
     tcfg: TrainerConfig = node.run.section("trainer", TrainerConfig)
     root = Path(node.data_dir) / "trainer"
