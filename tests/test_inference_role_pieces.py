@@ -163,3 +163,13 @@ def test_rollout_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, me
     assert _cli("rollout", *[str(run) if a == "RUN" else a for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_generator_step_on_code_tasks(tiny):
+    """Code tasks are scored in the sandbox, several at once; the batch stays valid for a validator."""
+    path, model, tok = tiny
+    ident = Identity.generate()
+    rl = RLConfig(taskset="code", group_size=2, prompts_per_batch=2, max_new_tokens=4)
+    sb, _ = _generate(path, "", ident, rl)
+    assert len(sb.batch.samples) == 4 and sb.batch.taskset == "code"
+    assert check_batch(sb, model, tok, ident.peer_id, 0, rl) == []  # rewards recomputed one by one

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 PERTURB_SCALE = 0.1  # "perturbed-model" cheat: weight noise, relative to each tensor's std
 FAKE_REWARD_BONUS = 0.5  # "fake-rewards" cheat: added to every claimed reward
+SCORING_THREADS = 4  # code-task sandboxes run at once (each is a subprocess with its own limits)
 
 
 def vllm_usable() -> bool:
@@ -137,7 +138,6 @@ class RolloutGenerator:
     def run_step(self, step: int, policy_version: int, created_ms: int) -> StepResult:
         from ..proofs.toploc import build_proofs_many
         from ..rl.rewards import group_advantages, length_penalty
-        from ..rl.verifiers import task_reward
 
         if self.loaded is None:
             raise RuntimeError("run_step before a checkpoint was loaded")
@@ -152,11 +152,11 @@ class RolloutGenerator:
         groups = self.engine.generate(prompts, n=rl.group_size, temperature=rl.temperature, top_p=rl.top_p,
                                       max_new_tokens=rl.max_new_tokens, seed=seed, capture_hidden=True)
         t1 = time.perf_counter()
+        rewards = self._task_rewards(tasks, groups)
         scores: list[list[Scored]] = []
-        for task, budget, group in zip(tasks, budgets, groups):
+        for budget, group, group_rewards in zip(budgets, groups, rewards):
             row = []
-            for s in group:
-                r = task_reward(task, s.text, self.code_limits)
+            for s, r in zip(group, group_rewards):
                 pen = rl.length_alpha * length_penalty(s.num_tokens, budget) if budget else 0.0
                 row.append(Scored(r, pen, budget))
             scores.append(row)
@@ -185,6 +185,23 @@ class RolloutGenerator:
             completion_tokens=sum(s.num_tokens for s in flat), generate_s=t1 - t0, score_s=t2 - t1,
             proof_s=t3 - t2, mean_reward=_mean([s.reward for s in samples]), mean_true_reward=true_mean,
         )
+
+
+    def _task_rewards(self, tasks, groups) -> list[list[float]]:
+        """Verifier rewards per group. Code tasks run in sandboxed subprocesses that mostly wait
+        (on their time limits or on the OS), so they are scored ``SCORING_THREADS`` at a time."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ..rl.verifiers import task_reward
+
+        jobs = [(task, s.text) for task, group in zip(tasks, groups) for s in group]
+        if any(task.kind == "code" for task, _ in jobs):
+            with ThreadPoolExecutor(max_workers=SCORING_THREADS) as pool:
+                flat = list(pool.map(lambda job: task_reward(job[0], job[1], self.code_limits), jobs))
+        else:
+            flat = [task_reward(task, text, self.code_limits) for task, text in jobs]
+        it = iter(flat)
+        return [[next(it) for _ in group] for group in groups]
 
 
 def _mean(xs: list[float]) -> float:
