@@ -183,7 +183,18 @@ async def idle_at(level: int, seconds: float) -> dict:
             st = trainer.status()
             rewards = [r for _, r in trainer.reward_curve]
             return {"level": level, "steps": trainer.step, "idle": st["idle_fraction"], "batches": counts,
-                    "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None}
+                    "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
+                    "curve": [round(sum(c) / len(c), 3) for c in _chunks(rewards, 8)]}
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _chunks(xs: list[float], n: int) -> list[list[float]]:
+    """``xs`` cut into ``n`` nearly equal consecutive runs (fewer when shorter), for a coarse curve."""
+    k = max(1, -(-len(xs) // n))
+    return [xs[i:i + k] for i in range(0, len(xs), k)]
 
 
 def bench_idle(levels: list[int], seconds: float) -> None:
@@ -192,7 +203,8 @@ def bench_idle(levels: list[int], seconds: float) -> None:
     rows = [trio.run(idle_at, level, seconds) for level in levels]
     for r in rows:
         print(f"   async level {r['level']}: steps {r['steps']:3d}  idle {r['idle']}  batches {r['batches']}  "
-              f"reward first/last step {r['reward_first']} / {r['reward_last']}")
+              f"reward first/last step {_fmt(r['reward_first'])} / {_fmt(r['reward_last'])}")
+        print(f"      mean reward in 8 consecutive slices of the steps: {r['curve']}")
     base = rows[0]["idle"]
     for r in rows[1:]:
         if base and r["idle"] is not None:
