@@ -67,10 +67,11 @@ def test_trainer_and_inference_processes_survive_a_killed_worker(tmp_path):
         swarm.write_run_file(RUN.format(trainer=swarm.peer_id("trainer")))
         swarm.start("trainer", "trainer", wait=90)
         swarm.start("worker", "inference", wait=90)
-        wait(swarm, lambda: (inference(swarm).get("policy_version") or 0) >= 1
+        # A slow start may load v1 first (v0 skipped): then the swap is to v2, which follows.
+        wait(swarm, lambda: inference(swarm).get("weight_swaps", 0) >= 1
              and inference(swarm)["batches"]["accepted"] >= 3, timeout=240)
         before = inference(swarm)
-        assert before["weight_swaps"] >= 1 and before["tokens_per_s"] > 0
+        assert before["policy_version"] >= 1 and before["tokens_per_s"] > 0
 
         swarm.kill("worker", signal.SIGKILL)
         swarm.restart("worker", wait=90)
