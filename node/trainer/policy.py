@@ -19,7 +19,6 @@ import logging
 import random
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,16 +51,6 @@ def training_samples(batch: RolloutBatch) -> tuple[list[TrainSample], int]:
             for s in members
         )
     return out, dropped
-
-
-@dataclass
-class StepResult:
-    """What one rollout step did (for status, the steps table and the reward curve)."""
-
-    step: int  # the version it produced
-    stats: StepStats
-    samples: int  # trained on
-    seconds: float
 
 
 def _initial_model(root: Path, source: str, tcfg: TrainerConfig):
