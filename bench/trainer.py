@@ -181,7 +181,7 @@ async def idle_at(level: int, seconds: float) -> dict:
                     for i in range(2):
                         nursery.start_soon(worker_loop, trainer, Identity.from_seed(bytes([i + 1]) * 32), counts)
             st = trainer.status()
-            rewards = [r for _, r in trainer.reward_curve]
+            rewards = [r.mean_reward for r in spool.steps()]  # every step (status keeps only the last 200)
             return {"level": level, "steps": trainer.step, "idle": st["idle_fraction"], "batches": counts,
                     "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
                     "curve": [round(sum(c) / len(c), 3) for c in _chunks(rewards, 8)]}
