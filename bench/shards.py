@@ -3,6 +3,7 @@
     .venv/bin/python bench/shards.py calibrate                 # block size sweep (manifest.py's table)
     .venv/bin/python bench/shards.py overhead [--size-mib 256] [--seeders 4]
     .venv/bin/python bench/shards.py swarm [--n 8] [--size-mib 48] [--mbit 40]     # needs root
+    .venv/bin/python bench/shards.py shardcast [--n 8] [--size-mib 48] [--mbit 40] [--shardcast-venv DIR]
     .venv/bin/python bench/shards.py all
 
 1. **calibrate**: goodput of one libp2p stream (TCP + Noise + Yamux) carrying length-prefixed
@@ -15,6 +16,12 @@
    -> last downloader complete, announcement included) vs the Kumar & Ross lower bound
    T_min = max(F/u_s, F/d_min, N*F/(u_s + sum u_i)) (IEEE HotWeb 2006). Skipped with a message when
    not root or when ``ip netns`` fails.
+4. **shardcast**: the same namespaces and caps with SHARDCAST 0.3.2 (origin -> 2 middle nodes ->
+   N clients, as INTELLECT-2 ran it), then this project's swarm on the same N+3 hosts (the 2 extra
+   hosts as relays), in the same run: time ratio. SHARDCAST lives in its own virtualenv
+   (``python -m venv DIR && DIR/bin/pip install shardcast``), never in the project's. Its middle
+   nodes poll every second here (default 30 s) and its shard size is F/4 (the 200 MB / 50 MB ratio
+   of its defaults), both in its favour.
 
 The machine is shared and noisy (2 cores, other jobs): compare the ratios, not absolute figures.
 """
@@ -218,28 +225,31 @@ def _read_json(proc: subprocess.Popen, timeout: float) -> dict:
     return json.loads(line)
 
 
-def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, timeout: float = 300.0) -> float | None:
-    print(f"== swarm: seeder + {n} downloaders in network namespaces, {size_mib} MiB, upload {mbit} Mbit/s each, "
-          f"pieces {piece_kib or 1024} KiB")
+def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 0,
+          timeout: float = 300.0) -> float | None:
+    """Distribution time to ``n`` downloaders (plus ``relays`` relay hosts); prints the ratio to T_min."""
+    print(f"== swarm: seeder + {relays} relays + {n} downloaders in network namespaces, {size_mib} MiB, "
+          f"upload {mbit} Mbit/s each, pieces {piece_kib or 1024} KiB")
     if os.geteuid() != 0:
         print("  skipped: needs root (ip netns, tc)")
         return None
     size = size_mib * MiB
     u = mbit * 1e6 / 8  # bytes/s
-    t_min = max(size / u, n * size / (u + n * u))  # no download cap: F/d_min = 0
+    t_min = max(size / u, n * size / (u + (n + relays) * u))  # no download cap: F/d_min = 0
     trainer_seed = "22" * 32
     procs: list[subprocess.Popen] = []
     tmp = Path(tempfile.mkdtemp(prefix="bench-shards-ns-"))
     try:
-        with Namespaces(n + 1, mbit) as nets:
+        with Namespaces(n + relays + 1, mbit) as nets:
             src = write_checkpoint(tmp / "src", size, seed=3)
             settings = {"announce_interval": 1.0, "progress": False}
             if piece_kib:
                 settings.update(piece_size=piece_kib * 1024, block_size=min(256, piece_kib) * 1024)
             common = ["--trainer-seed", trainer_seed, "--shards", json.dumps(settings)]
             addrs = []
-            for i in range(1, n + 1):  # downloaders first, each dialing the ones before it
-                p = _spawn(nets.names[i], ["--data-dir", str(tmp / f"d{i}"), "--role", "inference",
+            for i in range(1, n + relays + 1):  # downloaders first, each dialing the ones before it
+                role = "relay" if i > n else "inference"
+                p = _spawn(nets.names[i], ["--data-dir", str(tmp / f"d{i}"), "--role", role,
                                            "--listen", f"/ip4/{nets.ip(i)}/tcp/4001", *common, "--connect", *addrs],
                            tmp / f"d{i}.err")
                 procs.append(p)
@@ -253,7 +263,7 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, timeout: float
             done = []
             from_seed = 0
             seed_id = Identity.from_seed(bytes.fromhex(trainer_seed)).peer_id
-            for p in procs[:-1]:
+            for p in procs[:n]:
                 while True:
                     msg = _read_json(p, timeout)
                     if "complete" in msg:
@@ -271,21 +281,109 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, timeout: float
         shutil.rmtree(tmp, ignore_errors=True)
     t = max(done)
     print(f"  completion times (s): {sorted(round(x, 1) for x in done)}")
-    print(f"  the seeder uploaded {from_seed / size:.2f} x the checkpoint (1.00 = each piece once)")
+    print(f"  the seeder sent the downloaders {from_seed / size:.2f} x the checkpoint directly (1.00 = each piece once)")
     print(f"  Kumar-Ross T_min = max(F/u_s, N*F/(u_s + sum u_i)) = {t_min:.1f} s")
     print(f"  distribution time: {t:.1f} s")
-    ratio = t / t_min
-    print(f"  ratio (distribution time / T_min): {ratio:.2f}")
-    return ratio
+    print(f"  ratio (distribution time / T_min): {t / t_min:.2f}")
+    return t
+
+
+SHARDCAST_CLIENT = """
+import sys, time
+from shardcast.client_node import ClientNode
+servers, out = sys.argv[1].split(","), sys.argv[2]
+while True:
+    try:  # the client probes every server when created: retry until the middle nodes are up
+        if ClientNode(servers, out).download_version("v1", out + "/model.bin"):
+            break
+    except Exception:
+        pass
+    time.sleep(1.0)
+print(time.time(), flush=True)
+"""
+SHARDCAST_ORIGIN = """
+import sys, time, shardcast
+shardcast.initialize(sys.argv[1], port=8000)
+print("ready", flush=True)
+time.sleep(float(sys.argv[4]))  # middle nodes and clients start meanwhile
+print(time.time(), flush=True)
+shardcast.broadcast(sys.argv[2], shard_size=int(sys.argv[3]))
+time.sleep(1e9)
+"""
+
+
+def shardcast(n: int, size_mib: int, mbit: float, venv: Path, timeout: float = 600.0) -> float | None:
+    print(f"== shardcast: origin + 2 middle nodes + {n} clients in namespaces, {size_mib} MiB, upload {mbit} Mbit/s each")
+    if os.geteuid() != 0:
+        print("  skipped: needs root (ip netns, tc)")
+        return None
+    py = venv / "bin" / "python"
+    if not py.exists() or subprocess.run([py, "-c", "import shardcast"], capture_output=True).returncode:
+        print(f"  skipped: no shardcast in {venv} (python -m venv {venv} && {venv}/bin/pip install shardcast)")
+        return None
+    size = size_mib * MiB
+    procs: list[subprocess.Popen] = []
+    tmp = Path(tempfile.mkdtemp(prefix="bench-shardcast-"))
+    env = dict(os.environ, SHARDCAST_LOG_LEVEL="WARNING")
+    try:
+        with Namespaces(n + 3, mbit, prefix="scb") as nets:
+            src = write_checkpoint(tmp / "src", size, seed=3, files=2)
+            blob = tmp / "model.bin"
+            with open(blob, "wb") as out:
+                for f in sorted(src.iterdir()):
+                    out.write(f.read_bytes())
+
+            def spawn(i: int, *argv: str) -> subprocess.Popen:
+                p = subprocess.Popen(["ip", "netns", "exec", nets.names[i], str(py), *argv], cwd=tmp, env=env,
+                                     stdout=subprocess.PIPE, stderr=open(tmp / f"h{i}.err", "w"), text=True)
+                procs.append(p)
+                return p
+
+            for d in ("origin", "m1", "m2"):  # the bandwidth probe every shardcast client fetches first
+                (tmp / d).mkdir()
+                (tmp / d / "data1.bin").write_bytes(os.urandom(64 * 1024))
+            origin = spawn(0, "-c", SHARDCAST_ORIGIN, str(tmp / "origin"), str(blob), str(max(size // 4, 1)),
+                           str(4 + n * 0.5))
+            assert origin.stdout.readline().strip() == "ready"
+            for i in (1, 2):
+                spawn(i, "-m", "shardcast.middle_node", "--upstream", f"http://{nets.ip(0)}:8000",
+                      "--data-dir", str(tmp / f"m{i}"), "--port", "8000", "--check-interval", "1", "--log-level", "WARNING")
+            relays = f"http://{nets.ip(1)}:8000,http://{nets.ip(2)}:8000"
+            clients = [spawn(3 + k, "-c", SHARDCAST_CLIENT, relays, str(tmp / f"c{k}")) for k in range(n)]
+            start = float(origin.stdout.readline())
+            done = []
+            for c in clients:
+                ready, _, _ = select.select([c.stdout], [], [], timeout)
+                if not ready:
+                    raise TimeoutError("shardcast client did not finish")
+                done.append(float(c.stdout.readline()) - start)
+            for k in range(n):
+                assert (tmp / f"c{k}" / "model.bin").read_bytes() == blob.read_bytes(), f"client {k} differs"
+            _stop(procs)
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        print(f"  skipped: could not set up namespaces ({e})")
+        return None
+    finally:
+        _stop(procs)
+        if os.environ.get("BENCH_KEEP"):
+            print(f"  kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    t = max(done)
+    print(f"  shardcast completion times (s): {sorted(round(x, 1) for x in done)}")
+    print(f"  shardcast distribution time: {t:.1f} s")
+    return t
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["calibrate", "overhead", "swarm", "all"], nargs="?", default="all")
+    ap.add_argument("what", choices=["calibrate", "overhead", "swarm", "shardcast", "all"], nargs="?", default="all")
     ap.add_argument("--size-mib", type=int, default=0, help="checkpoint size (default 256 overhead, 48 swarm)")
     ap.add_argument("--seeders", type=int, default=4)
     ap.add_argument("--n", type=int, default=8, help="downloaders in the swarm benchmark")
     ap.add_argument("--mbit", type=float, default=40.0, help="upload cap per host in the swarm benchmark")
+    ap.add_argument("--shardcast-venv", type=Path, default=Path("/tmp/shardcast-venv"),
+                    help="virtualenv with shardcast installed (benchmark only)")
     ap.add_argument("--piece-kib", type=int, default=0, help="piece size for the swarm benchmark (default: automatic)")
     args = ap.parse_args()
     if args.what in ("calibrate", "all"):
@@ -294,6 +392,12 @@ def main() -> None:
         overhead(args.size_mib or 256, args.seeders)
     if args.what in ("swarm", "all"):
         swarm(args.n, args.size_mib or 48, args.mbit, args.piece_kib)
+    if args.what in ("shardcast", "all"):
+        theirs = shardcast(args.n, args.size_mib or 48, args.mbit, args.shardcast_venv)
+        if theirs is not None:
+            ours = swarm(args.n, args.size_mib or 48, args.mbit, args.piece_kib, relays=2)
+            if ours is not None:
+                print(f"  ratio (shardcast time / shards time, same hosts and caps): {theirs / ours:.2f}")
 
 
 if __name__ == "__main__":
