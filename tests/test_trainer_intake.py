@@ -250,3 +250,12 @@ def test_acknowledged_batch_survives_kill_9(tmp_path):
         row = spool.get(batch_id)
         assert row is not None and row.state is BatchState.READY
         assert open_batch(spool.envelope(batch_id), RUN).batch_id == batch_id
+
+
+def test_status_reward_curve_spans_the_whole_run():
+    from node.trainer.service import reward_points
+
+    curve = [(s, s / 1000) for s in range(1, 1001)]
+    pts = reward_points(curve, 200)
+    assert len(pts) == 200 and pts[0] == [5, 0.003] and pts[-1] == [1000, 0.998]
+    assert reward_points(curve[:3], 200) == [[1, 0.001], [2, 0.002], [3, 0.003]]

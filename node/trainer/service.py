@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 
 import trio
@@ -71,7 +71,7 @@ SEND_TIMEOUT = 30.0  # seconds to hand a batch to a validator and get its ack
 MAX_FRAMES_PER_STREAM = 256  # verdict frames on one stream before we close it (bounded work)
 LEDGER_CHUNK = 32  # ledger entries written per wake-up
 GATE_TICK = 1.0  # seconds between gate passes when nothing happens
-STATUS_STEPS = 200  # reward-curve points in status
+STATUS_STEPS = 200  # reward-curve points in status (longer runs are averaged into this many buckets)
 ZERO_ID = bytes(32)
 # What a libp2p stream or dial raises when the other side is gone or misbehaves.
 STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
@@ -108,7 +108,7 @@ class Trainer:
         self.no_signal_batches = 0  # batches consumed with every group flat (nothing to learn from)
         self.published: int | None = None
         self.publish_error = ""
-        self.reward_curve = deque(((r.step, r.mean_reward) for r in spool.steps(STATUS_STEPS)), maxlen=STATUS_STEPS)
+        self.reward_curve = [(r.step, r.mean_reward) for r in spool.steps()]  # every step of the run
         m = node.metrics
         self.m_batches = m.counter("trainer_batches_total", "Rollout batches judged at intake", ["outcome"])
         self.m_step = m.gauge("trainer_step", "Policy version of the trainer")
@@ -499,10 +499,23 @@ class Trainer:
             },
             "rejected_by_reason": self.spool.rejected_by_reason(),
             "gate": gate,
-            "reward": [[s, round(r, 4)] for s, r in self.reward_curve],
+            "reward": reward_points(self.reward_curve, STATUS_STEPS),
             "last_step": self.last_step,
             "idle_fraction": round(self.idle_s / total, 4) if total > 0 else None,
         }
+
+
+def reward_points(curve: list[tuple[int, float]], most: int) -> list[list]:
+    """``[step, mean reward]`` for every step, or, past ``most`` steps, ``most`` consecutive buckets
+    (``[last step of the bucket, mean of its rewards]``) so the whole run fits in status."""
+    if len(curve) <= most:
+        return [[s, round(r, 4)] for s, r in curve]
+    size = -(-len(curve) // most)
+    out = []
+    for i in range(0, len(curve), size):
+        part = curve[i:i + size]
+        out.append([part[-1][0], round(sum(r for _, r in part) / len(part), 4)])
+    return out
 
 
 def _peer_of(stream) -> str:
