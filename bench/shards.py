@@ -312,7 +312,7 @@ time.sleep(1e9)
 """
 
 
-def shardcast(n: int, size_mib: int, mbit: float, venv: Path, timeout: float = 600.0) -> float | None:
+def shardcast(n: int, size_mib: int, mbit: float, venv: Path, timeout: float = 240.0) -> float | None:
     print(f"== shardcast: origin + 2 middle nodes + {n} clients in namespaces, {size_mib} MiB, upload {mbit} Mbit/s each")
     if os.geteuid() != 0:
         print("  skipped: needs root (ip netns, tc)")
@@ -353,9 +353,12 @@ def shardcast(n: int, size_mib: int, mbit: float, venv: Path, timeout: float = 6
             start = float(origin.stdout.readline())
             done = []
             for c in clients:
-                ready, _, _ = select.select([c.stdout], [], [], timeout)
+                left = start + timeout - time.time()
+                ready, _, _ = select.select([c.stdout], [], [], max(left, 0))
                 if not ready:
-                    raise TimeoutError("shardcast client did not finish")
+                    print(f"  shardcast: {len(done)} of {n} clients done after {timeout:.0f} s; stopped (see its logs:"
+                          " its single-threaded http.server and 30 s wget timeouts under contention)")
+                    return float("inf")
                 done.append(float(c.stdout.readline()) - start)
             for k in range(n):
                 assert (tmp / f"c{k}" / "model.bin").read_bytes() == blob.read_bytes(), f"client {k} differs"
@@ -396,7 +399,9 @@ def main() -> None:
         theirs = shardcast(args.n, args.size_mib or 48, args.mbit, args.shardcast_venv)
         if theirs is not None:
             ours = swarm(args.n, args.size_mib or 48, args.mbit, args.piece_kib, relays=2)
-            if ours is not None:
+            if ours is not None and theirs == float("inf"):
+                print(f"  ratio (shardcast time / shards time, same hosts and caps): > {240.0 / ours:.2f} (shardcast unfinished)")
+            elif ours is not None:
                 print(f"  ratio (shardcast time / shards time, same hosts and caps): {theirs / ours:.2f}")
 
 

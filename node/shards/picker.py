@@ -235,14 +235,15 @@ class Picker:
             if ap.parole_peer == peer:
                 ap.parole_peer = None
 
-    def on_reject(self, peer: str, piece: int, offset: int) -> None:
-        """``peer`` refused a request (it does not serve that piece now): ask someone else."""
+    def on_reject(self, peer: str, piece: int, offset: int, still_holds: bool = False) -> None:
+        """``peer`` refused a request: ask someone else. Unless it was only busy
+        (``still_holds``), it does not serve that piece now: forget that it has it."""
         st = self.peers.get(peer)
         if st is None or (piece, offset) not in st.in_flight:
             return
         del st.in_flight[(piece, offset)]
         self._release(peer, piece, offset)
-        if piece in st.pieces:
+        if piece in st.pieces and not still_holds:
             st.pieces.discard(piece)
             self.availability[piece] -= 1
 

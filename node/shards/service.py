@@ -188,7 +188,9 @@ class _ServerSession:
     async def push_have(self, piece: int) -> None:
         """We verified ``piece`` (a download in progress): tell this peer at once."""
         if self.seeder is None:
-            await _send(self.stream, self.lock, Have(piece=piece))
+            async with self.lock:
+                if self.bitfield_sent:  # else the bitfield, read from the store, already has it
+                    await write_frame(self.stream, Have(piece=piece))
 
     async def _serve_queue(self) -> None:
         svc = self.svc
@@ -371,7 +373,7 @@ class Download:
                     raise RemoteProtocolError("bad-piece-index", str(msg.piece))
                 self.picker.on_have(sess.peer, msg.piece)
             elif isinstance(msg, Reject):
-                self.picker.on_reject(sess.peer, msg.piece, msg.offset)
+                self.picker.on_reject(sess.peer, msg.piece, msg.offset, still_holds=msg.reason == BUSY)
             elif isinstance(msg, Bitfield):
                 self.picker.on_bitfield(sess.peer, pieces_of(msg.bitfield, n))
             else:
