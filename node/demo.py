@@ -36,6 +36,15 @@ validators = ["{validator}"]
 group_size = 8
 prompts_per_batch = 4
 max_new_tokens = 10
+
+# Backpressure sized for one CPU machine: the validator checks more slowly than three workers
+# generate, so the trainer takes only a few batches ahead and workers pause instead of producing
+# rollouts that would go stale in the queue.
+[trainer]
+max_pending_batches = 12
+
+[worker]
+max_pending_batches = 2
 """
 
 
@@ -135,7 +144,7 @@ def run_demo(args) -> int:
             swarm.start(name, role)
         if args.cheat:
             cheat_run = root / "cheat.toml"
-            cheat_run.write_text(run_text + f'\n[worker]\ncheat = "{args.cheat}"\n')
+            cheat_run.write_text(run_text.replace("[worker]\n", f'[worker]\ncheat = "{args.cheat}"\n'))
             swarm.start("cheater", "inference", "--run", str(cheat_run))
         started = time.monotonic()
         with Live(build_table(swarm, started), console=console, refresh_per_second=1) as live:
