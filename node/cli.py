@@ -17,7 +17,8 @@ from . import __version__
 from .config import DEFAULT_LISTEN, LOG_LEVELS, ROLES, ConfigError, NodeConfig, load_config
 
 # Modules that add subcommands (each has add_commands(subparsers)); owned by their components.
-COMMAND_MODULES: list[str] = ["node.ledger.cli", "node.shards.cli", "node.rl.cli", "node.validator.cli", "node.rollouts.cli", "node.trainer.cli"]
+COMMAND_MODULES: list[str] = ["node.ledger.cli", "node.shards.cli", "node.rl.cli", "node.validator.cli", "node.rollouts.cli", "node.trainer.cli",
+                              "node.config_reference"]
 
 EPILOG = """\
 examples:

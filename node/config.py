@@ -87,10 +87,9 @@ class NodeConfig:
     bootstrap: list[str] = field(default_factory=list)  # full multiaddrs (with /p2p/<id>) to dial
     relay_via: list[str] = field(default_factory=list)  # relays to reserve a slot on when not dialable (NAT)
     data_dir: str = ""  # "" = the user's data dir, scoped by run
-    log_level: str = "info"
+    log_level: str = "info"  # debug | info | warning | error
     log_json: bool = False  # one JSON object per log line (for log shippers)
     metrics_port: int = 0  # Prometheus metrics on 127.0.0.1:<port>; 0 = off
-    status_port: int = 0  # local status endpoint on 127.0.0.1 (0 = pick a free port)
     run: RunConfig = field(default_factory=RunConfig)
 
     def resolved_data_dir(self) -> Path:
@@ -104,10 +103,8 @@ class NodeConfig:
             raise ConfigError(f"role: must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        for port_name in ("metrics_port", "status_port"):
-            port = getattr(self, port_name)
-            if not 0 <= port <= 65535:
-                raise ConfigError(f"{port_name}: must be 0..65535, got {port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port: must be 0..65535, got {self.metrics_port}")
         if not self.listen:
             raise ConfigError("listen: at least one address is required")
         from .multiaddrs import check_multiaddr  # local import: keeps config free of libp2p
