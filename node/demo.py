@@ -157,7 +157,12 @@ def run_demo(args) -> int:
     console.print(Text("\nmean reward per training step (trainer)", style="bold"))
     console.print(reward_plot(curve))
     (root / "reward.json").write_text(json.dumps(curve))
+    png = subprocess.run(
+        [sys.executable, "-m", "node", "trainer-steps", "--data-dir", str(root / "trainer"), "--png", str(root / "reward.png")],
+        capture_output=True, text=True, timeout=60,
+    )
     console.print(Text("\nledger totals (the trainer's replica)", style="bold"))
     console.print(ledger_totals(root / "trainer"))
-    console.print(f"reward curve saved to {root / 'reward.json'}")
+    saved = f"{root / 'reward.png'} and {root / 'reward.json'}" if png.returncode == 0 else str(root / "reward.json")
+    console.print(f"reward curve saved to {saved}")
     return 0
