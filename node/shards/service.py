@@ -478,6 +478,7 @@ class ShardsService:
         self.bans: dict[str, float] = {}
         self._receipts: dict[tuple[str, str], int] = {}
         self._events: dict[int, trio.Event] = {}
+        self._resumed: dict[int, VersionStore] = {}  # partial versions reopened at start
         self.published: SignedManifest | None = None
         self.serve_slots = trio.Semaphore(cfg.max_serving)
         self.bucket = TokenBucket(cfg.upload_rate, max(cfg.upload_rate / 10, 2 * cfg.block_size), trio.current_time())
@@ -708,11 +709,13 @@ class ShardsService:
             with scope:
                 root, source = self.announced[version]
                 signed = await self._fetch_manifest(version, root, source)
-                try:
-                    vs = self.store.open_version(signed)
-                except StoreConflict as e:
-                    log.warning("shards: %s", e)
-                    return
+                vs = self._resumed.pop(version, None)
+                if vs is None or vs.signed.root != signed.root:
+                    try:
+                        vs = self.store.open_version(signed)
+                    except StoreConflict as e:
+                        log.warning("shards: %s", e)
+                        return
                 self._serve(vs)
                 dl = Download(self, vs)
                 self.downloads[version] = dl
@@ -798,6 +801,10 @@ class ShardsService:
         for v in self.store.partial_versions():
             signed = self.store.saved_manifest(v)
             if signed is not None:
+                # Resume now (re-hash what the log claims) so verified pieces are served at once.
+                vs = self.store.open_version(signed)
+                self._serve(vs)
+                self._resumed[v] = vs
                 partial.append(signed)
         return partial
 
