@@ -23,7 +23,7 @@ from node.shards.manifest import (
 from node.shards.protocol import Announce, open_announce
 from node.shards.store import PieceStore, StoreConflict
 from node.shards.testing import write_checkpoint
-from node.wire import Envelope, RemoteProtocolError, encode, pack, seal
+from node.wire import RemoteProtocolError, encode, pack, seal
 
 KiB = 1024
 TRAINER = Identity.from_seed(b"t" * 32)
