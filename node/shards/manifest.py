@@ -193,7 +193,7 @@ def sign_manifest(identity, manifest: Manifest) -> SignedManifest:
 # Building a manifest from a folder (I/O)
 
 
-class FolderError(Exception):
+class FolderError(ValueError):
     """The folder cannot be published (missing, empty, unsafe names, too large): an operator error."""
 
 
