@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/shards.py calibrate                 # block size sweep (manifest.py's table)
     .venv/bin/python bench/shards.py overhead [--size-mib 256] [--seeders 4]
-    .venv/bin/python bench/shards.py swarm [--n 8] [--size-mib 48] [--mbit 40]     # needs root
-    .venv/bin/python bench/shards.py shardcast [--n 8] [--size-mib 48] [--mbit 40] [--shardcast-venv DIR]
+    .venv/bin/python bench/shards.py swarm [--n 8] [--size-mib 32] [--mbit 10]     # needs root
+    .venv/bin/python bench/shards.py shardcast [--n 8] [--size-mib 32] [--mbit 10] [--shardcast-venv DIR]
     .venv/bin/python bench/shards.py all
 
 1. **calibrate**: goodput of one libp2p stream (TCP + Noise + Yamux) carrying length-prefixed
@@ -381,10 +381,10 @@ def shardcast(n: int, size_mib: int, mbit: float, venv: Path, timeout: float = 2
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["calibrate", "overhead", "swarm", "shardcast", "all"], nargs="?", default="all")
-    ap.add_argument("--size-mib", type=int, default=0, help="checkpoint size (default 256 overhead, 48 swarm)")
+    ap.add_argument("--size-mib", type=int, default=0, help="checkpoint size (default 256 overhead, 32 swarm and shardcast)")
     ap.add_argument("--seeders", type=int, default=4)
     ap.add_argument("--n", type=int, default=8, help="downloaders in the swarm benchmark")
-    ap.add_argument("--mbit", type=float, default=40.0, help="upload cap per host in the swarm benchmark")
+    ap.add_argument("--mbit", type=float, default=10.0, help="upload cap per host (10 Mbit/s keeps 9 Python processes off the CPU limit of a 2-core machine)")
     ap.add_argument("--shardcast-venv", type=Path, default=Path("/tmp/shardcast-venv"),
                     help="virtualenv with shardcast installed (benchmark only)")
     ap.add_argument("--piece-kib", type=int, default=0, help="piece size for the swarm benchmark (default: automatic)")
@@ -394,11 +394,11 @@ def main() -> None:
     if args.what in ("overhead", "all"):
         overhead(args.size_mib or 256, args.seeders)
     if args.what in ("swarm", "all"):
-        swarm(args.n, args.size_mib or 48, args.mbit, args.piece_kib)
+        swarm(args.n, args.size_mib or 32, args.mbit, args.piece_kib)
     if args.what in ("shardcast", "all"):
-        theirs = shardcast(args.n, args.size_mib or 48, args.mbit, args.shardcast_venv)
+        theirs = shardcast(args.n, args.size_mib or 32, args.mbit, args.shardcast_venv)
         if theirs is not None:
-            ours = swarm(args.n, args.size_mib or 48, args.mbit, args.piece_kib, relays=2)
+            ours = swarm(args.n, args.size_mib or 32, args.mbit, args.piece_kib, relays=2)
             if ours is not None and theirs == float("inf"):
                 print(f"  ratio (shardcast time / shards time, same hosts and caps): > {240.0 / ours:.2f} (shardcast unfinished)")
             elif ours is not None:
