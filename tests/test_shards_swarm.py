@@ -22,11 +22,15 @@ async def connect_all(nodes) -> None:
 
 
 class FakeLedger:
-    def __init__(self) -> None:
-        self.entries = []
+    """The ledger's receipt intake (node/ledger/sync.py: note_received), recorded."""
 
-    def append(self, kind, body) -> None:
-        self.entries.append((kind, body))
+    def __init__(self) -> None:
+        self.received: dict[tuple[str, bytes], list[int]] = {}
+
+    def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
+        acc = self.received.setdefault((peer, manifest_id), [0, 0])
+        acc[0] += nbytes
+        acc[1] += pieces
 
 
 async def test_relay_fetches_published_version(tmp_path: Path) -> None:
@@ -45,8 +49,8 @@ async def test_relay_fetches_published_version(tmp_path: Path) -> None:
             receipts = r.services["shards"].receipts()
             assert receipts == {(t.peer_id, signed.root.hex()): signed.manifest.total_size}
             assert r.services["shards"].status()["held"] == [7]
-            assert ledger.entries == [("shards.received", {"peer": t.peer_id, "root": signed.root.hex(),
-                                                           "version": 7, "bytes": signed.manifest.total_size})]
+            m = signed.manifest
+            assert ledger.received == {(t.peer_id, signed.root): [m.total_size, m.num_pieces]}
 
 
 class FlipBytes(_ServerSession):

@@ -572,9 +572,17 @@ class ShardsService:
                 log.debug("shards: disconnect %s: %s", peer[-8:], e)
 
     def credit(self, peer: str, root: bytes, nbytes: int) -> None:
+        """``peer`` supplied ``nbytes`` of a piece that verified: count it and tell the ledger,
+        which batches these into signed receipts that credit the peer (node/ledger/sync.py)."""
         key = (peer, root.hex())
         self._receipts[key] = self._receipts.get(key, 0) + nbytes
         self.m_received.inc(nbytes)
+        ledger = self.node.services.get("ledger")
+        if ledger is not None and hasattr(ledger, "note_received"):
+            try:
+                ledger.note_received(peer, root, nbytes, 1)
+            except ValueError as e:  # a bad receipt is our bug, but must not stop a download
+                log.error("shards: receipt refused by the ledger: %s", e)
 
     def on_piece_verified(self, vs: VersionStore, piece: int) -> None:
         for sess in list(self.server_sessions.get(vs.signed.root, ())):
@@ -726,7 +734,6 @@ class ShardsService:
                 vs.finish()
                 log.info("shards: v%d complete in %.1fs (%d pieces re-fetched after bad hashes)",
                          version, trio.current_time() - dl.started, dl.refetched_pieces)
-                self._record_receipts(signed)
                 self._version_complete(vs)
         finally:
             self.downloads.pop(version, None)
@@ -770,18 +777,6 @@ class ShardsService:
                     await stream.reset()
                 except Exception:
                     pass
-
-    def _record_receipts(self, signed: SignedManifest) -> None:
-        ledger = self.node.services.get("ledger")
-        if ledger is None:
-            return
-        for (peer, root_hex), nbytes in self.receipts().items():
-            if root_hex == signed.root.hex():
-                try:
-                    ledger.append("shards.received", {"peer": peer, "root": root_hex,
-                                                      "version": signed.version, "bytes": nbytes})
-                except Exception as e:  # the ledger is another component: log, do not stop downloads
-                    log.warning("shards: ledger append failed: %s", e)
 
     # ---------------------------------------------------------------------------------------
     # Lifecycle

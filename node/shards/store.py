@@ -31,6 +31,7 @@ import shutil
 import struct
 from pathlib import Path
 
+from ..atomic import write_atomic
 from ..wire import Envelope, RemoteProtocolError, decode_as, encode
 from .manifest import Manifest, SignedManifest, open_manifest
 
@@ -68,26 +69,6 @@ def read_verified_log(folder: Path, root: bytes, num_pieces: int) -> set[int]:
         return set()
     body = raw[32 : 32 + (len(raw) - 32) // 4 * 4]
     return {i for (i,) in _INDEX.iter_unpack(body) if i < num_pieces}
-
-
-def _write_atomic(path: Path, data: bytes, *, durable: bool) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    if durable:
-        _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class VersionStore:
@@ -184,7 +165,7 @@ class VersionStore:
         if self._log >= 0:
             os.close(self._log)
         body = self.signed.root + b"".join(_INDEX.pack(i) for i in sorted(self.verified))
-        _write_atomic(self.state / "verified", body, durable=False)
+        write_atomic(self.state / "verified", body, durable=False)
         self._log = os.open(self.state / "verified", os.O_WRONLY | os.O_APPEND)
 
     def finish(self) -> None:
@@ -195,7 +176,7 @@ class VersionStore:
             os.fsync(fd)
         self._start_log()
         os.fsync(self._log)
-        _write_atomic(self.state / "COMPLETE", self.signed.root, durable=True)
+        write_atomic(self.state / "COMPLETE", self.signed.root, durable=True)
 
 
 class PieceStore:
@@ -244,7 +225,7 @@ class PieceStore:
         folder.mkdir(parents=True, exist_ok=True)
         vs._open(create=True)
         if saved is None:
-            _write_atomic(vs.state / "manifest", encode(signed.envelope), durable=True)
+            write_atomic(vs.state / "manifest", encode(signed.envelope), durable=True)
             (vs.state / "COMPLETE").unlink(missing_ok=True)
             vs._start_log()
         else:
@@ -265,7 +246,7 @@ class PieceStore:
             os.replace(staging, folder)
         vs = VersionStore(folder, signed)
         vs._open(create=False)
-        _write_atomic(vs.state / "manifest", encode(signed.envelope), durable=True)
+        write_atomic(vs.state / "manifest", encode(signed.envelope), durable=True)
         for i in range(signed.manifest.num_pieces):
             if not signed.manifest.check_piece(i, vs.read_piece(i)):
                 vs.close()
