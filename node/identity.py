@@ -11,13 +11,14 @@ key loses the peer's identity and its ledger history, so a corrupt file is the o
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .atomic import write_atomic
 
 KEY_FILE = "identity.key"
 # protobuf PublicKey{Type=Ed25519(1), Data=<32 bytes>} wrapped in an identity multihash (0x00, len 36)
@@ -137,14 +138,7 @@ def save_identity(identity: Identity, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         raise IdentityError(f"refusing to overwrite existing key file {path}")
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, identity.to_pem())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_atomic(path, identity.to_pem(), mode=0o600)
 
 
 def load_or_create_identity(data_dir: Path) -> tuple[Identity, bool]:

@@ -13,11 +13,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import trio
 
+from .atomic import write_atomic
 from .context import NodeContext
 from .wire import Message, RemoteProtocolError, bounded, read_message, register, write_frame
 
@@ -63,13 +63,6 @@ def snapshot(node: NodeContext) -> dict:
     return out
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     limit = trio.Semaphore(MAX_STATUS_REQUESTS)
 
@@ -97,19 +90,20 @@ async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORE
 
     node.host.set_handler(STATUS_PROTOCOL, handle)
     info = {"peer_id": node.peer_id, "role": node.config.role, "addrs": node.host.listen_addrs(), "pid": os.getpid()}
-    write_atomic(node.data_dir / NODE_FILE, json.dumps(info).encode())
+    write_atomic(node.data_dir / NODE_FILE, json.dumps(info).encode(), durable=False)
     task_status.started()
     path = node.data_dir / STATUS_FILE
     try:
         while True:
-            await trio.to_thread.run_sync(write_atomic, path, json.dumps(snapshot(node)).encode())
+            data = json.dumps(snapshot(node)).encode()  # in the trio thread: providers read trio's clock
+            await trio.to_thread.run_sync(lambda: write_atomic(path, data, durable=False))
             await trio.sleep(STATUS_EVERY)
     finally:
         with trio.CancelScope(shield=True):
             try:
                 final = snapshot(node)
                 final["stopped"] = True
-                write_atomic(path, json.dumps(final).encode())
+                write_atomic(path, json.dumps(final).encode(), durable=False)
                 (node.data_dir / NODE_FILE).unlink(missing_ok=True)
             except OSError:
                 pass

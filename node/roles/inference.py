@@ -27,7 +27,6 @@ restarted node never reuses a step: trainers refuse a second batch for the same 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import trio
 
+from ..atomic import write_atomic
 from ..context import NodeContext
 from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import ROLLOUTS_PROTOCOL
@@ -82,12 +82,7 @@ def read_step(path: Path) -> int:
 
 def write_step(path: Path, step: int) -> None:
     """Atomically persist the next draw step (fsync, then rename over the old file)."""
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{step}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, f"{step}\n".encode())
 
 
 @dataclass

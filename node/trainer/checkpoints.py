@@ -19,17 +19,11 @@ import re
 import shutil
 from pathlib import Path
 
+from ..atomic import fsync_dir
+
 MODELS = "models"
 STATE = "state.pt"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -37,7 +31,7 @@ def _fsync_tree(path: Path) -> None:
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
 def model_dir(root: Path, version: int) -> Path:
@@ -71,7 +65,7 @@ def write_model_folder(root: Path, version: int, model, tokenizer, state_dict: d
     if final.exists():  # a crash after the rename but before state.pt: the same step is redone
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 
@@ -99,7 +93,7 @@ def save_state(root: Path, state: dict) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     return final
 
 
