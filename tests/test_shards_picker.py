@@ -226,3 +226,13 @@ def test_super_seeder_gives_a_gone_peers_piece_to_another() -> None:
     ((_, piece),) = s.on_bitfield("x", set(), 0.0)
     s.on_bitfield("y", set(), 0.0)
     assert s.on_peer_gone("x", 1.0) == [("y", piece)] or s.sent[piece] == 0
+
+
+def test_a_banned_peers_delivered_blocks_are_fetched_again() -> None:
+    p = picker(3, blocks_per_piece=2, initial_depth=1, max_depth=1, min_depth=1, random_first=0)
+    p.on_bitfield("liar", {0, 1, 2})
+    (r,) = p.poll(0.0).requests
+    p.on_block("liar", r.piece, r.offset, r.length, 0.1)  # half of a piece from the liar
+    p.on_misbehaved("liar", 0.2, "test")
+    p.on_bitfield("honest", {0, 1, 2})
+    assert p.poll(0.3).requests == [Request("honest", r.piece, 0, B)]  # the liar's block is asked again
