@@ -38,6 +38,7 @@ from .records import (
     DOMAIN_RECORD,
     DOMAIN_SUSPECT,
     MAX_PEER_ID,
+    MAX_VERSIONS,
     Accusation,
     Goodbye,
     PeerRecord,
@@ -342,7 +343,10 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
             while True:
                 await trio.sleep(TICK)
                 now = trio.current_time()
-                svc.update(addrs=advertised_addrs(node))  # a relay reservation adds an address
+                shards = node.services.get("shards")
+                held = shards.versions_held()[-MAX_VERSIONS:] if shards is not None else []
+                # A relay reservation adds an address; a new checkpoint version changes what we hold.
+                svc.update(addrs=advertised_addrs(node), checkpoints=held)
                 for acc in table.tick(now):
                     log.info("dead %s", acc.target[:16])
                     await publish(DOMAIN_DEAD, acc)
