@@ -163,3 +163,17 @@ def test_connection_manager_dials_diverse_and_prunes_unprotected():
     plan = cm.plan(connected=set(alive), alive=alive, protected={"r1", "r2"}, now=0)
     assert len(plan.prune) == 2 and "r1" not in plan.prune and "r2" not in plan.prune
     assert "r3" in plan.prune  # the most represented role goes first
+
+
+def test_local_health_stretches_timeouts_when_we_are_the_slow_one():
+    from node.gossip.membership import LocalHealth
+
+    h = LocalHealth(max_score=3)
+    assert h.scale() == 1
+    for _ in range(5):
+        h.on_round(lag=0.9, tolerance=0.25)  # our own timer fired late: we are overloaded
+    assert h.scale() == 4  # capped
+    h.on_round(lag=0.0, tolerance=0.25)
+    assert h.scale() == 3  # recovers one step per timely round
+    h.on_refute()
+    assert h.score == 3

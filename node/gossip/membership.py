@@ -303,6 +303,35 @@ def load_model(n: int, config: MembershipConfig, degree: int = 6, record_bytes: 
     return {"msgs_per_s": records_in + probes, "bytes_per_s": bytes_sent}
 
 
+@dataclass
+class LocalHealth:
+    """Lifeguard's local health multiplier (Dadgar et al., "Lifeguard: Local Health Awareness for
+    More Accurate Failure Detection", 2018, section 4.1).
+
+    A node that is itself slow (CPU starved, paused) sees its probes time out and would accuse
+    healthy peers; on a loaded machine those false suspicions, refutations and redials add load
+    and feed on themselves. The score rises when our own event loop lags or we had to refute an
+    accusation, falls with each timely probe round, and stretches our probe timeouts by
+    ``1 + score`` so a sick node waits longer before it suspects anyone.
+    """
+
+    max_score: int = 8
+    score: int = 0
+
+    def on_round(self, lag: float, tolerance: float) -> None:
+        """One probe round: ``lag`` = how late our own timer fired."""
+        if lag > tolerance:
+            self.score = min(self.max_score, self.score + 1)
+        elif self.score:
+            self.score -= 1
+
+    def on_refute(self) -> None:
+        self.score = min(self.max_score, self.score + 1)
+
+    def scale(self) -> int:
+        return 1 + self.score
+
+
 def next_seq(previous: int, now_ms: int) -> int:
     """Sequence numbers only grow, also across restarts: wall-clock ms, or previous + 1."""
     return max(previous + 1, now_ms)

@@ -31,7 +31,7 @@ from ..wire import (
     write_frame,
 )
 from .connections import ConnectionManager
-from .membership import MemberState, MembershipConfig, MemberTable, Verdict, next_seq
+from .membership import LocalHealth, MemberState, MembershipConfig, MemberTable, Verdict, next_seq
 from .records import (
     DOMAIN_DEAD,
     DOMAIN_GOODBYE,
@@ -103,6 +103,7 @@ class Membership:
     last_published: float = -1e18
     synced_with: set[str] = field(default_factory=set)
     conn: ConnectionManager | None = None
+    health: LocalHealth = field(default_factory=LocalHealth)
 
     def update(self, **fields) -> None:
         """Change our record (checkpoints held, load, capacity...); it is republished at once."""
@@ -113,6 +114,7 @@ class Membership:
 
     def refute(self) -> None:
         """Someone accused us: republish our record with a higher sequence number (SWIM 4.2)."""
+        self.health.on_refute()
         self.record = replace(self.record, seq=next_seq(self.record.seq, wall_ms()))
         self.changed.set()
 
@@ -140,6 +142,7 @@ class Membership:
             "counts": self.table.counts(),
             "members": self.table.rows(now),
             "connections": len(self.node.host.connected_peers()),
+            "local_health": self.health.score,
             "rejected": self.node.metrics.rejections(),
         }
 
@@ -301,9 +304,9 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
             finally:
                 await _close(stream)
 
-        async def indirect(helper: str, target: str, addrs: list[str], results: list[bool]) -> None:
+        async def indirect(helper: str, target: str, addrs: list[str], results: list[bool], scale: int) -> None:
             try:
-                with trio.fail_after(cfg.indirect_timeout + DIAL_TIMEOUT + 1):
+                with trio.fail_after(cfg.indirect_timeout * scale + DIAL_TIMEOUT + 1):
                     stream = await node.host.open_stream(helper, PROBE_PROTOCOL)
                     try:
                         await write_frame(stream, PingRequest(target=target, addrs=addrs[:8]))
@@ -316,19 +319,22 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
 
         async def probe_loop() -> None:
             while True:
+                before = trio.current_time()
                 await trio.sleep(cfg.probe_period)
+                svc.health.on_round(trio.current_time() - before - cfg.probe_period, cfg.probe_timeout / 2)
+                scale = svc.health.scale()
                 target = table.next_probe_target()
                 if target is None:
                     continue
                 addrs = svc.addrs_of(target)
-                if await ping_once(target, addrs, cfg.probe_timeout):
+                if await ping_once(target, addrs, cfg.probe_timeout * scale):
                     table.on_probe_ok(target, trio.current_time())
                     continue
                 helpers = table.indirect_helpers(target, set(node.host.connected_peers()), cfg.indirect_probes)
                 results: list[bool] = []
                 async with trio.open_nursery() as n:
                     for h in helpers:
-                        n.start_soon(indirect, h, target, addrs, results)
+                        n.start_soon(indirect, h, target, addrs, results, scale)
                 now = trio.current_time()
                 if any(results):
                     table.on_probe_ok(target, now)
