@@ -101,7 +101,7 @@ class Membership:
     envelopes: dict[str, bytes] = field(default_factory=dict)  # peer id -> latest record envelope
     changed: trio.Event = field(default_factory=trio.Event)
     last_published: float = -1e18
-    synced_with: set[str] = field(default_factory=set)
+    synced_at: dict[str, float] = field(default_factory=dict)  # peer -> last push-pull
     conn: ConnectionManager | None = None
     health: LocalHealth = field(default_factory=LocalHealth)
 
@@ -266,7 +266,6 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                         await receive_batches(stream, peer)
                     finally:
                         await _close(stream)
-                svc.synced_with.add(peer)
             except RemoteProtocolError as e:
                 node.metrics.reject(SYNC_PROTOCOL, e.reason)
             except Exception as e:  # peer gone, stream refused: try another next time
@@ -360,14 +359,21 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                     members_gauge.labels(state=state).set(count)
                 connected = set(node.host.connected_peers())
                 node.metrics.connections.set(len(connected))
-                # Push-pull with every peer we connect to for the first time (fast join), and with
-                # one random peer every sync_interval (heals whatever gossip lost).
-                fresh = [p for p in connected if p not in svc.synced_with]
+                # Push-pull with a peer we connect to that we have not synced with lately (fast
+                # join), and with one random peer every sync_interval (heals what gossip lost).
+                # "Lately", not "ever on this connection": probes dial members and the connection
+                # manager prunes, so connections come and go; a full-table exchange on each of
+                # them made the push-pull cost grow with N.
+                interval = cfg.sync_interval(table.size())
+                for p, at in list(svc.synced_at.items()):
+                    if now - at > interval:
+                        del svc.synced_at[p]
+                fresh = [p for p in connected if p not in svc.synced_at]
                 if now >= next_sync and connected:
                     fresh.append(random.choice(sorted(connected)))
-                    next_sync = now + cfg.sync_interval(table.size())
+                    next_sync = now + interval
                 for p in fresh[:4]:
-                    svc.synced_with.add(p)
+                    svc.synced_at[p] = now
                     nursery.start_soon(push_pull, p)
 
         async def connection_loop() -> None:
@@ -375,7 +381,6 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
             while True:
                 now = trio.current_time()
                 connected = set(node.host.connected_peers())
-                svc.synced_with &= connected
                 if bootstrap and not (connected & {_peer_of(a) for a in bootstrap}) and len(connected) < cfg.conn_low:
                     for addr in bootstrap:
                         nursery.start_soon(dial_bootstrap, addr)
