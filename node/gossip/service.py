@@ -102,6 +102,7 @@ class Membership:
     changed: trio.Event = field(default_factory=trio.Event)
     last_published: float = -1e18
     synced_at: dict[str, float] = field(default_factory=dict)  # peer -> last push-pull
+    was_connected: set[str] = field(default_factory=set)  # connections seen at the last tick
     conn: ConnectionManager | None = None
     health: LocalHealth = field(default_factory=LocalHealth)
 
@@ -368,7 +369,8 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                 for p, at in list(svc.synced_at.items()):
                     if now - at > interval:
                         del svc.synced_at[p]
-                fresh = [p for p in connected if p not in svc.synced_at]
+                fresh = [p for p in connected - svc.was_connected if p not in svc.synced_at]
+                svc.was_connected = connected
                 if now >= next_sync and connected:
                     fresh.append(random.choice(sorted(connected)))
                     next_sync = now + interval
