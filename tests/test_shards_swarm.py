@@ -114,10 +114,10 @@ async def test_liars_are_banned_and_download_is_correct(tmp_path: Path) -> None:
             assert rejected.get("shards/bad-piece", 0) >= 1 and rejected.get("shards/wrong-length", 0) == 1
 
 
-async def test_silent_peer_is_banned_and_download_completes(tmp_path: Path) -> None:
+async def test_silent_peer_is_dropped_and_download_completes(tmp_path: Path) -> None:
     trainer = Identity.generate()
     tr = [trainer.peer_id]
-    # 8 MiB at 1 MiB/s from the only honest peer: ~8 s, well past the 3 timeouts of 1 s that ban.
+    # 8 MiB at 1 MiB/s from the only honest peer: ~8 s, well past the 3 timeouts of 1 s that drop.
     src = write_checkpoint(tmp_path / "ckpt", 8 * MiB, seed=3)
     slow = dict(SMALL, request_timeout=1.0)
     with trio.fail_after(90):
@@ -131,8 +131,10 @@ async def test_silent_peer_is_banned_and_download_completes(tmp_path: Path) -> N
             svc = d.services["shards"]
             path = await svc.wait_version(1)
             assert same_files(src, path)
-            assert svc.is_banned(silent.peer_id, trio.current_time())
-            assert d.metrics.rejections().get("shards/unresponsive") == 1
+            # Dropped and backed off from, never banned: it may only have been starved of CPU.
+            assert not svc.is_banned(silent.peer_id, trio.current_time())
+            assert d.metrics.rejections().get("shards/unresponsive", 0) >= 1
+            assert silent.peer_id not in {peer for peer, _ in svc.receipts()}
 
 
 async def test_relay_serves_pieces_while_still_downloading(tmp_path: Path) -> None:

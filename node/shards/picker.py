@@ -32,8 +32,10 @@ Policies, with their sources:
   ``ban_seconds``. Malformed data (wrong length,
   unrequested pieces) bans at once: that is never an accident.
 * **Timeouts**: a request unanswered after ``request_timeout`` goes back to MISSING (re-requested
-  elsewhere) and the peer's queue is cut to the minimum; ``max_timeouts`` in a row and it is banned
-  as unresponsive.
+  elsewhere) and the peer's queue is cut to the minimum; ``max_timeouts`` in a row and the peer is
+  *dropped* as unresponsive, not banned: a silent liar and an honest peer on a starved machine look
+  the same from here, and banning the honest one could leave its pieces unreachable (the caller
+  retries a dropped peer after a growing back-off instead).
 """
 
 from __future__ import annotations
@@ -67,11 +69,13 @@ class Actions:
     requests: list[Request] = field(default_factory=list)
     cancels: list[Cancel] = field(default_factory=list)
     banned: list[tuple[str, str]] = field(default_factory=list)  # (peer, reason)
+    dropped: list[str] = field(default_factory=list)  # unresponsive peers: end the session, retry later
 
     def extend(self, other: "Actions") -> None:
         self.requests += other.requests
         self.cancels += other.cancels
         self.banned += other.banned
+        self.dropped += other.dropped
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ class PickerParams:
     endgame_copies: int = 2  # a block is requested from at most this many peers at once
     ban_threshold: float = 2.0  # strikes (pieces proven bad) before a ban
     ban_seconds: float = 600.0
-    max_timeouts: int = 3  # timeouts in a row before an unresponsive peer is banned
+    max_timeouts: int = 3  # timeouts in a row before an unresponsive peer is dropped
     rate_alpha: float = 0.25  # EWMA weight of a new rate sample
 
 
@@ -472,7 +476,8 @@ class Picker:
             st.timeouts_in_row += 1
             st.snubbed = True
             if st.timeouts_in_row >= self.params.max_timeouts:
-                acts.banned += self._ban(peer, now, "unresponsive")
+                self.on_peer_gone(peer)
+                acts.dropped.append(peer)
         return acts
 
     def _ban(self, peer: str, now: float, reason: str) -> list[tuple[str, str]]:

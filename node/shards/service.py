@@ -80,6 +80,8 @@ MAX_OUTBOX = 512  # messages waiting to be written on one download session
 FIRST_MESSAGE_TIMEOUT = 10.0  # seconds a new stream may stay silent
 RESCAN_INTERVAL = 1.0  # seconds between looks for new peers to download from
 RETRY_PEER_AFTER = 5.0  # seconds before a peer that refused a session is asked again
+# An unresponsive peer is asked again after RETRY_PEER_AFTER, doubled at each drop up to ban_seconds:
+# a silent liar costs a few timeouts per back-off, a peer that was only starved is not lost for good.
 MANIFEST_RETRY = 2.0
 SOURCE = "shards"  # metrics label for rejections
 
@@ -266,6 +268,7 @@ class Download:
         )
         self.sessions: dict[str, _ClientSession] = {}
         self.refused: dict[str, float] = {}  # peer -> time it refused a session
+        self.backoff: dict[str, float] = {}  # peer -> seconds before asking it again after a drop
         self.buffers: dict[int, dict[int, bytes]] = {}
         self.changed = trio.Event()
         self.done = trio.Event()
@@ -304,7 +307,7 @@ class Download:
                 return
             if peer in self.sessions or self.svc.is_banned(peer, now):
                 continue
-            if now - self.refused.get(peer, -math.inf) < RETRY_PEER_AFTER:
+            if now - self.refused.get(peer, -math.inf) < self.backoff.get(peer, RETRY_PEER_AFTER):
                 continue
             self.refused[peer] = now  # until it answers; cleared on a good session
             self.sessions[peer] = None  # type: ignore[assignment]  # reserved while dialing
@@ -430,11 +433,19 @@ class Download:
                 sess.post(Cancel(piece=c.piece, offset=c.offset, length=c.length))
         for peer, reason in acts.banned:
             self.svc.ban(peer, reason, trio.current_time())
-            sess = self.sessions.get(peer)
-            if sess is not None:
-                sess.cancel_scope.cancel()
-        if acts.banned or acts.cancels:
+            self._end_session(peer)
+        for peer in acts.dropped:
+            self.svc.node.metrics.reject(SOURCE, "unresponsive")
+            self.backoff[peer] = min(2 * self.backoff.get(peer, RETRY_PEER_AFTER / 2), self.svc.cfg.ban_seconds)
+            log.info("shards: %s unresponsive; asking it again in %.0fs", peer[-8:], self.backoff[peer])
+            self._end_session(peer)
+        if acts.banned or acts.cancels or acts.dropped:
             self._drop_stale_buffers()
+
+    def _end_session(self, peer: str) -> None:
+        sess = self.sessions.get(peer)
+        if sess is not None:
+            sess.cancel_scope.cancel()
 
     def _poke(self) -> None:
         self.changed.set()

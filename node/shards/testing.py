@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--version", type=int, default=1)
     p.add_argument("--shards", default="", help="JSON of [shards] settings")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("node.shards").setLevel(logging.INFO)  # drops and back-offs: what a failed test needs
     try:
         trio.run(_child, args)
     except KeyboardInterrupt:
