@@ -177,3 +177,26 @@ def test_local_health_stretches_timeouts_when_we_are_the_slow_one():
     assert h.scale() == 3  # recovers one step per timely round
     h.on_refute()
     assert h.score == 3
+
+
+def test_sync_planner_syncs_new_connections_only_while_joining() -> None:
+    from node.gossip.membership import JOIN_SYNC_FANOUT, SyncPlanner
+
+    rng = random.Random(1)
+    sp = SyncPlanner()
+    assert sp.plan(set(), 0.0, 30.0, rng) == []
+    first = sp.plan({"a", "b"}, 0.0, 30.0, rng)
+    assert sorted(first) == ["a", "b"]  # joining: every new connection
+    assert sp.plan({"a", "b"}, 1.0, 30.0, rng) == []  # not twice while the exchanges run
+    many = {f"p{i}" for i in range(10)}
+    assert len(sp.plan(many | {"a", "b"}, 2.0, 30.0, rng)) == JOIN_SYNC_FANOUT  # bounded per tick
+    sp.on_synced()
+    # Joined: connections that come and go (probes dial, the manager prunes) cost no exchange...
+    assert sp.plan({"x", "y", "z"}, 3.0, 30.0, rng) == []
+    assert sp.plan({"q"}, 29.0, 30.0, rng) == []
+    # ...only one random peer per interval.
+    assert sp.plan({"q", "r"}, 30.0, 30.0, rng) in (["q"], ["r"])
+    assert sp.plan({"q", "r"}, 31.0, 30.0, rng) == []
+    # Losing every connection means joining again.
+    assert sp.plan(set(), 40.0, 30.0, rng) == []
+    assert sp.plan({"s"}, 41.0, 30.0, rng) == ["s"]

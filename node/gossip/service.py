@@ -31,7 +31,7 @@ from ..wire import (
     write_frame,
 )
 from .connections import ConnectionManager
-from .membership import LocalHealth, MemberState, MembershipConfig, MemberTable, Verdict, next_seq
+from .membership import LocalHealth, MemberState, MembershipConfig, MemberTable, SyncPlanner, Verdict, next_seq
 from .records import (
     DOMAIN_DEAD,
     DOMAIN_GOODBYE,
@@ -101,8 +101,7 @@ class Membership:
     envelopes: dict[str, bytes] = field(default_factory=dict)  # peer id -> latest record envelope
     changed: trio.Event = field(default_factory=trio.Event)
     last_published: float = -1e18
-    synced_at: dict[str, float] = field(default_factory=dict)  # peer -> last push-pull
-    was_connected: set[str] = field(default_factory=set)  # connections seen at the last tick
+    sync: SyncPlanner = field(default_factory=SyncPlanner)
     conn: ConnectionManager | None = None
     health: LocalHealth = field(default_factory=LocalHealth)
 
@@ -255,6 +254,7 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                     if signed.domain == DOMAIN_RECORD:
                         apply(signed, now)
                 if batch.last:
+                    svc.sync.on_synced()
                     return
             raise RemoteProtocolError("oversized", "too many sync frames")
 
@@ -345,7 +345,6 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                     await publish(DOMAIN_SUSPECT, acc)
 
         async def tick_loop() -> None:
-            next_sync = trio.current_time() + cfg.min_sync
             while True:
                 await trio.sleep(TICK)
                 now = trio.current_time()
@@ -360,22 +359,8 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                     members_gauge.labels(state=state).set(count)
                 connected = set(node.host.connected_peers())
                 node.metrics.connections.set(len(connected))
-                # Push-pull with a peer we connect to that we have not synced with lately (fast
-                # join), and with one random peer every sync_interval (heals what gossip lost).
-                # "Lately", not "ever on this connection": probes dial members and the connection
-                # manager prunes, so connections come and go; a full-table exchange on each of
-                # them made the push-pull cost grow with N.
-                interval = cfg.sync_interval(table.size())
-                for p, at in list(svc.synced_at.items()):
-                    if now - at > interval:
-                        del svc.synced_at[p]
-                fresh = [p for p in connected - svc.was_connected if p not in svc.synced_at]
-                svc.was_connected = connected
-                if now >= next_sync and connected:
-                    fresh.append(random.choice(sorted(connected)))
-                    next_sync = now + interval
-                for p in fresh[:4]:
-                    svc.synced_at[p] = now
+                # Full-table exchanges: with new connections while joining, then one random peer.
+                for p in svc.sync.plan(connected, now, cfg.sync_interval(table.size()), random):
                     nursery.start_soon(push_pull, p)
 
         async def connection_loop() -> None:
