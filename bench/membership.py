@@ -47,8 +47,19 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def sent_bytes(swarm: LocalSwarm, names) -> dict[str, int]:
-    return {n: swarm.status(n).get("traffic", {}).get("tcp_bytes_sent", 0) for n in names}
+def traffic(swarm: LocalSwarm, names) -> dict[str, dict]:
+    return {n: swarm.status(n).get("traffic", {}) for n in names}
+
+
+def by_protocol(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Median over nodes of payload bytes/s sent per protocol (what the total is made of)."""
+    protos = {p for t in after.values() for p in t.get("stream_bytes_sent", {})}
+    out = {}
+    for proto in protos:
+        rates = [(after[k].get("stream_bytes_sent", {}).get(proto, 0)
+                  - before[k].get("stream_bytes_sent", {}).get(proto, 0)) / seconds for k in after]
+        out[proto] = statistics.median(rates)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def measure(n: int, run_file: str, steady: float, detect: bool, timeout: float) -> dict:
@@ -74,11 +85,13 @@ def measure(n: int, run_file: str, steady: float, detect: bool, timeout: float) 
         swarm.wait_until(converged, timeout, poll=0.5)
         out["converge_s"] = time.monotonic() - t0
         time.sleep(3)  # let the join burst settle before the steady window
-        before, tb = sent_bytes(swarm, names), time.monotonic()
+        before, tb = traffic(swarm, names), time.monotonic()
         time.sleep(steady)
-        after, ta = sent_bytes(swarm, names), time.monotonic()
-        rates = [(after[k] - before[k]) / (ta - tb) for k in names if after[k] and before[k]]
+        after, ta = traffic(swarm, names), time.monotonic()
+        sent = {k: (before[k].get("tcp_bytes_sent", 0), after[k].get("tcp_bytes_sent", 0)) for k in names}
+        rates = [(a - b) / (ta - tb) for b, a in sent.values() if a and b]
         out["bytes_per_node_s"] = statistics.median(rates) if rates else float("nan")
+        out["by_protocol"] = by_protocol(before, after, ta - tb)
         out["rss_mb"] = max(peak_rss_mb(p.pid) for p in swarm.procs.values())
         if detect:
             victim = names[-1]
@@ -134,6 +147,11 @@ def main() -> int:
             f"{n:>6} {'(model)':>11} {1.58 * cfg.probe_period + timeout:>9.1f} {model['bytes_per_s']:>9.0f} "
             f"{'':>10} {'':>10} {model['bytes_per_s']:>10.0f} {'':>7}"
         )
+    print()
+    print("Payload bytes/s sent per node by protocol (median over nodes; before Yamux/Noise framing)")
+    for ours, _ in rows:
+        parts = ", ".join(f"{p} {r:.0f}" for p, r in ours["by_protocol"].items() if r >= 1)
+        print(f"  N={ours['n']}: {parts}")
     print()
     print("detect s for the model rows = SWIM's mean first detection (1.58 periods) + suspicion timeout.")
     print("Anchors: SWIM/memberlist first detection ~1.58 probe periods, per-node load constant in N;")

@@ -108,6 +108,43 @@ class TcpBytes:
         cls._installed = True
 
 
+class StreamBytes:
+    """Payload bytes this process moved on libp2p streams, by protocol (before Yamux and Noise).
+
+    The figure that says *which* protocol costs what (membership, gossipsub, ping, shards...);
+    ``TcpBytes`` holds the total with framing. Process-wide, installed once like ``TcpBytes``.
+    """
+
+    sent: dict[str, int] = {}
+    received: dict[str, int] = {}
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        from libp2p.network.stream.net_stream import NetStream
+
+        write, read = NetStream.write, NetStream.read
+
+        def protocol(stream) -> str:
+            return str(stream.get_protocol() or "negotiating")
+
+        async def counted_write(self, data: bytes) -> None:
+            await write(self, data)
+            key = protocol(self)
+            cls.sent[key] = cls.sent.get(key, 0) + len(data)
+
+        async def counted_read(self, n: int | None = None) -> bytes:
+            data = await read(self, n)
+            key = protocol(self)
+            cls.received[key] = cls.received.get(key, 0) + len(data)
+            return data
+
+        NetStream.write, NetStream.read = counted_write, counted_read
+        cls._installed = True
+
+
 class HandlerErrors:
     """Counts of stream handlers that failed, by protocol and exception type (for metrics/status)."""
 
@@ -263,6 +300,7 @@ async def open_swarm_host(
     """Start a host listening on ``listen`` with pubsub running; stop everything on exit."""
     gossip = gossip or GossipParams()
     TcpBytes.install()
+    StreamBytes.install()
     keypair = to_libp2p_keypair(identity)
     noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
     addrs = [parse_multiaddr(a) for a in listen]

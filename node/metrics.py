@@ -16,6 +16,28 @@ def _tcp_bytes():
     return TcpBytes
 
 
+def _stream_bytes():
+    from .host import StreamBytes
+
+    return StreamBytes
+
+
+class _StreamBytesCollector:
+    """``swarm_stream_bytes{protocol,direction}``: read from ``StreamBytes`` at scrape time, since
+    the protocols are only known as streams open."""
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        fam = GaugeMetricFamily("swarm_stream_bytes", "Payload bytes on libp2p streams by protocol",
+                                labels=["protocol", "direction"])
+        sb = _stream_bytes()
+        for direction, counts in (("sent", sb.sent), ("received", sb.received)):
+            for proto, n in sorted(counts.items()):
+                fam.add_metric([proto, direction], n)
+        yield fam
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -31,6 +53,7 @@ class Metrics:
         tcp = self.gauge("tcp_bytes", "Bytes moved over libp2p TCP connections by this process", ["direction"])
         tcp.labels(direction="sent").set_function(lambda: _tcp_bytes().sent)
         tcp.labels(direction="received").set_function(lambda: _tcp_bytes().received)
+        self.registry.register(_StreamBytesCollector())
 
     def _get(self, kind, name: str, doc: str, labels: list[str] | tuple[str, ...] = (), **kw):
         full = f"swarm_{name}"
@@ -63,8 +86,9 @@ class Metrics:
 
     def totals(self) -> dict:
         """A few headline counters for status views (bytes, connections)."""
-        tcp = _tcp_bytes()
-        return {"tcp_bytes_sent": tcp.sent, "tcp_bytes_received": tcp.received}
+        tcp, streams = _tcp_bytes(), _stream_bytes()
+        return {"tcp_bytes_sent": tcp.sent, "tcp_bytes_received": tcp.received,
+                "stream_bytes_sent": dict(streams.sent), "stream_bytes_received": dict(streams.received)}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -88,6 +88,10 @@ async def test_metrics_endpoint_on_loopback(tmp_path, fast_membership):
                     break
                 await trio.sleep(0.2)
     assert "swarm_messages_in_total" in body and "swarm_tcp_bytes" in body
+    # Payload by protocol: membership's push-pull and gossipsub both moved bytes by now.
+    sent = {line.split('protocol="')[1].split('"')[0]: float(line.split()[-1])
+            for line in body.splitlines() if line.startswith("swarm_stream_bytes{") and 'direction="sent"' in line}
+    assert sent.get("/swarm/members/1.0.0", 0) > 0 and any(p.startswith("/meshsub/") and n > 0 for p, n in sent.items())
 
 
 async def test_garbage_on_the_gossipsub_stream_does_not_stop_the_node(tmp_path, fast_membership):
