@@ -82,6 +82,8 @@ def render_status(status: dict, console: Console | None = None) -> None:
     rejected = member.get("rejected") or {}
     if rejected:
         console.print("rejected: " + ", ".join(f"{k}={v}" for k, v in sorted(rejected.items())))
+    for peer, ban in sorted((status.get("ledger", {}).get("bans") or {}).items()):
+        console.print(f"[red]banned[/red] {peer[:20]}…  {ban['seconds_left']}s left  {ban['reason']}  (by {ban['by'][:20]}…)")
     for name, value in status.items():
         if name in ("membership", "peer_id", "role", "run", "uptime_s", "time", "addrs", "stopped"):
             continue

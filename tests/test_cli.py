@@ -102,6 +102,25 @@ def test_status_without_running_node(tmp_path, capsys):
     assert "no status" in one_line_error(capsys.readouterr().err)
 
 
+def test_status_view_shows_members_rejections_and_ledger_bans():
+    from rich.console import Console
+
+    from node.status_view import render_status
+
+    console = Console(record=True, width=200)
+    render_status({
+        "peer_id": "12D3KooWself", "role": "trainer", "run": "r", "uptime_s": 5,
+        "membership": {"connections": 1, "counts": {"alive": 1},
+                       "members": [{"peer_id": "12D3KooWpeerA", "role": "inference", "state": "alive", "for_s": 3,
+                                    "seq": 17, "checkpoints": [2], "addrs": ["/ip4/127.0.0.1/tcp/1"]}],
+                       "rejected": {"members/forged": 2}},
+        "ledger": {"bans": {"12D3KooWcheat": {"seconds_left": 590, "reason": "reward_mismatch", "by": "12D3KooWval"}}},
+    }, console)
+    text = console.export_text()
+    assert "12D3KooWpeerA" in text and "inference" in text and "members/forged=2" in text
+    assert "banned 12D3KooWcheat" in text and "reward_mismatch" in text and "590s left" in text
+
+
 def test_status_of_a_running_node(tmp_path):
     from node.localswarm import LocalSwarm
 

@@ -530,3 +530,42 @@ def test_replicas_converge_under_forks_and_partial_delivery(fork_at, rnd):
     assert replicas[0].ledger.head_of(VALIDATOR.peer_id) == 6  # honest authors complete
     if not fork_at:
         assert all(len(r.ledger) == 18 for r in replicas)
+
+
+# ------------------------------------------------------------------ bans
+
+
+def test_bans_come_from_penalty_entries_and_the_longest_active_one_wins():
+    led = new_ledger()
+    v, t = Author(VALIDATOR), Author(TRAINER)
+    w = WORKER.peer_id
+    assert add(led, v.next(Penalty(peer=w, reason="fake-rewards", points=3, ban_seconds=10))).outcome is Outcome.ACCEPT
+    assert add(led, t.next(Penalty(peer=w, reason="trainer:forged", points=5, ban_seconds=100), NOW + 1000)).outcome is Outcome.ACCEPT
+    assert add(led, v.next(Penalty(peer=OTHER.peer_id, reason="late", points=1))).outcome is Outcome.ACCEPT  # points only
+    ban = led.ban_of(w, NOW + 20_000)
+    assert ban is not None and (ban.by, ban.reason, ban.until_ms) == (TRAINER.peer_id, "trainer:forged", NOW + 101_000)
+    assert led.ban_of(w, NOW + 101_000) is None  # expired
+    assert led.ban_of(OTHER.peer_id, NOW) is None
+    assert set(led.bans(NOW + 5000)) == {w}
+
+
+def test_a_penalty_from_anyone_else_bans_nobody():
+    led = new_ledger()
+    cheat = Author(OTHER)
+    d = add(led, cheat.next(Penalty(peer=WORKER.peer_id, reason="spite", points=9, ban_seconds=600)))
+    assert d.outcome is Outcome.REJECT and d.reason == "unauthorized"
+    assert led.ban_of(WORKER.peer_id, NOW) is None
+
+
+def test_bans_past_an_equivocators_fork_do_not_count():
+    led = new_ledger()
+    t = Author(TRAINER)
+    add(led, t.next(rollouts()))
+    base_seq, base_prev = t.seq, t.prev
+    a = t.next(Penalty(peer=WORKER.peer_id, reason="x", points=1, ban_seconds=600))
+    t.seq, t.prev = base_seq, base_prev
+    b = t.next(Penalty(peer=OTHER.peer_id, reason="y", points=1, ban_seconds=600))
+    assert add(led, a).outcome is Outcome.ACCEPT
+    assert led.ban_of(WORKER.peer_id, NOW) is not None
+    assert led.add_evidence(Evidence(a, b)) is True
+    assert led.ban_of(WORKER.peer_id, NOW) is None

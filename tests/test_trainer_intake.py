@@ -259,3 +259,24 @@ def test_status_reward_curve_spans_the_whole_run():
     pts = reward_points(curve, 200)
     assert len(pts) == 200 and pts[0] == [5, 0.003] and pts[-1] == [1000, 0.998]
     assert reward_points(curve[:3], 200) == [[1, 0.001], [2, 0.002], [3, 0.003]]
+
+
+def test_a_worker_banned_in_the_ledger_is_refused_at_intake(trainer):
+    """A validator's penalty entry with a ban reaches the trainer's ledger replica: the worker's
+    batches are refused (and the refusal is no strike against whoever forwarded them)."""
+    from node.ledger.chain import Ledger, Outcome
+    from node.ledger.entries import GENESIS, Penalty, make_entry
+
+    validator = Identity.from_seed(b"v" * 32)
+    now_ms = 1_700_000_000_000
+    replica = Ledger(RUN, [], [validator.peer_id], 60_000)
+    entry = make_entry(validator, RUN, 1, GENESIS, now_ms,
+                       Penalty(peer=WORKER.peer_id, reason="fake-rewards", points=3, ban_seconds=600))
+    decision = replica.check(entry, now_ms)
+    assert decision.outcome is Outcome.ACCEPT
+    replica.apply(decision)
+    trainer.node.services["ledger"] = SimpleNamespace(ban_of=lambda peer: replica.ban_of(peer, now_ms))
+    ack = trainer.judge(sign_batch(WORKER, batch()), OTHER.peer_id)
+    assert not ack.accepted and ack.reason == "banned"
+    assert not trainer.strikes.recent.get(OTHER.peer_id)
+    assert trainer.judge(sign_batch(OTHER, batch(ident=OTHER)), OTHER.peer_id).accepted  # others unaffected

@@ -1,9 +1,8 @@
 """Penalties and bans: pure, with time passed in."""
 
-from types import SimpleNamespace
 
 from node.validator.config import ValidatorConfig
-from node.validator.policy import PenaltyBook, bans_from_penalties
+from node.validator.policy import PenaltyBook
 
 CFG = ValidatorConfig(penalty_points=1, ban_threshold=3, penalty_window=100.0, ban_seconds=50)
 
@@ -34,10 +33,3 @@ def test_points_expire_after_the_window():
     book.on_verdict("w", ["wrong_task"], 10.0)
     assert book.on_verdict("w", ["wrong_task"], 105.0).ban_seconds == 0  # the first point expired at 100
     assert book.points("w", 105.0) == 2
-
-
-def test_bans_from_ledger_penalties_take_the_longest_active_one():
-    p = lambda peer, secs, reason="x": SimpleNamespace(peer=peer, ban_seconds=secs, reason=reason)
-    entries = [("v1", 1000, p("a", 10)), ("v2", 2000, p("a", 100, "y")), ("v1", 0, p("b", 5)), ("v1", 0, p("c", 0))]
-    bans = bans_from_penalties(entries, now_s=20.0)
-    assert set(bans) == {"a"} and bans["a"].until_s == 102.0 and bans["a"].by == "v2" and bans["a"].reason == "y"

@@ -110,6 +110,14 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             status = validator.status["validator"]()
             assert cheat_w.peer_id in status["bans"] and status["bans"][cheat_w.peer_id]["reason"] == "reward_mismatch"
             assert status["verdicts"]["accepted"] == 2 and status["verdicts"]["rejected"] == 3
+            # The ban travels in the ledger: the other node's replica holds it too (a trainer's intake
+            # consults exactly this), and its status shows who banned whom and why.
+            with trio.fail_after(30):
+                while trainer.services["ledger"].ban_of(cheat_w.peer_id) is None:
+                    await trio.sleep(0.1)
+            ban = trainer.services["ledger"].status()["bans"][cheat_w.peer_id]
+            assert ban["by"] == validator.peer_id and ban["reason"] == "reward_mismatch"
+            assert trainer.services["ledger"].ban_of(honest_w.peer_id) is None
 
             # The same batch sent again (the trainer lost our ack) gets the same signed verdict again.
             again = await send_batch(trainer, validator.peer_id, honest[0].envelope)

@@ -26,7 +26,11 @@ Equivocation (the classic fork attack on per-author logs, as in Secure Scuttlebu
 hypercore): both entries are kept as evidence, the author is flagged from the fork seq on (the lowest
 seq of any evidence we hold), its entries at or after the fork point give no credit, and no new ones
 are accepted. Replicas that saw different branches agree once they share the evidence, because
-every view below — heads, digest, totals — stops at ``fork_seq - 1``.
+every view below — heads, digest, totals, bans — stops at ``fork_seq - 1``.
+
+Bans: a ``penalty`` entry with ``ban_seconds`` (only trainers and validators may author one) bans its
+peer from the entry's time for that long; :meth:`Ledger.ban_of` is what trainers and validators
+consult at intake, so a ban given by any one of them holds at all of them once the entry arrives.
 
 The state digest hashes every author's (capped) head and fork seq in author order, so two replicas
 with the same entries and evidence have the same digest, whatever order they learned them in.
@@ -51,6 +55,7 @@ from .entries import (
     MAX_SEQ,
     TOTAL_FIELDS,
     Authors,
+    Penalty,
     SignedEntry,
 )
 
@@ -125,6 +130,17 @@ class Want:
     end: int
 
 
+@dataclass(frozen=True)
+class LedgerBan:
+    """A ban from a ledger ``penalty`` entry: who, until when (wall ms), why, by whom, at which seq."""
+
+    peer: str
+    until_ms: int
+    reason: str
+    by: str
+    seq: int
+
+
 @dataclass
 class PeerTotals:
     """A peer's contribution as the ledger records it (fields: :data:`entries.TOTAL_FIELDS`)."""
@@ -176,6 +192,7 @@ class Ledger:
         self.max_skew_ms = max_skew_ms
         self._logs: dict[str, _Log] = {}
         self._totals: dict[str, PeerTotals] = {}
+        self._bans: dict[str, list[LedgerBan]] = {}  # banned peer -> ban entries naming it
 
     # ---------------------------------------------------------------- adding entries
 
@@ -241,6 +258,10 @@ class Ledger:
         log.last_time_ms = max(log.last_time_ms, se.time_ms)
         if not log.fork_seq or se.seq < log.fork_seq:
             self._credit(credits, +1)
+        body = se.body
+        if isinstance(body, Penalty) and body.ban_seconds:
+            until = se.time_ms + 1000 * body.ban_seconds
+            self._bans.setdefault(body.peer, []).append(LedgerBan(body.peer, until, body.reason, se.author, se.seq))
 
     def _credit(self, credits: tuple, sign: int) -> None:
         for peer, name, amount in credits:
@@ -310,6 +331,19 @@ class Ledger:
     def evidence(self, author: str) -> Evidence | None:
         log = self._logs.get(author)
         return log.evidence if log else None
+
+    def ban_of(self, peer: str, now_ms: int) -> LedgerBan | None:
+        """The longest active ban on ``peer`` (entries past an equivocator's fork point do not count)."""
+        live = [
+            b for b in self._bans.get(peer, ())
+            if b.until_ms > now_ms and b.seq <= self._logs[b.by].usable()
+        ]
+        return max(live, key=lambda b: b.until_ms, default=None)
+
+    def bans(self, now_ms: int) -> dict[str, LedgerBan]:
+        """Every active ban (for status views)."""
+        out = {p: self.ban_of(p, now_ms) for p in self._bans}
+        return {p: b for p, b in sorted(out.items()) if b is not None}
 
     def totals(self, peer: str | None = None) -> dict[str, dict[str, int]]:
         """Totals per peer (credits of flagged authors' entries after the fork point excluded)."""

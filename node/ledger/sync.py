@@ -301,15 +301,21 @@ class LedgerService:
     def digest(self) -> bytes:
         return self.ledger.digest()
 
+    def ban_of(self, peer: str):
+        """The active ban on ``peer`` from any trainer's or validator's penalty entry, or None."""
+        return self.ledger.ban_of(peer, self.now_ms())
+
     def status(self) -> dict:
         """For ``swarm-node status``."""
-        me = self.node.peer_id
+        me, now = self.node.peer_id, self.now_ms()
         return {
             "entries": len(self.ledger),
             "authors": len(self.ledger.authors()),
             "own_seq": self.ledger.head_of(me),
             "digest": self.ledger.digest().hex()[:16],
             "flagged": self.ledger.flagged(),
+            "bans": {p: {"seconds_left": round((b.until_ms - now) / 1000), "reason": b.reason, "by": b.by}
+                     for p, b in self.ledger.bans(now).items()},
             "accepted": dict(self.accepted),
             "rejected": dict(self.rejections),
             "syncs": dict(self.syncs),

@@ -94,7 +94,7 @@ NOT_ATTRIBUTABLE = frozenset({"duplicate", "busy"})
 
 
 # Refusals that are no fault of the sender: lag, replays, our own load.
-NOT_STRIKES = frozenset({"stale", "future", "duplicate", "busy"})
+NOT_STRIKES = frozenset({"stale", "future", "duplicate", "busy", "banned"})
 MAX_TRACKED_PEERS = 4096  # peers whose strikes we remember (oldest forgotten first)
 
 

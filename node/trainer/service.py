@@ -140,6 +140,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ intake
 
+    def worker_banned(self, worker: str) -> bool:
+        """Banned by a penalty entry in the ledger (ours or any validator's): its batches are refused."""
+        ledger = self.node.services.get("ledger")
+        return ledger is not None and ledger.ban_of(worker) is not None
+
     def judge(self, data: bytes, sender: str) -> RolloutAck:
         """Judge one received batch and spool it; the returned ack is true once this returns."""
         try:
@@ -147,6 +152,8 @@ class Trainer:
         except RemoteProtocolError as e:
             return self._refuse(digest(data), e.reason, sender)
         b = signed.batch
+        if self.worker_banned(b.worker):
+            return self._refuse(signed.batch_id, "banned", sender)
         if self.spool.pending() >= self.tcfg.max_pending_batches and not self.spool.knows(signed.batch_id):
             return self._refuse(signed.batch_id, "busy", sender)
         reason = intake_reason(

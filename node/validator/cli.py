@@ -25,8 +25,9 @@ def add_commands(sub) -> None:
 
 def collect(store, now_s: float) -> dict:
     """Penalty entries, active bans and failed-verdict reasons from a ledger store."""
+    from ..ledger.chain import Ledger
     from ..ledger.entries import Penalty, Verdict, parse_entry
-    from .policy import bans_from_penalties
+    from ..ledger.store import rebuild
 
     penalties, failed = [], collections.defaultdict(collections.Counter)
     for _author, _seq, _hash, raw in store.iter_raw():
@@ -37,13 +38,17 @@ def collect(store, now_s: float) -> dict:
             for r in se.body.reasons:
                 if r != "ok":
                     failed[se.body.worker][r] += 1
-    bans = bans_from_penalties(penalties, now_s)
+    # Active bans as the node itself sees them (equivocators' entries past the fork excluded).
+    replica = Ledger(store.run() or "", (), (), 0)
+    rebuild(store, replica)
+    now_ms = int(now_s * 1000)
     return {
         "penalties": [
             {"peer": b.peer, "by": a, "time_ms": t, "reason": b.reason, "points": b.points, "ban_seconds": b.ban_seconds}
             for a, t, b in penalties
         ],
-        "bans": {p: {"seconds_left": round(b.until_s - now_s), "reason": b.reason, "by": b.by} for p, b in bans.items()},
+        "bans": {p: {"seconds_left": round((b.until_ms - now_ms) / 1000), "reason": b.reason, "by": b.by}
+                 for p, b in replica.bans(now_ms).items()},
         "failed_verdicts": {w: dict(c) for w, c in failed.items()},
     }
 

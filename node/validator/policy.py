@@ -8,8 +8,8 @@ in transit, the validator could not get the checkpoint) or that cannot be pinned
 needs a fresh run of offences. Each decision is what the validator writes to the ledger as a
 ``penalty`` entry (node/ledger/entries.py), so every peer can see who was punished and why.
 
-Trainers can run the same book on the verdicts they receive (same config, same decisions) to refuse
-a banned worker's batches at intake: :meth:`PenaltyBook.is_banned`.
+A ban is written to the ledger as a penalty entry with ``ban_seconds``; trainers and the other
+validators refuse the worker's batches once that entry reaches them (:meth:`node.ledger.chain.Ledger.ban_of`).
 """
 
 from __future__ import annotations
@@ -109,31 +109,3 @@ class PenaltyBook:
             for p, st in self._peers.items()
             if st.banned_until > now
         }
-
-
-@dataclass(frozen=True)
-class LedgerBan:
-    """A ban read from the ledger: who, until when (wall seconds), why, and which operator gave it."""
-
-    peer: str
-    until_s: float
-    reason: str
-    by: str
-
-
-def bans_from_penalties(penalties: Iterable[tuple[str, int, object]], now_s: float) -> dict[str, LedgerBan]:
-    """Active bans from ``(author, time_ms, Penalty body)`` ledger entries (the longest per peer).
-
-    What a trainer (or a restarted validator) applies to refuse a banned worker's batches: the ban
-    starts at the entry's time and lasts its ``ban_seconds``. Authority (only trainers and
-    validators may author penalties) is the ledger's chain rules' job, done before entries are stored.
-    """
-    out: dict[str, LedgerBan] = {}
-    for author, time_ms, body in penalties:
-        seconds = getattr(body, "ban_seconds", 0)
-        if not seconds:
-            continue
-        until = time_ms / 1000 + seconds
-        if until > now_s and (body.peer not in out or until > out[body.peer].until_s):
-            out[body.peer] = LedgerBan(body.peer, until, body.reason, author)
-    return out

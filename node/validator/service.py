@@ -262,7 +262,9 @@ class ValidatorService:
         re-assigns it after its timeout."""
         batch = job.signed.batch
         n = len(batch.samples)
-        if self.book.is_banned(batch.worker, self.wall_clock()):
+        ledger = self.node.services.get("ledger")
+        if self.book.is_banned(batch.worker, self.wall_clock()) or (ledger is not None and ledger.ban_of(batch.worker)):
+            # Our own ban, or one another validator or a trainer recorded in the ledger.
             return Judgement.uniform(n, reject(BatchReason.BANNED, "worker is banned"))
         current = self.current_version()
         if current is None or batch.policy_version > current:
