@@ -242,6 +242,8 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
         async def receive_batches(stream, peer: str) -> None:
             for _ in range(MAX_SYNC_FRAMES):
                 batch = await read_message(stream)
+                if batch is None:  # the peer went away (pruned, timed out): not garbage
+                    raise RemoteProtocolError("truncated", "stream closed before the last batch")
                 if not isinstance(batch, MemberBatch):
                     raise RemoteProtocolError("wrong-type", "expected member.batch")
                 now = trio.current_time()
