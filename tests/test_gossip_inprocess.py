@@ -110,3 +110,18 @@ async def test_garbage_on_the_gossipsub_stream_does_not_stop_the_node(tmp_path, 
         # the node still works: a record change from the other node still arrives
         nodes[1].services["membership"].update(load=7.0)
         await wait_for(lambda: target.services["membership"].table.members[nodes[1].peer_id].record.load == 7.0, 20)
+
+
+async def test_pruned_connections_are_announced_and_nobody_is_suspected(tmp_path, fast_membership):
+    """More members than connections allowed: the managers prune, announcing it, and since probes
+    follow the connections and an announced close is no failure, everyone stays alive."""
+    tight = dict(fast_membership, conn_low=2, conn_high=3)
+    configs = [node_config(tmp_path, f"n{i}", membership=tight) for i in range(6)]
+    async with open_nodes(configs) as nodes:
+        await wait_for(lambda: sees_all(nodes), CONVERGE_BOUND)
+        svcs = [n.services["membership"] for n in nodes]
+        await wait_for(lambda: sum(s.closes["pruned_by_peer"] for s in svcs) >= 2, CONVERGE_BOUND)
+        await trio.sleep(5)  # several suspicion timeouts at these timers
+        assert all(s.table.counts().get("suspect", 0) == 0 and s.table.counts().get("dead", 0) == 0 for s in svcs)
+        assert sees_all(nodes)
+        assert all(len(n.host.connected_peers()) <= 3 + 1 for n in nodes[1:])  # bounded (+1: a dial in flight)

@@ -109,6 +109,18 @@ def test_probe_order_is_round_robin(table):
     assert sorted(second_round) == list("abcd")
 
 
+def test_probe_order_only_among_eligible_members(table):
+    for p in "abcdef":
+        table.on_record(record(p, 1), now=0)
+    connected = {"b", "d", "f"}
+    picks = [table.next_probe_target(connected) for _ in range(6)]
+    assert sorted(picks) == ["b", "b", "d", "d", "f", "f"]  # every connected member once per round
+    assert table.next_probe_target(set()) is None
+    assert table.next_probe_target({"zz"}) is None  # not a member
+    table.on_accusation(Accusation(run=RUN, target="b", seq=1, accuser="x"), dead=True, now=1)
+    assert {table.next_probe_target({"b", "d"}) for _ in range(3)} == {"d"}  # the dead are not probed
+
+
 def test_table_bound(table):
     table.config.max_members = 2
     assert table.on_record(record("a", 1), 0) is Verdict.NEW

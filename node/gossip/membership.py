@@ -27,16 +27,20 @@ States::
     still circulating cannot resurrect them.
 
 Load model (messages and bytes per node per second, N members, D = 6 gossipsub degree,
-r = record envelope size, ~400 B; p = probe period; lambda = failures per node per second):
+r = record envelope size, ~400 B; g = gossipsub's per-message framing, 186 B (from, seqno,
+topic, signature, key); p = probe period; lambda = failures per node per second):
 
-    records     N / refresh_interval(N) msgs/s received, each arriving from <= D mesh peers:
+    records     N / refresh_interval(N) msgs/s received, each forwarded to D mesh peers and its
+                id (48 B) announced in IHAVE to D_lazy = 6 others on each of the 3 heartbeats of
+                the gossip window: D * (r + g) + 3 * 6 * 48 ~ 4.4 kB sent per record.
                 refresh_interval = clamp(N / record_rate, 30 s, 3600 s), record_rate = 0.5/s
-                -> received <= 0.5 msg/s (<= 0.5 * D * r ~ 1.2 kB/s) for 15 <= N <= 1800, and
+                -> received <= 0.5 msg/s (<= ~2.2 kB/s sent) for 15 <= N <= 1800, and
                 N/3600 beyond (2.8 msg/s at 10,000: the hour cap keeps tables from going stale).
     probes      1/p pings sent + ~1/p answered = 2 msgs/s at p = 1 s, ~100 B each: constant in N.
     indirect    3 ping-reqs per failed direct probe: only under loss or failure.
-    sync        one push-pull of N records every sync_interval = max(30 s, N * 1 s):
-                N * r / max(30, N) <= r B/s (~0.4 kB/s): constant in N.
+    sync        a node starts one push-pull every sync_interval = max(30 s, N * 1 s) and answers
+                one on average, sending all N records in each: 2 * N * r / max(30, N) <= 2r B/s
+                (~0.8 kB/s): constant in N. New connections are synced only while joining.
     churn       2 accusations per failure, seen by all: 2 * lambda * N msgs/s (SWIM piggybacks
                 the same information; it is inherent to everyone learning every failure).
 
@@ -223,19 +227,28 @@ class MemberTable:
                 del self.members[m.peer_id]
         return declare
 
-    def next_probe_target(self) -> str | None:
-        """Round-robin over a shuffled list of live members, reshuffled each round (SWIM 4.3)."""
-        while self._probe_order:
-            pid = self._probe_order.pop()
-            m = self.members.get(pid)
-            if m is not None and m.state in (MemberState.ALIVE, MemberState.SUSPECT):
-                return pid
-        live = [pid for pid, m in self.members.items() if m.state in (MemberState.ALIVE, MemberState.SUSPECT)]
-        if not live:
-            return None
-        self.rng.shuffle(live)
-        self._probe_order = live
-        return self._probe_order.pop()
+    def next_probe_target(self, eligible: set[str] | None = None) -> str | None:
+        """Round-robin over a shuffled list of live members, reshuffled each round (SWIM 4.3).
+
+        ``eligible`` (the members we hold a connection to) restricts the choice; see the service's
+        probe loop for why.
+        """
+        for _ in range(2):  # the rest of this round, then one fresh round
+            while self._probe_order:
+                pid = self._probe_order.pop()
+                m = self.members.get(pid)
+                if m is not None and m.state in (MemberState.ALIVE, MemberState.SUSPECT) and (
+                    eligible is None or pid in eligible
+                ):
+                    return pid
+            live = [pid for pid, m in self.members.items() if m.state in (MemberState.ALIVE, MemberState.SUSPECT)]
+            if eligible is not None:
+                live = [pid for pid in live if pid in eligible]
+            if not live:
+                return None
+            self.rng.shuffle(live)
+            self._probe_order = live
+        return None
 
     def indirect_helpers(self, target: str, connected: set[str], k: int) -> list[str]:
         """Up to k alive members (preferring ones we are connected to) to ping ``target`` for us."""
@@ -289,6 +302,12 @@ class MemberTable:
 
 RECORD_BYTES = 400  # a signed record envelope with two addresses (measured: ~330-420 B)
 PROBE_BYTES = 2 * (32 + 60)  # libp2p ping payload both ways plus Yamux/Noise framing, approx.
+# gossipsub's framing of one published message (py-libp2p's protobuf: from 38 B, seqno 8, topic,
+# signature 64, key 36, tags and length prefix), and of one message id in an IHAVE.
+GOSSIP_MSG_OVERHEAD = 186
+GOSSIP_ID_BYTES = 48
+GOSSIP_LAZY = 6  # peers sent IHAVE per heartbeat (gossipsub D_lazy)
+GOSSIP_WINDOW = 3  # heartbeats a message id is announced for
 
 
 def load_model(n: int, config: MembershipConfig, degree: int = 6, record_bytes: int = RECORD_BYTES) -> dict:
@@ -298,9 +317,10 @@ def load_model(n: int, config: MembershipConfig, degree: int = 6, record_bytes: 
     delivers each record to every node and each node forwards it to up to ``degree`` mesh peers.
     """
     records_in = n / config.refresh_interval(n)
+    per_record = degree * (record_bytes + GOSSIP_MSG_OVERHEAD) + GOSSIP_WINDOW * GOSSIP_LAZY * GOSSIP_ID_BYTES
     probes = 2.0 / config.probe_period  # one probe sent, one answered on average
-    sync_bytes = 2 * n * record_bytes / config.sync_interval(n)  # push and pull, half of them ours
-    bytes_sent = records_in * degree * record_bytes + probes / 2 * PROBE_BYTES + sync_bytes / 2
+    sync_bytes = 2 * n * record_bytes / config.sync_interval(n)  # one exchange started, one answered
+    bytes_sent = records_in * per_record + probes / 2 * PROBE_BYTES + sync_bytes
     return {"msgs_per_s": records_in + probes, "bytes_per_s": bytes_sent}
 
 

@@ -5,6 +5,17 @@ indirect ping-reqs over ``/swarm/probe/1.0.0``); tick the table (suspicion timeo
 refresh, periodic push-pull over ``/swarm/members/1.0.0``); run the connection manager and dial the
 bootstrap peers until one answers. On shutdown it publishes a signed goodbye.
 See membership.py for the protocol and its load model.
+
+Probing follows the connections. The round-robin probe picks among the members we hold a
+connection to, and a member whose connection drops without notice is probed at once (a redial,
+then indirect pings). Every live member keeps ``conn_low`` or more connections, so each is still
+probed about once per period in total, as in SWIM, and a killed one is probed by all its
+neighbours within a tick. Probing every member instead made a node in a swarm larger than
+``conn_high`` dial one member per period, and its connection manager prune another (often a
+gossipsub mesh peer) right after: at N = 50 on one machine that churn starved the CPU and broke
+the meshes, refutations got lost, and live members were declared dead faster than they could come
+back. A deliberate close is announced first (``Prune`` on the probe protocol), so that the pruned
+peer does not take it for a failure and redial.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ MAX_SYNC_FRAMES = 128  # 32k records: above MembershipConfig.max_members
 MAX_PROBE_REQS = 8  # ping-reqs we serve at once for others
 DIAL_TIMEOUT = 3.0
 TICK = 0.25
+PRUNE_MEMORY = 30.0  # seconds a deliberate close (ours or theirs) keeps a lost connection from looking like a failure
 
 
 @register
@@ -76,6 +88,14 @@ class PingRequest(Message):
     TYPE: ClassVar[str] = "member.ping-req"
     target: str = bounded(max_len=MAX_PEER_ID)
     addrs: list[str] = bounded(max_len=8)
+
+
+@register
+@dataclass(frozen=True)
+class Prune(Message):
+    """We are about to close our connection to you on purpose (the connection manager's choice)."""
+
+    TYPE: ClassVar[str] = "member.prune"
 
 
 @register
@@ -102,6 +122,9 @@ class Membership:
     changed: trio.Event = field(default_factory=trio.Event)
     last_published: float = -1e18
     sync: SyncPlanner = field(default_factory=SyncPlanner)
+    was_connected: set[str] = field(default_factory=set)  # connections at the last tick
+    pruned: dict[str, float] = field(default_factory=dict)  # peer -> when a deliberate close was announced
+    closes: dict[str, int] = field(default_factory=lambda: {"pruned": 0, "pruned_by_peer": 0, "lost": 0})
     conn: ConnectionManager | None = None
     health: LocalHealth = field(default_factory=LocalHealth)
 
@@ -142,6 +165,7 @@ class Membership:
             "counts": self.table.counts(),
             "members": self.table.rows(now),
             "connections": len(self.node.host.connected_peers()),
+            "closed": dict(self.closes),  # pruned by us / by the peer (announced), lost (probed at once)
             "local_health": self.health.score,
             "rejected": self.node.metrics.rejections(),
         }
@@ -295,6 +319,10 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                 async with probe_limit:
                     with trio.fail_after(cfg.indirect_timeout + DIAL_TIMEOUT + 2):
                         req = await read_message(stream, 4096)
+                        if isinstance(req, Prune):  # the peer is closing our connection on purpose
+                            svc.pruned[stream.muxed_conn.peer_id.to_base58()] = trio.current_time()
+                            svc.closes["pruned_by_peer"] += 1
+                            return
                         if not isinstance(req, PingRequest):
                             raise RemoteProtocolError("wrong-type", "expected ping-req")
                         ok = await ping_once(req.target, req.addrs, cfg.indirect_timeout)
@@ -319,32 +347,48 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
             except Exception:
                 results.append(False)
 
+        async def probe(target: str, scale: int) -> None:
+            """Direct ping (a dial if we hold no connection), then indirect pings, then suspicion."""
+            addrs = svc.addrs_of(target)
+            if await ping_once(target, addrs, cfg.probe_timeout * scale):
+                table.on_probe_ok(target, trio.current_time())
+                return
+            helpers = table.indirect_helpers(target, set(node.host.connected_peers()), cfg.indirect_probes)
+            results: list[bool] = []
+            async with trio.open_nursery() as n:
+                for h in helpers:
+                    n.start_soon(indirect, h, target, addrs, results, scale)
+            now = trio.current_time()
+            if any(results):
+                table.on_probe_ok(target, now)
+                return
+            acc = table.on_probe_failed(target, now)
+            if acc is not None:
+                log.info("suspect %s (no ack from %d helpers)", target[:16], len(helpers))
+                await publish(DOMAIN_SUSPECT, acc)
+
         async def probe_loop() -> None:
             while True:
                 before = trio.current_time()
                 await trio.sleep(cfg.probe_period)
                 svc.health.on_round(trio.current_time() - before - cfg.probe_period, cfg.probe_timeout / 2)
-                scale = svc.health.scale()
-                target = table.next_probe_target()
-                if target is None:
-                    continue
-                addrs = svc.addrs_of(target)
-                if await ping_once(target, addrs, cfg.probe_timeout * scale):
-                    table.on_probe_ok(target, trio.current_time())
-                    continue
-                helpers = table.indirect_helpers(target, set(node.host.connected_peers()), cfg.indirect_probes)
-                results: list[bool] = []
-                async with trio.open_nursery() as n:
-                    for h in helpers:
-                        n.start_soon(indirect, h, target, addrs, results, scale)
-                now = trio.current_time()
-                if any(results):
-                    table.on_probe_ok(target, now)
-                    continue
-                acc = table.on_probe_failed(target, now)
-                if acc is not None:
-                    log.info("suspect %s (no ack from %d helpers)", target[:16], len(helpers))
-                    await publish(DOMAIN_SUSPECT, acc)
+                # Only members we hold a connection to: no dial per probe (see the module docstring).
+                target = table.next_probe_target(set(node.host.connected_peers()))
+                if target is not None:
+                    await probe(target, svc.health.scale())
+
+        def lost_connections(connected: set[str], now: float) -> list[str]:
+            """Live members whose connection dropped since the last tick without a Prune notice."""
+            for p, at in list(svc.pruned.items()):
+                if now - at > PRUNE_MEMORY:
+                    del svc.pruned[p]
+            lost = [
+                p for p in svc.was_connected - connected
+                if p not in svc.pruned and table.state_of(p) in (MemberState.ALIVE, MemberState.SUSPECT)
+            ]
+            svc.was_connected = connected
+            svc.closes["lost"] += len(lost)
+            return lost
 
         async def tick_loop() -> None:
             while True:
@@ -361,6 +405,8 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                     members_gauge.labels(state=state).set(count)
                 connected = set(node.host.connected_peers())
                 node.metrics.connections.set(len(connected))
+                for p in lost_connections(connected, now):
+                    nursery.start_soon(probe, p, svc.health.scale())
                 # Full-table exchanges: with new connections while joining, then one random peer.
                 for p in svc.sync.plan(connected, now, cfg.sync_interval(table.size()), random):
                     nursery.start_soon(push_pull, p)
@@ -377,8 +423,23 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                 for p in plan.dial:
                     nursery.start_soon(dial_member, p)
                 for p in plan.prune:
-                    nursery.start_soon(node.host.disconnect, p)
+                    nursery.start_soon(prune, p)
                 await trio.sleep(2.0)
+
+        async def prune(peer: str) -> None:
+            """Close a connection on purpose, telling the peer first so it does not probe us for it."""
+            svc.pruned[peer] = trio.current_time()
+            svc.closes["pruned"] += 1
+            with trio.move_on_after(2):
+                try:
+                    stream = await node.host.open_stream(peer, PROBE_PROTOCOL)
+                    try:
+                        await write_frame(stream, Prune())
+                    finally:
+                        await _close(stream)
+                except Exception as e:  # it may be gone already; close anyway
+                    log.debug("prune notice to %s failed: %s", peer[:16], e)
+            await node.host.disconnect(peer)
 
         def protected() -> set[str]:
             return {_peer_of(a) for a in node.config.bootstrap} | set(node.run.trainers) | set(node.run.validators)
