@@ -8,9 +8,10 @@ Dissemination and failure detection are split, as in SWIM (Das, Gupta, Motivala,
   change, and are refreshed every ``refresh_interval(N)`` so that lost messages heal. Records carry
   a sequence number that only grows; an older or equal one changes nothing.
 * **Liveness** comes from probing, not from records: every ``probe_period`` a node pings one member
-  (round-robin over a shuffled list, SWIM 4.3), and on failure asks ``indirect_probes`` others to
-  ping it. Only when all fail does it *suspect* the member and publish a signed accusation naming
-  the record's sequence number. Every node that hears it marks the member SUSPECT; after
+  it holds a connection to (round-robin over a shuffled list, SWIM 4.3), and at once any member
+  whose connection dropped without notice; on failure it asks ``indirect_probes`` others to ping it.
+  Only when all fail does it *suspect* the member and publish a signed accusation naming the
+  record's sequence number. Every node that hears it marks the member SUSPECT; after
   ``suspicion_timeout(N)`` without a newer record the member is DEAD. A live member that hears an
   accusation about itself refutes it by publishing its record with a higher sequence number.
 * A clean shutdown publishes a signed goodbye (LEFT). A restarted peer with the same key comes back
