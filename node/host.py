@@ -274,6 +274,10 @@ class SwarmHost:
     async def open_stream(self, peer_id: str, protocol: str):
         return await self.host.new_stream(ID.from_base58(peer_id), [protocol])
 
+    def mesh_size(self, topic: str) -> int:
+        """Peers in our gossipsub mesh for ``topic`` (between degree_low and degree_high when healthy)."""
+        return len(self.gossipsub.mesh.get(topic, ()))
+
     def set_app_score(self, peer_id: str, score: float) -> None:
         """Feed our own view of a peer (bad pieces, forged records...) into gossipsub scoring."""
         self._app_scores[peer_id] = score

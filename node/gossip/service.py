@@ -165,6 +165,7 @@ class Membership:
             "counts": self.table.counts(),
             "members": self.table.rows(now),
             "connections": len(self.node.host.connected_peers()),
+            "mesh": self.node.host.mesh_size(self.node.topic("members")),  # gossipsub mesh peers on our topic
             "closed": dict(self.closes),  # pruned by us / by the peer (announced), lost (probed at once)
             "local_health": self.health.score,
             "rejected": self.node.metrics.rejections(),
