@@ -320,6 +320,8 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                 async with probe_limit:
                     with trio.fail_after(cfg.indirect_timeout + DIAL_TIMEOUT + 2):
                         req = await read_message(stream, 4096)
+                        if req is None:
+                            raise RemoteProtocolError("truncated", "closed before the request")
                         if isinstance(req, Prune):  # the peer is closing our connection on purpose
                             svc.pruned[stream.muxed_conn.peer_id.to_base58()] = trio.current_time()
                             svc.closes["pruned_by_peer"] += 1
@@ -389,6 +391,10 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
             ]
             svc.was_connected = connected
             svc.closes["lost"] += len(lost)
+            for p in lost:
+                # At most one probe per PRUNE_MEMORY for a peer that keeps dropping us: if its notices
+                # do not arrive, our redial and its next prune must not become a loop.
+                svc.pruned[p] = now
             return lost
 
         async def tick_loop() -> None:
@@ -436,6 +442,9 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                     stream = await node.host.open_stream(peer, PROBE_PROTOCOL)
                     try:
                         await write_frame(stream, Prune())
+                        # Wait for the peer to close its side, i.e. to have noted the prune: closing
+                        # the connection at once dropped the frame before its handler read it.
+                        await read_message(stream, 64)
                     finally:
                         await _close(stream)
                 except Exception as e:  # it may be gone already; close anyway
