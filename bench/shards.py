@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -203,6 +206,76 @@ class Namespaces:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
 
+class UploadSampler:
+    """Every host's upload as the kernel counted it, sampled every ``period`` seconds in a thread.
+
+    A host's upload leaves its namespace through the tbf on ``<ns>a`` and arrives on the bridge side
+    ``<ns>b``, whose rx_bytes we read from the root namespace: wire bytes (payload + Noise, yamux,
+    TCP/IP and Ethernet headers), nothing inside the nodes involved.
+    """
+
+    def __init__(self, nets: Namespaces, period: float = 0.05) -> None:
+        self.files = [Path(f"/sys/class/net/{ns}b/statistics/rx_bytes") for ns in nets.names]
+        self.period = period
+        self.samples: list[tuple[float, list[int]]] = []  # (wall time, bytes per host)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> list[int]:
+        return [int(f.read_text()) for f in self.files]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self._read()))
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> "UploadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def host(self, i: int, since: float) -> tuple[list[float], list[int]]:
+        """(times, bytes sent since ``since``) of host ``i``."""
+        base = next((b[i] for t, b in reversed(self.samples) if t <= since), self.samples[0][1][i])
+        pts = [(t, b[i] - base) for t, b in self.samples if t >= since]
+        return [t for t, _ in pts], [b for _, b in pts]
+
+
+def _first_time(ts: list[float], bs: list[int], level: float) -> float:
+    return next((t for t, b in zip(ts, bs) if b >= level), ts[-1])
+
+
+def _phases(sampler: UploadSampler, published: float, done_at: list[float], from_seed: int, size: int,
+            cap: float, n: int) -> dict:
+    """Where the distribution time went, from the seed's and the downloaders' upload counters."""
+    ts, bs = sampler.host(0, published)
+    total = bs[-1]
+    start = _first_time(ts, bs, 64 * 1024)  # the seed's first block is on the wire
+    stop = _first_time(ts, bs, total - 128 * 1024)  # its last (what follows is gossip and control)
+    last = max(done_at)
+    # Seed idle: 0.2 s windows (finer ones see the sampler's jitter) in which it sent under half its cap.
+    step = max(1, round(0.2 / sampler.period))
+    window = [(t, b) for t, b in zip(ts, bs) if start <= t <= stop][::step]
+    idle = sum(t1 - t0 for (t0, b0), (t1, b1) in itertools.pairwise(window) if (b1 - b0) < 0.5 * cap * (t1 - t0))
+    peers = []
+    for i in range(1, n + 1):
+        pt, pb = sampler.host(i, published)
+        end = next((b for t, b in zip(pt, pb) if t >= last), pb[-1])
+        peers.append(end / (cap * (last - start)))
+    return {
+        "startup": start - published,  # publish -> the seed's first block on the wire
+        "seed_sending": stop - start,  # the seed's first block -> its last
+        "seed_busy": (total - 128 * 1024) / (cap * max(stop - start, 1e-9)),  # of its cap, meanwhile
+        "seed_idle": idle,
+        "tail": last - stop,  # the seed's last block -> the last downloader complete
+        "wire_overhead": total / max(from_seed, 1),  # wire bytes per payload byte on the seed's link
+        "peer_upload_busy": sum(peers) / len(peers),  # downloaders, of their cap, first seed block -> end
+    }
+
+
 def _spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen:
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "node.shards.testing", *args]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
@@ -226,10 +299,10 @@ def _read_json(proc: subprocess.Popen, timeout: float) -> dict:
 
 
 def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 0,
-          timeout: float = 300.0) -> float | None:
+          timeout: float = 300.0, trace: Path | None = None) -> float | None:
     """Distribution time to ``n`` downloaders (plus ``relays`` relay hosts); prints the ratio to T_min."""
     print(f"== swarm: seeder + {relays} relays + {n} downloaders in network namespaces, {size_mib} MiB, "
-          f"upload {mbit} Mbit/s each, pieces {piece_kib or 1024} KiB")
+          f"upload {mbit} Mbit/s each, pieces {f'{piece_kib} KiB' if piece_kib else 'automatic'}")
     if os.geteuid() != 0:
         print("  skipped: needs root (ip netns, tc)")
         return None
@@ -254,22 +327,26 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
                            tmp / f"d{i}.err")
                 procs.append(p)
                 addrs.append(_read_json(p, 60)["addr"])
-            seeder = _spawn(nets.names[0], ["--data-dir", str(tmp / "seed"), "--seed", trainer_seed, "--role", "trainer",
-                                            "--listen", f"/ip4/{nets.ip(0)}/tcp/4001", "--publish", str(src),
-                                            "--publish-delay", "3", *common, "--connect", *addrs], tmp / "seed.err")
-            procs.append(seeder)
-            _read_json(seeder, 60)  # hello
-            published = _read_json(seeder, 60)["published_at"]
-            done = []
-            from_seed = 0
-            seed_id = Identity.from_seed(bytes.fromhex(trainer_seed)).peer_id
-            for p in procs[:n]:
-                while True:
-                    msg = _read_json(p, timeout)
-                    if "complete" in msg:
-                        done.append(msg["at"] - published)
-                        from_seed += sum(b for k, b in msg["receipts"].items() if k.startswith(seed_id))
-                        break
+            with UploadSampler(nets) as sampler:
+                seeder = _spawn(nets.names[0], ["--data-dir", str(tmp / "seed"), "--seed", trainer_seed,
+                                                "--role", "trainer", "--listen", f"/ip4/{nets.ip(0)}/tcp/4001",
+                                                "--publish", str(src), "--publish-delay", "3", *common,
+                                                "--connect", *addrs], tmp / "seed.err")
+                procs.append(seeder)
+                _read_json(seeder, 60)  # hello
+                published = _read_json(seeder, 60)["published_at"]
+                done, reports = [], []
+                from_seed = 0  # payload bytes the seeder sent (downloaders and relays)
+                seed_id = Identity.from_seed(bytes.fromhex(trainer_seed)).peer_id
+                for k, p in enumerate(procs[: n + relays]):
+                    while True:
+                        msg = _read_json(p, timeout)
+                        if "complete" in msg:
+                            if k < n:
+                                done.append(msg["at"] - published)
+                                reports.append(msg)
+                            from_seed += sum(b for key, b in msg["receipts"].items() if key.startswith(seed_id))
+                            break
             for i in range(1, n + 1):
                 assert same_files(src, tmp / f"d{i}" / "checkpoints" / "1"), f"d{i} differs"
             _stop(procs)  # before the namespaces go away
@@ -278,13 +355,38 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
         return None
     finally:
         _stop(procs)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if os.environ.get("BENCH_KEEP"):
+            print(f"  kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     t = max(done)
+    cap = mbit * 1e6 / 8  # tbf's rate, in wire bytes per second
+    ph = _phases(sampler, published, [published + x for x in done], from_seed, size, cap, n + relays)
+
+    def rel(key: str) -> list[float]:
+        return sorted(round(r["timeline"][key] - published, 1) for r in reports if r["timeline"].get(key) is not None)
+
+    print(f"  manifest fetched at (s after publish): {rel('download_at')}")
+    print(f"  first piece verified at (s): {rel('first_piece_at')}")
     print(f"  completion times (s): {sorted(round(x, 1) for x in done)}")
-    print(f"  the seeder sent the downloaders {from_seed / size:.2f} x the checkpoint directly (1.00 = each piece once)")
+    print(f"  seed upload: first block on the wire {ph['startup']:.2f} s after publishing, last {ph['seed_sending']:.1f} s "
+          f"later, busy {ph['seed_busy']:.0%} of its cap meanwhile ({ph['seed_idle']:.1f} s below half); "
+          f"{ph['wire_overhead']:.2f} wire bytes per payload byte credited (headers, control, duplicates)")
+    shares = sorted(sum(b for key, b in r["receipts"].items() if key.startswith(seed_id)) / size * 100 for r in reports)
+    print(f"  pieces each downloader got from the seed (% of F): {[round(x) for x in shares]}; their uploads busy "
+          f"{ph['peer_upload_busy']:.0%} of their caps (first seed block -> last completion)")
+    print(f"  tail: last completion {ph['tail']:.1f} s after the seed's last block")
+    print(f"  the seeder sent {from_seed / size:.2f} x the checkpoint directly (1.00 = each piece once)")
     print(f"  Kumar-Ross T_min = max(F/u_s, N*F/(u_s + sum u_i)) = {t_min:.1f} s")
     print(f"  distribution time: {t:.1f} s")
     print(f"  ratio (distribution time / T_min): {t / t_min:.2f}")
+    if trace is not None:
+        trace.write_text(json.dumps({
+            "n": n, "relays": relays, "size": size, "mbit": mbit, "published": published, "t_min": t_min,
+            "done": done, "phases": ph, "reports": reports, "period": sampler.period,
+            "uploads": [[round(t - published, 3), b] for t, b in sampler.samples],
+        }))
+        print(f"  trace written to {trace}")
     return t
 
 
@@ -379,6 +481,8 @@ def shardcast(n: int, size_mib: int, mbit: float, venv: Path, timeout: float = 2
 
 
 def main() -> None:
+    # timeout(1) and Ctrl-C: unwind, so that the children are killed and the namespaces removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["calibrate", "overhead", "swarm", "shardcast", "all"], nargs="?", default="all")
     ap.add_argument("--size-mib", type=int, default=0, help="checkpoint size (default 256 overhead, 32 swarm and shardcast)")
@@ -388,13 +492,14 @@ def main() -> None:
     ap.add_argument("--shardcast-venv", type=Path, default=Path("/tmp/shardcast-venv"),
                     help="virtualenv with shardcast installed (benchmark only)")
     ap.add_argument("--piece-kib", type=int, default=0, help="piece size for the swarm benchmark (default: automatic)")
+    ap.add_argument("--trace", type=Path, help="swarm: write per-piece times and every host's upload samples (JSON) here")
     args = ap.parse_args()
     if args.what in ("calibrate", "all"):
         calibrate()
     if args.what in ("overhead", "all"):
         overhead(args.size_mib or 256, args.seeders)
     if args.what in ("swarm", "all"):
-        swarm(args.n, args.size_mib or 32, args.mbit, args.piece_kib)
+        swarm(args.n, args.size_mib or 32, args.mbit, args.piece_kib, trace=args.trace)
     if args.what in ("shardcast", "all"):
         theirs = shardcast(args.n, args.size_mib or 32, args.mbit, args.shardcast_venv)
         if theirs is not None:

@@ -205,9 +205,9 @@ def test_super_seeder_sends_each_piece_once_two_at_a_time() -> None:
         t += 0.1
         new = s.on_have(peer, piece, t)
         assert s.outstanding() <= 2
-        # The next piece goes to a downloader with nothing in transit, holding fewest pieces.
+        # The next piece goes to a downloader with nothing in transit from us.
         for p, _ in new:
-            assert not s.peers[p].revealed - {x for q, x in new if q == p}
+            assert not s.revealed_to(p) - {x for q, x in new if q == p}
         shown += new
     assert s.sent == [1] * 12  # every piece went out exactly once; the rest is peer to peer
     assert s.reveal(t + 100.0) == []  # everything is held by someone: nothing to re-send
@@ -242,3 +242,43 @@ def test_a_banned_peers_delivered_blocks_are_fetched_again() -> None:
     p.on_misbehaved("liar", 0.2, "test")
     p.on_bitfield("honest", {0, 1, 2})
     assert p.poll(0.3).requests == [Request("honest", r.piece, 0, B)]  # the liar's block is asked again
+
+
+def test_super_seeder_frees_a_slot_when_a_piece_is_written_not_when_it_is_reported() -> None:
+    s = SuperSeeder(10, in_transit=2, max_unreported=4, rng=random.Random(3))
+    shown = [x for p in "abcdef" for x in s.on_bitfield(p, set(), 0.0)]
+    assert len(shown) == 2 and s.writing() == 2
+    # Our last byte of the first piece is in its recipient's stream: the next piece goes out now,
+    # to a downloader with nothing in transit from us, while the first is still draining.
+    (peer, piece) = shown[0]
+    new = s.on_sent(peer, piece, 0.1)
+    assert len(new) == 1 and new[0][0] not in {p for p, _ in shown}
+    assert s.writing() == 2 and s.outstanding() == 3
+    shown += new
+    k = 1
+    while k < len(shown):  # every other piece written too
+        shown += s.on_sent(*shown[k], 0.2)
+        k += 1
+    # Written but unreported pieces are bounded too: deep send buffers cannot fan the seed out.
+    assert s.outstanding() == 4 and s.writing() == 0 and len(shown) == 4
+    assert s.on_sent(peer, piece, 0.3) == []  # a second report of the same piece changes nothing
+    more = s.on_have(peer, piece, 0.4)
+    assert len(more) == 1 and s.outstanding() == 4
+
+
+def test_super_seeder_gives_the_next_piece_to_the_downloader_with_least_forwarding_left() -> None:
+    s = SuperSeeder(8, in_transit=1, max_unreported=1, rng=random.Random(6))
+    ((_, x),) = s.on_bitfield("a", set(), 0.0)
+    assert s.on_bitfield("b", set(), 0.0) == [] and s.on_bitfield("c", set(), 0.0) == []
+    # a got x from us and nobody else has it: a owes 2 uploads, b and c owe nothing.
+    ((q, y),) = s.on_have("a", x, 1.0)
+    assert q != "a" and s.backlog("a") == 2
+    ((r, z),) = s.on_have(q, y, 2.0)
+    assert r not in ("a", q)
+    # Everyone owes 2 now. Once b and c have a's piece, a owes nothing: the next piece is a's,
+    # although it holds no fewer pieces than the others.
+    s.on_have("b", x, 3.0)
+    s.on_have("c", x, 3.0)
+    assert s.backlog("a") == 0
+    ((nxt, _),) = s.on_have(r, z, 4.0)
+    assert nxt == "a"

@@ -83,6 +83,15 @@ RETRY_PEER_AFTER = 5.0  # seconds before a peer that refused a session is asked 
 # An unresponsive peer is asked again after RETRY_PEER_AFTER, doubled at each drop up to ban_seconds:
 # a silent liar costs a few timeouts per back-off, a peer that was only starved is not lost for good.
 MANIFEST_RETRY = 2.0
+# Super-seeding (superseed.py), in bytes so that it holds for any piece size: what may be revealed
+# and not yet written (at least 2 pieces), and what may be written and not yet reported (have)
+# besides (at least 2 pieces). Measured in bench/shards.py swarm (N=8, 10 Mbit/s, 128 KiB pieces):
+# from a reveal to our last byte of that piece took 0.3-0.7 s (the reveal and the request each wait
+# behind ~0.1 s of queue on a busy link), from our last byte to the have 0.21 s (median) and up to
+# 0.63 s (~0.8 MB at 10 Mbit/s). With room for only 2 pieces in each, the seed's link was busy 85 %
+# of the time with 64 KiB pieces and 95 % with 128 KiB pieces; with these budgets 97 %.
+SUPER_SEED_WRITING_BYTES = 512 << 10
+SUPER_SEED_REPORT_BYTES = 1 << 20
 SOURCE = "shards"  # metrics label for rejections
 
 
@@ -120,6 +129,7 @@ class _ServerSession:
         self.wakeup = trio.Event()
         self.seeder = svc.superseeders.get(vs.signed.root)
         self.shown: set[int] = set()  # pieces advertised to this peer (super-seeding)
+        self.written: dict[int, dict[int, int]] = {}  # super-seeding: piece -> {offset: length} written
         self.bitfield_sent = False
 
     def visible(self) -> set[int]:
@@ -167,6 +177,7 @@ class _ServerSession:
                     pass  # already sent: the cancel raced the data
             elif isinstance(msg, Have):
                 if self.seeder is not None and msg.piece < self.vs.manifest.num_pieces:
+                    log.debug("shards: %s has piece %d", self.peer[-8:], msg.piece)
                     reveals = self.seeder.on_have(self.peer, msg.piece, trio.current_time())
                     self.svc.route_reveals(self.vs.signed.root, reveals)
             else:
@@ -180,6 +191,17 @@ class _ServerSession:
             self.shown.add(piece)
             if self.bitfield_sent:  # else it goes out in the bitfield
                 await write_frame(self.stream, Have(piece=piece))
+
+    def _note_written(self, data: Data) -> None:
+        """Super-seeding: once every byte of a revealed piece is written, the next may be revealed."""
+        if self.seeder is None or data.piece not in self.shown:
+            return
+        blocks = self.written.setdefault(data.piece, {})
+        blocks[data.offset] = len(data.data)
+        if sum(blocks.values()) >= self.vs.manifest.piece_length(data.piece):
+            del self.written[data.piece]
+            log.debug("shards: wrote piece %d to %s", data.piece, self.peer[-8:])
+            self.svc.route_reveals(self.vs.signed.root, self.seeder.on_sent(self.peer, data.piece, trio.current_time()))
 
     async def _reveal_stalled(self) -> None:
         """Super-seeding: pieces stuck at a slow first recipient are shown again after a while."""
@@ -215,6 +237,7 @@ class _ServerSession:
                 await _send(self.stream, self.lock, reply)
             if isinstance(reply, Data):
                 svc.m_served.inc(len(reply.data))
+                self._note_written(reply)
 
     def reply_to(self, req: Request) -> Message | None:
         """The answer to one request (tests subclass this to play a lying or silent peer)."""
@@ -274,6 +297,9 @@ class Download:
         self.done = trio.Event()
         self.refetched_pieces = 0
         self.started = trio.current_time()
+        # piece -> (time it verified, the peer that supplied most of it): how the pieces spread
+        # (bench/shards.py prints first/last piece times from it). Bounded by the piece count.
+        self.verified_at: dict[int, tuple[float, str]] = {}
 
     @property
     def root(self) -> bytes:
@@ -401,6 +427,7 @@ class Download:
         contributors = self.picker.contributors(piece)
         blocks = {o: digest(b) for o, b in parts.items()} if self.picker.has_suspects(piece) or len(contributors) > 1 else None
         if self.vs.put_piece(piece, data):
+            self.verified_at[piece] = (now, max(contributors, key=contributors.get, default=""))
             self._apply(self.picker.on_piece_verified(piece, now, blocks))
             for peer, nbytes in contributors.items():
                 self.svc.credit(peer, self.root, nbytes)
@@ -543,7 +570,11 @@ class ShardsService:
         """Take a folder matching a trainer's manifest (e.g. copied out of band) and serve it."""
         vs = await trio.to_thread.run_sync(self.store.import_folder, Path(folder), signed)
         if super_seed:
-            self.superseeders[signed.root] = SuperSeeder(signed.manifest.num_pieces, rng=self.rng)
+            size = signed.manifest.piece_size
+            writing = max(2, -(-SUPER_SEED_WRITING_BYTES // size))
+            self.superseeders[signed.root] = SuperSeeder(
+                signed.manifest.num_pieces, in_transit=writing, rng=self.rng,
+                max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // size)))
         self._serve(vs)
         self.announced.setdefault(signed.version, (signed.root, signed.signer))
         self._version_complete(vs)
@@ -602,6 +633,7 @@ class ShardsService:
     def route_reveals(self, root: bytes, reveals: list[tuple[str, int]]) -> None:
         """Send super-seeding reveals to the sessions of the peers they are for."""
         for peer, piece in reveals:
+            log.debug("shards: reveal piece %d to %s", piece, peer[-8:])
             for sess in self.server_sessions.get(root, ()):
                 if sess.peer == peer:
                     self._nursery.start_soon(_quietly, sess.reveal, piece)

@@ -1,22 +1,47 @@
 """Super-seeding: the origin hands out pieces one at a time so it uploads each piece about once.
 
 Why: when the seed's upload is the bottleneck, Kumar & Ross's bound T_min = F/u_s (IEEE HotWeb
-2006) is reachable only if the seed sends every byte once and the downloaders pass everything on
-at once. Plain rarest-first lets two downloaders fetch the same piece from the seed before either
-has advertised it. BitTorrent's super-seeding (BEP 16; measured 1.40x T_min flat in N with
-libtorrent, against 1.7-2.1x without) instead advertises to each downloader only pieces the swarm
-lacks, a few at a time, and more when it reports (have) that it finished one.
+2006) is reachable only if the seed sends every byte once, never idles, and the downloaders pass
+everything on at once. Plain rarest-first lets two downloaders fetch the same piece from the seed
+before either has advertised it. BitTorrent's super-seeding (BEP 16; measured 1.40x T_min flat in N
+with libtorrent, against 1.7-2.1x without) instead advertises to each downloader only pieces the
+swarm lacks, a few at a time, and more when it reports (have) that it finished one.
 
-Two rules here, both measured with 8 downloaders behind 10 Mbit/s upload caps (bench/shards.py):
+How this works
+--------------
+One (downloader, piece) reveal goes SHOWN (advertised; we have not written all its bytes yet) ->
+SENT (every byte written to the downloader's stream: it is draining through buffers and the link)
+-> HELD (the downloader reported it with ``have``). The server reports the middle step
+(``on_sent``).
+
+Rules, each measured with 8 downloaders behind 10 Mbit/s upload caps (bench/shards.py swarm):
 
 * A piece is shown to a second downloader only when its first recipient left, or sat on it for
   ``stall_seconds`` without reporting it. Showing "least-sent first" instead made the seed upload
   1.47x the checkpoint.
-* At most ``in_transit`` pieces are out of the seed at once, over all downloaders. Showing two
-  pieces to each of 8 downloaders made the seed split its upload 16 ways, so the first piece
-  finished — and could be passed on — only after ~16 piece-times; with 2 in transit, a piece is
-  complete and tradable every half a piece-time from the start. The next piece goes to the
-  downloader that holds the fewest pieces (its upload is the most idle), ties at random.
+* At most ``in_transit`` pieces are SHOWN at once, over all downloaders. Showing two pieces to each
+  of 8 downloaders made the seed split its upload 16 ways, so the first piece finished — and could
+  be passed on — only after ~16 piece-times; with 2 in transit, a piece is complete and tradable
+  every half a piece-time from the start.
+* The next piece goes to a downloader with nothing in transit from us, then to the one with the
+  least forwarding left (:meth:`SuperSeeder.backlog`: copies of what we gave it that others still
+  lack), ties at random. Choosing "holding the fewest pieces" instead gave the 8 downloaders 3 to
+  19 % of the pieces (32 of 1 MiB): each 19 % one owed 6 x 7 piece uploads, 34 s at its cap, more
+  than T_min (26.8 s), and everyone waited for its pieces: 1.50x T_min; 1.38x with this rule (and
+  the budget below), same pieces.
+* The budget frees when a piece is SENT, not when it is HELD, and both budgets are sized in bytes
+  by the server (``SUPER_SEED_*_BYTES`` in service.py, with the measurements): from a reveal to our
+  last byte of the piece took 0.3-0.7 s (the reveal and the request each wait behind queues on busy
+  links), from our last byte to the ``have`` 0.2-0.6 s. Had the budget freed only on ``have``, it
+  would need that many more pieces in transit to keep the link busy; what we have written and the
+  link has not yet carried covers the round trip instead. ``max_unreported`` bounds SHOWN + SENT,
+  so deep send buffers cannot turn this into many pieces sharing the link.
+
+Not done: once every piece has gone out, the seed idles while the last pieces spread from their
+single holders. Showing everything to everyone at that point (the seed turning ordinary seed) did
+not help in one pair of runs on a loaded machine: 35.2 s without, 37.6 s with it, 1 MiB pieces,
+N=8 (each downloader queued blocks at the seed, whose upload they then shared eight ways); with
+the automatic 128 KiB pieces (manifest.py) that tail is ~1 s.
 
 Pure: the server feeds it what each downloader holds, with the time, and is told which pieces to
 reveal to whom, as ``(peer, piece)`` pairs.
@@ -31,17 +56,31 @@ from dataclasses import dataclass, field
 @dataclass
 class _Downloader:
     holds: set[int] = field(default_factory=set)
-    revealed: set[int] = field(default_factory=set)  # revealed and not yet held
+    shown: set[int] = field(default_factory=set)  # revealed, not all bytes written yet
+    sent: set[int] = field(default_factory=set)  # revealed, every byte written, not reported yet
+    from_us: set[int] = field(default_factory=set)  # reported after we revealed it: it got it from us
+
+    @property
+    def unreported(self) -> set[int]:
+        return self.shown | self.sent
 
 
 class SuperSeeder:
     """Decides which pieces the origin advertises to which downloader."""
 
     def __init__(
-        self, num_pieces: int, in_transit: int = 2, stall_seconds: float = 15.0, rng: random.Random | None = None
+        self,
+        num_pieces: int,
+        in_transit: int = 2,
+        stall_seconds: float = 15.0,
+        rng: random.Random | None = None,
+        max_unreported: int = 4,
     ) -> None:
+        if in_transit < 1 or max_unreported < in_transit:
+            raise ValueError("need 1 <= in_transit <= max_unreported")
         self.num_pieces = num_pieces
-        self.in_transit = in_transit  # pieces revealed and not yet held, over all downloaders
+        self.in_transit = in_transit  # pieces SHOWN (bytes still to write), over all downloaders
+        self.max_unreported = max_unreported  # pieces SHOWN or SENT, over all downloaders
         self.stall_seconds = stall_seconds
         self.rng = rng or random.Random()
         self.sent = [0] * num_pieces  # times revealed (≈ times uploaded by us)
@@ -49,12 +88,17 @@ class SuperSeeder:
         self.held = [0] * num_pieces  # downloaders known to hold it
         self.peers: dict[str, _Downloader] = {}
 
+    def _live(self, pieces: set[int], now: float | None) -> int:
+        return sum(1 for i in pieces if now is None or now - self.last_sent[i] < self.stall_seconds)
+
     def outstanding(self, now: float | None = None) -> int:
-        """Pieces in transit from us; with ``now``, stalled ones (see ``stall_seconds``) not counted."""
-        return sum(
-            1 for d in self.peers.values() for i in d.revealed
-            if now is None or now - self.last_sent[i] < self.stall_seconds
-        )
+        """Pieces revealed and not reported, over all downloaders; with ``now``, stalled ones (see
+        ``stall_seconds``) not counted."""
+        return sum(self._live(d.unreported, now) for d in self.peers.values())
+
+    def writing(self, now: float | None = None) -> int:
+        """Pieces SHOWN whose bytes we have not all written yet (stalled ones not counted)."""
+        return sum(self._live(d.shown, now) for d in self.peers.values())
 
     def on_bitfield(self, peer: str, pieces: set[int], now: float) -> list[tuple[str, int]]:
         """A downloader connected and told us what it holds."""
@@ -65,6 +109,15 @@ class SuperSeeder:
                 self.held[i] += 1
         return self.reveal(now)
 
+    def on_sent(self, peer: str, piece: int, now: float) -> list[tuple[str, int]]:
+        """We wrote the last byte of a revealed piece to ``peer``'s stream."""
+        d = self.peers.get(peer)
+        if d is None or piece not in d.shown:
+            return []
+        d.shown.discard(piece)
+        d.sent.add(piece)
+        return self.reveal(now)
+
     def on_have(self, peer: str, piece: int, now: float) -> list[tuple[str, int]]:
         """A downloader finished a piece (from us or from anyone)."""
         d = self.peers.get(peer)
@@ -73,7 +126,10 @@ class SuperSeeder:
         if piece not in d.holds:
             d.holds.add(piece)
             self.held[piece] += 1
-        d.revealed.discard(piece)
+        if piece in d.unreported:
+            d.from_us.add(piece)
+        d.shown.discard(piece)
+        d.sent.discard(piece)
         return self.reveal(now)
 
     def on_peer_gone(self, peer: str, now: float) -> list[tuple[str, int]]:
@@ -82,23 +138,30 @@ class SuperSeeder:
             return []
         for i in d.holds:
             self.held[i] -= 1
-        for i in d.revealed:
-            self.sent[i] -= 1  # never delivered: someone else gets it
+        for i in d.unreported:
+            self.sent[i] -= 1  # never delivered (as far as we know): someone else gets it
         return self.reveal(now)
+
+    def backlog(self, peer: str) -> int:
+        """Copies of the pieces we gave ``peer`` that other downloaders still lack: roughly the
+        upload work queued at it (a piece in transit from us counts as owed to everyone)."""
+        d = self.peers[peer]
+        others = len(self.peers) - 1
+        return sum(others - (self.held[i] - 1) for i in d.from_us if i in d.holds) + others * len(d.unreported)
 
     def revealed_to(self, peer: str) -> set[int]:
         d = self.peers.get(peer)
-        return set() if d is None else set(d.revealed)
+        return set() if d is None else d.unreported
 
     def reveal(self, now: float) -> list[tuple[str, int]]:
         """Fill the in-transit budget: (peer, piece) pairs to advertise now."""
         out: list[tuple[str, int]] = []
-        while self.outstanding(now) < self.in_transit:
+        while self.writing(now) < self.in_transit and self.outstanding(now) < self.max_unreported:
             pick = self._next(now)
             if pick is None:
                 break
             peer, piece = pick
-            self.peers[peer].revealed.add(piece)
+            self.peers[peer].shown.add(piece)
             self.sent[piece] += 1
             self.last_sent[piece] = now
             out.append(pick)
@@ -113,12 +176,12 @@ class SuperSeeder:
         pieces = fresh or sorted(stuck, key=lambda i: (self.sent[i], self.last_sent[i]))[:1]
         if not pieces:
             return None
-        # Downloaders with nothing in transit from us first, then those holding fewest pieces.
-        idle = [p for p, d in self.peers.items() if not d.revealed]
-        candidates = idle or list(self.peers)
-        for peer in sorted(candidates, key=lambda p: (len(self.peers[p].holds), self.rng.random())):
+        # Downloaders with nothing in transit from us first, then those with the least
+        # forwarding left to do (see backlog), ties at random.
+        for peer in sorted(self.peers, key=lambda p: (
+                bool(self.peers[p].unreported), self.backlog(p), self.rng.random())):
             d = self.peers[peer]
-            options = [i for i in pieces if i not in d.holds and i not in d.revealed]
+            options = [i for i in pieces if i not in d.holds and i not in d.unreported]
             if options:
                 return peer, self.rng.choice(options)
         return None

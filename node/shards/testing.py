@@ -117,9 +117,27 @@ async def _child(args) -> None:
             print(json.dumps({"published_at": time.time()}), flush=True)
             await svc.publish(Path(args.publish), args.version)
         start = trio.current_time()
-        await svc.wait_version(args.version)
+        wall = time.time() - start  # trio time -> wall clock, to compare with other processes
+        downloads = []
+
+        async def watch() -> None:  # the Download object, once the manifest is in
+            while (dl := svc.downloads.get(args.version)) is None:
+                await trio.sleep(0.01)
+            downloads.append(dl)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            await svc.wait_version(args.version)
+            nursery.cancel_scope.cancel()
+        timeline = {}
+        if downloads:
+            dl = downloads[0]
+            pieces = sorted((t + wall, i, p[-8:]) for i, (t, p) in dl.verified_at.items())
+            timeline = {"download_at": dl.started + wall, "first_piece_at": pieces[0][0] if pieces else None,
+                        "last_piece_at": pieces[-1][0] if pieces else None, "pieces": pieces}
         print(json.dumps({"complete": args.version, "seconds": trio.current_time() - start, "at": time.time(),
-                          "receipts": {f"{p}:{r[:8]}": n for (p, r), n in svc.receipts().items()}}), flush=True)
+                          "receipts": {f"{p}:{r[:8]}": n for (p, r), n in svc.receipts().items()},
+                          "timeline": timeline}), flush=True)
         await trio.sleep_forever()
 
 
@@ -142,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shards", default="", help="JSON of [shards] settings")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("node.shards").setLevel(logging.INFO)  # drops and back-offs: what a failed test needs
+    # Drops and back-offs: what a failed test needs; SHARDS_DEBUG=1 adds every super-seeding reveal.
+    logging.getLogger("node.shards").setLevel(logging.DEBUG if os.environ.get("SHARDS_DEBUG") else logging.INFO)
     try:
         trio.run(_child, args)
     except KeyboardInterrupt:
