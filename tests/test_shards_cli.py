@@ -34,7 +34,7 @@ def test_publish_then_list(setup, capsys) -> None:
     rc = run("publish", str(ckpt), "--version", "4", "--run", str(run_file), "--data-dir", str(data),
              "--listen", "/ip4/127.0.0.1/tcp/0", "--seed-for", "0.2", "--log-level", "warning")
     out = capsys.readouterr().out
-    assert rc == 0 and "published version 4: 3 pieces of 1048576 bytes" in out
+    assert rc == 0 and "published version 4: 24 pieces of 131072 bytes" in out  # small: 128 KiB pieces
     assert run("checkpoints", "--run", str(run_file), "--data-dir", str(data)) == 0
     assert f"v4\tcomplete\t{data / 'checkpoints' / '4'}" in capsys.readouterr().out
 

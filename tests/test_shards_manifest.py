@@ -13,6 +13,7 @@ from node.identity import Identity
 from node.shards.manifest import (
     DEFAULT_PIECE_SIZE,
     MAX_PIECES,
+    MIN_AUTO_PIECE_SIZE,
     FolderError,
     build_manifest,
     choose_piece_size,
@@ -48,8 +49,13 @@ def test_pieces_cover_the_concatenated_files(folder: Path) -> None:
     assert sum(n for _, _, n in m.spans(60 * KiB, 200 * KiB)) == 200 * KiB
 
 
-def test_piece_size_grows_only_for_huge_checkpoints() -> None:
-    assert choose_piece_size(64 << 20) == DEFAULT_PIECE_SIZE
+def test_piece_size_grows_only_for_huge_checkpoints_and_shrinks_for_small_ones() -> None:
+    assert choose_piece_size(256 << 20) == DEFAULT_PIECE_SIZE  # 256 pieces: enough to pipeline
+    assert choose_piece_size(64 << 20) == 256 << 10  # halved until there are 256 pieces
+    assert choose_piece_size(32 << 20) == MIN_AUTO_PIECE_SIZE
+    assert choose_piece_size(1 << 20) == MIN_AUTO_PIECE_SIZE  # but never below 128 KiB
+    assert choose_piece_size(0) == MIN_AUTO_PIECE_SIZE
+    assert choose_piece_size(1 << 20, configured=1 << 20) == 1 << 20
     assert choose_piece_size(MAX_PIECES * DEFAULT_PIECE_SIZE) == DEFAULT_PIECE_SIZE
     assert choose_piece_size(MAX_PIECES * DEFAULT_PIECE_SIZE + 1) == 2 * DEFAULT_PIECE_SIZE
 

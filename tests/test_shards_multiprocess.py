@@ -110,7 +110,8 @@ def test_seven_processes_kill_seeder_and_resume_downloader(tmp_path: Path) -> No
             children.append(group[-1])
         # The seeder comes last, dials everyone, and publishes once gossip meshes have formed.
         seeder = Child("seeder", tmp_path, "trainer", [c.addr for c in children], publish=src,
-                       shards={"upload_rate": 4 * MiB}, seed=TRAINER_SEED, extra=["--publish-delay", "2"])
+                       shards={"upload_rate": 4 * MiB, "piece_size": MiB}, seed=TRAINER_SEED,
+                       extra=["--publish-delay", "2"])
         children.append(seeder)
         others = relays + downloaders
         # Each phase has its own budget, so a slow phase on a loaded CI machine does not eat the

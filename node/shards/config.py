@@ -12,8 +12,9 @@ FETCH_POLICIES = ("auto", "all", "newest", "none")
 
 @dataclass
 class ShardsConfig:
-    # Piece size in bytes for manifests this node publishes; 0 = automatic (1 MiB, doubled until a
-    # checkpoint has at most MAX_PIECES pieces). See node/shards/manifest.py for the measurements.
+    # Piece size in bytes for manifests this node publishes; 0 = automatic (1 MiB, halved down to
+    # 128 KiB while a checkpoint has fewer than 256 pieces, doubled until it has at most MAX_PIECES).
+    # See node/shards/manifest.py for the measurements.
     piece_size: int = 0
     # Bytes asked for by one request (a block). 256 KiB: see node/shards/manifest.py.
     block_size: int = 256 * 1024
