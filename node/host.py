@@ -145,6 +145,22 @@ class StreamBytes:
         cls._installed = True
 
 
+def disable_auto_connect(host) -> None:
+    """Leave dialing to our connection manager (node/gossip/connections.py).
+
+    py-libp2p's swarm runs its own auto-connector, which dials peers from the peerstore until it has
+    about 200 connections (the midpoint of its 100/300 watermarks), periodically and after every
+    disconnect. Above our ``conn_high`` the two fought: we pruned, it redialled at once. At N = 50
+    on one machine that churn (each dial a Noise handshake, identify and gossipsub set-up) kept the
+    CPU saturated and the swarm never converged.
+    """
+
+    async def no_dial() -> None:
+        return None
+
+    host.get_network().auto_connector.maybe_connect = no_dial
+
+
 class HandlerErrors:
     """Counts of stream handlers that failed, by protocol and exception type (for metrics/status)."""
 
@@ -314,6 +330,7 @@ async def open_swarm_host(
         muxer_preference="YAMUX",
         listen_addrs=addrs,
     )
+    disable_auto_connect(host)
     handler_errors = HandlerErrors()
     guard_handlers(host, handler_errors)
     app_scores: dict[str, float] = {}

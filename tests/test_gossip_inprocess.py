@@ -126,3 +126,14 @@ async def test_pruned_connections_are_announced_and_nobody_is_suspected(tmp_path
         assert sees_all(nodes)
         assert all(len(n.host.connected_peers()) <= 3 + 1 for n in nodes[1:])
         assert all(s.status()["mesh"] >= 1 for s in svcs)  # gossip still has a mesh to travel on  # bounded (+1: a dial in flight)
+
+
+async def test_py_libp2p_does_not_dial_on_its_own(tmp_path):
+    """Our connection manager is the only dialer: py-libp2p's auto-connector is switched off."""
+    async with open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as a, \
+            open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as b:
+        network = a.host.get_network()
+        a.host.get_peerstore().add_addrs(b.host.get_id(), b.host.get_addrs(), 3600)
+        await network.auto_connector.maybe_connect()
+        await trio.sleep(0.5)
+        assert a.connected_peers() == []
