@@ -56,6 +56,7 @@ SCRIPT = textwrap.dedent("""
         fsdp._FOLLOWER_CONFIGS = (cfg, tcfg)
         fsdp.follow()
     fsdp.leave()
+    fsdp.exit_now(0)
 """)
 
 
