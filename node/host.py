@@ -93,19 +93,27 @@ class TcpBytes:
             return
         from libp2p.io.trio import TrioTCPStream
 
-        write, read = TrioTCPStream.write, TrioTCPStream.read
+        def count(stream, direction: str, n: int) -> None:
+            setattr(cls, direction, getattr(cls, direction) + n)
 
-        async def counted_write(self, data: bytes) -> None:
-            await write(self, data)
-            cls.sent += len(data)
-
-        async def counted_read(self, n: int | None = None) -> bytes:
-            data = await read(self, n)
-            cls.received += len(data)
-            return data
-
-        TrioTCPStream.write, TrioTCPStream.read = counted_write, counted_read
+        _count_io(TrioTCPStream, count)
         cls._installed = True
+
+
+def _count_io(stream_cls, count) -> None:
+    """Wrap ``stream_cls.write`` and ``.read`` so each call reports ``count(stream, "sent"|"received", n)``."""
+    write, read = stream_cls.write, stream_cls.read
+
+    async def counted_write(self, data: bytes) -> None:
+        await write(self, data)
+        count(self, "sent", len(data))
+
+    async def counted_read(self, n: int | None = None) -> bytes:
+        data = await read(self, n)
+        count(self, "received", len(data))
+        return data
+
+    stream_cls.write, stream_cls.read = counted_write, counted_read
 
 
 class StreamBytes:
@@ -125,23 +133,12 @@ class StreamBytes:
             return
         from libp2p.network.stream.net_stream import NetStream
 
-        write, read = NetStream.write, NetStream.read
+        def count(stream, direction: str, n: int) -> None:
+            by_protocol = getattr(cls, direction)
+            key = str(stream.get_protocol() or "negotiating")
+            by_protocol[key] = by_protocol.get(key, 0) + n
 
-        def protocol(stream) -> str:
-            return str(stream.get_protocol() or "negotiating")
-
-        async def counted_write(self, data: bytes) -> None:
-            await write(self, data)
-            key = protocol(self)
-            cls.sent[key] = cls.sent.get(key, 0) + len(data)
-
-        async def counted_read(self, n: int | None = None) -> bytes:
-            data = await read(self, n)
-            key = protocol(self)
-            cls.received[key] = cls.received.get(key, 0) + len(data)
-            return data
-
-        NetStream.write, NetStream.read = counted_write, counted_read
+        _count_io(NetStream, count)
         cls._installed = True
 
 
