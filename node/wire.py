@@ -69,6 +69,11 @@ class RemoteProtocolError(Exception):
         self.detail = detail
 
 
+# Reasons that mean the stream broke (reset, or EOF in the middle of a frame), which is what a
+# peer that crashes, is killed or loses its connection leaves behind: never counted against it.
+TRANSPORT_FAILURES = frozenset({"stream-error", "truncated"})
+
+
 class LocalProtocolError(Exception):
     """We tried to send something that breaks our own schema: a bug in this node."""
 

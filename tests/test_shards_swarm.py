@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import trio
@@ -9,6 +10,7 @@ import trio
 from node.identity import Identity
 from node.shards.protocol import Data
 from node.shards.service import ShardsService, _ServerSession
+from node.wire import encode
 from node.shards.testing import open_shards_swarm, same_files, write_checkpoint
 
 MiB = 1 << 20
@@ -74,6 +76,18 @@ class Silent(_ServerSession):
         return None  # accepts requests, never answers
 
 
+class DiesMidFrame(_ServerSession):
+    async def _serve_queue(self):
+        """Answers the first request with half a frame and closes: a peer killed mid-send."""
+        while not self.queue:
+            self.wakeup = trio.Event()
+            await self.wakeup.wait()
+        req = self.queue.popleft()
+        body = encode(Data(piece=req.piece, offset=req.offset, data=self.vs.read_block(req.piece, req.offset, req.length)))
+        await self.stream.write(struct.pack(">I", len(body)) + body[: len(body) // 2])
+        await self.stream.close()
+
+
 def liar(session_class):
     return type(f"Liar{session_class.__name__}", (ShardsService,), {"server_session_class": session_class})
 
@@ -135,6 +149,26 @@ async def test_silent_peer_is_dropped_and_download_completes(tmp_path: Path) -> 
             assert not svc.is_banned(silent.peer_id, trio.current_time())
             assert d.metrics.rejections().get("shards/unresponsive", 0) >= 1
             assert silent.peer_id not in {peer for peer, _ in svc.receipts()}
+
+
+async def test_peer_that_dies_mid_frame_is_not_banned(tmp_path: Path) -> None:
+    # CI: a downloader killed mid-send was banned for 10 minutes by everyone it was serving, so
+    # after its restart (same key) nobody fetched the pieces only it held.
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    src = write_checkpoint(tmp_path / "ckpt", 2 * MiB, seed=4)
+    with trio.fail_after(60):
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", upload_rate=1 * MiB, **SMALL)
+            dies = await swarm.add(tmp_path / "x", trainers=tr, fetch="none", service_class=liar(DiesMidFrame), **SMALL)
+            signed = await t.services["shards"].publish(src, 1)
+            await dies.services["shards"].seed(src, signed)
+            d = await swarm.add(tmp_path / "d", trainers=tr, **SMALL)
+            await connect_all([t, dies, d])
+            svc = d.services["shards"]
+            assert same_files(src, await svc.wait_version(1))
+            assert d.metrics.rejections().get("shards/truncated", 0) >= 1
+            assert not svc.is_banned(dies.peer_id, trio.current_time())
 
 
 async def test_relay_serves_pieces_while_still_downloading(tmp_path: Path) -> None:

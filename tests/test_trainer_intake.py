@@ -157,6 +157,12 @@ def test_strikes_outside_the_window_do_not_add_up():
     assert strikes.banned("p", 16.9) and not strikes.banned("p", 17.0)
 
 
+def test_a_worker_that_dies_mid_upload_earns_no_strike():
+    strikes = Strikes(limit=1, window=10.0, ban_seconds=5.0)
+    assert not strikes.strike("p", "truncated", 0.0) and not strikes.strike("p", "stream-error", 0.0)
+    assert not strikes.banned("p", 0.0)
+
+
 def test_flat_batches_are_consumed_and_do_not_fill_the_queue(trainer):
     flat = [["x"] * 4, ["y"] * 4]  # every completion of a group scores the same
     for step in range(3):

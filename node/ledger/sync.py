@@ -41,6 +41,7 @@ from libp2p.exceptions import BaseLibp2pError
 
 from .. import hashes
 from ..wire import (
+    TRANSPORT_FAILURES,
     LocalProtocolError,
     Message,
     RemoteProtocolError,
@@ -83,8 +84,6 @@ STREAM_OPEN_TIMEOUT = 5.0
 SYNC_PENALTY = -20.0  # app score step for a peer that sends invalid entries over sync
 # Reasons that are the sending peer's fault on a sync stream (as opposed to, e.g., our clock).
 _SENDER_FAULTS = {"wrong-run", "unauthorized", "bad-link", "unrequested"}
-# Stream failures (reset, closed, EOF mid-frame) happen when connections drop: not a bad peer.
-_TRANSPORT_FAILURES = {"stream-error", "truncated"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,7 +474,7 @@ class LedgerService:
                     del self.last_sync[next(iter(self.last_sync))]
             except RemoteProtocolError as e:
                 self.syncs["failed"] += 1
-                if e.reason in _TRANSPORT_FAILURES:
+                if e.reason in TRANSPORT_FAILURES:
                     log.debug("ledger: sync with %s broke off: %s", peer, e)
                 else:
                     self._reject(PROTOCOL, e.reason)
@@ -577,7 +576,7 @@ class LedgerService:
                         break
                     await write_frame(stream, self._answer(msg))
         except RemoteProtocolError as e:
-            if e.reason not in _TRANSPORT_FAILURES:
+            if e.reason not in TRANSPORT_FAILURES:
                 self._reject(PROTOCOL, e.reason)
                 self._penalize(peer, e.reason)
             await _reset(stream)

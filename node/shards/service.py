@@ -39,6 +39,7 @@ from ..wire import (
     LocalProtocolError,
     Message,
     RemoteProtocolError,
+    TRANSPORT_FAILURES,
     decode,
     encode,
     read_frame,
@@ -372,7 +373,9 @@ class Download:
         except* RemoteProtocolError as group:
             e = group.exceptions[0]
             svc.node.metrics.reject(SOURCE, e.reason)
-            if e.reason != "stream-error":  # a reset is a peer leaving, not misbehaving
+            # A peer killed mid-frame leaves a truncated stream: it left, it did not misbehave (a
+            # ban here outlives it and shuts out its restart, which may hold the only copies).
+            if e.reason not in TRANSPORT_FAILURES:
                 self._apply(self.picker.on_misbehaved(peer, trio.current_time(), e.reason))
         except* Exception as group:  # connection lost, timeouts
             log.debug("shards: session with %s ended: %r", peer[-8:], group.exceptions[0])

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..rollouts.schema import RolloutBatch
+from ..wire import TRANSPORT_FAILURES
 
 TEMPERATURE_TOLERANCE = 1e-6
 
@@ -93,8 +94,8 @@ def intake_reason(
 NOT_ATTRIBUTABLE = frozenset({"duplicate", "busy"})
 
 
-# Refusals that are no fault of the sender: lag, replays, our own load.
-NOT_STRIKES = frozenset({"stale", "future", "duplicate", "busy", "banned"})
+# Refusals that are no fault of the sender: lag, replays, our own load, a worker that died mid-upload.
+NOT_STRIKES = frozenset({"stale", "future", "duplicate", "busy", "banned"}) | TRANSPORT_FAILURES
 MAX_TRACKED_PEERS = 4096  # peers whose strikes we remember (oldest forgotten first)
 
 
