@@ -31,10 +31,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import multiaddr
+import trio
 from libp2p import new_host
 from libp2p.crypto.ed25519 import Ed25519PrivateKey as Libp2pEd25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.exceptions import BaseLibp2pError
 from libp2p.host.ping import PingService
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
@@ -52,6 +54,14 @@ log = logging.getLogger(__name__)
 GOSSIPSUB_PROTOCOLS = ["/meshsub/1.1.0", "/meshsub/1.0.0"]
 # Our own gossip payloads are capped well below py-libp2p's 1 MiB RPC cap.
 MAX_GOSSIP = 64 * 1024
+
+# Opening a stream on a connection to a peer that has since restarted with the same key can hang
+# in py-libp2p; a bound keeps every caller (a shards session, a sync round) from waiting forever
+# with that peer reserved. Generous: it may include a dial and a relay hop.
+OPEN_STREAM_TIMEOUT = 10.0
+
+# What opening or using a stream raises when the other side is gone, unreachable or too slow.
+STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError)
 
 StreamHandler = Callable[[object], Awaitable[None]]
 
@@ -284,8 +294,10 @@ class SwarmHost:
     def set_handler(self, protocol: str, handler: StreamHandler) -> None:
         self.host.set_stream_handler(protocol, handler)
 
-    async def open_stream(self, peer_id: str, protocol: str):
-        return await self.host.new_stream(ID.from_base58(peer_id), [protocol])
+    async def open_stream(self, peer_id: str, protocol: str, timeout: float = OPEN_STREAM_TIMEOUT):
+        """A new stream to ``peer_id``; trio.TooSlowError after ``timeout`` seconds."""
+        with trio.fail_after(timeout):
+            return await self.host.new_stream(ID.from_base58(peer_id), [protocol])
 
     def mesh_size(self, topic: str) -> int:
         """Peers in our gossipsub mesh for ``topic`` (between degree_low and degree_high when healthy)."""

@@ -491,11 +491,11 @@ class LedgerService:
         return self._request_id
 
     async def _call_sync(self, peer: str, total: IngestReport) -> None:
-        with trio.move_on_after(STREAM_OPEN_TIMEOUT) as scope:
-            stream = await self.node.host.open_stream(peer, PROTOCOL)
-        if scope.cancelled_caught:
+        try:
+            stream = await self.node.host.open_stream(peer, PROTOCOL, timeout=STREAM_OPEN_TIMEOUT)
+        except trio.TooSlowError:
             self.syncs["open-timeout"] += 1
-            raise trio.BrokenResourceError(f"no stream to {peer} within {STREAM_OPEN_TIMEOUT} s")
+            raise trio.BrokenResourceError(f"no stream to {peer} within {STREAM_OPEN_TIMEOUT} s") from None
         try:
             await write_frame(stream, SyncHello(heads=tuple(self.ledger.heads()[:MAX_AUTHORS])))
             hello = await _expect(stream, SyncHello)

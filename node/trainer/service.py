@@ -31,9 +31,9 @@ from collections import Counter
 from pathlib import Path
 
 import trio
-from libp2p.exceptions import BaseLibp2pError
 
 from ..hashes import digest
+from ..host import STREAM_ERRORS
 from ..ledger.sync import LedgerError
 from ..rl.config import GRPOConfig
 from ..rl.grpo import TrainSample
@@ -73,8 +73,6 @@ LEDGER_CHUNK = 32  # ledger entries written per wake-up
 GATE_TICK = 1.0  # seconds between gate passes when nothing happens
 STATUS_STEPS = 200  # reward-curve points in status (longer runs are averaged into this many buckets)
 ZERO_ID = bytes(32)
-# What a libp2p stream or dial raises when the other side is gone or misbehaves.
-STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 class Trainer:

@@ -32,9 +32,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import trio
-from libp2p.exceptions import BaseLibp2pError
 
 from ..hashes import digest
+from ..host import STREAM_ERRORS
 from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
 from ..ledger.sync import LedgerError
@@ -85,8 +85,6 @@ BEHIND_FRACTION = 0.8  # queue fill at which status says "behind"
 LEDGER_STEP_MAX = 2**32  # the ledger's verdict body bounds the step
 FUTURE_GRACE = 5.0  # seconds to wait for the announcement of a version newer than any we know
 POLL_INTERVAL = 0.25  # seconds between looks at the known versions while waiting
-# What a broken, reset or unreachable peer stream raises (the remote's or the network's doing).
-STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 @dataclass
