@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
@@ -128,23 +129,30 @@ async def test_liars_are_banned_and_download_is_correct(tmp_path: Path) -> None:
             assert rejected.get("shards/bad-piece", 0) >= 1 and rejected.get("shards/wrong-length", 0) == 1
 
 
-async def test_silent_peer_is_dropped_and_download_completes(tmp_path: Path) -> None:
+@asynccontextmanager
+async def download_beside(tmp_path: Path, session_class, size: int, seed: int, **cfg):
+    """A downloader fetching from the trainer (capped at 1 MiB/s) and a seed playing ``session_class``.
+
+    Returns the downloader's node and the odd peer once the download is complete and checked."""
     trainer = Identity.generate()
     tr = [trainer.peer_id]
+    src = write_checkpoint(tmp_path / "ckpt", size, seed=seed)
+    async with open_shards_swarm() as swarm:
+        t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", upload_rate=1 * MiB, **cfg)
+        odd = await swarm.add(tmp_path / "odd", trainers=tr, fetch="none", service_class=liar(session_class), **cfg)
+        signed = await t.services["shards"].publish(src, 1)
+        await odd.services["shards"].seed(src, signed)
+        d = await swarm.add(tmp_path / "d", trainers=tr, **cfg)
+        await connect_all([t, odd, d])
+        assert same_files(src, await d.services["shards"].wait_version(1))
+        yield d, odd
+
+
+async def test_silent_peer_is_dropped_and_download_completes(tmp_path: Path) -> None:
     # 8 MiB at 1 MiB/s from the only honest peer: ~8 s, well past the 3 timeouts of 1 s that drop.
-    src = write_checkpoint(tmp_path / "ckpt", 8 * MiB, seed=3)
-    slow = dict(SMALL, request_timeout=1.0)
     with trio.fail_after(90):
-        async with open_shards_swarm() as swarm:
-            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", upload_rate=1 * MiB, **slow)
-            silent = await swarm.add(tmp_path / "s", trainers=tr, fetch="none", service_class=liar(Silent), **slow)
-            signed = await t.services["shards"].publish(src, 1)
-            await silent.services["shards"].seed(src, signed)
-            d = await swarm.add(tmp_path / "d", trainers=tr, **slow)
-            await connect_all([t, silent, d])
+        async with download_beside(tmp_path, Silent, 8 * MiB, 3, **dict(SMALL, request_timeout=1.0)) as (d, silent):
             svc = d.services["shards"]
-            path = await svc.wait_version(1)
-            assert same_files(src, path)
             # Dropped and backed off from, never banned: it may only have been starved of CPU.
             assert not svc.is_banned(silent.peer_id, trio.current_time())
             assert d.metrics.rejections().get("shards/unresponsive", 0) >= 1
@@ -154,21 +162,10 @@ async def test_silent_peer_is_dropped_and_download_completes(tmp_path: Path) -> 
 async def test_peer_that_dies_mid_frame_is_not_banned(tmp_path: Path) -> None:
     # CI: a downloader killed mid-send was banned for 10 minutes by everyone it was serving, so
     # after its restart (same key) nobody fetched the pieces only it held.
-    trainer = Identity.generate()
-    tr = [trainer.peer_id]
-    src = write_checkpoint(tmp_path / "ckpt", 2 * MiB, seed=4)
     with trio.fail_after(60):
-        async with open_shards_swarm() as swarm:
-            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", upload_rate=1 * MiB, **SMALL)
-            dies = await swarm.add(tmp_path / "x", trainers=tr, fetch="none", service_class=liar(DiesMidFrame), **SMALL)
-            signed = await t.services["shards"].publish(src, 1)
-            await dies.services["shards"].seed(src, signed)
-            d = await swarm.add(tmp_path / "d", trainers=tr, **SMALL)
-            await connect_all([t, dies, d])
-            svc = d.services["shards"]
-            assert same_files(src, await svc.wait_version(1))
+        async with download_beside(tmp_path, DiesMidFrame, 2 * MiB, 4, **SMALL) as (d, dies):
             assert d.metrics.rejections().get("shards/truncated", 0) >= 1
-            assert not svc.is_banned(dies.peer_id, trio.current_time())
+            assert not d.services["shards"].is_banned(dies.peer_id, trio.current_time())
 
 
 async def test_relay_serves_pieces_while_still_downloading(tmp_path: Path) -> None:
