@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import trio
@@ -276,6 +277,22 @@ def _phases(sampler: UploadSampler, published: float, done_at: list[float], from
     }
 
 
+@contextmanager
+def _scratch(prefix: str):
+    """A temporary folder and a list for child processes; at the end the children are killed and
+    the folder removed (kept, and its path printed, when BENCH_KEEP is set)."""
+    procs: list[subprocess.Popen] = []
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield tmp, procs
+    finally:
+        _stop(procs)
+        if os.environ.get("BENCH_KEEP"):
+            print(f"  kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen:
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "node.shards.testing", *args]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
@@ -310,55 +327,48 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
     u = mbit * 1e6 / 8  # bytes/s
     t_min = max(size / u, n * size / (u + (n + relays) * u))  # no download cap: F/d_min = 0
     trainer_seed = "22" * 32
-    procs: list[subprocess.Popen] = []
-    tmp = Path(tempfile.mkdtemp(prefix="bench-shards-ns-"))
-    try:
-        with Namespaces(n + relays + 1, mbit) as nets:
-            src = write_checkpoint(tmp / "src", size, seed=3)
-            settings = {"announce_interval": 1.0, "progress": False}
-            if piece_kib:
-                settings.update(piece_size=piece_kib * 1024, block_size=min(256, piece_kib) * 1024)
-            common = ["--trainer-seed", trainer_seed, "--shards", json.dumps(settings)]
-            addrs = []
-            for i in range(1, n + relays + 1):  # downloaders first, each dialing the ones before it
-                role = "relay" if i > n else "inference"
-                p = _spawn(nets.names[i], ["--data-dir", str(tmp / f"d{i}"), "--role", role,
-                                           "--listen", f"/ip4/{nets.ip(i)}/tcp/4001", *common, "--connect", *addrs],
-                           tmp / f"d{i}.err")
-                procs.append(p)
-                addrs.append(_read_json(p, 60)["addr"])
-            with UploadSampler(nets) as sampler:
-                seeder = _spawn(nets.names[0], ["--data-dir", str(tmp / "seed"), "--seed", trainer_seed,
-                                                "--role", "trainer", "--listen", f"/ip4/{nets.ip(0)}/tcp/4001",
-                                                "--publish", str(src), "--publish-delay", "3", *common,
-                                                "--connect", *addrs], tmp / "seed.err")
-                procs.append(seeder)
-                _read_json(seeder, 60)  # hello
-                published = _read_json(seeder, 60)["published_at"]
-                done, reports = [], []
-                from_seed = 0  # payload bytes the seeder sent (downloaders and relays)
-                seed_id = Identity.from_seed(bytes.fromhex(trainer_seed)).peer_id
-                for k, p in enumerate(procs[: n + relays]):
-                    while True:
-                        msg = _read_json(p, timeout)
-                        if "complete" in msg:
-                            if k < n:
-                                done.append(msg["at"] - published)
-                                reports.append(msg)
-                            from_seed += sum(b for key, b in msg["receipts"].items() if key.startswith(seed_id))
-                            break
-            for i in range(1, n + 1):
-                assert same_files(src, tmp / f"d{i}" / "checkpoints" / "1"), f"d{i} differs"
-            _stop(procs)  # before the namespaces go away
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        print(f"  skipped: could not set up namespaces ({e})")
-        return None
-    finally:
-        _stop(procs)
-        if os.environ.get("BENCH_KEEP"):
-            print(f"  kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+    with _scratch("bench-shards-ns-") as (tmp, procs):
+        try:
+            with Namespaces(n + relays + 1, mbit) as nets:
+                src = write_checkpoint(tmp / "src", size, seed=3)
+                settings = {"announce_interval": 1.0, "progress": False}
+                if piece_kib:
+                    settings.update(piece_size=piece_kib * 1024, block_size=min(256, piece_kib) * 1024)
+                common = ["--trainer-seed", trainer_seed, "--shards", json.dumps(settings)]
+                addrs = []
+                for i in range(1, n + relays + 1):  # downloaders first, each dialing the ones before it
+                    role = "relay" if i > n else "inference"
+                    p = _spawn(nets.names[i], ["--data-dir", str(tmp / f"d{i}"), "--role", role,
+                                               "--listen", f"/ip4/{nets.ip(i)}/tcp/4001", *common, "--connect", *addrs],
+                               tmp / f"d{i}.err")
+                    procs.append(p)
+                    addrs.append(_read_json(p, 60)["addr"])
+                with UploadSampler(nets) as sampler:
+                    seeder = _spawn(nets.names[0], ["--data-dir", str(tmp / "seed"), "--seed", trainer_seed,
+                                                    "--role", "trainer", "--listen", f"/ip4/{nets.ip(0)}/tcp/4001",
+                                                    "--publish", str(src), "--publish-delay", "3", *common,
+                                                    "--connect", *addrs], tmp / "seed.err")
+                    procs.append(seeder)
+                    _read_json(seeder, 60)  # hello
+                    published = _read_json(seeder, 60)["published_at"]
+                    done, reports = [], []
+                    from_seed = 0  # payload bytes the seeder sent (downloaders and relays)
+                    seed_id = Identity.from_seed(bytes.fromhex(trainer_seed)).peer_id
+                    for k, p in enumerate(procs[: n + relays]):
+                        while True:
+                            msg = _read_json(p, timeout)
+                            if "complete" in msg:
+                                if k < n:
+                                    done.append(msg["at"] - published)
+                                    reports.append(msg)
+                                from_seed += sum(b for key, b in msg["receipts"].items() if key.startswith(seed_id))
+                                break
+                for i in range(1, n + 1):
+                    assert same_files(src, tmp / f"d{i}" / "checkpoints" / "1"), f"d{i} differs"
+                _stop(procs)  # before the namespaces go away
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
+            print(f"  skipped: could not set up namespaces ({e})")
+            return None
     t = max(done)
     cap = mbit * 1e6 / 8  # tbf's rate, in wire bytes per second
     ph = _phases(sampler, published, [published + x for x in done], from_seed, size, cap, n + relays)
@@ -424,56 +434,49 @@ def shardcast(n: int, size_mib: int, mbit: float, venv: Path, timeout: float = 2
         print(f"  skipped: no shardcast in {venv} (python -m venv {venv} && {venv}/bin/pip install shardcast)")
         return None
     size = size_mib * MiB
-    procs: list[subprocess.Popen] = []
-    tmp = Path(tempfile.mkdtemp(prefix="bench-shardcast-"))
     env = dict(os.environ, SHARDCAST_LOG_LEVEL="WARNING")
-    try:
-        with Namespaces(n + 3, mbit, prefix="scb") as nets:
-            src = write_checkpoint(tmp / "src", size, seed=3, files=2)
-            blob = tmp / "model.bin"
-            with open(blob, "wb") as out:
-                for f in sorted(src.iterdir()):
-                    out.write(f.read_bytes())
+    with _scratch("bench-shardcast-") as (tmp, procs):
+        try:
+            with Namespaces(n + 3, mbit, prefix="scb") as nets:
+                src = write_checkpoint(tmp / "src", size, seed=3, files=2)
+                blob = tmp / "model.bin"
+                with open(blob, "wb") as out:
+                    for f in sorted(src.iterdir()):
+                        out.write(f.read_bytes())
 
-            def spawn(i: int, *argv: str) -> subprocess.Popen:
-                p = subprocess.Popen(["ip", "netns", "exec", nets.names[i], str(py), *argv], cwd=tmp, env=env,
-                                     stdout=subprocess.PIPE, stderr=open(tmp / f"h{i}.err", "w"), text=True)
-                procs.append(p)
-                return p
+                def spawn(i: int, *argv: str) -> subprocess.Popen:
+                    p = subprocess.Popen(["ip", "netns", "exec", nets.names[i], str(py), *argv], cwd=tmp, env=env,
+                                         stdout=subprocess.PIPE, stderr=open(tmp / f"h{i}.err", "w"), text=True)
+                    procs.append(p)
+                    return p
 
-            for d in ("origin", "m1", "m2"):  # the bandwidth probe every shardcast client fetches first
-                (tmp / d).mkdir()
-                (tmp / d / "data1.bin").write_bytes(os.urandom(64 * 1024))
-            origin = spawn(0, "-c", SHARDCAST_ORIGIN, str(tmp / "origin"), str(blob), str(max(size // 4, 1)),
-                           str(4 + n * 0.5))
-            assert origin.stdout.readline().strip() == "ready"
-            for i in (1, 2):
-                spawn(i, "-m", "shardcast.middle_node", "--upstream", f"http://{nets.ip(0)}:8000",
-                      "--data-dir", str(tmp / f"m{i}"), "--port", "8000", "--check-interval", "1", "--log-level", "WARNING")
-            relays = f"http://{nets.ip(1)}:8000,http://{nets.ip(2)}:8000"
-            clients = [spawn(3 + k, "-c", SHARDCAST_CLIENT, relays, str(tmp / f"c{k}")) for k in range(n)]
-            start = float(origin.stdout.readline())
-            done = []
-            for c in clients:
-                left = start + timeout - time.time()
-                ready, _, _ = select.select([c.stdout], [], [], max(left, 0))
-                if not ready:
-                    print(f"  shardcast: {len(done)} of {n} clients done after {timeout:.0f} s; stopped (see its logs:"
-                          " its single-threaded http.server and 30 s wget timeouts under contention)")
-                    return float("inf")
-                done.append(float(c.stdout.readline()) - start)
-            for k in range(n):
-                assert (tmp / f"c{k}" / "model.bin").read_bytes() == blob.read_bytes(), f"client {k} differs"
-            _stop(procs)
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        print(f"  skipped: could not set up namespaces ({e})")
-        return None
-    finally:
-        _stop(procs)
-        if os.environ.get("BENCH_KEEP"):
-            print(f"  kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+                for d in ("origin", "m1", "m2"):  # the bandwidth probe every shardcast client fetches first
+                    (tmp / d).mkdir()
+                    (tmp / d / "data1.bin").write_bytes(os.urandom(64 * 1024))
+                origin = spawn(0, "-c", SHARDCAST_ORIGIN, str(tmp / "origin"), str(blob), str(max(size // 4, 1)),
+                               str(4 + n * 0.5))
+                assert origin.stdout.readline().strip() == "ready"
+                for i in (1, 2):
+                    spawn(i, "-m", "shardcast.middle_node", "--upstream", f"http://{nets.ip(0)}:8000",
+                          "--data-dir", str(tmp / f"m{i}"), "--port", "8000", "--check-interval", "1", "--log-level", "WARNING")
+                relays = f"http://{nets.ip(1)}:8000,http://{nets.ip(2)}:8000"
+                clients = [spawn(3 + k, "-c", SHARDCAST_CLIENT, relays, str(tmp / f"c{k}")) for k in range(n)]
+                start = float(origin.stdout.readline())
+                done = []
+                for c in clients:
+                    left = start + timeout - time.time()
+                    ready, _, _ = select.select([c.stdout], [], [], max(left, 0))
+                    if not ready:
+                        print(f"  shardcast: {len(done)} of {n} clients done after {timeout:.0f} s; stopped (see its logs:"
+                              " its single-threaded http.server and 30 s wget timeouts under contention)")
+                        return float("inf")
+                    done.append(float(c.stdout.readline()) - start)
+                for k in range(n):
+                    assert (tmp / f"c{k}" / "model.bin").read_bytes() == blob.read_bytes(), f"client {k} differs"
+                _stop(procs)
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
+            print(f"  skipped: could not set up namespaces ({e})")
+            return None
     t = max(done)
     print(f"  shardcast completion times (s): {sorted(round(x, 1) for x in done)}")
     print(f"  shardcast distribution time: {t:.1f} s")
