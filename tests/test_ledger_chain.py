@@ -14,7 +14,12 @@ from node.ledger.chain import Evidence, Head, Ledger, Outcome
 from node.ledger.entries import (
     DOMAIN,
     GENESIS,
+    MAX_BODY,
     MAX_ENTRY,
+    MAX_REASON,
+    MAX_RECEIPT_ITEMS,
+    MAX_SEQ,
+    MAX_VERDICT_REASONS,
     CheckpointPublished,
     Entry,
     Penalty,
@@ -142,6 +147,24 @@ def test_oversized_entry_and_body_rejected():
     with pytest.raises(RemoteProtocolError) as e:
         parse_entry(raw)
     assert e.value.reason == "oversized"
+
+
+def test_the_largest_bodies_fit_in_an_entry():
+    # CI: an inference node that had fetched 64 versions crashed flushing a receipts entry of 9,240
+    # bytes: the item bound allowed more than MAX_BODY holds. Every bound at its maximum must fit.
+    peer = OTHER.peer_id  # bodies take Ed25519 peer ids only: all 52 characters
+    receipts = Receipts(items=tuple(ReceiptItem(peer=peer, manifest_id=bytes([i]) * 32, nbytes=2**50, pieces=2**32)
+                                    for i in range(MAX_RECEIPT_ITEMS)))
+    verdict = Verdict(worker=peer, step=2**32, batch_hash=bytes(32), ok=False,
+                      reasons=tuple("r" * MAX_REASON for _ in range(MAX_VERDICT_REASONS)))
+    for body in (receipts, verdict):
+        assert len(encode(body)) <= MAX_BODY, body.TYPE
+    author = Identity.from_seed(b"A" * 32)
+    entry = make_entry(author, "r" * 64, MAX_SEQ, GENESIS, MAX_SEQ, Receipts(items=receipts.items))
+    assert parse_entry(entry.raw).body == receipts
+    widest = Entry(run="r" * 64, author=author.peer_id, seq=MAX_SEQ, prev=GENESIS, time_ms=MAX_SEQ,
+                   kind="k" * 32, body=b"b" * MAX_BODY)
+    assert len(encode(seal(author, DOMAIN, widest))) <= MAX_ENTRY
 
 
 def test_non_canonical_encoding_rejected():

@@ -60,7 +60,7 @@ MAX_BODY = 6 * 1024  # the body inside it (the rest is envelope and entry header
 MAX_SEQ = 2**53  # also JSON-safe
 MAX_PEER_ID = 64  # an Ed25519 peer id is 52 characters
 MAX_REASON = 64  # one machine-readable reason code
-MAX_RECEIPT_ITEMS = 64  # (peer, manifest) pairs per receipt entry
+MAX_RECEIPT_ITEMS = 32  # (peer, manifest) pairs per receipt entry: at most ~150 B each, inside MAX_BODY
 MAX_VERDICT_REASONS = 16
 PEER_ID_CACHE = 4096  # peer ids whose base58 form is cached
 
