@@ -84,7 +84,22 @@ def render_status(status: dict, console: Console | None = None) -> None:
         console.print("rejected: " + ", ".join(f"{k}={v}" for k, v in sorted(rejected.items())))
     for peer, ban in sorted((status.get("ledger", {}).get("bans") or {}).items()):
         console.print(f"[red]banned[/red] {peer[:20]}…  {ban['seconds_left']}s left  {ban['reason']}  (by {ban['by'][:20]}…)")
+    margins = (status.get("validator") or {}).get("proof_margins")
+    if margins and margins.get("worst_passing"):
+        console.print(_margins_line(margins))
     for name, value in status.items():
         if name in ("membership", "peer_id", "role", "run", "uptime_s", "time", "addrs", "stopped"):
             continue
         console.print(f"[bold]{name}[/bold]: {json.dumps(value)[:400]}")
+
+
+def _margins_line(margins: dict) -> str:
+    """How close accepted proofs came to the run's thresholds, and tighter ones once enough were seen."""
+    worst, limit = margins["worst_passing"], margins["thresholds"]
+    line = f"proofs: {margins['rollouts']} accepted rollouts, worst / threshold: " + ", ".join(
+        f"{key.removeprefix('max_')} {worst[key]} / {limit[key]}" for key in limit
+    )
+    rec = margins.get("recommended")
+    if rec and rec != limit:
+        line += "\n  [yellow]recommended[/yellow] for the run file's \\[proofs]: " + " ".join(f"{k} = {v}" for k, v in rec.items())
+    return line

@@ -115,8 +115,15 @@ def test_status_view_shows_members_rejections_and_ledger_bans():
                                     "seq": 17, "checkpoints": [2], "addrs": ["/ip4/127.0.0.1/tcp/1"]}],
                        "rejected": {"members/forged": 2}},
         "ledger": {"bans": {"12D3KooWcheat": {"seconds_left": 590, "reason": "reward_mismatch", "by": "12D3KooWval"}}},
+        "validator": {"proof_margins": {
+            "rollouts": 480,
+            "thresholds": {"max_exp_mismatches": 38, "max_mantissa_mean": 10.0, "max_mantissa_median": 8.0},
+            "worst_passing": {"max_exp_mismatches": 7.0, "max_mantissa_mean": 1.39, "max_mantissa_median": 1.0},
+            "recommended": {"max_exp_mismatches": 14, "max_mantissa_mean": 2.78, "max_mantissa_median": 2.0}}},
     }, console)
     text = console.export_text()
+    assert "480 accepted rollouts" in text and "mantissa_mean 1.39 / 10.0" in text
+    assert "recommended for the run file's [proofs]: max_exp_mismatches = 14" in text
     assert "12D3KooWpeerA" in text and "inference" in text and "members/forged=2" in text
     assert "banned 12D3KooWcheat" in text and "reward_mismatch" in text and "590s left" in text
 

@@ -14,6 +14,7 @@ import pytest
 from node.engines.torch_engine import TorchEngine
 from node.identity import Identity
 from node.model import create_tiny_model
+from node.proofs.margins import ProofMargins
 from node.proofs.reasons import Reason
 from node.rl.config import RLConfig
 from node.validator import testing as T
@@ -79,6 +80,27 @@ def test_fault_wrong_model_weights(world):
     cheat.model, cheat._tokenizer = T.perturbed_model(engine.model, 0.1), engine.tokenizer
     signed = T.make_batch(cheat, worker, RULES, tasks, step=1, policy_version=VERSION)
     assert_rejected(judge(world, signed), T.FAULTS["wrong_model_weights"].expected)
+
+
+@pytest.mark.parametrize("scale", [0.01, 0.03])
+def test_small_weight_changes_fail_thresholds_fitted_to_honest_work(world, scale):
+    """The paper's thresholds let 1-3% through on this model; those a validator fits to the honest
+    batches it accepted (node/proofs/margins.py, shown in its status) do not, and still pass honest ones."""
+    engine, tasks, worker, honest, _ = world
+    margins = ProofMargins()
+    for j in (judge(world, b) for b in honest):
+        for chunks in j.proofs:
+            margins.add(chunks, RULES.proofs.topk)
+    fitted = replace(RULES, proofs=margins.recommended(RULES.proofs, min_rollouts=margins.rollouts))
+    assert fitted.proofs.max_mantissa_mean < RULES.proofs.max_mantissa_mean
+    later = [T.make_batch(engine, worker, RULES, tasks, step=s, policy_version=VERSION) for s in range(20, 23)]
+    assert all(judge_batch(b.batch, fitted, current_version=VERSION, tasks=tasks, model=world[4]).accepted for b in later)
+    cheat = TorchEngine("cpu")
+    cheat.model, cheat._tokenizer = T.perturbed_model(engine.model, scale), engine.tokenizer
+    signed = T.make_batch(cheat, worker, RULES, tasks, step=1, policy_version=VERSION)
+    assert judge(world, signed).accepted  # the gap: inside the paper's thresholds
+    j = judge_batch(signed.batch, fitted, current_version=VERSION, tasks=tasks, model=world[4])
+    assert_rejected(j, T.FAULTS["wrong_model_weights"].expected)
 
 
 def test_fault_altered_completion(world):

@@ -110,6 +110,8 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             status = validator.status["validator"]()
             assert cheat_w.peer_id in status["bans"] and status["bans"][cheat_w.peer_id]["reason"] == "reward_mismatch"
             assert status["verdicts"]["accepted"] == 2 and status["verdicts"]["rejected"] == 3
+            # Only accepted batches' proofs measure honest error (the cheats failed before the model).
+            assert status["proof_margins"]["rollouts"] == sum(len(b.batch.samples) for b in honest)
             # The ban travels in the ledger: the other node's replica holds it too (a trainer's intake
             # consults exactly this), and its status shows who banned whom and why.
             with trio.fail_after(30):

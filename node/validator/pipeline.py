@@ -23,7 +23,8 @@ How this works (DESIGN.md "The loop", step 4; TOPLOC paper §3-§6; INTELLECT-2 
    tokens; the replay binds the tokens to the seed; together a worker can neither use another
    model, nor edit a completion after proving it, nor pick among several samples (within the
    sensitivity measured in tests/test_validator_pipeline.py: on the tiny random-init default model,
-   weights perturbed by 3% of their std still pass; 10% do not).
+   weights perturbed by 3% of their std still pass the paper's proof thresholds, 10% do not; the
+   thresholds a validator fits to accepted work, node/proofs/margins.py, catch 1%).
 
 The first failing check names the sample's reason (``"ok"`` when all pass); the batch is accepted
 only when every sample is. Reason codes are :class:`node.proofs.reasons.Reason` values plus the
@@ -46,7 +47,7 @@ from ..proofs import checks
 from ..proofs.capture import logits_from_hidden, recompute_decode_states
 from ..proofs.config import ProofsConfig
 from ..proofs.reasons import PASS, CheckResult, Reason, fail
-from ..proofs.toploc import verify_proofs
+from ..proofs.toploc import ChunkResult, verify_proofs
 from ..rollouts.assemble import split_proofs
 from ..rollouts.draw import sampling_seed
 from ..rollouts.schema import RolloutBatch, RolloutSample, SignedBatch, open_batch
@@ -178,6 +179,7 @@ class Judgement:
     reasons: list[str]
     details: list[str]
     tokens: int = 0  # completion tokens checked (for throughput figures)
+    proofs: list[tuple[ChunkResult, ...]] = field(default_factory=list)  # measurements of the proofs that passed
 
     @property
     def accepted(self) -> bool:
@@ -376,14 +378,22 @@ def check_sampling_replay(replays: Sequence[Replay], temperature: float, top_p: 
 
 
 def model_results(
-    batch: RolloutBatch, samples_to_check: Sequence[int], model: CheckModel, rules: BatchRules
+    batch: RolloutBatch,
+    samples_to_check: Sequence[int],
+    model: CheckModel,
+    rules: BatchRules,
+    measured: list[tuple[ChunkResult, ...]] | None = None,
 ) -> dict[int, CheckResult]:
-    """Proof, log-prob and sampling checks of the given samples against ``model``'s prefill."""
+    """Proof, log-prob and sampling checks of the given samples against ``model``'s prefill.
+
+    The measurements of every proof that passed are appended to ``measured`` (for
+    :class:`node.proofs.margins.ProofMargins`)."""
     samples = [batch.samples[i] for i in samples_to_check]
     if not samples:
         return {}
     recomputed = model.recompute([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
-    out = {i: _proof_and_logprob_checks(batch, s, r, rules) for i, s, r in zip(samples_to_check, samples, recomputed)}
+    measured = [] if measured is None else measured
+    out = {i: _proof_and_logprob_checks(batch, s, r, rules, measured) for i, s, r in zip(samples_to_check, samples, recomputed)}
     if rules.check_sampling:
         todo = [(i, s, r) for i, s, r in zip(samples_to_check, samples, recomputed) if out[i].ok]
         replays = [Replay(r.logits, s.completion_ids, sequence_seed(batch.seed, s.prompt_index, s.sample_index))
@@ -394,7 +404,9 @@ def model_results(
     return out
 
 
-def _proof_and_logprob_checks(batch: RolloutBatch, s: RolloutSample, r: Recomputed, rules: BatchRules) -> CheckResult:
+def _proof_and_logprob_checks(
+    batch: RolloutBatch, s: RolloutSample, r: Recomputed, rules: BatchRules, measured: list[tuple[ChunkResult, ...]]
+) -> CheckResult:
     n, width = len(s.completion_ids), r.hidden.shape[1]
     chunks = split_proofs(s.proof, n, width, rules.proofs.chunk_tokens, rules.proofs.topk)
     if chunks is None:
@@ -402,6 +414,7 @@ def _proof_and_logprob_checks(batch: RolloutBatch, s: RolloutSample, r: Recomput
     verdict = verify_proofs(r.hidden, chunks, rules.proofs)
     if not verdict.ok:
         return verdict.check
+    measured.append(verdict.chunks)
     mine = checks.token_logprobs(r.logits, torch.tensor(s.completion_ids), batch.temperature)
     return checks.check_logprobs(
         s.logprobs, mine, tolerance_mean=rules.proofs.logprob_tolerance_mean, tolerance_max=rules.proofs.logprob_tolerance_max
@@ -448,7 +461,8 @@ def judge_batch(
             check = advantages[i]
         results[i] = check
     todo = [i for i, r in enumerate(results) if r.ok]
-    for i, check in model_results(batch, todo, model, rules).items():
+    measured: list[tuple[ChunkResult, ...]] = []
+    for i, check in model_results(batch, todo, model, rules, measured).items():
         results[i] = check
     tokens = sum(len(s.completion_ids) for s in batch.samples)
-    return Judgement([_code(r) for r in results], [r.detail for r in results], tokens)
+    return Judgement([_code(r) for r in results], [r.detail for r in results], tokens, measured)

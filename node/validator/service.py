@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import trio
 
 from ..hashes import digest
+from ..proofs.margins import ProofMargins
 from ..host import STREAM_ERRORS
 from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
@@ -139,6 +140,7 @@ class ValidatorService:
         self._pending_changed = trio.Event()
         self.results: collections.Counter = collections.Counter()  # accepted / rejected / busy / dropped
         self.reasons: collections.Counter = collections.Counter()  # sample reason -> count
+        self.margins = ProofMargins()  # how close accepted work comes to the proof thresholds
         self.tokens_checked = 0
         self.check_seconds = 0.0
         m = node.metrics
@@ -244,6 +246,9 @@ class ValidatorService:
         self.store.record(job.signed.batch_id, batch.worker, batch.step, [s.prompt_index for s in batch.samples],
                           judgement.accepted, judgement.reasons, job.trainer, raw, verdict.created_ms)
         result = "accepted" if judgement.accepted else "rejected"
+        if judgement.accepted:  # only fully honest batches shape the recommended thresholds
+            for chunks in judgement.proofs:
+                self.margins.add(chunks, self.rules.proofs.topk)
         self.results[result] += 1
         self.m_verdicts.labels(result=result).inc()
         for r in judgement.reasons:
@@ -427,6 +432,7 @@ class ValidatorService:
             "models_loaded": list(self.models),
             "undelivered": sum(len(q) for q in self.pending.values()),
             "tokens_per_s": round(self.tokens_checked / self.check_seconds, 1) if self.check_seconds else None,
+            "proof_margins": self.margins.status(self.rules.proofs),
         }
 
 
