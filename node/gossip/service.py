@@ -48,6 +48,7 @@ from .records import (
     DOMAIN_GOODBYE,
     DOMAIN_RECORD,
     DOMAIN_SUSPECT,
+    MAX_ADDRS,
     MAX_PEER_ID,
     MAX_VERSIONS,
     Accusation,
@@ -87,7 +88,7 @@ class PingRequest(Message):
 
     TYPE: ClassVar[str] = "member.ping-req"
     target: str = bounded(max_len=MAX_PEER_ID)
-    addrs: list[str] = bounded(max_len=8)
+    addrs: list[str] = bounded(max_len=MAX_ADDRS)
 
 
 @register
@@ -176,7 +177,7 @@ def advertised_addrs(node: NodeContext) -> list[str]:
     """Direct transport addresses, then relayed ones (a NAT'd node's only reachable addresses)."""
     relay = node.services.get("relay")
     circuits = relay.circuit_addrs() if relay is not None and hasattr(relay, "circuit_addrs") else []
-    return (node.host.transport_addrs() + circuits)[:8]
+    return (node.host.transport_addrs() + circuits)[:MAX_ADDRS]  # the record holds no more
 
 
 def own_record(node: NodeContext, seq: int) -> PeerRecord:
@@ -342,7 +343,7 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                 with trio.fail_after(cfg.indirect_timeout * scale + DIAL_TIMEOUT + 1):
                     stream = await node.host.open_stream(helper, PROBE_PROTOCOL)
                     try:
-                        await write_frame(stream, PingRequest(target=target, addrs=addrs[:8]))
+                        await write_frame(stream, PingRequest(target=target, addrs=addrs[:MAX_ADDRS]))
                         res = await read_message(stream, 4096)
                         results.append(isinstance(res, PingResult) and res.ok)
                     finally:
