@@ -216,7 +216,7 @@ def test_append_and_totals():
     t, v, w = Author(TRAINER), Author(VALIDATOR), Author(WORKER)
     assert add(led, t.next(rollouts(samples=4, tokens=100))).outcome is Outcome.ACCEPT
     assert add(led, t.next(rollouts(samples=2, tokens=50, accepted=False))).outcome is Outcome.ACCEPT
-    assert add(led, t.next(CheckpointPublished(version=1, manifest_id=b"m" * 32, total_bytes=10))).outcome is Outcome.ACCEPT
+    assert add(led, t.next(CheckpointPublished(version=1, manifest_id=b"m" * 32, total_bytes=10_000))).outcome is Outcome.ACCEPT
     assert add(led, v.next(Verdict(worker=WORKER.peer_id, step=1, batch_hash=b"b" * 32, ok=False,
                                    reasons=("toploc",)))).outcome is Outcome.ACCEPT
     assert add(led, v.next(Penalty(peer=WORKER.peer_id, reason="forged-proof", points=5,
@@ -241,6 +241,38 @@ def test_receipt_for_oneself_credits_nothing():
     led = new_ledger()
     add(led, Author(WORKER).next(receipt(WORKER, 10**9)))
     assert led.totals(WORKER.peer_id)[WORKER.peer_id]["bytes_served"] == 0
+
+
+def published(size: int, manifest: bytes = b"m" * 32) -> CheckpointPublished:
+    return CheckpointPublished(version=1, manifest_id=manifest, total_bytes=size)
+
+
+def test_bytes_vouched_are_capped_per_voucher_at_the_checkpoint_size():
+    led = new_ledger()
+    t, w, o = Author(TRAINER), Author(WORKER), Author(OTHER)
+    add(led, t.next(published(1000)))
+    # A colluder claims 50x the checkpoint from the worker and half of it from the trainer:
+    # its claims are scaled to the 1000 bytes it can have received, in proportion.
+    add(led, o.next(Receipts(items=(ReceiptItem(peer=WORKER.peer_id, manifest_id=b"m" * 32, nbytes=50_000, pieces=1),
+                                    ReceiptItem(peer=TRAINER.peer_id, manifest_id=b"m" * 32, nbytes=25_000, pieces=1)))))
+    add(led, w.next(receipt(TRAINER, 600)))  # an honest download: within the size, counted as is
+    add(led, w.next(receipt(TRAINER, 400)))
+    tot = led.totals()
+    assert tot[WORKER.peer_id]["bytes_served"] == 50_000 * 1000 // 75_000
+    assert tot[TRAINER.peer_id]["bytes_served"] == 25_000 * 1000 // 75_000 + 1000
+
+
+def test_receipts_for_an_unpublished_manifest_count_once_it_is_published_in_any_order():
+    t, w = Author(TRAINER), Author(WORKER)
+    entries = [w.next(receipt(TRAINER, 700)), t.next(published(5000))]
+    early, late = new_ledger(), new_ledger()
+    add(early, entries[0])
+    assert early.totals(TRAINER.peer_id)[TRAINER.peer_id]["bytes_served"] == 0  # nobody published "m"
+    add(early, entries[1])
+    for se in reversed(entries):
+        add(late, se)
+    assert early.totals() == late.totals()
+    assert early.totals(TRAINER.peer_id)[TRAINER.peer_id]["bytes_served"] == 700
 
 
 def test_duplicate_is_idempotent():
@@ -497,8 +529,8 @@ def author_logs(fork_at: dict):
     logs = {}
     for ident in (TRAINER, VALIDATOR, WORKER):
         def body(i, alt=0):
-            if ident is TRAINER:
-                return rollouts(samples=i + 1 + alt)
+            if ident is TRAINER:  # publishes the manifest the worker's receipts are for (or a fork of it)
+                return published(100 + alt) if i == 0 else rollouts(samples=i + 1 + alt)
             if ident is VALIDATOR:
                 return Penalty(peer=WORKER.peer_id, reason="x", points=i + alt)
             return receipt(TRAINER, i + 1 + alt)
@@ -551,6 +583,8 @@ def test_replicas_converge_under_forks_and_partial_delivery(fork_at, rnd):
     assert len({r.ledger.digest() for r in replicas}) == 1
     assert all(r.ledger.totals() == replicas[0].ledger.totals() for r in replicas)
     assert replicas[0].ledger.head_of(VALIDATOR.peer_id) == 6  # honest authors complete
+    if not fork_at:  # the worker's receipts (1 + ... + 6 bytes) for the trainer's published manifest
+        assert replicas[0].ledger.totals(TRAINER.peer_id)[TRAINER.peer_id]["bytes_served"] == 21
     if not fork_at:
         assert all(len(r.ledger) == 18 for r in replicas)
 

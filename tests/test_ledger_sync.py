@@ -13,6 +13,7 @@ from node.host import open_swarm_host
 from node.identity import Identity
 from node.ledger.chain import Head
 from node.ledger.entries import (
+    CheckpointPublished,
     GENESIS,
     Penalty,
     RolloutsJudged,
@@ -99,7 +100,8 @@ async def test_three_nodes_offline_node_catches_up(tmp_path):
             assert ledger(w).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == sum(range(1, 21))
             # nothing was rejected along the way
             assert not ledger(w).rejections and not ledger(t).rejections and not ledger(v).rejections
-            # and the worker's own entries flow back
+            # and the worker's own entries flow back (credited once the trainer's checkpoint is known)
+            await ledger(t).append(CheckpointPublished(version=1, manifest_id=b"m" * 32, total_bytes=10_000))
             ledger(w).note_received(TRAINER.peer_id, b"m" * 32, 5000)
             ledger(w).note_received(TRAINER.peer_id, b"m" * 32, 3000)
             await wait_for(lambda: ledger(t).totals(TRAINER.peer_id)[TRAINER.peer_id]["bytes_served"] == 8000)

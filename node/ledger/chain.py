@@ -28,6 +28,11 @@ seq of any evidence we hold), its entries at or after the fork point give no cre
 are accepted. Replicas that saw different branches agree once they share the evidence, because
 every view below — heads, digest, totals, bans — stops at ``fork_seq - 1``.
 
+Bytes served: receipts vouch for bytes received from a peer for one checkpoint. Anyone may author
+them, so one voucher's claims for a manifest are capped at that manifest's published size (a
+downloader receives each byte once) and claims for manifests no trainer published count nothing:
+colluders cannot mint credit beyond one checkpoint per identity and checkpoint.
+
 Bans: a ``penalty`` entry with ``ban_seconds`` (only trainers and validators may author one) bans its
 peer from the entry's time for that long; :meth:`Ledger.ban_of` is what trainers and validators
 consult at intake, so a ban given by any one of them holds at all of them once the entry arrives.
@@ -43,7 +48,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 from .. import hashes
@@ -53,8 +58,10 @@ from .entries import (
     KINDS,
     MAX_PEER_ID,
     MAX_SEQ,
+    PUBLISHED,
     TOTAL_FIELDS,
     Authors,
+    Credit,
     Penalty,
     SignedEntry,
 )
@@ -168,7 +175,7 @@ class _Log:
     """What the replica remembers of one author (entry bytes stay in the store)."""
 
     hashes: list[bytes] = field(default_factory=list)  # hashes[i] is the hash of seq i + 1
-    credits: list[tuple] = field(default_factory=list)  # credits[i]: credits of seq i + 1
+    credits: list[tuple[Credit, ...]] = field(default_factory=list)  # credits[i]: credits of seq i + 1
     last_time_ms: int = 0
     fork_seq: int = 0  # 0 = not flagged
     evidence: Evidence | None = None
@@ -193,6 +200,10 @@ class Ledger:
         self._logs: dict[str, _Log] = {}
         self._totals: dict[str, PeerTotals] = {}
         self._bans: dict[str, list[LedgerBan]] = {}  # banned peer -> ban entries naming it
+        # Bytes vouched for, per (voucher, manifest): {peer: bytes}; and the published sizes of each
+        # manifest ({size: number of usable entries}); bytes_served is computed from both on demand.
+        self._vouched: dict[tuple[str, bytes], dict[str, int]] = {}
+        self._published: dict[bytes, dict[int, int]] = {}
 
     # ---------------------------------------------------------------- adding entries
 
@@ -252,21 +263,47 @@ class Ledger:
         self._append(log, se)
 
     def _append(self, log: _Log, se: SignedEntry) -> None:
-        credits = tuple([(se.author, "entries", 1)] + [(c.peer, c.field, c.amount) for c in se.body.credits(se.author)])
+        credits = (Credit(se.author, "entries", 1), *se.body.credits(se.author))
         log.hashes.append(se.hash)
         log.credits.append(credits)
         log.last_time_ms = max(log.last_time_ms, se.time_ms)
         if not log.fork_seq or se.seq < log.fork_seq:
-            self._credit(credits, +1)
+            self._credit(se.author, credits, +1)
         body = se.body
         if isinstance(body, Penalty) and body.ban_seconds:
             until = se.time_ms + 1000 * body.ban_seconds
             self._bans.setdefault(body.peer, []).append(LedgerBan(body.peer, until, body.reason, se.author, se.seq))
 
-    def _credit(self, credits: tuple, sign: int) -> None:
-        for peer, name, amount in credits:
-            t = self._totals.setdefault(peer, PeerTotals())
-            setattr(t, name, getattr(t, name) + sign * amount)
+    def _credit(self, author: str, credits: tuple[Credit, ...], sign: int) -> None:
+        for c in credits:
+            if c.field == PUBLISHED:
+                sizes = self._published.setdefault(c.manifest, {})
+                sizes[c.amount] = sizes.get(c.amount, 0) + sign
+            elif c.manifest is not None:  # bytes vouched for: capped when totals are read
+                claims = self._vouched.setdefault((author, c.manifest), {})
+                claims[c.peer] = claims.get(c.peer, 0) + sign * c.amount
+            else:
+                t = self._totals.setdefault(c.peer, PeerTotals())
+                setattr(t, c.field, getattr(t, c.field) + sign * c.amount)
+
+    def _bytes_served(self) -> dict[str, int]:
+        """Vouched bytes, capped per voucher and checkpoint at the checkpoint's published size.
+
+        A downloader receives each verified byte of a checkpoint once, so its receipts for one
+        manifest add up to at most that manifest's size; a voucher claiming more (to inflate a
+        colluder's credit) has its claims scaled down to the size, and claims for a manifest no
+        trainer published count nothing. Computed from the whole replica, so every replica with
+        the same entries agrees, whatever order they arrived in.
+        """
+        out: dict[str, int] = {}
+        for (_, manifest), claims in self._vouched.items():
+            sizes = [size for size, n in self._published.get(manifest, {}).items() if n > 0]
+            cap = max(sizes, default=0)
+            claimed = sum(claims.values())
+            for peer, amount in claims.items():
+                if amount > 0 and cap:
+                    out[peer] = out.get(peer, 0) + (amount if claimed <= cap else amount * cap // claimed)
+        return out
 
     def add_evidence(self, ev: Evidence) -> bool:
         """Flag an equivocating author. Returns True if it lowered (or set) the fork point.
@@ -283,7 +320,7 @@ class Ledger:
         log.fork_seq = ev.fork_seq
         log.evidence = ev
         for seq in range(log.usable() + 1, old_usable + 1):
-            self._credit(log.credits[seq - 1], -1)
+            self._credit(ev.author, log.credits[seq - 1], -1)
         return True
 
     # ---------------------------------------------------------------- views
@@ -347,10 +384,13 @@ class Ledger:
 
     def totals(self, peer: str | None = None) -> dict[str, dict[str, int]]:
         """Totals per peer (credits of flagged authors' entries after the fork point excluded)."""
-        if peer is not None:
-            t = self._totals.get(peer)
-            return {peer: (t or PeerTotals()).as_dict()}
-        return {p: t.as_dict() for p, t in sorted(self._totals.items())}
+        served = self._bytes_served()
+        peers = [peer] if peer is not None else sorted(set(self._totals) | set(served))
+        out = {}
+        for p in peers:
+            t = replace(self._totals.get(p) or PeerTotals(), bytes_served=served.get(p, 0))
+            out[p] = t.as_dict()
+        return out
 
     def missing(self, remote: Iterable[Head]) -> tuple[list[Want], list[str]]:
         """What a peer with ``remote`` heads has that we lack: entry ranges, and authors whose

@@ -99,11 +99,20 @@ _peer_id_of = functools.lru_cache(maxsize=PEER_ID_CACHE)(peer_id_of)
 
 @dataclass(frozen=True)
 class Credit:
-    """``amount`` added to ``field`` of ``peer``'s totals."""
+    """``amount`` added to ``field`` of ``peer``'s totals.
+
+    With a ``manifest``, the amount is bytes of that checkpoint: vouched for (``bytes_served``),
+    which the replica caps at the checkpoint's published size per voucher, or the published size
+    itself (``PUBLISHED``), which sets that cap.
+    """
 
     peer: str
     field: str
     amount: int
+    manifest: bytes | None = None
+
+
+PUBLISHED = "published"  # pseudo-field of a CheckpointPublished credit: the manifest's size
 
 
 TOTAL_FIELDS = (
@@ -142,7 +151,7 @@ class CheckpointPublished(Body):
     total_bytes: int = bounded(min=0, max=2**50)
 
     def credits(self, author: str) -> list[Credit]:
-        return [Credit(author, "checkpoints", 1)]
+        return [Credit(author, "checkpoints", 1), Credit(author, PUBLISHED, self.total_bytes, self.manifest_id)]
 
 
 @register
@@ -225,7 +234,7 @@ class Receipts(Body):
 
     def credits(self, author: str) -> list[Credit]:
         # Receipts for oneself credit nothing: bytes served are what *others* vouch for.
-        return [Credit(i.peer, "bytes_served", i.nbytes) for i in self.items if i.peer != author]
+        return [Credit(i.peer, "bytes_served", i.nbytes, i.manifest_id) for i in self.items if i.peer != author]
 
 
 @register
