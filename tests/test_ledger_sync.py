@@ -289,6 +289,30 @@ async def test_node_that_lost_its_database_does_not_equivocate(tmp_path):
                 assert ledger(x).ledger.hash_at(TRAINER.peer_id, 3) == ledger(w).ledger.hash_at(TRAINER.peer_id, 3)
 
 
+def test_entries_past_a_fork_cost_only_the_equivocator_gossip_score(tmp_path):
+    from types import SimpleNamespace
+
+    from libp2p.peer.id import ID
+
+    from node.ledger.config import LedgerConfig
+    from node.ledger.sync import LedgerService
+
+    first = make_entry(TRAINER, RUN, 1, GENESIS, 1, rollouts(1))
+    x = make_entry(TRAINER, RUN, 2, first.hash, 2, rollouts(10))
+    y = make_entry(TRAINER, RUN, 2, first.hash, 2, rollouts(500))
+    later = make_entry(TRAINER, RUN, 3, x.hash, 3, rollouts(7))
+    node = NodeContext(NodeConfig(data_dir=str(tmp_path), run=run_config()), WORKER, host=None, data_dir=tmp_path)
+    with open_ledger_store(tmp_path) as store:
+        svc = LedgerService(node, store, LedgerConfig())
+        svc.ingest([first.raw, x.raw], "test")
+        svc.ingest([y.raw], "test")
+        assert svc.ledger.flagged() == {TRAINER.peer_id: 2}
+        msg = SimpleNamespace(data=later.raw)
+        assert svc.validate_gossip(ID.from_base58(VALIDATOR.peer_id), msg)  # an honest relay: no penalty
+        assert not svc.validate_gossip(ID.from_base58(TRAINER.peer_id), msg)  # the equivocator itself
+        assert svc.ingest([later.raw], "test").accepted == 0  # and it is never stored
+
+
 def test_note_received_refuses_impossible_receipts(tmp_path):
     from node.ledger.config import LedgerConfig
     from node.ledger.sync import LedgerService

@@ -418,7 +418,10 @@ class LedgerService:
         decision = self.ledger.check(se, self.now_ms())
         if decision.outcome is Outcome.REJECT:
             self._reject(self.topic, decision.reason)
-            return False
+            # Past a known fork only the author is at fault: a relay that has not seen the evidence
+            # yet forwards in good faith, and a rejection here would cost it gossip score. Such an
+            # entry is let through (the receive loop drops it); the equivocator sending it is not.
+            return decision.reason == "equivocator" and str(forwarder) != se.author
         # GAP and EQUIVOCATION are forwarded: the entry is validly signed, and others need it too.
         self._validated[hashes.digest(msg.data)] = se
         while len(self._validated) > VALIDATED_CACHE:
