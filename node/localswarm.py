@@ -171,11 +171,13 @@ class LocalSwarm:
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
-    def wait_until(self, predicate, timeout: float, poll: float = 0.25) -> float:
-        """Poll until ``predicate()`` is true; returns seconds waited; TimeoutError otherwise."""
+    def wait_until(self, predicate, timeout: float, poll: float = 0.25, explain=None) -> float:
+        """Poll until ``predicate()`` is true; returns seconds waited; TimeoutError otherwise, with
+        what ``explain()`` says (the state a failed wait needs to be understood: statuses, log tails)."""
         start = time.monotonic()
         while time.monotonic() - start < timeout:
             if predicate():
                 return time.monotonic() - start
             time.sleep(poll)
-        raise TimeoutError(f"condition not met within {timeout}s")
+        detail = f"\n{explain()}" if explain else ""
+        raise TimeoutError(f"condition not met within {timeout}s{detail}")

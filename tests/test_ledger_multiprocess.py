@@ -348,7 +348,9 @@ def test_swarm_node_processes_replicate_the_ledger(tmp_path):
     with LocalSwarm(tmp_path / "swarm", log_level="warning") as swarm:
         holder_id = load_or_create_identity(swarm.root / "holder")[0]
         swarm.write_run_file(
+            # Small batches: a newcomer takes ~60 round trips, so it is seen part-way through.
             f'[run]\nname = "{RUN}"\ntrainers = ["{holder_id.peer_id}"]\n\n[ledger]\nsync_interval = 0.5\n'
+            "sync_batch = 100\n"
         )
         history = []
         prev = GENESIS
@@ -372,13 +374,16 @@ def test_swarm_node_processes_replicate_the_ledger(tmp_path):
             return swarm.status(name).get("ledger", {})
 
         # kill late-2 once it is part-way through the history, then restart it
-        swarm.wait_until(lambda: 0 < ledger_status("late-2").get("entries", 0) < total, 120, poll=0.05)
+        def explain() -> str:
+            return "\n".join(f"{n}: {ledger_status(n)}\n{swarm.tail(n, 15)}" for n in names)
+
+        swarm.wait_until(lambda: 0 < ledger_status("late-2").get("entries", 0) < total, 120, poll=0.05, explain=explain)
         swarm.kill("late-2", signal.SIGKILL)
         check = cli("ledger", "verify", "--data-dir", str(swarm.root / "late-2"))
         assert check.returncode == 0, check.stdout + check.stderr
         swarm.restart("late-2")
 
-        swarm.wait_until(lambda: all(ledger_status(n).get("entries") == total for n in names), 240)
+        swarm.wait_until(lambda: all(ledger_status(n).get("entries") == total for n in names), 240, explain=explain)
         digests = {ledger_status(n)["digest"] for n in names}
         assert len(digests) == 1
         for n in names:
