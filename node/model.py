@@ -13,6 +13,7 @@ No chat template: prompts are plain text and a completion ends with the ``<eos>`
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +129,13 @@ def load_tokenizer(path: Path):
     return tok
 
 
+# transformers 5 builds a model on the meta device with process-wide patches in place, so two
+# from_pretrained calls in different threads break each other: measured 87 of 90 concurrent loads
+# of the tiny model failing ("Cannot copy out of meta tensor", lm_head left missing). Nodes load in
+# worker threads (trio.to_thread), and several nodes or a validator's cache may load at once.
+_LOAD_LOCK = threading.Lock()
+
+
 def load_model(path: Path, *, device: str = "cpu", dtype=None):
     """A causal LM from a local HF folder, in eval mode, on ``device`` (never downloads)."""
     from transformers import AutoModelForCausalLM
@@ -135,7 +143,8 @@ def load_model(path: Path, *, device: str = "cpu", dtype=None):
     kwargs = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    with _LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     return model.to(device).eval()
 
 
