@@ -152,6 +152,48 @@ class StreamBytes:
         cls._installed = True
 
 
+# A Yamux frame write that has not finished after this long means the peer stopped reading; the
+# connection is closed, as part of a frame may already be on the wire. Frames are at most one
+# stream window (256 KiB): 15 s allows links down to ~140 kbit/s, and bounds how long a shielded
+# write can hold up a node's shutdown.
+FRAME_WRITE_LIMIT = 15.0
+
+
+class CancelSafeFrames:
+    """Make each Yamux frame write all-or-nothing under cancellation (py-libp2p 0.8.1).
+
+    py-libp2p writes a frame in the caller's task: Noise encrypts it (using up the next nonce), then
+    sends it. A caller cancelled between the two (any ``fail_after`` around a stream write whose
+    deadline passes at that moment) leaves a nonce the peer will never see, and every later frame on
+    the connection fails to decrypt ("Failed authentication of message", seen a few times a minute
+    in the demo's logs); cancelled during the send, half a frame is left on the wire. Here the
+    write lock is still taken cancellably (nothing is written yet), the encrypt-and-send is shielded,
+    and a send that stalls past FRAME_WRITE_LIMIT closes the connection instead of corrupting it.
+    """
+
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        from libp2p.stream_muxer.yamux.yamux import Yamux
+
+        async def write_frame(self, data: bytes) -> None:
+            async with self._write_lock:
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(FRAME_WRITE_LIMIT) as stalled:
+                        await self.secured_conn.write(data)
+                    if stalled.cancelled_caught:
+                        with trio.move_on_after(5):
+                            await self.secured_conn.close()
+                        raise trio.BrokenResourceError(f"frame write stalled for {FRAME_WRITE_LIMIT:.0f} s")
+            await trio.lowlevel.checkpoint()
+
+        Yamux._write_frame = write_frame
+        cls._installed = True
+
+
 def disable_auto_connect(host) -> None:
     """Leave dialing to our connection manager (node/gossip/connections.py).
 
@@ -330,6 +372,7 @@ async def open_swarm_host(
     gossip = gossip or GossipParams()
     TcpBytes.install()
     StreamBytes.install()
+    CancelSafeFrames.install()
     keypair = to_libp2p_keypair(identity)
     noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
     addrs = [parse_multiaddr(a) for a in listen]

@@ -1,0 +1,47 @@
+"""The libp2p host over real loopback sockets: the py-libp2p workarounds in node/host.py hold."""
+
+from __future__ import annotations
+
+import struct
+
+import trio
+from libp2p.peer.id import ID
+from libp2p.security.noise.io import NoiseTransportReadWriter
+from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_PING, YAMUX_HEADER_FORMAT
+
+from node.host import open_swarm_host
+from node.identity import Identity
+from node.wire import read_frame, write_frame
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+ECHO = "/test/echo/1"
+
+
+async def echo(stream) -> None:
+    await write_frame(stream, await read_frame(stream))
+    await stream.close()
+
+
+async def test_a_write_cancelled_after_encryption_leaves_the_connection_usable(monkeypatch):
+    """A deadline that expires between Noise's encrypt and the send used to burn a nonce the peer
+    never saw: every later frame on the connection failed to decrypt and no stream could open."""
+    async with open_swarm_host(Identity.generate(), LOOPBACK) as a, open_swarm_host(Identity.generate(), LOOPBACK) as b:
+        b.set_handler(ECHO, echo)
+        await a.connect(b.listen_addrs()[0])
+        muxer = a.host.get_network().connections[ID.from_base58(b.peer_id)][0].muxed_conn
+        scope = trio.CancelScope()
+        encrypt = NoiseTransportReadWriter.encrypt
+
+        def encrypt_then_cancel(self, data: bytes) -> bytes:
+            monkeypatch.setattr(NoiseTransportReadWriter, "encrypt", encrypt)  # once
+            scope.cancel()  # as if the caller's deadline passed right after the nonce was used
+            return encrypt(self, data)
+
+        monkeypatch.setattr(NoiseTransportReadWriter, "encrypt", encrypt_then_cancel)
+        with scope:
+            await muxer._write_frame(struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_PING, FLAG_SYN, 0, 7))
+        assert scope.cancelled_caught
+        with trio.fail_after(10):
+            stream = await a.open_stream(b.peer_id, ECHO)
+            await write_frame(stream, b"still in sync")
+            assert await read_frame(stream) == b"still in sync"
