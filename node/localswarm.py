@@ -105,7 +105,10 @@ class LocalSwarm:
         proc = self.procs[name]
         if proc.alive():
             raise RuntimeError(f"{name} is still running")
+        # A killed node leaves its last status.json behind; removed, so that what status() returns
+        # from now on is the new process's (a stale one satisfied waits and broke a CI run).
         (proc.data_dir / NODE_FILE).unlink(missing_ok=True)
+        (proc.data_dir / STATUS_FILE).unlink(missing_ok=True)
         self._spawn(proc)
         if wait:
             self.wait_ready(name, wait)

@@ -76,7 +76,7 @@ def test_kill_9_after_ack_loses_nothing(tmp_path):
         restarted = time.time()
         swarm.restart("trainer", wait=60)
         assert swarm.node_info("trainer")["peer_id"] == trainer_id
-        # a status written by the new process (the old one's file is still there)
+        # a status written by the new process (restart removed the killed one's)
         swarm.wait_until(lambda: swarm.status("trainer").get("time", 0) > restarted and trainer_status(swarm),
                          timeout=120)
         st = trainer_status(swarm)
