@@ -89,14 +89,17 @@ class ProofMargins:
         return Worst.over(self.recent) if self.recent else None
 
     def recommended(self, config: ProofsConfig, min_rollouts: int = MIN_ROLLOUTS) -> ProofsConfig | None:
-        worst = self.worst()
+        return self._recommended(self.worst(), config, min_rollouts)
+
+    def _recommended(self, worst: Worst | None, config: ProofsConfig, min_rollouts: int) -> ProofsConfig | None:
         if worst is None or len(self.recent) < min_rollouts:
             return None
         return recommend(worst, config)
 
     def status(self, config: ProofsConfig) -> dict:
-        worst = self.worst()
-        out: dict = {
+        worst = self.worst()  # once: the window holds up to WINDOW rollouts and status runs every second
+        rec = self._recommended(worst, config, MIN_ROLLOUTS)
+        return {
             "rollouts": self.rollouts,
             "thresholds": _fields(config),
             "worst_passing": None if worst is None else {
@@ -104,10 +107,8 @@ class ProofMargins:
                 "max_mantissa_mean": round(worst.mant_err_mean, 2),
                 "max_mantissa_median": round(worst.mant_err_median, 2),
             },
+            "recommended": None if rec is None else _fields(rec),
         }
-        rec = self.recommended(config)
-        out["recommended"] = None if rec is None else _fields(rec)
-        return out
 
 
 def _fields(config: ProofsConfig) -> dict:

@@ -382,7 +382,7 @@ def model_results(
     samples_to_check: Sequence[int],
     model: CheckModel,
     rules: BatchRules,
-    measured: list[tuple[ChunkResult, ...]] | None = None,
+    measured: list[tuple[ChunkResult, ...]],
 ) -> dict[int, CheckResult]:
     """Proof, log-prob and sampling checks of the given samples against ``model``'s prefill.
 
@@ -392,7 +392,6 @@ def model_results(
     if not samples:
         return {}
     recomputed = model.recompute([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
-    measured = [] if measured is None else measured
     out = {i: _proof_and_logprob_checks(batch, s, r, rules, measured) for i, s, r in zip(samples_to_check, samples, recomputed)}
     if rules.check_sampling:
         todo = [(i, s, r) for i, s, r in zip(samples_to_check, samples, recomputed) if out[i].ok]

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 import trio
 
 from ..hashes import digest
-from ..proofs.margins import ProofMargins
 from ..host import STREAM_ERRORS
 from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
 from ..ledger.sync import LedgerError
 from ..proofs.config import ProofsConfig
+from ..proofs.margins import ProofMargins
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 from ..rollouts.schema import (
     DOMAIN_VERDICT,
