@@ -4,6 +4,9 @@ VENV   ?= .venv
 # Installed before the project so the range in pyproject.toml is already satisfied
 # and pip never fetches a CUDA build on a CPU machine. Override: make TORCH=torch==2.14.1
 TORCH  ?= torch==2.13.0
+# Every other package comes from the lock, exact versions with hashes (`make lock` regenerates it).
+LOCK   ?= requirements.lock
+PIP    ?= pip==26.3
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_ARGS ?=
@@ -14,16 +17,33 @@ PYTEST_ARGS ?=
 TOPLOC ?= toploc==0.1.6
 TOPLOC_VENV ?= .toploc-venv
 
-.PHONY: demo test test-slow interop bench venv clean
+.PHONY: demo test test-slow stress interop lock venv clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# torch without its dependencies (they are in the lock), then the lock with hashes and no resolving,
+# then the project itself; `pip check` fails the build if the three do not fit together.
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[ml,test]'
+	$(BIN)/python -m pip install -q $(PIP)
+	$(BIN)/python -m pip install -q --no-deps $(TORCH)
+	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip check
 	touch $(STAMP)
+
+# Regenerate the lock from pyproject.toml's ranges (the ml and test extras) for this platform and
+# Python, with torch held at $(TORCH) while resolving but left out of the file (installed above, so
+# that TORCH stays overridable; its own dependencies are in the lock).
+LOCK_VENV ?= .lock-venv
+PIP_TOOLS ?= pip-tools==7.6.2
+lock:
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q $(PIP) $(PIP_TOOLS)
+	echo '$(TORCH)' > $(LOCK_VENV)/torch.txt
+	$(LOCK_VENV)/bin/pip-compile -q --upgrade --extra ml --extra test --generate-hashes --strip-extras \
+		--unsafe-package torch --no-emit-index-url --no-emit-find-links \
+		--constraint $(LOCK_VENV)/torch.txt --output-file $(LOCK) pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/swarm-node demo $(DEMO_ARGS)
@@ -31,19 +51,24 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# The default suite three times in a row while a CPU hog it starts itself keeps one core busy.
+stress: $(STAMP)
+	tests/stress.sh $(PYTEST_ARGS)
+
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 interop: $(STAMP) $(TOPLOC_VENV)/.installed
 	TOPLOC_PYTHON=$(TOPLOC_VENV)/bin/python $(BIN)/python -m pytest -q -rs tests/test_proofs_interop.py $(PYTEST_ARGS)
 
-$(TOPLOC_VENV)/.installed:
+$(TOPLOC_VENV)/.installed: $(LOCK)
 	$(PYTHON) -m venv $(TOPLOC_VENV)
-	$(TOPLOC_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TOPLOC_VENV)/bin/python -m pip install -q $(TORCH) numpy setuptools wheel
+	$(TOPLOC_VENV)/bin/python -m pip install -q $(PIP)
+	$(TOPLOC_VENV)/bin/python -m pip install -q --no-deps $(TORCH)
+	$(TOPLOC_VENV)/bin/python -m pip install -q --no-deps --require-hashes -r $(LOCK)
 	$(TOPLOC_VENV)/bin/python -m pip download -q --no-binary :all: --no-deps --no-build-isolation -d $(TOPLOC_VENV)/sdist $(TOPLOC)
 	$(TOPLOC_VENV)/bin/python -m pip install -q --no-build-isolation $(TOPLOC_VENV)/sdist/*.tar.gz
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(TOPLOC_VENV) build *.egg-info
+	rm -rf $(VENV) $(TOPLOC_VENV) $(LOCK_VENV) build *.egg-info
