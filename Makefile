@@ -48,6 +48,9 @@ lock:
 demo: $(STAMP)
 	$(BIN)/swarm-node demo $(DEMO_ARGS)
 
+# A fixed hash seed: set and dict iteration orders are the same on every run and machine.
+export PYTHONHASHSEED := 0
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 

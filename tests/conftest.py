@@ -1,8 +1,17 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the environment every test (and every process a test starts) runs in."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# Set before anything imports torch, and inherited by the node processes the tests start: one
+# compute thread per process. The suite runs many processes on 2 shared cores; several OpenMP
+# pools spinning against each other (or against another job on the machine) make run times swing
+# by multiples, and nothing here needs intra-op parallelism to be correct.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import trio
 
+from node.gossip.membership import MemberState
 from node.gossip.records import DOMAIN_RECORD, PeerRecord
 from node.host import open_swarm_host
 from node.identity import Identity
 from node.wire import encode, seal
 
 from swarmtest import node_config, open_nodes
-
-CONVERGE_BOUND = 45.0  # generous: a correctness bound on a shared 2-core machine, not a speed test
-
-
-async def wait_for(predicate, bound: float) -> None:
-    with trio.fail_after(bound):
-        while not predicate():
-            await trio.sleep(0.1)
+from waiting import HANG_GUARD_S, wait_for
 
 
 def sees_all(nodes) -> bool:
@@ -29,7 +23,7 @@ async def test_nodes_converge_through_one_bootstrap(tmp_path, fast_membership):
     roles = ["relay", "trainer", "validator", "inference", "inference"]
     configs = [node_config(tmp_path, f"n{i}", role, membership=fast_membership) for i, role in enumerate(roles)]
     async with open_nodes(configs) as nodes:
-        await wait_for(lambda: sees_all(nodes), CONVERGE_BOUND)
+        await wait_for(lambda: sees_all(nodes), what="every node sees every other alive")
         relay_view = nodes[0].services["membership"].members()
         assert sorted(relay_view.values()) == sorted(roles[1:])
 
@@ -38,13 +32,13 @@ async def test_forged_and_oversized_records_rejected_and_counted(tmp_path, fast_
     configs = [node_config(tmp_path, f"n{i}", membership=fast_membership) for i in range(2)]
     async with open_nodes(configs) as nodes:
         target = nodes[0]
-        await wait_for(lambda: sees_all(nodes), CONVERGE_BOUND)
+        await wait_for(lambda: sees_all(nodes), what="every node sees every other alive")
         topic = target.topic("members")
         mallory, victim = Identity.generate(), nodes[1]
         async with open_swarm_host(mallory, ["/ip4/127.0.0.1/tcp/0"]) as host:
             await host.pubsub.subscribe(topic)
             await host.connect(target.host.listen_addrs()[0])
-            await trio.sleep(1.5)  # let the subscription and mesh form (gossipsub heartbeat 1 s)
+            await wait_for(lambda: host.mesh_size(topic) >= 1, what="mallory in the target's mesh")
             victim_record = target.services["membership"].table.members[victim.peer_id].record
             forged = PeerRecord(
                 run="test", peer_id=victim.peer_id, role="trainer", addrs=["/ip4/6.6.6.6/tcp/1"],
@@ -58,14 +52,14 @@ async def test_forged_and_oversized_records_rejected_and_counted(tmp_path, fast_
                 r = target.metrics.rejections()
                 return r.get(f"{topic}/forged", 0) >= 1 and r.get(f"{topic}/oversized", 0) >= 1 and r.get(f"{topic}/malformed", 0) >= 1
 
-            await wait_for(counted, 20)
+            await wait_for(counted)
         record = target.services["membership"].table.members[victim.peer_id].record
         assert record.role == "relay" and record.software != "evil"  # state untouched
         status = target.status["membership"]()
         assert status["rejected"][f"{topic}/forged"] >= 1
         # still running: the victim's real record refresh is still accepted
         victim.services["membership"].update(load=3.0)
-        await wait_for(lambda: target.services["membership"].table.members[victim.peer_id].record.load == 3.0, 20)
+        await wait_for(lambda: target.services["membership"].table.members[victim.peer_id].record.load == 3.0)
 
 
 async def test_metrics_endpoint_on_loopback(tmp_path, fast_membership):
@@ -78,8 +72,8 @@ async def test_metrics_endpoint_on_loopback(tmp_path, fast_membership):
     configs = [node_config(tmp_path, f"n{i}", membership=fast_membership) for i in range(2)]
     configs[0].metrics_port = port
     async with open_nodes(configs) as nodes:
-        await wait_for(lambda: sees_all(nodes), CONVERGE_BOUND)
-        with trio.fail_after(20):
+        await wait_for(lambda: sees_all(nodes), what="every node sees every other alive")
+        with trio.fail_after(HANG_GUARD_S):
             while True:  # the gauge follows the table at the next tick
                 body = await trio.to_thread.run_sync(
                     lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -99,32 +93,39 @@ async def test_garbage_on_the_gossipsub_stream_does_not_stop_the_node(tmp_path, 
     configs = [node_config(tmp_path, f"n{i}", membership=fast_membership) for i in range(2)]
     async with open_nodes(configs) as nodes:
         target = nodes[0]
-        await wait_for(lambda: sees_all(nodes), CONVERGE_BOUND)
+        await wait_for(lambda: sees_all(nodes), what="every node sees every other alive")
         async with open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as mallory:
             await mallory.connect(target.host.listen_addrs()[0])
             for payload in (b"\x05\xff\xff\xff\xff\xff", b"\x03\x0a\xff\x01"):  # varint length + bad protobuf
                 stream = await mallory.open_stream(target.peer_id, "/meshsub/1.1.0")
                 await stream.write(payload)
-                await trio.sleep(0.5)
-            await wait_for(lambda: sum(target.host.handler_errors.counts.values()) >= 1, 20)
+            await wait_for(lambda: sum(target.host.handler_errors.counts.values()) >= 1)
         # the node still works: a record change from the other node still arrives
         nodes[1].services["membership"].update(load=7.0)
-        await wait_for(lambda: target.services["membership"].table.members[nodes[1].peer_id].record.load == 7.0, 20)
+        await wait_for(lambda: target.services["membership"].table.members[nodes[1].peer_id].record.load == 7.0)
 
 
 async def test_pruned_connections_are_announced_and_nobody_is_suspected(tmp_path, fast_membership):
     """More members than connections allowed: the managers prune, announcing it, and since probes
-    follow the connections and an announced close is no failure, everyone stays alive."""
-    tight = dict(fast_membership, conn_low=2, conn_high=3)
+    follow the connections and an announced close is no failure, everyone stays alive.
+
+    Probe timeouts are relaxed so that a machine starved by other work cannot fail a probe: what is
+    tested is that pruning causes no suspicion, not how fast a starved node answers."""
+    tight = dict(fast_membership, conn_low=2, conn_high=3, probe_timeout=5.0, indirect_timeout=10.0)
     configs = [node_config(tmp_path, f"n{i}", membership=tight) for i in range(6)]
     async with open_nodes(configs) as nodes:
-        await wait_for(lambda: sees_all(nodes), CONVERGE_BOUND)
+        await wait_for(lambda: sees_all(nodes), what="every node sees every other alive")
         svcs = [n.services["membership"] for n in nodes]
-        await wait_for(lambda: sum(s.closes["pruned_by_peer"] for s in svcs) >= 2, CONVERGE_BOUND)
-        await trio.sleep(5)  # several suspicion timeouts at these timers
-        assert all(s.table.counts().get("suspect", 0) == 0 and s.table.counts().get("dead", 0) == 0 for s in svcs)
+        await wait_for(lambda: sum(s.closes["pruned_by_peer"] for s in svcs) >= 2, what="two announced prunes")
+        # Each node answers probes across the pruning: many chances to suspect someone wrongly.
+        ok_before = [s.table.probes["ok"] for s in svcs]
+        await wait_for(lambda: all(s.table.probes["ok"] >= b + 10 for s, b in zip(svcs, ok_before)),
+                       what="ten more successful probes by every node")
+        assert [s.table.entered[MemberState.SUSPECT] for s in svcs] == [0] * len(svcs)
+        assert [s.table.probes["failed"] for s in svcs] == [0] * len(svcs)
         assert sees_all(nodes)
-        assert all(len(n.host.connected_peers()) <= 3 + 1 for n in nodes[1:])  # bounded (+1: a dial in flight)
+        # Bounded: the managers bring every node to at most conn_high (+1: a dial in flight).
+        await wait_for(lambda: all(len(n.host.connected_peers()) <= 3 + 1 for n in nodes[1:]), what="connections pruned")
         assert all(s.status()["mesh"] >= 1 for s in svcs)  # gossip still has a mesh to travel on
 
 
@@ -134,6 +135,16 @@ async def test_py_libp2p_does_not_dial_on_its_own(tmp_path):
             open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as b:
         network = a.host.get_network()
         a.host.get_peerstore().add_addrs(b.host.get_id(), b.host.get_addrs(), 3600)
+        dials = []
+        real_dial = network.dial_peer
+
+        async def counting_dial(peer_id, *args, **kwargs):
+            dials.append(peer_id)
+            return await real_dial(peer_id, *args, **kwargs)
+
+        network.dial_peer = counting_dial
+        # py-libp2p's cycle awaits its dials inside maybe_connect: had it dialled, we would see it now.
         await network.auto_connector.maybe_connect()
-        await trio.sleep(0.5)
-        assert a.connected_peers() == []
+        assert dials == [] and a.connected_peers() == []
+        await a.connect(b.listen_addrs()[0])  # and the counter does see a real dial
+        assert dials and a.connected_peers()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import trio
 from swarmtest import node_config, open_nodes
+from waiting import wait_for
 
 from node.config import RunConfig
 from node.identity import load_or_create_identity
@@ -135,11 +136,10 @@ async def test_inference_node_sends_valid_batches_and_follows_new_versions(tmp_p
         # generating batches that would be refused, and resume once it holds a recent version.
         fake.step = 3
         svc = worker.services["inference"]
-        with trio.fail_after(60):
-            while not svc.status()["waiting_for_checkpoint"]:
-                await trio.sleep(0.05)
-        steps = svc.stats.steps
-        await trio.sleep(1.0)
+        await wait_for(lambda: svc.status()["waiting_for_checkpoint"], what="the node notices its weights are too old")
+        steps, held = svc.stats.steps, svc.stats.held_back
+        # Three more times it was ready to generate and looked again: each time it held back.
+        await wait_for(lambda: svc.stats.held_back >= held + 3, what="the generator re-checks while waiting")
         assert svc.stats.steps == steps and svc.status()["waiting_for_checkpoint"]
         await trainer.services["shards"].publish(m1, 3)
         later = await fake.wait_for(lambda sb: sb.batch.policy_version == 3)
@@ -179,17 +179,16 @@ async def test_backpressure_retries_elsewhere_and_counts_refusals(tmp_path, fast
         bad.host.set_handler(ROLLOUTS_PROTOCOL, reset)
         await bad.services["shards"].publish(model, 0)
         svc = worker.services["inference"]
-        with trio.fail_after(60):
-            while svc.stats.steps < 2 or svc.failures["stream"] + svc.failures["unreachable"] < 2:
-                await trio.sleep(0.1)
-        await trio.sleep(1.0)
+        await wait_for(lambda: svc.stats.steps >= 2 and svc.failures["stream"] + svc.failures["unreachable"] >= 2,
+                       what="two batches generated and two refused deliveries")
+        # Every failed delivery wakes the generator; with the outbox full it must hold back each time.
+        held = svc.stats.held_back
+        await wait_for(lambda: svc.stats.held_back >= held + 2, what="the generator re-checks the full outbox")
         assert svc.stats.steps == 2 and len(svc.outbox) == 2  # bounded: waits instead of generating more
         assert svc.status()["batches"]["accepted"] == 0
 
         good_node.host.set_handler(ROLLOUTS_PROTOCOL, good.handle)
-        with trio.fail_after(60):
-            while svc.status()["batches"]["accepted"] < 3:
-                await trio.sleep(0.1)
+        await wait_for(lambda: svc.status()["batches"]["accepted"] >= 3, what="three batches accepted")
         status = svc.status()["batches"]
         assert status["refused"] == {"wrong_task": 1}
         assert sum(status["transport_failures"].values()) >= 2  # both trainers failed at first

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import copy
 
-import trio
 from swarmtest import node_config, open_nodes
+from waiting import wait_for
 
 from node.config import RunConfig
 from node.identity import load_or_create_identity
@@ -30,11 +30,10 @@ async def test_trainer_and_inference_close_the_loop(tmp_path, fast_membership):
                node_config(tmp_path, "cheater", "inference", run=cheater_run)]
     async with open_nodes(configs) as (trainer, worker, cheater):
         svc, bad = worker.services["inference"], cheater.services["inference"]
-        with trio.fail_after(240):
-            # A slow start may load v1 first (v0 skipped): then the swap is to v2, which follows.
-            while (svc.stats.swaps < 1 or svc.status()["batches"]["accepted"] < 2
-                   or not bad.status()["batches"]["refused"].get("duplicate")):
-                await trio.sleep(0.2)
+        # A slow start may load v1 first (v0 skipped): then the swap is to v2, which follows.
+        await wait_for(lambda: (svc.stats.swaps >= 1 and svc.status()["batches"]["accepted"] >= 2
+                                and bad.status()["batches"]["refused"].get("duplicate")),
+                       timeout=240, what="a weight swap, two accepted batches and a refused replay")
         status = svc.status()
         assert status["weight_swaps"] >= 1 and status["policy_version"] >= 1
         assert set(status["batches"]["refused"]) <= {"stale"}  # the trainer may step past a slow batch

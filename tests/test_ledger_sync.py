@@ -30,6 +30,7 @@ from node.ledger.sync import (
     serve_ledger,
 )
 from node.wire import read_message, write_frame
+from waiting import wait_for
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 RUN = "ledger-test"
@@ -70,12 +71,6 @@ def penalty(points: int) -> Penalty:
 
 async def connect(a: NodeContext, b: NodeContext) -> None:
     await a.host.connect(b.host.listen_addrs()[0])
-
-
-async def wait_for(predicate, timeout: float = 20.0, step: float = 0.05) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(step)
 
 
 def ledger(node: NodeContext):
@@ -158,7 +153,7 @@ async def test_forged_and_bad_entries_rejected_over_gossip(tmp_path):
         async with open_swarm_host(mallory, LOOPBACK) as m:
             await m.connect(w.host.listen_addrs()[0])
             await m.pubsub.subscribe(topic)
-            await trio.sleep(2.5)  # let the mesh form (heartbeat 1 s)
+            await wait_for(lambda: m.mesh_size(topic) >= 1, what="mallory in the node's mesh")
             bad = [
                 b"\x93garbage",
                 bytes(forged_bytes),

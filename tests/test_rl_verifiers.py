@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
+
+from waiting import wait_until
 
 from node.rl.sandbox import Limits, isolation_mode, run_python
 from node.rl.tasks import Task
@@ -112,9 +118,9 @@ def test_fork_bomb_gets_zero_and_leaves_nothing_behind():
     """)
     v = code_verdict(bomb, TESTS, Limits(wall_s=2.0, cpu_s=2, memory_mb=256))
     assert v.reward == 0.0
-    time.sleep(0.5)
-    leftovers = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith("main.py")]
-    assert leftovers == []
+    # A surviving fork bomb never goes away, so waiting for "none left" cannot pass by being early.
+    wait_until(lambda: not [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith("main.py")],
+               timeout=30, what="no fork-bomb process left")
 
 
 def _cmdline(pid: str) -> str:
@@ -125,22 +131,41 @@ def _cmdline(pid: str) -> str:
         return ""
 
 
-def test_detached_grandchild_does_not_survive(tmp_path):
-    marker = tmp_path / "escaped"
-    os.chmod(tmp_path, 0o777)
+def test_detached_grandchild_does_not_survive():
+    """A grandchild that leaves the process group holds a file lock for a minute: the lock is free
+    again only once that process is gone, so the test sees its death rather than waiting a while."""
+    shared = Path(tempfile.mkdtemp(prefix="sandbox-test-"))  # pytest's tmp_path is not reachable as nobody
+    shared.chmod(0o777)
+    lock, started = shared / "lock", shared / "started"
     code = textwrap.dedent(f"""
-        import os, time
+        import fcntl, os, time
         if os.fork() == 0:
             os.setsid()
-            time.sleep(2)
-            open({str(marker)!r}, "w").write("x")
+            f = open({str(lock)!r}, "w")
+            fcntl.flock(f, fcntl.LOCK_EX)
+            open({str(started)!r}, "w").write("x")
+            time.sleep(60)
+        else:
+            while not os.path.exists({str(started)!r}):
+                time.sleep(0.01)
     """)
-    run_python(code, FAST)
-    time.sleep(3)
-    if "pidns" in isolation_mode()[0]:
-        assert not marker.exists()
-    else:  # pragma: no cover - machines without unshare: only the process group is killed
-        pytest.skip("no PID namespace here: a setsid() grandchild can outlive the run")
+    try:
+        run_python(code, FAST)
+        if "pidns" not in isolation_mode()[0]:  # pragma: no cover - machines without unshare
+            pytest.skip("no PID namespace here: a setsid() grandchild can outlive the run")
+        assert started.exists()  # the grandchild really ran and took the lock
+        wait_until(lambda: lock_is_free(lock), timeout=30, what="the detached grandchild gone")
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def lock_is_free(path: Path) -> bool:
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
 
 
 def test_network_is_unreachable():

@@ -13,6 +13,7 @@ from node.shards.protocol import Data
 from node.shards.service import ShardsService, _ServerSession
 from node.wire import encode
 from node.shards.testing import open_shards_swarm, same_files, write_checkpoint
+from waiting import wait_for
 
 MiB = 1 << 20
 FAST = dict(announce_interval=0.5, request_timeout=2.0, progress=False)
@@ -212,7 +213,8 @@ async def test_inference_fetches_newest_relay_fetches_all(tmp_path: Path) -> Non
             d = await swarm.add(tmp_path / "d", trainers=tr, role="inference", **FAST)
             r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **FAST)
             await connect_all([t, d, r])
-            await trio.sleep(1.5)  # gossip meshes form (heartbeat 1 s)
+            topic = t.topic("checkpoints")
+            await wait_for(lambda: t.host.mesh_size(topic) == 2, what="both followers in the trainer's announce mesh")
             await t.services["shards"].publish(write_checkpoint(tmp_path / "v1", 4 * MiB, seed=1), 1)
             while 1 not in d.services["shards"].downloads:  # version 1 is on its way to d ...
                 await trio.sleep(0.05)

@@ -7,8 +7,8 @@ with a fake validator, and a restart that resumes at the saved step with the sam
 
 from __future__ import annotations
 
-import trio
 from swarmtest import node_config, open_nodes
+from waiting import wait_for
 
 from node.config import RunConfig
 from node.hashes import digest
@@ -27,7 +27,6 @@ from node.trainer.testing import reversal_batch, sign_batch
 from node.wire import decode_as, encode, read_frame, seal, write_frame
 
 GRPO = {"min_batch_samples": 16, "optimizer_steps": 2, "pack_length": 64, "kl_coef": 0.0, "lr": 1e-3}
-DEADLINE = 120  # seconds of real time; the loop itself takes a few
 
 
 def make_run(tmp_path, validators=()):
@@ -43,12 +42,6 @@ async def submit(node, trainer_peer: str, data: bytes) -> RolloutAck:
     frame = await read_frame(stream, 4096)
     await stream.close()
     return decode_as(RolloutAck, frame, 4096)
-
-
-async def wait_for(predicate, timeout=DEADLINE, what=""):
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
 
 
 def honest(client, trainer, step, seed):
@@ -68,8 +61,9 @@ async def test_batches_make_a_step_and_version_1_is_published(tmp_path):
         first = honest(client, trainer, step=0, seed=1)
         ack = await submit(client, tnode.peer_id, first)
         assert ack.accepted, ack.reason
-        await trio.sleep(0.5)
-        assert trainer.step == 0  # 16 samples with signal are needed: the first batch has 8
+        # The train loop looked at it and waits: 16 samples with signal are needed, the batch has 8.
+        await wait_for(lambda: trainer.status()["samples_in_hand"] == [8, 16], what="first batch picked and found short")
+        assert trainer.step == 0
         ack = await submit(client, tnode.peer_id, honest(client, trainer, step=1, seed=2))
         assert ack.accepted, ack.reason
         await wait_for(lambda: trainer.published == 1)

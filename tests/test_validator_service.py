@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import trio
 from swarmtest import node_config, open_nodes
+from waiting import wait_for
 
 from node.config import RunConfig
 from node.engines.torch_engine import TorchEngine
@@ -114,9 +115,7 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             assert status["proof_margins"]["rollouts"] == sum(len(b.batch.samples) for b in honest)
             # The ban travels in the ledger: the other node's replica holds it too (a trainer's intake
             # consults exactly this), and its status shows who banned whom and why.
-            with trio.fail_after(30):
-                while trainer.services["ledger"].ban_of(cheat_w.peer_id) is None:
-                    await trio.sleep(0.1)
+            await wait_for(lambda: trainer.services["ledger"].ban_of(cheat_w.peer_id) is not None, what="ban replicated")
             ban = trainer.services["ledger"].status()["bans"][cheat_w.peer_id]
             assert ban["by"] == validator.peer_id and ban["reason"] == "reward_mismatch"
             assert trainer.services["ledger"].ban_of(honest_w.peer_id) is None
@@ -124,9 +123,7 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             # The same batch sent again (the trainer lost our ack) gets the same signed verdict again.
             again = await send_batch(trainer, validator.peer_id, honest[0].envelope)
             assert again.accepted
-            with trio.fail_after(30):
-                while len(raw_by_id[honest[0].batch_id]) < 2:
-                    await trio.sleep(0.05)
+            await wait_for(lambda: len(raw_by_id[honest[0].batch_id]) >= 2, what="the verdict sent again")
             assert raw_by_id[honest[0].batch_id][0] == raw_by_id[honest[0].batch_id][1]
 
     # `swarm-node penalties` reads the same facts (with reasons) back from the validator's ledger.

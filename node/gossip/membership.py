@@ -144,6 +144,10 @@ class MemberTable:
     members: dict[str, Member] = field(default_factory=dict)
     _probe_order: list[str] = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
+    # How many times any member entered each state through _set (new members enter ALIVE without
+    # it): "nobody was ever suspected" is then a fact to read, not the absence of a sighting.
+    entered: dict[MemberState, int] = field(default_factory=lambda: dict.fromkeys(MemberState, 0))
+    probes: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})  # outcomes reported to us
 
     # ---------------------------------------------------------------- inputs
 
@@ -196,6 +200,7 @@ class MemberTable:
 
     def on_probe_ok(self, peer_id: str, now: float) -> None:
         """We reached the member directly or indirectly: it is alive as far as we can tell."""
+        self.probes["ok"] += 1
         m = self.members.get(peer_id)
         if m is None or m.state in (MemberState.DEAD, MemberState.LEFT):
             return
@@ -205,6 +210,7 @@ class MemberTable:
 
     def on_probe_failed(self, peer_id: str, now: float) -> Accusation | None:
         """Direct and indirect probes failed: suspect it; returns the accusation to publish."""
+        self.probes["failed"] += 1
         m = self.members.get(peer_id)
         if m is None or m.state is not MemberState.ALIVE:
             return None
@@ -263,6 +269,8 @@ class MemberTable:
     # ---------------------------------------------------------------- views
 
     def _set(self, m: Member, state: MemberState, now: float, accuser: str) -> None:
+        if state is not m.state:
+            self.entered[state] += 1
         m.state, m.since, m.accuser = state, now, accuser
 
     def state_of(self, peer_id: str) -> MemberState | None:

@@ -98,6 +98,7 @@ class Stats:
     reward_sum: float = 0.0
     swaps: int = 0
     trimmed_groups: int = 0
+    held_back: int = 0  # times the generator was ready for a step and waited (outbox full, weights too old)
 
 
 class InferenceService:
@@ -203,12 +204,14 @@ class InferenceService:
         await self.loaded.wait()
         while True:
             while self.outbox.full:
+                self.stats.held_back += 1
                 await self._wait_changed()
             if self.outbox.is_stale(self.version):
                 # The trainer moved more than async_level steps past our weights (the download is
                 # behind): anything generated now would be refused. Wait for the newer version.
                 self.waiting_for_checkpoint = True
                 while self.outbox.is_stale(self.version):
+                    self.stats.held_back += 1
                     await trio.sleep(self.cfg.checkpoint_poll_s)
                 self.waiting_for_checkpoint = False
             step = self.next_step

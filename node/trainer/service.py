@@ -104,6 +104,7 @@ class Trainer:
         self.busy_s = 0.0  # time spent in steps (train + save)
         self.last_step: dict = {}
         self.no_signal_batches = 0  # batches consumed with every group flat (nothing to learn from)
+        self.samples_in_hand = 0  # samples with signal the last pick found (a step needs min_batch_samples)
         self.published: int | None = None
         self.publish_error = ""
         self.reward_curve = [(r.step, r.mean_reward) for r in spool.steps()]  # every step of the run
@@ -379,6 +380,7 @@ class Trainer:
             self._wake("ledger")
         for bid in expired + flat:
             self._samples.pop(bid, None)
+        self.samples_in_hand = len(samples)
         if len(samples) < self.cfg.min_batch_samples:
             return None
         return ids, samples, reward_sum / max(n_all, 1)
@@ -502,6 +504,7 @@ class Trainer:
                 "rejected": counts.get(BatchState.REJECTED.value, 0),
                 "no_signal": self.no_signal_batches,
             },
+            "samples_in_hand": [self.samples_in_hand, self.cfg.min_batch_samples],
             "rejected_by_reason": self.spool.rejected_by_reason(),
             "gate": gate,
             "reward": reward_points(self.reward_curve, STATUS_STEPS),
