@@ -25,8 +25,8 @@ from node.identity import Identity
 from node.model import create_tiny_model
 from node.proofs.config import ProofsConfig
 from node.rl.config import InferenceConfig, RLConfig
+from node.rl.spec import draw_tasks, sampling_seed
 from node.rollouts.config import WorkerConfig
-from node.rollouts.draw import draw_tasks, sampling_seed
 from node.rollouts.generate import RolloutGenerator
 
 

@@ -39,13 +39,14 @@ from node.engines.torch_engine import TorchEngine
 from node.identity import Identity
 from node.metrics import Metrics
 from node.rl.config import GRPOConfig
+from node.rl.spec import group_advantages
 from node.rl.synthetic import make_reversal_tasks, reversal_reward
 from node.rollouts.schema import RolloutBatch, RolloutSample
 from node.trainer.config import TrainerConfig
 from node.trainer.policy import Policy, training_samples
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
-from node.trainer.testing import group_advantages, reversal_batch, sign_batch
+from node.trainer.testing import reversal_batch, sign_batch
 
 RUN = "bench"
 PROMPTS, GROUP, NEW_TOKENS = 4, 8, 8

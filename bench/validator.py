@@ -39,7 +39,7 @@ from node.model import (
 )
 from node.proofs.toploc import build_proofs_many
 from node.rl.config import RLConfig
-from node.rollouts.draw import sampling_seed
+from node.rl.spec import sampling_seed
 from node.validator import testing as T
 from node.validator.pipeline import BatchRules, CheckModel, judge_batch
 from node.validator.tasks import RunTasks

@@ -22,7 +22,7 @@ from node.rl.grpo import (
     token_logprobs,
     train_step,
 )
-from node.rl.rewards import filter_groups, group_advantages, has_signal
+from node.rl.spec import filter_groups, group_advantages, has_signal
 
 CFG = GRPOConfig(epsilon=0.2, delta=4.0, kl_coef=0.0, entropy_coef=0.0)
 SMALL = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

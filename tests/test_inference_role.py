@@ -18,26 +18,21 @@ from node.config import RunConfig
 from node.identity import load_or_create_identity
 from node.model import create_tiny_model, load_model, load_tokenizer
 from node.proofs.capture import logits_from_hidden, recompute_decode_states
-from node.proofs.checks import (
-    check_advantages,
-    check_logprobs,
-    check_termination,
-    token_logprobs,
-)
+from node.proofs.checks import check_logprobs, check_termination
 from node.proofs.config import ProofsConfig
 from node.proofs.toploc import verify_proofs
 from node.rl.config import RLConfig
-from node.rl.rewards import length_penalty
+from node.rl.spec import draw_step, length_penalty, prompt_ids, token_logprobs
 from node.rl.tasks import load_taskset
 from node.rl.verifiers import task_reward
 from node.rollouts.assemble import split_proofs
-from node.rollouts.draw import draw_step, prompt_ids
 from node.rollouts.schema import (
     MAX_BATCH_BYTES,
     ROLLOUTS_PROTOCOL,
     RolloutAck,
     open_batch,
 )
+from node.validator.pipeline import advantage_results
 from node.wire import read_frame, write_frame
 
 RL = {"group_size": 3, "prompts_per_batch": 2, "max_new_tokens": 6}
@@ -113,8 +108,7 @@ def check_batch(sb, model, tokenizer, peer_id: str, version: int, rl: RLConfig |
             failures.append(f"reward {s.prompt_index}/{s.sample_index}")
     for i in {s.prompt_index for s in b.samples}:
         group = [s for s in b.samples if s.prompt_index == i]
-        if len(group) != b.group_size or not check_advantages([s.reward for s in group], [s.advantage for s in group],
-                                                              tolerance=1e-4):
+        if len(group) != b.group_size or not all(advantage_results(group, tolerance=1e-4)):
             failures.append(f"group {i}")
     return failures
 

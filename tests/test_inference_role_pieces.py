@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 from test_inference_role import RL, check_batch
 
+from node.adversary.generator import make_generator
 from node.identity import Identity
 from node.model import create_tiny_model, load_model, load_tokenizer
 from node.proofs.config import ProofsConfig
 from node.rl.config import InferenceConfig, RLConfig
+from node.rl.spec import sampling_seed, thinking_budget
 from node.roles.inference import advertise_due, read_step, write_step
 from node.rollouts.assemble import (
     chunk_proof_sizes,
@@ -18,8 +20,6 @@ from node.rollouts.assemble import (
     split_proofs,
 )
 from node.rollouts.config import WorkerConfig
-from node.rollouts.draw import sampling_seed, thinking_budget
-from node.rollouts.generate import RolloutGenerator
 from node.rollouts.schema import RolloutBatch, RolloutSample, open_batch
 
 
@@ -91,8 +91,8 @@ def tiny(tmp_path_factory):
 
 
 def _generate(path, cheat: str, ident: Identity, rl: RLConfig | None = None):
-    gen = RolloutGenerator(identity=ident, run_name="test", rl=rl or RLConfig(**RL), proofs=ProofsConfig(),
-                           inference=InferenceConfig(engine="torch", device="cpu"), worker=WorkerConfig(cheat=cheat))
+    gen = make_generator(identity=ident, run_name="test", rl=rl or RLConfig(**RL), proofs=ProofsConfig(),
+                         inference=InferenceConfig(engine="torch", device="cpu"), worker=WorkerConfig(cheat=cheat))
     gen.follow(path)
     result = gen.run_step(7, 0, 0)
     return open_batch(result.sealed.envelope, "test"), result

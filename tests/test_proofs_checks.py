@@ -9,26 +9,20 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from node.config import ConfigError, build
-from node.hashes import digest
 from node.proofs.checks import (
-    check_advantages,
     check_bounds,
     check_logprobs,
     check_policy_version,
     check_rewards,
     check_sampling_params,
-    check_task,
     check_termination,
     first_failure,
-    group_advantages,
-    token_logprobs,
 )
 from node.proofs.config import ProofsConfig
 from node.proofs.reasons import PASS, Reason
+from node.rl.spec import token_logprobs
 
 EOS = 2
 
@@ -88,21 +82,6 @@ def test_sampling_params():
     assert check_sampling_params(1.0, 8, run_temperature=1.0, expected_seed=None).ok
 
 
-def toy_draw(peer_id: str, step: int, index: int) -> int:
-    return int.from_bytes(digest(f"{peer_id}/{step}/{index}".encode())[:4], "big") % 1000
-
-
-def test_task_identity():
-    expected = toy_draw("peerA", 3, 5)
-    assert check_task(expected, peer_id="peerA", step=3, index=5, draw=toy_draw).ok
-    bad = check_task((expected + 1) % 1000, peer_id="peerA", step=3, index=5, draw=toy_draw)
-    assert bad.reason is Reason.WRONG_TASK and "index 5" in bad.detail
-    # a task drawn for another peer or step is not this one's
-    assert toy_draw("peerB", 3, 5) != expected and toy_draw("peerA", 4, 5) != expected
-    assert not check_task(toy_draw("peerB", 3, 5), peer_id="peerA", step=3, index=5, draw=toy_draw).ok
-    assert not check_task(toy_draw("peerA", 4, 5), peer_id="peerA", step=3, index=5, draw=toy_draw).ok
-
-
 def test_rewards():
     assert check_rewards([1.0, 0.0], [1.0, 0.0], tolerance=1e-6).ok
     r = check_rewards([1.0, 1.0], [1.0, 0.0], tolerance=1e-6)
@@ -111,30 +90,6 @@ def test_rewards():
     assert check_rewards([float("inf")], [1.0], tolerance=1e-6).reason is Reason.REWARD_MISMATCH
     assert check_rewards("xx", [1.0], tolerance=1e-6).reason is Reason.REWARD_MISMATCH
     assert check_rewards(7, [1.0], tolerance=1e-6).reason is Reason.REWARD_MISMATCH
-
-
-def test_group_advantages_by_hand():
-    # rewards 1, 0, 0, 1: mean 0.5, population std 0.5 -> +-1 (up to eps)
-    adv = group_advantages([1.0, 0.0, 0.0, 1.0])
-    assert adv.tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0], rel=1e-5)
-    assert group_advantages([3.0, 3.0, 3.0]).tolist() == [0.0, 0.0, 0.0]  # no signal, no division by zero
-    assert group_advantages([2.0]).tolist() == [0.0]
-
-
-def test_advantage_check():
-    rewards = [1.0, 0.0, 0.5, 0.0]
-    assert check_advantages(rewards, group_advantages(rewards).tolist(), tolerance=1e-4).ok
-    inflated = group_advantages(rewards) * 2
-    assert check_advantages(rewards, inflated.tolist(), tolerance=1e-4).reason is Reason.ADVANTAGE_MISMATCH
-    assert check_advantages(rewards, [0.0], tolerance=1e-4).reason is Reason.ADVANTAGE_MISMATCH
-    assert check_advantages([], [], tolerance=1e-4).reason is Reason.ADVANTAGE_MISMATCH
-
-
-@given(st.lists(st.floats(-100, 100), min_size=1, max_size=32))
-def test_advantages_are_centred_and_accepted(rewards):
-    adv = group_advantages(rewards)
-    assert abs(adv.mean()) < 1e-6 * max(1.0, np.abs(adv).max())
-    assert check_advantages(rewards, adv.tolist(), tolerance=1e-9).ok
 
 
 def test_bounds():

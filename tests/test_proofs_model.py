@@ -27,11 +27,12 @@ from node.proofs.capture import (
     prefill_hidden_states,
     recompute_decode_states,
 )
-from node.proofs.checks import check_logprobs, check_termination, token_logprobs
+from node.proofs.checks import check_logprobs, check_termination
 from node.proofs.config import ProofsConfig
 from node.proofs.reasons import Reason
 from node.proofs.margins import Worst, recommend
 from node.proofs.toploc import build_proofs_many, judge, summarize, verify_proofs
+from node.rl.spec import token_logprobs
 
 CFG = ProofsConfig()
 EOS, PAD = 2, 0

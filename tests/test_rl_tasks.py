@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from node.rl.rewards import budget_instruction, combined_reward, length_penalty
+from node.rl.config import RLConfig
+from node.rl.spec import budget_instruction, length_penalty, with_length_penalty
 from node.rl.synthetic import make_reversal_tasks, reversal_reward, write_taskset
 from node.rl.tasks import (
     KINDS,
@@ -106,8 +107,8 @@ def test_reversal_tasks_are_well_formed():
 def test_length_reward():
     assert length_penalty(100, 100) == 0.0
     assert length_penalty(150, 100) == 0.5 and length_penalty(50, 100) == 0.5
-    assert combined_reward(1.0, 150, 100, 0.2) == pytest.approx(0.9)
-    assert combined_reward(1.0, 150, None, 0.2) == 1.0  # off
+    assert with_length_penalty(1.0, 150, 100, RLConfig(length_alpha=0.2)).reward == pytest.approx(0.9)
+    assert with_length_penalty(1.0, 150, 0, RLConfig(length_alpha=0.2)).reward == 1.0  # no budget: off
     assert "100" in budget_instruction(100)
     with pytest.raises(ValueError):
         length_penalty(3, 0)

@@ -22,7 +22,7 @@ from node.identity import Identity, load_or_create_identity
 from node.metrics import Metrics
 from node.model import create_tiny_model
 from node.rl.config import RLConfig
-from node.rollouts.draw import sampling_seed
+from node.rl.spec import sampling_seed
 from node.rollouts.schema import (
     VERDICTS_PROTOCOL,
     VERIFY_PROTOCOL,

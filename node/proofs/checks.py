@@ -8,23 +8,20 @@ returns a :class:`~node.proofs.reasons.CheckResult` whose ``reason`` names what 
 validator can sign a per-sample verdict with a reason code and metrics can count rejections.
 
 Inputs are plain values (lists, numbers, tensors) so any message schema can call them; no I/O,
-no clock, no network imports.
+no clock, no network imports. What the right values are (the draw, the advantages, the log-prob
+definition) is node/rl/spec.py's; these functions only compare.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from .reasons import PASS, CheckResult, Reason, fail
 
-K = TypeVar("K", bound=Hashable)
-
-ADVANTAGE_EPS = 1e-6  # INTELLECT-2 / GRPO: A = (r - mean) / (std + 1e-6)
 PARAM_RTOL = 1e-6  # temperatures travel as floats; allow a float32 round trip, nothing more
 
 
@@ -54,19 +51,6 @@ def check_termination(completion: Sequence[int], eos_token_ids: Collection[int],
 
 # --------------------------------------------------------------------------------------------
 # Sampling
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(T, V) logits, (T,) tokens -> (T,) float32 log-probs under softmax(logits / temperature).
-
-    The definition both the inference engine and the validator use: the temperature-scaled full
-    distribution, before any top-p/top-k truncation (the quantity GRPO's ratio is taken over; the
-    INTELLECT-2 recipe divides logits by the sampling temperature).
-    """
-    if temperature <= 0:
-        raise ValueError("temperature must be > 0")
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
 def check_logprobs(
@@ -116,18 +100,6 @@ def check_sampling_params(
 # Data
 
 
-def check_task(task_id: K, *, peer_id: str, step: int, index: int, draw: Callable[[str, int, int], K]) -> CheckResult:
-    """The task is the one the run's deterministic draw gives this peer at (step, index).
-
-    ``draw`` is the run's task-draw function (INTELLECT-2: seeded from the worker's address, the
-    step and a counter), so a node cannot pick easy problems.
-    """
-    expected = draw(peer_id, step, index)
-    if task_id != expected:
-        return fail(Reason.WRONG_TASK, f"task {task_id!r} != drawn {expected!r} at step {step}, index {index}")
-    return PASS
-
-
 def _floats(values: Sequence[float]) -> np.ndarray | None:
     try:
         arr = np.asarray(values, dtype=np.float64)
@@ -145,28 +117,6 @@ def check_rewards(claimed: Sequence[float], recomputed: Sequence[float], *, tole
     if bad.size:
         i = int(bad[0])
         return fail(Reason.REWARD_MISMATCH, f"sample {i}: claimed {theirs[i]} != recomputed {mine[i]}")
-    return PASS
-
-
-def group_advantages(rewards: Sequence[float], eps: float = ADVANTAGE_EPS) -> np.ndarray:
-    """GRPO group-relative advantages: (r - mean) / (std + eps), std over the group (ddof 0).
-
-    The one definition for builders and checkers: the population std (numpy's default) keeps a
-    group of one finite (advantage 0) instead of dividing by zero degrees of freedom.
-    """
-    r = np.asarray(rewards, dtype=np.float64)
-    return (r - r.mean()) / (r.std() + eps)
-
-
-def check_advantages(rewards: Sequence[float], advantages: Sequence[float], *, tolerance: float) -> CheckResult:
-    """The claimed advantages follow from the group's rewards by :func:`group_advantages`."""
-    r, a = _floats(rewards), _floats(advantages)
-    if r is None or a is None or r.shape != a.shape or r.size == 0:
-        return fail(Reason.ADVANTAGE_MISMATCH, "advantages must be finite, one per reward")
-    bad = np.flatnonzero(np.abs(group_advantages(r) - a) > tolerance)
-    if bad.size:
-        i = int(bad[0])
-        return fail(Reason.ADVANTAGE_MISMATCH, f"sample {i}: advantage {a[i]} != {group_advantages(r)[i]:.6f}")
     return PASS
 
 

@@ -4,7 +4,7 @@ How this works:
 
 1. Each training sample is prompt + completion tokens, the log-probs the inference node sampled
    them with (``old_logprobs``, under logits / T of policy version v), and its group-relative
-   advantage (``node.rl.rewards.group_advantages``).
+   advantage (``node.rl.spec.group_advantages``).
 2. :func:`pack` lays samples end to end into rows of ``pack_length`` tokens. Position ids restart at
    0 for every sample and the attention mask is block-diagonal causal, so a packed row computes the
    same log-probs as each sample alone (tested); padding wastes nothing but the row's tail.

@@ -1,9 +1,9 @@
 """The whole RL loop in one process, no networking: draw -> sample -> score -> GRPO step -> repeat.
 
 Used to check that a model + task + hyper-parameters learn at all (``swarm-node rl-local``), by the
-benchmarks, and as the reference the networked loop must match: the same functions
-(``rollout.make_groups``, ``rollout.train_samples``, ``grpo.train_step``) run inside the inference and
-trainer roles, only with the network in between.
+benchmarks, and as the reference the networked loop must match: the same rules (node/rl/spec.py), the
+same builder (``rollout.build_groups``, via ``rollout.make_groups``) and ``grpo.train_step`` run inside
+the inference and trainer roles, only with the network in between.
 
 Synchronous on purpose (async level 0): the engine samples from the very weights being trained.
 """
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from .config import GRPOConfig, RLConfig
 from .grpo import make_optimizer, train_step
-from .rollout import code_limits, encode_prompt, make_groups, train_samples
+from .rollout import make_groups, train_samples
+from .spec import code_limits, prompt_ids
 from .tasks import TaskSet
 from .verifiers import task_reward
 
@@ -66,7 +67,7 @@ def greedy_score(engine, taskset: TaskSet, rl: RLConfig, count: int = 64) -> flo
     confident in what greedy decoding already answers; greedy reward rises only when answers improve.
     """
     tasks = list(taskset.tasks[:count])
-    prompts = [encode_prompt(engine.tokenizer, t, None) for t in tasks]
+    prompts = [prompt_ids(engine.tokenizer, t, 0) for t in tasks]
     groups = engine.generate(prompts, 1, 0.0, 1.0, rl.max_new_tokens, seed=0, capture_hidden=False)
     limits = code_limits(rl)
     return statistics.fmean(task_reward(t, g[0].text, limits) for t, g in zip(tasks, groups))

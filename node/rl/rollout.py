@@ -1,87 +1,98 @@
-"""From drawn tasks to scored groups: the inference side of one rollout step, without networking.
+"""The one rollout builder: a drawn step -> sampled, scored and normalised groups, without networking.
 
-``make_groups`` draws ``prompts_per_batch`` tasks for (peer, step), samples ``group_size``
-completions each with an engine, scores them with the verifiers (plus the optional length reward) and
-computes group-relative advantages. The networked inference role wraps this and adds proofs,
-signing and submission; the local loop (``node.rl.loop``) feeds it straight to ``train_step``.
+:func:`build_groups` prompts the engine with a :class:`~node.rl.spec.DrawnStep`'s tasks, samples
+``group_size`` completions each, scores them and computes group-relative advantages, all by the
+rules of node/rl/spec.py. The inference role's generator (node/rollouts/generate.py) adds proofs,
+signing and submission on top; the local loop (``node.rl.loop``, :func:`make_groups`) feeds the
+groups straight to ``train_step``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 from .config import RLConfig
 from .grpo import TrainSample
-from .rewards import budget_instruction, combined_reward, group_advantages, has_signal
 from .sandbox import Limits
-from .tasks import Task, TaskSet, draw_task
-from .verifiers import task_reward
+from .spec import DrawnStep, Scored, code_limits, draw_step, group_advantages, has_signal, prompt_ids, score
+from .tasks import Task, TaskSet
+
+SCORING_THREADS = 4  # code-task sandboxes run at once (each is a subprocess with its own limits)
 
 
 @dataclass
 class ScoredGroup:
-    """G completions of one task with their rewards and advantages."""
+    """G completions of one task with their scores and advantages."""
 
     task: Task
-    draw_index: int  # the counter used in draw_task(taskset, peer, step, draw_index)
     prompt_ids: list[int]
     samples: list  # node.engines.base.Sample
-    task_rewards: list[float]
-    rewards: list[float]  # task reward combined with the length reward (if on)
+    scores: list[Scored]
     advantages: list[float]
-    budget: int | None = None
-    extra: dict = field(default_factory=dict)
+    budget: int = 0  # thinking budget stated in the prompt, 0 = none
+
+    @property
+    def task_rewards(self) -> list[float]:
+        return [sc.task_reward for sc in self.scores]
+
+    @property
+    def rewards(self) -> list[float]:
+        """Task reward minus the length penalty (if on): what the advantages are computed from."""
+        return [sc.reward for sc in self.scores]
 
     @property
     def has_signal(self) -> bool:
         return has_signal(self.rewards)
 
 
-def thinking_budget(cfg: RLConfig, peer_id: str, step: int, index: int) -> int | None:
-    """The budget stated in the prompt when the length reward is on (else None).
+@dataclass
+class BuiltStep:
+    """The groups of one step and where the time went."""
 
-    Drawn by hash like the task so a node cannot choose it: the inference role's own rule
-    (``node.rollouts.draw.thinking_budget``), reused so the local loop and the swarm agree.
-    """
-    if not cfg.length_reward:
-        return None
-    from ..rollouts.draw import thinking_budget as drawn_budget
-
-    return drawn_budget(cfg.thinking_budgets or [cfg.max_new_tokens], peer_id, step, index)
+    groups: list[ScoredGroup]
+    generate_s: float  # sampling (with hidden-state capture when asked)
+    score_s: float  # verifiers
 
 
-def encode_prompt(tokenizer, task: Task, budget: int | None) -> list[int]:
-    text = task.prompt + (budget_instruction(budget) if budget is not None else "")
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def build_groups(engine, drawn: DrawnStep, rl: RLConfig, limits: Limits, *, capture_hidden: bool = True,
+                 clock: Callable[[], float] = time.perf_counter) -> BuiltStep:
+    """Sample ``rl.group_size`` completions per drawn task with ``drawn.seed``, score and normalise them."""
+    prompts = [prompt_ids(engine.tokenizer, t, b) for t, b in zip(drawn.tasks, drawn.budgets)]
+    t0 = clock()
+    groups = engine.generate(prompts, n=rl.group_size, temperature=rl.temperature, top_p=rl.top_p,
+                             max_new_tokens=rl.max_new_tokens, seed=drawn.seed, capture_hidden=capture_hidden)
+    t1 = clock()
+    scores = score_groups(drawn, groups, rl, limits)
+    out = [ScoredGroup(t, p, samples, sc, group_advantages([s.reward for s in sc]), b)
+           for t, b, p, samples, sc in zip(drawn.tasks, drawn.budgets, prompts, groups, scores)]
+    return BuiltStep(out, t1 - t0, clock() - t1)
 
 
-def code_limits(cfg: RLConfig) -> Limits:
-    return Limits(wall_s=cfg.code_timeout_s, cpu_s=max(1, int(cfg.code_timeout_s)),
-                  memory_mb=cfg.code_memory_mb, output_kb=cfg.code_output_kb)
+def score_groups(drawn: DrawnStep, groups: list[list], rl: RLConfig, limits: Limits) -> list[list[Scored]]:
+    """Scores per group. Code tasks run in sandboxed subprocesses that mostly wait (on their time
+    limits or on the OS), so they are scored ``SCORING_THREADS`` at a time."""
+    jobs = [(task, budget, s) for task, budget, group in zip(drawn.tasks, drawn.budgets, groups) for s in group]
+
+    def one(job) -> Scored:
+        task, budget, s = job
+        return score(task, s.text, s.num_tokens, budget, rl, limits)
+
+    if any(task.kind == "code" for task, _, _ in jobs):
+        with ThreadPoolExecutor(max_workers=SCORING_THREADS) as pool:
+            flat = list(pool.map(one, jobs))
+    else:
+        flat = [one(job) for job in jobs]
+    it = iter(flat)
+    return [[next(it) for _ in group] for group in groups]
 
 
-def score(task: Task, samples: list, cfg: RLConfig, budget: int | None) -> tuple[list[float], list[float]]:
-    """(task rewards, combined rewards) of one group."""
-    limits = code_limits(cfg)
-    task_r = [task_reward(task, s.text, limits) for s in samples]
-    total = [combined_reward(r, s.num_tokens, budget, cfg.length_alpha) for r, s in zip(task_r, samples)]
-    return task_r, total
-
-
-def make_groups(engine, taskset: TaskSet, cfg: RLConfig, peer_id: str, step: int, seed: int,
-                first_index: int = 0) -> list[ScoredGroup]:
-    """Draw, sample and score ``cfg.prompts_per_batch`` groups for (peer, step)."""
-    tok = engine.tokenizer
-    indices = list(range(first_index, first_index + cfg.prompts_per_batch))
-    tasks = [draw_task(taskset, peer_id, step, i) for i in indices]
-    budgets = [thinking_budget(cfg, peer_id, step, i) for i in indices]
-    prompts = [encode_prompt(tok, t, b) for t, b in zip(tasks, budgets)]
-    groups = engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.top_p, cfg.max_new_tokens, seed)
-    out = []
-    for i, t, b, p, samples in zip(indices, tasks, budgets, prompts, groups):
-        task_r, total = score(t, samples, cfg, b)
-        out.append(ScoredGroup(t, i, p, samples, task_r, total, group_advantages(total), b))
-    return out
+def make_groups(engine, taskset: TaskSet, cfg: RLConfig, peer_id: str, step: int, seed: int) -> list[ScoredGroup]:
+    """Draw, sample and score ``cfg.prompts_per_batch`` groups for (peer, step), sampling from ``seed``."""
+    drawn = replace(draw_step(taskset, cfg, "", peer_id, step), seed=seed)  # rl-local picks its own seed
+    return build_groups(engine, drawn, cfg, code_limits(cfg)).groups
 
 
 def train_samples(groups: list[ScoredGroup], version: int = 0) -> list[TrainSample]:

@@ -29,11 +29,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
+from ..adversary.outbox import make_outbox
 from ..atomic import write_atomic
 from ..context import NodeContext
 from ..rollouts.config import WorkerConfig
@@ -41,7 +42,6 @@ from ..rollouts.schema import ROLLOUTS_PROTOCOL
 from ..rollouts.submit import (
     BatchState,
     FailureKind,
-    Outbox,
     Pending,
     SubmitFailure,
     alive_trainers,
@@ -116,9 +116,9 @@ class InferenceService:
         self.async_level = run.section("grpo", GRPOConfig).async_level
         self.cfg: WorkerConfig = run.section("worker", WorkerConfig)
         self.generator = generator  # built in run() (loads torch) unless a test gives one
-        self.outbox = Outbox(self.cfg.max_pending_batches, max_attempts=self.cfg.max_attempts,
-                             backoff=self.cfg.backoff_s, backoff_max=self.cfg.backoff_max_s,
-                             async_level=self.async_level)
+        self.outbox = make_outbox(self.cfg.cheat, self.cfg.max_pending_batches, max_attempts=self.cfg.max_attempts,
+                                  backoff=self.cfg.backoff_s, backoff_max=self.cfg.backoff_max_s,
+                                  async_level=self.async_level)
         self.step_file = Path(node.data_dir) / STEP_FILE
         self.next_step = read_step(self.step_file)
         self.version: int | None = None  # policy version loaded in the engine
@@ -154,10 +154,10 @@ class InferenceService:
             task_status.started(self)
 
     def _make_generator(self):
-        from ..rollouts.generate import RolloutGenerator
+        from ..adversary.generator import make_generator
 
-        return RolloutGenerator(identity=self.node.identity, run_name=self.node.run.name, rl=self.rl,
-                                proofs=self.proofs_cfg, inference=self.inference_cfg, worker=self.cfg)
+        return make_generator(identity=self.node.identity, run_name=self.node.run.name, rl=self.rl,
+                              proofs=self.proofs_cfg, inference=self.inference_cfg, worker=self.cfg)
 
     # -- follow checkpoints ----------------------------------------------------------------------
 
@@ -298,8 +298,6 @@ class InferenceService:
                 outcome = self.outbox.on_ack(item.batch_id, trainer, ack, trio.current_time())
             if outcome.state is not BatchState.QUEUED:
                 self._count(outcome.state.value, outcome.reason)
-            if outcome.state is BatchState.ACCEPTED and self.cfg.cheat == "replay":
-                self.outbox.offer(replace(item, state=BatchState.QUEUED, tried=[]))  # CHEAT: send it again
             self._notify()
             self._advertise()
 

@@ -20,21 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ..rl.spec import Scored
 from ..wire import encode, seal
 from .schema import DOMAIN_BATCH, RolloutBatch, RolloutSample, batch_id_of
-
-
-@dataclass(frozen=True)
-class Scored:
-    """A verifier's judgement of one completion."""
-
-    task_reward: float  # the verifier's score
-    length_penalty: float = 0.0  # subtracted from the task reward (INTELLECT-2 length reward)
-    target_length: int = 0  # thinking budget given in the prompt, 0 = none
-
-    @property
-    def reward(self) -> float:
-        return self.task_reward - self.length_penalty
 
 
 def join_proofs(chunks: Sequence[bytes]) -> bytes:

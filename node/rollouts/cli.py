@@ -87,9 +87,9 @@ def _generator(run):
     from ..identity import Identity
     from ..proofs.config import ProofsConfig
     from ..rl.config import InferenceConfig, RLConfig
+    from ..adversary.generator import make_generator
     from .config import WorkerConfig
-    from .generate import RolloutGenerator
 
-    return RolloutGenerator(identity=Identity.generate(), run_name=run.name, rl=run.section("rl", RLConfig),
-                            proofs=run.section("proofs", ProofsConfig), inference=run.section("inference", InferenceConfig),
-                            worker=run.section("worker", WorkerConfig))
+    return make_generator(identity=Identity.generate(), run_name=run.name, rl=run.section("rl", RLConfig),
+                          proofs=run.section("proofs", ProofsConfig), inference=run.section("inference", InferenceConfig),
+                          worker=run.section("worker", WorkerConfig))

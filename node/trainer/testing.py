@@ -3,7 +3,7 @@
 Builds :class:`RolloutBatch` es the way an inference node would, minus generation and proofs:
 prompts are synthetic reversal tasks (:mod:`node.rl.synthetic`), completions are random digit
 strings (or given ones), rewards come from the real verifier, advantages are group-relative
-((r - mean) / (std + 1e-6), INTELLECT-2), and the log-probs are those of the given model at
+(node/rl/spec.py: (r - mean) / (std + 1e-6), INTELLECT-2), and the log-probs are those of the given model at
 temperature T, so the trainer's importance ratios start at 1 as they would for real rollouts.
 """
 
@@ -12,16 +12,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from ..rl.spec import group_advantages
 from ..rollouts.schema import DOMAIN_BATCH, RolloutBatch, RolloutSample
 from ..wire import encode, seal
-
-ADV_EPS = 1e-6
-
-
-def group_advantages(rewards: Sequence[float]) -> list[float]:
-    mean = sum(rewards) / len(rewards)
-    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
-    return [(r - mean) / (std + ADV_EPS) for r in rewards]
 
 
 def model_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float) -> list[float]:

@@ -4,7 +4,7 @@ How this works (DESIGN.md "The loop", step 4; TOPLOC paper §3-§6; INTELLECT-2 
 
 1. **Batch rules** (:func:`check_batch_rules`, no model): the sampling parameters are the run's
    (temperature, top-p, length cap, group size, task set), the base seed is the one the run assigns
-   to (worker, step) (``node.rollouts.draw.sampling_seed``: a worker cannot shop for lucky seeds), the groups
+   to (worker, step) (``node.rl.spec.sampling_seed``: a worker cannot shop for lucky seeds), the groups
    are complete (G samples per drawn prompt, prompt indices below ``prompts_per_batch``: no
    drawing more tasks than the step allows and keeping the easy ones), and the policy version is at
    most ``async_level`` behind the newest checkpoint and not from the future. A failure here is the
@@ -13,7 +13,7 @@ How this works (DESIGN.md "The loop", step 4; TOPLOC paper §3-§6; INTELLECT-2 
    (worker, step, prompt index) (anti cherry-picking); the completion stops at its first EOS or
    runs to the cap, and ``finish_reason`` says which; the verifier's reward, recomputed here on the
    decoded completion, equals the claimed task reward, length penalty and total; the advantage is
-   ``(r - mean) / (std + 1e-6)`` of its group.
+   ``(r - mean) / (std + 1e-6)`` of its group (the rules are node/rl/spec.py's, as the worker's).
 3. **Per sample, with the checkpoint's model** (one batched prefill of prompt+completion, see
    :class:`CheckModel`): the TOPLOC proofs match the validator's own final hidden states at the
    decode positions; the claimed log-probs match log softmax(logits / T); and every token is the
@@ -48,8 +48,8 @@ from ..proofs.capture import logits_from_hidden, recompute_decode_states
 from ..proofs.config import ProofsConfig
 from ..proofs.reasons import PASS, CheckResult, Reason, fail
 from ..proofs.toploc import ChunkResult, verify_proofs
+from ..rl.spec import group_advantages, sampling_seed, token_logprobs
 from ..rollouts.assemble import split_proofs
-from ..rollouts.draw import sampling_seed
 from ..rollouts.schema import RolloutBatch, RolloutSample, SignedBatch, open_batch
 from ..wire import RemoteProtocolError
 
@@ -316,12 +316,12 @@ def advantage_results(samples: Sequence[RolloutSample], tolerance: float) -> lis
         groups[s.prompt_index].append(i)
     out: list[CheckResult] = [PASS] * len(samples)
     for members in groups.values():
-        rewards = np.array([samples[i].reward for i in members], dtype=np.float64)
-        if not np.isfinite(rewards).all():
+        rewards = [float(samples[i].reward) for i in members]
+        if not all(np.isfinite(rewards)):
             for i in members:
                 out[i] = fail(Reason.OUT_OF_BOUNDS, "non-finite reward in the group")
             continue
-        expected = checks.group_advantages(rewards)
+        expected = group_advantages(rewards)  # the schema bounds |reward| <= 1e6: no overflow
         for i, e in zip(members, expected):
             a = samples[i].advantage
             if not np.isfinite(a) or abs(a - e) > tolerance:
@@ -414,7 +414,7 @@ def _proof_and_logprob_checks(
     if not verdict.ok:
         return verdict.check
     measured.append(verdict.chunks)
-    mine = checks.token_logprobs(r.logits, torch.tensor(s.completion_ids), batch.temperature)
+    mine = token_logprobs(r.logits, torch.tensor(s.completion_ids), batch.temperature)
     return checks.check_logprobs(
         s.logprobs, mine, tolerance_mean=rules.proofs.logprob_tolerance_mean, tolerance_max=rules.proofs.logprob_tolerance_max
     )

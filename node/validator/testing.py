@@ -1,7 +1,7 @@
 """Honest batches and named cheats, for the validator's tests, benchmark and demo checks.
 
 :func:`make_batch` builds a batch the way the contract in node/rollouts/schema.py and
-node/rollouts/draw.py says an honest inference node must (draw, seeded sampling with the torch
+node/rl/spec.py say an honest inference node must (draw, seeded sampling with the torch
 engine, verifier rewards, group advantages, TOPLOC proofs, signature). It is written from the
 contract, independently of the inference role's code, so the validator's tests check the contract
 rather than one implementation of it.
@@ -19,10 +19,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..identity import Identity
-from ..proofs.checks import group_advantages
 from ..proofs.reasons import Reason
 from ..proofs.toploc import build_proofs_many
-from ..rollouts.draw import sampling_seed
+from ..rl.spec import group_advantages, sampling_seed
 from ..rollouts.schema import (
     DOMAIN_BATCH,
     RolloutBatch,

@@ -1,0 +1,79 @@
+"""The dishonest generators of ``[worker] cheat``: each a subclass of the honest one.
+
+* ``perturbed-model``: pretend to run the run's model while running a different one (a cheaper or
+  corrupted model): TOPLOC's exponent/mantissa checks must catch the changed activations.
+* ``fake-rewards``: claim more reward than the verifier gave, advantages made consistent with the
+  claim: the validator's reward check must catch it.
+* ``cherry-pick``: solve the easiest-looking of a few tasks drawn at other steps instead of the
+  drawn ones: the validator's task check must catch it.
+
+``replay`` generates honestly; its cheat is in the outbox (node/adversary/outbox.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..rl.rollout import ScoredGroup
+from ..rl.spec import DrawnStep, group_advantages
+from ..rl.tasks import Task, TaskSet, draw_task
+from ..rollouts.generate import RolloutGenerator
+
+PERTURB_SCALE = 0.1  # "perturbed-model": weight noise, relative to each tensor's std
+FAKE_REWARD_BONUS = 0.5  # "fake-rewards": added to every claimed reward
+CHERRY_PICK_CANDIDATES = 4  # "cherry-pick": draws looked at per slot
+
+
+class PerturbedModelGenerator(RolloutGenerator):
+    def follow(self, path: Path) -> str:
+        how = super().follow(path)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.engine.model.parameters():
+                if p.numel() > 1:
+                    noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+                    p.add_(noise * p.float().std().to(p.dtype) * PERTURB_SCALE)
+        return how
+
+
+class FakeRewardsGenerator(RolloutGenerator):
+    def claim(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
+        out = []
+        for g in groups:
+            scores = [replace(sc, task_reward=sc.task_reward + FAKE_REWARD_BONUS) for sc in g.scores]
+            out.append(replace(g, scores=scores, advantages=group_advantages([sc.reward for sc in scores])))
+        return out
+
+
+def cherry_picked_tasks(taskset: TaskSet, peer_id: str, step: int, count: int) -> list[Task]:
+    """Per slot, the easiest-looking (shortest prompt) of a few draws taken at other steps."""
+    out = []
+    for i in range(count):
+        candidates = [draw_task(taskset, peer_id, step * CHERRY_PICK_CANDIDATES + c + 1, i)
+                      for c in range(CHERRY_PICK_CANDIDATES)]
+        out.append(min(candidates, key=lambda t: (len(t.prompt), t.id)))
+    return out
+
+
+class CherryPickGenerator(RolloutGenerator):
+    def draw(self, step: int) -> DrawnStep:
+        drawn = super().draw(step)
+        return replace(drawn, tasks=cherry_picked_tasks(self.taskset, self.identity.peer_id, step, len(drawn.tasks)))
+
+
+GENERATORS = {
+    "": RolloutGenerator,
+    "perturbed-model": PerturbedModelGenerator,
+    "fake-rewards": FakeRewardsGenerator,
+    "cherry-pick": CherryPickGenerator,
+    "replay": RolloutGenerator,  # honest batches, sent twice (see make_outbox)
+}
+
+
+def make_generator(**kwargs) -> RolloutGenerator:
+    """A :class:`RolloutGenerator` (same arguments) that cheats the way ``worker.cheat`` says."""
+    return GENERATORS[kwargs["worker"].cheat](**kwargs)
+
