@@ -35,6 +35,7 @@ import trio
 from libp2p.peer.id import ID
 
 from ..hashes import digest
+from ..net.reqres import peer_of
 from ..peers import FaultRule
 from ..wire import (
     LocalProtocolError,
@@ -112,10 +113,6 @@ async def _send(stream, lock: trio.Lock, msg: Message) -> None:
 async def _read(stream) -> Message | None:
     data = await read_frame(stream, MAX_SHARDS_FRAME)
     return None if data is None else decode(data, MAX_SHARDS_FRAME)
-
-
-def _peer_of(stream) -> str:
-    return stream.muxed_conn.peer_id.to_base58()
 
 
 # --------------------------------------------------------------------------------------------
@@ -656,7 +653,7 @@ class ShardsService:
     # Inbound streams
 
     async def handle_stream(self, stream) -> None:
-        peer = _peer_of(stream)
+        peer = peer_of(stream)
         try:
             if self.is_banned(peer, trio.current_time()):
                 await write_frame(stream, Reject(piece=-1, offset=0, reason=BANNED))
