@@ -17,6 +17,7 @@ from .config import NodeConfig
 from .host import SwarmHost
 from .identity import Identity
 from .metrics import Metrics
+from .peers import Peers
 
 
 @dataclass
@@ -31,6 +32,12 @@ class NodeContext:
     # "store" -> the shard piece store). Set by a service before task_status.started().
     services: dict[str, Any] = field(default_factory=dict)
     started_at: float = 0.0  # trio.current_time() when the node started
+    # The one owner of peer penalties: components report remote faults here (node/peers/).
+    peers: Peers | None = None
+
+    def __post_init__(self) -> None:
+        if self.peers is None:
+            self.peers = Peers(self.host, self.metrics)
 
     @property
     def run(self):

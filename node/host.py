@@ -293,8 +293,9 @@ class SwarmHost:
     pubsub: Pubsub
     gossipsub: GossipSub
     ping_service: PingService
-    _app_scores: dict[str, float] = field(default_factory=dict)
     handler_errors: HandlerErrors = field(default_factory=lambda: HandlerErrors())
+    # gossipsub's application-specific score of a peer; node/peers sets it to its table's view.
+    app_score: Callable[[str], float] = field(default=lambda peer_id: 0.0)
 
     @property
     def peer_id(self) -> str:
@@ -345,12 +346,8 @@ class SwarmHost:
         """Peers in our gossipsub mesh for ``topic`` (between degree_low and degree_high when healthy)."""
         return len(self.gossipsub.mesh.get(topic, ()))
 
-    def set_app_score(self, peer_id: str, score: float) -> None:
-        """Feed our own view of a peer (bad pieces, forged records...) into gossipsub scoring."""
-        self._app_scores[peer_id] = score
 
-
-def _score_params(p: GossipParams, app_scores: dict[str, float]) -> ScoreParams:
+def _score_params(p: GossipParams, app_score: Callable[[str], float]) -> ScoreParams:
     return ScoreParams(
         p4_invalid_messages=TopicScoreParams(weight=p.invalid_message_weight, cap=100.0, decay=0.9),
         p6_appl_slack_weight=1.0,
@@ -358,7 +355,7 @@ def _score_params(p: GossipParams, app_scores: dict[str, float]) -> ScoreParams:
         gossip_threshold=p.gossip_threshold,
         graylist_threshold=p.graylist_threshold,
         accept_px_threshold=p.accept_px_threshold,
-        app_specific_score_fn=lambda peer: app_scores.get(peer.to_base58(), 0.0),
+        app_specific_score_fn=lambda peer: app_score(peer.to_base58()),
     )
 
 
@@ -385,7 +382,6 @@ async def open_swarm_host(
     disable_auto_connect(host)
     handler_errors = HandlerErrors()
     guard_handlers(host, handler_errors)
-    app_scores: dict[str, float] = {}
     router = GossipSub(
         protocols=GOSSIPSUB_PROTOCOLS,
         degree=gossip.degree,
@@ -396,12 +392,12 @@ async def open_swarm_host(
         gossip_history=gossip.gossip_history,
         do_px=gossip.do_px,
         prune_back_off=gossip.prune_back_off,
-        score_params=_score_params(gossip, app_scores),
+        score_params=_score_params(gossip, lambda peer_id: swarm_host.app_score(peer_id)),
         # Loopback swarms put every peer on one IP; the eclipse guard would refuse them all.
         eclipse_protection_enabled=False,
     )
     pubsub = Pubsub(host, router, seen_ttl=gossip.seen_ttl, max_inbound_rpc_size=1024 * 1024)
-    swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), app_scores, handler_errors)
+    swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), handler_errors)
     async with host.run(addrs):
         async with background_trio_service(pubsub), background_trio_service(router):
             await pubsub.wait_until_ready()

@@ -18,7 +18,8 @@ from node.model import build_tokenizer
 from node.rl.config import GRPOConfig
 from node.rollouts.schema import MAX_BATCH_BYTES, open_batch
 from node.trainer.config import TrainerConfig
-from node.trainer.intake import IntakeLimits, Strikes, intake_reason, staleness_reason
+from node.peers import FaultRule, Peers, PeerTable
+from node.trainer.intake import NOT_STRIKES, IntakeLimits, intake_reason, staleness_reason
 from node.trainer.service import Trainer
 from node.trainer.spool import BatchState, SpoolError, open_spool
 from node.trainer.testing import reversal_batch, sign_batch
@@ -36,7 +37,9 @@ def batch(step=0, version=5, ident=WORKER, **kw):
 
 def fake_node(validators=()):
     run = RunConfig(name=RUN, validators=list(validators))
-    return SimpleNamespace(config=NodeConfig(run=run), metrics=Metrics(), services={}, status={}, peer_id="me")
+    metrics = Metrics()
+    return SimpleNamespace(config=NodeConfig(run=run), metrics=metrics, services={}, status={}, peer_id="me",
+                           peers=Peers(None, metrics))
 
 
 @pytest.fixture
@@ -142,25 +145,27 @@ def test_repeated_garbage_gets_the_sender_banned(trainer):
     for _ in range(2):
         trainer.judge(b"\xc1garbage", OTHER.peer_id)
         trainer.judge(sign_batch(WORKER, batch(version=1)), OTHER.peer_id)  # stale: lag, not a strike
-    assert not trainer.strikes.banned(OTHER.peer_id, 0.0)
+    assert not trainer.node.peers.is_banned(OTHER.peer_id, "rollouts", 0.0)
     trainer.judge(sign_batch(WORKER, dataclasses.replace(batch(), worker=OTHER.peer_id)), OTHER.peer_id)  # forged
-    assert trainer.strikes.banned(OTHER.peer_id, 0.0) and trainer.status()["banned"] == 1
-    assert not trainer.strikes.banned(OTHER.peer_id, 100.0)  # the ban ends
-    assert not trainer.strikes.banned(WORKER.peer_id, 0.0)
+    assert trainer.node.peers.is_banned(OTHER.peer_id, "rollouts", 0.0) and trainer.status()["banned"] == 1
+    assert not trainer.node.peers.is_banned(OTHER.peer_id, "rollouts", 100.0)  # the ban ends
+    assert not trainer.node.peers.is_banned(WORKER.peer_id, "rollouts", 0.0)
 
 
 def test_strikes_outside_the_window_do_not_add_up():
-    strikes = Strikes(limit=2, window=10.0, ban_seconds=5.0)
-    assert not strikes.strike("p", "malformed", 0.0)
-    assert not strikes.strike("p", "malformed", 11.0)  # the first one has expired
-    assert strikes.strike("p", "forged", 12.0)
-    assert strikes.banned("p", 16.9) and not strikes.banned("p", 17.0)
+    table = PeerTable({"rollouts": FaultRule(strikes=2, window=10.0, ban_seconds=5.0)})
+    assert not table.on_fault("p", "rollouts", "malformed", 0.0)
+    assert not table.on_fault("p", "rollouts", "malformed", 11.0)  # the first one has expired
+    assert table.on_fault("p", "rollouts", "forged", 12.0)
+    assert table.is_banned("p", 16.9) and not table.is_banned("p", 17.0)
 
 
-def test_a_worker_that_dies_mid_upload_earns_no_strike():
-    strikes = Strikes(limit=1, window=10.0, ban_seconds=5.0)
-    assert not strikes.strike("p", "truncated", 0.0) and not strikes.strike("p", "stream-error", 0.0)
-    assert not strikes.banned("p", 0.0)
+def test_a_worker_that_dies_mid_upload_earns_no_strike(trainer):
+    assert {"truncated", "stream-error"} <= NOT_STRIKES
+    for _ in range(3):
+        trainer._strike(OTHER.peer_id, "truncated")
+        trainer._strike(OTHER.peer_id, "stream-error")
+    assert not trainer.node.peers.is_banned(OTHER.peer_id, now=0.0)
 
 
 def test_flat_batches_are_consumed_and_do_not_fill_the_queue(trainer):
@@ -284,5 +289,5 @@ def test_a_worker_banned_in_the_ledger_is_refused_at_intake(trainer):
     trainer.node.services["ledger"] = SimpleNamespace(ban_of=lambda peer: replica.ban_of(peer, now_ms))
     ack = trainer.judge(sign_batch(WORKER, batch()), OTHER.peer_id)
     assert not ack.accepted and ack.reason == "banned"
-    assert not trainer.strikes.recent.get(OTHER.peer_id)
+    assert OTHER.peer_id not in trainer.node.peers.table.peers
     assert trainer.judge(sign_batch(OTHER, batch(ident=OTHER)), OTHER.peer_id).accepted  # others unaffected

@@ -30,6 +30,7 @@ import trio
 
 from .. import __version__
 from ..context import NodeContext
+from ..net.reqres import CallFailure, call, close, messages, request_handler
 from ..relay import connect_addr
 from ..wire import (
     Message,
@@ -253,7 +254,7 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
             except (RemoteProtocolError, trio.TooSlowError) as e:
                 node.metrics.reject(SYNC_PROTOCOL, getattr(e, "reason", "timeout"))
             finally:
-                await _close(stream)
+                await close(stream)
 
         async def send_batches(stream) -> None:
             envs = [svc.signed_record()] + [
@@ -294,7 +295,7 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                         await send_batches(stream)
                         await receive_batches(stream, peer)
                     finally:
-                        await _close(stream)
+                        await close(stream)
             except RemoteProtocolError as e:
                 node.metrics.reject(SYNC_PROTOCOL, e.reason)
             except Exception as e:  # peer gone, stream refused: try another next time
@@ -311,44 +312,24 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
                     return False
             return False
 
-        probe_limit = trio.Semaphore(MAX_PROBE_REQS)
+        async def answer_probe(peer: str, req) -> PingResult | None:
+            if isinstance(req, Prune):  # the peer is closing our connection on purpose
+                svc.pruned[peer] = trio.current_time()
+                svc.closes["pruned_by_peer"] += 1
+                return None
+            return PingResult(ok=await ping_once(req.target, req.addrs, cfg.indirect_timeout))
 
-        async def handle_probe(stream) -> None:
-            try:
-                if probe_limit.value == 0:
-                    node.metrics.reject(PROBE_PROTOCOL, "busy")
-                    return
-                async with probe_limit:
-                    with trio.fail_after(cfg.indirect_timeout + DIAL_TIMEOUT + 2):
-                        req = await read_message(stream, 4096)
-                        if req is None:
-                            raise RemoteProtocolError("truncated", "closed before the request")
-                        if isinstance(req, Prune):  # the peer is closing our connection on purpose
-                            svc.pruned[stream.muxed_conn.peer_id.to_base58()] = trio.current_time()
-                            svc.closes["pruned_by_peer"] += 1
-                            return
-                        if not isinstance(req, PingRequest):
-                            raise RemoteProtocolError("wrong-type", "expected ping-req")
-                        ok = await ping_once(req.target, req.addrs, cfg.indirect_timeout)
-                        await write_frame(stream, PingResult(ok=ok))
-            except (RemoteProtocolError, trio.TooSlowError) as e:
-                node.metrics.reject(PROBE_PROTOCOL, getattr(e, "reason", "timeout"))
-            except Exception as e:
-                log.debug("probe handler: %s", e)
-            finally:
-                await _close(stream)
+        probe_timeout = cfg.indirect_timeout + DIAL_TIMEOUT + 2
+        handle_probe = request_handler(PROBE_PROTOCOL, messages(PingRequest, Prune, max_size=4096), answer_probe,
+                                       max_inflight=MAX_PROBE_REQS, wait_for_slot=False, timeout=probe_timeout,
+                                       stream_timeout=probe_timeout, peers=node.peers, metrics=node.metrics)
 
         async def indirect(helper: str, target: str, addrs: list[str], results: list[bool], scale: int) -> None:
             try:
-                with trio.fail_after(cfg.indirect_timeout * scale + DIAL_TIMEOUT + 1):
-                    stream = await node.host.open_stream(helper, PROBE_PROTOCOL)
-                    try:
-                        await write_frame(stream, PingRequest(target=target, addrs=addrs[:MAX_ADDRS]))
-                        res = await read_message(stream, 4096)
-                        results.append(isinstance(res, PingResult) and res.ok)
-                    finally:
-                        await _close(stream)
-            except Exception:
+                res = await call(node.host, helper, PROBE_PROTOCOL, PingRequest(target=target, addrs=addrs[:MAX_ADDRS]),
+                                 cfg.indirect_timeout * scale + DIAL_TIMEOUT + 1, reply=messages(PingResult, max_size=4096))
+                results.append(res.ok)
+            except CallFailure:
                 results.append(False)
 
         async def probe(target: str, scale: int) -> None:
@@ -438,18 +419,12 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
             """Close a connection on purpose, telling the peer first so it does not probe us for it."""
             svc.pruned[peer] = trio.current_time()
             svc.closes["pruned"] += 1
-            with trio.move_on_after(2):
-                try:
-                    stream = await node.host.open_stream(peer, PROBE_PROTOCOL)
-                    try:
-                        await write_frame(stream, Prune())
-                        # Wait for the peer to close its side, i.e. to have noted the prune: closing
-                        # the connection at once dropped the frame before its handler read it.
-                        await read_message(stream, 64)
-                    finally:
-                        await _close(stream)
-                except Exception as e:  # it may be gone already; close anyway
-                    log.debug("prune notice to %s failed: %s", peer[:16], e)
+            # Wait for the peer to close its side, i.e. to have noted the prune: closing the
+            # connection at once dropped the frame before its handler read it.
+            try:
+                await call(node.host, peer, PROBE_PROTOCOL, Prune(), 2, reply=messages(PingResult, max_size=64))
+            except CallFailure as e:  # the expected end (closed without a reply), or it is gone already
+                log.debug("prune notice to %s: %s", peer[:16], e)
             await node.host.disconnect(peer)
 
         def protected() -> set[str]:
@@ -517,11 +492,3 @@ def _envelope_bytes(signed: Signed) -> bytes:
 
 def _peer_of(addr: str) -> str:
     return addr.rsplit("/p2p/", 1)[-1]
-
-
-async def _close(stream) -> None:
-    with trio.move_on_after(1):
-        try:
-            await stream.close()
-        except Exception:
-            pass

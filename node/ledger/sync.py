@@ -40,15 +40,15 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 
 from .. import hashes
+from ..net.reqres import CallFailure, FailureKind, messages, open_call, request_handler
+from ..peers import FaultRule
 from ..wire import (
     TRANSPORT_FAILURES,
     LocalProtocolError,
     Message,
     RemoteProtocolError,
     bounded,
-    read_message,
     register,
-    write_frame,
 )
 from .chain import Decision, Evidence, Head, Ledger, Outcome
 from .config import LedgerConfig
@@ -57,6 +57,7 @@ from .entries import (
     MAX_ENTRY,
     MAX_RECEIPT_ITEMS,
     Body,
+    Penalty,
     ReceiptItem,
     Receipts,
     SignedEntry,
@@ -82,6 +83,8 @@ MAX_TRACKED_PEERS = 4096  # peers remembered for penalties and last-sync times (
 # bound keeps one such peer from stalling anti-entropy for a whole sync_timeout.
 STREAM_OPEN_TIMEOUT = 5.0
 SYNC_PENALTY = -20.0  # app score step for a peer that sends invalid entries over sync
+BAN_SOURCE = "ledger"  # bans from penalty entries, as the peer table lists them
+MAX_SYNC_SESSIONS = 32  # sync sessions answered at once; more wait
 # Reasons that are the sending peer's fault on a sync stream (as opposed to, e.g., our clock).
 _SENDER_FAULTS = {"wrong-run", "unauthorized", "bad-link", "unrequested"}
 
@@ -188,7 +191,10 @@ class LedgerService:
         self._receipts_full = trio.Event()
         self._own_head_confirmed = False
         self._request_id = 0
-        self._bad_peers: collections.Counter = collections.Counter()
+        # Bad sync data costs a peer -SYNC_PENALTY app score per offence (decaying); ledger bans are
+        # listed in the peer table for status, enforced at intake by ban_of (no disconnect here).
+        node.peers.set_rule(PROTOCOL, FaultRule(weight=-SYNC_PENALTY))
+        node.peers.set_rule(BAN_SOURCE, FaultRule(disconnect=False))
         self.syncs = collections.Counter()  # "ok" / "failed" sessions as caller
         self.last_sync: dict[str, float] = {}  # peer -> wall time of the last completed session
         m = node.metrics
@@ -214,6 +220,9 @@ class LedgerService:
             if not author.startswith("evidence:"):
                 self.store.truncate(author, seq)  # peers re-supply it; a chain must stay contiguous
                 problems[author] = (seq, reason)
+        now = self.now_ms()
+        for ban in self.ledger.bans(now).values():
+            self.node.peers.ban(ban.peer, BAN_SOURCE, f"{ban.reason} (by {ban.by[-8:]})", (ban.until_ms - now) / 1000)
         self._update_gauges()
         return problems
 
@@ -234,6 +243,7 @@ class LedgerService:
                 raise LedgerError(f"cannot append {body.TYPE}: {decision.reason or decision.outcome.value}")
             self.store.commit([se], durable=True)  # durable before anyone can see it
             self.ledger.apply(decision)
+            self._list_bans([se], self.now_ms())
             self._m_accepted.labels(source="local").inc()
             self.accepted["local"] += 1
             self._update_gauges()
@@ -359,6 +369,7 @@ class LedgerService:
                 report.rejected[decision.reason] += 1
                 self._reject(source, decision.reason)
         self.store.commit(pending, evidence)
+        self._list_bans(pending, now)
         if report.accepted:
             self._m_accepted.labels(source=source).inc(report.accepted)
             self.accepted[source] += report.accepted
@@ -400,11 +411,17 @@ class LedgerService:
         self._m_flagged.set(len(self.ledger.flagged()))
 
     def _penalize(self, peer: str, reason: str) -> None:
-        self._bad_peers[peer] += 1
-        while len(self._bad_peers) > MAX_TRACKED_PEERS:
-            del self._bad_peers[next(iter(self._bad_peers))]
-        self.node.host.set_app_score(peer, SYNC_PENALTY * self._bad_peers[peer])
+        self.node.peers.report(peer, PROTOCOL, reason)
         log.info("ledger: peer %s sent bad ledger data (%s)", peer, reason)
+
+    def _list_bans(self, entries: Iterable[SignedEntry], now_ms: int) -> None:
+        """Tell the peer table about bans that penalty entries among ``entries`` give."""
+        for se in entries:
+            if isinstance(se.body, Penalty) and se.body.ban_seconds > 0:
+                ban = self.ledger.ban_of(se.body.peer, now_ms)
+                if ban is not None:
+                    self.node.peers.ban(ban.peer, BAN_SOURCE, f"{ban.reason} (by {ban.by[-8:]})",
+                                        (ban.until_ms - now_ms) / 1000)
 
     # ---------------------------------------------------------------- gossip
 
@@ -475,16 +492,15 @@ class LedgerService:
                 self.last_sync[peer] = self._wall_clock()
                 while len(self.last_sync) > MAX_TRACKED_PEERS:
                     del self.last_sync[next(iter(self.last_sync))]
-            except RemoteProtocolError as e:
+            except CallFailure as e:
                 self.syncs["failed"] += 1
-                if e.reason in TRANSPORT_FAILURES:
-                    log.debug("ledger: sync with %s broke off: %s", peer, e)
-                else:
+                if e.kind is FailureKind.GARBAGE:  # already reported to the peer table by the caller
                     self._reject(PROTOCOL, e.reason)
-                    self._penalize(peer, e.reason)
-            except (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                self.syncs["failed"] += 1
-                log.debug("ledger: sync with %s failed: %s", peer, e)
+                    log.info("ledger: peer %s sent bad ledger data (%s)", peer, e.reason)
+                else:
+                    if e.kind is FailureKind.UNREACHABLE and e.detail.startswith("TooSlowError"):
+                        self.syncs["open-timeout"] += 1
+                    log.debug("ledger: sync with %s broke off: %s", peer, e)
         if scope.cancelled_caught:
             self.syncs["timeout"] += 1
         return total
@@ -493,24 +509,24 @@ class LedgerService:
         self._request_id = (self._request_id + 1) % 2**32
         return self._request_id
 
+    async def _ask(self, caller, request: Message, cls):
+        """One request on a sync session and its reply of type ``cls`` (with the request's id)."""
+        reply = await caller.ask(request, messages(cls), self.config.sync_timeout)
+        if hasattr(request, "id") and reply.id != request.id:
+            raise caller.garbage("wrong-id", f"{reply.id} != {request.id}")
+        return reply
+
     async def _call_sync(self, peer: str, total: IngestReport) -> None:
-        try:
-            stream = await self.node.host.open_stream(peer, PROTOCOL, timeout=STREAM_OPEN_TIMEOUT)
-        except trio.TooSlowError:
-            self.syncs["open-timeout"] += 1
-            raise trio.BrokenResourceError(f"no stream to {peer} within {STREAM_OPEN_TIMEOUT} s") from None
-        try:
-            await write_frame(stream, SyncHello(heads=tuple(self.ledger.heads()[:MAX_AUTHORS])))
-            hello = await _expect(stream, SyncHello)
+        async with open_call(self.node.host, peer, PROTOCOL, open_timeout=STREAM_OPEN_TIMEOUT,
+                             peers=self.node.peers) as caller:
+            hello = await self._ask(caller, SyncHello(heads=tuple(self.ledger.heads()[:MAX_AUTHORS])), SyncHello)
             requests = 0
             _, evidence_authors = self.ledger.missing(hello.heads)
             for author in evidence_authors:
                 if requests >= MAX_REQUESTS_PER_STREAM:
                     return
                 requests += 1
-                rid = self._next_id()
-                await write_frame(stream, EvidenceRequest(id=rid, author=author))
-                reply = await _expect(stream, EvidenceReply, rid)
+                reply = await self._ask(caller, EvidenceRequest(id=self._next_id(), author=author), EvidenceReply)
                 if reply.a and reply.b:
                     self.ingest_evidence(reply.a, reply.b, PROTOCOL)
             wants, _ = self.ledger.missing(hello.heads)  # again: new evidence caps what we want
@@ -518,10 +534,9 @@ class LedgerService:
                 start = want.start
                 while start <= want.end and requests < MAX_REQUESTS_PER_STREAM:
                     requests += 1
-                    rid = self._next_id()
                     end = min(want.end, start + self.config.sync_batch - 1)
-                    await write_frame(stream, RangeRequest(id=rid, author=want.author, start=start, end=end))
-                    reply = await _expect(stream, RangeReply, rid)
+                    request = RangeRequest(id=self._next_id(), author=want.author, start=start, end=end)
+                    reply = await self._ask(caller, request, RangeReply)
                     if not reply.entries:
                         break
                     report = self._ingest_range(peer, want.author, start, reply.entries)
@@ -531,12 +546,6 @@ class LedgerService:
                     start += len(reply.entries)
                     if report.accepted == 0 and report.duplicates == 0:
                         break
-        finally:
-            with trio.move_on_after(1):
-                try:
-                    await stream.close()
-                except BaseLibp2pError:
-                    pass
 
     def _ingest_range(self, peer: str, author: str, start: int, raws: tuple[bytes, ...]) -> IngestReport:
         parsed: list[SignedEntry] = []
@@ -563,41 +572,26 @@ class LedgerService:
 
     # ---------------------------------------------------------------- anti-entropy: answerer
 
-    async def handle_sync(self, stream) -> None:
-        """Answer one sync session on ``/swarm/ledger/1.0.0``."""
-        peer = stream.muxed_conn.peer_id.to_base58()
-        try:
-            with trio.fail_after(self.config.sync_timeout):
-                hello = await _expect(stream, SyncHello)
-                await write_frame(stream, SyncHello(heads=tuple(self.ledger.heads()[:MAX_AUTHORS])))
-                wants, evidence = self.ledger.missing(hello.heads)
-                if wants or evidence:
-                    self.hint_sync(peer)  # push-pull: the caller has something we lack
-                for _ in range(MAX_REQUESTS_PER_STREAM):
-                    msg = await read_message(stream)
-                    if msg is None:
-                        break
-                    await write_frame(stream, self._answer(msg))
-        except RemoteProtocolError as e:
-            if e.reason not in TRANSPORT_FAILURES:
-                self._reject(PROTOCOL, e.reason)
-                self._penalize(peer, e.reason)
-            await _reset(stream)
-            return
-        except trio.TooSlowError:
-            self._reject(PROTOCOL, "timeout")
-            await _reset(stream)
-            return
-        except (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError):
-            await _reset(stream)
-            return
-        with trio.move_on_after(1):
-            try:
-                await stream.close()
-            except BaseLibp2pError:
-                pass
+    def sync_handler(self):
+        """The stream handler answering sync sessions on ``/swarm/ledger/1.0.0``."""
+        return request_handler(PROTOCOL, messages(SyncHello, RangeRequest, EvidenceRequest), self._answer,
+                               max_inflight=MAX_SYNC_SESSIONS, timeout=self.config.sync_timeout,
+                               stream_timeout=self.config.sync_timeout, per_stream=1 + MAX_REQUESTS_PER_STREAM,
+                               on_fault=self._sync_fault)
 
-    def _answer(self, msg: Message) -> Message:
+    def _sync_fault(self, peer: str, reason: str) -> None:
+        if reason == "timeout":
+            self._reject(PROTOCOL, reason)
+        elif reason not in TRANSPORT_FAILURES:
+            self._reject(PROTOCOL, reason)
+            self._penalize(peer, reason)
+
+    async def _answer(self, peer: str, msg: Message) -> Message:
+        if isinstance(msg, SyncHello):  # a session's first frame: both sides' heads
+            wants, evidence = self.ledger.missing(msg.heads)
+            if wants or evidence:
+                self.hint_sync(peer)  # push-pull: the caller has something we lack
+            return SyncHello(heads=tuple(self.ledger.heads()[:MAX_AUTHORS]))
         if isinstance(msg, RangeRequest):
             if msg.end < msg.start:
                 raise RemoteProtocolError("bad-range", f"{msg.start}..{msg.end}")
@@ -630,25 +624,6 @@ def _merge(into: IngestReport, other: IngestReport) -> None:
     into.rejected.update(other.rejected)
 
 
-async def _expect(stream, cls, request_id: int | None = None):
-    msg = await read_message(stream)
-    if msg is None:
-        raise RemoteProtocolError("truncated", f"stream closed before {cls.TYPE}")
-    if not isinstance(msg, cls):
-        raise RemoteProtocolError("unexpected-message", f"{msg.TYPE} instead of {cls.TYPE}")
-    if request_id is not None and msg.id != request_id:
-        raise RemoteProtocolError("wrong-id", f"{msg.id} != {request_id}")
-    return msg
-
-
-async def _reset(stream) -> None:
-    with trio.move_on_after(1):
-        try:
-            await stream.reset()
-        except BaseLibp2pError:
-            pass
-
-
 async def serve_ledger(
     node,
     *,
@@ -663,7 +638,7 @@ async def serve_ledger(
         problems = service.load()
         if problems:
             log.warning("ledger: repaired %d broken author tails on open", len(problems))
-        node.host.set_handler(PROTOCOL, service.handle_sync)
+        node.host.set_handler(PROTOCOL, service.sync_handler())
         node.host.pubsub.set_topic_validator(service.topic, service.validate_gossip, False)
         subscription = await node.host.pubsub.subscribe(service.topic)
         node.services["ledger"] = service

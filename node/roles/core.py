@@ -21,6 +21,7 @@ from ..gossip.service import serve_membership
 from ..host import open_swarm_host
 from ..identity import load_or_create_identity
 from ..ledger.sync import serve_ledger
+from ..peers import serve_peers
 from ..relay import serve_relay_client, serve_relay_hop
 from ..shards.service import serve_shards
 from ..status import serve_status
@@ -29,8 +30,9 @@ log = logging.getLogger("node")
 
 Service = Callable[..., Awaitable[None]]
 
-# Services every role runs, in start order: the ledger before shards, which credits bytes in it.
-CORE_SERVICES: list[Service] = [serve_status, serve_membership, serve_ledger, serve_shards]
+# Services every role runs, in start order: peers first (everyone reports faults to it), the ledger
+# before shards, which credits bytes in it.
+CORE_SERVICES: list[Service] = [serve_peers, serve_status, serve_membership, serve_ledger, serve_shards]
 
 # Each role module exposes SERVICES: the services it adds on top of the core.
 ROLE_MODULES = {

@@ -32,16 +32,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import trio
 
-from ..wire import (
-    MAX_FRAME,
-    LocalProtocolError,
-    RemoteProtocolError,
-    decode_as,
-    read_frame,
-    write_frame,
-)
+from ..net.reqres import CallFailure, Codec, FailureKind, call
+from ..wire import MAX_FRAME, LocalProtocolError, decode_as
 from .schema import ROLLOUTS_PROTOCOL, RolloutAck
 
 MAX_ACK_BYTES = 4096  # a RolloutAck is ~100 bytes; anything bigger is garbage
@@ -58,20 +51,8 @@ class BatchState(enum.Enum):
     DROPPED = "dropped"
 
 
-class FailureKind(enum.Enum):
-    """Why a submission got no ack. All are the remote's or the network's doing, never ours."""
-
-    UNREACHABLE = "unreachable"  # could not open a stream
-    TIMEOUT = "timeout"  # no ack before the deadline
-    STREAM = "stream"  # the stream broke (reset, EOF before the ack)
-    GARBAGE = "garbage"  # an ack that does not decode, or acknowledges another batch
-
-
-class SubmitFailure(Exception):
-    def __init__(self, kind: FailureKind, detail: str = "") -> None:
-        super().__init__(f"{kind.value}: {detail}")
-        self.kind = kind
-        self.detail = detail
+# Why a submission got no ack, and the exception that says so (node/net/reqres.py).
+SubmitFailure = CallFailure
 
 
 @dataclass
@@ -274,42 +255,13 @@ async def call_submit(host, trainer: str, batch_id: bytes, envelope: bytes, time
     """
     if len(envelope) > MAX_FRAME:
         raise LocalProtocolError(f"batch of {len(envelope)} bytes exceeds one frame: split it before signing")
-    with trio.move_on_after(timeout) as deadline:
-        try:
-            stream = await host.open_stream(trainer, ROLLOUTS_PROTOCOL)
-        except trio.Cancelled:
-            raise
-        except Exception as e:  # noqa: BLE001 — libp2p raises many types for "cannot dial / protocol refused"
-            raise SubmitFailure(FailureKind.UNREACHABLE, f"{type(e).__name__}: {e}") from None
-        try:
-            try:
-                await write_frame(stream, envelope)
-            except LocalProtocolError:
-                raise
-            except Exception as e:  # noqa: BLE001 — a reset or closed stream, whatever libp2p calls it
-                raise SubmitFailure(FailureKind.STREAM, f"write: {type(e).__name__}") from None
-            try:
-                frame = await read_frame(stream, MAX_ACK_BYTES)
-            except RemoteProtocolError as e:
-                kind = FailureKind.GARBAGE if e.reason == "oversized" else FailureKind.STREAM
-                raise SubmitFailure(kind, str(e)) from None
-            if frame is None:
-                raise SubmitFailure(FailureKind.STREAM, "closed without an ack")
-            try:
-                ack = decode_as(RolloutAck, frame, MAX_ACK_BYTES)
-            except RemoteProtocolError as e:
-                raise SubmitFailure(FailureKind.GARBAGE, str(e)) from None
-            if ack.batch_id != batch_id:
-                raise SubmitFailure(FailureKind.GARBAGE, "ack for another batch")
-            return ack
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(1):
-                try:
-                    await stream.close()
-                except Exception:  # noqa: BLE001, S110 — closing a broken stream may fail; nothing to do
-                    pass
-    assert deadline.cancelled_caught
-    raise SubmitFailure(FailureKind.TIMEOUT, f"no ack within {timeout:g}s")
+    ack = await call(host, trainer, ROLLOUTS_PROTOCOL, envelope, timeout, reply=_ACK)
+    if ack.batch_id != batch_id:
+        raise SubmitFailure(FailureKind.GARBAGE, "ack for another batch", "wrong-ack")
+    return ack
+
+
+_ACK = Codec(MAX_ACK_BYTES, lambda frame: decode_as(RolloutAck, frame, MAX_ACK_BYTES))
 
 
 def alive_trainers(members: dict[str, str], trainers: Sequence[str], self_id: str) -> list[str]:

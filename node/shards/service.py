@@ -27,7 +27,7 @@ import logging
 import math
 import random
 import sys
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ import trio
 from libp2p.peer.id import ID
 
 from ..hashes import digest
+from ..net.reqres import peer_of
+from ..peers import FaultRule
 from ..wire import (
     LocalProtocolError,
     Message,
@@ -93,7 +95,8 @@ MANIFEST_RETRY = 2.0
 # of the time with 64 KiB pieces and 95 % with 128 KiB pieces; with these budgets 97 %.
 SUPER_SEED_WRITING_BYTES = 512 << 10
 SUPER_SEED_REPORT_BYTES = 1 << 20
-SOURCE = "shards"  # metrics label for rejections
+SOURCE = "shards"  # metrics label for rejections, fault source in the peer table
+MAX_RECEIPT_PAIRS = 4096  # (peer, manifest) pairs whose received bytes we remember
 
 
 def fetch_policy(cfg: ShardsConfig, role: str) -> str:
@@ -110,10 +113,6 @@ async def _send(stream, lock: trio.Lock, msg: Message) -> None:
 async def _read(stream) -> Message | None:
     data = await read_frame(stream, MAX_SHARDS_FRAME)
     return None if data is None else decode(data, MAX_SHARDS_FRAME)
-
-
-def _peer_of(stream) -> str:
-    return stream.muxed_conn.peer_id.to_base58()
 
 
 # --------------------------------------------------------------------------------------------
@@ -516,8 +515,9 @@ class ShardsService:
         self.downloads: dict[int, Download] = {}
         self._download_scopes: dict[int, trio.CancelScope] = {}
         self.announced: dict[int, tuple[bytes, str]] = {}  # version -> (root, announcer)
-        self.bans: dict[str, float] = {}
-        self._receipts: dict[tuple[str, str], int] = {}
+        # Verified bytes per (peer, manifest root hex), for status and tests; the ledger holds the
+        # durable count. Bounded: the least recently credited pair is forgotten first.
+        self._receipts: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._events: dict[int, trio.Event] = {}
         self._resumed: dict[int, VersionStore] = {}  # partial versions reopened at start
         self.published: SignedManifest | None = None
@@ -527,6 +527,8 @@ class ShardsService:
         self.m_served = mt.counter("shards_served_bytes_total", "Checkpoint bytes served to peers")
         self.m_received = mt.counter("shards_verified_bytes_total", "Checkpoint bytes received and verified")
         self.m_bans = mt.counter("shards_bans_total", "Peers banned by the shards service", ["reason"])
+        # The picker's smart ban has already counted the strikes: one report here is a ban.
+        node.peers.set_rule(SOURCE, FaultRule(strikes=1, ban_seconds=cfg.ban_seconds))
         self.m_versions = mt.gauge("shards_versions_complete", "Complete checkpoint versions held")
         self._nursery: trio.Nursery | None = None
 
@@ -596,31 +598,23 @@ class ShardsService:
     # Bookkeeping used by sessions
 
     def is_banned(self, peer: str, now: float) -> bool:
-        return self.bans.get(peer, -math.inf) > now
+        return self.node.peers.is_banned(peer, SOURCE, now)
 
     def ban(self, peer: str, reason: str, now: float) -> None:
+        """Ban ``peer`` for ``cfg.ban_seconds`` (the peer table scores it down and disconnects it)."""
         if self.is_banned(peer, now):
             return
-        self.bans[peer] = now + self.cfg.ban_seconds
         self.m_bans.labels(reason=reason).inc()
         self.node.metrics.reject(SOURCE, reason)
-        self.node.host.set_app_score(peer, -1000.0)
-        log.warning("shards: banned %s for %.0fs (%s)", peer, self.cfg.ban_seconds, reason)
-        if self._nursery is not None:
-            self._nursery.start_soon(self._disconnect, peer)
-
-    async def _disconnect(self, peer: str) -> None:
-        with trio.move_on_after(5):
-            try:
-                await self.node.host.disconnect(peer)
-            except Exception as e:
-                log.debug("shards: disconnect %s: %s", peer[-8:], e)
+        self.node.peers.report(peer, SOURCE, reason, now)
 
     def credit(self, peer: str, root: bytes, nbytes: int) -> None:
         """``peer`` supplied ``nbytes`` of a piece that verified: count it and tell the ledger,
         which batches these into signed receipts that credit the peer (node/ledger/sync.py)."""
         key = (peer, root.hex())
-        self._receipts[key] = self._receipts.get(key, 0) + nbytes
+        self._receipts[key] = self._receipts.pop(key, 0) + nbytes
+        while len(self._receipts) > MAX_RECEIPT_PAIRS:
+            self._receipts.popitem(last=False)
         self.m_received.inc(nbytes)
         ledger = self.node.services.get("ledger")
         if ledger is not None and hasattr(ledger, "note_received"):
@@ -659,7 +653,7 @@ class ShardsService:
     # Inbound streams
 
     async def handle_stream(self, stream) -> None:
-        peer = _peer_of(stream)
+        peer = peer_of(stream)
         try:
             if self.is_banned(peer, trio.current_time()):
                 await write_frame(stream, Reject(piece=-1, offset=0, reason=BANNED))
@@ -856,7 +850,7 @@ class ShardsService:
             "announced": sorted(self.announced)[-8:],
             "downloading": [d.status() for d in self.downloads.values() if d is not None],
             "serving_sessions": sum(len(s) for s in self.server_sessions.values()),
-            "banned": sorted(p for p, t in self.bans.items() if t > trio.current_time()),
+            "banned": sorted(p for p, bans in self.node.peers.table.bans(trio.current_time()).items() if SOURCE in bans),
         }
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:

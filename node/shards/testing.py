@@ -12,6 +12,7 @@ from ..config import NodeConfig, RunConfig
 from ..context import NodeContext
 from ..host import GossipParams, open_swarm_host
 from ..identity import Identity
+from ..peers import serve_peers
 from .config import ShardsConfig
 from .service import ShardsService
 
@@ -59,6 +60,7 @@ async def open_shards_node(
     async with open_swarm_host(identity, [listen], GossipParams()) as host:
         node = NodeContext(config=config, identity=identity, host=host, data_dir=Path(data_dir))
         async with trio.open_nursery() as nursery:
+            await nursery.start(serve_peers, node)
             await nursery.start(service_class(node, cfg).run)
             try:
                 yield node

@@ -2,7 +2,7 @@
 
 How this works
 --------------
-* **Intake** (``/swarm/rollouts/1.0.0``, :meth:`Trainer.handle_rollouts`): one frame in, one
+* **Intake** (``/swarm/rollouts/1.0.0``, :meth:`Trainer.rollouts_handler`): one frame in, one
   :class:`RolloutAck` out. ``open_batch`` checks size, signature, schema, run and signer; then the
   pure :func:`node.trainer.intake.intake_reason` checks replay, staleness and shape against the
   trainer's state. The batch is committed to the spool (SQLite, fsync) *before* the ack is written,
@@ -10,7 +10,7 @@ How this works
 * **Validator gate**: when the run names validators, a spooled batch is GATED: the gate
   (:mod:`node.trainer.gate`) picks a live validator by rendezvous hashing and we forward the signed
   batch over ``/swarm/verify/1.0.0``; the validator later opens ``/swarm/verdicts/1.0.0`` to us with
-  a signed Verdict (:meth:`Trainer.handle_verdicts`). A pass makes the batch READY, a failure
+  a signed Verdict (:meth:`Trainer.verdicts_handler`). A pass makes the batch READY, a failure
   REJECTED; a silent validator is skipped for that batch after ``verify_timeout_s``.
   With no validators the gate is off (shown in status) and batches are READY at once.
 * **Loop** (:meth:`Trainer.train_loop`): take READY batches oldest first, drop the ones that became
@@ -33,7 +33,8 @@ from pathlib import Path
 import trio
 
 from ..hashes import digest
-from ..host import STREAM_ERRORS
+from ..net.reqres import CallFailure, Codec, FailureKind, call, raw, request_handler
+from ..peers import ActionKind, FaultRule
 from ..ledger.sync import LedgerError
 from ..rl.config import GRPOConfig
 from ..rl.grpo import TrainSample
@@ -46,13 +47,13 @@ from ..rollouts.schema import (
     open_batch,
     open_verdict,
 )
-from ..wire import MAX_FRAME, RemoteProtocolError, decode_as, read_frame, write_frame
+from ..wire import MAX_FRAME, RemoteProtocolError, decode_as
 from .config import TrainerConfig
 from .gate import ValidatorGate
 from .intake import (
     NOT_ATTRIBUTABLE,
     IntakeLimits,
-    Strikes,
+    NOT_STRIKES,
     intake_reason,
     staleness_reason,
 )
@@ -69,6 +70,8 @@ MAX_ACK_FRAME = 4096
 READ_TIMEOUT = 30.0  # seconds a peer may take to send its frame
 SEND_TIMEOUT = 30.0  # seconds to hand a batch to a validator and get its ack
 MAX_FRAMES_PER_STREAM = 256  # verdict frames on one stream before we close it (bounded work)
+_ACK = Codec(MAX_ACK_FRAME, lambda frame: decode_as(RolloutAck, frame, MAX_ACK_FRAME))
+MAX_VERDICT_STREAMS = 16  # verdict streams served at once (validators are few; others wait)
 LEDGER_CHUNK = 32  # ledger entries written per wake-up
 GATE_TICK = 1.0  # seconds between gate passes when nothing happens
 STATUS_STEPS = 200  # reward-curve points in status (longer runs are averaged into this many buckets)
@@ -92,7 +95,8 @@ class Trainer:
         self.gate = ValidatorGate(tcfg.verify_timeout_s, tcfg.max_verify_in_flight) if self.validators else None
         self.limits = IntakeLimits(policy.vocab_size, cfg.pack_length, cfg.temperature, cfg.async_level)
         self.intake_slots = trio.Semaphore(tcfg.max_concurrent_intake)
-        self.strikes = Strikes(tcfg.ban_after_strikes, tcfg.strike_window_s, tcfg.ban_seconds)
+        node.peers.set_rule(SOURCE, FaultRule(strikes=tcfg.ban_after_strikes, window=tcfg.strike_window_s,
+                                              ban_seconds=tcfg.ban_seconds))
         self._nursery: trio.Nursery | None = None
         self.intake = Counter()  # "accepted" or refusal reason -> batches, since start
         self.verdicts = Counter()  # verdict outcomes since start
@@ -184,26 +188,28 @@ class Trainer:
         self.intake[reason] += 1
         self.m_batches.labels(outcome=reason).inc()
         self.node.metrics.reject(SOURCE, reason)
-        if sender and self.strikes.strike(sender, reason, self.clock()):
-            self._ban(sender, reason)
+        self._strike(sender, reason)
         return RolloutAck(batch_id=batch_id, accepted=False, reason=reason, trainer_step=self.step)
 
+    def _strike(self, sender: str, reason: str) -> None:
+        """Report a refusal that is the sender's fault to the peer table; a ban it earns is recorded."""
+        if not sender or reason in NOT_STRIKES:
+            return
+        actions = self.node.peers.report(sender, SOURCE, reason, self.clock())
+        if any(a.kind is ActionKind.BAN for a in actions):
+            self._ban(sender, reason)
+
     def _ban(self, peer: str, reason: str) -> None:
-        """Score the peer down in gossip, disconnect it, and record a penalty in the ledger."""
+        """The peer table banned ``peer`` (and disconnects it): record a penalty in the ledger."""
         log.warning("trainer: banned %s for %.0fs after repeated invalid batches (last: %s)", peer[-8:],
                     self.tcfg.ban_seconds, reason)
         self.node.metrics.reject(SOURCE, "banned")
-        host = getattr(self.node, "host", None)
-        if host is not None:
-            host.set_app_score(peer, -1000.0)
         if self._nursery is not None:
-            self._nursery.start_soon(self._disconnect_and_record, peer, reason)
+            self._nursery.start_soon(self._record_penalty, peer, reason)
 
-    async def _disconnect_and_record(self, peer: str, reason: str) -> None:
+    async def _record_penalty(self, peer: str, reason: str) -> None:
         from ..ledger.entries import Penalty
 
-        with trio.move_on_after(5), contextlib.suppress(*STREAM_ERRORS):
-            await self.node.host.disconnect(peer)
         ledger = self.node.services.get("ledger")
         if ledger is not None:
             try:
@@ -212,58 +218,44 @@ class Trainer:
             except (LedgerError, ValueError) as e:
                 log.error("trainer: ledger refused a penalty for %s: %s", peer[-8:], e)
 
-    async def handle_rollouts(self, stream) -> None:
-        """``/swarm/rollouts/1.0.0``: one batch frame in, one ack frame out."""
-        sender = _peer_of(stream)
-        if self.strikes.banned(sender, self.clock()):
+    def _admit_rollouts(self, sender: str) -> str | None:
+        if self.node.peers.is_banned(sender, SOURCE, self.clock()):
             self.intake["banned"] += 1
-            self.node.metrics.reject(SOURCE, "banned")
-            await _reset(stream)
-            return
-        async with self.intake_slots:
-            try:
-                with trio.fail_after(READ_TIMEOUT):
-                    data = await read_frame(stream, MAX_INTAKE_FRAME)
-                if data is None:
-                    return
-                ack = self.judge(data, sender)
-                await write_frame(stream, ack)
-            except RemoteProtocolError as e:  # a broken frame: the sender's fault
-                self.intake[e.reason] += 1
-                self.node.metrics.reject(SOURCE, e.reason)
-                if self.strikes.strike(sender, e.reason, self.clock()):
-                    self._ban(sender, e.reason)
-                await _reset(stream)
-            except trio.TooSlowError:
-                self.node.metrics.reject(SOURCE, "timeout")
-                await _reset(stream)
-            except STREAM_ERRORS as e:  # the sender went away; a spooled batch stays spooled
-                log.debug("trainer: rollouts stream from %s broke: %s", sender[-8:], e)
-            finally:
-                await _close(stream)
+            return "banned"
+        return None
+
+    def _rollouts_fault(self, sender: str, reason: str) -> None:
+        """A broken or slow rollouts frame (a spooled batch stays spooled)."""
+        self.node.metrics.reject(SOURCE, reason)
+        if reason != "timeout":
+            self.intake[reason] += 1
+            self._strike(sender, reason)
+
+    async def _answer_rollouts(self, sender: str, data: bytes) -> RolloutAck:
+        return self.judge(data, sender)
+
+    def rollouts_handler(self):
+        """``/swarm/rollouts/1.0.0``: one batch frame in, one ack frame out."""
+        return request_handler(ROLLOUTS_PROTOCOL, raw(MAX_INTAKE_FRAME), self._answer_rollouts,
+                               max_inflight=self.tcfg.max_concurrent_intake, timeout=READ_TIMEOUT,
+                               admit=self._admit_rollouts, on_fault=self._rollouts_fault, source=SOURCE)
 
     # ------------------------------------------------------------------ validator gate
 
-    async def handle_verdicts(self, stream) -> None:
+    async def _answer_verdict(self, validator: str, data: bytes) -> RolloutAck:
+        batch_id, ok, reason = self.on_verdict_bytes(data)
+        return RolloutAck(batch_id=batch_id, accepted=ok, reason=reason, trainer_step=self.step)
+
+    def _verdicts_fault(self, validator: str, reason: str) -> None:
+        if reason != "timeout":
+            self.node.metrics.reject(VERDICT_SOURCE, reason)
+
+    def verdicts_handler(self):
         """``/swarm/verdicts/1.0.0``: signed verdict frames from a validator, one ack each."""
-        try:
-            for _ in range(MAX_FRAMES_PER_STREAM):
-                with trio.fail_after(READ_TIMEOUT):
-                    data = await read_frame(stream, MAX_VERDICT_FRAME)
-                if data is None:
-                    return
-                batch_id, ok, reason = self.on_verdict_bytes(data)
-                await write_frame(stream, RolloutAck(batch_id=batch_id, accepted=ok, reason=reason,
-                                                     trainer_step=self.step))
-        except RemoteProtocolError as e:
-            self.node.metrics.reject(VERDICT_SOURCE, e.reason)
-            await _reset(stream)
-        except trio.TooSlowError:
-            await _reset(stream)
-        except STREAM_ERRORS as e:
-            log.debug("trainer: verdicts stream broke: %s", e)
-        finally:
-            await _close(stream)
+        return request_handler(VERDICTS_PROTOCOL, raw(MAX_VERDICT_FRAME), self._answer_verdict,
+                               max_inflight=MAX_VERDICT_STREAMS, timeout=READ_TIMEOUT,
+                               per_stream=MAX_FRAMES_PER_STREAM, on_fault=self._verdicts_fault,
+                               source=VERDICT_SOURCE)
 
     def on_verdict_bytes(self, data: bytes) -> tuple[bytes, bool, str]:
         """Check and apply one verdict; (batch id, recorded?, reason)."""
@@ -312,20 +304,14 @@ class Trainer:
             return
         ok = False
         try:
-            with trio.move_on_after(SEND_TIMEOUT):
-                stream = await self.node.host.open_stream(validator, VERIFY_PROTOCOL)
-                try:
-                    await write_frame(stream, envelope)
-                    frame = await read_frame(stream, MAX_ACK_FRAME)
-                    if frame is not None:
-                        ack = decode_as(RolloutAck, frame, MAX_ACK_FRAME)
-                        ok = ack.accepted and ack.batch_id == batch_id
-                finally:
-                    await _close(stream)
-        except RemoteProtocolError as e:
-            self.node.metrics.reject(VERIFY_PROTOCOL, e.reason)
-        except STREAM_ERRORS as e:  # dial / negotiation / stream failures: the validator is unreachable
-            log.info("trainer: cannot hand batch %s to validator %s: %s", batch_id.hex()[:12], validator[-8:], e)
+            ack = await call(self.node.host, validator, VERIFY_PROTOCOL, envelope, SEND_TIMEOUT, reply=_ACK,
+                             peers=self.node.peers)
+            ok = ack.accepted and ack.batch_id == batch_id
+        except CallFailure as e:
+            if e.kind is FailureKind.GARBAGE:
+                self.node.metrics.reject(VERIFY_PROTOCOL, e.reason)
+            else:  # unreachable, silent or gone: another validator may take it
+                log.info("trainer: cannot hand batch %s to validator %s: %s", batch_id.hex()[:12], validator[-8:], e)
         if ok:
             self.gate.sent(batch_id, trio.current_time())
         else:
@@ -496,7 +482,7 @@ class Trainer:
             "publish_error": self.publish_error,
             "device": self.policy.device,
             "intake": dict(self.intake),
-            "banned": len(self.strikes.bans),
+            "banned": sum(SOURCE in b for b in self.node.peers.table.bans(self.clock()).values()),
             "batches": {
                 "gated": counts.get(BatchState.GATED.value, 0),
                 "ready": counts.get(BatchState.READY.value, 0),
@@ -526,23 +512,6 @@ def reward_points(curve: list[tuple[int, float]], most: int) -> list[list]:
     return out
 
 
-def _peer_of(stream) -> str:
-    try:
-        return stream.muxed_conn.peer_id.to_base58()
-    except AttributeError:
-        return ""
-
-
-async def _reset(stream) -> None:
-    with contextlib.suppress(*STREAM_ERRORS):
-        await stream.reset()
-
-
-async def _close(stream) -> None:
-    with contextlib.suppress(*STREAM_ERRORS):
-        await stream.close()
-
-
 async def serve_trainer(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run the trainer role's service until cancelled (see the module docstring)."""
     if node.peer_id not in node.run.trainers:
@@ -565,8 +534,8 @@ async def serve_trainer(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
             await trainer.publish(policy.step)
         elif shards is not None:
             trainer.published = policy.step
-        node.host.set_handler(ROLLOUTS_PROTOCOL, trainer.handle_rollouts)
-        node.host.set_handler(VERDICTS_PROTOCOL, trainer.handle_verdicts)
+        node.host.set_handler(ROLLOUTS_PROTOCOL, trainer.rollouts_handler())
+        node.host.set_handler(VERDICTS_PROTOCOL, trainer.verdicts_handler())
         node.services["trainer"] = trainer
         node.status["trainer"] = trainer.status
         log.info("trainer: %s at step %d on %s", "created the policy" if created else "resumed", policy.step,

@@ -2,7 +2,7 @@
 
 How this works (DESIGN.md "The loop" step 4; the trainer side is node/trainer/gate.py):
 
-* **Intake** (``/swarm/verify/1.0.0``, :meth:`ValidatorService.handle_verify`): a trainer of the run
+* **Intake** (``/swarm/verify/1.0.0``, :meth:`ValidatorService.verify_handler`): a trainer of the run
   sends one frame holding a worker's signed batch envelope and gets one RolloutAck back:
   ``accepted`` = queued (or already judged: its verdict is sent again), ``reason="busy"`` when the
   bounded queue is full, so the trainer hands the batch to its next-ranked validator
@@ -25,7 +25,6 @@ the ``busy`` counter, and the trainer gets "busy" instead of a silent drop.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -34,10 +33,10 @@ from dataclasses import dataclass
 import trio
 
 from ..hashes import digest
-from ..host import STREAM_ERRORS
 from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
 from ..ledger.sync import LedgerError
+from ..net.reqres import CallFailure, Codec, FailureKind, open_call, raw, request_handler
 from ..proofs.config import ProofsConfig
 from ..proofs.margins import ProofMargins
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
@@ -55,9 +54,7 @@ from ..wire import (
     RemoteProtocolError,
     decode_as,
     encode,
-    read_frame,
     seal,
-    write_frame,
 )
 from .config import ValidatorConfig
 from .pipeline import (
@@ -81,7 +78,9 @@ ZERO_ID = bytes(32)
 READ_TIMEOUT = 30.0  # seconds a trainer has to send its batch frame
 ACK_TIMEOUT = 30.0  # seconds a trainer has to acknowledge a verdict frame
 MAX_ACK_FRAME = 4096  # a RolloutAck is ~100 bytes
+MAX_VERIFY_STREAMS = 16  # batches read from trainers at once (trainers are few; others wait)
 DELIVER_PER_STREAM = 64  # verdict frames sent on one delivery stream before it is closed
+_ACK = Codec(MAX_ACK_FRAME, lambda frame: decode_as(RolloutAck, frame, MAX_ACK_FRAME))
 BEHIND_FRACTION = 0.8  # queue fill at which status says "behind"
 LEDGER_STEP_MAX = 2**32  # the ledger's verdict body bounds the step
 FUTURE_GRACE = 5.0  # seconds to wait for the announcement of a version newer than any we know
@@ -154,30 +153,18 @@ class ValidatorService:
 
     # ------------------------------------------------------------------ intake
 
-    async def handle_verify(self, stream) -> None:
+    def verify_handler(self):
         """``/swarm/verify/1.0.0``: one signed batch from a trainer, one RolloutAck back."""
-        peer = stream.muxed_conn.peer_id.to_base58()
-        try:
-            if peer not in self.trainers:
-                self.node.metrics.reject(VERIFY_PROTOCOL, "not-trainer")
-                await stream.reset()
-                return
-            with trio.fail_after(READ_TIMEOUT):
-                data = await read_frame(stream, MAX_FRAME)
-            if data is None:
-                return
-            batch_id, ok, reason = self.submit(peer, data, trio.current_time())
-            await write_frame(stream, RolloutAck(batch_id=batch_id, accepted=ok, reason=reason))
-        except RemoteProtocolError as e:
-            self.node.metrics.reject(VERIFY_PROTOCOL, e.reason)
-            await _reset(stream)
-        except trio.TooSlowError:
-            self.node.metrics.reject(VERIFY_PROTOCOL, "timeout")
-            await _reset(stream)
-        except STREAM_ERRORS:  # the trainer went away before our ack; it will send the batch again
-            await _reset(stream)
-        finally:
-            await _close(stream)
+        return request_handler(VERIFY_PROTOCOL, raw(MAX_FRAME), self._answer_verify, max_inflight=MAX_VERIFY_STREAMS,
+                               timeout=READ_TIMEOUT, admit=self._admit_verify, peers=self.node.peers,
+                               metrics=self.node.metrics)
+
+    def _admit_verify(self, peer: str) -> str | None:
+        return None if peer in self.trainers else "not-trainer"
+
+    async def _answer_verify(self, peer: str, data: bytes) -> RolloutAck:
+        batch_id, ok, reason = self.submit(peer, data, trio.current_time())
+        return RolloutAck(batch_id=batch_id, accepted=ok, reason=reason)
 
     def submit(self, trainer: str, data: bytes, now: float) -> tuple[bytes, bool, str]:
         """Queue a batch from ``trainer``: (batch id, accepted, reason when refused)."""
@@ -385,35 +372,23 @@ class ValidatorService:
         queue = self.pending[trainer]
         items = list(queue.items())[:DELIVER_PER_STREAM]
         try:
-            stream = await self.node.host.open_stream(trainer, VERDICTS_PROTOCOL)
-        except STREAM_ERRORS as e:  # dial / negotiation failure: the trainer is unreachable for now
-            log.debug("validator: cannot reach trainer %s: %s", trainer[-8:], e)
-            return False
-        try:
-            for batch_id, verdict in items:
-                await write_frame(stream, verdict)
-                with trio.fail_after(ACK_TIMEOUT):
-                    frame = await read_frame(stream, MAX_ACK_FRAME)
-                if frame is None:
-                    return False
-                ack = decode_as(RolloutAck, frame, MAX_ACK_FRAME)
-                if ack.batch_id != batch_id and ack.batch_id != ZERO_ID:
-                    raise RemoteProtocolError("wrong-ack", ack.batch_id.hex()[:12])
-                if not ack.accepted and ack.reason:
-                    self.results[f"trainer:{ack.reason}"] += 1
-                # Recorded, or refused for good ("unknown-batch", "already-decided"): either way, done.
-                queue.pop(batch_id, None)
-                self.store.mark_delivered(batch_id)
+            async with open_call(self.node.host, trainer, VERDICTS_PROTOCOL, peers=self.node.peers) as caller:
+                for batch_id, verdict in items:
+                    ack = await caller.ask(verdict, _ACK, ACK_TIMEOUT)
+                    if ack.batch_id != batch_id and ack.batch_id != ZERO_ID:
+                        raise caller.garbage("wrong-ack", ack.batch_id.hex()[:12])
+                    if not ack.accepted and ack.reason:
+                        self.results[f"trainer:{ack.reason}"] += 1
+                    # Recorded, or refused for good ("unknown-batch", "already-decided"): either way, done.
+                    queue.pop(batch_id, None)
+                    self.store.mark_delivered(batch_id)
             return True
-        except RemoteProtocolError as e:
-            self.node.metrics.reject(VERDICTS_PROTOCOL, e.reason)
-            await _reset(stream)
+        except CallFailure as e:  # unreachable, silent or gone: keep the rest for the next try
+            if e.kind is FailureKind.GARBAGE:
+                self.node.metrics.reject(VERDICTS_PROTOCOL, e.reason)
+            elif e.kind is FailureKind.UNREACHABLE:
+                log.debug("validator: cannot reach trainer %s: %s", trainer[-8:], e)
             return False
-        except (trio.TooSlowError, *STREAM_ERRORS):  # silent or gone: keep the rest for the next try
-            await _reset(stream)
-            return False
-        finally:
-            await _close(stream)
 
     # ------------------------------------------------------------------ status
 
@@ -444,16 +419,6 @@ def _payload_id(data: bytes) -> bytes:
         return ZERO_ID
 
 
-async def _reset(stream) -> None:
-    with contextlib.suppress(*STREAM_ERRORS):  # already gone
-        await stream.reset()
-
-
-async def _close(stream) -> None:
-    with contextlib.suppress(*STREAM_ERRORS):  # already reset or closed by the peer
-        await stream.close()
-
-
 async def serve_validator(node, *, task_status=trio.TASK_STATUS_IGNORED, tasks: TaskSet | None = None) -> None:
     """Run the validator until cancelled (``tasks`` overrides the run's task set, for tests)."""
     cfg: ValidatorConfig = node.config.run.section("validator", ValidatorConfig)
@@ -473,7 +438,7 @@ async def serve_validator(node, *, task_status=trio.TASK_STATUS_IGNORED, tasks: 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(svc.check_loop)
             nursery.start_soon(svc.deliver_loop)
-            node.host.set_handler(VERIFY_PROTOCOL, svc.handle_verify)
+            node.host.set_handler(VERIFY_PROTOCOL, svc.verify_handler())
             task_status.started(svc)
     finally:
         store.close()

@@ -1,0 +1,1 @@
+"""Networking layers above the libp2p host: the request/response layer (reqres.py)."""

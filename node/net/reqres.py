@@ -1,0 +1,284 @@
+"""Request/response on libp2p streams: framing, deadlines, decoding, resets and blame, done once.
+
+How this works
+--------------
+* Server side, :func:`request_handler` (or :func:`serve_requests`, which installs one and runs
+  until cancelled) turns ``handler(peer, request) -> reply`` into a stream handler: at most
+  ``max_inflight`` streams at once (the others wait, or are refused as "busy"), then up to
+  ``per_stream`` exchanges of one length-prefixed frame in (read within ``timeout``, decoded by the
+  :class:`Codec`) and the handler's reply out (None: no reply, the stream ends).
+* Client side, :func:`open_call` opens a stream and hands back a :class:`Caller` whose ``ask``
+  writes a request and reads one reply; :func:`call` is one ``ask`` on a fresh stream.
+* Errors say whose fault they are (STYLE.md 6): a :class:`~node.wire.RemoteProtocolError` is the
+  peer's (counted, reported to the peer table unless it only says the stream broke, the stream
+  reset); a :class:`~node.wire.LocalProtocolError` is ours and propagates; a call that gets no usable
+  reply raises :class:`CallFailure` with a :class:`FailureKind`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import trio
+
+from ..host import OPEN_STREAM_TIMEOUT, STREAM_ERRORS
+from ..wire import (
+    MAX_FRAME,
+    TRANSPORT_FAILURES,
+    LocalProtocolError,
+    Message,
+    RemoteProtocolError,
+    decode,
+    read_frame,
+    write_frame,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CLOSE_TIMEOUT = 1.0  # a close or reset of a stream the peer no longer reads from
+# Refusals that are nobody's fault (a stream that broke, a peer too slow, our own load): counted,
+# never reported to the peer table.
+NOT_FAULTS = TRANSPORT_FAILURES | {"timeout", "busy"}
+
+
+@dataclass(frozen=True)
+class Codec(Generic[T]):
+    """How one frame becomes a value: at most ``max_size`` bytes, then ``decode`` (which raises
+    RemoteProtocolError for garbage)."""
+
+    max_size: int
+    decode: Callable[[bytes], T]
+
+
+def raw(max_size: int = MAX_FRAME) -> Codec[bytes]:
+    """Frames as bytes (the handler parses them itself, e.g. a signed envelope)."""
+    return Codec(max_size, bytes)
+
+
+def messages(*types: type[Message], max_size: int = MAX_FRAME) -> Codec[Message]:
+    """Frames decoded as one of ``types``; any other message type is garbage ("wrong-type")."""
+
+    def decode_one(data: bytes) -> Message:
+        msg = decode(data, max_size)
+        if not isinstance(msg, types):
+            raise RemoteProtocolError("wrong-type", f"{msg.TYPE} is not one of {[t.TYPE for t in types]}")
+        return msg
+
+    return Codec(max_size, decode_one)
+
+
+# --------------------------------------------------------------------------------------------
+# Streams
+
+
+def peer_of(stream) -> str:
+    """The remote peer id of a stream ("" when the stream does not say)."""
+    try:
+        return stream.muxed_conn.peer_id.to_base58()
+    except AttributeError:
+        return ""
+
+
+async def reset(stream) -> None:
+    """Reset quietly: the peer may be gone already."""
+    with trio.move_on_after(CLOSE_TIMEOUT):
+        try:
+            await stream.reset()
+        except STREAM_ERRORS:
+            pass
+
+
+async def close(stream) -> None:
+    """Close quietly: the peer may have reset or closed it already."""
+    with trio.move_on_after(CLOSE_TIMEOUT):
+        try:
+            await stream.close()
+        except STREAM_ERRORS:
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# Server side
+
+Handler = Callable[[str, T], Awaitable[Message | bytes | None]]
+
+
+def request_handler(
+    protocol: str,
+    codec: Codec[T],
+    handler: Handler,
+    *,
+    max_inflight: int,
+    timeout: float,
+    per_stream: int = 1,
+    stream_timeout: float | None = None,
+    wait_for_slot: bool = True,
+    admit: Callable[[str], str | None] | None = None,
+    on_fault: Callable[[str, str], None] | None = None,
+    peers=None,
+    metrics=None,
+    source: str | None = None,
+) -> Callable[[object], Awaitable[None]]:
+    """The stream handler serving ``protocol`` (see the module docstring).
+
+    ``admit(peer)`` may refuse a stream before anything is read (its reason is counted, the stream
+    reset). Remote faults and timeouts go to ``on_fault(peer, reason)``; by default they are counted
+    in ``metrics`` under ``source`` (the protocol) and reported to ``peers`` (node/peers) unless in
+    NOT_FAULTS. ``stream_timeout`` bounds a whole stream of ``per_stream`` exchanges.
+    """
+    source = source or protocol
+    slots = trio.Semaphore(max_inflight)
+
+    def count(reason: str) -> None:
+        if metrics is not None:
+            metrics.reject(source, reason)
+
+    def default_fault(peer: str, reason: str) -> None:
+        count(reason)
+        if peers is not None and reason not in NOT_FAULTS:
+            peers.report(peer, source, reason)
+
+    fault = on_fault or default_fault
+
+    async def exchange(stream, peer: str) -> None:
+        for _ in range(per_stream):
+            with trio.fail_after(timeout):
+                data = await read_frame(stream, codec.max_size)
+            if data is None:
+                return
+            reply = await handler(peer, codec.decode(data))
+            if reply is None:
+                return
+            with trio.fail_after(timeout):
+                await write_frame(stream, reply)
+
+    async def handle(stream) -> None:
+        peer = peer_of(stream)
+        refusal = admit(peer) if admit is not None else None
+        if refusal is not None:
+            count(refusal)
+            await reset(stream)
+            return
+        if slots.value == 0 and not wait_for_slot:
+            fault(peer, "busy")
+            await close(stream)
+            return
+        try:
+            async with slots:
+                with trio.fail_after(stream_timeout if stream_timeout is not None else float("inf")):
+                    await exchange(stream, peer)
+        except RemoteProtocolError as e:
+            fault(peer, e.reason)
+            await reset(stream)
+        except trio.TooSlowError:
+            fault(peer, "timeout")
+            await reset(stream)
+        except STREAM_ERRORS as e:  # the peer went away mid-exchange
+            log.debug("%s: stream from %s broke: %s", protocol, peer[-8:], e)
+            await reset(stream)
+        finally:
+            await close(stream)
+
+    return handle
+
+
+async def serve_requests(host, protocol: str, codec: Codec[T], handler: Handler, *, max_inflight: int,
+                         timeout: float, task_status=trio.TASK_STATUS_IGNORED, **options) -> None:
+    """Answer ``protocol`` on ``host`` with ``handler`` until cancelled (options: :func:`request_handler`)."""
+    host.set_handler(protocol, request_handler(protocol, codec, handler, max_inflight=max_inflight,
+                                               timeout=timeout, **options))
+    task_status.started()
+    await trio.sleep_forever()
+
+
+# --------------------------------------------------------------------------------------------
+# Client side
+
+
+class FailureKind(enum.Enum):
+    """Why a call got no usable reply. All are the remote's or the network's doing, never ours."""
+
+    UNREACHABLE = "unreachable"  # could not open a stream
+    TIMEOUT = "timeout"  # no reply before the deadline
+    STREAM = "stream"  # the stream broke (reset, EOF before the reply)
+    GARBAGE = "garbage"  # a reply that does not decode, or answers another request
+
+
+class CallFailure(Exception):
+    def __init__(self, kind: FailureKind, detail: str = "", reason: str = "") -> None:
+        super().__init__(f"{kind.value}: {detail}")
+        self.kind = kind
+        self.detail = detail
+        self.reason = reason or kind.value  # the RemoteProtocolError reason for GARBAGE
+
+
+class Caller:
+    """One open stream to ``peer``; ``ask`` as many times as the protocol allows."""
+
+    def __init__(self, stream, peer: str, protocol: str, peers, source: str) -> None:
+        self.stream, self.peer, self.protocol = stream, peer, protocol
+        self._peers, self._source = peers, source
+
+    def garbage(self, reason: str, detail: str = "") -> CallFailure:
+        """A reply that makes no sense: reported to the peer table; raise what this returns."""
+        if self._peers is not None:
+            self._peers.report(self.peer, self._source, reason)
+        return CallFailure(FailureKind.GARBAGE, detail or reason, reason)
+
+    async def ask(self, request: Message | bytes, reply: Codec[T], timeout: float) -> T:
+        """Write ``request``, read one reply within ``timeout``; CallFailure otherwise."""
+        with trio.move_on_after(timeout) as deadline:
+            try:
+                await write_frame(self.stream, request)
+            except LocalProtocolError:
+                raise
+            except Exception as e:  # noqa: BLE001 — a reset or closed stream, whatever libp2p calls it
+                raise CallFailure(FailureKind.STREAM, f"write: {type(e).__name__}") from None
+            try:
+                frame = await read_frame(self.stream, reply.max_size)
+            except RemoteProtocolError as e:
+                if e.reason in TRANSPORT_FAILURES:
+                    raise CallFailure(FailureKind.STREAM, str(e), e.reason) from None
+                raise self.garbage(e.reason, str(e)) from None
+            if frame is None:
+                raise CallFailure(FailureKind.STREAM, "closed without a reply", "truncated")
+            try:
+                return reply.decode(frame)
+            except RemoteProtocolError as e:
+                raise self.garbage(e.reason, str(e)) from None
+        assert deadline.cancelled_caught
+        raise CallFailure(FailureKind.TIMEOUT, f"no reply within {timeout:g}s", "timeout")
+
+
+@asynccontextmanager
+async def open_call(host, peer: str, protocol: str, *, open_timeout: float = OPEN_STREAM_TIMEOUT,
+                    peers=None, source: str | None = None) -> AsyncIterator[Caller]:
+    """A :class:`Caller` on a new stream to ``peer``; the stream is closed on exit."""
+    try:
+        with trio.fail_after(open_timeout):
+            stream = await host.open_stream(peer, protocol)
+    except trio.Cancelled:
+        raise
+    except Exception as e:  # noqa: BLE001 — libp2p raises many types for "cannot dial / protocol refused"
+        raise CallFailure(FailureKind.UNREACHABLE, f"{type(e).__name__}: {e}") from None
+    try:
+        yield Caller(stream, peer, protocol, peers, source or protocol)
+    finally:
+        with trio.CancelScope(shield=True):
+            await close(stream)
+
+
+async def call(host, peer: str, protocol: str, request: Message | bytes, timeout: float, *,
+               reply: Codec[T], peers=None, source: str | None = None) -> T:
+    """One request and its reply on a new stream, all within ``timeout``; CallFailure otherwise."""
+    with trio.move_on_after(timeout) as deadline:
+        async with open_call(host, peer, protocol, peers=peers, source=source) as caller:
+            return await caller.ask(request, reply, timeout)
+    assert deadline.cancelled_caught
+    raise CallFailure(FailureKind.TIMEOUT, f"no reply within {timeout:g}s", "timeout")
