@@ -128,27 +128,27 @@ async def test_inference_node_sends_valid_batches_and_follows_new_versions(tmp_p
     async with open_nodes(configs) as (trainer, worker):
         assert trainer.peer_id == trainer_id.peer_id
         trainer.host.set_handler(ROLLOUTS_PROTOCOL, fake.handle)
-        await trainer.services["shards"].publish(m0, 0)
+        await trainer.shards.publish(m0, 0)
 
         first = await fake.wait_for(lambda sb: sb.batch.policy_version == 0)
         # The trainer says it is at step 3: v0 is now beyond async_level (2); the node must stop
         # generating batches that would be refused, and resume once it holds a recent version.
         fake.step = 3
-        svc = worker.services["inference"]
+        svc = worker.inference
         with trio.fail_after(60):
             while not svc.status()["waiting_for_checkpoint"]:
                 await trio.sleep(0.05)
         steps = svc.stats.steps
         await trio.sleep(1.0)
         assert svc.stats.steps == steps and svc.status()["waiting_for_checkpoint"]
-        await trainer.services["shards"].publish(m1, 3)
+        await trainer.shards.publish(m1, 3)
         later = await fake.wait_for(lambda sb: sb.batch.policy_version == 3)
 
-        status = worker.services["inference"].status()
+        status = worker.inference.status()
         assert status["policy_version"] == 3 and status["weight_swaps"] >= 1
         assert status["batches"]["accepted"] >= 2 and status["steps"] >= 2
         assert status["tokens_per_s"] > 0 and status["trainers_alive"] == 1
-        record = worker.services["membership"].record
+        record = worker.membership.record
         assert record.capacity > 0  # advertised tokens/s
 
     tok = load_tokenizer(m0)
@@ -177,8 +177,8 @@ async def test_backpressure_retries_elsewhere_and_counts_refusals(tmp_path, fast
                node_config(tmp_path, "worker", "inference", run=run)]
     async with open_nodes(configs) as (bad, good_node, worker):
         bad.host.set_handler(ROLLOUTS_PROTOCOL, reset)
-        await bad.services["shards"].publish(model, 0)
-        svc = worker.services["inference"]
+        await bad.shards.publish(model, 0)
+        svc = worker.inference
         with trio.fail_after(60):
             while svc.stats.steps < 2 or svc.failures["stream"] + svc.failures["unreachable"] < 2:
                 await trio.sleep(0.1)
