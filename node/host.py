@@ -25,7 +25,9 @@ checkpoints, ledger) *before* py-libp2p forwards them, so garbage is neither sto
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -37,7 +39,8 @@ from libp2p.crypto.ed25519 import Ed25519PrivateKey as Libp2pEd25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.exceptions import BaseLibp2pError
-from libp2p.host.ping import PingService
+from libp2p.host.ping import ID as PING_PROTOCOL
+from libp2p.host.ping import PING_LENGTH, PingService
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import GossipSub
@@ -330,9 +333,30 @@ class SwarmHost:
         await self.host.disconnect(ID.from_base58(peer_id))
 
     async def ping(self, peer_id: str) -> float:
-        """One round trip in seconds (raises on failure)."""
-        rtts = await self.ping_service.ping(ID.from_base58(peer_id))
-        return rtts[0] / 1e6 if rtts else 0.0
+        """One round trip of the libp2p ping protocol on a fresh stream, in seconds (raises on failure).
+
+        Not py-libp2p's ``PingService.ping``: it caches its stream per peer, and a ping cancelled
+        mid-flight (every probe timeout) leaves the stream cached; the next ping then calls the
+        stream's boolean ``is_closed`` and raises TypeError, for that peer, for good. SWIM saw a
+        peer that merely answered one ping late as unreachable ever after.
+        """
+        payload = secrets.token_bytes(PING_LENGTH)
+        stream = await self.open_stream(peer_id, PING_PROTOCOL)
+        try:
+            start = trio.current_time()
+            await stream.write(payload)
+            echoed = b""
+            while len(echoed) < PING_LENGTH:
+                chunk = await stream.read(PING_LENGTH - len(echoed))
+                if not chunk:
+                    raise ConnectionError("ping stream closed before the echo")
+                echoed += chunk
+            if echoed != payload:
+                raise ConnectionError("ping echo differs from what was sent")
+            return trio.current_time() - start
+        finally:  # a ping stream carries one round trip; even a cancelled ping closes its stream
+            with trio.move_on_after(1, shield=True), contextlib.suppress(*STREAM_ERRORS):
+                await stream.reset()
 
     def set_handler(self, protocol: str, handler: StreamHandler) -> None:
         self.host.set_stream_handler(protocol, handler)

@@ -45,3 +45,35 @@ async def test_a_write_cancelled_after_encryption_leaves_the_connection_usable(m
             stream = await a.open_stream(b.peer_id, ECHO)
             await write_frame(stream, b"still in sync")
             assert await read_frame(stream) == b"still in sync"
+
+
+async def test_a_ping_cut_short_does_not_break_the_next_one():
+    """A probe timeout cancels a ping mid-flight; the next ping to that peer must still work
+    (py-libp2p's PingService kept the cut stream and raised TypeError on every later ping)."""
+    from libp2p.host.ping import ID as PING_PROTOCOL
+
+    async with open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as a, \
+            open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as b:
+        await a.connect(b.listen_addrs()[0])
+        assert await a.ping(b.peer_id) >= 0
+        answered = b.host.get_mux().handlers[PING_PROTOCOL]
+        read = trio.Event()
+
+        async def silent(stream) -> None:  # reads the ping, never answers
+            await stream.read(32)
+            read.set()
+            await trio.sleep_forever()
+
+        b.set_handler(PING_PROTOCOL, silent)
+        async with trio.open_nursery() as nursery:
+            async def cut_short() -> None:
+                with trio.CancelScope() as scope:
+                    cancel_scopes.append(scope)
+                    await a.ping(b.peer_id)
+
+            cancel_scopes: list[trio.CancelScope] = []
+            nursery.start_soon(cut_short)
+            await read.wait()  # the ping is in flight: cancel it there, as a probe timeout does
+            cancel_scopes[0].cancel()
+        b.set_handler(PING_PROTOCOL, answered)
+        assert await a.ping(b.peer_id) >= 0

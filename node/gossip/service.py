@@ -21,6 +21,7 @@ peer does not take it for a failure and redial.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -70,6 +71,7 @@ MAX_SYNC_FRAMES = 128  # 32k records: above MembershipConfig.max_members
 MAX_PROBE_REQS = 8  # ping-reqs we serve at once for others
 DIAL_TIMEOUT = 3.0
 TICK = 0.25
+CLOSING_S = 5.0  # seconds after a deliberate close during which the connection may still be listed
 PRUNE_MEMORY = 30.0  # seconds a deliberate close (ours or theirs) keeps a lost connection from looking like a failure
 
 
@@ -127,6 +129,8 @@ class Membership:
     sync: SyncPlanner = field(default_factory=SyncPlanner)
     was_connected: set[str] = field(default_factory=set)  # connections at the last tick
     pruned: dict[str, float] = field(default_factory=dict)  # peer -> when a deliberate close was announced
+    # (or a lost connection was last probed at once); deliberate: only the announced closes, ours or theirs
+    deliberate: dict[str, float] = field(default_factory=dict)
     closes: dict[str, int] = field(default_factory=lambda: {"pruned": 0, "pruned_by_peer": 0, "lost": 0})
     conn: ConnectionManager | None = None
     health: LocalHealth = field(default_factory=LocalHealth)
@@ -315,7 +319,7 @@ async def serve_membership(node: NodeContext, relay: CircuitAddrs, shards: HeldV
 
         async def answer_probe(peer: str, req) -> PingResult | None:
             if isinstance(req, Prune):  # the peer is closing our connection on purpose
-                svc.pruned[peer] = trio.current_time()
+                svc.pruned[peer] = svc.deliberate[peer] = trio.current_time()
                 svc.closes["pruned_by_peer"] += 1
                 return None
             return PingResult(ok=await ping_once(req.target, req.addrs, cfg.indirect_timeout))
@@ -336,6 +340,7 @@ async def serve_membership(node: NodeContext, relay: CircuitAddrs, shards: HeldV
         async def probe(target: str, scale: int) -> None:
             """Direct ping (a dial if we hold no connection), then indirect pings, then suspicion."""
             addrs = svc.addrs_of(target)
+            started = trio.current_time()
             if await ping_once(target, addrs, cfg.probe_timeout * scale):
                 table.on_probe_ok(target, trio.current_time())
                 return
@@ -348,6 +353,10 @@ async def serve_membership(node: NodeContext, relay: CircuitAddrs, shards: HeldV
             if any(results):
                 table.on_probe_ok(target, now)
                 return
+            if svc.deliberate.get(target, -math.inf) >= started:
+                # The connection was closed on purpose while we probed (by us, or by the peer with
+                # its notice): the ping died with it, which says nothing about the peer.
+                return
             acc = table.on_probe_failed(target, now)
             if acc is not None:
                 log.info("suspect %s (no ack from %d helpers)", target[:16], len(helpers))
@@ -359,15 +368,19 @@ async def serve_membership(node: NodeContext, relay: CircuitAddrs, shards: HeldV
                 await trio.sleep(cfg.probe_period)
                 svc.health.on_round(trio.current_time() - before - cfg.probe_period, cfg.probe_timeout / 2)
                 # Only members we hold a connection to: no dial per probe (see the module docstring).
-                target = table.next_probe_target(set(node.host.connected_peers()))
+                # Not one whose connection is closing on purpose: it may still be listed as connected.
+                now = trio.current_time()
+                closing = {p for p, at in svc.deliberate.items() if now - at < CLOSING_S}
+                target = table.next_probe_target(set(node.host.connected_peers()) - closing)
                 if target is not None:
                     await probe(target, svc.health.scale())
 
         def lost_connections(connected: set[str], now: float) -> list[str]:
             """Live members whose connection dropped since the last tick without a Prune notice."""
-            for p, at in list(svc.pruned.items()):
-                if now - at > PRUNE_MEMORY:
-                    del svc.pruned[p]
+            for memory in (svc.pruned, svc.deliberate):
+                for p, at in list(memory.items()):
+                    if now - at > PRUNE_MEMORY:
+                        del memory[p]
             lost = [
                 p for p in svc.was_connected - connected
                 if p not in svc.pruned and table.state_of(p) in (MemberState.ALIVE, MemberState.SUSPECT)
@@ -417,7 +430,7 @@ async def serve_membership(node: NodeContext, relay: CircuitAddrs, shards: HeldV
 
         async def prune(peer: str) -> None:
             """Close a connection on purpose, telling the peer first so it does not probe us for it."""
-            svc.pruned[peer] = trio.current_time()
+            svc.pruned[peer] = svc.deliberate[peer] = trio.current_time()
             svc.closes["pruned"] += 1
             # Wait for the peer to close its side, i.e. to have noted the prune: closing the
             # connection at once dropped the frame before its handler read it.
