@@ -11,6 +11,7 @@ key loses the peer's identity and its ledger history, so a corrupt file is the o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .atomic import write_atomic
+
+log = logging.getLogger("node.identity")
 
 KEY_FILE = "identity.key"
 # protobuf PublicKey{Type=Ed25519(1), Data=<32 bytes>} wrapped in an identity multihash (0x00, len 36)
@@ -115,12 +118,27 @@ class Identity:
         )
 
 
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` with mode 0700, or take group and other access away from an existing one."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        log.warning("data dir %s was mode %o: now 700 (it holds the node's key)", path, mode)
+        path.chmod(mode & 0o700)
+
+
 def load_identity(path: Path) -> Identity:
     """Read a key file; IdentityError with the reason if it cannot be used."""
     try:
         data = path.read_bytes()
+        mode = path.stat().st_mode & 0o777
     except OSError as e:
         raise IdentityError(f"cannot read key file {path}: {e.strerror or e}") from None
+    if mode & 0o077:  # as ssh does: a key others could read may already be someone else's too
+        raise IdentityError(
+            f"key file {path} is accessible by other users (mode {mode:o}); "
+            f"if that is safe, run: chmod 600 {path}"
+        )
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError):
@@ -142,7 +160,10 @@ def save_identity(identity: Identity, path: Path) -> None:
 
 
 def load_or_create_identity(data_dir: Path) -> tuple[Identity, bool]:
-    """The node's identity from ``data_dir``; created on first start. Returns (identity, created)."""
+    """The node's identity from ``data_dir``; created on first start. Returns (identity, created).
+
+    The data dir is made private (0700) on the way: it holds the key, the ledger and the spool."""
+    make_private_dir(Path(data_dir))
     path = Path(data_dir) / KEY_FILE
     if path.exists():
         return load_identity(path), False

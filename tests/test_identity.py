@@ -37,3 +37,22 @@ def test_peer_id_matches_libp2p():
     assert peer_id_of(ident.public_bytes) == ident.peer_id
     with pytest.raises(ValueError):
         public_key_of("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")  # a sha256 (RSA-style) id
+
+
+def test_a_key_others_can_read_is_refused(tmp_path):
+    identity, _ = load_or_create_identity(tmp_path)
+    key = tmp_path / KEY_FILE
+    key.chmod(0o644)
+    with pytest.raises(IdentityError, match="chmod 600"):
+        load_or_create_identity(tmp_path)
+    key.chmod(0o600)
+    assert load_or_create_identity(tmp_path)[0].peer_id == identity.peer_id
+
+
+def test_the_data_dir_is_private(tmp_path):
+    fresh, loose = tmp_path / "fresh" / "node", tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)
+    for d in (fresh, loose):
+        load_or_create_identity(d)
+        assert d.stat().st_mode & 0o777 == 0o700
