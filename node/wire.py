@@ -22,6 +22,7 @@ This module imports neither libp2p nor torch, so proofs and ledger code can use 
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 import typing
 from dataclasses import dataclass, field
@@ -88,6 +89,8 @@ class Bounds:
     min: float | None = None  # numbers
     max: float | None = None
     exact_len: int | None = None  # bytes that must have a fixed length (keys, hashes, signatures)
+    item_min: float | None = None  # bounds of each number in a list
+    item_max: float | None = None
 
 
 def bounded(
@@ -96,11 +99,13 @@ def bounded(
     min: float | None = None,  # noqa: A002 - reads naturally at the call site
     max: float | None = None,  # noqa: A002
     exact_len: int | None = None,
+    item_min: float | None = None,
+    item_max: float | None = None,
     default: Any = dataclasses.MISSING,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A dataclass field with wire bounds. Every str/bytes/list field must declare a max length."""
-    meta = {"bounds": Bounds(max_len=max_len, min=min, max=max, exact_len=exact_len)}
+    meta = {"bounds": Bounds(max_len=max_len, min=min, max=max, exact_len=exact_len, item_min=item_min, item_max=item_max)}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -197,8 +202,8 @@ def _check(name: str, hint: Any, value: Any, b: Bounds) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RemoteProtocolError("bad-field", f"{name}: expected number")
         value = float(value)
-        if value != value:  # NaN never satisfies a bound and poisons sums
-            raise RemoteProtocolError("bad-field", f"{name}: NaN")
+        if not math.isfinite(value):  # NaN satisfies no bound, and either one poisons every sum it enters
+            raise RemoteProtocolError("bad-field", f"{name}: {value} is not finite")
         _check_range(name, value, b)
         return value
     if hint in (str, bytes):
@@ -211,7 +216,7 @@ def _check(name: str, hint: Any, value: Any, b: Bounds) -> Any:
             raise RemoteProtocolError("bad-field", f"{name}: expected list")
         _check_len(name, len(value), b)
         item_hint = args[0] if args else Any
-        inner_b = Bounds(max_len=MAX_FRAME)  # items are bounded by the frame cap
+        inner_b = Bounds(max_len=MAX_FRAME, min=b.item_min, max=b.item_max)  # lengths: the frame cap
         items = [_check(f"{name}[]", item_hint, v, inner_b) for v in value]
         return tuple(items) if origin is tuple else items
     if origin is dict:

@@ -13,6 +13,7 @@ from node.model import TinyModelSpec, build_tiny_model, build_tokenizer
 from node.rl.config import GRPOConfig
 from node.rl.grpo import (
     IGNORE,
+    NonFiniteStep,
     TrainSample,
     batch_loss,
     grpo_loss,
@@ -251,6 +252,30 @@ def test_grad_norm_is_clipped():
     assert st.grad_norm > cfg.max_grad_norm  # reported norm is the pre-clip norm
     total = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in m.parameters() if p.grad is not None))
     assert total.item() == pytest.approx(cfg.max_grad_norm, rel=1e-3)
+
+
+def test_an_absurd_old_logprob_does_not_poison_the_weights():
+    """The attack of issue 14: one claimed log-prob far below the model's own (the schema's floor,
+    -1000; -1e30 before it had one) made exp(logp - old_logp) inf and every weight NaN."""
+    tok = build_tokenizer()
+    m = build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id, SMALL, seed=2)
+    cfg = GRPOConfig(lr=1e-3, optimizer_steps=1, kl_coef=0.0, warmup_steps=0)
+    opt, sched = make_optimizer(m, cfg)
+    for adv in (1.0, -1.0, 0.0):
+        st = train_step(m, opt, sched, [TrainSample([5], [6, 7], [-1000.0, -0.5], adv)], cfg)
+        assert math.isfinite(st.loss) and math.isfinite(st.grad_norm)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_a_non_finite_loss_never_reaches_the_optimizer():
+    tok = build_tokenizer()
+    m = build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id, SMALL, seed=2)
+    cfg = GRPOConfig(lr=1e-3, optimizer_steps=1, kl_coef=0.0, warmup_steps=0)
+    opt, sched = make_optimizer(m, cfg)
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(NonFiniteStep):  # an advantage past every bound (the schema refuses it on the wire)
+        train_step(m, opt, sched, [TrainSample([5], [6, 7], [-0.5, -0.5], float("inf"))], cfg)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
 
 
 def test_config_validation():

@@ -40,6 +40,8 @@ class Sample(Message):
     blob: bytes = bounded(max_len=16, default=b"")
     tags: list[str] = bounded(max_len=3, default_factory=list)
     ratio: float = bounded(min=0.0, max=1.0, default=0.5)
+    logps: list[float] = bounded(max_len=4, item_min=-10.0, item_max=0.0, default_factory=list)
+    free: float = bounded(default=0.0)  # no range: still finite
 
 
 def test_round_trip():
@@ -61,6 +63,12 @@ def test_round_trip():
         ({"name": "x", "count": 1, "evil": 1}, "unknown-field"),
         ({"name": "x", "count": 1, "tags": ["a", "b", "c", "d"]}, "oversized"),
         ({"name": "x", "count": 1, "ratio": float("nan")}, "bad-field"),
+        ({"name": "x", "count": 1, "free": float("inf")}, "bad-field"),
+        ({"name": "x", "count": 1, "free": float("-inf")}, "bad-field"),
+        ({"name": "x", "count": 1, "logps": [-1.0, -1e30]}, "out-of-bounds"),
+        ({"name": "x", "count": 1, "logps": [0.5]}, "out-of-bounds"),
+        ({"name": "x", "count": 1, "logps": [float("-inf")]}, "bad-field"),
+        ({"name": "x", "count": 1, "logps": [float("nan")]}, "bad-field"),
     ],
 )
 def test_schema_violations_are_remote_errors(fields, reason):

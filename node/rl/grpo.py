@@ -39,6 +39,11 @@ import torch
 from .config import GRPOConfig
 
 IGNORE = -100  # target id of positions that carry no loss
+MAX_LOG_RATIO = 20.0  # |log(pi / pi_old)| bound inside the loss (see grpo_loss)
+
+
+class NonFiniteStep(ArithmeticError):
+    """The loss or the gradient norm of a mini-batch was not finite; the optimizer did not step on it."""
 
 
 @dataclass
@@ -186,7 +191,10 @@ def grpo_loss(
     """Token-level two-sided-clipped GRPO loss (see module docstring); tensors share one shape."""
     mask = mask.to(logp.dtype)
     n = mask.sum().clamp(min=1.0)
-    ratio = torch.exp(logp - old_logp)
+    # Bounded before exp(): a ratio beyond e^20 is clipped (eps) or capped (delta) anyway and one
+    # below e^-20 contributes less than e^-20 |A|, so no honest loss moves; but an old log-prob
+    # far below the new one would overflow to inf, and inf * 0 is NaN in every weight after the step.
+    ratio = torch.exp((logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     clipped = ratio.clamp(1 - cfg.epsilon, 1 + cfg.epsilon)
     ppo = torch.min(ratio * advantages, clipped * advantages)
     neg = advantages < 0
@@ -273,6 +281,10 @@ def train_step(model, optimizer, scheduler, samples: Sequence[TrainSample], cfg:
         optimizer.zero_grad(set_to_none=True)
         parts.loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        if not (torch.isfinite(parts.loss.detach()) and torch.isfinite(gn)):
+            optimizer.zero_grad(set_to_none=True)
+            model.eval()
+            raise NonFiniteStep(f"mini-batch {stats.optimizer_steps}: loss {float(parts.loss.detach())}, grad norm {float(gn)}")
         stats.lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()

@@ -41,6 +41,11 @@ MAX_SAMPLES = 1024  # samples per batch (e.g. 64 prompts x G = 16)
 MAX_PROOF_BYTES = (MAX_TOKENS // 32 + 1) * 258  # TOPLOC proofs for MAX_TOKENS at 32 tokens/chunk
 MAX_BATCH_BYTES = 16 * 1024 * 1024  # one signed batch on the wire
 MAX_ID = 128
+# A sampled token had probability e^-1000 at the least: far below anything a sampler ever draws,
+# far above what overflows exp() in the GRPO ratio once the trainer bounds the log-ratio.
+MIN_LOGPROB = -1000.0
+# (r - mean) / (std + eps) over a group of G is at most sqrt(G - 1) in size: 32 for G = 1024.
+MAX_ADVANTAGE = 1000.0
 
 
 @register
@@ -54,13 +59,14 @@ class RolloutSample(Message):
     task_id: str = bounded(max_len=MAX_ID)  # id of the drawn task (checked against the draw)
     prompt_ids: list[int] = bounded(max_len=MAX_TOKENS)
     completion_ids: list[int] = bounded(max_len=MAX_TOKENS)
-    logprobs: list[float] = bounded(max_len=MAX_TOKENS)  # per completion token, tempered distribution
+    # per completion token, tempered distribution: a sampled token was likely enough to be drawn
+    logprobs: list[float] = bounded(max_len=MAX_TOKENS, item_min=MIN_LOGPROB, item_max=0.0)
     finish_reason: str = bounded(max_len=16)  # "stop" (eos) | "length"
     reward: float = bounded(min=-1e6, max=1e6)  # total reward used for the advantage
     task_reward: float = bounded(min=-1e6, max=1e6)  # verifier's score
     length_penalty: float = bounded(min=-1e6, max=1e6, default=0.0)
     target_length: int = bounded(min=0, max=MAX_TOKENS, default=0)  # thinking budget, 0 = none
-    advantage: float = bounded(min=-1e6, max=1e6)
+    advantage: float = bounded(min=-MAX_ADVANTAGE, max=MAX_ADVANTAGE)
     proof: bytes = bounded(max_len=MAX_PROOF_BYTES)  # concatenated TOPLOC chunk proofs
 
     def __post_init__(self) -> None:
