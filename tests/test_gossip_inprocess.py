@@ -148,3 +148,36 @@ async def test_py_libp2p_does_not_dial_on_its_own(tmp_path):
         assert dials == [] and a.connected_peers() == []
         await a.connect(b.listen_addrs()[0])  # and the counter does see a real dial
         assert dials and a.connected_peers()
+
+
+async def test_an_indirect_probe_dials_only_members_at_their_recorded_addresses(tmp_path, fast_membership):
+    """A ping request naming an arbitrary address made the node dial it (32 connections from 12
+    requests): anyone could aim a node's dials at a third party."""
+    from node.gossip.service import PROBE_PROTOCOL, PingRequest, PingResult
+    from node.net.reqres import call, messages
+
+    accepted = []
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    aim = [f"/ip4/127.0.0.1/tcp/{port}"]
+
+    async def count(listener):
+        while True:
+            conn = await listener.accept()
+            accepted.append(conn)
+
+    configs = [node_config(tmp_path, f"n{i}", membership=fast_membership) for i in range(2)]
+    async with open_nodes(configs) as nodes, trio.open_nursery() as nursery:
+        nursery.start_soon(count, listeners[0])
+        await wait_for(lambda: sees_all(nodes), what="every node sees every other alive")
+        target, member = nodes[0], nodes[1]
+        async with open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as mallory:
+            await mallory.connect(target.host.listen_addrs()[0])
+            for named in (Identity.generate().peer_id, member.peer_id):  # a stranger, and a member at our address
+                res = await call(mallory, target.peer_id, PROBE_PROTOCOL, PingRequest(target=named, addrs=aim),
+                                 timeout=30, reply=messages(PingResult))
+                assert res.ok == (named == member.peer_id)  # the member answers at its own address
+        assert accepted == []
+        nursery.cancel_scope.cancel()
+    for conn in accepted:
+        await conn.aclose()

@@ -322,7 +322,11 @@ async def serve_membership(node: NodeContext, relay: CircuitAddrs, shards: HeldV
                 svc.pruned[peer] = svc.deliberate[peer] = trio.current_time()
                 svc.closes["pruned_by_peer"] += 1
                 return None
-            return PingResult(ok=await ping_once(req.target, req.addrs, cfg.indirect_timeout))
+            # Only a member we know, at the addresses its own signed record gives: the request's
+            # addresses are the asker's word, and taking them would let anyone make us dial anywhere.
+            if table.state_of(req.target) not in (MemberState.ALIVE, MemberState.SUSPECT):
+                return PingResult(ok=False)
+            return PingResult(ok=await ping_once(req.target, svc.addrs_of(req.target), cfg.indirect_timeout))
 
         probe_timeout = cfg.indirect_timeout + DIAL_TIMEOUT + 2
         handle_probe = request_handler(PROBE_PROTOCOL, messages(PingRequest, Prune, max_size=4096), answer_probe,
