@@ -131,14 +131,14 @@ async def _overhead(size: int, seeders: int, tmp: Path) -> tuple[float, float]:
     quiet = dict(progress=False, announce_interval=3600.0, super_seed=False)
     async with open_shards_swarm() as swarm:
         t = await swarm.add(tmp / "t", identity=trainer, trainers=tr, role="trainer", **quiet)
-        signed = await t.services["shards"].publish(src, 1)
+        signed = await t.shards.publish(src, 1)
         seeds = [await swarm.add(tmp / f"s{k}", trainers=tr, fetch="none", **quiet) for k in range(seeders)]
         for s in seeds:
-            await s.services["shards"].seed(src, signed)
+            await s.shards.seed(src, signed)
         d = await swarm.add(tmp / "d", trainers=tr, role="inference", **quiet)
         for s in seeds:
             await d.host.connect(s.host.listen_addrs()[0])
-        svc = d.services["shards"]
+        svc = d.shards
         t0 = time.perf_counter()
         svc.fetch(1, signed.root, seeds[0].peer_id)
         path = await svc.wait_version(1)

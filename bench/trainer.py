@@ -46,7 +46,7 @@ from node.trainer.config import TrainerConfig
 from node.trainer.policy import Policy, training_samples
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
-from node.trainer.testing import reversal_batch, sign_batch
+from node.trainer.testing import fake_wiring, reversal_batch, sign_batch
 
 RUN = "bench"
 PROMPTS, GROUP, NEW_TOKENS = 4, 8, 8
@@ -117,7 +117,7 @@ def bench_throughput(steps: int) -> None:
 
 
 def fake_node() -> SimpleNamespace:
-    return SimpleNamespace(config=NodeConfig(run=RunConfig(name=RUN)), metrics=Metrics(), services={}, status={},
+    return SimpleNamespace(config=NodeConfig(run=RunConfig(name=RUN)), metrics=Metrics(), status={},
                            peer_id="bench-trainer")
 
 
@@ -174,7 +174,7 @@ async def idle_at(level: int, seconds: float) -> dict:
         cfg = grpo_cfg(async_level=level)
         policy = await trio.to_thread.run_sync(lambda: Policy.open(Path(tmp), "", cfg, TrainerConfig(keep_checkpoints=8))[0])
         with open_spool(Path(tmp) / "spool.sqlite") as spool:
-            trainer = Trainer(fake_node(), policy, spool, cfg, TrainerConfig())
+            trainer = Trainer(fake_node(), policy, spool, cfg, TrainerConfig(), **fake_wiring())
             counts: dict = {}
             with trio.move_on_after(seconds):
                 async with trio.open_nursery() as nursery:

@@ -374,9 +374,13 @@ class _HopEofFilter(logging.Filter):
 
 @dataclass
 class RelayHop:
-    """The HOP service's API object (``node.services["relay"]`` on a relay)."""
+    """The HOP service's API object (handed back by :func:`serve_relay_hop`)."""
 
     protocol: _SwarmCircuitProtocol
+
+    def circuit_addrs(self) -> list[str]:
+        """A relay takes no relayed connections itself: it is reached directly."""
+        return []
 
     def reservation_count(self) -> int:
         # py-libp2p has no public counter; its table is RelayResourceManager._reservations
@@ -429,11 +433,10 @@ async def serve_relay_hop(
         stack.callback(libp2p_log.removeFilter, quiet)
         await stack.enter_async_context(background_trio_service(protocol))
         await protocol.event_started.wait()  # handlers registered (protocol.py:184-190)
-        node.services["relay"] = hop
         node.status["relay"] = hop.status
         log.info("relay: HOP service on; %d reservations x %d circuits, %d s / %d bytes per circuit",
                  limits.max_reservations, limits.max_circuit_conns, limits.duration, limits.data)
-        task_status.started()
+        task_status.started(hop)
         await trio.sleep_forever()
 
 
@@ -479,7 +482,7 @@ class _Held:
 
 @dataclass
 class RelayClient:
-    """The client side's API object (``node.services["relay"]`` on every non-relay role)."""
+    """The client side's API object (handed back by :func:`serve_relay_client`; every non-relay role)."""
 
     host: SwarmHost
     my_peer_id: str
@@ -592,10 +595,9 @@ async def serve_relay_client(
                 await client.reserve_on(addr)
             except (RelayError, RemoteProtocolError) as e:
                 log.warning("relay: reservation on %s failed at start: %s", addr, e)
-        node.services["relay"] = client
         node.status["relay"] = client.status
         nursery.start_soon(client.keep_reservations)
-        task_status.started()
+        task_status.started(client)
         await trio.sleep_forever()
 
 

@@ -29,7 +29,7 @@ from node.rollouts.schema import open_batch
 from node.trainer.config import TrainerConfig
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
-from node.trainer.testing import sign_batch
+from node.trainer.testing import fake_wiring, sign_batch
 from node.validator.store import ValidatorStore
 from test_trainer_intake import RUN, TOK, WORKER, batch, fake_node
 
@@ -81,7 +81,7 @@ async def test_trainer_intake_runs_on_while_the_spool_commits(tmp_path):
     policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
     with open_spool(tmp_path / "spool.sqlite") as spool:
         trainer = Trainer(fake_node(), policy, spool, GRPOConfig(async_level=2, pack_length=64), TrainerConfig(),
-                          clock=lambda: 0.0)
+                          clock=lambda: 0.0, **fake_wiring())
         data = sign_batch(WORKER, batch())
         batch_id = open_batch(data, RUN).batch_id
 

@@ -16,7 +16,7 @@ from waiting import HANG_GUARD_S, wait_for
 
 def sees_all(nodes) -> bool:
     ids = {n.peer_id for n in nodes}
-    return all(set(n.services["membership"].table.alive()) == ids - {n.peer_id} for n in nodes)
+    return all(set(n.membership.table.alive()) == ids - {n.peer_id} for n in nodes)
 
 
 async def test_nodes_converge_through_one_bootstrap(tmp_path, fast_membership):
@@ -24,7 +24,7 @@ async def test_nodes_converge_through_one_bootstrap(tmp_path, fast_membership):
     configs = [node_config(tmp_path, f"n{i}", role, membership=fast_membership) for i, role in enumerate(roles)]
     async with open_nodes(configs) as nodes:
         await wait_for(lambda: sees_all(nodes), what="every node sees every other alive")
-        relay_view = nodes[0].services["membership"].members()
+        relay_view = nodes[0].membership.members()
         assert sorted(relay_view.values()) == sorted(roles[1:])
 
 
@@ -39,7 +39,7 @@ async def test_forged_and_oversized_records_rejected_and_counted(tmp_path, fast_
             await host.pubsub.subscribe(topic)
             await host.connect(target.host.listen_addrs()[0])
             await wait_for(lambda: host.mesh_size(topic) >= 1, what="mallory in the target's mesh")
-            victim_record = target.services["membership"].table.members[victim.peer_id].record
+            victim_record = target.membership.table.members[victim.peer_id].record
             forged = PeerRecord(
                 run="test", peer_id=victim.peer_id, role="trainer", addrs=["/ip4/6.6.6.6/tcp/1"],
                 software="evil", seq=victim_record.seq + 1000,
@@ -53,13 +53,13 @@ async def test_forged_and_oversized_records_rejected_and_counted(tmp_path, fast_
                 return r.get(f"{topic}/forged", 0) >= 1 and r.get(f"{topic}/oversized", 0) >= 1 and r.get(f"{topic}/malformed", 0) >= 1
 
             await wait_for(counted)
-        record = target.services["membership"].table.members[victim.peer_id].record
+        record = target.membership.table.members[victim.peer_id].record
         assert record.role == "relay" and record.software != "evil"  # state untouched
         status = target.status["membership"]()
         assert status["rejected"][f"{topic}/forged"] >= 1
         # still running: the victim's real record refresh is still accepted
-        victim.services["membership"].update(load=3.0)
-        await wait_for(lambda: target.services["membership"].table.members[victim.peer_id].record.load == 3.0)
+        victim.membership.update(load=3.0)
+        await wait_for(lambda: target.membership.table.members[victim.peer_id].record.load == 3.0)
 
 
 async def test_metrics_endpoint_on_loopback(tmp_path, fast_membership):
@@ -101,8 +101,8 @@ async def test_garbage_on_the_gossipsub_stream_does_not_stop_the_node(tmp_path, 
                 await stream.write(payload)
             await wait_for(lambda: sum(target.host.handler_errors.counts.values()) >= 1)
         # the node still works: a record change from the other node still arrives
-        nodes[1].services["membership"].update(load=7.0)
-        await wait_for(lambda: target.services["membership"].table.members[nodes[1].peer_id].record.load == 7.0)
+        nodes[1].membership.update(load=7.0)
+        await wait_for(lambda: target.membership.table.members[nodes[1].peer_id].record.load == 7.0)
 
 
 async def test_pruned_connections_are_announced_and_nobody_is_suspected(tmp_path, fast_membership):
@@ -115,7 +115,7 @@ async def test_pruned_connections_are_announced_and_nobody_is_suspected(tmp_path
     configs = [node_config(tmp_path, f"n{i}", membership=tight) for i in range(6)]
     async with open_nodes(configs) as nodes:
         await wait_for(lambda: sees_all(nodes), what="every node sees every other alive")
-        svcs = [n.services["membership"] for n in nodes]
+        svcs = [n.membership for n in nodes]
         await wait_for(lambda: sum(s.closes["pruned_by_peer"] for s in svcs) >= 2, what="two announced prunes")
         # Each node answers probes across the pruning: many chances to suspect someone wrongly.
         ok_before = [s.table.probes["ok"] for s in svcs]

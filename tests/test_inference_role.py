@@ -123,26 +123,30 @@ async def test_inference_node_sends_valid_batches_and_follows_new_versions(tmp_p
     async with open_nodes(configs) as (trainer, worker):
         assert trainer.peer_id == trainer_id.peer_id
         trainer.host.set_handler(ROLLOUTS_PROTOCOL, fake.handle)
-        await trainer.services["shards"].publish(m0, 0)
+        await trainer.shards.publish(m0, 0)
 
         first = await fake.wait_for(lambda sb: sb.batch.policy_version == 0)
         # The trainer says it is at step 3: v0 is now beyond async_level (2); the node must stop
         # generating batches that would be refused, and resume once it holds a recent version.
         fake.step = 3
-        svc = worker.services["inference"]
+        svc = worker.inference
         await wait_for(lambda: svc.status()["waiting_for_checkpoint"], what="the node notices its weights are too old")
-        steps, held = svc.stats.steps, svc.stats.held_back
-        # Three more times it was ready to generate and looked again: each time it held back.
-        await wait_for(lambda: svc.stats.held_back >= held + 3, what="the generator re-checks while waiting")
+        steps = svc.stats.steps
+        # Wake the generator three times (as a delivery, a drop or an announcement would): each
+        # time it looks again and holds back.
+        for _ in range(3):
+            held = svc.stats.held_back
+            svc._notify()
+            await wait_for(lambda: svc.stats.held_back > held, what="the generator re-checks while waiting")
         assert svc.stats.steps == steps and svc.status()["waiting_for_checkpoint"]
-        await trainer.services["shards"].publish(m1, 3)
+        await trainer.shards.publish(m1, 3)
         later = await fake.wait_for(lambda sb: sb.batch.policy_version == 3)
 
-        status = worker.services["inference"].status()
+        status = worker.inference.status()
         assert status["policy_version"] == 3 and status["weight_swaps"] >= 1
         assert status["batches"]["accepted"] >= 2 and status["steps"] >= 2
         assert status["tokens_per_s"] > 0 and status["trainers_alive"] == 1
-        record = worker.services["membership"].record
+        record = worker.membership.record
         assert record.capacity > 0  # advertised tokens/s
 
     tok = load_tokenizer(m0)
@@ -171,8 +175,8 @@ async def test_backpressure_retries_elsewhere_and_counts_refusals(tmp_path, fast
                node_config(tmp_path, "worker", "inference", run=run)]
     async with open_nodes(configs) as (bad, good_node, worker):
         bad.host.set_handler(ROLLOUTS_PROTOCOL, reset)
-        await bad.services["shards"].publish(model, 0)
-        svc = worker.services["inference"]
+        await bad.shards.publish(model, 0)
+        svc = worker.inference
         await wait_for(lambda: svc.stats.steps >= 2 and svc.failures["stream"] + svc.failures["unreachable"] >= 2,
                        what="two batches generated and two refused deliveries")
         # Every failed delivery wakes the generator; with the outbox full it must hold back each time.

@@ -29,7 +29,7 @@ async def test_trainer_and_inference_close_the_loop(tmp_path, fast_membership):
     configs = [node_config(tmp_path, "trainer", "trainer", run=run), node_config(tmp_path, "worker", "inference", run=run),
                node_config(tmp_path, "cheater", "inference", run=cheater_run)]
     async with open_nodes(configs) as (trainer, worker, cheater):
-        svc, bad = worker.services["inference"], cheater.services["inference"]
+        svc, bad = worker.inference, cheater.inference
         # A slow start may load v1 first (v0 skipped): then the swap is to v2, which follows.
         await wait_for(lambda: (svc.stats.swaps >= 1 and svc.status()["batches"]["accepted"] >= 2
                                 and bad.status()["batches"]["refused"].get("duplicate")),

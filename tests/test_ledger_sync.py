@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import pytest
 import trio
 
 from node.config import NodeConfig, RunConfig
-from node.context import NodeContext
+from node.context import NodeContext, RunningNode
 from node.host import open_swarm_host
 from node.identity import Identity
 from node.ledger.chain import Head
@@ -24,6 +25,7 @@ from node.ledger.store import open_ledger_store
 from node.ledger.sync import (
     PROTOCOL,
     LedgerError,
+    LedgerService,
     RangeReply,
     RangeRequest,
     SyncHello,
@@ -46,6 +48,11 @@ def run_config(**ledger) -> RunConfig:
     )
 
 
+@dataclass
+class LedgerNode(RunningNode):
+    ledger: LedgerService
+
+
 @asynccontextmanager
 async def open_ledger_node(tmp_path, name: str, identity: Identity | None = None, run: RunConfig | None = None):
     """A host plus the ledger service only (no membership), in its own data dir."""
@@ -54,8 +61,7 @@ async def open_ledger_node(tmp_path, name: str, identity: Identity | None = None
     async with open_swarm_host(identity, LOOPBACK) as host:
         node = NodeContext(config, identity, host, tmp_path / name)
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_ledger, node)
-            yield node
+            yield LedgerNode(node, await nursery.start(serve_ledger, node))
             nursery.cancel_scope.cancel()
 
 
@@ -74,7 +80,7 @@ async def connect(a: NodeContext, b: NodeContext) -> None:
 
 
 def ledger(node: NodeContext):
-    return node.services["ledger"]
+    return node.ledger
 
 
 async def test_three_nodes_offline_node_catches_up(tmp_path):

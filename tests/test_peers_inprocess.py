@@ -17,7 +17,7 @@ async def test_a_ledger_sync_penalty_does_not_lift_a_shards_ban(tmp_path):
     """Issue 12's live bug: ``set_app_score`` overwrote, so ledger sync's -20 replaced a -1000 ban."""
     liar = Identity.generate().peer_id
     async with open_nodes([node_config(tmp_path, "a")]) as (a,):
-        a.services["shards"].ban(liar, "bad-piece", trio.current_time())
+        a.shards.ban(liar, "bad-piece", trio.current_time())
         assert _app_score(a, liar) <= -1000.0
-        a.services["ledger"]._penalize(liar, "bad-link")
+        a.ledger._penalize(liar, "bad-link")
         assert _app_score(a, liar) <= -1000.0

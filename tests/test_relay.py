@@ -7,6 +7,7 @@ drive the reservation parsing and refresh arithmetic directly.
 from __future__ import annotations
 
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 
 import logging
 
@@ -24,11 +25,13 @@ import multiaddr
 
 from node import relay
 from node.config import NodeConfig
-from node.context import NodeContext
+from node.context import NodeContext, RunningNode
 from node.host import open_swarm_host
 from node.identity import Identity
 from node.relay import (
+    RelayClient,
     RelayError,
+    RelayHop,
     call_reserve,
     circuit_addr,
     connect_addr,
@@ -50,16 +53,22 @@ ECHO = "/swarm/test-echo/1.0.0"
 TEST_TIMEOUT_S = 60  # a hang guard: these steps take well under a second on an idle machine
 
 
+@dataclass
+class RelayNode(RunningNode):
+    relay: RelayHop | RelayClient | None  # what the relay service handed back (None: no service)
+
+
 @asynccontextmanager
 async def open_node(tmp_path, name: str, service=None, **kw):
-    """A host plus one relay service (or none), as a NodeContext."""
+    """A host plus one relay service (or none)."""
     identity = Identity.generate()
     async with open_swarm_host(identity, LOOPBACK) as host:
         node = NodeContext(NodeConfig(listen=LOOPBACK), identity, host, tmp_path / name)
         async with trio.open_nursery() as nursery:
+            api = None
             if service is not None:
-                await nursery.start(lambda task_status: service(node, task_status=task_status, **kw))
-            yield node
+                api = await nursery.start(lambda task_status: service(node, task_status=task_status, **kw))
+            yield RelayNode(node, api)
             nursery.cancel_scope.cancel()
 
 
@@ -93,8 +102,8 @@ async def test_client_reaches_target_only_through_relay(tmp_path, caplog):
         b.host.set_handler(ECHO, echo_handler)
         # B advertises the circuit address through A.
         expected = circuit_addr(a_addr, b.peer_id)
-        assert expected in b.services["relay"].circuit_addrs()
-        assert a.services["relay"].reservation_count() == 1
+        assert expected in b.relay.circuit_addrs()
+        assert a.relay.reservation_count() == 1
         assert not c.host.is_connected(b.peer_id)
 
         with trio.fail_after(TEST_TIMEOUT_S):
@@ -109,7 +118,7 @@ async def test_client_reaches_target_only_through_relay(tmp_path, caplog):
         assert b_to_c and all(is_relayed(conn) for conn in b_to_c)
         assert "/p2p-circuit/" in str(c_to_b[0].get_transport_addresses()[0])
         # The relay counts the circuit it carries; the direct links are not relayed.
-        assert a.services["relay"].status()["circuits_active"] == 1
+        assert a.relay.status()["circuits_active"] == 1
         assert not any(is_relayed(conn) for conn in connections(c, a))
         # A reservation or a circuit on the normal path logs no error anywhere.
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
@@ -130,8 +139,8 @@ async def test_idle_circuit_is_reset_after_its_duration(tmp_path, monkeypatch):
         await dial_via_relay(c, a_addr, b.peer_id)
         assert c.host.is_connected(b.peer_id)
         await wait_for(lambda: not c.host.is_connected(b.peer_id))
-        await wait_for(lambda: a.services["relay"].status()["circuits_active"] == 0)
-        assert a.services["relay"].status()["connects_total"] == 1
+        await wait_for(lambda: a.relay.status()["circuits_active"] == 0)
+        assert a.relay.status()["connects_total"] == 1
 
 
 async def test_reservation_is_for_the_sender_whatever_the_message_says(tmp_path):
@@ -145,7 +154,7 @@ async def test_reservation_is_for_the_sender_whatever_the_message_says(tmp_path)
             await write_delimited_msg(stream, msg)
             resp = await read_delimited_msg(stream, HopMessage)
         assert resp.status == StatusCode.OK
-        table = a.services["relay"].protocol.resource_manager._reservations
+        table = a.relay.protocol.resource_manager._reservations
         assert set(table) == {ID.from_base58(x.peer_id)}
 
 
@@ -161,7 +170,7 @@ async def test_slot_of_a_disconnected_reservation_holder_is_reused(tmp_path):
         await wait_for(lambda: not a.host.is_connected(x.peer_id))
         res = await call_reserve(y.host, a_addr)  # py-libp2p alone: RESOURCE_LIMIT_EXCEEDED for an hour
         assert res.relay_peer_id == a.peer_id
-        assert a.services["relay"].reservation_count() == 1
+        assert a.relay.reservation_count() == 1
 
 
 async def test_reservations_per_ip_are_capped(tmp_path):
@@ -175,7 +184,7 @@ async def test_reservations_per_ip_are_capped(tmp_path):
         with pytest.raises(RemoteProtocolError, match="RESERVATION_REFUSED"):
             await call_reserve(y.host, a_addr)  # same 127.0.0.1
         assert (await call_reserve(x.host, a_addr)).relay_peer_id == first.relay_peer_id  # refresh is fine
-        assert a.services["relay"].status()["reservations_refused_per_ip"] == 1
+        assert a.relay.status()["reservations_refused_per_ip"] == 1
 
 
 async def test_target_refuses_relayed_connection_from_a_peer_it_has_no_reservation_on(tmp_path):
@@ -194,19 +203,19 @@ async def test_target_refuses_relayed_connection_from_a_peer_it_has_no_reservati
 async def test_reservation_is_renewed_after_the_relay_connection_drops(tmp_path, monkeypatch):
     monkeypatch.setattr(relay, "CHECK_INTERVAL_S", 0.1)
     async with open_triangle(tmp_path) as (a, b, c, a_addr):
-        held = b.services["relay"].held[a.peer_id]
+        held = b.relay.held[a.peer_id]
         first = held.reservation
         await b.host.disconnect(a.peer_id)
         # Identity, not equality: the relay may grant the same expiry again (resources.py:421-426).
         await wait_for(lambda: held.reservation is not None and held.reservation is not first)
-        assert a.services["relay"].reservation_count() == 1
-        assert b.services["relay"].circuit_addrs()
+        assert a.relay.reservation_count() == 1
+        assert b.relay.circuit_addrs()
 
 
 async def test_reservation_on_unreachable_relay_is_retried_not_fatal(tmp_path):
     dead = f"/ip4/127.0.0.1/tcp/9/p2p/{Identity.generate().peer_id}"
     async with open_node(tmp_path, "b", serve_relay_client, relays=[dead]) as b:
-        client = b.services["relay"]
+        client = b.relay
         assert client.circuit_addrs() == []
         (state,) = client.status()["relays"]
         assert not state["reserved"] and state["failures"] == 1 and state["last_error"]

@@ -25,18 +25,6 @@ async def connect_all(nodes) -> None:
             await a.host.connect(b.host.listen_addrs()[0])
 
 
-class FakeLedger:
-    """The ledger's receipt intake (node/ledger/sync.py: note_received), recorded."""
-
-    def __init__(self) -> None:
-        self.received: dict[tuple[str, bytes], list[int]] = {}
-
-    def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
-        acc = self.received.setdefault((peer, manifest_id), [0, 0])
-        acc[0] += nbytes
-        acc[1] += pieces
-
-
 async def test_relay_fetches_published_version(tmp_path: Path) -> None:
     trainer = Identity.generate()
     src = write_checkpoint(tmp_path / "ckpt", 5 * MiB + 123, seed=1)
@@ -44,17 +32,37 @@ async def test_relay_fetches_published_version(tmp_path: Path) -> None:
         async with open_shards_swarm() as swarm:
             t = await swarm.add(tmp_path / "t", identity=trainer, trainers=[trainer.peer_id], role="trainer", **FAST)
             r = await swarm.add(tmp_path / "r", trainers=[trainer.peer_id], role="relay", **FAST)
-            ledger = FakeLedger()
-            r.services["ledger"] = ledger
             await connect_all([t, r])
-            signed = await t.services["shards"].publish(src, 7)
-            path = await r.services["shards"].wait_version(7)
+            signed = await t.shards.publish(src, 7)
+            path = await r.shards.wait_version(7)
             assert same_files(src, path)
-            receipts = r.services["shards"].receipts()
+            receipts = r.shards.receipts()
             assert receipts == {(t.peer_id, signed.root.hex()): signed.manifest.total_size}
-            assert r.services["shards"].status()["held"] == [7]
+            assert r.shards.status()["held"] == [7]
             m = signed.manifest
-            assert ledger.received == {(t.peer_id, signed.root): [m.total_size, m.num_pieces]}
+            assert r.ledger.received == {(t.peer_id, signed.root): [m.total_size, m.num_pieces]}
+
+
+async def test_followers_are_told_of_newer_versions(tmp_path: Path) -> None:
+    """``wait_announced`` and ``wait_newer`` return once a newer version is announced / complete."""
+    trainer = Identity.generate()
+    with trio.fail_after(60):
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=[trainer.peer_id], role="trainer", **FAST)
+            r = await swarm.add(tmp_path / "r", trainers=[trainer.peer_id], role="inference", **FAST)
+            await connect_all([t, r])
+            told = {}
+
+            async def follow() -> None:
+                told["announced"] = await r.shards.wait_announced(1)
+                told["complete"] = await r.shards.wait_newer(1)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follow)
+                await t.shards.publish(write_checkpoint(tmp_path / "v1", MiB, seed=1), 1)
+                await t.shards.publish(write_checkpoint(tmp_path / "v2", MiB, seed=2), 2)
+            assert told == {"announced": 2, "complete": 2}
+            assert await r.shards.wait_newer(None) == 2  # already held: at once
 
 
 class FlipBytes(_ServerSession):
@@ -111,12 +119,12 @@ async def test_liars_are_banned_and_download_is_correct(tmp_path: Path) -> None:
             honest = await node("h", role="relay", fetch="none", upload_rate=2 * MiB, **SMALL)
             flip = await node("flip", role="relay", fetch="none", service_class=liar(FlipBytes), **SMALL)
             short = await node("short", role="relay", fetch="none", service_class=liar(WrongLength), **SMALL)
-            signed = await t.services["shards"].publish(src, 1)
+            signed = await t.shards.publish(src, 1)
             for n in (honest, flip, short):
-                await n.services["shards"].seed(src, signed)
+                await n.shards.seed(src, signed)
             d = await node("d", role="inference", **SMALL)
             await connect_all([t, honest, flip, short, d])
-            svc = d.services["shards"]
+            svc = d.shards
             path = await svc.wait_version(1)
             assert same_files(src, path)
             now = trio.current_time()
@@ -141,11 +149,11 @@ async def download_beside(tmp_path: Path, session_class, size: int, seed: int, *
     async with open_shards_swarm() as swarm:
         t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", upload_rate=1 * MiB, **cfg)
         odd = await swarm.add(tmp_path / "odd", trainers=tr, fetch="none", service_class=liar(session_class), **cfg)
-        signed = await t.services["shards"].publish(src, 1)
-        await odd.services["shards"].seed(src, signed)
+        signed = await t.shards.publish(src, 1)
+        await odd.shards.seed(src, signed)
         d = await swarm.add(tmp_path / "d", trainers=tr, **cfg)
         await connect_all([t, odd, d])
-        assert same_files(src, await d.services["shards"].wait_version(1))
+        assert same_files(src, await d.shards.wait_version(1))
         yield d, odd
 
 
@@ -153,7 +161,7 @@ async def test_silent_peer_is_dropped_and_download_completes(tmp_path: Path) -> 
     # 8 MiB at 1 MiB/s from the only honest peer: ~8 s, well past the 3 timeouts of 1 s that drop.
     with trio.fail_after(90):
         async with download_beside(tmp_path, Silent, 8 * MiB, 3, **dict(SMALL, request_timeout=1.0)) as (d, silent):
-            svc = d.services["shards"]
+            svc = d.shards
             # Dropped and backed off from, never banned: it may only have been starved of CPU.
             assert not svc.is_banned(silent.peer_id, trio.current_time())
             assert d.metrics.rejections().get("shards/unresponsive", 0) >= 1
@@ -166,7 +174,7 @@ async def test_peer_that_dies_mid_frame_is_not_banned(tmp_path: Path) -> None:
     with trio.fail_after(60):
         async with download_beside(tmp_path, DiesMidFrame, 2 * MiB, 4, **SMALL) as (d, dies):
             assert d.metrics.rejections().get("shards/truncated", 0) >= 1
-            assert not d.services["shards"].is_banned(dies.peer_id, trio.current_time())
+            assert not d.shards.is_banned(dies.peer_id, trio.current_time())
 
 
 async def test_relay_serves_pieces_while_still_downloading(tmp_path: Path) -> None:
@@ -182,13 +190,13 @@ async def test_relay_serves_pieces_while_still_downloading(tmp_path: Path) -> No
             d = await swarm.add(tmp_path / "d", trainers=tr, role="inference", **FAST)
             await t.host.connect(r.host.listen_addrs()[0])
             await d.host.connect(r.host.listen_addrs()[0])
-            signed = await t.services["shards"].publish(src, 3)
-            svc = d.services["shards"]
+            signed = await t.shards.publish(src, 3)
+            svc = d.shards
             first_piece_at = relay_done_at = None
             async with trio.open_nursery() as nursery:
                 async def relay_done():
                     nonlocal relay_done_at
-                    await r.services["shards"].wait_version(3)
+                    await r.shards.wait_version(3)
                     relay_done_at = trio.current_time()
 
                 nursery.start_soon(relay_done)
@@ -215,13 +223,13 @@ async def test_inference_fetches_newest_relay_fetches_all(tmp_path: Path) -> Non
             await connect_all([t, d, r])
             topic = t.topic("checkpoints")
             await wait_for(lambda: t.host.mesh_size(topic) == 2, what="both followers in the trainer's announce mesh")
-            await t.services["shards"].publish(write_checkpoint(tmp_path / "v1", 4 * MiB, seed=1), 1)
-            while 1 not in d.services["shards"].downloads:  # version 1 is on its way to d ...
+            await t.shards.publish(write_checkpoint(tmp_path / "v1", 4 * MiB, seed=1), 1)
+            while 1 not in d.shards.downloads:  # version 1 is on its way to d ...
                 await trio.sleep(0.05)
-            await t.services["shards"].publish(write_checkpoint(tmp_path / "v2", 1 * MiB, seed=2), 2)
-            await d.services["shards"].wait_version(2)
-            await r.services["shards"].wait_version(1)
-            await r.services["shards"].wait_version(2)
-            assert d.services["shards"].versions_held() == [2]  # ... and abandoned for version 2
-            assert 1 not in d.services["shards"].downloads
-            assert r.services["shards"].versions_held() == [1, 2]
+            await t.shards.publish(write_checkpoint(tmp_path / "v2", 1 * MiB, seed=2), 2)
+            await d.shards.wait_version(2)
+            await r.shards.wait_version(1)
+            await r.shards.wait_version(2)
+            assert d.shards.versions_held() == [2]  # ... and abandoned for version 2
+            assert 1 not in d.shards.downloads
+            assert r.shards.versions_held() == [1, 2]

@@ -22,7 +22,7 @@ from node.peers import FaultRule, Peers, PeerTable
 from node.trainer.intake import NOT_STRIKES, IntakeLimits, intake_reason, staleness_reason
 from node.trainer.service import Trainer
 from node.trainer.spool import BatchState, SpoolError, open_spool
-from node.trainer.testing import reversal_batch, sign_batch
+from node.trainer.testing import fake_wiring, reversal_batch, sign_batch
 from node.wire import Envelope, decode_as, encode
 
 RUN = "test"
@@ -38,8 +38,7 @@ def batch(step=0, version=5, ident=WORKER, **kw):
 def fake_node(validators=()):
     run = RunConfig(name=RUN, validators=list(validators))
     metrics = Metrics()
-    return SimpleNamespace(config=NodeConfig(run=run), metrics=metrics, services={}, status={}, peer_id="me",
-                           peers=Peers(None, metrics))
+    return SimpleNamespace(config=NodeConfig(run=run), metrics=metrics, status={}, peer_id="me", peers=Peers(None, metrics))
 
 
 @pytest.fixture
@@ -50,7 +49,7 @@ def trainer(tmp_path):
         clock = SimpleNamespace(now=0.0)
         yield Trainer(fake_node(), policy, spool, GRPOConfig(async_level=2, pack_length=64),
                       TrainerConfig(max_pending_batches=4, ban_after_strikes=3, strike_window_s=60, ban_seconds=100),
-                      clock=lambda: clock.now)
+                      clock=lambda: clock.now, **fake_wiring())
 
 
 def test_staleness_window():
@@ -240,11 +239,11 @@ KILL_AFTER_ACK = textwrap.dedent("""
     from node.trainer.config import TrainerConfig
     from node.trainer.service import Trainer
     from node.trainer.spool import open_spool
-    from node.trainer.testing import sign_batch
+    from node.trainer.testing import fake_wiring, sign_batch
     from node.wire import encode
     with open_spool({db!r}) as spool:
         t = Trainer(fake_node(), SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu"), spool,
-                    GRPOConfig(pack_length=64), TrainerConfig(), clock=lambda: 0.0)
+                    GRPOConfig(pack_length=64), TrainerConfig(), clock=lambda: 0.0, **fake_wiring())
         ack = trio.run(t.judge, sign_batch(WORKER, batch()), WORKER.peer_id)
         sys.stdout.write(ack.batch_id.hex() + "\\n")
         sys.stdout.flush()
@@ -287,7 +286,7 @@ async def test_a_worker_banned_in_the_ledger_is_refused_at_intake(trainer):
     decision = replica.check(entry, now_ms)
     assert decision.outcome is Outcome.ACCEPT
     replica.apply(decision)
-    trainer.node.services["ledger"] = SimpleNamespace(ban_of=lambda peer: replica.ban_of(peer, now_ms))
+    trainer.ledger = SimpleNamespace(ban_of=lambda peer: replica.ban_of(peer, now_ms))
     ack = await trainer.judge(sign_batch(WORKER, batch()), OTHER.peer_id)
     assert not ack.accepted and ack.reason == "banned"
     assert OTHER.peer_id not in trainer.node.peers.table.peers

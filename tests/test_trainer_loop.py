@@ -55,8 +55,8 @@ async def test_batches_make_a_step_and_version_1_is_published(tmp_path):
     run = make_run(tmp_path)
     cfgs = [node_config(tmp_path, "trainer", "trainer", run=run), node_config(tmp_path, "client", "relay", run=run)]
     async with open_nodes(cfgs) as (tnode, client):
-        trainer = tnode.services["trainer"]
-        shards = tnode.services["shards"]
+        trainer = tnode.trainer
+        shards = tnode.shards
         assert trainer.step == 0 and trainer.published == 0 and shards.latest() == 0
         first = honest(client, trainer, step=0, seed=1)
         ack = await submit(client, tnode.peer_id, first)
@@ -73,7 +73,7 @@ async def test_batches_make_a_step_and_version_1_is_published(tmp_path):
         assert status["reward"][0][0] == 1
         assert status["gate"].startswith("off")
         # ledger: accepted entries for the worker, and the checkpoint entries of v0 and v1
-        ledger = tnode.services["ledger"]
+        ledger = tnode.ledger
         await wait_for(lambda: ledger.totals().get(client.peer_id, {}).get("rollouts_accepted", 0) == 16)
         assert ledger.totals()[tnode.peer_id]["checkpoints"] == 2
         # the new version differs from v0 and is a loadable HF folder
@@ -87,7 +87,7 @@ async def test_batches_make_a_step_and_version_1_is_published(tmp_path):
     # restart: same peer id, resumes at step 1, nothing retrained, v1 still served
     cfgs = [node_config(tmp_path, "trainer", "trainer", run=make_run(tmp_path))]
     async with open_nodes(cfgs) as (tnode,):
-        trainer = tnode.services["trainer"]
+        trainer = tnode.trainer
         assert tnode.peer_id == run.trainers[0]
         assert trainer.step == 1 and trainer.published == 1
         assert trainer.spool.counts() == {"trained": 2, "rejected": 1}  # the duplicate-step one
@@ -102,7 +102,7 @@ async def test_validator_gate_end_to_end(tmp_path):
             node_config(tmp_path, "validator", "relay", run=run),
             node_config(tmp_path, "client", "relay", run=run)]
     async with open_nodes(cfgs) as (tnode, vnode, client):
-        trainer = tnode.services["trainer"]
+        trainer = tnode.trainer
         received: list[bytes] = []
         verdict_acks: list[RolloutAck] = []
 

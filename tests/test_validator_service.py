@@ -23,6 +23,7 @@ from node.metrics import Metrics
 from node.model import create_tiny_model
 from node.rl.config import RLConfig
 from node.rl.spec import sampling_seed
+from node.trainer.testing import FakeLedger
 from node.rollouts.schema import (
     VERDICTS_PROTOCOL,
     VERIFY_PROTOCOL,
@@ -90,7 +91,7 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             node_config(tmp_path, "v", role="validator", run=run),
         ]) as (trainer, validator):
             trainer.host.set_handler(VERDICTS_PROTOCOL, handle_verdicts)
-            await trainer.services["shards"].publish(folder, 0)
+            await trainer.shards.publish(folder, 0)
             for b in honest + cheats:
                 ack = await send_batch(trainer, validator.peer_id, b.envelope)
                 assert ack.accepted and ack.batch_id == b.batch_id
@@ -103,7 +104,7 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             assert set(third.reasons) == {BatchReason.BANNED.value}  # banned after two offences
             assert all(v.validator == validator.peer_id for v in received.values())
 
-            totals = validator.services["ledger"].totals()
+            totals = validator.ledger.totals()
             assert totals[validator.peer_id]["verdicts"] == 5
             assert totals[cheat_w.peer_id]["verdicts_failed"] == 3
             assert totals[cheat_w.peer_id]["penalties"] == 2 and totals[cheat_w.peer_id]["bans"] == 1
@@ -115,10 +116,10 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             assert status["proof_margins"]["rollouts"] == sum(len(b.batch.samples) for b in honest)
             # The ban travels in the ledger: the other node's replica holds it too (a trainer's intake
             # consults exactly this), and its status shows who banned whom and why.
-            await wait_for(lambda: trainer.services["ledger"].ban_of(cheat_w.peer_id) is not None, what="ban replicated")
-            ban = trainer.services["ledger"].status()["bans"][cheat_w.peer_id]
+            await wait_for(lambda: trainer.ledger.ban_of(cheat_w.peer_id) is not None, what="ban replicated")
+            ban = trainer.ledger.status()["bans"][cheat_w.peer_id]
             assert ban["by"] == validator.peer_id and ban["reason"] == "reward_mismatch"
-            assert trainer.services["ledger"].ban_of(honest_w.peer_id) is None
+            assert trainer.ledger.ban_of(honest_w.peer_id) is None
 
             # The same batch sent again (the trainer lost our ack) gets the same signed verdict again.
             again = await send_batch(trainer, validator.peer_id, honest[0].envelope)
@@ -140,7 +141,7 @@ def _stub_node(tmp_path: Path, trainer: str, queue_size: int):
     run = RunConfig(name="test", trainers=[trainer], validators=[ident.peer_id],
                     tables={"rl": RL, "validator": {"queue_size": queue_size}})
     return SimpleNamespace(config=SimpleNamespace(run=run, role="validator"), identity=ident, peer_id=ident.peer_id,
-                           metrics=Metrics(), services={}, status={}, data_dir=tmp_path)
+                           metrics=Metrics(), status={}, data_dir=tmp_path)
 
 
 class _NoTasks:
@@ -157,7 +158,8 @@ def test_full_queue_answers_busy_and_status_says_behind(tmp_path: Path) -> None:
     cfg = node.config.run.section("validator", ValidatorConfig)
     rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
-    svc = ValidatorService(node, cfg, rules, _NoTasks(), ValidatorStore(tmp_path / "v.sqlite"))
+    svc = ValidatorService(node, cfg, rules, _NoTasks(), ValidatorStore(tmp_path / "v.sqlite"),
+                           shards=_Versions(None, {}), ledger=FakeLedger())
     worker = Identity.generate()
     batches = [T.sign_batch(worker, _tiny_batch(worker.peer_id, step)) for step in range(3)]
     answers = [svc.submit(trainer, b.envelope, 0.0) for b in batches]
@@ -178,13 +180,29 @@ def _tiny_batch(worker: str, step: int):
                         temperature=1.0, top_p=1.0, max_new_tokens=8, group_size=1, created_ms=0, samples=[s])
 
 
-def _stub_service(tmp_path: Path, trainer: str, store: ValidatorStore, **services) -> ValidatorService:
+class _Versions:
+    """The shards service as far as the validator asks: what is known, and nothing newer ever comes."""
+
+    def __init__(self, latest: int | None, announced: dict) -> None:
+        self._latest, self.announced = latest, announced
+
+    def latest(self) -> int | None:
+        return self._latest
+
+    def path_of(self, version: int) -> None:
+        return None
+
+    async def wait_announced(self, version: int) -> int:
+        await trio.sleep_forever()
+
+
+def _stub_service(tmp_path: Path, trainer: str, store: ValidatorStore, shards=None) -> ValidatorService:
     node = _stub_node(tmp_path, trainer, queue_size=4)
-    node.services.update(services)
     cfg = node.config.run.section("validator", ValidatorConfig)
     rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
-    return ValidatorService(node, cfg, rules, _NoTasks(), store, wall_clock=lambda: 1000.0)
+    return ValidatorService(node, cfg, rules, _NoTasks(), store, shards=shards or _Versions(None, {}),
+                            ledger=FakeLedger(), wall_clock=lambda: 1000.0)
 
 
 def test_bans_and_undelivered_verdicts_survive_a_restart(tmp_path: Path) -> None:
@@ -204,7 +222,7 @@ def test_bans_and_undelivered_verdicts_survive_a_restart(tmp_path: Path) -> None
 async def test_a_batch_for_an_unknown_checkpoint_is_left_to_another_validator(tmp_path: Path, autojump_clock) -> None:
     """No verdict (the worker may be honest and we just lack the version): the trainer re-assigns."""
     trainer = Identity.generate().peer_id
-    shards = SimpleNamespace(latest=lambda: None, announced={}, path_of=lambda v: None)
+    shards = _Versions(None, {})
     svc = _stub_service(tmp_path, trainer, ValidatorStore(tmp_path / "v.sqlite"), shards=shards)
     worker = Identity.generate()
     job = SimpleNamespace(trainer=trainer, signed=T.sign_batch(worker, _tiny_batch(worker.peer_id, 0)), received_at=0.0)
@@ -215,7 +233,7 @@ async def test_a_batch_for_an_unknown_checkpoint_is_left_to_another_validator(tm
 
 async def test_a_batch_claiming_a_future_version_is_rejected_after_the_grace(tmp_path: Path, autojump_clock) -> None:
     trainer = Identity.generate().peer_id
-    shards = SimpleNamespace(latest=lambda: 3, announced={3: (b"r", "p")}, path_of=lambda v: None)
+    shards = _Versions(3, {3: (b"r", "p")})
     svc = _stub_service(tmp_path, trainer, ValidatorStore(tmp_path / "v.sqlite"), shards=shards)
     worker = Identity.generate()
     batch = replace(_tiny_batch(worker.peer_id, 0), policy_version=9, seed=sampling_seed("test", worker.peer_id, 0))

@@ -42,6 +42,7 @@ from ..wire import (
     seal,
     write_frame,
 )
+from .api import CircuitAddrs, HeldVersions
 from .connections import ConnectionManager
 from .membership import LocalHealth, MemberState, MembershipConfig, MemberTable, SyncPlanner, Verdict, next_seq
 from .records import (
@@ -114,7 +115,7 @@ def wall_ms() -> int:
 
 @dataclass
 class Membership:
-    """The running service's API (``node.services["membership"]``)."""
+    """The running service's API, handed back by :func:`serve_membership` (node/gossip/api.py)."""
 
     node: NodeContext
     config: MembershipConfig
@@ -174,31 +175,31 @@ class Membership:
         }
 
 
-def advertised_addrs(node: NodeContext) -> list[str]:
+def advertised_addrs(node: NodeContext, relay: CircuitAddrs) -> list[str]:
     """Direct transport addresses, then relayed ones (a NAT'd node's only reachable addresses)."""
-    relay = node.services.get("relay")
-    circuits = relay.circuit_addrs() if relay is not None and hasattr(relay, "circuit_addrs") else []
-    return (node.host.transport_addrs() + circuits)[:MAX_ADDRS]  # the record holds no more
+    return (node.host.transport_addrs() + relay.circuit_addrs())[:MAX_ADDRS]  # the record holds no more
 
 
-def own_record(node: NodeContext, seq: int) -> PeerRecord:
+def own_record(node: NodeContext, relay: CircuitAddrs, seq: int) -> PeerRecord:
     return PeerRecord(
         run=node.run.name,
         peer_id=node.peer_id,
         role=node.config.role,
-        addrs=advertised_addrs(node),
+        addrs=advertised_addrs(node, relay),
         software=f"swarm-node/{__version__}",
         seq=seq,
         capabilities=[node.config.role],
     )
 
 
-async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_membership(node: NodeContext, relay: CircuitAddrs, shards: HeldVersions, *,
+                           task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run membership until cancelled; hands back the :class:`Membership` API once it runs. Our
+    record advertises ``relay``'s circuit addresses and the versions ``shards`` holds."""
     cfg = node.run.section("membership", MembershipConfig)
     table = MemberTable(node.peer_id, cfg)
-    svc = Membership(node, cfg, table, own_record(node, next_seq(0, wall_ms())))
+    svc = Membership(node, cfg, table, own_record(node, relay, next_seq(0, wall_ms())))
     svc.conn = ConnectionManager(cfg.conn_low, cfg.conn_high, cfg.dial_backoff)
-    node.services["membership"] = svc
     node.status["membership"] = svc.status
     members_gauge = node.metrics.gauge("members", "Known members by state", ["state"])
     verdicts = node.metrics.counter("membership_events_total", "Member table inputs by verdict", ["verdict"])
@@ -383,10 +384,9 @@ async def serve_membership(node: NodeContext, *, task_status=trio.TASK_STATUS_IG
             while True:
                 await trio.sleep(TICK)
                 now = trio.current_time()
-                shards = node.services.get("shards")
-                held = shards.versions_held()[-MAX_VERSIONS:] if shards is not None else []
+                held = shards.versions_held()[-MAX_VERSIONS:]
                 # A relay reservation adds an address; a new checkpoint version changes what we hold.
-                svc.update(addrs=advertised_addrs(node), checkpoints=held)
+                svc.update(addrs=advertised_addrs(node, relay), checkpoints=held)
                 for acc in table.tick(now):
                     log.info("dead %s", acc.target[:16])
                     await publish(DOMAIN_DEAD, acc)

@@ -165,7 +165,7 @@ class LedgerError(Exception):
 
 
 class LedgerService:
-    """The ledger of one node. Exposed as ``node.services["ledger"]``.
+    """The ledger of one node, handed back by :func:`serve_ledger` (node/ledger/api.py: what others use).
 
     API for other roles: :meth:`append` (async), :meth:`note_received` (sync, batched),
     :meth:`totals`, :meth:`digest`, :meth:`status`.
@@ -659,7 +659,6 @@ async def serve_ledger(
         node.host.set_handler(PROTOCOL, service.sync_handler())
         node.host.pubsub.set_topic_validator(service.topic, service.validate_gossip, False)
         subscription = await node.host.pubsub.subscribe(service.topic)
-        node.services["ledger"] = service
         node.status["ledger"] = service.status
         try:
             async with trio.open_nursery() as nursery:

@@ -1,9 +1,11 @@
 """Start a node: identity, host, core services, then the role's own services, in one nursery.
 
-Every role runs the same core (status, membership; later shard seeding and the ledger replica) and
-adds its services on top (see ``node/roles/<role>.py``). SIGINT/SIGTERM cancel the nursery: each
-service's ``finally`` runs (membership publishes a signed goodbye), streams close and the host stops,
-within a few seconds.
+Every role runs the same core and adds its services on top, in one composition function per role
+(``start`` in ``node/roles/<role>.py``). A service hands its API back through
+``task_status.started(api)``; the composition passes it on to the services that need it as typed
+arguments, so the start order is the dependency order and what a role needs is visible in its
+file. SIGINT/SIGTERM cancel the nursery: each service's ``finally`` runs (membership publishes a
+signed goodbye), streams close and the host stops, within a few seconds.
 """
 
 from __future__ import annotations
@@ -12,29 +14,24 @@ import importlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import trio
 
 from ..config import NodeConfig
-from ..context import NodeContext
-from ..gossip.service import serve_membership
+from ..context import NodeContext, RunningNode
+from ..gossip.service import Membership, serve_membership
 from ..host import open_swarm_host
 from ..identity import load_or_create_identity
-from ..ledger.sync import serve_ledger
+from ..ledger.sync import LedgerService, serve_ledger
 from ..peers import serve_peers
-from ..relay import serve_relay_client, serve_relay_hop
-from ..shards.service import serve_shards
+from ..relay import RelayClient, RelayHop, serve_relay_client
+from ..shards.service import ShardsService, serve_shards
 from ..status import serve_status
 
 log = logging.getLogger("node")
 
-Service = Callable[..., Awaitable[None]]
-
-# Services every role runs, in start order: peers first (everyone reports faults to it), the ledger
-# before shards, which credits bytes in it.
-CORE_SERVICES: list[Service] = [serve_peers, serve_status, serve_membership, serve_ledger, serve_shards]
-
-# Each role module exposes SERVICES: the services it adds on top of the core.
+# Each role module exposes ``start(nursery, node) -> CoreNode`` (or a subclass with its own APIs).
 ROLE_MODULES = {
     "trainer": "node.roles.trainer",
     "inference": "node.roles.inference",
@@ -44,11 +41,33 @@ ROLE_MODULES = {
 SHUTDOWN_GRACE = 5.0  # seconds for services to finish after a signal before we force the exit
 
 
-def role_services(role: str) -> list[Service]:
-    """The relay hop service on relays, the relay client (accept relayed connections, reserve when
-    behind NAT) everywhere else, then the role's own services."""
-    relay = serve_relay_hop if role == "relay" else serve_relay_client
-    return [relay] + list(importlib.import_module(ROLE_MODULES[role]).SERVICES)
+@dataclass
+class CoreNode(RunningNode):
+    """A started node: the APIs of the core services every role runs (roles add their own)."""
+
+    ledger: LedgerService
+    shards: ShardsService
+    relay: RelayClient | RelayHop
+    membership: Membership
+
+
+async def start_core(
+    nursery: trio.Nursery,
+    node: NodeContext,
+    serve_relay: Callable[..., Awaitable[None]] = serve_relay_client,
+) -> CoreNode:
+    """Start the core services in dependency order: the peer table's edge (every component reports
+    remote faults to ``node.peers``); status; the ledger; shards, which credit the
+    bytes they verify in the ledger; the relay side (``serve_relay_client``: accept relayed
+    connections and reserve when behind NAT; the relay role runs the HOP service instead);
+    membership, whose record advertises the relay's circuit addresses and the versions held."""
+    await nursery.start(serve_peers, node)
+    await nursery.start(serve_status, node)
+    ledger = await nursery.start(serve_ledger, node)
+    shards = await nursery.start(serve_shards, node, ledger)
+    relay = await nursery.start(serve_relay, node)
+    membership = await nursery.start(serve_membership, node, relay, shards)
+    return CoreNode(node, ledger, shards, relay, membership)
 
 
 async def run_node(
@@ -57,7 +76,8 @@ async def run_node(
     task_status=trio.TASK_STATUS_IGNORED,
     handle_signals: bool = True,
 ) -> None:
-    """Run a node until cancelled or signalled. ``task_status.started(node)`` once all services run."""
+    """Run a node until cancelled or signalled. ``task_status.started(node)`` once all services run,
+    with the :class:`CoreNode` (or the role's subclass of it) their APIs were handed back in."""
     data_dir = config.resolved_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
     identity, created = load_or_create_identity(data_dir)
@@ -70,13 +90,12 @@ async def run_node(
             async with trio.open_nursery() as nursery:
                 if handle_signals:
                     nursery.start_soon(_watch_signals, nursery.cancel_scope)
-                for service in CORE_SERVICES + role_services(config.role):
-                    await nursery.start(service, node)
+                started = await importlib.import_module(ROLE_MODULES[config.role]).start(nursery, node)
                 log.info(
                     "node ready",
                     extra={"role": config.role, "peer": node.peer_id, "addrs": ",".join(host.listen_addrs())},
                 )
-                task_status.started(node)
+                task_status.started(started)
         finally:
             stop_metrics()
             log.info("node stopped", extra={"peer": node.peer_id})

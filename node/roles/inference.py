@@ -2,10 +2,10 @@
 
 How this works (DESIGN.md, the loop, step 3). :func:`serve_inference` runs three tasks in a nursery:
 
-* **follow**: watches ``node.services["shards"]`` for a newer complete checkpoint version (the
-  shards service downloads every version the trainer announces) and loads it into the engine — the
-  first one with a full load, later ones by swapping weights in place, between two steps, never
-  during one (a lock is held around every step and every swap);
+* **follow**: the shards service tells it of each newer complete checkpoint version
+  (``shards.wait_newer``; it downloads every version the trainer announces) and it loads that
+  into the engine — the first one with a full load, later ones by swapping weights in place,
+  between two steps, never during one (a lock is held around every step and every swap);
 * **generate**: once a version is loaded, runs one step after another in a worker thread
   (``trio.to_thread``: the node keeps answering probes, gossip and shard requests meanwhile):
   draw, sample, score, prove, sign (node/rollouts/generate.py), then queues the batch in the
@@ -37,6 +37,7 @@ import trio
 from ..adversary.outbox import make_outbox
 from ..atomic import write_atomic
 from ..context import NodeContext
+from ..gossip.api import MembershipAPI
 from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import ROLLOUTS_PROTOCOL
 from ..rollouts.submit import (
@@ -47,6 +48,8 @@ from ..rollouts.submit import (
     alive_trainers,
     call_submit,
 )
+from ..shards.api import ShardsAPI
+from .core import CoreNode, start_core
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +105,17 @@ class Stats:
 
 
 class InferenceService:
-    """The running role; ``node.services["inference"]``."""
+    """The running role, handed back by :func:`serve_inference`: it follows the checkpoints of
+    ``shards`` and finds trainers (and advertises its capacity) in ``membership``."""
 
-    def __init__(self, node: NodeContext, generator=None) -> None:
+    def __init__(self, node: NodeContext, shards: ShardsAPI, membership: MembershipAPI, generator=None) -> None:
         from ..proofs.config import ProofsConfig
         from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 
         run = node.run
         self.node = node
+        self.shards = shards
+        self.membership = membership
         self.rl = run.section("rl", RLConfig)
         self.inference_cfg = run.section("inference", InferenceConfig)
         self.proofs_cfg = run.section("proofs", ProofsConfig)
@@ -145,7 +151,6 @@ class InferenceService:
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         if self.generator is None:
             self.generator = await trio.to_thread.run_sync(self._make_generator)
-        self.node.services["inference"] = self
         self.node.status["inference"] = self.status
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._follow_loop)
@@ -162,22 +167,27 @@ class InferenceService:
     # -- follow checkpoints ----------------------------------------------------------------------
 
     async def _follow_loop(self) -> None:
-        shards = self.node.services["shards"]
-        failed: set[int] = set()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._follow_announced)
+            nursery.start_soon(self._follow_complete)
+
+    async def _follow_announced(self) -> None:
         while True:
             # The newest announced version is the trainer's step even before it is downloaded here:
             # batches now too old for it are dropped instead of sent (INTELLECT-2's async level).
-            announced = max(getattr(shards, "announced", None) or [0])
-            if announced > self.outbox.newest_version:
-                for _ in self.outbox.observe_version(announced):
-                    self._count("dropped", "stale")
-                self._notify()
-            latest = shards.latest()
-            if latest is not None and latest not in failed and (self.version is None or latest > self.version):
-                path = shards.path_of(latest)
-                if path is not None and not await self._load(latest, path):
-                    failed.add(latest)  # a checkpoint we cannot load is not retried; the next one is
-            await trio.sleep(self.cfg.checkpoint_poll_s)
+            announced = await self.shards.wait_announced(self.outbox.newest_version)
+            for _ in self.outbox.observe_version(announced):
+                self._count("dropped", "stale")
+            self._notify()
+
+    async def _follow_complete(self) -> None:
+        tried: int | None = None  # newest version we loaded or failed to load
+        while True:
+            latest = await self.shards.wait_newer(tried)
+            tried = latest  # a checkpoint we cannot load is not retried; the next one is
+            path = self.shards.path_of(latest)
+            if path is not None:
+                await self._load(latest, path)
 
     async def _load(self, version: int, path: Path) -> bool:
         async with self.engine_lock:
@@ -212,7 +222,7 @@ class InferenceService:
                 self.waiting_for_checkpoint = True
                 while self.outbox.is_stale(self.version):
                     self.stats.held_back += 1
-                    await trio.sleep(self.cfg.checkpoint_poll_s)
+                    await self._wait_changed()  # a load or a newer step seen notifies
                 self.waiting_for_checkpoint = False
             step = self.next_step
             self.next_step = step + 1
@@ -270,7 +280,7 @@ class InferenceService:
     # -- submit --------------------------------------------------------------------------------------
 
     def trainers(self) -> list[str]:
-        members = self.node.services["membership"].members()
+        members = self.membership.members()
         return alive_trainers(members, self.node.run.trainers, self.node.peer_id)
 
     async def _submit_loop(self) -> None:
@@ -306,7 +316,7 @@ class InferenceService:
         host = self.node.host
         if host.is_connected(trainer):
             return
-        addrs = self.node.services["membership"].addrs_of(trainer)
+        addrs = self.membership.addrs_of(trainer)
         try:
             with trio.fail_after(self.cfg.submit_timeout_s):
                 await host.connect_peer(trainer, addrs)
@@ -333,7 +343,7 @@ class InferenceService:
         now = trio.current_time()
         if advertise_due(self._advertised, new, now - self._advertised_at):
             self._advertised, self._advertised_at = new, now
-            self.node.services["membership"].update(capacity=new[0], load=new[1])
+            self.membership.update(capacity=new[0], load=new[1])
 
     def status(self) -> dict:
         st = self.stats
@@ -365,9 +375,20 @@ class InferenceService:
         }
 
 
-async def serve_inference(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run the inference role until cancelled (see the module docstring)."""
-    await InferenceService(node).run(task_status=task_status)
+async def serve_inference(node: NodeContext, shards: ShardsAPI, membership: MembershipAPI, *,
+                          task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run the inference role until cancelled (see the module docstring); hands back the
+    :class:`InferenceService` once it runs."""
+    await InferenceService(node, shards, membership).run(task_status=task_status)
 
 
-SERVICES = [serve_inference]
+@dataclass
+class InferenceNode(CoreNode):
+    inference: InferenceService
+
+
+async def start(nursery: trio.Nursery, node: NodeContext) -> InferenceNode:
+    """The inference role: the core, then the generator fed by the core's shards and membership."""
+    core = await start_core(nursery, node)
+    inference = await nursery.start(serve_inference, node, core.shards, core.membership)
+    return InferenceNode(**vars(core), inference=inference)

@@ -1,5 +1,23 @@
-"""The trainer role: the services it runs on top of the core (see node/roles/core.py)."""
+"""The trainer role: the core (node/roles/core.py), then the trainer, which publishes each new
+version through the core's shards, advertises it in membership and records its work in the ledger."""
 
-from ..trainer.service import serve_trainer
+from __future__ import annotations
 
-SERVICES: list = [serve_trainer]
+from dataclasses import dataclass
+
+import trio
+
+from ..context import NodeContext
+from ..trainer.service import Trainer, serve_trainer
+from .core import CoreNode, start_core
+
+
+@dataclass
+class TrainerNode(CoreNode):
+    trainer: Trainer
+
+
+async def start(nursery: trio.Nursery, node: NodeContext) -> TrainerNode:
+    core = await start_core(nursery, node)
+    trainer = await nursery.start(serve_trainer, node, core.shards, core.membership, core.ledger)
+    return TrainerNode(**vars(core), trainer=trainer)

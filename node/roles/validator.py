@@ -1,9 +1,27 @@
-"""The validator role: the services it runs on top of the core (see node/roles/core.py).
+"""The validator role: the core (node/roles/core.py), then the validator.
 
-A validator checks rollout batches that trainers forward to it, signs verdicts, and records them
-and any penalties in the ledger (node/validator/service.py).
+A validator checks rollout batches that trainers forward to it against checkpoints it gets from
+the core's shards, signs verdicts, and records them and any penalties in the core's ledger
+(node/validator/service.py).
 """
 
-from ..validator.service import serve_validator
+from __future__ import annotations
 
-SERVICES = [serve_validator]
+from dataclasses import dataclass
+
+import trio
+
+from ..context import NodeContext
+from ..validator.service import ValidatorService, serve_validator
+from .core import CoreNode, start_core
+
+
+@dataclass
+class ValidatorNode(CoreNode):
+    validator: ValidatorService
+
+
+async def start(nursery: trio.Nursery, node: NodeContext) -> ValidatorNode:
+    core = await start_core(nursery, node)
+    validator = await nursery.start(serve_validator, node, core.shards, core.ledger)
+    return ValidatorNode(**vars(core), validator=validator)

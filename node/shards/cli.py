@@ -88,19 +88,16 @@ async def _publish(config, path: Path, version: int, seed_for: float) -> int:
 
     from ..log import setup_logging
     from ..roles.core import run_node
-    from .service import serve_shards
 
     setup_logging(config.log_level, config.log_json)
     async with trio.open_nursery() as nursery:
         node = await nursery.start(lambda task_status: run_node(config, task_status=task_status, handle_signals=False))
-        if "shards" not in node.services:  # the trainer role does not run it (yet)
-            await nursery.start(serve_shards, node)
         for addr in config.bootstrap:
             try:
                 await node.host.connect(addr)
             except Exception as e:  # unreachable peer: seed to whoever does connect
                 print(f"swarm-node publish: could not reach {addr}: {e}", file=sys.stderr)
-        signed = await node.services["shards"].publish(path, version)
+        signed = await node.shards.publish(path, version)
         m = signed.manifest
         print(f"published version {version}: {m.num_pieces} pieces of {m.piece_size} bytes, "
               f"{m.total_size} bytes, root {signed.root.hex()}")

@@ -16,9 +16,10 @@ How this works
   announcements signed by a trainer of this run; relays (``fetch="all"``) download every version,
   inference and validator nodes (``"newest"``) only the newest, the trainer (``"none"``) nothing.
 
-API in ``node.services["shards"]``: ``publish(folder, version)``, ``wait_version(v)``,
-``path_of(v)``, ``latest()``, ``versions_held()``, ``receipts()``. Status in
-``node.status["shards"]``.
+API (handed back through ``task_status.started``; node/shards/api.py): ``publish(folder, version)``,
+``wait_version(v)``, ``wait_newer(v)``, ``wait_announced(v)``, ``path_of(v)``, ``latest()``,
+``versions_held()``, ``receipts()``. Verified bytes are credited in the ledger given at start.
+Status in ``node.status["shards"]``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ..wire import (
     seal,
     write_frame,
 )
+from ..ledger.api import LedgerAPI
 from .config import ShardsConfig
 from .manifest import SignedManifest, build_manifest, open_manifest, root_id, sign_manifest
 from .picker import Actions, Picker, PickerParams
@@ -496,13 +498,14 @@ class Download:
 
 
 class ShardsService:
-    """Everything about checkpoint versions on this node; ``node.services["shards"]``."""
+    """Everything about checkpoint versions on this node (API: node/shards/api.py)."""
 
     server_session_class = _ServerSession
 
-    def __init__(self, node, cfg: ShardsConfig) -> None:
+    def __init__(self, node, cfg: ShardsConfig, ledger: LedgerAPI) -> None:
         self.node = node
         self.cfg = cfg
+        self.ledger = ledger  # credited with the verified bytes each peer sent us
         run = node.config.run
         self.run_name = run.name
         self.trainers = list(run.trainers)
@@ -519,6 +522,7 @@ class ShardsService:
         # durable count. Bounded: the least recently credited pair is forgotten first.
         self._receipts: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._events: dict[int, trio.Event] = {}
+        self._news = trio.Event()  # set (and replaced) when a version is announced or completed
         self._resumed: dict[int, VersionStore] = {}  # partial versions reopened at start
         self.published: SignedManifest | None = None
         self.serve_slots = trio.Semaphore(cfg.max_serving)
@@ -553,6 +557,18 @@ class ShardsService:
             await self._events.setdefault(version, trio.Event()).wait()
         return path
 
+    async def wait_newer(self, version: int | None) -> int:
+        """Wait until a complete version newer than ``version`` (any, if None) is held; returns the newest."""
+        while (latest := self.latest()) is None or (version is not None and latest <= version):
+            await self._news.wait()
+        return latest
+
+    async def wait_announced(self, version: int) -> int:
+        """Wait until a version newer than ``version`` is announced; returns the newest announced."""
+        while not self.announced or max(self.announced) <= version:
+            await self._news.wait()
+        return max(self.announced)
+
     def receipts(self) -> dict[tuple[str, str], int]:
         """Verified bytes received, per (peer id, manifest root hex): what the ledger credits."""
         return dict(self._receipts)
@@ -581,13 +597,13 @@ class ShardsService:
                 signed.manifest.num_pieces, in_transit=writing, rng=self.rng,
                 max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // size)))
         self._serve(vs)
-        self.announced.setdefault(signed.version, (signed.root, signed.signer))
+        self._note_announced(signed.version, signed.root, signed.signer)
         self._version_complete(vs)
         return vs
 
     def fetch(self, version: int, root: bytes, source: str) -> None:
         """Download ``version`` (manifest root ``root``, first asked of ``source``) whatever the policy."""
-        self.announced.setdefault(version, (root, source))
+        self._note_announced(version, root, source)
         if version not in self.downloads and self.path_of(version) is None:
             scope = trio.CancelScope()
             self._download_scopes[version] = scope
@@ -616,12 +632,10 @@ class ShardsService:
         while len(self._receipts) > MAX_RECEIPT_PAIRS:
             self._receipts.popitem(last=False)
         self.m_received.inc(nbytes)
-        ledger = self.node.services.get("ledger")
-        if ledger is not None and hasattr(ledger, "note_received"):
-            try:
-                ledger.note_received(peer, root, nbytes, 1)
-            except ValueError as e:  # a bad receipt is our bug, but must not stop a download
-                log.error("shards: receipt refused by the ledger: %s", e)
+        try:
+            self.ledger.note_received(peer, root, nbytes, 1)
+        except ValueError as e:  # a bad receipt is our bug, but must not stop a download
+            log.error("shards: receipt refused by the ledger: %s", e)
 
     def on_piece_verified(self, vs: VersionStore, piece: int) -> None:
         for sess in list(self.server_sessions.get(vs.signed.root, ())):
@@ -642,12 +656,23 @@ class ShardsService:
     def _version_complete(self, vs: VersionStore) -> None:
         self.m_versions.set(len(self.store.complete_versions()))
         self._events.pop(vs.version, trio.Event()).set()
+        self._tell_news()
         for v in self.store.prune(protect=set(self.downloads)):
             for root, held in list(self.serving.items()):
                 if held.version == v:
                     held.close()
                     del self.serving[root]
                     self.superseeders.pop(root, None)
+
+    def _note_announced(self, version: int, root: bytes, source: str) -> None:
+        """Remember the first announcement of ``version``; followers learn of a newer one."""
+        if version not in self.announced:
+            self.announced[version] = (root, source)
+            self._tell_news()
+
+    def _tell_news(self) -> None:
+        self._news.set()
+        self._news = trio.Event()
 
     # ---------------------------------------------------------------------------------------
     # Inbound streams
@@ -731,7 +756,7 @@ class ShardsService:
                 continue  # the validator counted it
             a = sa.announce
             source = ID(msg.from_id).to_base58() if msg.from_id else sa.signer
-            self.announced.setdefault(a.version, (a.root, source))
+            self._note_announced(a.version, a.root, source)
             self._maybe_fetch(a.version)
 
     def _maybe_fetch(self, version: int) -> None:
@@ -832,7 +857,7 @@ class ShardsService:
             vs._open(create=False)
             vs.verified = set(range(signed.manifest.num_pieces))  # COMPLETE was written after fsync
             self._serve(vs)
-            self.announced.setdefault(v, (signed.root, signed.signer))
+            self._note_announced(v, signed.root, signed.signer)
         for v in self.store.partial_versions():
             signed = self.store.saved_manifest(v)
             if signed is not None:
@@ -866,10 +891,9 @@ class ShardsService:
             nursery.start_soon(self._follow, sub)
             nursery.start_soon(self._reannounce_loop)
             for signed in partial:  # resume interrupted downloads
-                self.announced.setdefault(signed.version, (signed.root, signed.signer))
+                self._note_announced(signed.version, signed.root, signed.signer)
             for signed in partial:
                 self._maybe_fetch(signed.version)
-            self.node.services["shards"] = self
             self.node.status["shards"] = self.status
             task_status.started(self)
             await trio.sleep_forever()
@@ -914,7 +938,8 @@ class _progress:
             self.bar.stop()
 
 
-async def serve_shards(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run the shards service for ``node`` until cancelled (see the module docstring)."""
+async def serve_shards(node, ledger: LedgerAPI, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run the shards service for ``node`` until cancelled (see the module docstring); hands back
+    the :class:`ShardsService` once it serves. ``ledger`` is credited with verified bytes."""
     cfg = node.config.run.section("shards")
-    await ShardsService(node, cfg).run(task_status=task_status)
+    await ShardsService(node, cfg, ledger).run(task_status=task_status)

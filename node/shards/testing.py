@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
 from ..config import NodeConfig, RunConfig
-from ..context import NodeContext
+from ..context import NodeContext, RunningNode
 from ..host import GossipParams, open_swarm_host
 from ..identity import Identity
 from ..peers import serve_peers
@@ -38,6 +39,27 @@ def same_files(a: Path, b: Path) -> bool:
     return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
 
 
+@dataclass
+class ReceiptLog:
+    """The ledger's receipt intake (node/ledger/sync.py: note_received), recorded: the ledger a
+    shards node without a ledger service credits."""
+
+    received: dict[tuple[str, bytes], list[int]] = field(default_factory=dict)  # -> [bytes, pieces]
+
+    def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
+        acc = self.received.setdefault((peer, manifest_id), [0, 0])
+        acc[0] += nbytes
+        acc[1] += pieces
+
+
+@dataclass
+class ShardsNode(RunningNode):
+    """A host plus the shards service (``node.shards``) crediting ``node.ledger``."""
+
+    shards: ShardsService
+    ledger: ReceiptLog
+
+
 @asynccontextmanager
 async def open_shards_node(
     data_dir: Path,
@@ -50,7 +72,7 @@ async def open_shards_node(
     listen: str = "/ip4/127.0.0.1/tcp/0",
     **shards: object,
 ):
-    """A host plus the shards service; yields the NodeContext (service in ``services["shards"]``)."""
+    """A host plus the shards service; yields a :class:`ShardsNode`."""
     identity = identity or Identity.generate()
     tables = {"shards": dict(shards)}
     config = NodeConfig(role=role, listen=[listen], data_dir=str(data_dir),
@@ -59,11 +81,12 @@ async def open_shards_node(
     os.makedirs(data_dir, exist_ok=True)
     async with open_swarm_host(identity, [listen], GossipParams()) as host:
         node = NodeContext(config=config, identity=identity, host=host, data_dir=Path(data_dir))
+        ledger = ReceiptLog()
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_peers, node)
-            await nursery.start(service_class(node, cfg).run)
+            svc = await nursery.start(service_class(node, cfg, ledger).run)
             try:
-                yield node
+                yield ShardsNode(node, svc, ledger)
             finally:
                 nursery.cancel_scope.cancel()
 
@@ -74,7 +97,7 @@ class ShardsSwarm:
     def __init__(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
 
-    async def add(self, data_dir: Path, **kw) -> NodeContext:
+    async def add(self, data_dir: Path, **kw) -> ShardsNode:
         async def run(task_status=trio.TASK_STATUS_IGNORED):
             async with open_shards_node(data_dir, **kw) as node:
                 task_status.started(node)
@@ -106,7 +129,7 @@ async def _child(args) -> None:
     extra = json.loads(args.shards) if args.shards else {}
     async with open_shards_node(Path(args.data_dir), identity=identity, trainers=[trainer.peer_id],
                                 role=args.role, run=args.run, listen=args.listen, **extra) as node:
-        svc = node.services["shards"]
+        svc = node.shards
         resumed = {v: len(vs.verified) for vs in svc.serving.values() for v in [vs.version]}
         print(json.dumps({"addr": node.host.listen_addrs()[0], "resumed": resumed}), flush=True)
         for addr in args.connect:

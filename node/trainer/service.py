@@ -34,7 +34,9 @@ from pathlib import Path
 import trio
 
 from ..dbthread import DbThread
+from ..gossip.api import MembershipAPI
 from ..hashes import digest
+from ..ledger.api import LedgerAPI
 from ..net.reqres import CallFailure, Codec, FailureKind, call, raw, request_handler
 from ..peers import ActionKind, FaultRule
 from ..ledger.sync import LedgerError
@@ -49,6 +51,7 @@ from ..rollouts.schema import (
     open_batch,
     open_verdict,
 )
+from ..shards.api import ShardsAPI
 from ..wire import MAX_FRAME, RemoteProtocolError, decode_as
 from .config import TrainerConfig
 from .gate import ValidatorGate
@@ -81,11 +84,16 @@ ZERO_ID = bytes(32)
 
 
 class Trainer:
-    """The running trainer (``node.services["trainer"]``)."""
+    """The running trainer, handed back by :func:`serve_trainer`. It publishes each new version
+    through ``shards``, advertises it in ``membership`` and records its work in ``ledger``."""
 
-    def __init__(self, node, policy: Policy, spool: Spool, cfg: GRPOConfig, tcfg: TrainerConfig,
+    def __init__(self, node, policy: Policy, spool: Spool, cfg: GRPOConfig, tcfg: TrainerConfig, *,
+                 shards: ShardsAPI, membership: MembershipAPI, ledger: LedgerAPI,
                  clock=trio.current_time) -> None:
         self.node = node
+        self.shards = shards
+        self.membership = membership
+        self.ledger = ledger
         self.clock = clock  # for strikes and bans (a fake in sync unit tests)
         self.policy = policy
         self.spool = spool  # queried here on its WAL reader; written only through self.db
@@ -138,19 +146,15 @@ class Trainer:
         setattr(self, f"_wake_{which}", trio.Event())
 
     def live_validators(self) -> list[str]:
-        """Validators of the run that membership believes alive (all of them without membership)."""
-        membership = self.node.services.get("membership")
-        if membership is None:
-            return sorted(self.validators)
-        alive = membership.members()
+        """Validators of the run that membership believes alive."""
+        alive = self.membership.members()
         return sorted(v for v in self.validators if v in alive)
 
     # ------------------------------------------------------------------ intake
 
     def worker_banned(self, worker: str) -> bool:
         """Banned by a penalty entry in the ledger (ours or any validator's): its batches are refused."""
-        ledger = self.node.services.get("ledger")
-        return ledger is not None and ledger.ban_of(worker) is not None
+        return self.ledger.ban_of(worker) is not None
 
     async def judge(self, data: bytes, sender: str) -> RolloutAck:
         """Judge one received batch and spool it; the returned ack is true once this returns."""
@@ -217,13 +221,11 @@ class Trainer:
     async def _record_penalty(self, peer: str, reason: str) -> None:
         from ..ledger.entries import Penalty
 
-        ledger = self.node.services.get("ledger")
-        if ledger is not None:
-            try:
-                await ledger.append(Penalty(peer=peer, reason=f"trainer:{reason}"[:64], points=self.tcfg.ban_after_strikes,
-                                            ban_seconds=int(min(self.tcfg.ban_seconds, 30 * 86400))))
-            except (LedgerError, ValueError) as e:
-                log.error("trainer: ledger refused a penalty for %s: %s", peer[-8:], e)
+        try:
+            await self.ledger.append(Penalty(peer=peer, reason=f"trainer:{reason}"[:64], points=self.tcfg.ban_after_strikes,
+                                             ban_seconds=int(min(self.tcfg.ban_seconds, 30 * 86400))))
+        except (LedgerError, ValueError) as e:
+            log.error("trainer: ledger refused a penalty for %s: %s", peer[-8:], e)
 
     def _admit_rollouts(self, sender: str) -> str | None:
         if self.node.peers.is_banned(sender, SOURCE, self.clock()):
@@ -425,31 +427,24 @@ class Trainer:
 
     async def publish(self, version: int) -> None:
         """Announce the model folder of ``version`` through the shard swarm and the ledger."""
-        shards = self.node.services.get("shards")
-        if shards is None:
-            return
         try:
-            signed = await shards.publish(self.policy.folder(version), version)
+            signed = await self.shards.publish(self.policy.folder(version), version)
         except (PermissionError, OSError, ValueError) as e:
             self.publish_error = str(e)
             log.error("trainer: publishing v%d failed: %s", version, e)
             return
         self.published = version
         self.publish_error = ""
-        membership = self.node.services.get("membership")
-        if membership is not None:  # advertise the versions we seed in our peer record
-            from ..gossip.records import MAX_VERSIONS
+        from ..gossip.records import MAX_VERSIONS
+        from ..ledger.entries import CheckpointPublished
 
-            membership.update(checkpoints=list(shards.versions_held())[-MAX_VERSIONS:])
-        ledger = self.node.services.get("ledger")
-        if ledger is not None:
-            from ..ledger.entries import CheckpointPublished
-
-            try:
-                await ledger.append(CheckpointPublished(version=version, manifest_id=signed.root,
-                                                        total_bytes=signed.manifest.total_size))
-            except LedgerError as e:  # a refused entry is our bug; the checkpoint itself is out
-                log.error("trainer: ledger refused checkpoint v%d: %s", version, e)
+        # Advertise the versions we seed in our peer record.
+        self.membership.update(checkpoints=list(self.shards.versions_held())[-MAX_VERSIONS:])
+        try:
+            await self.ledger.append(CheckpointPublished(version=version, manifest_id=signed.root,
+                                                         total_bytes=signed.manifest.total_size))
+        except LedgerError as e:  # a refused entry is our bug; the checkpoint itself is out
+            log.error("trainer: ledger refused checkpoint v%d: %s", version, e)
 
     # ------------------------------------------------------------------ ledger
 
@@ -458,14 +453,13 @@ class Trainer:
         from ..ledger.entries import RolloutsJudged
 
         while True:
-            ledger = self.node.services.get("ledger")
-            rows = self.spool.ledger_due(LEDGER_CHUNK) if ledger is not None else []
+            rows = self.spool.ledger_due(LEDGER_CHUNK)
             for row in rows:
                 body = RolloutsJudged(worker=row.worker, step=min(row.step, 2**32), accepted=row.state is BatchState.TRAINED,
                                       samples=min(row.samples, 2**20), tokens=row.tokens, batch_hash=row.batch_id,
                                       reason=row.reason)
                 try:
-                    await ledger.append(body)
+                    await self.ledger.append(body)
                 except LedgerError as e:  # our own entry refused (a bug): log it, do not retry forever
                     log.error("trainer: ledger refused rollouts entry for %s: %s", row.batch_id.hex()[:12], e)
                 await self.db.run(self.spool.mark_ledger_done, row.batch_id)
@@ -520,8 +514,10 @@ def reward_points(curve: list[tuple[int, float]], most: int) -> list[list]:
     return out
 
 
-async def serve_trainer(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run the trainer role's service until cancelled (see the module docstring)."""
+async def serve_trainer(node, shards: ShardsAPI, membership: MembershipAPI, ledger: LedgerAPI, *,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run the trainer role's service until cancelled (see the module docstring); hands back the
+    :class:`Trainer` once it takes batches."""
     if node.peer_id not in node.run.trainers:
         log.error("trainer: this node (%s) is not in run.trainers: peers will refuse its checkpoints; "
                   "add its peer id to the run file", node.peer_id)
@@ -533,18 +529,16 @@ async def serve_trainer(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         returned = await trio.to_thread.run_sync(spool.recover, policy.step)
         if returned:
             log.warning("trainer: %d batches of an unsaved step go back to the queue", returned)
-        trainer = Trainer(node, policy, spool, cfg, tcfg)
+        trainer = Trainer(node, policy, spool, cfg, tcfg, shards=shards, membership=membership, ledger=ledger)
         if trainer.gate is not None:
             for row in spool.in_state(BatchState.GATED):
                 trainer.gate.add(row.batch_id)
-        shards = node.services.get("shards")
-        if shards is not None and shards.path_of(policy.step) is None:
+        if shards.path_of(policy.step) is None:
             await trainer.publish(policy.step)
-        elif shards is not None:
+        else:
             trainer.published = policy.step
         node.host.set_handler(ROLLOUTS_PROTOCOL, trainer.rollouts_handler())
         node.host.set_handler(VERDICTS_PROTOCOL, trainer.verdicts_handler())
-        node.services["trainer"] = trainer
         node.status["trainer"] = trainer.status
         log.info("trainer: %s at step %d on %s", "created the policy" if created else "resumed", policy.step,
                  policy.device)

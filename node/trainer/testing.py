@@ -86,3 +86,65 @@ def reversal_batch(
 def sign_batch(identity, batch: RolloutBatch) -> bytes:
     """The wire bytes of ``batch`` signed by ``identity`` (what ROLLOUTS_PROTOCOL carries)."""
     return encode(seal(identity, DOMAIN_BATCH, batch))
+
+
+# -- stand-ins for the services a Trainer is wired to (node/roles/trainer.py wires the real ones) --
+
+
+class FakeLedger:
+    """Records appended entries; bans whom ``bans`` names (peer -> ban)."""
+
+    def __init__(self, bans: dict | None = None) -> None:
+        self.entries: list = []
+        self.bans = dict(bans or {})
+
+    async def append(self, body):
+        self.entries.append(body)
+        return body
+
+    def ban_of(self, peer: str):
+        return self.bans.get(peer)
+
+    def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
+        pass
+
+
+class FakeMembership:
+    """``alive`` (peer id -> role) are the members; our record's updates are kept in ``record``."""
+
+    def __init__(self, alive: dict[str, str] | None = None) -> None:
+        self.alive = dict(alive or {})
+        self.record: dict = {}
+
+    def members(self) -> dict[str, str]:
+        return dict(self.alive)
+
+    def addrs_of(self, peer_id: str) -> list[str]:
+        return []
+
+    def update(self, **fields) -> None:
+        self.record.update(fields)
+
+
+class FakeShards:
+    """Takes published versions without hashing or seeding them (their manifests are stand-ins)."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+
+    def path_of(self, version: int):
+        return None
+
+    def versions_held(self) -> list[int]:
+        return list(self.held)
+
+    async def publish(self, folder, version: int):
+        from types import SimpleNamespace
+
+        self.held.append(version)
+        return SimpleNamespace(root=bytes(32), manifest=SimpleNamespace(total_size=0))
+
+
+def fake_wiring() -> dict:
+    """Keyword arguments wiring a :class:`~node.trainer.service.Trainer` to stand-ins."""
+    return {"shards": FakeShards(), "membership": FakeMembership(), "ledger": FakeLedger()}

@@ -34,6 +34,7 @@ import trio
 
 from ..dbthread import DbThread
 from ..hashes import digest
+from ..ledger.api import LedgerAPI
 from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
 from ..ledger.sync import LedgerError
@@ -49,6 +50,7 @@ from ..rollouts.schema import (
     SignedBatch,
     Verdict,
 )
+from ..shards.api import ShardsAPI
 from ..wire import (
     MAX_FRAME,
     Envelope,
@@ -85,7 +87,6 @@ _ACK = Codec(MAX_ACK_FRAME, lambda frame: decode_as(RolloutAck, frame, MAX_ACK_F
 BEHIND_FRACTION = 0.8  # queue fill at which status says "behind"
 LEDGER_STEP_MAX = 2**32  # the ledger's verdict body bounds the step
 FUTURE_GRACE = 5.0  # seconds to wait for the announcement of a version newer than any we know
-POLL_INTERVAL = 0.25  # seconds between looks at the known versions while waiting
 
 
 @dataclass
@@ -116,11 +117,14 @@ def _dtype(name: str):
 
 
 class ValidatorService:
-    """Everything the validator does; ``node.services["validator"]``."""
+    """Everything the validator does, handed back by :func:`serve_validator`. Checkpoints come from
+    ``shards``; verdicts and penalties go to ``ledger``."""
 
-    def __init__(self, node, cfg: ValidatorConfig, rules: BatchRules, tasks: TaskSet, store: ValidatorStore,
-                 wall_clock=time.time) -> None:
+    def __init__(self, node, cfg: ValidatorConfig, rules: BatchRules, tasks: TaskSet, store: ValidatorStore, *,
+                 shards: ShardsAPI, ledger: LedgerAPI, wall_clock=time.time) -> None:
         self.node = node
+        self.shards = shards
+        self.ledger = ledger
         self.cfg = cfg
         self.rules = rules
         self.tasks = tasks
@@ -197,10 +201,8 @@ class ValidatorService:
 
     def current_version(self) -> int | None:
         """The newest checkpoint version this node knows of (held or announced)."""
-        shards = self.node.services.get("shards")
-        if shards is None:
-            return None
-        known = [v for v in (shards.latest(),) if v is not None] + list(getattr(shards, "announced", {}))
+        shards = self.shards
+        known = [v for v in (shards.latest(),) if v is not None] + list(shards.announced)
         return max(known) if known else None
 
     async def check_loop(self) -> None:
@@ -255,8 +257,7 @@ class ValidatorService:
         re-assigns it after its timeout."""
         batch = job.signed.batch
         n = len(batch.samples)
-        ledger = self.node.services.get("ledger")
-        if self.book.is_banned(batch.worker, self.wall_clock()) or (ledger is not None and ledger.ban_of(batch.worker)):
+        if self.book.is_banned(batch.worker, self.wall_clock()) or self.ledger.ban_of(batch.worker):
             # Our own ban, or one another validator or a trainer recorded in the ledger.
             return Judgement.uniform(n, reject(BatchReason.BANNED, "worker is banned"))
         current = self.current_version()
@@ -264,8 +265,8 @@ class ValidatorService:
             # Maybe the announcement is still on its way (gossip takes ~1 s); a longer wait would let
             # a cheat stall the queue with made-up future versions.
             with trio.move_on_after(FUTURE_GRACE):
-                while (current := self.current_version()) is None or batch.policy_version > current:
-                    await trio.sleep(POLL_INTERVAL)
+                await self.shards.wait_announced(batch.policy_version - 1)
+            current = self.current_version()
             if current is None:
                 log.info("validator: no checkpoint known yet; batch %s left to another validator",
                          job.signed.batch_id.hex()[:12])
@@ -291,14 +292,11 @@ class ValidatorService:
         if version in self.models:
             self.models.move_to_end(version)
             return self.models[version]
-        shards = self.node.services.get("shards")
-        if shards is None:
-            return None
+        shards = self.shards
         path = shards.path_of(version)
         if path is None:
-            announced = getattr(shards, "announced", {})
-            if version in announced and hasattr(shards, "fetch"):
-                shards.fetch(version, *announced[version])  # a validator needs old versions too
+            if version in shards.announced:
+                shards.fetch(version, *shards.announced[version])  # a validator needs old versions too
             with trio.move_on_after(self.cfg.checkpoint_timeout):
                 path = await shards.wait_version(version)
             if path is None:
@@ -331,9 +329,6 @@ class ValidatorService:
         if decision is not None and decision.ban_seconds:
             await self.db.run(self.store.save_ban, batch.worker, now + decision.ban_seconds, decision.reason)
             log.warning("validator: banned %s for %ds (%s)", batch.worker, decision.ban_seconds, decision.reason)
-        ledger = self.node.services.get("ledger")
-        if ledger is None:
-            return
         distinct = sorted(set(judgement.reasons), key=lambda r: (r == "ok", r))[:MAX_VERDICT_REASONS]
         bodies = [LedgerVerdict(worker=batch.worker, step=min(batch.step, LEDGER_STEP_MAX), batch_hash=signed.batch_id,
                                 ok=judgement.accepted, reasons=tuple(distinct))]
@@ -342,7 +337,7 @@ class ValidatorService:
                                   ban_seconds=decision.ban_seconds))
         for body in bodies:
             try:
-                await ledger.append(body)
+                await self.ledger.append(body)
             except LedgerError as e:  # e.g. we are not a validator of the run: ours to fix, keep checking
                 self.node.metrics.reject(SOURCE, "ledger-refused")
                 log.warning("validator: ledger refused a %s entry: %s", body.TYPE, e)
@@ -422,8 +417,10 @@ def _payload_id(data: bytes) -> bytes:
         return ZERO_ID
 
 
-async def serve_validator(node, *, task_status=trio.TASK_STATUS_IGNORED, tasks: TaskSet | None = None) -> None:
-    """Run the validator until cancelled (``tasks`` overrides the run's task set, for tests)."""
+async def serve_validator(node, shards: ShardsAPI, ledger: LedgerAPI, *, task_status=trio.TASK_STATUS_IGNORED,
+                          tasks: TaskSet | None = None) -> None:
+    """Run the validator until cancelled (``tasks`` overrides the run's task set, for tests); hands
+    back the :class:`ValidatorService` once it takes batches."""
     cfg: ValidatorConfig = node.config.run.section("validator", ValidatorConfig)
     rules = rules_from_run(node.config.run, cfg)
     if tasks is None:
@@ -431,11 +428,10 @@ async def serve_validator(node, *, task_status=trio.TASK_STATUS_IGNORED, tasks: 
 
         tasks = RunTasks(node.config.run.section("rl", RLConfig))
     store = ValidatorStore(node.data_dir / DB_FILE)
-    svc = ValidatorService(node, cfg, rules, tasks, store)
+    svc = ValidatorService(node, cfg, rules, tasks, store, shards=shards, ledger=ledger)
     if not svc.is_validator:
         log.warning("validator: %s is not in the run's validators; trainers and the ledger will refuse its verdicts",
                     node.peer_id)
-    node.services["validator"] = svc
     node.status["validator"] = svc.status
     try:
         async with trio.open_nursery() as nursery:

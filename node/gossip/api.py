@@ -1,0 +1,34 @@
+"""What other services may ask of membership (:class:`node.gossip.service.Membership` is the real one),
+and what membership needs from the relay side to advertise reachable addresses.
+
+``typing.Protocol`` s so unit tests can hand a service a small fake instead of a running node.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class MembershipAPI(Protocol):
+    def members(self) -> dict[str, str]:
+        """Alive peer id -> role."""
+
+    def addrs_of(self, peer_id: str) -> list[str]:
+        """The addresses a member advertises in its record ([] if unknown)."""
+
+    def update(self, **fields) -> None:
+        """Change our record (checkpoints held, load, capacity...); it is republished at once."""
+
+
+class CircuitAddrs(Protocol):
+    """The relay side of this node (client or HOP)."""
+
+    def circuit_addrs(self) -> list[str]:
+        """Relayed addresses others can dial us on ([] when we hold no reservation)."""
+
+
+class HeldVersions(Protocol):
+    """The shards side of this node, as far as our record goes."""
+
+    def versions_held(self) -> list[int]:
+        """Complete checkpoint versions held here, oldest first."""

@@ -1,0 +1,40 @@
+"""What other services may ask of the shards service (:class:`node.shards.service.ShardsService` is
+the real one). A ``typing.Protocol`` so unit tests can hand a service a small fake.
+
+New versions are delivered, not polled: :meth:`ShardsAPI.wait_newer` returns once a complete
+version newer than the caller's is held, :meth:`ShardsAPI.wait_announced` once a trainer announced one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class ShardsAPI(Protocol):
+    announced: Mapping[int, tuple[bytes, str]]  # version -> (manifest root, announcer)
+
+    def latest(self) -> int | None:
+        """The newest complete version held, or None."""
+
+    def path_of(self, version: int) -> Path | None:
+        """The model folder of a complete version, else None."""
+
+    def versions_held(self) -> list[int]:
+        """Complete versions held, oldest first."""
+
+    async def wait_version(self, version: int) -> Path:
+        """Wait until ``version`` is complete here; returns its folder."""
+
+    async def wait_newer(self, version: int | None) -> int:
+        """Wait until a complete version newer than ``version`` (any, if None) is held; returns the newest."""
+
+    async def wait_announced(self, version: int) -> int:
+        """Wait until a version newer than ``version`` is announced; returns the newest announced."""
+
+    def fetch(self, version: int, root: bytes, source: str) -> None:
+        """Download ``version`` whatever the fetch policy (a validator needs old versions too)."""
+
+    async def publish(self, folder: Path, version: int) -> Any:
+        """Hash, store, seed and announce ``folder`` as ``version``; returns the signed manifest."""
