@@ -76,7 +76,7 @@ def run_config() -> RunConfig:
                      tables={"ledger": {"sync_interval": 3600.0, "sync_timeout": 3600.0}})
 
 
-def bench_ingest(entries: list) -> tuple[float, float]:
+async def bench_ingest(entries: list) -> tuple[float, float]:
     """(entries/s through LedgerService.ingest, raw Ed25519 verifications/s)."""
     raws = [se.raw for se in entries]
     # baseline: raw verification of exactly the bytes the ledger verifies
@@ -98,7 +98,7 @@ def bench_ingest(entries: list) -> tuple[float, float]:
             service = LedgerService(node, store, LedgerConfig())
             t0 = time.perf_counter()
             for i in range(0, len(raws), BATCH):
-                report = service.ingest(raws[i:i + BATCH], "bench")
+                report = await service.ingest(raws[i:i + BATCH], "bench")
                 assert report.accepted == len(raws[i:i + BATCH]), report
             rate = len(raws) / (time.perf_counter() - t0)
             assert store.count() == len(raws)
@@ -168,7 +168,7 @@ def main() -> None:
     print(f"made {len(entries)} signed entries in {time.perf_counter() - t0:.1f} s "
           f"(mean {sum(len(e.raw) for e in entries) / len(entries):.0f} bytes)")
 
-    rate, raw_rate = bench_ingest(entries[: args.ingest])
+    rate, raw_rate = trio.run(bench_ingest, entries[: args.ingest])
     print(f"ingest ({args.ingest} entries, batches of {BATCH}):")
     print(f"  ledger verify+check+store   {rate:10.0f} entries/s")
     print(f"  raw Ed25519 verify          {raw_rate:10.0f} verifications/s  (cryptography, same bytes)")

@@ -163,7 +163,7 @@ async def worker_loop(trainer: Trainer, ident: Identity, counts: dict) -> None:
         batch = RolloutBatch(run=RUN, worker=ident.peer_id, step=step, policy_version=version, taskset="synthetic",
                              seed=step, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS, group_size=GROUP,
                              created_ms=0, samples=samples)
-        ack = trainer.judge(sign_batch(ident, batch), ident.peer_id)
+        ack = await trainer.judge(sign_batch(ident, batch), ident.peer_id)
         counts[ack.reason or "accepted"] = counts.get(ack.reason or "accepted", 0) + 1
         step += 1
         await trio.lowlevel.checkpoint()

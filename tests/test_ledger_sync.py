@@ -196,8 +196,8 @@ async def test_equivocation_is_caught_spread_and_shown(tmp_path):
     x = make_entry(TRAINER, RUN, 2, a_first.hash, 2, rollouts(10))
     y = make_entry(TRAINER, RUN, 2, a_first.hash, 2, rollouts(500))
     async with open_ledger_node(tmp_path, "p", VALIDATOR) as p, open_ledger_node(tmp_path, "q", WORKER) as q:
-        rep_p = ledger(p).ingest([a_first.raw, x.raw], "test")
-        rep_q = ledger(q).ingest([a_first.raw, y.raw], "test")
+        rep_p = await ledger(p).ingest([a_first.raw, x.raw], "test")
+        rep_q = await ledger(q).ingest([a_first.raw, y.raw], "test")
         assert rep_p.accepted == rep_q.accepted == 2
         assert ledger(p).digest() != ledger(q).digest()
         await connect(p, q)
@@ -244,7 +244,7 @@ async def test_gossip_gap_triggers_sync_without_periodic_rounds(tmp_path):
         prev = GENESIS
         for i in range(5):
             se = make_entry(TRAINER, RUN, i + 1, prev, 1000 + i, rollouts(i + 1))
-            assert ledger(t).ingest([se.raw], "test").accepted == 1
+            assert (await ledger(t).ingest([se.raw], "test")).accepted == 1
             prev = se.hash
         await connect(w, t)
 
@@ -290,7 +290,7 @@ async def test_node_that_lost_its_database_does_not_equivocate(tmp_path):
                 assert ledger(x).ledger.hash_at(TRAINER.peer_id, 3) == ledger(w).ledger.hash_at(TRAINER.peer_id, 3)
 
 
-def test_entries_past_a_fork_cost_only_the_equivocator_gossip_score(tmp_path):
+async def test_entries_past_a_fork_cost_only_the_equivocator_gossip_score(tmp_path):
     from types import SimpleNamespace
 
     from libp2p.peer.id import ID
@@ -305,13 +305,13 @@ def test_entries_past_a_fork_cost_only_the_equivocator_gossip_score(tmp_path):
     node = NodeContext(NodeConfig(data_dir=str(tmp_path), run=run_config()), WORKER, host=None, data_dir=tmp_path)
     with open_ledger_store(tmp_path) as store:
         svc = LedgerService(node, store, LedgerConfig())
-        svc.ingest([first.raw, x.raw], "test")
-        svc.ingest([y.raw], "test")
+        await svc.ingest([first.raw, x.raw], "test")
+        await svc.ingest([y.raw], "test")
         assert svc.ledger.flagged() == {TRAINER.peer_id: 2}
         msg = SimpleNamespace(data=later.raw)
         assert svc.validate_gossip(ID.from_base58(VALIDATOR.peer_id), msg)  # an honest relay: no penalty
         assert not svc.validate_gossip(ID.from_base58(TRAINER.peer_id), msg)  # the equivocator itself
-        assert svc.ingest([later.raw], "test").accepted == 0  # and it is never stored
+        assert (await svc.ingest([later.raw], "test")).accepted == 0  # and it is never stored
 
 
 def test_note_received_refuses_impossible_receipts(tmp_path):

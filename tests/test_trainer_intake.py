@@ -60,9 +60,9 @@ def test_staleness_window():
     assert staleness_reason(0, 0, 0) is None
 
 
-def test_accepts_a_fresh_batch_and_spools_it_ready(trainer):
+async def test_accepts_a_fresh_batch_and_spools_it_ready(trainer):
     data = sign_batch(WORKER, batch())
-    ack = trainer.judge(data, WORKER.peer_id)
+    ack = await trainer.judge(data, WORKER.peer_id)
     assert ack.accepted and ack.trainer_step == 5
     row = trainer.spool.get(ack.batch_id)
     assert row.state is BatchState.READY and row.samples == 8
@@ -70,82 +70,82 @@ def test_accepts_a_fresh_batch_and_spools_it_ready(trainer):
 
 
 @pytest.mark.parametrize("version, reason", [(2, "stale"), (6, "future")])
-def test_refuses_stale_and_future_versions(trainer, version, reason):
-    ack = trainer.judge(sign_batch(WORKER, batch(version=version)), WORKER.peer_id)
+async def test_refuses_stale_and_future_versions(trainer, version, reason):
+    ack = await trainer.judge(sign_batch(WORKER, batch(version=version)), WORKER.peer_id)
     assert not ack.accepted and ack.reason == reason
     assert trainer.spool.get(ack.batch_id).state is BatchState.REJECTED
 
 
-def test_replay_is_refused_and_not_counted_against_the_worker(trainer):
+async def test_replay_is_refused_and_not_counted_against_the_worker(trainer):
     data = sign_batch(WORKER, batch())
-    assert trainer.judge(data, WORKER.peer_id).accepted
-    again = trainer.judge(data, OTHER.peer_id)
+    assert (await trainer.judge(data, WORKER.peer_id)).accepted
+    again = await trainer.judge(data, OTHER.peer_id)
     assert not again.accepted and again.reason == "duplicate"
     assert trainer.spool.counts() == {"ready": 1}
 
 
-def test_second_batch_for_the_same_draw_step_is_refused(trainer):
-    assert trainer.judge(sign_batch(WORKER, batch(seed=1)), WORKER.peer_id).accepted
-    ack = trainer.judge(sign_batch(WORKER, batch(seed=2)), WORKER.peer_id)
+async def test_second_batch_for_the_same_draw_step_is_refused(trainer):
+    assert (await trainer.judge(sign_batch(WORKER, batch(seed=1)), WORKER.peer_id)).accepted
+    ack = await trainer.judge(sign_batch(WORKER, batch(seed=2)), WORKER.peer_id)
     assert ack.reason == "duplicate-step"
 
 
-def test_forged_worker_field(trainer):
+async def test_forged_worker_field(trainer):
     forged = dataclasses.replace(batch(), worker=OTHER.peer_id)  # WORKER signs a batch claiming to be OTHER
-    ack = trainer.judge(sign_batch(WORKER, forged), WORKER.peer_id)
+    ack = await trainer.judge(sign_batch(WORKER, forged), WORKER.peer_id)
     assert ack.reason == "forged"
     assert trainer.spool.counts() == {}
 
 
-def test_tampered_signature(trainer):
+async def test_tampered_signature(trainer):
     env = decode_as(Envelope, sign_batch(WORKER, batch()))
     bad = dataclasses.replace(env, signature=bytes(64))
-    assert trainer.judge(encode(bad), WORKER.peer_id).reason == "bad-signature"
+    assert (await trainer.judge(encode(bad), WORKER.peer_id)).reason == "bad-signature"
 
 
-def test_wrong_run(trainer):
+async def test_wrong_run(trainer):
     other_run = dataclasses.replace(batch(), run="another")
-    assert trainer.judge(sign_batch(WORKER, other_run), WORKER.peer_id).reason == "wrong-run"
+    assert (await trainer.judge(sign_batch(WORKER, other_run), WORKER.peer_id)).reason == "wrong-run"
 
 
-def test_oversized_and_garbage(trainer):
-    assert trainer.judge(b"\x00" * (MAX_BATCH_BYTES + 1), WORKER.peer_id).reason == "oversized"
-    assert trainer.judge(b"\xc1garbage", WORKER.peer_id).reason == "malformed"
+async def test_oversized_and_garbage(trainer):
+    assert (await trainer.judge(b"\x00" * (MAX_BATCH_BYTES + 1), WORKER.peer_id)).reason == "oversized"
+    assert (await trainer.judge(b"\xc1garbage", WORKER.peer_id)).reason == "malformed"
     assert trainer.spool.counts() == {}
 
 
-def test_shape_refusals(trainer):
-    assert trainer.judge(sign_batch(WORKER, batch(temperature=0.7, step=1)), WORKER.peer_id).reason == "wrong-temperature"
+async def test_shape_refusals(trainer):
+    assert (await trainer.judge(sign_batch(WORKER, batch(temperature=0.7, step=1)), WORKER.peer_id)).reason == "wrong-temperature"
     long = batch(step=2, completions=[["1" * 60] * 4, ["2"] * 4])
-    assert trainer.judge(sign_batch(WORKER, long), WORKER.peer_id).reason == "too-long"
+    assert (await trainer.judge(sign_batch(WORKER, long), WORKER.peer_id)).reason == "too-long"
     b = batch(step=3)
     s0 = dataclasses.replace(b.samples[0], completion_ids=[len(TOK) + 5], logprobs=[-1.0])
     bad_token = dataclasses.replace(b, samples=[s0, *b.samples[1:]])
-    assert trainer.judge(sign_batch(WORKER, bad_token), WORKER.peer_id).reason == "bad-token"
+    assert (await trainer.judge(sign_batch(WORKER, bad_token), WORKER.peer_id)).reason == "bad-token"
 
 
-def test_busy_when_the_spool_is_full(trainer):
+async def test_busy_when_the_spool_is_full(trainer):
     for step in range(4):
-        assert trainer.judge(sign_batch(WORKER, batch(step=step)), WORKER.peer_id).accepted
-    ack = trainer.judge(sign_batch(WORKER, batch(step=9)), WORKER.peer_id)
+        assert (await trainer.judge(sign_batch(WORKER, batch(step=step)), WORKER.peer_id)).accepted
+    ack = await trainer.judge(sign_batch(WORKER, batch(step=9)), WORKER.peer_id)
     assert ack.reason == "busy"
     assert not trainer.spool.knows(ack.batch_id)  # "busy" is not final: the worker may retry
 
 
-def test_only_the_workers_own_submission_is_recorded_against_it(trainer):
+async def test_only_the_workers_own_submission_is_recorded_against_it(trainer):
     stale = batch(version=1)
-    trainer.judge(sign_batch(WORKER, stale), OTHER.peer_id)  # a third party replays an old batch
+    await trainer.judge(sign_batch(WORKER, stale), OTHER.peer_id)  # a third party replays an old batch
     assert trainer.spool.ledger_due(10) == []
-    trainer.judge(sign_batch(WORKER, batch(version=0, step=1)), WORKER.peer_id)
+    await trainer.judge(sign_batch(WORKER, batch(version=0, step=1)), WORKER.peer_id)
     assert [r.reason for r in trainer.spool.ledger_due(10)] == ["stale"]
 
 
-def test_repeated_garbage_gets_the_sender_banned(trainer):
+async def test_repeated_garbage_gets_the_sender_banned(trainer):
     for _ in range(2):
-        trainer.judge(b"\xc1garbage", OTHER.peer_id)
-        trainer.judge(sign_batch(WORKER, batch(version=1)), OTHER.peer_id)  # stale: lag, not a strike
+        await trainer.judge(b"\xc1garbage", OTHER.peer_id)
+        await trainer.judge(sign_batch(WORKER, batch(version=1)), OTHER.peer_id)  # stale: lag, not a strike
     assert not trainer.node.peers.is_banned(OTHER.peer_id, "rollouts", 0.0)
-    trainer.judge(sign_batch(WORKER, dataclasses.replace(batch(), worker=OTHER.peer_id)), OTHER.peer_id)  # forged
+    await trainer.judge(sign_batch(WORKER, dataclasses.replace(batch(), worker=OTHER.peer_id)), OTHER.peer_id)  # forged
     assert trainer.node.peers.is_banned(OTHER.peer_id, "rollouts", 0.0) and trainer.status()["banned"] == 1
     assert not trainer.node.peers.is_banned(OTHER.peer_id, "rollouts", 100.0)  # the ban ends
     assert not trainer.node.peers.is_banned(WORKER.peer_id, "rollouts", 0.0)
@@ -167,31 +167,31 @@ def test_a_worker_that_dies_mid_upload_earns_no_strike(trainer):
     assert not trainer.node.peers.is_banned(OTHER.peer_id, now=0.0)
 
 
-def test_flat_batches_are_consumed_and_do_not_fill_the_queue(trainer):
+async def test_flat_batches_are_consumed_and_do_not_fill_the_queue(trainer):
     flat = [["x"] * 4, ["y"] * 4]  # every completion of a group scores the same
     for step in range(3):
-        assert trainer.judge(sign_batch(WORKER, batch(step=step, completions=flat)), WORKER.peer_id).accepted
-    assert trainer.pick() is None  # nothing to learn from, so no step...
+        assert (await trainer.judge(sign_batch(WORKER, batch(step=step, completions=flat)), WORKER.peer_id)).accepted
+    assert await trainer.pick() is None  # nothing to learn from, so no step...
     assert trainer.spool.pending() == 0  # ...but nothing left waiting either
     assert trainer.status()["batches"]["no_signal"] == 3
     assert {r.trained_step for r in trainer.spool.in_state(BatchState.TRAINED)} == {6}
     assert len(trainer.spool.ledger_due(10)) == 3  # valid work: credited as accepted
 
 
-def test_batches_that_grow_stale_while_queued_expire_without_blame(trainer):
-    ack = trainer.judge(sign_batch(WORKER, batch(version=3)), WORKER.peer_id)
+async def test_batches_that_grow_stale_while_queued_expire_without_blame(trainer):
+    ack = await trainer.judge(sign_batch(WORKER, batch(version=3)), WORKER.peer_id)
     assert ack.accepted
     trainer.policy.step = 6  # two steps later, version 3 is out of the async window
-    assert trainer.pick() is None
+    assert await trainer.pick() is None
     row = trainer.spool.get(ack.batch_id)
     assert row.state is BatchState.REJECTED and row.reason == "expired"
     assert trainer.spool.ledger_due(10) == []
 
 
-def test_pick_takes_whole_batches_until_min_batch_samples(trainer):
+async def test_pick_takes_whole_batches_until_min_batch_samples(trainer):
     trainer.cfg.min_batch_samples = 12
-    ids = [trainer.judge(sign_batch(WORKER, batch(step=s)), WORKER.peer_id).batch_id for s in range(3)]
-    picked_ids, samples, mean_reward = trainer.pick()
+    ids = [(await trainer.judge(sign_batch(WORKER, batch(step=s)), WORKER.peer_id)).batch_id for s in range(3)]
+    picked_ids, samples, mean_reward = await trainer.pick()
     assert picked_ids == ids[:2] and len(samples) == 16 and 0 < mean_reward <= 1
 
 
@@ -231,6 +231,7 @@ def test_a_step_lost_in_a_crash_gives_its_batches_back(tmp_path):
 
 KILL_AFTER_ACK = textwrap.dedent("""
     import os, signal, sys
+    import trio
     from types import SimpleNamespace
     sys.path.insert(0, {tests!r})
     from test_trainer_intake import fake_node, batch, WORKER, TOK
@@ -243,7 +244,7 @@ KILL_AFTER_ACK = textwrap.dedent("""
     with open_spool({db!r}) as spool:
         t = Trainer(fake_node(), SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu"), spool,
                     GRPOConfig(pack_length=64), TrainerConfig(), clock=lambda: 0.0, **fake_wiring())
-        ack = t.judge(sign_batch(WORKER, batch()), WORKER.peer_id)
+        ack = trio.run(t.judge, sign_batch(WORKER, batch()), WORKER.peer_id)
         sys.stdout.write(ack.batch_id.hex() + "\\n")
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)  # no close, no checkpoint of the WAL: a crash
@@ -271,7 +272,7 @@ def test_status_reward_curve_spans_the_whole_run():
     assert reward_points(curve[:3], 200) == [[1, 0.001], [2, 0.002], [3, 0.003]]
 
 
-def test_a_worker_banned_in_the_ledger_is_refused_at_intake(trainer):
+async def test_a_worker_banned_in_the_ledger_is_refused_at_intake(trainer):
     """A validator's penalty entry with a ban reaches the trainer's ledger replica: the worker's
     batches are refused (and the refusal is no strike against whoever forwarded them)."""
     from node.ledger.chain import Ledger, Outcome
@@ -286,7 +287,7 @@ def test_a_worker_banned_in_the_ledger_is_refused_at_intake(trainer):
     assert decision.outcome is Outcome.ACCEPT
     replica.apply(decision)
     trainer.ledger = SimpleNamespace(ban_of=lambda peer: replica.ban_of(peer, now_ms))
-    ack = trainer.judge(sign_batch(WORKER, batch()), OTHER.peer_id)
+    ack = await trainer.judge(sign_batch(WORKER, batch()), OTHER.peer_id)
     assert not ack.accepted and ack.reason == "banned"
     assert OTHER.peer_id not in trainer.node.peers.table.peers
-    assert trainer.judge(sign_batch(OTHER, batch(ident=OTHER)), OTHER.peer_id).accepted  # others unaffected
+    assert (await trainer.judge(sign_batch(OTHER, batch(ident=OTHER)), OTHER.peer_id)).accepted  # others unaffected

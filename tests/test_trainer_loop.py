@@ -137,4 +137,4 @@ async def test_validator_gate_end_to_end(tmp_path):
         # a verdict signed by a peer that is not a validator of the run is refused
         forged = Verdict(run="test", batch_id=ack2.batch_id, worker=client.peer_id, validator=client.peer_id,
                          accepted=True, reasons=[], policy_version=0, created_ms=0)
-        assert trainer.on_verdict_bytes(encode(seal(client.identity, DOMAIN_VERDICT, forged)))[2] == "not-validator"
+        assert (await trainer.on_verdict_bytes(encode(seal(client.identity, DOMAIN_VERDICT, forged))))[2] == "not-validator"

@@ -27,6 +27,7 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..dbthread import connect_reader
 from ..wire import RemoteProtocolError
 from .chain import Evidence, Ledger
 from .entries import GENESIS, SignedEntry, parse_entry
@@ -57,24 +58,33 @@ class LedgerStoreError(Exception):
 
 
 class LedgerStore:
-    """Accepted entries and evidence on disk. Not thread-safe; one per node."""
+    """Accepted entries and evidence on disk; one per node.
+
+    Queries use a WAL reader of the opening thread. Writes (:meth:`commit`, :meth:`truncate`,
+    :meth:`bind_run`) use their own connection, which the service drives from a worker thread, one
+    call at a time (node/dbthread.py), so an fsync never holds up the event loop.
+    """
 
     def __init__(self, path: Path, *, read_only: bool = False) -> None:
         self.path = Path(path)
         try:
             if read_only:
                 self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None)
+                self._read = self._db
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._db = sqlite3.connect(self.path, isolation_level=None)
+                self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=NORMAL")
                 self._db.executescript(_SCHEMA)
-            self._db.execute("SELECT count(*) FROM entries").fetchone()
+                self._read = connect_reader(self.path)
+            self._read.execute("SELECT count(*) FROM entries").fetchone()
         except sqlite3.Error as e:
             raise LedgerStoreError(f"ledger database {self.path}: {e}") from None
 
     def close(self) -> None:
+        if self._read is not self._db:
+            self._read.close()
         self._db.close()
 
     def __enter__(self) -> LedgerStore:
@@ -94,7 +104,7 @@ class LedgerStore:
             raise LedgerStoreError(f"ledger database {self.path} belongs to run {row[0]!r}, not {run!r}")
 
     def run(self) -> str | None:
-        row = self._db.execute("SELECT value FROM meta WHERE key='run'").fetchone()
+        row = self._read.execute("SELECT value FROM meta WHERE key='run'").fetchone()
         return row[0] if row else None
 
     # ---------------------------------------------------------------- writing
@@ -129,20 +139,20 @@ class LedgerStore:
     # ---------------------------------------------------------------- reading
 
     def count(self) -> int:
-        return self._db.execute("SELECT count(*) FROM entries").fetchone()[0]
+        return self._read.execute("SELECT count(*) FROM entries").fetchone()[0]
 
     def heads(self) -> dict[str, int]:
-        return dict(self._db.execute("SELECT author, max(seq) FROM entries GROUP BY author"))
+        return dict(self._read.execute("SELECT author, max(seq) FROM entries GROUP BY author"))
 
     def get(self, author: str, seq: int) -> bytes | None:
-        row = self._db.execute("SELECT raw FROM entries WHERE author=? AND seq=?", (author, seq)).fetchone()
+        row = self._read.execute("SELECT raw FROM entries WHERE author=? AND seq=?", (author, seq)).fetchone()
         return row[0] if row else None
 
     def range(self, author: str, start: int, end: int, *, limit: int, max_bytes: int) -> list[bytes]:
         """Raw entries ``start..end`` of ``author`` in order, at most ``limit`` / ``max_bytes``."""
         out: list[bytes] = []
         size = 0
-        for (raw,) in self._db.execute(
+        for (raw,) in self._read.execute(
             "SELECT raw FROM entries WHERE author=? AND seq BETWEEN ? AND ? ORDER BY seq LIMIT ?",
             (author, start, end, limit),
         ):
@@ -154,10 +164,10 @@ class LedgerStore:
 
     def iter_raw(self) -> Iterator[tuple[str, int, bytes, bytes]]:
         """(author, seq, hash, raw) of every entry, by author then seq."""
-        yield from self._db.execute("SELECT author, seq, hash, raw FROM entries ORDER BY author, seq")
+        yield from self._read.execute("SELECT author, seq, hash, raw FROM entries ORDER BY author, seq")
 
     def iter_evidence(self) -> Iterator[tuple[bytes, bytes]]:
-        yield from self._db.execute("SELECT raw_a, raw_b FROM evidence ORDER BY author, fork_seq")
+        yield from self._read.execute("SELECT raw_a, raw_b FROM evidence ORDER BY author, fork_seq")
 
     # ---------------------------------------------------------------- checking
 
@@ -165,7 +175,7 @@ class LedgerStore:
         """Re-verify each author's last ``n`` entries. Returns {author: (first bad seq, reason)}."""
         problems: dict[str, tuple[int, str]] = {}
         for author, head in self.heads().items():
-            count = self._db.execute("SELECT count(*) FROM entries WHERE author=?", (author,)).fetchone()[0]
+            count = self._read.execute("SELECT count(*) FROM entries WHERE author=?", (author,)).fetchone()[0]
             if count != head:
                 first_missing = self._first_missing(author)
                 problems[author] = (first_missing, "gap")
@@ -181,7 +191,7 @@ class LedgerStore:
     def check_range(self, author: str, start: int, end: int) -> tuple[int, str] | None:
         """Verify signatures and links of ``start..end``; (first bad seq, reason) or None."""
         prev = GENESIS if start == 1 else self._hash_at(author, start - 1)
-        rows = self._db.execute(
+        rows = self._read.execute(
             "SELECT seq, hash, raw FROM entries WHERE author=? AND seq BETWEEN ? AND ? ORDER BY seq",
             (author, start, end),
         )
@@ -195,12 +205,12 @@ class LedgerStore:
         return None
 
     def _hash_at(self, author: str, seq: int) -> bytes | None:
-        row = self._db.execute("SELECT hash FROM entries WHERE author=? AND seq=?", (author, seq)).fetchone()
+        row = self._read.execute("SELECT hash FROM entries WHERE author=? AND seq=?", (author, seq)).fetchone()
         return row[0] if row else None
 
     def _first_missing(self, author: str) -> int:
         expect = 1
-        for (seq,) in self._db.execute("SELECT seq FROM entries WHERE author=? ORDER BY seq", (author,)):
+        for (seq,) in self._read.execute("SELECT seq FROM entries WHERE author=? ORDER BY seq", (author,)):
             if seq != expect:
                 return expect
             expect += 1

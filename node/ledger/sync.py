@@ -5,8 +5,8 @@ How this works
 * :class:`LedgerService` owns the replica (:class:`~node.ledger.chain.Ledger`, in memory) and the
   database (:class:`~node.ledger.store.LedgerStore`). Every entry, ours or a peer's, goes
   parse -> ``Ledger.check`` -> ``LedgerStore.commit`` -> ``Ledger.apply``; nothing is stored or
-  forwarded before it is checked. There is no ``await`` between check and apply, so trio tasks never
-  interleave inside one ingest.
+  forwarded before it is checked. One lock (``_store_lock``) is held from the check through the
+  commit and the apply, so trio tasks never interleave inside one ingest or append.
 * Gossip: new entries are published on ``/swarm/<run>/ledger/1``. A synchronous topic validator
   parses each message (size, schema, canonical bytes, signature) and runs the chain check before
   py-libp2p forwards it; rejected messages are counted and feed gossipsub's P4 penalty. Entries that
@@ -19,9 +19,12 @@ How this works
   (:class:`RangeRequest`, at most ``sync_batch`` entries and :data:`MAX_REPLY_BYTES` per reply). The
   answering side, seeing the caller's heads, schedules a pull of its own from the caller when the
   caller has something it lacks (push-pull), so a healed partition converges in one round trip each way.
-* SQLite calls run on the trio thread, not in a worker thread: each is one short transaction (one
-  entry, or one batch of at most ``sync_batch``), and keeping them inline is what guarantees that no
-  other task runs between an entry's check and its commit.
+* SQLite writes run in a worker thread, one at a time (node/dbthread.py): a durable commit of our
+  own entry waits for an fsync, and the event loop must keep answering probes meanwhile. Each is one
+  short transaction (one entry, or one batch of at most ``sync_batch``). Queries (ranges for sync
+  answers, the conflicting entry of an equivocation) read the store's WAL reader on the trio thread,
+  which never waits for the writer; a range is read under ``_store_lock``, so it holds everything
+  the replica has applied.
 * Receipts: downloaders call :meth:`LedgerService.note_received` per verified piece; the service
   adds them up and appends one ``receipts`` entry per ``receipt_interval``.
 """
@@ -29,6 +32,7 @@ How this works
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import random
 import time
@@ -40,6 +44,7 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 
 from .. import hashes
+from ..dbthread import DbThread
 from ..net.reqres import CallFailure, FailureKind, messages, open_call, request_handler
 from ..peers import FaultRule
 from ..wire import (
@@ -185,6 +190,8 @@ class LedgerService:
         self.rejections: collections.Counter = collections.Counter()  # "source/reason" -> count
         self.accepted: collections.Counter = collections.Counter()  # source -> entries accepted
         self._append_lock = trio.Lock()
+        self._store_lock = trio.Lock()  # check -> commit -> apply (or a range read) without interleaving
+        self._db = DbThread()  # the store's writes, off the event loop
         self._validated: collections.OrderedDict[bytes, SignedEntry] = collections.OrderedDict()
         self._hint_send, self._hint_recv = trio.open_memory_channel[str](SYNC_HINTS)
         self._receipts: dict[tuple[str, bytes], list[int]] = {}
@@ -207,18 +214,18 @@ class LedgerService:
 
     # ---------------------------------------------------------------- start-up
 
-    def load(self) -> dict[str, tuple[int, str]]:
+    async def load(self) -> dict[str, tuple[int, str]]:
         """Verify each author's stored tail, drop a broken one, and rebuild the replica."""
         problems = self.store.verify_tail(self.config.tail_verify)
         for author, (seq, reason) in problems.items():
-            dropped = self.store.truncate(author, seq)
+            dropped = await self._db.run(self.store.truncate, author, seq)
             log.warning("ledger: %s's stored chain broken at seq %d (%s); dropped %d entries", author, seq, reason, dropped)
             self._reject("store", reason)
         for author, (seq, reason) in rebuild(self.store, self.ledger).items():
             log.warning("ledger: stored %s not loaded from seq %d (%s)", author, seq, reason)
             self._reject("store", reason)
             if not author.startswith("evidence:"):
-                self.store.truncate(author, seq)  # peers re-supply it; a chain must stay contiguous
+                await self._db.run(self.store.truncate, author, seq)  # peers re-supply it; a chain must stay contiguous
                 problems[author] = (seq, reason)
         now = self.now_ms()
         for ban in self.ledger.bans(now).values():
@@ -238,11 +245,13 @@ class LedgerService:
             # Never before our own head's time: the chain rules refuse time going backwards.
             last = self.ledger.last_time_ms(me)
             se = make_entry(self.node.identity, self.ledger.run, head + 1, prev, max(self.now_ms(), last), body)
-            decision = self.ledger.check(se, self.now_ms())
-            if decision.outcome is not Outcome.ACCEPT:
-                raise LedgerError(f"cannot append {body.TYPE}: {decision.reason or decision.outcome.value}")
-            self.store.commit([se], durable=True)  # durable before anyone can see it
-            self.ledger.apply(decision)
+            async with self._store_lock:
+                decision = self.ledger.check(se, self.now_ms())
+                if decision.outcome is not Outcome.ACCEPT:
+                    raise LedgerError(f"cannot append {body.TYPE}: {decision.reason or decision.outcome.value}")
+                # Durable before anyone can see it.
+                await self._db.run(functools.partial(self.store.commit, [se], durable=True))
+                self.ledger.apply(decision)
             self._list_bans([se], self.now_ms())
             self._m_accepted.labels(source="local").inc()
             self.accepted["local"] += 1
@@ -333,8 +342,12 @@ class LedgerService:
 
     # ---------------------------------------------------------------- ingest (all inputs)
 
-    def ingest(self, items: Iterable[bytes | SignedEntry], source: str) -> IngestReport:
+    async def ingest(self, items: Iterable[bytes | SignedEntry], source: str) -> IngestReport:
         """Check and store incoming entries; one transaction for the batch. Never raises for bad input."""
+        async with self._store_lock:
+            return await self._ingest_locked(items, source)
+
+    async def _ingest_locked(self, items: Iterable[bytes | SignedEntry], source: str) -> IngestReport:
         report = IngestReport()
         pending: list[SignedEntry] = []
         pending_by_key: dict[tuple[str, int], SignedEntry] = {}
@@ -368,7 +381,7 @@ class LedgerService:
             else:
                 report.rejected[decision.reason] += 1
                 self._reject(source, decision.reason)
-        self.store.commit(pending, evidence)
+        await self._db.run(self.store.commit, pending, evidence)
         self._list_bans(pending, now)
         if report.accepted:
             self._m_accepted.labels(source=source).inc(report.accepted)
@@ -386,8 +399,12 @@ class LedgerService:
             ours = parse_entry(raw, verify_signature=False)
         return Evidence(ours, se)
 
-    def ingest_evidence(self, raw_a: bytes, raw_b: bytes, source: str) -> bool:
+    async def ingest_evidence(self, raw_a: bytes, raw_b: bytes, source: str) -> bool:
         """Check and store an equivocation proof from a peer. True if it lowered a fork point."""
+        async with self._store_lock:
+            return await self._ingest_evidence_locked(raw_a, raw_b, source)
+
+    async def _ingest_evidence_locked(self, raw_a: bytes, raw_b: bytes, source: str) -> bool:
         try:
             ev = Evidence(parse_entry(raw_a), parse_entry(raw_b))
             if self.ledger.authority_problem(ev.a) or self.ledger.authority_problem(ev.b):
@@ -397,7 +414,7 @@ class LedgerService:
         except RemoteProtocolError as e:
             self._reject(source, e.reason)
             return False
-        self.store.commit([], [ev])
+        await self._db.run(self.store.commit, [], [ev])
         log.warning("ledger: %s equivocated at seq %d (evidence from %s)", ev.author, ev.fork_seq, source)
         self._update_gauges()
         return True
@@ -450,7 +467,7 @@ class LedgerService:
             msg = await subscription.get()
             se = self._validated.pop(hashes.digest(msg.data), None)
             self.node.metrics.messages_in.labels(topic=self.topic).inc()
-            report = self.ingest([se if se is not None else msg.data], self.topic)
+            report = await self.ingest([se if se is not None else msg.data], self.topic)
             if report.gaps:
                 try:
                     from libp2p.peer.id import ID
@@ -528,7 +545,7 @@ class LedgerService:
                 requests += 1
                 reply = await self._ask(caller, EvidenceRequest(id=self._next_id(), author=author), EvidenceReply)
                 if reply.a and reply.b:
-                    self.ingest_evidence(reply.a, reply.b, PROTOCOL)
+                    await self.ingest_evidence(reply.a, reply.b, PROTOCOL)
             wants, _ = self.ledger.missing(hello.heads)  # again: new evidence caps what we want
             for want in wants:
                 start = want.start
@@ -539,7 +556,7 @@ class LedgerService:
                     reply = await self._ask(caller, request, RangeReply)
                     if not reply.entries:
                         break
-                    report = self._ingest_range(peer, want.author, start, reply.entries)
+                    report = await self._ingest_range(peer, want.author, start, reply.entries)
                     _merge(total, report)
                     if report.rejected or report.gaps or report.equivocations:
                         break  # this author's range from this peer is not usable further
@@ -547,7 +564,7 @@ class LedgerService:
                     if report.accepted == 0 and report.duplicates == 0:
                         break
 
-    def _ingest_range(self, peer: str, author: str, start: int, raws: tuple[bytes, ...]) -> IngestReport:
+    async def _ingest_range(self, peer: str, author: str, start: int, raws: tuple[bytes, ...]) -> IngestReport:
         parsed: list[SignedEntry] = []
         report = IngestReport()
         for i, raw in enumerate(raws):
@@ -564,7 +581,7 @@ class LedgerService:
                 self._penalize(peer, "unrequested")
                 break
             parsed.append(se)
-        sub = self.ingest(parsed, PROTOCOL)
+        sub = await self.ingest(parsed, PROTOCOL)
         _merge(report, sub)
         if any(r in _SENDER_FAULTS for r in sub.rejected):
             self._penalize(peer, ",".join(sorted(sub.rejected)))
@@ -596,7 +613,8 @@ class LedgerService:
             if msg.end < msg.start:
                 raise RemoteProtocolError("bad-range", f"{msg.start}..{msg.end}")
             limit = min(self.config.sync_batch, msg.end - msg.start + 1)
-            raws = self.store.range(msg.author, msg.start, msg.end, limit=limit, max_bytes=MAX_REPLY_BYTES)
+            async with self._store_lock:  # after any commit in flight: the range holds what the replica has
+                raws = self.store.range(msg.author, msg.start, msg.end, limit=limit, max_bytes=MAX_REPLY_BYTES)
             return RangeReply(id=msg.id, entries=tuple(raws))
         if isinstance(msg, EvidenceRequest):
             ev = self.ledger.evidence(msg.author)
@@ -633,9 +651,9 @@ async def serve_ledger(
     """Run the ledger of ``node`` until cancelled (see the module docstring)."""
     config: LedgerConfig = node.run.section("ledger")
     with open_ledger_store(node.data_dir) as store:
-        store.bind_run(node.run.name)
+        await trio.to_thread.run_sync(store.bind_run, node.run.name)
         service = LedgerService(node, store, config, wall_clock=wall_clock)
-        problems = service.load()
+        problems = await service.load()
         if problems:
             log.warning("ledger: repaired %d broken author tails on open", len(problems))
         node.host.set_handler(PROTOCOL, service.sync_handler())

@@ -796,7 +796,7 @@ class ShardsService:
                     if bar is not None:
                         self._nursery.start_soon(bar.follow, dl)
                     await dl.run()
-                vs.finish()
+                await trio.to_thread.run_sync(vs.finish)  # fsyncs the whole checkpoint: off the event loop
                 log.info("shards: v%d complete in %.1fs (%d pieces re-fetched after bad hashes)",
                          version, trio.current_time() - dl.started, dl.refetched_pieces)
                 self._version_complete(vs)

@@ -26,12 +26,14 @@ How this works
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import Counter
 from pathlib import Path
 
 import trio
 
+from ..dbthread import DbThread
 from ..gossip.api import MembershipAPI
 from ..hashes import digest
 from ..ledger.api import LedgerAPI
@@ -94,7 +96,9 @@ class Trainer:
         self.ledger = ledger
         self.clock = clock  # for strikes and bans (a fake in sync unit tests)
         self.policy = policy
-        self.spool = spool
+        self.spool = spool  # queried here on its WAL reader; written only through self.db
+        self.db = DbThread()  # the spool's writes, off the event loop (node/dbthread.py)
+        self._spool_lock = trio.Lock()  # held from a spool read to the write it decides
         self.cfg = cfg
         self.tcfg = tcfg
         run = node.config.run
@@ -152,7 +156,7 @@ class Trainer:
         """Banned by a penalty entry in the ledger (ours or any validator's): its batches are refused."""
         return self.ledger.ban_of(worker) is not None
 
-    def judge(self, data: bytes, sender: str) -> RolloutAck:
+    async def judge(self, data: bytes, sender: str) -> RolloutAck:
         """Judge one received batch and spool it; the returned ack is true once this returns."""
         try:
             signed = open_batch(data, self.run_name)
@@ -161,29 +165,32 @@ class Trainer:
         b = signed.batch
         if self.worker_banned(b.worker):
             return self._refuse(signed.batch_id, "banned", sender)
-        if self.spool.pending() >= self.tcfg.max_pending_batches and not self.spool.knows(signed.batch_id):
-            return self._refuse(signed.batch_id, "busy", sender)
-        reason = intake_reason(
-            b,
-            known_batch=self.spool.knows(signed.batch_id),
-            known_worker_step=self.spool.knows_worker_step(b.worker, b.step),
-            step=self.step,
-            limits=self.limits,
-        )
-        if reason is not None:
-            if reason not in NOT_ATTRIBUTABLE:
-                # A third party may replay a worker's signed batch: only the worker's own submission
-                # is recorded against it in the ledger.
-                self.spool.add(signed, BatchState.REJECTED, reason=reason, ledger_due=sender == b.worker)
-                self._wake("ledger")
-            return self._refuse(signed.batch_id, reason, sender)
-        if self.gate is not None:
-            self.spool.add(signed, BatchState.GATED)
-            self.gate.add(signed.batch_id)
-            self._wake("gate")
-        else:
-            self.spool.add(signed, BatchState.READY)
-            self._wake("train")
+        # The capacity and replay checks hold until the batch is spooled: no other judge in between.
+        async with self._spool_lock:
+            if self.spool.pending() >= self.tcfg.max_pending_batches and not self.spool.knows(signed.batch_id):
+                return self._refuse(signed.batch_id, "busy", sender)
+            reason = intake_reason(
+                b,
+                known_batch=self.spool.knows(signed.batch_id),
+                known_worker_step=self.spool.knows_worker_step(b.worker, b.step),
+                step=self.step,
+                limits=self.limits,
+            )
+            if reason is not None:
+                if reason not in NOT_ATTRIBUTABLE:
+                    # A third party may replay a worker's signed batch: only the worker's own submission
+                    # is recorded against it in the ledger.
+                    await self.db.run(functools.partial(self.spool.add, signed, BatchState.REJECTED, reason=reason,
+                                                        ledger_due=sender == b.worker))
+                    self._wake("ledger")
+                return self._refuse(signed.batch_id, reason, sender)
+            if self.gate is not None:
+                await self.db.run(self.spool.add, signed, BatchState.GATED)
+                self.gate.add(signed.batch_id)
+                self._wake("gate")
+            else:
+                await self.db.run(self.spool.add, signed, BatchState.READY)
+                self._wake("train")
         self.intake["accepted"] += 1
         self.m_batches.labels(outcome="accepted").inc()
         return RolloutAck(batch_id=signed.batch_id, accepted=True, trainer_step=self.step)
@@ -234,7 +241,7 @@ class Trainer:
             self._strike(sender, reason)
 
     async def _answer_rollouts(self, sender: str, data: bytes) -> RolloutAck:
-        return self.judge(data, sender)
+        return await self.judge(data, sender)
 
     def rollouts_handler(self):
         """``/swarm/rollouts/1.0.0``: one batch frame in, one ack frame out."""
@@ -245,7 +252,7 @@ class Trainer:
     # ------------------------------------------------------------------ validator gate
 
     async def _answer_verdict(self, validator: str, data: bytes) -> RolloutAck:
-        batch_id, ok, reason = self.on_verdict_bytes(data)
+        batch_id, ok, reason = await self.on_verdict_bytes(data)
         return RolloutAck(batch_id=batch_id, accepted=ok, reason=reason, trainer_step=self.step)
 
     def _verdicts_fault(self, validator: str, reason: str) -> None:
@@ -259,7 +266,7 @@ class Trainer:
                                per_stream=MAX_FRAMES_PER_STREAM, on_fault=self._verdicts_fault,
                                source=VERDICT_SOURCE)
 
-    def on_verdict_bytes(self, data: bytes) -> tuple[bytes, bool, str]:
+    async def on_verdict_bytes(self, data: bytes) -> tuple[bytes, bool, str]:
         """Check and apply one verdict; (batch id, recorded?, reason)."""
         try:
             verdict = open_verdict(data, self.run_name, self.validators)
@@ -267,22 +274,23 @@ class Trainer:
             self.verdicts[e.reason] += 1
             self.node.metrics.reject(VERDICT_SOURCE, e.reason)
             return ZERO_ID, False, e.reason
-        row = self.spool.get(verdict.batch_id)
-        if row is None:
-            reason = "unknown-batch"
-        elif row.worker != verdict.worker:
-            reason = "wrong-worker"
-        elif row.state is not BatchState.GATED or self.gate is None:
-            reason = "already-decided"
-        else:
-            outcome = self.gate.on_verdict(verdict.batch_id, verdict.accepted, verdict.reasons)
-            if not outcome.decided:
-                reason = outcome.reason
+        async with self._spool_lock:  # the state read holds until the decision is spooled
+            row = self.spool.get(verdict.batch_id)
+            if row is None:
+                reason = "unknown-batch"
+            elif row.worker != verdict.worker:
+                reason = "wrong-worker"
+            elif row.state is not BatchState.GATED or self.gate is None:
+                reason = "already-decided"
             else:
-                self.spool.decide(verdict.batch_id, outcome.passed, outcome.reason, data)
-                self.verdicts["passed" if outcome.passed else "failed"] += 1
-                self._wake("train" if outcome.passed else "ledger")
-                return verdict.batch_id, True, ""
+                outcome = self.gate.on_verdict(verdict.batch_id, verdict.accepted, verdict.reasons)
+                if not outcome.decided:
+                    reason = outcome.reason
+                else:
+                    await self.db.run(self.spool.decide, verdict.batch_id, outcome.passed, outcome.reason, data)
+                    self.verdicts["passed" if outcome.passed else "failed"] += 1
+                    self._wake("train" if outcome.passed else "ledger")
+                    return verdict.batch_id, True, ""
         self.verdicts[reason] += 1
         self.node.metrics.reject(VERDICT_SOURCE, reason)
         # A repeated verdict is not the validator's fault: acknowledge it as recorded.
@@ -330,7 +338,7 @@ class Trainer:
             self._samples[batch_id] = training_samples(signed.batch)
         return self._samples[batch_id]
 
-    def pick(self) -> tuple[list[bytes], list[TrainSample], float] | None:
+    async def pick(self) -> tuple[list[bytes], list[TrainSample], float] | None:
         """READY batches for the next step: (ids, samples, mean reward), or None to keep waiting.
 
         Batches too stale for this step are rejected ("expired": our delay, not the worker's fault,
@@ -361,9 +369,9 @@ class Trainer:
             if len(samples) >= self.cfg.min_batch_samples:
                 break
         if expired:
-            self.spool.reject(expired, "expired", ledger_due=False)
+            await self.db.run(functools.partial(self.spool.reject, expired, "expired", ledger_due=False))
         if flat:
-            self.spool.take(flat, self.step + 1)  # like any batch of that step: back to READY if it is lost
+            await self.db.run(self.spool.take, flat, self.step + 1)  # like any batch of that step: back to READY if it is lost
             self.no_signal_batches += len(flat)
             self._wake("ledger")
         for bid in expired + flat:
@@ -376,7 +384,7 @@ class Trainer:
     async def train_loop(self) -> None:
         """Step whenever enough READY samples are there; publish each new version."""
         while True:
-            picked = self.pick()
+            picked = await self.pick()
             if picked is None:
                 t0 = trio.current_time()
                 await self._wait("train", GATE_TICK)
@@ -388,13 +396,13 @@ class Trainer:
     async def run_step(self, ids: list[bytes], samples: list[TrainSample], mean_reward: float) -> StepRecord:
         """One rollout step on the given READY batches, saved, recorded and published."""
         version = self.step + 1
-        self.spool.take(ids, version)  # before training: see Spool.recover
+        await self.db.run(self.spool.take, ids, version)  # before training: see Spool.recover
         t0 = trio.current_time()
         stats = await trio.to_thread.run_sync(self._train_and_save, samples)
         seconds = trio.current_time() - t0
         self.busy_s += seconds
         record = StepRecord(version, mean_reward, len(samples), len(ids), stats.tokens, stats.loss, seconds)
-        self.spool.finish_step(record)
+        await self.db.run(self.spool.finish_step, record)
         for bid in ids:
             self._samples.pop(bid, None)
         self.reward_curve.append((version, mean_reward))
@@ -407,7 +415,7 @@ class Trainer:
         self.m_tokens.inc(stats.tokens)
         log.info("trainer: step %d: %d samples from %d batches, mean reward %.3f, loss %.4f, %.2fs",
                  version, len(samples), len(ids), mean_reward, stats.loss, seconds)
-        self.spool.prune(version - self.cfg.async_level - 1)
+        await self.db.run(self.spool.prune, version - self.cfg.async_level - 1)
         self._wake("ledger")
         await self.publish(version)
         return record
@@ -454,7 +462,7 @@ class Trainer:
                     await self.ledger.append(body)
                 except LedgerError as e:  # our own entry refused (a bug): log it, do not retry forever
                     log.error("trainer: ledger refused rollouts entry for %s: %s", row.batch_id.hex()[:12], e)
-                self.spool.mark_ledger_done(row.batch_id)
+                await self.db.run(self.spool.mark_ledger_done, row.batch_id)
             if len(rows) < LEDGER_CHUNK:
                 await self._wait("ledger", 5.0)
 
@@ -518,7 +526,7 @@ async def serve_trainer(node, shards: ShardsAPI, membership: MembershipAPI, ledg
     root = Path(node.data_dir) / "trainer"
     policy, created = await trio.to_thread.run_sync(open_policy, root, node.run.model, cfg, tcfg)
     with open_spool(root / "spool.sqlite") as spool, contextlib.closing(policy):
-        returned = spool.recover(policy.step)
+        returned = await trio.to_thread.run_sync(spool.recover, policy.step)
         if returned:
             log.warning("trainer: %d batches of an unsaved step go back to the queue", returned)
         trainer = Trainer(node, policy, spool, cfg, tcfg, shards=shards, membership=membership, ledger=ledger)

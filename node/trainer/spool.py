@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..dbthread import connect_reader
 from ..rollouts.schema import SignedBatch
 
 SCHEMA = """
@@ -116,53 +117,63 @@ def _row(r) -> SpooledBatch:
     return SpooledBatch(bytes(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], BatchState(r[7]), r[8], r[9])
 
 
-class Spool:
-    """The trainer's batch table. Synchronous and fast (one fsync per write transaction)."""
+def _get(db: sqlite3.Connection, batch_id: bytes) -> SpooledBatch | None:
+    r = db.execute(f"SELECT {_COLS} FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+    return _row(r) if r else None
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+
+class Spool:
+    """The trainer's batch table. Synchronous (one fsync per write transaction).
+
+    ``db`` does the writes; ``reader`` (default ``db``) the queries. The trainer service passes a
+    separate WAL reader and runs the writes in a worker thread (see node/dbthread.py), so a query on
+    the trio thread never waits for a commit's fsync.
+    """
+
+    def __init__(self, db: sqlite3.Connection, reader: sqlite3.Connection | None = None) -> None:
         self.db = db
+        self.reader = db if reader is None else reader
 
     # ------------------------------------------------------------------ queries
 
     def knows(self, batch_id: bytes) -> bool:
-        return self.db.execute("SELECT 1 FROM batches WHERE batch_id = ?", (batch_id,)).fetchone() is not None
+        return self.reader.execute("SELECT 1 FROM batches WHERE batch_id = ?", (batch_id,)).fetchone() is not None
 
     def knows_worker_step(self, worker: str, step: int) -> bool:
         q = "SELECT 1 FROM batches WHERE worker = ? AND step = ?"
-        return self.db.execute(q, (worker, step)).fetchone() is not None
+        return self.reader.execute(q, (worker, step)).fetchone() is not None
 
     def get(self, batch_id: bytes) -> SpooledBatch | None:
-        r = self.db.execute(f"SELECT {_COLS} FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
-        return _row(r) if r else None
+        return _get(self.reader, batch_id)
 
     def envelope(self, batch_id: bytes) -> bytes | None:
-        r = self.db.execute("SELECT envelope FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+        r = self.reader.execute("SELECT envelope FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
         return bytes(r[0]) if r and r[0] is not None else None
 
     def in_state(self, state: BatchState, limit: int = -1) -> list[SpooledBatch]:
         q = f"SELECT {_COLS} FROM batches WHERE state = ? ORDER BY arrival LIMIT ?"
-        return [_row(r) for r in self.db.execute(q, (state.value, limit))]
+        return [_row(r) for r in self.reader.execute(q, (state.value, limit))]
 
     def pending(self) -> int:
         """Batches acknowledged and not yet trained or rejected."""
         q = "SELECT COUNT(*) FROM batches WHERE state IN (?, ?)"
-        return self.db.execute(q, (BatchState.GATED.value, BatchState.READY.value)).fetchone()[0]
+        return self.reader.execute(q, (BatchState.GATED.value, BatchState.READY.value)).fetchone()[0]
 
     def counts(self) -> dict[str, int]:
-        return dict(self.db.execute("SELECT state, COUNT(*) FROM batches GROUP BY state").fetchall())
+        return dict(self.reader.execute("SELECT state, COUNT(*) FROM batches GROUP BY state").fetchall())
 
     def rejected_by_reason(self) -> dict[str, int]:
         q = "SELECT reason, COUNT(*) FROM batches WHERE state = ? GROUP BY reason"
-        return dict(self.db.execute(q, (BatchState.REJECTED.value,)).fetchall())
+        return dict(self.reader.execute(q, (BatchState.REJECTED.value,)).fetchall())
 
     def ledger_due(self, limit: int) -> list[SpooledBatch]:
         q = (f"SELECT {_COLS} FROM batches WHERE ledger_due = 1 AND ledger_done = 0 AND state IN (?, ?) "
              "ORDER BY arrival LIMIT ?")
-        return [_row(r) for r in self.db.execute(q, (BatchState.TRAINED.value, BatchState.REJECTED.value, limit))]
+        return [_row(r) for r in self.reader.execute(q, (BatchState.TRAINED.value, BatchState.REJECTED.value, limit))]
 
     def steps(self, last: int = 0) -> list[StepRecord]:
         q = "SELECT step, mean_reward, samples, batches, tokens, loss, seconds FROM steps ORDER BY step"
-        rows = [StepRecord(*r) for r in self.db.execute(q)]
+        rows = [StepRecord(*r) for r in self.reader.execute(q)]
         return rows[-last:] if last else rows
 
     # ------------------------------------------------------------------ writes (each one transaction)
@@ -183,7 +194,7 @@ class Spool:
 
     def _move(self, batch_ids: list[bytes], to: BatchState, **cols) -> None:
         for bid in batch_ids:
-            cur = self.get(bid)
+            cur = _get(self.db, bid)  # on the writer: the thread running this write
             if cur is None:
                 raise SpoolError(f"unknown batch {bid.hex()[:12]}")
             if to not in TRANSITIONS[cur.state]:
@@ -209,7 +220,7 @@ class Spool:
 
     def trained_envelopes(self, step: int) -> list[tuple[bytes, bytes]]:
         q = "SELECT batch_id, envelope FROM batches WHERE state = ? AND trained_step = ? ORDER BY arrival"
-        return [(bytes(a), bytes(b)) for a, b in self.db.execute(q, (BatchState.TRAINED.value, step))]
+        return [(bytes(a), bytes(b)) for a, b in self.reader.execute(q, (BatchState.TRAINED.value, step))]
 
     def finish_step(self, record: StepRecord) -> None:
         """Step ``record.step`` is saved: drop its batches' envelopes and remember its figures."""
@@ -244,14 +255,22 @@ class Spool:
 
 @contextmanager
 def open_spool(path: Path) -> Iterator[Spool]:
-    """Open (creating) the spool database at ``path``; closed on exit."""
+    """Open (creating) the spool database at ``path``; closed on exit.
+
+    Writes go through a connection that may be used from a worker thread (one at a time), queries
+    through a WAL reader of the opening thread (node/dbthread.py).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(str(path), isolation_level="DEFERRED", check_same_thread=False)
+    reader = None
     try:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.executescript(SCHEMA)
-        yield Spool(db)
+        reader = connect_reader(path)
+        yield Spool(db, reader)
     finally:
+        if reader is not None:
+            reader.close()
         db.close()

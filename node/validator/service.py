@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import trio
 
+from ..dbthread import DbThread
 from ..hashes import digest
 from ..ledger.api import LedgerAPI
 from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
@@ -127,7 +128,8 @@ class ValidatorService:
         self.cfg = cfg
         self.rules = rules
         self.tasks = tasks
-        self.store = store
+        self.store = store  # queried here on its WAL reader; written only through self.db
+        self.db = DbThread()  # the store's writes, off the event loop (node/dbthread.py)
         self.wall_clock = wall_clock
         run = node.config.run
         self.trainers = set(run.trainers)
@@ -232,8 +234,9 @@ class ValidatorService:
             created_ms=int(self.wall_clock() * 1000),
         )
         raw = encode(seal(self.node.identity, DOMAIN_VERDICT, verdict))
-        self.store.record(job.signed.batch_id, batch.worker, batch.step, [s.prompt_index for s in batch.samples],
-                          judgement.accepted, judgement.reasons, job.trainer, raw, verdict.created_ms)
+        await self.db.run(self.store.record, job.signed.batch_id, batch.worker, batch.step,
+                          [s.prompt_index for s in batch.samples], judgement.accepted, judgement.reasons, job.trainer,
+                          raw, verdict.created_ms)
         result = "accepted" if judgement.accepted else "rejected"
         if judgement.accepted:  # only fully honest batches shape the recommended thresholds
             for chunks in judgement.proofs:
@@ -324,7 +327,7 @@ class ValidatorService:
         now = self.wall_clock()
         decision = self.book.on_verdict(batch.worker, judgement.reasons, now)
         if decision is not None and decision.ban_seconds:
-            self.store.save_ban(batch.worker, now + decision.ban_seconds, decision.reason)
+            await self.db.run(self.store.save_ban, batch.worker, now + decision.ban_seconds, decision.reason)
             log.warning("validator: banned %s for %ds (%s)", batch.worker, decision.ban_seconds, decision.reason)
         distinct = sorted(set(judgement.reasons), key=lambda r: (r == "ok", r))[:MAX_VERDICT_REASONS]
         bodies = [LedgerVerdict(worker=batch.worker, step=min(batch.step, LEDGER_STEP_MAX), batch_hash=signed.batch_id,
@@ -376,7 +379,7 @@ class ValidatorService:
                         self.results[f"trainer:{ack.reason}"] += 1
                     # Recorded, or refused for good ("unknown-batch", "already-decided"): either way, done.
                     queue.pop(batch_id, None)
-                    self.store.mark_delivered(batch_id)
+                    await self.db.run(self.store.mark_delivered, batch_id)
             return True
         except CallFailure as e:  # unreachable, silent or gone: keep the rest for the next try
             if e.kind is FailureKind.GARBAGE:

@@ -23,6 +23,8 @@ import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..dbthread import connect_reader
+
 DB_FILE = "validator.sqlite"
 MAX_JUDGED = 200_000  # judged batches remembered (a few hundred bytes to a few KiB each)
 
@@ -55,29 +57,36 @@ CREATE TABLE IF NOT EXISTS bans (
 
 
 class ValidatorStore:
-    """Judged batches, claimed task slots and bans on disk. Not thread-safe; one per node."""
+    """Judged batches, claimed task slots and bans on disk; one per node.
+
+    Queries use a WAL reader of the opening thread. Writes (:meth:`record`, :meth:`mark_delivered`,
+    :meth:`save_ban`) use their own connection, which the service drives from a worker thread, one
+    call at a time (node/dbthread.py), so an fsync never holds up the event loop.
+    """
 
     def __init__(self, path: Path, max_judged: int = MAX_JUDGED) -> None:
         self.path = Path(path)
         self.max_judged = max_judged
-        self._db = sqlite3.connect(self.path, isolation_level=None)
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        self._read = connect_reader(self.path)
 
     def close(self) -> None:
+        self._read.close()
         self._db.close()
 
     def verdict_of(self, batch_id: bytes) -> tuple[str, bytes] | None:
         """(trainer, signed verdict bytes) of a batch judged before, else None."""
-        row = self._db.execute("SELECT trainer, verdict FROM judged WHERE batch_id = ?", (batch_id,)).fetchone()
+        row = self._read.execute("SELECT trainer, verdict FROM judged WHERE batch_id = ?", (batch_id,)).fetchone()
         return None if row is None else (row[0], bytes(row[1]))
 
     def replayed_slots(self, worker: str, step: int, prompt_indices: Iterable[int], batch_id: bytes) -> set[int]:
         """The prompt indices of (worker, step) already claimed by another batch."""
         out = set()
         for p in set(prompt_indices):
-            row = self._db.execute(
+            row = self._read.execute(
                 "SELECT batch_id FROM prompts WHERE worker = ? AND step = ? AND prompt_index = ?", (worker, step, p)
             ).fetchone()
             if row is not None and bytes(row[0]) != batch_id:
@@ -113,7 +122,7 @@ class ValidatorStore:
 
     def undelivered(self, limit: int) -> list[tuple[bytes, str, bytes]]:
         """(batch id, trainer, verdict) not yet recorded by their trainer, oldest first."""
-        rows = self._db.execute(
+        rows = self._read.execute(
             "SELECT batch_id, trainer, verdict FROM judged WHERE delivered = 0 ORDER BY time_ms LIMIT ?", (limit,)
         )
         return [(bytes(b), t, bytes(v)) for b, t, v in rows]
@@ -122,7 +131,7 @@ class ValidatorStore:
         self._db.execute("UPDATE judged SET delivered = 1 WHERE batch_id = ?", (batch_id,))
 
     def counts(self) -> dict[str, int]:
-        acc, rej, pending = self._db.execute(
+        acc, rej, pending = self._read.execute(
             "SELECT COALESCE(SUM(accepted), 0), COALESCE(SUM(1 - accepted), 0), COALESCE(SUM(1 - delivered), 0) FROM judged"
         ).fetchone()
         return {"accepted": acc, "rejected": rej, "undelivered": pending}
@@ -135,4 +144,4 @@ class ValidatorStore:
         )
 
     def bans(self, now_s: float) -> list[tuple[str, float, str]]:
-        return [(p, u, r) for p, u, r in self._db.execute("SELECT peer, until_s, reason FROM bans WHERE until_s > ?", (now_s,))]
+        return [(p, u, r) for p, u, r in self._read.execute("SELECT peer, until_s, reason FROM bans WHERE until_s > ?", (now_s,))]
