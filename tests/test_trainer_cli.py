@@ -7,6 +7,8 @@ import json
 import struct
 import zlib
 
+import pytest
+
 from node.trainer import cli
 from node.trainer.plot import HEIGHT, WIDTH, render_curve
 from node.trainer.spool import StepRecord, open_spool
@@ -47,3 +49,14 @@ def test_not_a_trainer_data_dir_is_one_line_and_exit_2(tmp_path, capsys):
     assert run(["trainer-steps", "--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no trainer spool" in err
+
+
+def test_a_step_is_recorded_before_its_model_and_never_as_nan(tmp_path):
+    """record_step comes before the save: a crash between them leaves a record without a model,
+    which recover() (restarting at the saved step) drops. A NaN figure is our bug, not a NULL row."""
+    with open_spool(tmp_path / "spool.sqlite") as spool:
+        spool.record_step(StepRecord(1, 0.5, 16, 2, 80, -0.1, 0.5))
+        spool.recover(saved_step=0)  # the model of step 1 was never saved
+        assert spool.steps() == []
+        with pytest.raises(ValueError, match="non-finite"):
+            spool.record_step(StepRecord(1, 0.5, 16, 2, 80, float("nan"), 0.5))

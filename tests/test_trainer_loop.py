@@ -138,3 +138,41 @@ async def test_validator_gate_end_to_end(tmp_path):
         forged = Verdict(run="test", batch_id=ack2.batch_id, worker=client.peer_id, validator=client.peer_id,
                          accepted=True, reasons=[], policy_version=0, created_ms=0)
         assert (await trainer.on_verdict_bytes(encode(seal(client.identity, DOMAIN_VERDICT, forged))))[2] == "not-validator"
+
+
+async def test_a_non_finite_step_is_dropped_and_only_its_culprit_refused(tmp_path):
+    """Defence behind the schema's bounds: should a step's loss still come out non-finite, nothing
+    is saved or published, the batch that alone gives a non-finite loss is refused and its sender
+    struck, and the other batch trains in the next step."""
+    from node.rl.grpo import NonFiniteStep
+
+    run = make_run(tmp_path)
+    cfgs = [node_config(tmp_path, "trainer", "trainer", run=run), node_config(tmp_path, "client", "relay", run=run)]
+    async with open_nodes(cfgs) as (tnode, client):
+        trainer = tnode.trainer
+        policy = trainer.policy
+        train, non_finite = policy.train, policy.non_finite
+        poisoned = []
+
+        def poisoned_train(samples):
+            raise NonFiniteStep("loss nan")
+
+        def blame_second(groups):
+            poisoned.append(len(groups))
+            return [1]
+
+        policy.train, policy.non_finite = poisoned_train, blame_second
+        first, second = honest(client, trainer, step=0, seed=1), honest(client, trainer, step=1, seed=2)
+        for data in (first, second):
+            assert (await submit(client, tnode.peer_id, data)).accepted
+        await wait_for(lambda: trainer.status()["dropped_steps"] == 1, what="the poisoned step dropped")
+        assert poisoned == [2] and trainer.step == 0 and trainer.published == 0
+        assert tnode.shards.latest() == 0 and not policy.folder(1).exists()
+        assert trainer.spool.counts() == {"ready": 1, "rejected": 1}
+        assert trainer.spool.rejected_by_reason() == {"non_finite": 1}
+        struck = tnode.peers.table.peers[client.peer_id]  # the sender was struck
+        assert struck.faults == 1 and struck.last == "rollouts/non_finite"
+        policy.train, policy.non_finite = train, non_finite
+        assert (await submit(client, tnode.peer_id, honest(client, trainer, step=2, seed=3))).accepted
+        await wait_for(lambda: trainer.published == 1, what="the next honest step")
+        assert trainer.spool.counts() == {"trained": 2, "rejected": 1}

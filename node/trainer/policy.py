@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..rl.config import GRPOConfig
-from ..rl.grpo import StepStats, TrainSample, make_optimizer, train_step
+from ..rl.grpo import StepStats, TrainSample, batch_loss, make_optimizer, pack, train_step
 from ..rollouts.schema import RolloutBatch
 from . import checkpoints
 from .config import TrainerConfig
@@ -171,6 +171,17 @@ class Policy:
                                ref_model=self.ref_model, pad_id=self.pad_id)
         self.step += 1
         return stats
+
+    def non_finite(self, groups: list[list[TrainSample]]) -> list[int]:
+        """Indexes of the sample groups (one per batch) whose loss alone is not finite (forward only)."""
+        bad = []
+        with torch.no_grad():
+            for i, samples in enumerate(groups):
+                batch = pack(samples, self.cfg.pack_length, pad_id=self.pad_id)
+                if not torch.isfinite(batch_loss(self.model, batch, self.cfg, self.ref_model).loss):
+                    bad.append(i)
+        self.model.eval()
+        return bad
 
     def state(self) -> dict:
         return {

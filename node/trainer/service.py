@@ -41,7 +41,7 @@ from ..net.reqres import CallFailure, Codec, FailureKind, call, raw, request_han
 from ..peers import ActionKind, FaultRule
 from ..ledger.sync import LedgerError
 from ..rl.config import GRPOConfig
-from ..rl.grpo import TrainSample
+from ..rl.grpo import NonFiniteStep, TrainSample
 from ..rollouts.schema import (
     MAX_BATCH_BYTES,
     ROLLOUTS_PROTOCOL,
@@ -120,6 +120,7 @@ class Trainer:
         self.busy_s = 0.0  # time spent in steps (train + save)
         self.last_step: dict = {}
         self.no_signal_batches = 0  # batches consumed with every group flat (nothing to learn from)
+        self.dropped_steps = 0  # steps whose loss or gradients were not finite (see _drop_step)
         self.samples_in_hand = 0  # samples with signal the last pick found (a step needs min_batch_samples)
         self.published: int | None = None
         self.publish_error = ""
@@ -393,15 +394,21 @@ class Trainer:
                 continue
             await self.run_step(*picked)
 
-    async def run_step(self, ids: list[bytes], samples: list[TrainSample], mean_reward: float) -> StepRecord:
-        """One rollout step on the given READY batches, saved, recorded and published."""
+    async def run_step(self, ids: list[bytes], samples: list[TrainSample], mean_reward: float) -> StepRecord | None:
+        """One rollout step on the given READY batches, recorded, saved and published (None: dropped)."""
         version = self.step + 1
         await self.db.run(self.spool.take, ids, version)  # before training: see Spool.recover
         t0 = trio.current_time()
-        stats = await trio.to_thread.run_sync(self._train_and_save, samples)
+        try:
+            stats = await trio.to_thread.run_sync(self.policy.train, samples)
+        except NonFiniteStep as e:
+            await self._drop_step(ids, e)
+            return None
         seconds = trio.current_time() - t0
         self.busy_s += seconds
         record = StepRecord(version, mean_reward, len(samples), len(ids), stats.tokens, stats.loss, seconds)
+        await self.db.run(self.spool.record_step, record)  # then the model: never a saved model without its record
+        await trio.to_thread.run_sync(self.policy.save)
         await self.db.run(self.spool.finish_step, record)
         for bid in ids:
             self._samples.pop(bid, None)
@@ -420,10 +427,24 @@ class Trainer:
         await self.publish(version)
         return record
 
-    def _train_and_save(self, samples: list[TrainSample]):
-        stats = self.policy.train(samples)
-        self.policy.save()
-        return stats
+    async def _drop_step(self, ids: list[bytes], error: NonFiniteStep) -> None:
+        """A step whose loss or gradients were not finite is not taken: its batches go back to READY
+        but for those that alone give a non-finite loss, which are refused and their senders struck.
+        The weights stepped by earlier mini-batches were finite; nothing was saved or published."""
+        per_batch = [self._decoded(bid)[0] for bid in ids]
+        bad = await trio.to_thread.run_sync(self.policy.non_finite, per_batch)
+        culprits = [ids[i] for i in bad]
+        log.error("trainer: step %d dropped (%s); %d of %d batches give a non-finite loss",
+                  self.step + 1, error, len(culprits), len(ids))
+        await self.db.run(self.spool.untake, ids)
+        if culprits:
+            await self.db.run(self.spool.reject, culprits, "non_finite")
+        for bid in culprits:
+            row = self.spool.get(bid)
+            self._samples.pop(bid, None)
+            if row is not None:
+                self._strike(row.worker, "non_finite")
+        self.dropped_steps += 1
 
     async def publish(self, version: int) -> None:
         """Announce the model folder of ``version`` through the shard swarm and the ledger."""
@@ -493,6 +514,7 @@ class Trainer:
                 "no_signal": self.no_signal_batches,
             },
             "samples_in_hand": [self.samples_in_hand, self.cfg.min_batch_samples],
+            "dropped_steps": self.dropped_steps,
             "rejected_by_reason": self.spool.rejected_by_reason(),
             "gate": gate,
             "reward": reward_points(self.reward_curve, STATUS_STEPS),

@@ -24,6 +24,7 @@ Ledger entries ("rollouts accepted/rejected") are due when a batch reaches TRAIN
 from __future__ import annotations
 
 import enum
+import math
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,7 +77,7 @@ class BatchState(enum.Enum):
 TRANSITIONS = {
     BatchState.GATED: {BatchState.READY, BatchState.REJECTED},
     BatchState.READY: {BatchState.TRAINED, BatchState.REJECTED},
-    BatchState.TRAINED: {BatchState.READY},  # only by recover() after a crash mid-step
+    BatchState.TRAINED: {BatchState.READY},  # recover() after a crash mid-step, untake() after a dropped step
     BatchState.REJECTED: set(),
 }
 
@@ -222,14 +223,26 @@ class Spool:
         q = "SELECT batch_id, envelope FROM batches WHERE state = ? AND trained_step = ? ORDER BY arrival"
         return [(bytes(a), bytes(b)) for a, b in self.reader.execute(q, (BatchState.TRAINED.value, step))]
 
-    def finish_step(self, record: StepRecord) -> None:
-        """Step ``record.step`` is saved: drop its batches' envelopes and remember its figures."""
+    def record_step(self, record: StepRecord) -> None:
+        """Remember step ``record.step``'s figures, *before* its model is saved: a crash in between
+        leaves a record without a saved model, which recover() drops, never a model without one."""
+        if not all(math.isfinite(v) for v in (record.mean_reward, record.loss, record.seconds)):
+            raise ValueError(f"step {record.step}: non-finite figures {record}")  # our bug: never stored as NULL
         with self.db:
-            self.db.execute("UPDATE batches SET envelope = NULL WHERE state = ? AND trained_step = ?",
-                            (BatchState.TRAINED.value, record.step))
             self.db.execute("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?)",
                             (record.step, record.mean_reward, record.samples, record.batches, record.tokens,
                              record.loss, record.seconds))
+
+    def finish_step(self, record: StepRecord) -> None:
+        """Step ``record.step`` is saved: remember its figures (if not yet) and drop its batches' envelopes."""
+        self.record_step(record)
+        with self.db:
+            self.db.execute("UPDATE batches SET envelope = NULL WHERE state = ? AND trained_step = ?",
+                            (BatchState.TRAINED.value, record.step))
+
+    def untake(self, batch_ids: list[bytes]) -> None:
+        """A step that did not happen: its batches are READY again."""
+        self._move(batch_ids, BatchState.READY, trained_step=None)
 
     def recover(self, saved_step: int) -> int:
         """After a restart at ``saved_step``: batches taken by later (lost) steps become READY again."""
