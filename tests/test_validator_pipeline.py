@@ -205,6 +205,24 @@ def test_fault_chosen_seed(world):
     assert_rejected(judge(world, signed), T.FAULTS["chosen_seed"].expected)
 
 
+def test_fault_dropped_group(world):
+    """A worker drops the prompt it failed (a whole group): every remaining group is complete, so a
+    per-group check passes it; a batch must hold every prompt drawn for its step."""
+    honest, worker = world[3][4], world[2]
+    kept = [s for s in honest.batch.samples if s.prompt_index != 0]
+    assert kept and len(kept) < len(honest.batch.samples)
+    signed = T.sign_batch(worker, replace(honest.batch, samples=kept))
+    assert_rejected(judge(world, signed), T.FAULTS["dropped_group"].expected)
+
+
+def test_fault_draw_of_another_version(world):
+    """A batch made with v3's weights whose tasks and seed are the draw of another manifest root (one
+    the worker could compute ahead, or the easier of two versions' draws): the root is not v3's."""
+    engine, tasks, worker, _, _ = world
+    signed = T.make_batch(engine, worker, RULES, tasks, step=4, policy_version=VERSION, policy_root=b"\x22" * 32)
+    assert_rejected(judge(world, signed), T.FAULTS["draw_of_another_version"].expected)
+
+
 def test_wrong_parameters_and_incomplete_groups(world):
     honest, worker = world[3][0], world[2]
     hot = T.sign_batch(worker, replace(honest.batch, temperature=2.0))
