@@ -198,7 +198,7 @@ def _tiny(step, root=ROOT):
 
 async def test_validator_rejects_a_step_ground_far_ahead(tmp_path: Path, autojump_clock) -> None:
     store = ValidatorStore(tmp_path / "v.sqlite")
-    store.record(b"\x01" * 32, WORKER.peer_id, 0, [0], True, ["ok"], "t", b"verdict", 1)
+    store.record(b"\x01" * 32, WORKER.peer_id, 0, [0], True, ["ok"], "t", b"verdict", 1, window=WINDOW)
     svc = _validator(tmp_path, store)
     job = SimpleNamespace(trainer="t", signed=VT.sign_batch(WORKER, _tiny(FAR)), received_at=0.0)
     j = await svc.judge(job)
@@ -214,7 +214,7 @@ async def test_validator_rejects_a_batch_claiming_another_versions_root(tmp_path
 
 def test_validator_store_window_is_durable(tmp_path: Path) -> None:
     store = ValidatorStore(tmp_path / "v.sqlite")
-    store.record(b"\x01" * 32, WORKER.peer_id, 7, [0], True, ["ok"], "t", b"verdict", 1)
+    store.record(b"\x01" * 32, WORKER.peer_id, 7, [0], True, ["ok"], "t", b"verdict", 1, window=WINDOW)
     store.close()
     again = ValidatorStore(tmp_path / "v.sqlite")
     w = again.step_window(WORKER.peer_id)

@@ -40,6 +40,7 @@ from ..peers import ActionKind, FaultRule
 from ..ledger.sync import LedgerError
 from ..rl.config import GRPOConfig
 from ..rl.grpo import TrainSample
+from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import (
     MAX_BATCH_BYTES,
     ROLLOUTS_PROTOCOL,
@@ -49,11 +50,13 @@ from ..rollouts.schema import (
     open_batch,
     open_verdict,
 )
+from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
 from ..wire import MAX_FRAME, RemoteProtocolError, decode_as
 from .config import TrainerConfig
 from .gate import ValidatorGate
 from .intake import (
+    KEEPS_WINDOW,
     NOT_ATTRIBUTABLE,
     IntakeLimits,
     NOT_STRIKES,
@@ -102,6 +105,8 @@ class Trainer:
         self.validators = set(run.validators)
         self.gate = ValidatorGate(tcfg.verify_timeout_s, tcfg.max_verify_in_flight) if self.validators else None
         self.limits = IntakeLimits(policy.vocab_size, cfg.pack_length, cfg.temperature, cfg.async_level)
+        # The step window (node/rollouts/steps.py) is sized by the run's [worker] table, as the workers' outboxes are.
+        self.step_window = step_window_size(run.section("worker", WorkerConfig).max_pending_batches)
         self.intake_slots = trio.Semaphore(tcfg.max_concurrent_intake)
         node.peers.set_rule(SOURCE, FaultRule(strikes=tcfg.ban_after_strikes, window=tcfg.strike_window_s,
                                               ban_seconds=tcfg.ban_seconds))
@@ -163,26 +168,32 @@ class Trainer:
             return self._refuse(signed.batch_id, "banned", sender)
         if self.spool.pending() >= self.tcfg.max_pending_batches and not self.spool.knows(signed.batch_id):
             return self._refuse(signed.batch_id, "busy", sender)
+        announced = self.shards.announced.get(b.policy_version)  # (root, announcer) of our own manifest
         reason = intake_reason(
             b,
             known_batch=self.spool.knows(signed.batch_id),
             known_worker_step=self.spool.knows_worker_step(b.worker, b.step),
             step=self.step,
             limits=self.limits,
+            window_reason=self.spool.step_window(b.worker).reason(b.step, self.step_window),
+            # An unknown root (a version older than what we kept since a restart) is left to the
+            # validators, who check the draw; a root that contradicts ours is the worker's lie.
+            root_ok=announced is None or announced[0] == b.policy_root,
         )
         if reason is not None:
             if reason not in NOT_ATTRIBUTABLE:
                 # A third party may replay a worker's signed batch: only the worker's own submission
                 # is recorded against it in the ledger.
-                self.spool.add(signed, BatchState.REJECTED, reason=reason, ledger_due=sender == b.worker)
+                self.spool.add(signed, BatchState.REJECTED, reason=reason, ledger_due=sender == b.worker,
+                               window=0 if reason in KEEPS_WINDOW else self.step_window)
                 self._wake("ledger")
             return self._refuse(signed.batch_id, reason, sender)
         if self.gate is not None:
-            self.spool.add(signed, BatchState.GATED)
+            self.spool.add(signed, BatchState.GATED, window=self.step_window)
             self.gate.add(signed.batch_id)
             self._wake("gate")
         else:
-            self.spool.add(signed, BatchState.READY)
+            self.spool.add(signed, BatchState.READY, window=self.step_window)
             self._wake("train")
         self.intake["accepted"] += 1
         self.m_batches.labels(outcome="accepted").inc()
