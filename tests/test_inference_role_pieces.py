@@ -21,6 +21,7 @@ from node.rollouts.assemble import (
 )
 from node.rollouts.config import WorkerConfig
 from node.rollouts.schema import RolloutBatch, RolloutSample, open_batch
+from node.validator.pipeline import BatchReason, check_groups
 
 
 def _key(run="run", peer="peer", step=3, root=b"r" * 32):
@@ -119,6 +120,15 @@ def test_generator_step_honest_and_cheating(tiny, cheat, caught):
             assert not any(f.startswith(("proof", "logprobs")) for f in failures), failures
     if cheat == "fake-rewards":
         assert result.mean_reward > result.mean_true_reward
+
+
+def test_generator_drop_groups_cheat_is_an_incomplete_batch(tiny):
+    path, _, _ = tiny
+    sb, _ = _generate(path, "drop-groups", Identity.generate())
+    prompts = {s.prompt_index for s in sb.batch.samples}
+    assert len(prompts) == RL["prompts_per_batch"] - 1
+    check = check_groups(sb.batch.samples, RL["group_size"], RL["prompts_per_batch"])
+    assert not check and check.reason == BatchReason.BAD_GROUPS
 
 
 def test_generator_step_with_length_reward(tiny):

@@ -7,6 +7,9 @@
 * ``cherry-pick``: solve the easiest-looking of a few tasks drawn at other steps instead of the
   drawn ones: the validator's task check must catch it.
 
+* ``drop-groups``: leave out the group of the prompt it did worst on (a worker hiding its failures
+  to lift the reward it is credited with): the validator's complete-batch check must catch it.
+
 ``replay`` generates honestly; its cheat is in the outbox (node/adversary/outbox.py).
 """
 
@@ -65,12 +68,21 @@ class CherryPickGenerator(RolloutGenerator):
                                                         step, len(drawn.tasks)))
 
 
+class DropGroupsGenerator(RolloutGenerator):
+    def claim(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
+        if len(groups) < 2:
+            return groups
+        worst = min(range(len(groups)), key=lambda i: (sum(groups[i].rewards), i))
+        return [g for i, g in enumerate(groups) if i != worst]
+
+
 GENERATORS = {
     "": RolloutGenerator,
     "perturbed-model": PerturbedModelGenerator,
     "fake-rewards": FakeRewardsGenerator,
     "cherry-pick": CherryPickGenerator,
     "replay": RolloutGenerator,  # honest batches, sent twice (see make_outbox)
+    "drop-groups": DropGroupsGenerator,
 }
 
 
