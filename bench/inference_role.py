@@ -25,7 +25,7 @@ from node.identity import Identity
 from node.model import create_tiny_model
 from node.proofs.config import ProofsConfig
 from node.rl.config import InferenceConfig, RLConfig
-from node.rl.spec import draw_tasks, sampling_seed
+from node.rl.spec import OFFLINE_ROOT, draw_tasks, sampling_seed, step_key
 from node.rollouts.config import WorkerConfig
 from node.rollouts.generate import RolloutGenerator
 
@@ -50,11 +50,12 @@ def main() -> int:
     engine, tok = gen.engine, gen.engine.tokenizer
 
     def bare(step: int) -> tuple[int, float]:
-        tasks = draw_tasks(gen.taskset, ident.peer_id, step, args.prompts)
+        key = step_key("bench", ident.peer_id, OFFLINE_ROOT, step)
+        tasks = draw_tasks(gen.taskset, key, args.prompts)
         prompts = [tok(t.prompt, add_special_tokens=False)["input_ids"] for t in tasks]
         t0 = time.perf_counter()
         groups = engine.generate(prompts, n=args.group, temperature=rl.temperature, top_p=rl.top_p,
-                                 max_new_tokens=args.tokens, seed=sampling_seed("bench", ident.peer_id, step),
+                                 max_new_tokens=args.tokens, seed=sampling_seed(key),
                                  capture_hidden=False)
         return sum(s.num_tokens for g in groups for s in g), time.perf_counter() - t0
 

@@ -39,7 +39,7 @@ from node.model import (
 )
 from node.proofs.toploc import build_proofs_many
 from node.rl.config import RLConfig
-from node.rl.spec import sampling_seed
+from node.rl.spec import sampling_seed, step_key
 from node.validator import testing as T
 from node.validator.pipeline import BatchRules, CheckModel, judge_batch
 from node.validator.tasks import RunTasks
@@ -76,14 +76,14 @@ def bench_shape(shape: str, args) -> dict:
     model = CheckModel(engine.model, engine.tokenizer, 0)
 
     # Generation, timed alone: the same call make_batch makes (warm-up first).
-    prompts = [engine.tokenizer.encode(tasks.draw(worker.peer_id, 0, i).prompt, add_special_tokens=False)
+    prompts = [engine.tokenizer.encode(tasks.draw(step_key("bench", worker.peer_id, T.ROOT, 0), i).prompt, add_special_tokens=False)
                for i in range(args.prompts)]
     engine.generate(prompts, 2, 1.0, 1.0, 4, 0)
     gen_s, gen_tokens, proof_s = [], 0, []
     for r in range(args.repeats):
         sync(args.device)
         t0 = time.perf_counter()
-        groups = engine.generate(prompts, args.group, 1.0, 1.0, args.new_tokens, sampling_seed("bench", worker.peer_id, r))
+        groups = engine.generate(prompts, args.group, 1.0, 1.0, args.new_tokens, sampling_seed(step_key("bench", worker.peer_id, T.ROOT, r)))
         sync(args.device)
         gen_s.append(time.perf_counter() - t0)
         flat = [s for g in groups for s in g]

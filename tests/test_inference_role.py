@@ -83,7 +83,7 @@ def check_batch(sb, model, tokenizer, peer_id: str, version: int, rl: RLConfig |
     b = sb.batch
     rl = rl or RLConfig(**RL)
     failures = []
-    drawn = draw_step(load_taskset(b.taskset), rl, "test", peer_id, b.step)
+    drawn = draw_step(load_taskset(b.taskset), rl, "test", peer_id, b.policy_root, b.step)
     if b.worker != peer_id or b.policy_version != version or b.seed != drawn.seed:
         failures.append("header")
     cfg = ProofsConfig()

@@ -11,7 +11,7 @@ from node.identity import Identity
 from node.model import create_tiny_model, load_model, load_tokenizer
 from node.proofs.config import ProofsConfig
 from node.rl.config import InferenceConfig, RLConfig
-from node.rl.spec import sampling_seed, thinking_budget
+from node.rl.spec import sampling_seed, step_key, thinking_budget
 from node.roles.inference import advertise_due, read_step, write_step
 from node.rollouts.assemble import (
     chunk_proof_sizes,
@@ -21,18 +21,24 @@ from node.rollouts.assemble import (
 )
 from node.rollouts.config import WorkerConfig
 from node.rollouts.schema import RolloutBatch, RolloutSample, open_batch
+from node.validator.pipeline import BatchReason, check_groups
+
+
+def _key(run="run", peer="peer", step=3, root=b"r" * 32):
+    return step_key(run, peer, root, step)
 
 
 def test_seed_and_budget_depend_on_every_input_and_nothing_else():
-    s = sampling_seed("run", "peer", 3)
-    assert s == sampling_seed("run", "peer", 3) and 0 <= s < 2**63
-    assert len({s, sampling_seed("run", "peer", 4), sampling_seed("run", "other", 3), sampling_seed("x", "peer", 3)}) == 4
+    s = sampling_seed(_key())
+    assert s == sampling_seed(_key()) and 0 <= s < 2**63
+    assert len({s, sampling_seed(_key(step=4)), sampling_seed(_key(peer="other")), sampling_seed(_key(run="x")),
+                sampling_seed(_key(root=b"s" * 32))}) == 5
     budgets = [64, 128, 256]
-    drawn = {thinking_budget(budgets, "peer", step, i) for step in range(20) for i in range(4)}
+    drawn = {thinking_budget(budgets, _key(step=step), i) for step in range(20) for i in range(4)}
     assert drawn == set(budgets)  # every budget is reachable
-    assert thinking_budget(budgets, "peer", 5, 1) == thinking_budget(budgets, "peer", 5, 1)
+    assert thinking_budget(budgets, _key(step=5), 1) == thinking_budget(budgets, _key(step=5), 1)
     with pytest.raises(ValueError):
-        sampling_seed("run", "peer", -1)
+        _key(step=-1)
 
 
 @pytest.mark.parametrize("tokens,hidden,chunk,topk", [(1, 64, 32, 128), (33, 64, 32, 128), (64, 2, 32, 128), (70, 8, 16, 16)])
@@ -52,19 +58,14 @@ def _batch(groups: int, tokens: int, worker: str = "w") -> RolloutBatch:
                         max_new_tokens=tokens, group_size=2, created_ms=0, samples=samples)
 
 
-def test_size_cap_trims_whole_trailing_groups():
+def test_size_cap_never_trims_a_step():
+    """A batch holds every drawn prompt (validators reject partial ones): too big is not sent at all."""
     ident = Identity.generate()
-    whole = seal_within(ident, _batch(8, 500, ident.peer_id), 10**9)
-    assert whole.trimmed_groups == 0 and open_batch(whole.envelope, "r").batch_id == whole.batch_id
-    cap = len(whole.envelope) // 2
-    half = seal_within(ident, _batch(8, 500), cap)
-    assert len(half.envelope) <= cap and half.trimmed_groups > 0
-    kept = sorted({s.prompt_index for s in half.batch.samples})
-    assert kept == list(range(8 - half.trimmed_groups))  # leading groups, each complete
-    assert all(sum(s.prompt_index == g for s in half.batch.samples) == 2 for g in kept)
-    # One more group would not have fitted: the most that fits is kept.
-    assert len(seal_within(ident, _batch(len(kept) + 1, 500), 10**9).envelope) > cap
-    assert seal_within(ident, _batch(1, 500), 100) is None
+    batch = _batch(8, 500, ident.peer_id)
+    whole = seal_within(ident, batch, 10**9)
+    assert open_batch(whole.envelope, "r").batch_id == whole.batch_id and whole.batch == batch
+    assert seal_within(ident, batch, len(whole.envelope) - 1) is None
+    assert seal_within(ident, batch, len(whole.envelope)).batch == batch
 
 
 def test_step_file_round_trip_and_garbage(tmp_path):
@@ -119,6 +120,15 @@ def test_generator_step_honest_and_cheating(tiny, cheat, caught):
             assert not any(f.startswith(("proof", "logprobs")) for f in failures), failures
     if cheat == "fake-rewards":
         assert result.mean_reward > result.mean_true_reward
+
+
+def test_generator_drop_groups_cheat_is_an_incomplete_batch(tiny):
+    path, _, _ = tiny
+    sb, _ = _generate(path, "drop-groups", Identity.generate())
+    prompts = {s.prompt_index for s in sb.batch.samples}
+    assert len(prompts) == RL["prompts_per_batch"] - 1
+    check = check_groups(sb.batch.samples, RL["group_size"], RL["prompts_per_batch"])
+    assert not check and check.reason == BatchReason.BAD_GROUPS
 
 
 def test_generator_step_with_length_reward(tiny):

@@ -20,6 +20,7 @@ from node.rl.cli import add_commands
 from node.rl.config import GRPOConfig, RLConfig
 from node.rl.loop import run_local_loop
 from node.rl.rollout import make_groups, train_samples
+from node.rl.spec import OFFLINE_ROOT, step_key
 from node.rl.tasks import draw_task, load_taskset
 
 SMALL = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -45,7 +46,7 @@ def test_make_groups_draws_scores_and_normalises(engine):
     ts = load_taskset("synthetic")
     rl = RLConfig(group_size=4, prompts_per_batch=3, max_new_tokens=8)
     groups = make_groups(engine, ts, rl, "peerX", step=2, seed=9)
-    assert [g.task.id for g in groups] == [draw_task(ts, "peerX", 2, i).id for i in range(3)]
+    assert [g.task.id for g in groups] == [draw_task(ts, step_key("", "peerX", OFFLINE_ROOT, 2), i).id for i in range(3)]
     for g in groups:
         assert len(g.samples) == len(g.rewards) == len(g.advantages) == 4
         assert all(0.0 <= r <= 1.0 for r in g.rewards)

@@ -10,6 +10,7 @@ import pytest
 from node.rl.config import RLConfig
 from node.rl.spec import budget_instruction, length_penalty, with_length_penalty
 from node.rl.synthetic import make_reversal_tasks, reversal_reward, write_taskset
+from node.rl.spec import step_key
 from node.rl.tasks import (
     KINDS,
     TaskFormatError,
@@ -64,28 +65,38 @@ def test_missing_file_and_bad_utf8_are_clear_errors(tmp_path):
         load_taskset(str(bad))
 
 
+def _key(run="run", peer="peerA", root=b"r" * 32, step=5):
+    return step_key(run, peer, root, step)
+
+
 def test_draw_is_deterministic_and_depends_on_every_input():
     ts = load_taskset("synthetic")
-    a = [draw_task(ts, "peerA", 5, i).id for i in range(16)]
-    assert a == [draw_task(ts, "peerA", 5, i).id for i in range(16)]
-    assert a != [draw_task(ts, "peerB", 5, i).id for i in range(16)]
-    assert a != [draw_task(ts, "peerA", 6, i).id for i in range(16)]
+    a = [draw_task(ts, _key(), i).id for i in range(16)]
+    assert a == [draw_task(ts, _key(), i).id for i in range(16)]
+    assert a != [draw_task(ts, _key(peer="peerB"), i).id for i in range(16)]
+    assert a != [draw_task(ts, _key(step=6), i).id for i in range(16)]
+    assert a != [draw_task(ts, _key(run="other"), i).id for i in range(16)]
+    assert a != [draw_task(ts, _key(root=b"s" * 32), i).id for i in range(16)]
     other = parse_taskset(b"".join(line(id=t.id, kind=t.kind, prompt=t.prompt, answer=t.answer)
                                    for t in reversed(ts.tasks)), "reordered")
-    assert a != [draw_task(other, "peerA", 5, i).id for i in range(16)]  # the set's digest is an input
+    assert a != [draw_task(other, _key(), i).id for i in range(16)]  # the set's digest is an input
 
 
 def test_draw_spreads_over_the_whole_set():
-    counts = Counter(draw_index(b"x" * 32, 10, "peer", step, i) for step in range(50) for i in range(40))
+    counts = Counter(draw_index(b"x" * 32, 10, _key(step=step), i) for step in range(50) for i in range(40))
     assert set(counts) == set(range(10))
     assert max(counts.values()) < 2 * min(counts.values())
 
 
 def test_draw_rejects_bad_arguments():
     with pytest.raises(ValueError):
-        draw_index(b"x" * 32, 0, "p", 0, 0)
+        draw_index(b"x" * 32, 0, _key(), 0)
     with pytest.raises(ValueError):
-        draw_index(b"x" * 32, 5, "p", -1, 0)
+        draw_index(b"x" * 32, 5, _key(), -1)
+    with pytest.raises(ValueError):
+        draw_index(b"x" * 32, 5, b"short", 0)
+    with pytest.raises(ValueError):
+        step_key("run", "p", b"r" * 32, -1)
 
 
 def test_reversal_reward_is_graded_and_exact_only_for_the_answer():

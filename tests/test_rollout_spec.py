@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from node.proofs.reasons import Reason
 from node.rl.config import RLConfig
 from node.rl.rollout import build_groups
-from node.rl.spec import code_limits, draw_step, group_advantages, prompt_text, sampling_seed
+from node.rl.spec import code_limits, draw_step, group_advantages, prompt_text, sampling_seed, step_key
 from node.rl.synthetic import reversal_reward
 from node.rl.tasks import load_taskset
 from node.rollouts.schema import RolloutSample
@@ -93,17 +93,18 @@ class FakeEngine:
 RL = RLConfig(group_size=4, prompts_per_batch=2, max_new_tokens=8, length_reward=True, thinking_budgets=[3, 6],
               length_alpha=0.25)
 TASKS = load_taskset("synthetic")
+ROOT = b"r" * 32
 DIGITS = st.text("0123456789", max_size=7)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(DIGITS, min_size=4, max_size=4), min_size=2, max_size=2), st.integers(0, 1000))
 def test_builder_and_validator_match_an_independent_computation(texts, step):
-    drawn = draw_step(TASKS, RL, "run", "peer", step)
+    drawn = draw_step(TASKS, RL, "run", "peer", ROOT, step)
     engine = FakeEngine(texts)
     groups = build_groups(engine, drawn, RL, code_limits(RL)).groups
     (prompts, n, seed), = engine.calls
-    assert seed == sampling_seed("run", "peer", step) and n == RL.group_size
+    assert seed == sampling_seed(step_key("run", "peer", ROOT, step)) and n == RL.group_size
     oracle_rewards = []
     for g, task, budget, group_texts, prompt in zip(groups, drawn.tasks, drawn.budgets, texts, prompts):
         assert prompt == [ord(c) for c in task.prompt + f"\n(Think for up to {budget} tokens.)\n"]

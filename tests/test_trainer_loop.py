@@ -48,7 +48,7 @@ def honest(client, trainer, step, seed):
     policy = trainer.policy
     return sign_batch(client.identity, reversal_batch(
         client.identity, "test", step=step, policy_version=policy.step, tokenizer=policy.tokenizer,
-        model=policy.model, prompts=2, group_size=4, seed=seed))
+        model=policy.model, prompts=2, group_size=4, seed=seed, policy_root=trainer.shards.announced[policy.step][0]))
 
 
 async def test_batches_make_a_step_and_version_1_is_published(tmp_path):

@@ -18,6 +18,7 @@ from node.identity import Identity
 from node.localswarm import LocalSwarm
 from node.model import load_model, load_tokenizer
 from node.rollouts.schema import ROLLOUTS_PROTOCOL, RolloutAck
+from node.shards.store import PieceStore
 from node.trainer.testing import reversal_batch, sign_batch
 from node.wire import decode_as, read_frame, write_frame
 
@@ -46,7 +47,10 @@ async def submit(host, trainer: str, data: bytes) -> RolloutAck:
 def batch_for(swarm: LocalSwarm, step: int, version: int) -> bytes:
     folder = swarm.root / "trainer" / "trainer" / "models" / f"v{version}"
     model, tok = load_model(folder), load_tokenizer(folder)
-    return sign_batch(CLIENT, reversal_batch(CLIENT, "mp-trainer", step=step, policy_version=version,
+    # The draw is keyed by the version's manifest root: the one the trainer stored for it.
+    store = PieceStore(swarm.root / "trainer" / "checkpoints", "mp-trainer", [swarm.peer_id("trainer")])
+    root = store.saved_manifest(version).root
+    return sign_batch(CLIENT, reversal_batch(CLIENT, "mp-trainer", step=step, policy_version=version, policy_root=root,
                                              tokenizer=tok, model=model, prompts=2, group_size=4, seed=step))
 
 

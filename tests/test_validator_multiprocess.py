@@ -53,6 +53,7 @@ CHEATS = {
     "fake-rewards": {"reward_mismatch"},
     "perturbed-model": PROOF_REASONS | {"logprob_mismatch", "sampling_mismatch"},
     "cherry-pick": {"wrong_task"},
+    "drop-groups": {"bad_groups"},
 }
 
 

@@ -17,6 +17,7 @@ from node.model import create_tiny_model
 from node.proofs.margins import ProofMargins
 from node.proofs.reasons import Reason
 from node.rl.config import RLConfig
+from node.rl.spec import step_key
 from node.validator import testing as T
 from node.validator.pipeline import (
     BatchReason,
@@ -50,7 +51,8 @@ def world(tmp_path_factory):
 
 def judge(world, signed, current=VERSION, replayed=lambda p: False) -> Judgement:
     _, tasks, _, _, model = world
-    return judge_batch(signed.batch, RULES, current_version=current, tasks=tasks, model=model, replayed=replayed)
+    return judge_batch(signed.batch, RULES, current_version=current, tasks=tasks, model=model, replayed=replayed,
+                       policy_root=T.ROOT)
 
 
 def assert_rejected(j: Judgement, expected: frozenset[str]) -> None:
@@ -112,7 +114,7 @@ def test_fault_altered_completion(world):
         if s.completion_ids[0] == eos:
             return s
         ids = [20 + (s.completion_ids[0] + 1) % 60] + list(s.completion_ids[1:])
-        task = tasks.draw(worker.peer_id, honest.batch.step, s.prompt_index)
+        task = tasks.draw(step_key(RUN, worker.peer_id, T.ROOT, honest.batch.step), s.prompt_index)
         sc = tasks.score(task, engine.tokenizer.decode(ids, skip_special_tokens=True), len(ids))
         return replace(s, completion_ids=ids, reward=sc.reward, task_reward=sc.task_reward, length_penalty=sc.length_penalty)
 
@@ -205,6 +207,24 @@ def test_fault_chosen_seed(world):
     assert_rejected(judge(world, signed), T.FAULTS["chosen_seed"].expected)
 
 
+def test_fault_dropped_group(world):
+    """A worker drops the prompt it failed (a whole group): every remaining group is complete, so a
+    per-group check passes it; a batch must hold every prompt drawn for its step."""
+    honest, worker = world[3][4], world[2]
+    kept = [s for s in honest.batch.samples if s.prompt_index != 0]
+    assert kept and len(kept) < len(honest.batch.samples)
+    signed = T.sign_batch(worker, replace(honest.batch, samples=kept))
+    assert_rejected(judge(world, signed), T.FAULTS["dropped_group"].expected)
+
+
+def test_fault_draw_of_another_version(world):
+    """A batch made with v3's weights whose tasks and seed are the draw of another manifest root (one
+    the worker could compute ahead, or the easier of two versions' draws): the root is not v3's."""
+    engine, tasks, worker, _, _ = world
+    signed = T.make_batch(engine, worker, RULES, tasks, step=4, policy_version=VERSION, policy_root=b"\x22" * 32)
+    assert_rejected(judge(world, signed), T.FAULTS["draw_of_another_version"].expected)
+
+
 def test_wrong_parameters_and_incomplete_groups(world):
     honest, worker = world[3][0], world[2]
     hot = T.sign_batch(worker, replace(honest.batch, temperature=2.0))
@@ -229,7 +249,7 @@ def test_garbage_bytes_are_a_reason_not_a_crash():
 
 def test_every_named_fault_has_a_test():
     tested = {name[len("test_fault_"):] for name in globals() if name.startswith("test_fault_")}
-    assert set(T.FAULTS) <= tested | {"stale_policy", "replayed_batch", "altered_last_token"}
+    assert set(T.FAULTS) <= tested | {"stale_policy", "replayed_batch", "altered_last_token", "ground_step"}
 
 
 def test_length_reward_runs_check_budgets_and_penalties(world):

@@ -22,7 +22,7 @@ from node.identity import Identity, load_or_create_identity
 from node.metrics import Metrics
 from node.model import create_tiny_model
 from node.rl.config import RLConfig
-from node.rl.spec import sampling_seed
+from node.rl.spec import sampling_seed, step_key
 from node.trainer.testing import FakeLedger
 from node.rollouts.schema import (
     VERDICTS_PROTOCOL,
@@ -64,17 +64,21 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
     rules = rules_from_run(run, cfg)
     tasks = RunTasks(RLConfig(**RL))
     honest_w, cheat_w = Identity.generate(), Identity.generate()
-    honest = [T.make_batch(engine, honest_w, rules, tasks, step=s, policy_version=0) for s in range(2)]
-    cheats = []
-    for s in range(3):
-        b = T.make_batch(engine, cheat_w, rules, tasks, step=s, policy_version=0)
-        inflated = [replace(x, reward=1.0, task_reward=1.0) for x in b.batch.samples]
-        cheats.append(T.sign_batch(cheat_w, replace(b.batch, samples=T.regroup_advantages(inflated))))
+    honest, cheats = [], []
+
+    def make_batches(root: bytes) -> None:  # the draw is keyed by v0's manifest root: known once published
+        honest.extend(T.make_batch(engine, honest_w, rules, tasks, step=s, policy_version=0, policy_root=root)
+                      for s in range(2))
+        for s in range(3):
+            b = T.make_batch(engine, cheat_w, rules, tasks, step=s, policy_version=0, policy_root=root)
+            inflated = [replace(x, reward=1.0, task_reward=1.0) for x in b.batch.samples]
+            cheats.append(T.sign_batch(cheat_w, replace(b.batch, samples=T.regroup_advantages(inflated))))
+        expected.update(b.batch_id for b in honest + cheats)
 
     received: dict[bytes, object] = {}
     raw_by_id: dict[bytes, list[bytes]] = {}
     got_all = trio.Event()
-    expected = {b.batch_id for b in honest + cheats}
+    expected: set[bytes] = set()
 
     async def handle_verdicts(stream):
         while (data := await read_frame(stream)) is not None:
@@ -82,7 +86,7 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             received[v.batch_id] = v
             raw_by_id.setdefault(v.batch_id, []).append(data)
             await write_frame(stream, RolloutAck(batch_id=v.batch_id, accepted=True))
-            if expected <= set(received):
+            if expected and expected <= set(received):
                 got_all.set()
 
     with trio.fail_after(180):
@@ -91,7 +95,7 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             node_config(tmp_path, "v", role="validator", run=run),
         ]) as (trainer, validator):
             trainer.host.set_handler(VERDICTS_PROTOCOL, handle_verdicts)
-            await trainer.shards.publish(folder, 0)
+            make_batches((await trainer.shards.publish(folder, 0)).root)
             for b in honest + cheats:
                 ack = await send_batch(trainer, validator.peer_id, b.envelope)
                 assert ack.accepted and ack.batch_id == b.batch_id
@@ -145,7 +149,7 @@ def _stub_node(tmp_path: Path, trainer: str, queue_size: int):
 
 
 class _NoTasks:
-    def draw(self, worker, step, index):
+    def draw(self, key, index):
         raise AssertionError("intake must not draw tasks")
 
     def score(self, task, text, n):
@@ -236,7 +240,8 @@ async def test_a_batch_claiming_a_future_version_is_rejected_after_the_grace(tmp
     shards = _Versions(3, {3: (b"r", "p")})
     svc = _stub_service(tmp_path, trainer, ValidatorStore(tmp_path / "v.sqlite"), shards=shards)
     worker = Identity.generate()
-    batch = replace(_tiny_batch(worker.peer_id, 0), policy_version=9, seed=sampling_seed("test", worker.peer_id, 0))
+    batch = replace(_tiny_batch(worker.peer_id, 0), policy_version=9,
+                    seed=sampling_seed(step_key("test", worker.peer_id, bytes(32), 0)))
     job = SimpleNamespace(trainer=trainer, signed=T.sign_batch(worker, batch), received_at=0.0)
     start = trio.current_time()
     j = await svc.judge(job)

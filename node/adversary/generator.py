@@ -7,6 +7,9 @@
 * ``cherry-pick``: solve the easiest-looking of a few tasks drawn at other steps instead of the
   drawn ones: the validator's task check must catch it.
 
+* ``drop-groups``: leave out the group of the prompt it did worst on (a worker hiding its failures
+  to lift the reward it is credited with): the validator's complete-batch check must catch it.
+
 ``replay`` generates honestly; its cheat is in the outbox (node/adversary/outbox.py).
 """
 
@@ -18,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..rl.rollout import ScoredGroup
-from ..rl.spec import DrawnStep, group_advantages
+from ..rl.spec import DrawnStep, group_advantages, step_key
 from ..rl.tasks import Task, TaskSet, draw_task
 from ..rollouts.generate import RolloutGenerator
 
@@ -48,20 +51,29 @@ class FakeRewardsGenerator(RolloutGenerator):
         return out
 
 
-def cherry_picked_tasks(taskset: TaskSet, peer_id: str, step: int, count: int) -> list[Task]:
+def cherry_picked_tasks(taskset: TaskSet, run: str, peer_id: str, root: bytes, step: int, count: int) -> list[Task]:
     """Per slot, the easiest-looking (shortest prompt) of a few draws taken at other steps."""
     out = []
     for i in range(count):
-        candidates = [draw_task(taskset, peer_id, step * CHERRY_PICK_CANDIDATES + c + 1, i)
+        candidates = [draw_task(taskset, step_key(run, peer_id, root, step * CHERRY_PICK_CANDIDATES + c + 1), i)
                       for c in range(CHERRY_PICK_CANDIDATES)]
         out.append(min(candidates, key=lambda t: (len(t.prompt), t.id)))
     return out
 
 
 class CherryPickGenerator(RolloutGenerator):
-    def draw(self, step: int) -> DrawnStep:
-        drawn = super().draw(step)
-        return replace(drawn, tasks=cherry_picked_tasks(self.taskset, self.identity.peer_id, step, len(drawn.tasks)))
+    def draw(self, step: int, policy_root: bytes) -> DrawnStep:
+        drawn = super().draw(step, policy_root)
+        return replace(drawn, tasks=cherry_picked_tasks(self.taskset, self.run_name, self.identity.peer_id, policy_root,
+                                                        step, len(drawn.tasks)))
+
+
+class DropGroupsGenerator(RolloutGenerator):
+    def claim(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
+        if len(groups) < 2:
+            return groups
+        worst = min(range(len(groups)), key=lambda i: (sum(groups[i].rewards), i))
+        return [g for i, g in enumerate(groups) if i != worst]
 
 
 GENERATORS = {
@@ -70,6 +82,7 @@ GENERATORS = {
     "fake-rewards": FakeRewardsGenerator,
     "cherry-pick": CherryPickGenerator,
     "replay": RolloutGenerator,  # honest batches, sent twice (see make_outbox)
+    "drop-groups": DropGroupsGenerator,
 }
 
 

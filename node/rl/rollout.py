@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from .config import RLConfig
 from .grpo import TrainSample
 from .sandbox import Limits
-from .spec import DrawnStep, Scored, code_limits, draw_step, group_advantages, has_signal, prompt_ids, score
+from .spec import OFFLINE_ROOT, DrawnStep, Scored, code_limits, draw_step, group_advantages, has_signal, prompt_ids, score
 from .tasks import Task, TaskSet
 
 SCORING_THREADS = 4  # code-task sandboxes run at once (each is a subprocess with its own limits)
@@ -91,7 +91,7 @@ def score_groups(drawn: DrawnStep, groups: list[list], rl: RLConfig, limits: Lim
 
 def make_groups(engine, taskset: TaskSet, cfg: RLConfig, peer_id: str, step: int, seed: int) -> list[ScoredGroup]:
     """Draw, sample and score ``cfg.prompts_per_batch`` groups for (peer, step), sampling from ``seed``."""
-    drawn = replace(draw_step(taskset, cfg, "", peer_id, step), seed=seed)  # rl-local picks its own seed
+    drawn = replace(draw_step(taskset, cfg, "", peer_id, OFFLINE_ROOT, step), seed=seed)  # rl-local picks its own seed
     return build_groups(engine, drawn, cfg, code_limits(cfg)).groups
 
 

@@ -6,11 +6,13 @@ definitions; nothing else restates them, so a worker and a validator cannot drif
 
 How a step is defined (DESIGN.md "The loop", steps 3-4; INTELLECT-2 report §3):
 
-1. **Draw.** Every input a worker might want to choose is a hash of (run, peer id, step, index):
-   the tasks (:func:`draw_tasks`, ``node.rl.tasks.draw_task``), the base sampling seed
+1. **Draw.** Every input a worker might want to choose is a hash of the step key
+   (:func:`step_key`: run, peer id, root of the claimed checkpoint's manifest, step) and the prompt
+   index: the tasks (:func:`draw_tasks`, ``node.rl.tasks.draw_task``), the base sampling seed
    (:func:`sampling_seed`; per-sequence seeds follow from ``node.engines.sampling.sequence_seed``)
    and, when the length reward is on, each prompt's thinking budget (:func:`thinking_budget`).
-   :func:`draw_step` returns all of it for one step.
+   :func:`draw_step` returns all of it for one step. The steps a worker may use are bounded by the
+   step window (node/rollouts/steps.py), so it cannot shop among thousands of steps' draws.
 2. **Prompt.** The task's prompt plus the thinking-budget line when there is one
    (:func:`prompt_text`), tokenised without special tokens (:func:`prompt_ids`).
 3. **Score.** The task's verifier (``node.rl.verifiers.task_reward``, code run in the sandbox
@@ -47,32 +49,52 @@ def _hash_int(tag: bytes, *parts: bytes) -> int:
     return int.from_bytes(digest(tag + b"\x00" + b"\x00".join(parts)), "big")
 
 
-def sampling_seed(run: str, peer_id: str, step: int) -> int:
-    """The base sampling seed (63 bits) a worker must use at ``step``."""
+# Offline use (``rl-local``, ``swarm-node rollout``): no trainer published a manifest, so no root.
+OFFLINE_ROOT = bytes(32)
+
+
+def step_key(run: str, peer_id: str, policy_root: bytes, step: int) -> bytes:
+    """The 32-byte key every draw of a worker's step is a hash of.
+
+    ``policy_root`` is the root (manifest id, node/shards/manifest.py) of the checkpoint version the
+    batch claims as ``policy_version``: a draw cannot be computed before that version is published,
+    and a step's draw is another one under every version, so a worker cannot scan and pre-solve
+    draws offline. The run name is in it so that one key in two runs gets different tasks. Which
+    steps a worker may use at all is node/rollouts/steps.py's rule (the step window).
+    """
     if step < 0:
         raise ValueError("step must be >= 0")
-    h = _hash_int(b"swarm-sampling-seed", run.encode(), peer_id.encode(), step.to_bytes(8, "big"))
+    if len(policy_root) != 32:
+        raise ValueError("a policy root is 32 bytes")
+    run_b, peer_b = run.encode(), peer_id.encode()
+    return digest(b"swarm-step-key\x00" + len(run_b).to_bytes(2, "big") + run_b + len(peer_b).to_bytes(2, "big")
+                  + peer_b + policy_root + step.to_bytes(8, "big"))
+
+
+def sampling_seed(key: bytes) -> int:
+    """The base sampling seed (63 bits) a worker must use at the step of :func:`step_key` ``key``."""
+    h = _hash_int(b"swarm-sampling-seed", key)
     return (h >> 193) & ((1 << 63) - 1)  # the top 63 bits of the 256-bit digest
 
 
-def thinking_budget(budgets: Sequence[int], peer_id: str, step: int, index: int) -> int:
-    """The thinking budget (tokens) of prompt ``index`` at ``step``: one of ``budgets``, by hash."""
+def thinking_budget(budgets: Sequence[int], key: bytes, index: int) -> int:
+    """The thinking budget (tokens) of prompt ``index`` of the step ``key``: one of ``budgets``, by hash."""
     if not budgets:
         raise ValueError("no budgets")
-    h = _hash_int(b"swarm-thinking-budget", peer_id.encode(), step.to_bytes(8, "big"), index.to_bytes(8, "big"))
+    h = _hash_int(b"swarm-thinking-budget", key, index.to_bytes(8, "big"))
     return int(budgets[h % len(budgets)])
 
 
-def drawn_budget(rl: RLConfig, peer_id: str, step: int, index: int) -> int:
+def drawn_budget(rl: RLConfig, key: bytes, index: int) -> int:
     """Prompt ``index``'s thinking budget under the run's ``[rl]`` table; 0 when the length reward is off."""
     if not rl.length_reward:
         return 0
-    return thinking_budget(rl.thinking_budgets or [rl.max_new_tokens], peer_id, step, index)
+    return thinking_budget(rl.thinking_budgets or [rl.max_new_tokens], key, index)
 
 
-def draw_tasks(taskset: TaskSet, peer_id: str, step: int, count: int) -> list[Task]:
-    """The ``count`` tasks of ``step`` for ``peer_id``, index order (``node.rl.tasks.draw_task``)."""
-    return [draw_task(taskset, peer_id, step, i) for i in range(count)]
+def draw_tasks(taskset: TaskSet, key: bytes, count: int) -> list[Task]:
+    """The ``count`` tasks of the step ``key``, index order (``node.rl.tasks.draw_task``)."""
+    return [draw_task(taskset, key, i) for i in range(count)]
 
 
 @dataclass(frozen=True)
@@ -85,11 +107,14 @@ class DrawnStep:
     budgets: list[int]  # thinking budget per prompt index (RolloutSample.target_length); 0 = none
 
 
-def draw_step(taskset: TaskSet, rl: RLConfig, run: str, peer_id: str, step: int) -> DrawnStep:
-    """The tasks, budgets and seed of ``step`` for ``peer_id`` under the run's ``[rl]`` table."""
-    tasks = draw_tasks(taskset, peer_id, step, rl.prompts_per_batch)
-    budgets = [drawn_budget(rl, peer_id, step, i) for i in range(len(tasks))]
-    return DrawnStep(step, sampling_seed(run, peer_id, step), tasks, budgets)
+def draw_step(taskset: TaskSet, rl: RLConfig, run: str, peer_id: str, policy_root: bytes, step: int) -> DrawnStep:
+    """The tasks, budgets and seed of ``step`` for ``peer_id`` on the checkpoint whose manifest root is
+    ``policy_root``, under the run's ``[rl]`` table: all ``prompts_per_batch`` of them, and a batch
+    must hold every one (node/validator/pipeline.py ``check_groups``)."""
+    key = step_key(run, peer_id, policy_root, step)
+    tasks = draw_tasks(taskset, key, rl.prompts_per_batch)
+    budgets = [drawn_budget(rl, key, i) for i in range(len(tasks))]
+    return DrawnStep(step, sampling_seed(key), tasks, budgets)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ A task file has one JSON object per line::
 live in ``node/data/<kind>.jsonl``; any file path works too. A task set is named by the SHA-256 of
 its bytes (``TaskSet.digest``), so every peer can check it draws from the same set.
 
-The draw (INTELLECT-2, "deterministic task sampling"): task index = SHA-256(set digest, peer id,
-step, counter) mod len(set). A node cannot cherry-pick easy problems: the validator recomputes which
-task (peer, step, counter) must have been.
+The draw (INTELLECT-2, "deterministic task sampling"): task index = SHA-256(set digest, step key,
+counter) mod len(set), where the step key (``node.rl.spec.step_key``) hashes the run, the peer id,
+the root of the checkpoint manifest the batch claims and the step. A node cannot cherry-pick easy
+problems: the validator recomputes which task (key, counter) must have been.
 """
 
 from __future__ import annotations
@@ -134,17 +135,18 @@ def load_taskset(name_or_path: str) -> TaskSet:
         raise TaskFormatError(f"{path}: not UTF-8") from None
 
 
-def draw_index(taskset_digest: bytes, num_tasks: int, peer_id: str, step: int, index: int) -> int:
-    """Task index for (peer, step, counter): SHA-256 of all four, as an integer, mod num_tasks."""
+def draw_index(taskset_digest: bytes, num_tasks: int, key: bytes, index: int) -> int:
+    """Task index for (step key, counter): SHA-256 of the set digest, key and counter, mod num_tasks."""
     if num_tasks <= 0:
         raise ValueError("empty task set")
-    if step < 0 or index < 0:
-        raise ValueError("step and index must be >= 0")
-    h = digest(b"swarm-task-draw\x00" + taskset_digest + peer_id.encode() + b"\x00"
-               + step.to_bytes(8, "big") + index.to_bytes(8, "big"))
+    if index < 0:
+        raise ValueError("index must be >= 0")
+    if len(key) != 32:
+        raise ValueError("a step key is 32 bytes (node.rl.spec.step_key)")
+    h = digest(b"swarm-task-draw\x00" + taskset_digest + key + index.to_bytes(8, "big"))
     return int.from_bytes(h, "big") % num_tasks
 
 
-def draw_task(taskset: TaskSet, peer_id: str, step: int, index: int) -> Task:
-    """The task peer ``peer_id`` must work on as its ``index``-th prompt at ``step``."""
-    return taskset.tasks[draw_index(taskset.digest, len(taskset), peer_id, step, index)]
+def draw_task(taskset: TaskSet, key: bytes, index: int) -> Task:
+    """The task a worker must work on as its ``index``-th prompt of the step whose key is ``key``."""
+    return taskset.tasks[draw_index(taskset.digest, len(taskset), key, index)]

@@ -22,6 +22,8 @@ trainer's step (known from announcements and acks): such batches would only be r
 
 The draw step counter is persisted in the data dir (write-then-rename) before each step, so a
 restarted node never reuses a step: trainers refuse a second batch for the same (worker, step).
+Steps are consecutive, so they stay inside the step window trainers and validators enforce
+(node/rollouts/steps.py: a restart skips at most the lost outbox, well inside it).
 """
 
 from __future__ import annotations
@@ -100,7 +102,6 @@ class Stats:
     last_mean_reward: float | None = None
     reward_sum: float = 0.0
     swaps: int = 0
-    trimmed_groups: int = 0
     held_back: int = 0  # times the generator was ready for a step and waited (outbox full, weights too old)
 
 
@@ -229,10 +230,11 @@ class InferenceService:
             await trio.to_thread.run_sync(write_step, self.step_file, self.next_step)
             async with self.engine_lock:
                 version = self.version
+                root = self.policy_root(version)
                 created_ms = int(time.time() * 1000)  # edge of the system: a wall-clock stamp for people
                 try:
                     # Abandoned on cancel: a long step must not hold up shutdown (the process is exiting).
-                    result = await trio.to_thread.run_sync(self.generator.run_step, step, version, created_ms,
+                    result = await trio.to_thread.run_sync(self.generator.run_step, step, version, created_ms, root,
                                                            abandon_on_cancel=True)
                 except Exception:
                     self.stats.step_errors += 1
@@ -244,6 +246,14 @@ class InferenceService:
             self._record_step(result)
             await self._queue(result)
             self._advertise()
+
+    def policy_root(self, version: int) -> bytes:
+        """The manifest root of ``version``: a draw input (node/rl/spec.py ``step_key``). Every version
+        we loaded came through the shards service, which noted its signed manifest's root."""
+        announced = self.shards.announced.get(version)
+        if announced is None:  # our bug: a loaded version the shards service does not know
+            raise RuntimeError(f"no manifest root known for loaded v{version}")
+        return announced[0]
 
     def _record_step(self, r) -> None:
         st = self.stats
@@ -263,9 +273,9 @@ class InferenceService:
         sealed = r.sealed
         if sealed is None:
             self._count("dropped", "oversized")
-            log.error("inference: step %d: not even one group fits a frame; lower [rl] max_new_tokens", r.step)
+            log.error("inference: step %d does not fit one frame and is not sent (a batch must hold every drawn "
+                      "prompt); lower [rl] prompts_per_batch or max_new_tokens", r.step)
             return
-        self.stats.trimmed_groups += sealed.trimmed_groups
         if self.outbox.is_stale(r.policy_version):
             self._count("dropped", "stale")  # a newer version arrived while we generated
             return

@@ -10,15 +10,18 @@ order (:func:`join_proofs`). Each chunk proof is ``2 + 2k`` bytes (TOPLOC 0.1.6 
 node/proofs/toploc.py) with ``k = min(topk, tokens_in_chunk * hidden_size)``, so a validator that
 knows the model's hidden size splits them back with :func:`split_proofs`.
 
-Size cap: one batch must fit one wire frame. A step whose batch is too big keeps its first groups
-(whole groups only: advantages are relative to the group) and reports how many it trimmed. The
-trim is deterministic (always the last groups), so it cannot be used to pick which tasks count.
+Size cap: one batch must fit one wire frame, and a batch must hold every prompt drawn for its step
+(node/validator/pipeline.py ``check_groups``: otherwise a worker could drop the prompts it failed).
+So nothing is trimmed: a step whose batch does not fit is not sent at all (:func:`seal_within`
+returns None, the role counts it as ``dropped/oversized`` and logs how to fix the run file: fewer
+``[rl] prompts_per_batch`` or ``max_new_tokens``). Dropping a whole step pays nothing: its step number
+is used up, and the worker cannot choose another draw in its place (node/rollouts/steps.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..rl.spec import Scored
 from ..wire import encode, seal
@@ -94,7 +97,6 @@ class Sealed:
     batch: RolloutBatch
     batch_id: bytes
     envelope: bytes  # encoded signed Envelope, what goes on the wire
-    trimmed_groups: int  # groups left out to fit the size cap
 
 
 def seal_batch(identity, batch: RolloutBatch) -> tuple[bytes, bytes]:
@@ -104,27 +106,6 @@ def seal_batch(identity, batch: RolloutBatch) -> tuple[bytes, bytes]:
 
 
 def seal_within(identity, batch: RolloutBatch, max_bytes: int) -> Sealed | None:
-    """Sign ``batch``; if too big, keep the most leading whole groups that fit (None if none fits).
-
-    Binary search over the number of groups kept: O(log groups) signatures, not one per group.
-    """
-    prompts = sorted({s.prompt_index for s in batch.samples})
-
-    def attempt(keep: int) -> Sealed | None:
-        kept = set(prompts[:keep])
-        b = batch if keep == len(prompts) else replace(batch, samples=[s for s in batch.samples if s.prompt_index in kept])
-        batch_id, envelope = seal_batch(identity, b)
-        return Sealed(b, batch_id, envelope, len(prompts) - keep) if len(envelope) <= max_bytes else None
-
-    best = attempt(len(prompts))
-    if best is not None:
-        return best
-    low, high = 0, len(prompts)  # invariant: keeping `high` groups does not fit
-    while high - low > 1:
-        mid = (low + high) // 2
-        got = attempt(mid)
-        if got is None:
-            high = mid
-        else:
-            low, best = mid, got
-    return best
+    """Sign ``batch`` whole; None when it does not fit ``max_bytes`` (never trimmed: see the module doc)."""
+    batch_id, envelope = seal_batch(identity, batch)
+    return Sealed(batch, batch_id, envelope) if len(envelope) <= max_bytes else None

@@ -73,7 +73,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
                 "mean_reward": round(r.mean_true_reward, 4),
                 "proof_share": round(r.proof_s / (r.generate_s + r.score_s + r.proof_s), 4),
                 "batch_bytes": len(r.sealed.envelope) if r.sealed else None,
-                "trimmed_groups": r.sealed.trimmed_groups if r.sealed else None,
+                "fits_frame": r.sealed is not None,  # a step too big for one frame would not be sent
             }
             if args.json:
                 print(json.dumps(row))

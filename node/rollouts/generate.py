@@ -2,8 +2,8 @@
 
 How this works (:meth:`RolloutGenerator.run_step`, blocking; the role runs it in a worker thread):
 
-1. draw ``prompts_per_batch`` tasks from (peer id, step, index) and the base sampling seed from
-   (run, peer id, step) (node/rl/spec.py), so the node cannot choose either;
+1. draw ``prompts_per_batch`` tasks and the base sampling seed from the step key (run, peer id,
+   manifest root of the loaded version, step; node/rl/spec.py), so the node cannot choose either;
 2. sample ``group_size`` completions per prompt with the run's temperature / top-p / max tokens on the
    engine, which also records the final hidden states of every generated token;
 3. score each completion with the task's verifier (node/rl/verifiers.py), minus INTELLECT-2's length
@@ -12,7 +12,8 @@ How this works (:meth:`RolloutGenerator.run_step`, blocking; the role runs it in
    following the rules of node/rl/spec.py;
 4. build the TOPLOC proofs of each completion's hidden states (node/proofs/toploc.py, batched over
    all chunks of the step);
-5. assemble and sign one :class:`~node.rollouts.schema.RolloutBatch`, trimmed to one wire frame.
+5. assemble and sign one :class:`~node.rollouts.schema.RolloutBatch` holding every drawn prompt
+   (never trimmed: a step too big for one frame is not sent, see node/rollouts/assemble.py).
 
 The engine is loaded from the first checkpoint folder and follows newer versions by swapping weights
 in place (:meth:`RolloutGenerator.follow`). The cheating modes of ``[worker] cheat`` live in
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from ..proofs.toploc import build_proofs_many
 from ..rl.rollout import ScoredGroup, build_groups
-from ..rl.spec import DrawnStep, code_limits, draw_step
+from ..rl.spec import OFFLINE_ROOT, DrawnStep, code_limits, draw_step
 from ..rl.tasks import load_taskset
 from .assemble import Sealed, make_samples, seal_within
 from .config import WorkerConfig
@@ -72,7 +73,7 @@ class StepResult:
 
     step: int
     policy_version: int
-    sealed: Sealed | None  # None when not even one group fits a frame
+    sealed: Sealed | None  # None when the whole step does not fit a frame (it is never trimmed)
     samples: int
     completion_tokens: int
     generate_s: float  # sampling (with hidden-state capture)
@@ -122,19 +123,22 @@ class RolloutGenerator:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def draw(self, step: int) -> DrawnStep:
-        """The tasks, budgets and seed this worker must use at ``step`` (node/rl/spec.py)."""
-        return draw_step(self.taskset, self.rl, self.run_name, self.identity.peer_id, step)
+    def draw(self, step: int, policy_root: bytes) -> DrawnStep:
+        """The tasks, budgets and seed this worker must use at ``step`` on the checkpoint whose
+        manifest root is ``policy_root`` (node/rl/spec.py)."""
+        return draw_step(self.taskset, self.rl, self.run_name, self.identity.peer_id, policy_root, step)
 
     def claim(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
         """The groups as this worker reports them: an honest one reports what the verifiers said."""
         return groups
 
-    def run_step(self, step: int, policy_version: int, created_ms: int) -> StepResult:
+    def run_step(self, step: int, policy_version: int, created_ms: int, policy_root: bytes = OFFLINE_ROOT) -> StepResult:
+        """One step on the loaded checkpoint: ``policy_version`` and its manifest root ``policy_root``
+        (known to the role from the shards service; the offline default only for ``swarm-node rollout``)."""
         if self.loaded is None:
             raise RuntimeError("run_step before a checkpoint was loaded")
         rl, peer = self.rl, self.identity.peer_id
-        drawn = self.draw(step)
+        drawn = self.draw(step, policy_root)
         built = build_groups(self.engine, drawn, rl, self.code_limits, capture_hidden=True)
         true_mean = _mean([r for g in built.groups for r in g.rewards])
         groups = self.claim(built.groups)
@@ -146,14 +150,12 @@ class RolloutGenerator:
         samples = make_samples([g.samples for g in groups], [g.task.id for g in groups], [g.scores for g in groups],
                                [g.advantages for g in groups], proofs)
         batch = RolloutBatch(
-            run=self.run_name, worker=peer, step=step, policy_version=policy_version, taskset=self.taskset.name,
+            run=self.run_name, worker=peer, step=step, policy_version=policy_version, policy_root=policy_root,
+            taskset=self.taskset.name,
             seed=drawn.seed, temperature=rl.temperature, top_p=rl.top_p, max_new_tokens=rl.max_new_tokens,
             group_size=rl.group_size, created_ms=created_ms, samples=samples,
         )
         sealed = seal_within(self.identity, batch, self.worker.max_batch_bytes)
-        if sealed is not None and sealed.trimmed_groups:
-            log.warning("inference: step %d trimmed %d groups to fit one frame; lower [rl] prompts_per_batch",
-                        step, sealed.trimmed_groups)
         return StepResult(
             step=step, policy_version=policy_version, sealed=sealed, samples=len(samples),
             completion_tokens=sum(s.num_tokens for s in flat), generate_s=built.generate_s, score_s=built.score_s,

@@ -2,8 +2,9 @@
 
 This is the contract of the loop (DESIGN.md steps 3-5):
 
-* An inference node draws ``prompts_per_batch`` tasks deterministically from (its peer id,
-  ``step``, index), samples ``group_size`` completions per prompt with the policy ``policy_version``,
+* An inference node draws ``prompts_per_batch`` tasks deterministically from (run, its peer id,
+  the manifest root of ``policy_version``, ``step``, index; ``step`` inside the window of
+  node/rollouts/steps.py), samples ``group_size`` completions of every drawn prompt with that policy,
   scores them, computes group-relative advantages, builds TOPLOC proofs, and signs the batch
   (domain ``rollout-batch``). The batch id is the SHA-256 of the signed payload, so the same
   content signed twice is the same batch (replays are detected by id) and any change is a new id.
@@ -80,10 +81,14 @@ class RolloutBatch(Message):
     """Groups of samples from one worker at one step, all made with one policy version."""
 
     TYPE: ClassVar[str] = "rollout.batch"
+    VERSION: ClassVar[int] = 2  # 2: policy_root (the draw is keyed by it); draws cover the whole step
     run: str = bounded(max_len=64)
     worker: str = bounded(max_len=MAX_ID)  # peer id of the inference node (must be the signer)
     step: int = bounded(min=0, max=2**62)  # the worker's draw step (task draw input)
     policy_version: int = bounded(min=0, max=2**62)  # checkpoint version that generated it
+    # Root (manifest id) of that version's signed manifest: a draw input (node.rl.spec.step_key), so
+    # no draw exists before the version does. Trainers and validators check it is the announced one.
+    policy_root: bytes = bounded(exact_len=32, default=bytes(32))
     taskset: str = bounded(max_len=MAX_ID)
     seed: int = bounded(min=0, max=2**63 - 1)  # base sampling seed (per-sequence seeds derive from it)
     temperature: float = bounded(min=0.0, max=100.0)

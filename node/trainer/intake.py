@@ -9,6 +9,10 @@ trainer's state, so it lives here, as a function of that state (no I/O, no clock
   hashes of the signed payload, so a replay is byte-identical and always caught. A different batch
   for a (worker, step) already spooled is refused too: a worker must not sample many batches for one
   task draw and send the best (cherry-picking; INTELLECT-2's deterministic draw assumes one per step);
+* **step window** (node/rollouts/steps.py): a step far above the worker's highest (``step-ahead``:
+  a step picked by scanning free draws for easy ones) or below its window (``step-behind``) is
+  refused; and **policy root**: the batch's ``policy_root`` must be the manifest root we announced
+  for its ``policy_version`` (``wrong-root``), since the task draw is keyed by it;
 * **shape**: sampling temperature equal to the trainer's (the GRPO ratio divides logits by it),
   token ids inside the vocabulary, every sequence fits a packed row, groups no larger than claimed.
 
@@ -73,16 +77,24 @@ def intake_reason(
     known_worker_step: bool,
     step: int,
     limits: IntakeLimits,
+    window_reason: str | None = None,
+    root_ok: bool = True,
 ) -> str | None:
     """The first reason to refuse ``batch`` given the trainer's state, or None to accept it.
 
     ``known_batch``: the batch id is already in the spool. ``known_worker_step``: another batch of
-    this worker for ``batch.step`` is. Cheapest checks first.
+    this worker for ``batch.step`` is. ``window_reason``: the worker's step window's verdict on
+    ``batch.step`` (:meth:`node.rollouts.steps.StepWindow.reason`). ``root_ok``: ``batch.policy_root``
+    is not another root than the one announced for its version. Cheapest checks first.
     """
     if known_batch:
         return "duplicate"
     if known_worker_step:
         return "duplicate-step"
+    if window_reason:
+        return window_reason
+    if not root_ok:
+        return "wrong-root"
     stale = staleness_reason(batch.policy_version, step, limits.async_level)
     if stale:
         return stale
@@ -95,4 +107,8 @@ NOT_ATTRIBUTABLE = frozenset({"duplicate", "busy"})
 
 
 # Refusals that are no fault of the sender: lag, replays, our own load, a worker that died mid-upload.
-NOT_STRIKES = frozenset({"stale", "future", "duplicate", "busy", "banned"}) | TRANSPORT_FAILURES
+# A step outside the window is refused, not struck: with several trainers, one that was unreachable
+# for a long while sees an honest worker's steps jump (node/rollouts/steps.py, "Known limit").
+NOT_STRIKES = frozenset({"stale", "future", "duplicate", "busy", "banned", "step-ahead", "step-behind"}) | TRANSPORT_FAILURES
+# Refusals that do not use up the batch's step in the worker's window (the window must not move for them).
+KEEPS_WINDOW = frozenset({"duplicate", "duplicate-step", "step-ahead", "step-behind", "busy", "banned"})

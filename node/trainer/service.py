@@ -42,6 +42,7 @@ from ..peers import ActionKind, FaultRule
 from ..ledger.sync import LedgerError
 from ..rl.config import GRPOConfig
 from ..rl.grpo import NonFiniteStep, TrainSample
+from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import (
     MAX_BATCH_BYTES,
     ROLLOUTS_PROTOCOL,
@@ -51,11 +52,13 @@ from ..rollouts.schema import (
     open_batch,
     open_verdict,
 )
+from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
 from ..wire import MAX_FRAME, RemoteProtocolError, decode_as
 from .config import TrainerConfig
 from .gate import ValidatorGate
 from .intake import (
+    KEEPS_WINDOW,
     NOT_ATTRIBUTABLE,
     IntakeLimits,
     NOT_STRIKES,
@@ -106,6 +109,8 @@ class Trainer:
         self.validators = set(run.validators)
         self.gate = ValidatorGate(tcfg.verify_timeout_s, tcfg.max_verify_in_flight) if self.validators else None
         self.limits = IntakeLimits(policy.vocab_size, cfg.pack_length, cfg.temperature, cfg.async_level)
+        # The step window (node/rollouts/steps.py) is sized by the run's [worker] table, as the workers' outboxes are.
+        self.step_window = step_window_size(run.section("worker", WorkerConfig).max_pending_batches)
         self.intake_slots = trio.Semaphore(tcfg.max_concurrent_intake)
         node.peers.set_rule(SOURCE, FaultRule(strikes=tcfg.ban_after_strikes, window=tcfg.strike_window_s,
                                               ban_seconds=tcfg.ban_seconds))
@@ -166,31 +171,37 @@ class Trainer:
         b = signed.batch
         if self.worker_banned(b.worker):
             return self._refuse(signed.batch_id, "banned", sender)
-        # The capacity and replay checks hold until the batch is spooled: no other judge in between.
+        # The capacity, replay and step-window checks hold until the batch is spooled: no other judge in between.
         async with self._spool_lock:
             if self.spool.pending() >= self.tcfg.max_pending_batches and not self.spool.knows(signed.batch_id):
                 return self._refuse(signed.batch_id, "busy", sender)
+            announced = self.shards.announced.get(b.policy_version)  # (root, announcer) of our own manifest
             reason = intake_reason(
                 b,
                 known_batch=self.spool.knows(signed.batch_id),
                 known_worker_step=self.spool.knows_worker_step(b.worker, b.step),
                 step=self.step,
                 limits=self.limits,
+                window_reason=self.spool.step_window(b.worker).reason(b.step, self.step_window),
+                # An unknown root (a version older than what we kept since a restart) is left to the
+                # validators, who check the draw; a root that contradicts ours is the worker's lie.
+                root_ok=announced is None or announced[0] == b.policy_root,
             )
             if reason is not None:
                 if reason not in NOT_ATTRIBUTABLE:
                     # A third party may replay a worker's signed batch: only the worker's own submission
                     # is recorded against it in the ledger.
-                    await self.db.run(functools.partial(self.spool.add, signed, BatchState.REJECTED, reason=reason,
-                                                        ledger_due=sender == b.worker))
+                    await self.db.run(functools.partial(
+                        self.spool.add, signed, BatchState.REJECTED, reason=reason, ledger_due=sender == b.worker,
+                        window=0 if reason in KEEPS_WINDOW else self.step_window))
                     self._wake("ledger")
                 return self._refuse(signed.batch_id, reason, sender)
             if self.gate is not None:
-                await self.db.run(self.spool.add, signed, BatchState.GATED)
+                await self.db.run(functools.partial(self.spool.add, signed, BatchState.GATED, window=self.step_window))
                 self.gate.add(signed.batch_id)
                 self._wake("gate")
             else:
-                await self.db.run(self.spool.add, signed, BatchState.READY)
+                await self.db.run(functools.partial(self.spool.add, signed, BatchState.READY, window=self.step_window))
                 self._wake("train")
         self.intake["accepted"] += 1
         self.m_batches.labels(outcome="accepted").inc()

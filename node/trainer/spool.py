@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ..dbthread import connect_reader
 from ..rollouts.schema import SignedBatch
+from ..rollouts.steps import StepWindow
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
@@ -54,6 +55,11 @@ CREATE TABLE IF NOT EXISTS batches (
 );
 CREATE INDEX IF NOT EXISTS batches_worker_step ON batches (worker, step);
 CREATE INDEX IF NOT EXISTS batches_state ON batches (state);
+CREATE TABLE IF NOT EXISTS worker_steps (
+    worker TEXT PRIMARY KEY,          -- the step window of node/rollouts/steps.py, per worker
+    high INTEGER NOT NULL,            -- highest draw step spooled from the worker
+    seen BLOB NOT NULL                -- bit i: step high - i was used
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS steps (
     step INTEGER PRIMARY KEY,         -- the version this step produced
     mean_reward REAL NOT NULL,        -- over every sample of the step's batches (before filtering)
@@ -144,6 +150,12 @@ class Spool:
         q = "SELECT 1 FROM batches WHERE worker = ? AND step = ?"
         return self.reader.execute(q, (worker, step)).fetchone() is not None
 
+    def step_window(self, worker: str, db: sqlite3.Connection | None = None) -> StepWindow:
+        """The steps ``worker`` used, as far as the step window needs (node/rollouts/steps.py).
+        Read on the trio thread's reader unless a write (on the writer) passes its own ``db``."""
+        r = (db or self.reader).execute("SELECT high, seen FROM worker_steps WHERE worker = ?", (worker,)).fetchone()
+        return StepWindow.from_row(r[0], bytes(r[1])) if r else StepWindow.EMPTY
+
     def get(self, batch_id: bytes) -> SpooledBatch | None:
         return _get(self.reader, batch_id)
 
@@ -179,8 +191,10 @@ class Spool:
 
     # ------------------------------------------------------------------ writes (each one transaction)
 
-    def add(self, signed: SignedBatch, state: BatchState, *, reason: str = "", ledger_due: bool = True) -> None:
-        """Record a judged batch; durable when this returns (ack only after that)."""
+    def add(self, signed: SignedBatch, state: BatchState, *, reason: str = "", ledger_due: bool = True,
+            window: int = 0) -> None:
+        """Record a judged batch; durable when this returns (ack only after that). With ``window``
+        (the step window's size) the batch's step is marked used in the worker's window too."""
         b = signed.batch
         tokens = sum(len(s.completion_ids) for s in b.samples)
         mean_reward = sum(s.reward for s in b.samples) / len(b.samples) if b.samples else 0.0
@@ -192,6 +206,10 @@ class Spool:
                 (signed.batch_id, b.worker, b.step, b.policy_version, len(b.samples), tokens, mean_reward,
                  state.value, reason, keep, int(ledger_due)),
             )
+            if window:
+                w = self.step_window(b.worker, self.db).after(b.step, window)
+                self.db.execute("INSERT OR REPLACE INTO worker_steps (worker, high, seen) VALUES (?, ?, ?)",
+                                (b.worker, w.high, w.to_bytes()))
 
     def _move(self, batch_ids: list[bytes], to: BatchState, **cols) -> None:
         for bid in batch_ids:

@@ -44,6 +44,7 @@ def reversal_batch(
     temperature: float = 1.0,
     seed: int = 0,
     completions: Sequence[Sequence[str]] | None = None,
+    policy_root: bytes = bytes(32),
 ) -> RolloutBatch:
     """A batch of ``prompts`` reversal tasks x ``group_size`` completions, signed-ready.
 
@@ -79,7 +80,7 @@ def reversal_batch(
                 advantage=advs[g], proof=b"",
             ))
     return RolloutBatch(run=run, worker=identity.peer_id, step=step, policy_version=policy_version,
-                        taskset="synthetic", seed=seed, temperature=temperature, top_p=1.0, max_new_tokens=8,
+                        policy_root=policy_root, taskset="synthetic", seed=seed, temperature=temperature, top_p=1.0, max_new_tokens=8,
                         group_size=group_size, created_ms=0, samples=samples)
 
 
@@ -131,6 +132,7 @@ class FakeShards:
 
     def __init__(self) -> None:
         self.held: list[int] = []
+        self.announced: dict[int, tuple[bytes, str]] = {}  # version -> (root, announcer), as ShardsAPI
 
     def path_of(self, version: int):
         return None
@@ -142,6 +144,7 @@ class FakeShards:
         from types import SimpleNamespace
 
         self.held.append(version)
+        self.announced[version] = (bytes(32), "")
         return SimpleNamespace(root=bytes(32), manifest=SimpleNamespace(total_size=0))
 
 

@@ -23,7 +23,7 @@ class ValidatorConfig:
     # most this much (logit units), to absorb prefill-vs-decode numeric noise (fp32: ~1e-5; bf16: ~1e-2).
     sampling_tolerance: float = 0.05
     check_sampling: bool = True  # replay each token's seeded Gumbel-max choice from the validator's logits
-    check_seed: bool = True  # the batch seed must be node.rl.spec.sampling_seed(run, worker, step)
+    check_seed: bool = True  # the batch seed must be node.rl.spec.sampling_seed(step_key(run, worker, root, step))
     penalty_points: int = 1  # points a rejected batch costs its worker (benign reasons such as staleness cost 0)
     ban_threshold: int = 3  # points within penalty_window that trigger a ban
     penalty_window: float = 3600.0  # seconds over which penalty points add up

@@ -3,14 +3,18 @@
 How this works (DESIGN.md "The loop", step 4; TOPLOC paper §3-§6; INTELLECT-2 report §3):
 
 1. **Batch rules** (:func:`check_batch_rules`, no model): the sampling parameters are the run's
-   (temperature, top-p, length cap, group size, task set), the base seed is the one the run assigns
-   to (worker, step) (``node.rl.spec.sampling_seed``: a worker cannot shop for lucky seeds), the groups
-   are complete (G samples per drawn prompt, prompt indices below ``prompts_per_batch``: no
-   drawing more tasks than the step allows and keeping the easy ones), and the policy version is at
-   most ``async_level`` behind the newest checkpoint and not from the future. A failure here is the
-   reason of every sample, and no model work is done.
+   (temperature, top-p, length cap, group size, task set), the policy root is the manifest root
+   announced for the claimed version (the draw is keyed by it: a worker cannot use a draw it computed
+   before that version existed, nor another version's easier one), the base seed is the one the run
+   assigns to the step key (``node.rl.spec.sampling_seed``: a worker cannot shop for lucky seeds), the
+   batch is complete (every one of the ``prompts_per_batch`` drawn prompts, each with G samples: a
+   worker cannot drop the prompts it failed, nor draw more and keep the easy ones), and the policy
+   version is at most ``async_level`` behind the newest checkpoint and not from the future. A
+   failure here is the reason of every sample, and no model work is done. (Which step numbers a
+   worker may use at all, the step window of node/rollouts/steps.py, is the service's check: it
+   needs the store.)
 2. **Per sample, cheap**: the task id and prompt tokens are the run's deterministic draw for
-   (worker, step, prompt index) (anti cherry-picking); the completion stops at its first EOS or
+   (step key, prompt index) (anti cherry-picking); the completion stops at its first EOS or
    runs to the cap, and ``finish_reason`` says which; the verifier's reward, recomputed here on the
    decoded completion, equals the claimed task reward, length penalty and total; the advantage is
    ``(r - mean) / (std + 1e-6)`` of its group (the rules are node/rl/spec.py's, as the worker's).
@@ -48,7 +52,7 @@ from ..proofs.capture import logits_from_hidden, recompute_decode_states
 from ..proofs.config import ProofsConfig
 from ..proofs.reasons import PASS, CheckResult, Reason, fail
 from ..proofs.toploc import ChunkResult, verify_proofs
-from ..rl.spec import group_advantages, sampling_seed, token_logprobs
+from ..rl.spec import group_advantages, sampling_seed, step_key, token_logprobs
 from ..rollouts.assemble import split_proofs
 from ..rollouts.schema import RolloutBatch, RolloutSample, SignedBatch, open_batch
 from ..wire import RemoteProtocolError
@@ -66,7 +70,10 @@ class BatchReason(str, enum.Enum):
     MALFORMED = "malformed_batch"  # does not decode as a RolloutBatch of this run
     REPLAYED = "replayed"  # this (worker, step, prompt index) was already judged in another batch
     WRONG_PARAMS = "wrong_params"  # top-p, length cap, group size or task set differ from the run's
-    BAD_GROUPS = "bad_groups"  # incomplete/duplicate groups or prompt indices beyond the step's draw
+    BAD_GROUPS = "bad_groups"  # a drawn prompt or sample missing, duplicated, or beyond the step's draw
+    WRONG_ROOT = "wrong_policy_root"  # policy_root is not the announced manifest root of policy_version
+    STEP_AHEAD = "step_ahead"  # step beyond the worker's step window (node/rollouts/steps.py): grinding
+    STEP_BEHIND = "step_behind"  # step below the worker's window: its number may have been used before
     WRONG_PROMPT = "wrong_prompt"  # prompt tokens are not the drawn task's prompt
     WRONG_FINISH = "wrong_finish"  # finish_reason contradicts the tokens
     SAMPLING_MISMATCH = "sampling_mismatch"  # a token is not the seeded Gumbel-max choice
@@ -118,7 +125,8 @@ class Score:
 class TaskSet(Protocol):
     """The run's task draw and verifiers, as the validator uses them."""
 
-    def draw(self, worker: str, step: int, index: int) -> DrawnTask: ...
+    def draw(self, key: bytes, index: int) -> DrawnTask:
+        """The task of prompt ``index`` of the step whose key (``node.rl.spec.step_key``) is ``key``."""
 
     def score(self, task: DrawnTask, completion_text: str, completion_tokens: int) -> Score: ...
 
@@ -228,9 +236,17 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= PARAM_TOLERANCE * max(1.0, abs(b))
 
 
-def check_batch_rules(batch: RolloutBatch, rules: BatchRules, current_version: int) -> CheckResult:
-    """Parameters, seed, group structure and staleness of a whole batch (no model needed)."""
-    seed = sampling_seed(rules.run, batch.worker, batch.step) if rules.check_seed else None
+def check_batch_rules(batch: RolloutBatch, rules: BatchRules, current_version: int,
+                      policy_root: bytes | None = None) -> CheckResult:
+    """Parameters, policy root, seed, group structure and staleness of a whole batch (no model needed).
+
+    ``policy_root`` is the manifest root this node knows for ``batch.policy_version`` (the service
+    always passes it; None skips the check, for tests of other rules)."""
+    if policy_root is not None and batch.policy_root != policy_root:
+        return reject(BatchReason.WRONG_ROOT, f"policy_root {batch.policy_root.hex()[:12]} is not v{batch.policy_version}'s "
+                                              f"{policy_root.hex()[:12]}")
+    key = step_key(rules.run, batch.worker, batch.policy_root, batch.step)
+    seed = sampling_seed(key) if rules.check_seed else None
     check = checks.check_sampling_params(batch.temperature, batch.seed, run_temperature=rules.temperature, expected_seed=seed)
     if not check:
         return check
@@ -253,7 +269,12 @@ def check_batch_rules(batch: RolloutBatch, rules: BatchRules, current_version: i
 
 
 def check_groups(samples: Sequence[RolloutSample], group_size: int, prompts_per_batch: int) -> CheckResult:
-    """Complete groups: each prompt index below the step's draw count, with sample indices 0..G-1 once."""
+    """A complete batch: every prompt index 0..prompts_per_batch-1, each with sample indices 0..G-1 once.
+
+    Every group present being complete is not enough: a worker could drop the prompts it failed
+    (issue 13, "dropping groups") and its batch would lift the mean reward it is credited with. The
+    inference side never trims a batch to fit a frame (node/rollouts/assemble.py): the run's
+    ``prompts_per_batch`` must fit, and a step that does not is dropped whole."""
     if not samples:
         return reject(BatchReason.BAD_GROUPS, "empty batch")
     groups: dict[int, list[int]] = defaultdict(list)
@@ -261,6 +282,9 @@ def check_groups(samples: Sequence[RolloutSample], group_size: int, prompts_per_
         if s.prompt_index >= prompts_per_batch:
             return reject(BatchReason.BAD_GROUPS, f"prompt index {s.prompt_index} >= prompts_per_batch {prompts_per_batch}")
         groups[s.prompt_index].append(s.sample_index)
+    missing = [p for p in range(prompts_per_batch) if p not in groups]
+    if missing:
+        return reject(BatchReason.BAD_GROUPS, f"drawn prompts {missing[:8]} missing: a batch holds all {prompts_per_batch}")
     for p, idx in groups.items():
         if sorted(idx) != list(range(group_size)):
             return reject(BatchReason.BAD_GROUPS, f"prompt {p}: sample indices {sorted(idx)[:8]} != 0..{group_size - 1}")
@@ -271,9 +295,9 @@ def check_groups(samples: Sequence[RolloutSample], group_size: int, prompts_per_
 # 2. Cheap per-sample checks
 
 
-def check_task(sample: RolloutSample, worker: str, step: int, tasks: TaskSet, tokenizer: Tokenizer) -> tuple[CheckResult, DrawnTask | None]:
-    """The sample's task is the draw's, and its prompt tokens are that task's prompt."""
-    task = tasks.draw(worker, step, sample.prompt_index)
+def check_task(sample: RolloutSample, key: bytes, step: int, tasks: TaskSet, tokenizer: Tokenizer) -> tuple[CheckResult, DrawnTask | None]:
+    """The sample's task is the draw's (``key``: the batch's step key), and its prompt tokens are that task's prompt."""
+    task = tasks.draw(key, sample.prompt_index)
     if sample.task_id != task.task_id:
         return fail(Reason.WRONG_TASK, f"task {sample.task_id!r} != drawn {task.task_id!r} (step {step}, index {sample.prompt_index})"), None
     if list(sample.prompt_ids) != list(tokenizer.encode(task.prompt, add_special_tokens=False)):
@@ -432,26 +456,29 @@ def judge_batch(
     tasks: TaskSet,
     model: CheckModel | None,
     replayed: Callable[[int], bool] = lambda prompt_index: False,
+    policy_root: bytes | None = None,
 ) -> Judgement:
-    """All checks of one batch; ``model`` is the checkpoint of ``batch.policy_version``.
+    """All checks of one batch; ``model`` is the checkpoint of ``batch.policy_version`` and
+    ``policy_root`` its manifest root (see :func:`check_batch_rules`).
 
     ``replayed(prompt_index)`` says whether (worker, step, prompt_index) was already judged in
     another batch (the caller's replay store). ``model=None`` is allowed only when the batch rules
     fail (then no sample needs the model); otherwise it is our bug.
     """
     n = len(batch.samples)
-    rule = check_batch_rules(batch, rules, current_version)
+    rule = check_batch_rules(batch, rules, current_version, policy_root)
     if not rule:
         return Judgement.uniform(n, rule)
     if model is None:
         raise ValueError("judge_batch needs the checkpoint's model for a batch that passes the batch rules")
     results: list[CheckResult] = [PASS] * n
+    key = step_key(rules.run, batch.worker, batch.policy_root, batch.step)
     advantages = advantage_results(batch.samples, rules.proofs.advantage_tolerance)
     for i, s in enumerate(batch.samples):
         if replayed(s.prompt_index):
             results[i] = reject(BatchReason.REPLAYED, f"step {batch.step}, prompt {s.prompt_index} already judged")
             continue
-        check, task = check_task(s, batch.worker, batch.step, tasks, model.tokenizer)
+        check, task = check_task(s, key, batch.step, tasks, model.tokenizer)
         if check:
             check = check_finish(s, model.eos_ids, rules.max_new_tokens, model.vocab_size)
         if check:

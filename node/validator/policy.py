@@ -29,6 +29,10 @@ BENIGN = frozenset({
     BatchReason.NO_CHECKPOINT.value,
     BatchReason.BANNED.value,
     BatchReason.FORGED.value,
+    # Refused, not penalised: with several trainers an honest worker's steps can jump past one
+    # validator's window (node/rollouts/steps.py, "Known limit"); the refusal alone stops grinding.
+    BatchReason.STEP_AHEAD.value,
+    BatchReason.STEP_BEHIND.value,
 })
 MAX_TRACKED_PEERS = 100_000  # workers with live points or bans kept in memory (least recent evicted)
 MAX_EVENTS_PER_PEER = 1024  # point events kept per worker inside the window

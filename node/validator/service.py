@@ -11,7 +11,9 @@ How this works (DESIGN.md "The loop" step 4; the trainer side is node/trainer/ga
   nothing, the trainer re-assigns after its timeout, and workers need not know the validators.
 * **Checking** (one batch at a time, in a worker thread so the node keeps answering probes): the
   batch's checkpoint is fetched through the shard swarm if needed (the last ``keep_models``
-  versions stay loaded), then node/validator/pipeline.py judges it against the replay store.
+  versions stay loaded), then node/validator/pipeline.py judges it against the replay store, the
+  worker's step window (node/rollouts/steps.py: no grinding step numbers for easy draws) and the
+  manifest root announced for the batch's version (the draw is keyed by it).
 * **Verdict**: signed (domain ``verdict``), stored with the batch's task slots in one SQLite
   transaction (node/validator/store.py), appended to the ledger as a ``verdict`` entry, and, for a
   rejected batch, a ``penalty`` entry (and a ban past the threshold, node/validator/policy.py).
@@ -25,6 +27,7 @@ the ``busy`` counter, and the trainer gets "busy" instead of a silent drop.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -42,6 +45,7 @@ from ..net.reqres import CallFailure, Codec, FailureKind, open_call, raw, reques
 from ..proofs.config import ProofsConfig
 from ..proofs.margins import ProofMargins
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
+from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import (
     DOMAIN_VERDICT,
     VERDICTS_PROTOCOL,
@@ -50,6 +54,7 @@ from ..rollouts.schema import (
     SignedBatch,
     Verdict,
 )
+from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
 from ..wire import (
     MAX_FRAME,
@@ -87,6 +92,11 @@ _ACK = Codec(MAX_ACK_FRAME, lambda frame: decode_as(RolloutAck, frame, MAX_ACK_F
 BEHIND_FRACTION = 0.8  # queue fill at which status says "behind"
 LEDGER_STEP_MAX = 2**32  # the ledger's verdict body bounds the step
 FUTURE_GRACE = 5.0  # seconds to wait for the announcement of a version newer than any we know
+# Window refusals (and bans) do not use up the batch's step: the worker's window must not move for them.
+KEEPS_WINDOW = frozenset({BatchReason.STEP_AHEAD.value, BatchReason.STEP_BEHIND.value, BatchReason.BANNED.value})
+# A step another batch used is a replay of its draw, whether the slots table still remembers it or not.
+_WINDOW_REASONS = {"step-ahead": BatchReason.STEP_AHEAD, "step-behind": BatchReason.STEP_BEHIND,
+                   "duplicate-step": BatchReason.REPLAYED}
 
 
 @dataclass
@@ -134,6 +144,8 @@ class ValidatorService:
         run = node.config.run
         self.trainers = set(run.trainers)
         self.is_validator = node.peer_id in set(run.validators)
+        # Sized by the run's [worker] table, as the trainer's (node/rollouts/steps.py).
+        self.step_window = step_window_size(run.section("worker", WorkerConfig).max_pending_batches)
         self.book = PenaltyBook(cfg)
         for peer, until, reason in store.bans(wall_clock()):
             self.book.apply_ban(peer, reason, until)
@@ -234,9 +246,10 @@ class ValidatorService:
             created_ms=int(self.wall_clock() * 1000),
         )
         raw = encode(seal(self.node.identity, DOMAIN_VERDICT, verdict))
-        await self.db.run(self.store.record, job.signed.batch_id, batch.worker, batch.step,
-                          [s.prompt_index for s in batch.samples], judgement.accepted, judgement.reasons, job.trainer,
-                          raw, verdict.created_ms)
+        await self.db.run(functools.partial(
+            self.store.record, job.signed.batch_id, batch.worker, batch.step, [s.prompt_index for s in batch.samples],
+            judgement.accepted, judgement.reasons, job.trainer, raw, verdict.created_ms,
+            window=0 if judgement.main_reason() in KEEPS_WINDOW else self.step_window))
         result = "accepted" if judgement.accepted else "rejected"
         if judgement.accepted:  # only fully honest batches shape the recommended thresholds
             for chunks in judgement.proofs:
@@ -260,6 +273,11 @@ class ValidatorService:
         if self.book.is_banned(batch.worker, self.wall_clock()) or self.ledger.ban_of(batch.worker):
             # Our own ban, or one another validator or a trainer recorded in the ledger.
             return Judgement.uniform(n, reject(BatchReason.BANNED, "worker is banned"))
+        window = self.store.step_window(batch.worker)
+        outside = window.reason(batch.step, self.step_window)
+        if outside:
+            return Judgement.uniform(n, reject(_WINDOW_REASONS[outside],
+                                               f"step {batch.step}: {outside} (highest so far {window.high})"))
         current = self.current_version()
         if current is None or batch.policy_version > current:
             # Maybe the announcement is still on its way (gossip takes ~1 s); a longer wait would let
@@ -271,9 +289,15 @@ class ValidatorService:
                 log.info("validator: no checkpoint known yet; batch %s left to another validator",
                          job.signed.batch_id.hex()[:12])
                 return None
-        rule = check_batch_rules(batch, self.rules, current)
+        announced = self.shards.announced.get(batch.policy_version)
+        root = announced[0] if announced is not None else None
+        rule = check_batch_rules(batch, self.rules, current, root)
         if not rule:
             return Judgement.uniform(n, rule)
+        if root is None:  # a version we cannot know the draw of: we could not fetch it either
+            log.info("validator: no manifest root for v%d; batch %s left to another validator",
+                     batch.policy_version, job.signed.batch_id.hex()[:12])
+            return None
         model = await self.model_for(batch.policy_version)
         if model is None:
             log.info("validator: checkpoint v%d not obtained; batch %s left to another validator",
@@ -283,7 +307,7 @@ class ValidatorService:
                                              job.signed.batch_id)
         return await trio.to_thread.run_sync(
             lambda: judge_batch(batch, self.rules, current_version=current, tasks=self.tasks, model=model,
-                                replayed=replayed.__contains__),
+                                replayed=replayed.__contains__, policy_root=root),
             abandon_on_cancel=True,  # a long check must not hold up shutdown
         )
 

@@ -9,6 +9,9 @@ Three tables:
 * ``prompts``: (worker, step, prompt index) -> batch id. A drawn task is solved once: the same
   slot in a *different* batch (re-signed with a new time, or split differently) is a replay.
 * ``penalties``: bans given, so a restarted validator keeps refusing a banned worker.
+* ``worker_steps``: each worker's step window (node/rollouts/steps.py): the highest step judged and
+  which steps below it were used, so step grinding is refused across restarts and after ``judged``
+  rows are forgotten.
 
 Durability: WAL with ``synchronous=FULL`` — a verdict or ban row is on disk before the verdict
 leaves the node (https://sqlite.org/pragma.html#pragma_synchronous). Rows are bounded by
@@ -24,6 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..dbthread import connect_reader
+from ..rollouts.steps import StepWindow
 
 DB_FILE = "validator.sqlite"
 MAX_JUDGED = 200_000  # judged batches remembered (a few hundred bytes to a few KiB each)
@@ -47,6 +51,11 @@ CREATE TABLE IF NOT EXISTS prompts (
     prompt_index INTEGER NOT NULL,
     batch_id BLOB NOT NULL,
     PRIMARY KEY (worker, step, prompt_index)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS worker_steps (
+    worker TEXT PRIMARY KEY,
+    high INTEGER NOT NULL,
+    seen BLOB NOT NULL
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS bans (
     peer TEXT PRIMARY KEY,
@@ -82,6 +91,12 @@ class ValidatorStore:
         row = self._read.execute("SELECT trainer, verdict FROM judged WHERE batch_id = ?", (batch_id,)).fetchone()
         return None if row is None else (row[0], bytes(row[1]))
 
+    def step_window(self, worker: str, db: sqlite3.Connection | None = None) -> StepWindow:
+        """The steps ``worker`` used, as far as the step window needs (the reader's view unless a
+        write on the writer passes its own ``db``)."""
+        row = (db or self._read).execute("SELECT high, seen FROM worker_steps WHERE worker = ?", (worker,)).fetchone()
+        return StepWindow.from_row(row[0], bytes(row[1])) if row else StepWindow.EMPTY
+
     def replayed_slots(self, worker: str, step: int, prompt_indices: Iterable[int], batch_id: bytes) -> set[int]:
         """The prompt indices of (worker, step) already claimed by another batch."""
         out = set()
@@ -95,9 +110,10 @@ class ValidatorStore:
 
     def record(
         self, batch_id: bytes, worker: str, step: int, prompt_indices: Iterable[int], accepted: bool,
-        reasons: list[str], trainer: str, verdict: bytes, time_ms: int,
+        reasons: list[str], trainer: str, verdict: bytes, time_ms: int, window: int = 0,
     ) -> None:
-        """Store a verdict and claim its task slots, in one transaction (before the verdict is sent)."""
+        """Store a verdict and claim its task slots, in one transaction (before the verdict is sent);
+        with ``window`` (the step window's size), mark the batch's step used in the worker's window."""
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute(
@@ -109,6 +125,10 @@ class ValidatorStore:
                 "INSERT OR IGNORE INTO prompts (worker, step, prompt_index, batch_id) VALUES (?, ?, ?, ?)",
                 [(worker, step, p, batch_id) for p in sorted(set(prompt_indices))],
             )
+            if window:
+                w = self.step_window(worker, self._db).after(step, window)
+                self._db.execute("INSERT OR REPLACE INTO worker_steps (worker, high, seen) VALUES (?, ?, ?)",
+                                 (worker, w.high, w.to_bytes()))
             self._prune()
 
     def _prune(self) -> None:

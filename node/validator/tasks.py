@@ -21,9 +21,9 @@ class RunTasks:
         self.taskset = taskset if taskset is not None else load_taskset(rl.taskset)
         self.limits = spec.code_limits(rl)
 
-    def draw(self, worker: str, step: int, index: int) -> DrawnTask:
-        task = draw_task(self.taskset, worker, step, index)
-        budget = spec.drawn_budget(self.rl, worker, step, index)
+    def draw(self, key: bytes, index: int) -> DrawnTask:
+        task = draw_task(self.taskset, key, index)
+        budget = spec.drawn_budget(self.rl, key, index)
         return DrawnTask(task.id, spec.prompt_text(task, budget), budget, task)
 
     def score(self, task: DrawnTask, completion_text: str, completion_tokens: int) -> Score:

@@ -21,7 +21,7 @@ import torch
 from ..identity import Identity
 from ..proofs.reasons import Reason
 from ..proofs.toploc import build_proofs_many
-from ..rl.spec import group_advantages, sampling_seed
+from ..rl.spec import group_advantages, sampling_seed, step_key
 from ..rollouts.schema import (
     DOMAIN_BATCH,
     RolloutBatch,
@@ -31,6 +31,9 @@ from ..rollouts.schema import (
 )
 from ..wire import encode, seal
 from .pipeline import BatchReason, BatchRules, TaskSet
+
+
+ROOT = b"\x5a" * 32  # the manifest root the tests' checkpoint version is announced with
 
 
 def sign_batch(identity: Identity, batch: RolloutBatch) -> SignedBatch:
@@ -49,13 +52,17 @@ def make_batch(
     created_ms: int = 0,
     seed: int | None = None,
     draw_step: int | None = None,
+    policy_root: bytes = ROOT,
 ) -> SignedBatch:
-    """An honest batch of ``identity``'s worker at ``step`` (``seed``/``draw_step`` override for cheats)."""
+    """An honest batch of ``identity``'s worker at ``step`` on the checkpoint whose manifest root is
+    ``policy_root`` (``seed``/``draw_step`` override for cheats)."""
     worker = identity.peer_id
     tok = engine.tokenizer
-    drawn = [tasks.draw(worker, step if draw_step is None else draw_step, i) for i in range(rules.prompts_per_batch)]
+    key = step_key(rules.run, worker, policy_root, step)
+    draw_key = key if draw_step is None else step_key(rules.run, worker, policy_root, draw_step)
+    drawn = [tasks.draw(draw_key, i) for i in range(rules.prompts_per_batch)]
     prompts = [tok.encode(t.prompt, add_special_tokens=False) for t in drawn]
-    base_seed = sampling_seed(rules.run, worker, step) if seed is None else seed
+    base_seed = sampling_seed(key) if seed is None else seed
     groups = engine.generate(prompts, rules.group_size, rules.temperature, rules.top_p, rules.max_new_tokens, base_seed)
     flat = [s for g in groups for s in g]
     proofs = build_proofs_many([s.hidden for s in flat], rules.proofs.chunk_tokens, rules.proofs.topk)
@@ -72,7 +79,8 @@ def make_batch(
                 target_length=task.target_length, advantage=float(adv), proof=b"".join(proofs[len(samples)]),
             ))
     batch = RolloutBatch(
-        run=rules.run, worker=worker, step=step, policy_version=policy_version, taskset=rules.taskset,
+        run=rules.run, worker=worker, step=step, policy_version=policy_version, policy_root=policy_root,
+        taskset=rules.taskset,
         seed=base_seed, temperature=rules.temperature, top_p=rules.top_p, max_new_tokens=rules.max_new_tokens,
         group_size=rules.group_size, created_ms=created_ms, samples=samples,
     )
@@ -139,5 +147,13 @@ FAULTS = {
         Fault("chosen_seed", frozenset({Reason.WRONG_SEED.value}), "sampled with a seed of the worker's choosing"),
         Fault("altered_last_token", SAMPLING_REASONS,
               "last token edited: the proof cannot see it (no later state), the sampling checks must"),
+        Fault("dropped_group", frozenset({BatchReason.BAD_GROUPS.value}),
+              "the group of a prompt the worker failed left out, every other group complete"),
+        Fault("draw_of_another_version", frozenset({BatchReason.WRONG_ROOT.value}),
+              "tasks and seed drawn under another manifest root than the claimed version's"),
+        # Checked by the service against the store (node/rollouts/steps.py), not by judge_batch:
+        # tests/test_redteam_steps.py.
+        Fault("ground_step", frozenset({BatchReason.STEP_AHEAD.value}),
+              "a step far above the worker's last, picked by scanning free draws for easy tasks"),
     )
 }

@@ -1,0 +1,95 @@
+"""The step window: which step numbers a worker may still use. Pure (no I/O, no clock).
+
+The attack it stops (issue 13, "step grinding"): a worker's tasks and sampling seed are a hash of
+(run, worker, policy root, step) (``node.rl.spec.step_key``), and hashing is free. If any unused
+step number counted, a worker could hash thousands of steps, keep the few whose tasks it finds
+easiest and submit honest batches for only those: every check would pass and the gradient would
+learn from a hand-picked curriculum. Keying the draw by the policy root (the checkpoint's manifest
+id) means no draw exists before its version does; this window bounds how many draws of one version a
+worker can choose among.
+
+The rule, kept per worker by the trainer (its spool) and the validator (its store), durably:
+
+* ``high`` is the highest step accepted from the worker; a step above ``high + window`` is
+  refused (``step-ahead``). Every batch moves ``high`` up by at most ``window``, so over a run a
+  worker submits one batch per ``window`` step numbers at the very least: it chooses among at most
+  ``window`` draws per batch, not among thousands;
+* a step at or below ``high - window`` is refused (``step-behind``), and one inside the window that
+  was seen is refused (``duplicate-step``): each step number is used once, even after the batch
+  tables forget old rows, so a skipped step cannot come back later with a fresh draw under a newer
+  version. Within the window, late steps are fine (a retried batch delivered after a newer one).
+
+This is the anti-replay sliding window of IPsec (RFC 4303 §3.4.3) applied to step numbers.
+
+First sight: a worker the node has never seen may start at any step. A fresh identity is a fresh
+set of draws anyway (keys are free: grinding identities is the Sybil problem, bounded by quotas on
+new identities, not by this window), and it lets a validator join a run that is under way.
+
+Honest workers never trip it (tests/test_redteam_steps.py): an inference node uses consecutive steps
+and persists its next step before each one (node/roles/inference.py), so a gap at a trainer is the
+batches it never delivered: at most its outbox plus the step in generation lost in a crash
+(``max_pending_batches + 1``), the same again for batches dropped as stale in one burst, and a few
+failed steps; :func:`step_window_size` allows twice that plus ``STEP_SLACK``. The size comes from the
+run file's ``[worker] max_pending_batches``, which the trainer and validators read too.
+
+Known limit: with several trainers, each sees only the steps sent to it; a trainer that was
+unreachable while a worker delivered more than a window of batches elsewhere refuses that worker's
+next batches as ``step-ahead`` (no strike: the worker is not at fault), and the worker's outbox
+uses its other trainers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+STEP_SLACK = 8  # steps lost to failed generations (an error, an oversized batch) between two deliveries
+MAX_WINDOW = 4096  # bounds the seen-mask a node stores per worker (max_pending_batches is at most 1024)
+
+
+def step_window_size(max_pending_batches: int) -> int:
+    """How far above the highest step seen a worker may go, for the run's ``[worker] max_pending_batches``."""
+    return min(MAX_WINDOW, 2 * (max_pending_batches + 1) + STEP_SLACK)
+
+
+@dataclass(frozen=True)
+class StepWindow:
+    """One worker's used steps as far as they matter: ``high`` (-1: none yet) and which of the
+    ``window`` steps at and below it were seen (bit i set = step ``high - i`` was used)."""
+
+    high: int = -1
+    seen: int = 0
+
+    EMPTY: ClassVar[StepWindow]
+
+    def reason(self, step: int, window: int) -> str | None:
+        """None if ``step`` may be used now, else ``step-ahead``, ``step-behind`` or ``duplicate-step``."""
+        if self.high < 0:
+            return None
+        if step > self.high + window:
+            return "step-ahead"
+        if step > self.high:
+            return None
+        back = self.high - step
+        if back >= window:
+            return "step-behind"
+        return "duplicate-step" if self.seen >> back & 1 else None
+
+    def after(self, step: int, window: int) -> StepWindow:
+        """The window once ``step`` is used (call only when :meth:`reason` allowed it)."""
+        mask = (1 << window) - 1
+        if self.high < 0:
+            return StepWindow(step, 1)
+        if step > self.high:
+            return StepWindow(step, ((self.seen << (step - self.high)) | 1) & mask)
+        return StepWindow(self.high, self.seen | 1 << (self.high - step))
+
+    def to_bytes(self) -> bytes:
+        return self.seen.to_bytes((MAX_WINDOW + 7) // 8, "big").lstrip(b"\x00")
+
+    @classmethod
+    def from_row(cls, high: int, seen: bytes) -> StepWindow:
+        return cls(high, int.from_bytes(seen, "big"))
+
+
+StepWindow.EMPTY = StepWindow()
