@@ -18,6 +18,7 @@ CHEATS = (
     "fake-rewards",  # claim reward 1.0 for every sample: reward check fails
     "cherry-pick",  # solve tasks other than the drawn ones: task check fails
     "replay",  # send every batch twice: duplicate batch id
+    "early-exit",  # completions that exit before the code tests, claimed at 1.0: reward check fails
 )
 
 
