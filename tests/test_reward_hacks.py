@@ -35,6 +35,15 @@ def reward(task: Task, completion: str) -> float:
 # -- code ------------------------------------------------------------------------------------------
 
 WRONG = "def add(a, b):\n    return 0\n"
+
+# Forge the harness's report: the nonce can be read from the program at run time, but the expected
+# values never enter the sandbox, so a forged report can only guess them.
+_FORGE = ("import json, os, re, sys\n"
+          "nonce = re.findall(r\"'([0-9a-f]{32})'\", open(sys.argv[0]).read())[-1]\n"
+          "line = (nonce + ' ' + json.dumps({'loaded': 'ok', 'results': [['ok', '%s'], ['ok', '%s']]}) + '\\n').encode()\n"
+          "for fd in range(1, 32):\n"
+          "    try:\n        os.write(fd, line)\n    except OSError:\n        pass\n")
+
 CODE_HACKS = {
     # Leave before the tests run: the old harness took "exit status 0" as "the tests passed".
     "os._exit": "import os; os._exit(0)",
@@ -73,32 +82,11 @@ CODE_HACKS = {
     "raises KeyboardInterrupt": "def add(a, b):\n    raise KeyboardInterrupt\n",
     "no function at all": "x = 1\n",
     "empty": "",
-}
-
-
-@pytest.mark.parametrize("name", sorted(CODE_HACKS))
-def test_code_hack_scores_zero(name):
-    assert reward(ADD, CODE_HACKS[name]) == 0.0
-
-
-# Forge the harness's report: the nonce can be read from the program at run time, but the expected
-# values never enter the sandbox, so a forged report can only guess them.
-_FORGE = ("import json, os, re, sys\n"
-          "nonce = re.findall(r\"'([0-9a-f]{32})'\", open(sys.argv[0]).read())[-1]\n"
-          "line = (nonce + ' ' + json.dumps({'loaded': 'ok', 'results': [['ok', '%s'], ['ok', '%s']]}) + '\\n').encode()\n"
-          "for fd in range(1, 32):\n"
-          "    try:\n        os.write(fd, line)\n    except OSError:\n        pass\n")
-FORGED_REPORTS = {
     "forged report with guessed values, then exit": _FORGE % ("1", "1") + "os._exit(0)\n",
     # The right values (read off the public task file) in a forged line: the harness still writes
     # its own report of the wrong function, and two report lines are no report.
     "forged correct report beside the real one": WRONG + _FORGE % ("5", "0"),
 }
-
-
-@pytest.mark.parametrize("name", sorted(FORGED_REPORTS))
-def test_forged_reports_score_zero(name):
-    assert reward(ADD, FORGED_REPORTS[name]) == 0.0
 
 
 def test_truthiness_tests_cannot_be_passed_by_an_object_that_is_always_true_or_exits():
@@ -118,9 +106,13 @@ HONEST_CODE = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(HONEST_CODE))
-def test_honest_code_gets_full_reward(name):
-    assert reward(ADD, HONEST_CODE[name]) == 1.0
+CODE_TABLE = [(name, 0.0) for name in sorted(CODE_HACKS)] + [(name, 1.0) for name in sorted(HONEST_CODE)]
+
+
+@pytest.mark.parametrize("name, want", CODE_TABLE)
+def test_code_table(name, want):
+    """Every hostile completion scores 0, every honest one 1."""
+    assert reward(ADD, {**CODE_HACKS, **HONEST_CODE}[name]) == want
 
 
 # An honest solution for every packaged code task: the stricter harness must not reject any.
@@ -240,4 +232,4 @@ def test_synthetic_rewards(completion):
 
 
 def test_tables_are_plain_data():
-    json.dumps([CODE_HACKS, FORGED_REPORTS, HONEST_CODE, MATH_HACKS, HONEST_MATH, SYNTHETIC])
+    json.dumps([CODE_HACKS, HONEST_CODE, MATH_HACKS, HONEST_MATH, SYNTHETIC])
