@@ -104,6 +104,7 @@ def _generate(path, cheat: str, ident: Identity, rl: RLConfig | None = None):
     ("perturbed-model", "proof"),
     ("fake-rewards", "reward"),
     ("cherry-pick", "task"),
+    ("early-exit", "reward"),
 ])
 def test_generator_step_honest_and_cheating(tiny, cheat, caught):
     path, model, tok = tiny
@@ -129,6 +130,20 @@ def test_generator_drop_groups_cheat_is_an_incomplete_batch(tiny):
     assert len(prompts) == RL["prompts_per_batch"] - 1
     check = check_groups(sb.batch.samples, RL["group_size"], RL["prompts_per_batch"])
     assert not check and check.reason == BatchReason.BAD_GROUPS
+
+
+def test_early_exit_cheat_on_code_tasks_is_a_reward_mismatch_and_nothing_else(tiny):
+    """The exit program really is what the cheat sends, with proofs and log-probs that hold: only the
+    verifier (node/rl/harness.py), which no longer reads exit status, can refuse it."""
+    path, model, tok = tiny
+    ident = Identity.generate()
+    rl = RLConfig(group_size=2, prompts_per_batch=1, max_new_tokens=20, taskset="code")
+    sb, result = _generate(path, "early-exit", ident, rl)
+    exits = [s for s in sb.batch.samples if tok.decode(s.completion_ids, skip_special_tokens=True) == "raise SystemExit"]
+    assert exits and all(s.task_reward == 1.0 and s.finish_reason == "stop" for s in exits)
+    failures = check_batch(sb, model, tok, ident.peer_id, 0, rl)
+    assert failures and all(f.startswith("reward") for f in failures), failures
+    assert result.mean_reward > result.mean_true_reward
 
 
 def test_generator_step_with_length_reward(tiny):

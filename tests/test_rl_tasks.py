@@ -46,6 +46,16 @@ def test_packaged_synthetic_set_is_what_its_generator_writes(tmp_path):
     (line(id="a", kind="math", prompt="", answer="x"), "prompt"),
     (line(id="a", kind="math", prompt="p"), "answer"),
     (line(id="a", kind="code", prompt="p"), "tests"),
+    # Code tests the harness (node/rl/harness.py) cannot judge in the node are refused at load.
+    (line(id="a", kind="code", prompt="p", tests="print('hi')\n"), "line 1: unsupported"),
+    (line(id="a", kind="code", prompt="p", tests="assert f(1) == 2\nassert f(2) < 6\n"), "line 2: unsupported"),
+    (line(id="a", kind="code", prompt="p", tests="assert f(x) == 2\n"), "unsupported"),
+    (line(id="a", kind="code", prompt="p", tests="assert f(2) == g(3)\n"), "unsupported"),
+    (line(id="a", kind="code", prompt="p", tests="assert sorted(f(3)) == [1]\n"), "unsupported"),
+    (line(id="a", kind="code", prompt="p", tests="assert f(*[1]) == 1\n"), "unsupported"),
+    (line(id="a", kind="code", prompt="p", tests="import os\nassert f(1) == 1\n"), "line 1: unsupported"),
+    (line(id="a", kind="code", prompt="p", tests="assert f(1) ==\n"), "do not parse"),
+    (line(id="a", kind="code", prompt="p", tests="# only a comment\n"), "no assert"),
     (line(id="a", kind="math", prompt="p", answer="1", metadata=[1]), "metadata"),
     (line(id="a", kind="math", prompt="p", answer="1") + line(id="a", kind="math", prompt="q", answer="2"), "duplicate"),
     (b"\n\n", "no tasks"),
@@ -123,3 +133,13 @@ def test_length_reward():
     assert "100" in budget_instruction(100)
     with pytest.raises(ValueError):
         length_penalty(3, 0)
+
+
+def test_code_tests_parse_into_checks_the_node_judges():
+    from node.rl.harness import EQUAL, FALSY, TRUTHY, parse_tests
+
+    checks = parse_tests("assert f(2, k='x') == [1, (2, 3)]\nassert 5 == f(-1)\nassert g(4)\nassert not g(7)\n")
+    assert [(c.call, c.expect, c.value) for c in checks] == [
+        ("f(2, k='x')", EQUAL, [1, (2, 3)]), ("f(-1)", EQUAL, 5), ("g(4)", TRUTHY, None), ("g(7)", FALSY, None)]
+    assert checks[0].holds([1, (2, 3)]) and not checks[0].holds([1, [2, 3]])
+    assert checks[2].holds(1) and not checks[3].holds(True)

@@ -34,10 +34,11 @@ TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 
 @pytest.mark.parametrize("text, want", [
     ("so the result is \\boxed{42}.", "42"),
-    ("\\boxed{\\frac{7}{8}} and later \\boxed{x^{2}}", "x^{2}"),  # last box, nested braces
+    ("so \\boxed{x^{2}}", "x^{2}"),  # nested braces
+    ("\\boxed{\\frac{7}{8}} and later \\boxed{x^{2}}", None),  # two answers: none
     ("#### 1,024", "1,024"),
-    ("The answer is: 12 apples", "12 apples"),
-    ("first 3 then 5 then 7.", "7"),
+    ("The answer is: 12 apples", None),  # only a box or one #### line counts
+    ("first 3 then 5 then 7.", None),  # no "last number" fallback: it would pay for listing numbers
     ("no numbers here", None),
 ])
 def test_math_answer_extraction(text, want):
@@ -61,7 +62,7 @@ def test_math_not_equal(a, b):
 def test_math_reward_correct_wrong_malformed():
     assert math_reward("thinking... \\boxed{72}", "72") == 1.0
     assert math_reward("thinking... \\boxed{71}", "72") == 0.0
-    assert math_reward("\\boxed{72", "72") == 1.0  # unclosed box: falls back to the last number
+    assert math_reward("\\boxed{72", "72") == 0.0  # unclosed box: no answer (no fallback to the last number)
     assert math_reward("I don't know", "72") == 0.0
     assert math_reward("", "72") == 0.0
 

@@ -1,6 +1,7 @@
 """Real processes: trainer + 2 validators + an honest and a cheating inference node; kill -9 a validator.
 
-Once per cheating mode of the inference role (fake rewards, perturbed model, cherry-picked tasks).
+Once per cheating mode of the inference role (fake rewards, perturbed model, cherry-picked tasks,
+early exit).
 
 The survivor takes over the dead validator's share (the trainer re-assigns after ``verify_timeout_s``
 by rendezvous ranking), the cheat's batches are rejected with a reason and it is penalised in the
@@ -54,6 +55,7 @@ CHEATS = {
     "perturbed-model": PROOF_REASONS | {"logprob_mismatch", "sampling_mismatch"},
     "cherry-pick": {"wrong_task"},
     "drop-groups": {"bad_groups"},
+    "early-exit": {"reward_mismatch"},
 }
 
 

@@ -193,6 +193,22 @@ def test_fault_cherry_picked_tasks(world):
     assert_rejected(judge(world, signed), T.FAULTS["cherry_picked_tasks"].expected)
 
 
+CODE_RULES = replace(RULES, taskset="code", max_new_tokens=24)  # room for the exit program and its eos
+
+
+def test_fault_early_exit(world):
+    engine, _, worker, _, model = world
+    tasks = RunTasks(RLConfig(taskset="code", group_size=CODE_RULES.group_size,
+                              prompts_per_batch=CODE_RULES.prompts_per_batch, max_new_tokens=CODE_RULES.max_new_tokens))
+    honest = T.make_batch(engine, worker, CODE_RULES, tasks, step=4, policy_version=VERSION)
+    assert judge_batch(honest.batch, CODE_RULES, current_version=VERSION, tasks=tasks, model=model).accepted
+    signed = T.early_exit(honest, worker, engine, CODE_RULES)
+    j = judge_batch(signed.batch, CODE_RULES, current_version=VERSION, tasks=tasks, model=model)
+    assert_rejected(j, T.FAULTS["early_exit"].expected)
+    exits = [i for i, s in enumerate(signed.batch.samples) if s.task_reward == 1.0]
+    assert exits and all(j.reasons[i] == Reason.REWARD_MISMATCH.value for i in exits)
+
+
 def test_fault_forged_signature(world):
     honest = world[3][5]
     forger = Identity.generate()

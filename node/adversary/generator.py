@@ -6,6 +6,11 @@
   claim: the validator's reward check must catch it.
 * ``cherry-pick``: solve the easiest-looking of a few tasks drawn at other steps instead of the
   drawn ones: the validator's task check must catch it.
+* ``early-exit``: half of every group's completions become a program that exits before any test
+  runs (``raise SystemExit``), claimed at reward 1.0 — what a code harness that trusts exit status 0
+  gave it (issue 13). Log-probs and proofs are rebuilt on the new tokens, so the proofs hold: the
+  validator's verifier (node/rl/harness.py) must score it 0 and report a reward mismatch. Meant for
+  code task sets; on others the claim is as false and caught the same way.
 
 * ``drop-groups``: leave out the group of the prompt it did worst on (a worker hiding its failures
   to lift the reward it is credited with): the validator's complete-batch check must catch it.
@@ -20,14 +25,16 @@ from pathlib import Path
 
 import torch
 
+from ..proofs.capture import logits_from_hidden, recompute_decode_states
 from ..rl.rollout import ScoredGroup
-from ..rl.spec import DrawnStep, group_advantages, step_key
+from ..rl.spec import DrawnStep, group_advantages, step_key, token_logprobs, with_length_penalty
 from ..rl.tasks import Task, TaskSet, draw_task
 from ..rollouts.generate import RolloutGenerator
 
 PERTURB_SCALE = 0.1  # "perturbed-model": weight noise, relative to each tensor's std
 FAKE_REWARD_BONUS = 0.5  # "fake-rewards": added to every claimed reward
 CHERRY_PICK_CANDIDATES = 4  # "cherry-pick": draws looked at per slot
+EXIT_PROGRAM = "raise SystemExit"  # "early-exit": exit status 0 before the tests (cut at max_new_tokens)
 
 
 class PerturbedModelGenerator(RolloutGenerator):
@@ -76,11 +83,36 @@ class DropGroupsGenerator(RolloutGenerator):
         return [g for i, g in enumerate(groups) if i != worst]
 
 
+class EarlyExitGenerator(RolloutGenerator):
+    def claim(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
+        tok, model = self.engine.tokenizer, self.engine.model
+        ids = list(tok(EXIT_PROGRAM, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+        if len(ids) > self.rl.max_new_tokens:
+            ids = ids[:self.rl.max_new_tokens]  # runs to the cap: finish_reason "length"
+        finish = "stop" if ids[-1] == tok.eos_token_id else "length"
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        out = []
+        for g in groups:
+            samples, scores = list(g.samples), list(g.scores)
+            for k in range(max(1, len(samples) // 2)):
+                hidden = recompute_decode_states(model, [g.prompt_ids], [ids], pad)[0]
+                lps = token_logprobs(logits_from_hidden(model, hidden), torch.tensor(ids, device=hidden.device),
+                                     self.rl.temperature)
+                samples[k] = replace(samples[k], completion_ids=list(ids), logprobs=[float(x) for x in lps],
+                                     finish_reason=finish, hidden=hidden.cpu(),
+                                     text=tok.decode(ids, skip_special_tokens=True))
+                scores[k] = with_length_penalty(1.0, len(ids), g.budget, self.rl)
+            out.append(replace(g, samples=samples, scores=scores,
+                               advantages=group_advantages([sc.reward for sc in scores])))
+        return out
+
+
 GENERATORS = {
     "": RolloutGenerator,
     "perturbed-model": PerturbedModelGenerator,
     "fake-rewards": FakeRewardsGenerator,
     "cherry-pick": CherryPickGenerator,
+    "early-exit": EarlyExitGenerator,
     "replay": RolloutGenerator,  # honest batches, sent twice (see make_outbox)
     "drop-groups": DropGroupsGenerator,
 }

@@ -5,7 +5,8 @@ A task file has one JSON object per line::
     {"id": "gsm-17", "kind": "math", "prompt": "...", "answer": "42", "metadata": {...}}
     {"id": "code-3", "kind": "code", "prompt": "...", "tests": "assert f(2) == 4\\n", ...}
 
-``kind`` is one of ``synthetic`` (answer), ``math`` (answer) or ``code`` (tests). Small packaged sets
+``kind`` is one of ``synthetic`` (answer), ``math`` (answer) or ``code`` (tests: ``assert`` lines of
+the shapes node/rl/harness.py can judge, checked when the file loads). Small packaged sets
 live in ``node/data/<kind>.jsonl``; any file path works too. A task set is named by the SHA-256 of
 its bytes (``TaskSet.digest``), so every peer can check it draws from the same set.
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hashes import digest
+from .harness import TestFormatError, parse_tests
 
 KINDS = ("synthetic", "math", "code")
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -43,7 +45,7 @@ class Task:
     kind: str
     prompt: str
     answer: str | None = None  # synthetic and math
-    tests: str | None = None  # code: Python statements (asserts) run after the candidate
+    tests: str | None = None  # code: assert lines of the shape node/rl/harness.py judges
     metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -87,6 +89,11 @@ def parse_task(obj: Any, where: str) -> Task:
         raise TaskFormatError(f"{where}: a {kind} task needs a string answer")
     if kind == "code" and (not isinstance(tests, str) or not 0 < len(tests) <= MAX_TESTS_CHARS):
         raise TaskFormatError(f"{where}: a code task needs tests (a string of at most {MAX_TESTS_CHARS} characters)")
+    if kind == "code":
+        try:
+            parse_tests(tests)  # the harness judges only tests of its shape: refuse others now, not at scoring
+        except TestFormatError as e:
+            raise TaskFormatError(f"{where}: {e}") from None
     if not isinstance(meta, dict):
         raise TaskFormatError(f"{where}: metadata must be an object")
     return Task(tid, kind, prompt, answer if isinstance(answer, str) else None,

@@ -19,6 +19,7 @@ CHEATS = (
     "cherry-pick",  # solve tasks other than the drawn ones: task check fails
     "replay",  # send every batch twice: duplicate batch id
     "drop-groups",  # leave out the group of the prompt it did worst on: incomplete-batch check fails
+    "early-exit",  # completions that exit before the code tests, claimed at 1.0: reward check fails
 )
 
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..identity import Identity
+from ..proofs.capture import logits_from_hidden, recompute_decode_states
 from ..proofs.reasons import Reason
 from ..proofs.toploc import build_proofs_many
-from ..rl.spec import group_advantages, sampling_seed, step_key
+from ..rl.spec import group_advantages, sampling_seed, step_key, token_logprobs
 from ..rollouts.schema import (
     DOMAIN_BATCH,
     RolloutBatch,
@@ -116,6 +117,30 @@ def regroup_advantages(samples: list[RolloutSample]) -> list[RolloutSample]:
     return out
 
 
+EXIT_PROGRAM = "import os;os._exit(0)"  # leaves before any test runs
+
+
+def early_exit(signed: SignedBatch, identity: Identity, engine, rules: BatchRules) -> SignedBatch:
+    """Half of every group's completions replaced by :data:`EXIT_PROGRAM`, each claiming reward 1.0
+    (what a harness that trusts exit status 0 gives it), so the group still has signal.
+
+    A careful cheat: the log-probs and proofs are rebuilt from the model on the new tokens, so the
+    proofs hold and only the verifier (and the sampling replay) can tell.
+    """
+    tok = engine.tokenizer
+    ids = tok.encode(EXIT_PROGRAM, add_special_tokens=False) + [tok.eos_token_id]
+    samples = list(signed.batch.samples)
+    forced = [i for i, s in enumerate(samples) if s.sample_index < max(1, rules.group_size // 2)]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    states = recompute_decode_states(engine.model, [samples[i].prompt_ids for i in forced], [ids] * len(forced), pad)
+    proofs = build_proofs_many(states, rules.proofs.chunk_tokens, rules.proofs.topk)
+    for k, i in enumerate(forced):
+        lps = token_logprobs(logits_from_hidden(engine.model, states[k]), torch.tensor(ids), rules.temperature)
+        samples[i] = replace(samples[i], completion_ids=list(ids), logprobs=[float(x) for x in lps], finish_reason="stop",
+                             reward=1.0, task_reward=1.0, length_penalty=0.0, proof=b"".join(proofs[k]))
+    return sign_batch(identity, replace(signed.batch, samples=regroup_advantages(samples)))
+
+
 PROOF_REASONS = frozenset({Reason.PROOF_EXPONENT.value, Reason.PROOF_MANTISSA_MEAN.value, Reason.PROOF_MANTISSA_MEDIAN.value})
 # The sampling checks: log-probs recomputed from the validator's logits, and the seeded Gumbel-max replay.
 SAMPLING_REASONS = frozenset({Reason.LOGPROB_MISMATCH.value, BatchReason.SAMPLING_MISMATCH.value})
@@ -145,6 +170,8 @@ FAULTS = {
         Fault("cherry_picked_tasks", frozenset({Reason.WRONG_TASK.value}), "tasks drawn at another step, not the assigned ones"),
         Fault("forged_signature", frozenset({BatchReason.FORGED.value}), "a batch naming another worker, signed by the cheat"),
         Fault("chosen_seed", frozenset({Reason.WRONG_SEED.value}), "sampled with a seed of the worker's choosing"),
+        Fault("early_exit", frozenset({Reason.REWARD_MISMATCH.value}),
+              "code completions that exit before the tests run, claimed as passing"),
         Fault("altered_last_token", SAMPLING_REASONS,
               "last token edited: the proof cannot see it (no later state), the sampling checks must"),
         Fault("dropped_group", frozenset({BatchReason.BAD_GROUPS.value}),
