@@ -29,7 +29,7 @@ def _fetch_remote(config: NodeConfig, addr: str) -> dict:
     import trio
 
     from .config import check_connect_addr
-    from .host import open_swarm_host
+    from .net.host import open_swarm_host
     from .identity import Identity
     from .status import call_status
 

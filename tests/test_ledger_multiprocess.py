@@ -44,7 +44,7 @@ import json, sys, trio
 from pathlib import Path
 from node.config import NodeConfig, RunConfig
 from node.context import NodeContext
-from node.host import open_swarm_host
+from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.ledger.entries import Penalty, ReceiptItem, Receipts, RolloutsJudged
 from node.ledger.sync import serve_ledger

@@ -13,7 +13,7 @@ import time
 import pytest
 import trio
 
-from node.host import open_swarm_host
+from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.localswarm import LocalSwarm
 from node.model import load_model, load_tokenizer
