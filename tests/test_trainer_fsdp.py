@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     sys.path.insert(0, {tests!r})
     from node.trainer import fsdp
-    from node.trainer.policy import open_policy
+    from node.trainer.fsdp import open_policy
     from node.rl.config import GRPOConfig
     from node.trainer.config import TrainerConfig
     from node.model import load_model, load_tokenizer
@@ -53,8 +53,7 @@ SCRIPT = textwrap.dedent("""
         policy.save()
         policy.close()
     else:
-        fsdp._FOLLOWER_CONFIGS = (cfg, tcfg)
-        fsdp.follow()
+        fsdp.follow(cfg, tcfg)
     fsdp.leave()
     fsdp.exit_now(0)
 """)

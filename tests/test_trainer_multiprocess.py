@@ -15,7 +15,7 @@ import trio
 
 from node.net.host import open_swarm_host
 from node.identity import Identity
-from node.localswarm import LocalSwarm
+from node.app.localswarm import LocalSwarm
 from node.model import load_model, load_tokenizer
 from node.rollouts.schema import ROLLOUTS_PROTOCOL, RolloutAck
 from node.trainer.testing import reversal_batch, sign_batch

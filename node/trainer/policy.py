@@ -195,14 +195,3 @@ class Policy:
         protect = {0} if self.cfg.kl_coef > 0 else set()
         checkpoints.prune_model_folders(self.root, self.tcfg.keep_checkpoints, protect=protect | {self.step})
         return folder
-
-
-def open_policy(root: Path, source: str, cfg: GRPOConfig, tcfg: TrainerConfig) -> tuple[Policy, bool]:
-    """The trainer's policy: sharded over the ranks when launched under torchrun (node/trainer/fsdp.py)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from .fsdp import FSDPPolicy
-
-        return FSDPPolicy.open(root, source, cfg, tcfg)
-    return Policy.open(root, source, cfg, tcfg)

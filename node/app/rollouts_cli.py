@@ -88,7 +88,7 @@ def _generator(run):
     from ..proofs.config import ProofsConfig
     from ..rl.config import InferenceConfig, RLConfig
     from ..adversary.generator import make_generator
-    from .config import WorkerConfig
+    from ..rollouts.config import WorkerConfig
 
     return make_generator(identity=Identity.generate(), run_name=run.name, rl=run.section("rl", RLConfig),
                           proofs=run.section("proofs", ProofsConfig), inference=run.section("inference", InferenceConfig),
