@@ -8,7 +8,7 @@ from test_inference_role import RL, check_batch
 
 from node.adversary.generator import make_generator
 from node.identity import Identity
-from node.model import create_tiny_model, load_model, load_tokenizer
+from node.engines.model import create_tiny_model, load_model, load_tokenizer
 from node.proofs.config import ProofsConfig
 from node.rl.config import InferenceConfig, RLConfig
 from node.rl.spec import sampling_seed, thinking_budget

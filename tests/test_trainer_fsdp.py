@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
     from node.trainer.fsdp import open_policy
     from node.rl.config import GRPOConfig
     from node.trainer.config import TrainerConfig
-    from node.model import load_model, load_tokenizer
+    from node.engines.model import load_model, load_tokenizer
     from test_trainer_fsdp import CFG, step_samples
     fsdp.init_distributed()
     cfg, tcfg = GRPOConfig(**CFG), TrainerConfig()

@@ -16,7 +16,7 @@ import trio
 from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.app.localswarm import LocalSwarm
-from node.model import load_model, load_tokenizer
+from node.engines.model import load_model, load_tokenizer
 from node.rollouts.schema import ROLLOUTS_PROTOCOL, RolloutAck
 from node.trainer.testing import reversal_batch, sign_batch
 from node.wire import decode_as, read_frame, write_frame

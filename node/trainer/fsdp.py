@@ -113,7 +113,7 @@ class FSDPPolicy(Policy):
             set_optimizer_state_dict,
         )
 
-        from ..model import load_model, load_tokenizer
+        from ..engines.model import load_model, load_tokenizer
 
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         state = checkpoints.load_state(root)
