@@ -12,7 +12,7 @@ from node.engines.model import create_tiny_model, load_model, load_tokenizer
 from node.proofs.config import ProofsConfig
 from node.rl.config import InferenceConfig, RLConfig
 from node.rl.spec import sampling_seed, thinking_budget
-from node.roles.inference import advertise_due, read_step, write_step
+from node.inference.service import advertise_due, read_step, write_step
 from node.rollouts.assemble import (
     chunk_proof_sizes,
     join_proofs,
