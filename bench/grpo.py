@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from node.model import build_tiny_model, build_tokenizer
+from node.engines.model import build_tiny_model, build_tokenizer
 from node.rl.config import GRPOConfig
 from node.rl.grpo import TrainSample, make_optimizer, pack, train_step
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from node.engines.torch_engine import TorchEngine
-from node.model import (
+from node.engines.model import (
     TinyModelSpec,
     build_tiny_model,
     build_tokenizer,

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from node.identity import Identity
-from node.model import create_tiny_model
+from node.engines.model import create_tiny_model
 from node.proofs.config import ProofsConfig
 from node.rl.config import InferenceConfig, RLConfig
 from node.rl.spec import OFFLINE_ROOT, draw_tasks, sampling_seed, step_key

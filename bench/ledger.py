@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from node.config import NodeConfig, RunConfig
 from node.context import NodeContext
-from node.host import open_swarm_host
+from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.ledger.config import LedgerConfig
 from node.ledger.entries import (

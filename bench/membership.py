@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from node.gossip.membership import MembershipConfig, load_model  # noqa: E402
-from node.localswarm import LocalSwarm  # noqa: E402
+from node.app.localswarm import LocalSwarm  # noqa: E402
 
 OURS = "[run]\nname = \"bench\"\n"
 NAIVE = OURS + "[membership]\nmin_refresh = 1.0\nmax_refresh = 1.0\n"

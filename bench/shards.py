@@ -49,7 +49,7 @@ import trio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from node.host import open_swarm_host  # noqa: E402
+from node.net.host import open_swarm_host  # noqa: E402
 from node.identity import Identity  # noqa: E402
 from node.shards.testing import open_shards_swarm, same_files, write_checkpoint  # noqa: E402
 from node.wire import read_frame, write_frame  # noqa: E402

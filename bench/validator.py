@@ -31,7 +31,7 @@ import torch
 
 from node.engines.torch_engine import TorchEngine
 from node.identity import Identity
-from node.model import (
+from node.engines.model import (
     TinyModelSpec,
     build_tiny_model,
     build_tokenizer,

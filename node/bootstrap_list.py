@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from .config import ConfigError
-from .multiaddrs import check_multiaddr
+from .config import ConfigError, check_addr
 
 
 def parse_bootstrap_list(text: str, source: str = "bootstrap/peers.txt") -> list[str]:
@@ -16,7 +15,7 @@ def parse_bootstrap_list(text: str, source: str = "bootstrap/peers.txt") -> list
         if not line or line.startswith("#"):
             continue
         try:
-            check_multiaddr(line, f"{source}:{n}", need_peer_id=True)
+            check_addr(line, f"{source}:{n}", need_peer_id=True)
         except ConfigError:
             raise
         peers.append(line)

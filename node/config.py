@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .net.multiaddrs import MultiaddrError, check_multiaddr
+
 ROLES = ("trainer", "inference", "relay", "validator")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PORT = 4001
@@ -107,14 +109,12 @@ class NodeConfig:
             raise ConfigError(f"metrics_port: must be 0..65535, got {self.metrics_port}")
         if not self.listen:
             raise ConfigError("listen: at least one address is required")
-        from .multiaddrs import check_multiaddr  # local import: keeps config free of libp2p
-
         for a in self.listen:
-            check_multiaddr(a, "listen", need_peer_id=False)
+            check_addr(a, "listen", need_peer_id=False)
         for a in self.bootstrap:
-            check_multiaddr(a, "bootstrap", need_peer_id=True)
+            check_addr(a, "bootstrap", need_peer_id=True)
         for a in self.relay_via:
-            check_multiaddr(a, "relay_via", need_peer_id=True)
+            check_addr(a, "relay_via", need_peer_id=True)
         if len(self.relay_via) > 8:
             raise ConfigError(f"relay_via: at most 8 relays, got {len(self.relay_via)}")
         if self.relay_via and self.role == "relay":
@@ -137,11 +137,17 @@ class NodeConfig:
             raise ConfigError(f"grpo.temperature ({grpo.temperature}) must equal rl.temperature ({rl.temperature})")
 
 
+def check_addr(text: str, field: str, *, need_peer_id: bool) -> None:
+    """:func:`~node.net.multiaddrs.check_multiaddr`, its error as a ConfigError naming ``field``."""
+    try:
+        check_multiaddr(text, field, need_peer_id=need_peer_id)
+    except MultiaddrError as e:
+        raise ConfigError(str(e)) from None
+
+
 def check_connect_addr(addr: str) -> None:
     """A full multiaddr with a peer id (for --connect and --bootstrap)."""
-    from .multiaddrs import check_multiaddr
-
-    check_multiaddr(addr, "connect", need_peer_id=True)
+    check_addr(addr, "connect", need_peer_id=True)
 
 
 # --------------------------------------------------------------------------------------------

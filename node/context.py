@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import NodeConfig
-from .host import SwarmHost
+from .net.host import SwarmHost
 from .identity import Identity
 from .metrics import Metrics
 from .peers import Peers

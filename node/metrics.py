@@ -9,17 +9,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-
-def _tcp_bytes():
-    from .host import TcpBytes  # imported lazily: metrics must not pull in libp2p
-
-    return TcpBytes
-
-
-def _stream_bytes():
-    from .host import StreamBytes
-
-    return StreamBytes
+# The byte counters live with the py-libp2p patches that fill them; that module imports libp2p only
+# when a host installs them, so metrics stay importable without the network stack.
+from .net.workarounds import StreamBytes, TcpBytes
 
 
 class _StreamBytesCollector:
@@ -31,7 +23,7 @@ class _StreamBytesCollector:
 
         fam = GaugeMetricFamily("swarm_stream_bytes", "Payload bytes on libp2p streams by protocol",
                                 labels=["protocol", "direction"])
-        sb = _stream_bytes()
+        sb = StreamBytes
         for direction, counts in (("sent", sb.sent), ("received", sb.received)):
             for proto, n in sorted(counts.items()):
                 fam.add_metric([proto, direction], n)
@@ -51,8 +43,8 @@ class Metrics:
         self.bytes_in = self.counter("gossip_bytes_in_total", "Gossip payload bytes received", ["topic"])
         self.connections = self.gauge("connections", "Open peer connections")
         tcp = self.gauge("tcp_bytes", "Bytes moved over libp2p TCP connections by this process", ["direction"])
-        tcp.labels(direction="sent").set_function(lambda: _tcp_bytes().sent)
-        tcp.labels(direction="received").set_function(lambda: _tcp_bytes().received)
+        tcp.labels(direction="sent").set_function(lambda: TcpBytes.sent)
+        tcp.labels(direction="received").set_function(lambda: TcpBytes.received)
         self.registry.register(_StreamBytesCollector())
 
     def _get(self, kind, name: str, doc: str, labels: list[str] | tuple[str, ...] = (), **kw):
@@ -86,7 +78,7 @@ class Metrics:
 
     def totals(self) -> dict:
         """A few headline counters for status views (bytes, connections)."""
-        tcp, streams = _tcp_bytes(), _stream_bytes()
+        tcp, streams = TcpBytes, StreamBytes
         return {"tcp_bytes_sent": tcp.sent, "tcp_bytes_received": tcp.received,
                 "stream_bytes_sent": dict(streams.sent), "stream_bytes_received": dict(streams.received)}
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from node.cli import main
+from node.app.cli import main
 from node.identity import KEY_FILE
 
 
@@ -105,7 +105,7 @@ def test_status_without_running_node(tmp_path, capsys):
 def test_status_view_shows_members_rejections_and_ledger_bans():
     from rich.console import Console
 
-    from node.status_view import render_status
+    from node.app.status_view import render_status
 
     console = Console(record=True, width=200)
     render_status({
@@ -129,7 +129,7 @@ def test_status_view_shows_members_rejections_and_ledger_bans():
 
 
 def test_status_of_a_running_node(tmp_path):
-    from node.localswarm import LocalSwarm
+    from node.app.localswarm import LocalSwarm
 
     with LocalSwarm(tmp_path / "swarm") as swarm:
         swarm.start("relay", "relay")

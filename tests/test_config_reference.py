@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from node.config import load_config
-from node.config_reference import reference
+from node.app.config_reference import reference
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

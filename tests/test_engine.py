@@ -17,7 +17,7 @@ from node.engines.sampling import (
     uniform_noise,
 )
 from node.engines.torch_engine import TorchEngine
-from node.model import TinyModelSpec, create_tiny_model
+from node.engines.model import TinyModelSpec, create_tiny_model
 from node.proofs.capture import recompute_decode_states
 
 SMALL = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -6,7 +6,7 @@ import trio
 
 from node.gossip.membership import MemberState
 from node.gossip.records import DOMAIN_RECORD, PeerRecord
-from node.host import open_swarm_host
+from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.wire import encode, seal
 

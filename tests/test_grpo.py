@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from node.model import TinyModelSpec, build_tiny_model, build_tokenizer
+from node.engines.model import TinyModelSpec, build_tiny_model, build_tokenizer
 from node.rl.config import GRPOConfig
 from node.rl.grpo import (
     IGNORE,

@@ -1,4 +1,4 @@
-"""The libp2p host over real loopback sockets: the py-libp2p workarounds in node/host.py hold."""
+"""The libp2p host over real loopback sockets: the py-libp2p workarounds in node/net/host.py and node/net/workarounds.py hold."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from libp2p.peer.id import ID
 from libp2p.security.noise.io import NoiseTransportReadWriter
 from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_PING, YAMUX_HEADER_FORMAT
 
-from node.host import open_swarm_host
+from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.wire import read_frame, write_frame
 

@@ -16,7 +16,7 @@ from waiting import wait_for
 
 from node.config import RunConfig
 from node.identity import load_or_create_identity
-from node.model import create_tiny_model, load_model, load_tokenizer
+from node.engines.model import create_tiny_model, load_model, load_tokenizer
 from node.proofs.capture import logits_from_hidden, recompute_decode_states
 from node.proofs.checks import check_logprobs, check_termination
 from node.proofs.config import ProofsConfig

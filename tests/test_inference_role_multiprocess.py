@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from node.localswarm import LocalSwarm
+from node.app.localswarm import LocalSwarm
 
 pytestmark = pytest.mark.slow
 

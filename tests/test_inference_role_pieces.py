@@ -8,11 +8,11 @@ from test_inference_role import RL, check_batch
 
 from node.adversary.generator import make_generator
 from node.identity import Identity
-from node.model import create_tiny_model, load_model, load_tokenizer
+from node.engines.model import create_tiny_model, load_model, load_tokenizer
 from node.proofs.config import ProofsConfig
 from node.rl.config import InferenceConfig, RLConfig
+from node.inference.service import advertise_due, read_step, write_step
 from node.rl.spec import sampling_seed, step_key, thinking_budget
-from node.roles.inference import advertise_due, read_step, write_step
 from node.rollouts.assemble import (
     chunk_proof_sizes,
     join_proofs,
@@ -160,7 +160,7 @@ def test_generator_step_with_length_reward(tiny):
 def _cli(*argv: str) -> int:
     import argparse
 
-    from node.rollouts.cli import add_commands
+    from node.app.rollouts_cli import add_commands
 
     parser = argparse.ArgumentParser(prog="swarm-node")
     add_commands(parser.add_subparsers())

@@ -44,7 +44,7 @@ import json, sys, trio
 from pathlib import Path
 from node.config import NodeConfig, RunConfig
 from node.context import NodeContext
-from node.host import open_swarm_host
+from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.ledger.entries import Penalty, ReceiptItem, Receipts, RolloutsJudged
 from node.ledger.sync import serve_ledger
@@ -342,7 +342,7 @@ def test_swarm_node_processes_replicate_the_ledger(tmp_path):
     trainer's history spreads it to nodes that join later; one is killed with -9 mid-ingest and
     restarted; all end with the same digest and `ledger verify` passes everywhere."""
     from node.identity import load_or_create_identity
-    from node.localswarm import LocalSwarm
+    from node.app.localswarm import LocalSwarm
 
     total = 6000
     with LocalSwarm(tmp_path / "swarm", log_level="warning") as swarm:

@@ -10,7 +10,7 @@ import trio
 
 from node.config import NodeConfig, RunConfig
 from node.context import NodeContext, RunningNode
-from node.host import open_swarm_host
+from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.ledger.chain import Head
 from node.ledger.entries import (

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from node.localswarm import LocalSwarm
+from node.app.localswarm import LocalSwarm
 
 RUN = """\
 [run]

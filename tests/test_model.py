@@ -8,18 +8,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from node.model import (
+from node.engines.model import (
     ALPHABET,
     EOS,
     PAD,
     TinyModelSpec,
     build_tokenizer,
-    create_default_model,
     create_tiny_model,
     is_model_folder,
     load_model,
     load_tokenizer,
 )
+from node.rl.warmup import create_default_model
 
 SMALL = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1)

@@ -18,7 +18,7 @@ import trio
 from node.config import NodeConfig, RunConfig
 from node.identity import Identity
 from node.metrics import Metrics
-from node.model import build_tokenizer
+from node.engines.model import build_tokenizer
 from node.peers import Peers
 from node.rl import spec
 from node.rl.config import GRPOConfig, RLConfig

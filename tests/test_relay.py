@@ -23,12 +23,12 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 import multiaddr
 
-from node import relay
+from node.net import relay
 from node.config import NodeConfig
 from node.context import NodeContext, RunningNode
-from node.host import open_swarm_host
+from node.net.host import open_swarm_host
 from node.identity import Identity
-from node.relay import (
+from node.net.relay import (
     RelayClient,
     RelayError,
     RelayHop,
@@ -107,7 +107,7 @@ async def test_client_reaches_target_only_through_relay(tmp_path, caplog):
         assert not c.host.is_connected(b.peer_id)
 
         with trio.fail_after(TEST_TIMEOUT_S):
-            assert await connect_addr(c, expected) == b.peer_id  # C knows only the circuit address
+            assert await connect_addr(c.host, expected) == b.peer_id  # C knows only the circuit address
             stream = await c.host.open_stream(b.peer_id, ECHO)
             await stream.write(b"through the relay")
             assert await stream.read(1024) == b"yaler eht hguorht"
@@ -127,7 +127,7 @@ async def test_client_reaches_target_only_through_relay(tmp_path, caplog):
 async def test_dial_to_peer_without_reservation_is_refused(tmp_path):
     async with open_triangle(tmp_path) as (a, b, c, a_addr):
         with pytest.raises(RelayError, match="NO_RESERVATION") as e:
-            await dial_via_relay(b, a_addr, c.peer_id)  # C holds no reservation on A
+            await dial_via_relay(b.host, a_addr, c.peer_id)  # C holds no reservation on A
         assert e.value.status == StatusCode.NO_RESERVATION
         assert not b.host.is_connected(c.peer_id)
 
@@ -136,7 +136,7 @@ async def test_idle_circuit_is_reset_after_its_duration(tmp_path, monkeypatch):
     """py-libp2p alone leaves an idle circuit open past its duration (checked per read only)."""
     monkeypatch.setattr(relay, "CIRCUIT_DURATION_GRACE_S", 0)
     async with open_triangle(tmp_path, limits=hop_limits(duration_s=1)) as (a, b, c, a_addr):
-        await dial_via_relay(c, a_addr, b.peer_id)
+        await dial_via_relay(c.host, a_addr, b.peer_id)
         assert c.host.is_connected(b.peer_id)
         await wait_for(lambda: not c.host.is_connected(b.peer_id))
         await wait_for(lambda: a.relay.status()["circuits_active"] == 0)

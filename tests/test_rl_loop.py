@@ -10,12 +10,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from node.engines.torch_engine import TorchEngine
-from node.model import (
+from node.engines.model import (
     TinyModelSpec,
-    create_default_model,
     create_tiny_model,
     is_model_folder,
 )
+from node.rl.warmup import create_default_model
 from node.rl.cli import add_commands
 from node.rl.config import GRPOConfig, RLConfig
 from node.rl.loop import run_local_loop

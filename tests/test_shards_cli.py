@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from node.identity import load_or_create_identity
-from node.shards.cli import add_commands
+from node.app.shards_cli import add_commands
 from node.shards.testing import write_checkpoint
 
 

@@ -10,7 +10,8 @@ import trio
 
 from node.identity import Identity
 from node.shards.protocol import Data
-from node.shards.service import ShardsService, _ServerSession
+from node.shards.server import ServerSession
+from node.shards.service import ShardsService
 from node.wire import encode
 from node.shards.testing import open_shards_swarm, same_files, write_checkpoint
 from waiting import wait_for
@@ -65,7 +66,7 @@ async def test_followers_are_told_of_newer_versions(tmp_path: Path) -> None:
             assert await r.shards.wait_newer(None) == 2  # already held: at once
 
 
-class FlipBytes(_ServerSession):
+class FlipBytes(ServerSession):
     def reply_to(self, req):
         reply = super().reply_to(req)
         if isinstance(reply, Data):
@@ -73,7 +74,7 @@ class FlipBytes(_ServerSession):
         return reply
 
 
-class WrongLength(_ServerSession):
+class WrongLength(ServerSession):
     def reply_to(self, req):
         reply = super().reply_to(req)
         if isinstance(reply, Data):
@@ -81,12 +82,12 @@ class WrongLength(_ServerSession):
         return reply
 
 
-class Silent(_ServerSession):
+class Silent(ServerSession):
     def reply_to(self, req):
         return None  # accepts requests, never answers
 
 
-class DiesMidFrame(_ServerSession):
+class DiesMidFrame(ServerSession):
     async def _serve_queue(self):
         """Answers the first request with half a frame and closes: a peer killed mid-send."""
         while not self.queue:

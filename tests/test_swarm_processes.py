@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from node.localswarm import LocalSwarm
+from node.app.localswarm import LocalSwarm
 
 # Membership timers for the test (probe every 0.5 s, suspicion 3 periods): the configured bound
 # for "every node marks a killed node dead" is then a few seconds; we allow a wide margin for a

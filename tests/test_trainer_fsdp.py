@@ -37,10 +37,10 @@ SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     sys.path.insert(0, {tests!r})
     from node.trainer import fsdp
-    from node.trainer.policy import open_policy
+    from node.trainer.fsdp import open_policy
     from node.rl.config import GRPOConfig
     from node.trainer.config import TrainerConfig
-    from node.model import load_model, load_tokenizer
+    from node.engines.model import load_model, load_tokenizer
     from test_trainer_fsdp import CFG, step_samples
     fsdp.init_distributed()
     cfg, tcfg = GRPOConfig(**CFG), TrainerConfig()
@@ -53,8 +53,7 @@ SCRIPT = textwrap.dedent("""
         policy.save()
         policy.close()
     else:
-        fsdp._FOLLOWER_CONFIGS = (cfg, tcfg)
-        fsdp.follow()
+        fsdp.follow(cfg, tcfg)
     fsdp.leave()
     fsdp.exit_now(0)
 """)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from node.hashes import digest
 from node.trainer.gate import Phase, ValidatorGate
-from node.validator.assign import validator_ranking
+from node.rollouts.assign import validator_ranking
 
 VALS = ["val-a", "val-b", "val-c"]
 

@@ -14,7 +14,7 @@ import pytest
 from node.config import NodeConfig, RunConfig
 from node.identity import Identity
 from node.metrics import Metrics
-from node.model import build_tokenizer
+from node.engines.model import build_tokenizer
 from node.rl.config import GRPOConfig
 from node.rollouts.schema import MAX_BATCH_BYTES, open_batch
 from node.trainer.config import TrainerConfig

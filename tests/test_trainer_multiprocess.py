@@ -13,10 +13,10 @@ import time
 import pytest
 import trio
 
-from node.host import open_swarm_host
+from node.net.host import open_swarm_host
 from node.identity import Identity
-from node.localswarm import LocalSwarm
-from node.model import load_model, load_tokenizer
+from node.app.localswarm import LocalSwarm
+from node.engines.model import load_model, load_tokenizer
 from node.rollouts.schema import ROLLOUTS_PROTOCOL, RolloutAck
 from node.shards.store import PieceStore
 from node.trainer.testing import reversal_batch, sign_batch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from node.identity import Identity
-from node.model import is_model_folder
+from node.engines.model import is_model_folder
 from node.rl.config import GRPOConfig
 from node.trainer import checkpoints
 from node.trainer.config import TrainerConfig
@@ -24,7 +24,7 @@ def samples_for(policy: Policy, seed: int):
 
 
 def test_zero_signal_groups_are_dropped():
-    from node.model import build_tokenizer
+    from node.engines.model import build_tokenizer
 
     tok = build_tokenizer()
     b = reversal_batch(WORKER, "t", step=0, policy_version=0, tokenizer=tok, prompts=3, group_size=3,

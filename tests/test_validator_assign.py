@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from node.hashes import digest
-from node.validator.assign import assign_validator, validator_ranking
+from node.rollouts.assign import assign_validator, validator_ranking
 
 VALIDATORS = [f"12D3KooValidator{i}" for i in range(4)]
 

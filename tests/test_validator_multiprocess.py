@@ -17,7 +17,7 @@ import time
 import pytest
 
 from node.ledger.store import open_ledger_store
-from node.localswarm import LocalSwarm
+from node.app.localswarm import LocalSwarm
 from node.validator.cli import collect
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 
 from node.engines.torch_engine import TorchEngine
 from node.identity import Identity
-from node.model import create_tiny_model
+from node.engines.model import create_tiny_model
 from node.proofs.margins import ProofMargins
 from node.proofs.reasons import Reason
 from node.rl.config import RLConfig

@@ -20,7 +20,7 @@ from node.config import RunConfig
 from node.engines.torch_engine import TorchEngine
 from node.identity import Identity, load_or_create_identity
 from node.metrics import Metrics
-from node.model import create_tiny_model
+from node.engines.model import create_tiny_model
 from node.rl.config import RLConfig
 from node.rl.spec import sampling_seed, step_key
 from node.trainer.testing import FakeLedger

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..model import load_model, load_tokenizer
+from .model import load_model, load_tokenizer
 from .base import FINISH_LENGTH, FINISH_STOP, Sample
 from .sampling import sample_tokens, sequence_seed
 

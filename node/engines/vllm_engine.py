@@ -88,7 +88,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        from ..model import load_tokenizer
+        from .model import load_tokenizer
 
         dtype = getattr(self.cfg, "dtype", "auto") or "auto"
         util = getattr(self.cfg, "gpu_memory_utilization", 0.85)

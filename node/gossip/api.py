@@ -1,5 +1,5 @@
 """What other services may ask of membership (:class:`node.gossip.service.Membership` is the real one),
-and what membership needs from the relay side to advertise reachable addresses.
+and what membership needs from the relay side: addresses to advertise, and dials of relayed ones.
 
 ``typing.Protocol`` s so unit tests can hand a service a small fake instead of a running node.
 """
@@ -20,11 +20,14 @@ class MembershipAPI(Protocol):
         """Change our record (checkpoints held, load, capacity...); it is republished at once."""
 
 
-class CircuitAddrs(Protocol):
-    """The relay side of this node (client or HOP)."""
+class RelayAPI(Protocol):
+    """The relay side of this node (client or HOP: :mod:`node.net.relay`)."""
 
     def circuit_addrs(self) -> list[str]:
         """Relayed addresses others can dial us on ([] when we hold no reservation)."""
+
+    async def connect_addr(self, addr: str) -> str:
+        """Connect to a full multiaddr, direct or ``/p2p-circuit``; returns the remote peer id."""
 
 
 class HeldVersions(Protocol):

@@ -32,7 +32,6 @@ import trio
 from .. import __version__
 from ..context import NodeContext
 from ..net.reqres import CallFailure, call, close, messages, request_handler
-from ..relay import connect_addr
 from ..wire import (
     Message,
     encode,
@@ -43,7 +42,7 @@ from ..wire import (
     seal,
     write_frame,
 )
-from .api import CircuitAddrs, HeldVersions
+from .api import HeldVersions, RelayAPI
 from .connections import ConnectionManager
 from .membership import LocalHealth, MemberState, MembershipConfig, MemberTable, SyncPlanner, Verdict, next_seq
 from .records import (
@@ -179,12 +178,12 @@ class Membership:
         }
 
 
-def advertised_addrs(node: NodeContext, relay: CircuitAddrs) -> list[str]:
+def advertised_addrs(node: NodeContext, relay: RelayAPI) -> list[str]:
     """Direct transport addresses, then relayed ones (a NAT'd node's only reachable addresses)."""
     return (node.host.transport_addrs() + relay.circuit_addrs())[:MAX_ADDRS]  # the record holds no more
 
 
-def own_record(node: NodeContext, relay: CircuitAddrs, seq: int) -> PeerRecord:
+def own_record(node: NodeContext, relay: RelayAPI, seq: int) -> PeerRecord:
     return PeerRecord(
         run=node.run.name,
         peer_id=node.peer_id,
@@ -196,7 +195,7 @@ def own_record(node: NodeContext, relay: CircuitAddrs, seq: int) -> PeerRecord:
     )
 
 
-async def serve_membership(node: NodeContext, relay: CircuitAddrs, shards: HeldVersions, *,
+async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersions, *,
                            task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run membership until cancelled; hands back the :class:`Membership` API once it runs. Our
     record advertises ``relay``'s circuit addresses and the versions ``shards`` holds."""
@@ -310,7 +309,7 @@ async def serve_membership(node: NodeContext, relay: CircuitAddrs, shards: HeldV
             with trio.move_on_after(timeout + (0 if node.host.is_connected(peer) else DIAL_TIMEOUT)):
                 try:
                     if not node.host.is_connected(peer):
-                        await dial(node, peer, addrs)
+                        await dial(node, relay, peer, addrs)
                     await node.host.ping(peer)
                     return True
                 except Exception:
@@ -450,14 +449,14 @@ async def serve_membership(node: NodeContext, relay: CircuitAddrs, shards: HeldV
         async def dial_bootstrap(addr: str) -> None:
             try:
                 with trio.fail_after(DIAL_TIMEOUT):
-                    await connect_addr(node, addr)
+                    await relay.connect_addr(addr)
             except Exception as e:
                 log.info("bootstrap %s unreachable: %s", addr, type(e).__name__)
 
         async def dial_member(peer: str) -> None:
             try:
                 with trio.fail_after(DIAL_TIMEOUT):
-                    await dial(node, peer, svc.addrs_of(peer))
+                    await dial(node, relay, peer, svc.addrs_of(peer))
                 svc.conn.on_connected(peer)
             except Exception:
                 svc.conn.on_dial_failed(peer, trio.current_time())
@@ -480,7 +479,7 @@ async def serve_membership(node: NodeContext, relay: CircuitAddrs, shards: HeldV
                     await trio.sleep(0.2)  # let the pubsub writer flush before the host closes
 
 
-async def dial(node: NodeContext, peer: str, addrs: list[str]) -> None:
+async def dial(node: NodeContext, relay: RelayAPI, peer: str, addrs: list[str]) -> None:
     """Dial a member: its direct addresses first, then its relayed ones (py-libp2p's swarm skips
     /p2p-circuit addresses, so those go through the relay module)."""
     direct = [a for a in addrs if "/p2p-circuit" not in a]
@@ -494,7 +493,7 @@ async def dial(node: NodeContext, peer: str, addrs: list[str]) -> None:
                 raise
     for i, addr in enumerate(relayed):
         try:
-            await connect_addr(node, addr)
+            await relay.connect_addr(addr)
             return
         except Exception:
             if i == len(relayed) - 1:

@@ -53,7 +53,7 @@ from ..wire import (
 DOMAIN = "ledger-entry"
 GENESIS = bytes(32)  # ``prev`` of every author's first entry
 # One signed entry on the wire (envelope included). Gossip messages are capped at 64 KiB
-# (node.host.MAX_GOSSIP); entries are small facts, so 8 KiB leaves room and bounds what a peer can
+# (node.net.host.MAX_GOSSIP); entries are small facts, so 8 KiB leaves room and bounds what a peer can
 # make us verify, store and forward per entry.
 MAX_ENTRY = 8 * 1024
 MAX_BODY = 6 * 1024  # the body inside it (the rest is envelope and entry header)

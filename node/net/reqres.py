@@ -26,7 +26,7 @@ from typing import Generic, TypeVar
 
 import trio
 
-from ..host import OPEN_STREAM_TIMEOUT, STREAM_ERRORS
+from .host import OPEN_STREAM_TIMEOUT, STREAM_ERRORS
 from ..wire import (
     MAX_FRAME,
     TRANSPORT_FAILURES,

@@ -3,7 +3,7 @@
 :class:`Peers` wraps a :class:`~node.peers.table.PeerTable` with the node's clock, metrics and
 log, and queues the disconnects the table asks for; :func:`serve_peers` carries them out. Every
 component reports remote faults through ``node.peers.report(...)``; the host reads
-``node.peers.app_score`` for gossipsub scoring (node/host.py).
+``node.peers.app_score`` for gossipsub scoring (node/net/host.py).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def _fail(msg: str) -> int:
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
-    from ..model import DEFAULT_WARMUP_STEPS, create_default_model
+    from .warmup import DEFAULT_WARMUP_STEPS, create_default_model
 
     out = Path(args.out).expanduser()
     steps = DEFAULT_WARMUP_STEPS if args.warmup_steps is None else args.warmup_steps
@@ -64,10 +64,11 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
     import torch
 
     from ..engines.torch_engine import TorchEngine
-    from ..model import create_default_model, is_model_folder
+    from ..engines.model import is_model_folder
     from .config import GRPOConfig, RLConfig
     from .loop import greedy_score, run_local_loop
     from .tasks import TaskFormatError, load_taskset
+    from .warmup import create_default_model
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -21,11 +21,11 @@ import trio
 from ..config import NodeConfig
 from ..context import NodeContext, RunningNode
 from ..gossip.service import Membership, serve_membership
-from ..host import open_swarm_host
+from ..net.host import open_swarm_host
 from ..identity import load_or_create_identity
 from ..ledger.sync import LedgerService, serve_ledger
 from ..peers import serve_peers
-from ..relay import RelayClient, RelayHop, serve_relay_client
+from ..net.relay import RelayClient, RelayHop, serve_relay_client
 from ..shards.service import ShardsService, serve_shards
 from ..status import serve_status
 

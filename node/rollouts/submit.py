@@ -251,7 +251,7 @@ class Outbox:
 async def call_submit(host, trainer: str, batch_id: bytes, envelope: bytes, timeout: float) -> RolloutAck:
     """Send one signed batch to ``trainer`` and return its ack; :class:`SubmitFailure` otherwise.
 
-    ``host`` is a :class:`~node.host.SwarmHost` (anything with ``open_stream(peer, protocol)``).
+    ``host`` is a :class:`~node.net.host.SwarmHost` (anything with ``open_stream(peer, protocol)``).
     """
     if len(envelope) > MAX_FRAME:
         raise LocalProtocolError(f"batch of {len(envelope)} bytes exceeds one frame: split it before signing")

@@ -28,7 +28,7 @@ from typing import ClassVar
 
 from ..hashes import DIGEST_SIZE
 from ..identity import peer_id_of
-from ..wire import Envelope, Message, RemoteProtocolError, bounded, decode_as, register
+from ..wire import Envelope, Message, RemoteProtocolError, bounded, decode, decode_as, read_frame, register, write_frame
 from .manifest import MAX_FILE_NAME, MAX_MANIFEST_BYTES, MAX_PIECE_SIZE, MAX_PIECES, MAX_TOTAL_SIZE, MAX_VERSION
 
 PROTOCOL = "/swarm/shards/1.0.0"
@@ -38,6 +38,8 @@ MAX_BITFIELD = MAX_PIECES // 8
 MAX_REASON = 32
 # The largest frame either side reads: a manifest reply or a data block, plus msgpack overhead.
 MAX_SHARDS_FRAME = max(MAX_MANIFEST_BYTES + 1024, MAX_BLOCK + 1024) + MAX_FILE_NAME
+FIRST_MESSAGE_TIMEOUT = 10.0  # seconds a new stream may stay silent
+SOURCE = "shards"  # metrics label for rejections, fault source in the peer table
 MAX_ANNOUNCE = 1024
 
 _piece = dict(min=0, max=MAX_PIECES - 1)
@@ -156,3 +158,15 @@ def open_announce(data: bytes, run: str, trainers: list[str]) -> SignedAnnounce:
     if msg.run != run:
         raise RemoteProtocolError("wrong-run", msg.run)
     return SignedAnnounce(msg, signer)
+
+
+async def write_locked(stream, lock, msg: Message) -> None:
+    """Write one frame under ``lock`` (a ``trio.Lock``): concurrent writers would interleave bytes."""
+    async with lock:
+        await write_frame(stream, msg)
+
+
+async def read_shards_message(stream) -> Message | None:
+    """The next message on a shards stream (bounded by MAX_SHARDS_FRAME); None at end of stream."""
+    data = await read_frame(stream, MAX_SHARDS_FRAME)
+    return None if data is None else decode(data, MAX_SHARDS_FRAME)

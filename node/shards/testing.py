@@ -11,7 +11,7 @@ import trio
 
 from ..config import NodeConfig, RunConfig
 from ..context import NodeContext, RunningNode
-from ..host import GossipParams, open_swarm_host
+from ..net.host import GossipParams, open_swarm_host
 from ..identity import Identity
 from ..peers import serve_peers
 from .config import ShardsConfig

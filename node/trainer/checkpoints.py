@@ -50,7 +50,7 @@ def write_model_folder(root: Path, version: int, model, tokenizer, state_dict: d
 
     ``state_dict``: full weights to write instead of the model's own (a sharded model's gathered state).
     """
-    from ..model import save_model_folder
+    from ..engines.model import save_model_folder
 
     final = model_dir(root, version)
     tmp = final.with_name(final.name + ".tmp")

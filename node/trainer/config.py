@@ -27,7 +27,7 @@ class TrainerConfig:
     ban_seconds: float = 3600.0  # how long a banned sender's streams are refused
     device: str = "auto"  # auto (cuda when present, else cpu) | cpu | cuda | cuda:N
     seed: int = 0  # seeds the torch RNG on first start (restored from the training state afterwards)
-    init_warmup_steps: int = -1  # warm-up steps of a fresh embedded default model (-1 = node.model's default, 0 = random)
+    init_warmup_steps: int = -1  # warm-up steps of a fresh embedded default model (-1 = node.rl.warmup's default, 0 = random)
 
     def validate(self) -> None:
         if self.keep_checkpoints < 1:

@@ -2,14 +2,14 @@
 
 Launch on one machine with N GPUs (the same flags as ``swarm-node``)::
 
-    torchrun --standalone --nproc-per-node N -m node.trainer.fsdp --role trainer --run run.toml --data-dir DIR
+    torchrun --standalone --nproc-per-node N -m node.app.torchrun --role trainer --run run.toml --data-dir DIR
 
 How it works
 ------------
 * Every rank joins the process group (NCCL on GPUs, gloo on CPU) and a 1-D device mesh; each
   decoder layer and then the whole model are wrapped with ``fully_shard`` (FSDP2, per-parameter
   DTensor sharding; torch docs "torch.distributed.fsdp.fully_shard").
-* Rank 0 runs the whole swarm node (``node.cli.main``). Its trainer service calls
+* Rank 0 runs the whole swarm node (``node.app.cli.main``, from :mod:`node.app.torchrun`). Its trainer service calls
   :func:`node.trainer.policy.open_policy`, which returns an :class:`FSDPPolicy` when a process group
   of more than one rank exists. Each method of it first broadcasts a command to the other ranks,
   which sit in :func:`follow` and do the same call, so every collective is entered by every rank.
@@ -113,7 +113,7 @@ class FSDPPolicy(Policy):
             set_optimizer_state_dict,
         )
 
-        from ..model import load_model, load_tokenizer
+        from ..engines.model import load_model, load_tokenizer
 
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         state = checkpoints.load_state(root)
@@ -189,23 +189,31 @@ class FSDPPolicy(Policy):
 
     def close(self) -> None:
         if dist.get_rank() == 0:
-            _stop_followers()
+            stop_followers()
 
 
-def _stop_followers() -> None:
+def stop_followers() -> None:
+    """Rank 0: tell the followers to leave (once)."""
     global _stopped
     if not _stopped:
         _stopped = True
         _broadcast((STOP,))
 
 
-def follow() -> int:
-    """Ranks > 0: mirror rank 0's policy calls until it says stop."""
+def open_policy(root: Path, source: str, cfg: GRPOConfig, tcfg: TrainerConfig) -> tuple[Policy, bool]:
+    """The trainer's policy: sharded over the ranks when launched under torchrun, else one process's."""
+    if world() > 1:
+        return FSDPPolicy.open(root, source, cfg, tcfg)
+    return Policy.open(root, source, cfg, tcfg)
+
+
+def follow(cfg: GRPOConfig, tcfg: TrainerConfig) -> int:
+    """Ranks > 0: mirror rank 0's policy calls until it says stop (``cfg``/``tcfg``: the run's
+    [grpo] and [trainer] tables, read from the same flags and run file as rank 0)."""
     policy: FSDPPolicy | None = None
     while True:
         cmd = _broadcast(None)
         if cmd[0] == OPEN:
-            cfg, tcfg = _follower_configs()
             policy = FSDPPolicy._load_sharded(Path(cmd[1]), cfg, tcfg)
         elif cmd[0] == TRAIN:
             policy.train([])
@@ -213,37 +221,6 @@ def follow() -> int:
             policy.save()
         elif cmd[0] == STOP:
             return 0
-
-
-_FOLLOWER_CONFIGS: tuple[GRPOConfig, TrainerConfig] | None = None
-
-
-def _follower_configs() -> tuple[GRPOConfig, TrainerConfig]:
-    """The [grpo] and [trainer] tables, read from the same flags/run file as rank 0."""
-    assert _FOLLOWER_CONFIGS is not None
-    return _FOLLOWER_CONFIGS
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``torchrun ... -m node.trainer.fsdp <swarm-node flags>``."""
-    global _FOLLOWER_CONFIGS
-    argv = list(sys.argv[1:] if argv is None else argv)
-    init_distributed()
-    try:
-        if dist.get_rank() == 0:
-            from ..cli import main as node_main
-
-            try:
-                return node_main(argv)
-            finally:  # also when the node failed before its trainer opened the policy
-                _stop_followers()
-        from ..cli import build_parser, config_from_args
-
-        config = config_from_args(build_parser().parse_args(argv))
-        _FOLLOWER_CONFIGS = (config.run.section("grpo", GRPOConfig), config.run.section("trainer", TrainerConfig))
-        return follow()
-    finally:
-        leave()
 
 
 def leave() -> None:
@@ -265,6 +242,3 @@ def exit_now(code: int | None) -> None:
     sys.stderr.flush()
     os._exit(int(code or 0))
 
-
-if __name__ == "__main__":
-    exit_now(main())

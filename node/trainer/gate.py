@@ -10,7 +10,7 @@ Pure state machine, time passed in. Each gated batch is in one of these states:
          └──────────────── expire() ──────────────┘  skipped for this batch; reassigned)
 
 * Assignment is rendezvous hashing over the *live* validators of the run
-  (:func:`node.validator.assign.assign_validator`, Thaler & Ravishankar 1998): every trainer picks
+  (:func:`node.rollouts.assign.assign_validator`, Thaler & Ravishankar 1998): every trainer picks
   the same validator for a batch, load spreads evenly, and when one goes silent only its batches move,
   each to its own next choice. The validators that failed a batch are skipped for it; once every live
   validator has failed it, the list is cleared and the batch starts over, so a batch is never dropped
@@ -27,7 +27,7 @@ import enum
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from ..validator.assign import assign_validator
+from ..rollouts.assign import assign_validator
 
 MAX_DECIDED = 65536  # batch ids remembered as decided, to answer duplicate verdicts cheaply
 

@@ -57,12 +57,8 @@ def _initial_model(root: Path, source: str, tcfg: TrainerConfig):
     """(model, tokenizer) of version 0: ``run.model``, or the embedded default (tiny Qwen2 + warm-up)."""
     import shutil
 
-    from ..model import (
-        DEFAULT_WARMUP_STEPS,
-        create_default_model,
-        load_model,
-        load_tokenizer,
-    )
+    from ..engines.model import load_model, load_tokenizer
+    from ..rl.warmup import DEFAULT_WARMUP_STEPS, create_default_model
 
     if source:
         return load_model(Path(source)), load_tokenizer(Path(source))
@@ -114,7 +110,7 @@ class Policy:
     def open(cls, root: Path, source: str, cfg: GRPOConfig, tcfg: TrainerConfig) -> tuple[Policy, bool]:
         """Resume from ``<root>/state.pt`` or create version 0; returns (policy, created)."""
         from ..engines.torch_engine import pick_device
-        from ..model import load_model, load_tokenizer
+        from ..engines.model import load_model, load_tokenizer
 
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
@@ -206,14 +202,3 @@ class Policy:
         protect = {0} if self.cfg.kl_coef > 0 else set()
         checkpoints.prune_model_folders(self.root, self.tcfg.keep_checkpoints, protect=protect | {self.step})
         return folder
-
-
-def open_policy(root: Path, source: str, cfg: GRPOConfig, tcfg: TrainerConfig) -> tuple[Policy, bool]:
-    """The trainer's policy: sharded over the ranks when launched under torchrun (node/trainer/fsdp.py)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from .fsdp import FSDPPolicy
-
-        return FSDPPolicy.open(root, source, cfg, tcfg)
-    return Policy.open(root, source, cfg, tcfg)

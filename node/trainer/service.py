@@ -65,7 +65,8 @@ from .intake import (
     intake_reason,
     staleness_reason,
 )
-from .policy import Policy, open_policy, training_samples
+from .fsdp import open_policy
+from .policy import Policy, training_samples
 from .spool import BatchState, Spool, StepRecord, open_spool
 
 log = logging.getLogger("node.trainer")

@@ -338,7 +338,7 @@ class ValidatorService:
 
     def _load(self, path, version: int) -> CheckModel:
         from ..engines.torch_engine import pick_device
-        from ..model import load_model, load_tokenizer
+        from ..engines.model import load_model, load_tokenizer
 
         # Prefill in the precision the workers generate in: TOPLOC tells bf16 from fp32 apart (paper §5).
         name = self.cfg.dtype if self.cfg.dtype != "auto" else self.node.config.run.section("inference", InferenceConfig).dtype

@@ -146,30 +146,3 @@ def load_model(path: Path, *, device: str = "cpu", dtype=None):
     with _LOAD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     return model.to(device).eval()
-
-
-# Supervised warm-up of the default model on the synthetic task's format (see node/rl/warmup.py):
-# enough that sampled completions score ~0.1 on the digit-reversal reward (greedy ~0.3) and most
-# groups carry signal, leaving RL a wide gap to close. Examples come from a seed different from
-# the packaged task set's.
-DEFAULT_WARMUP_STEPS = 30
-WARMUP_EXAMPLES = 5000
-WARMUP_SEED = 12345
-
-
-def create_default_model(path: Path, *, seed: int = 0, warmup_steps: int = DEFAULT_WARMUP_STEPS,
-                         spec: TinyModelSpec = TinyModelSpec()):
-    """The demo's default model: the tiny Qwen2 plus a short supervised warm-up (0 = random init).
-
-    Returns ``(path, warmup_stats)``; ``warmup_stats`` is None when no warm-up ran.
-    """
-    tok = build_tokenizer()
-    model = build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id, spec, seed)
-    stats = None
-    if warmup_steps > 0:
-        from .rl.synthetic import make_reversal_tasks
-        from .rl.warmup import supervised_warmup
-
-        pairs = [(t["prompt"], t["answer"]) for t in make_reversal_tasks(WARMUP_EXAMPLES, seed=WARMUP_SEED)]
-        stats = supervised_warmup(model, tok, pairs, warmup_steps, seed=seed)
-    return save_model_folder(model, tok, path), stats

@@ -7,7 +7,8 @@ coordination, the load spreads evenly, and when a validator leaves only *its* ba
 its own second choice), which is what "re-assign after a timeout when one goes silent" needs:
 the trainer walks :func:`validator_ranking` past the silent ones.
 
-Pure: no clock, no network. The scores use the project's content hash (node/hashes.py).
+Pure: no clock, no network. The scores use the project's content hash (node/hashes.py). It lives
+with the rollout batches, not in validator/, because trainers and validators both need it.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ checkpoints, ledger) *before* py-libp2p forwards them, so garbage is neither sto
 from __future__ import annotations
 
 import contextlib
-import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -50,9 +49,16 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
-from .identity import Identity
+from ..identity import Identity
+from .workarounds import (
+    CancelSafeFrames,
+    HandlerErrors,
+    StreamBytes,
+    TcpBytes,
+    disable_auto_connect,
+    guard_handlers,
+)
 
-log = logging.getLogger(__name__)
 
 GOSSIPSUB_PROTOCOLS = ["/meshsub/1.1.0", "/meshsub/1.0.0"]
 # Our own gossip payloads are capped well below py-libp2p's 1 MiB RPC cap.
@@ -87,181 +93,6 @@ class GossipParams:
     gossip_threshold: float = -50.0
     publish_threshold: float = -80.0
     accept_px_threshold: float = -10.0
-
-
-class TcpBytes:
-    """Bytes this process moved over libp2p TCP connections (after Noise and Yamux framing).
-
-    py-libp2p keeps no such count, so the first host wraps ``TrioTCPStream.read/write`` once.
-    Process-wide: one node per process in normal runs (in-process tests share the count).
-    """
-
-    sent = 0
-    received = 0
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
-        from libp2p.io.trio import TrioTCPStream
-
-        def count(stream, direction: str, n: int) -> None:
-            setattr(cls, direction, getattr(cls, direction) + n)
-
-        _count_io(TrioTCPStream, count)
-        cls._installed = True
-
-
-def _count_io(stream_cls, count) -> None:
-    """Wrap ``stream_cls.write`` and ``.read`` so each call reports ``count(stream, "sent"|"received", n)``."""
-    write, read = stream_cls.write, stream_cls.read
-
-    async def counted_write(self, data: bytes) -> None:
-        await write(self, data)
-        count(self, "sent", len(data))
-
-    async def counted_read(self, n: int | None = None) -> bytes:
-        data = await read(self, n)
-        count(self, "received", len(data))
-        return data
-
-    stream_cls.write, stream_cls.read = counted_write, counted_read
-
-
-class StreamBytes:
-    """Payload bytes this process moved on libp2p streams, by protocol (before Yamux and Noise).
-
-    The figure that says *which* protocol costs what (membership, gossipsub, ping, shards...);
-    ``TcpBytes`` holds the total with framing. Process-wide, installed once like ``TcpBytes``.
-    """
-
-    sent: dict[str, int] = {}
-    received: dict[str, int] = {}
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
-        from libp2p.network.stream.net_stream import NetStream
-
-        def count(stream, direction: str, n: int) -> None:
-            by_protocol = getattr(cls, direction)
-            key = str(stream.get_protocol() or "negotiating")
-            by_protocol[key] = by_protocol.get(key, 0) + n
-
-        _count_io(NetStream, count)
-        cls._installed = True
-
-
-# A Yamux frame write that has not finished after this long means the peer stopped reading; the
-# connection is closed, as part of a frame may already be on the wire. Frames are at most one
-# stream window (256 KiB): 15 s allows links down to ~140 kbit/s, and bounds how long a shielded
-# write can hold up a node's shutdown.
-FRAME_WRITE_LIMIT = 15.0
-
-
-class CancelSafeFrames:
-    """Make each Yamux frame write all-or-nothing under cancellation (py-libp2p 0.8.1).
-
-    py-libp2p writes a frame in the caller's task: Noise encrypts it (using up the next nonce), then
-    sends it. A caller cancelled between the two (any ``fail_after`` around a stream write whose
-    deadline passes at that moment) leaves a nonce the peer will never see, and every later frame on
-    the connection fails to decrypt ("Failed authentication of message", seen a few times a minute
-    in the demo's logs); cancelled during the send, half a frame is left on the wire. Here the
-    write lock is still taken cancellably (nothing is written yet), the encrypt-and-send is shielded,
-    and a send that stalls past FRAME_WRITE_LIMIT closes the connection instead of corrupting it.
-    """
-
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
-        from libp2p.stream_muxer.yamux.yamux import Yamux
-
-        async def write_frame(self, data: bytes) -> None:
-            async with self._write_lock:
-                with trio.CancelScope(shield=True):
-                    with trio.move_on_after(FRAME_WRITE_LIMIT) as stalled:
-                        await self.secured_conn.write(data)
-                    if stalled.cancelled_caught:
-                        with trio.move_on_after(5):
-                            await self.secured_conn.close()
-                        raise trio.BrokenResourceError(f"frame write stalled for {FRAME_WRITE_LIMIT:.0f} s")
-            await trio.lowlevel.checkpoint()
-
-        Yamux._write_frame = write_frame
-        cls._installed = True
-
-
-def disable_auto_connect(host) -> None:
-    """Leave dialing to our connection manager (node/gossip/connections.py).
-
-    py-libp2p's swarm runs its own auto-connector, which dials peers from the peerstore until it has
-    about 200 connections (the midpoint of its 100/300 watermarks), periodically and after every
-    disconnect. Above our ``conn_high`` the two fought: we pruned, it redialled at once. At N = 50
-    on one machine that churn (each dial a Noise handshake, identify and gossipsub set-up) kept the
-    CPU saturated and the swarm never converged.
-    """
-
-    async def no_dial() -> None:
-        return None
-
-    host.get_network().auto_connector.maybe_connect = no_dial
-
-
-class HandlerErrors:
-    """Counts of stream handlers that failed, by protocol and exception type (for metrics/status)."""
-
-    def __init__(self) -> None:
-        self.counts: dict[tuple[str, str], int] = {}
-
-    def add(self, protocol: str, exc: BaseException) -> None:
-        key = (protocol, type(exc).__name__)
-        self.counts[key] = self.counts.get(key, 0) + 1
-
-
-def guard_handlers(host, errors: HandlerErrors) -> None:
-    """Make every stream handler of ``host`` unable to crash the node.
-
-    py-libp2p runs stream handlers inside the connection's nursery, and that nursery inside the
-    swarm service that ``host.run`` waits on: an exception escaping any handler tears down the
-    whole host. Its own pubsub handler lets a protobuf ``DecodeError`` escape (pubsub.py,
-    ``stream_handler`` catches only StreamError/ParseError/IncompleteReadError), so one peer
-    sending a malformed gossip RPC could stop us. We wrap the handlers already registered and
-    every one registered later: a failing handler is logged, counted and its stream reset.
-    """
-    muxer = host.get_mux()
-
-    def guard(protocol, handler):
-        if handler is None or getattr(handler, "_guarded", False):
-            return handler
-
-        async def guarded(stream) -> None:
-            try:
-                await handler(stream)
-            except Exception as exc:  # the remote's bytes or a library bug: never fatal
-                errors.add(str(protocol), exc)
-                log.info("stream handler failed", extra={"protocol": str(protocol), "error": type(exc).__name__})
-                try:
-                    await stream.reset()
-                except Exception:
-                    pass
-
-        guarded._guarded = True
-        return guarded
-
-    for protocol, handler in list(muxer.handlers.items()):
-        muxer.handlers[protocol] = guard(protocol, handler)
-    original = host.set_stream_handler
-
-    def set_stream_handler(protocol, handler):
-        return original(protocol, guard(protocol, handler))
-
-    host.set_stream_handler = set_stream_handler
 
 
 def to_libp2p_keypair(identity: Identity) -> KeyPair:

@@ -13,12 +13,21 @@ import os
 import sys
 from pathlib import Path
 
-from . import __version__
-from .config import DEFAULT_LISTEN, LOG_LEVELS, ROLES, ConfigError, NodeConfig, load_config
+from .. import __version__
+from ..bootstrap_list import read_bootstrap_list
+from ..config import DEFAULT_LISTEN, LOG_LEVELS, ROLES, ConfigError, NodeConfig, load_config
+from ..identity import KEY_FILE, IdentityError, load_or_create_identity
+from ..log import setup_logging
+from ..rollouts.config import CHEATS
+from .errors import UsageError
 
-# Modules that add subcommands (each has add_commands(subparsers)); owned by their components.
-COMMAND_MODULES: list[str] = ["node.ledger.cli", "node.shards.cli", "node.rl.cli", "node.validator.cli", "node.rollouts.cli", "node.trainer.cli",
-                              "node.config_reference"]
+# Imported inside the commands on purpose: trio and libp2p (roles, status, status_view's remote
+# fetch) and the demo's swarm cost start-up time that ``--help``, ``keygen`` and ``id`` should not pay.
+
+# Modules that add subcommands (each has add_commands(subparsers)). Those that only read a data dir
+# live with their component; those that start a node or build a generator live here in app/.
+COMMAND_MODULES: list[str] = ["node.ledger.cli", "node.app.shards_cli", "node.rl.cli", "node.validator.cli",
+                              "node.app.rollouts_cli", "node.trainer.cli", "node.app.config_reference"]
 
 EPILOG = """\
 examples:
@@ -31,10 +40,6 @@ examples:
 environment: SWARM_<FIELD> sets a node field (SWARM_ROLE, SWARM_LISTEN=a,b, SWARM_LOG_LEVEL...),
 SWARM_RUN_<FIELD> a run field (SWARM_RUN_NAME). Precedence: defaults < run file < env < flags.
 """
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -102,8 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cheats() -> tuple[str, ...]:
-    from .rollouts.config import CHEATS
-
     return tuple(c for c in CHEATS if c)  # "" is honest
 
 
@@ -128,8 +131,6 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
 
 
 def packaged_bootstrap() -> list[str]:
-    from .bootstrap_list import read_bootstrap_list
-
     peers = read_bootstrap_list()
     if not peers:
         raise UsageError(
@@ -144,8 +145,7 @@ def packaged_bootstrap() -> list[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     import trio
 
-    from .log import setup_logging
-    from .roles.core import run_node
+    from ..roles.core import run_node
 
     config = config_from_args(args)
     identity = _identity(config)
@@ -155,16 +155,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _identity(config: NodeConfig):
-    from .identity import load_or_create_identity
-
     data_dir = config.resolved_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
     return load_or_create_identity(data_dir)[0]
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from .identity import KEY_FILE, load_or_create_identity
-
     config = config_from_args(args)
     data_dir = config.resolved_data_dir()
     identity, created = load_or_create_identity(data_dir)
@@ -175,7 +171,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_id(args: argparse.Namespace) -> int:
-    from .status import NODE_FILE
+    from ..status import NODE_FILE
 
     config = config_from_args(args)
     identity = _identity(config)
@@ -213,8 +209,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .identity import IdentityError
-
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

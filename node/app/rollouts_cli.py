@@ -29,7 +29,7 @@ def add_commands(sub) -> None:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from ..config import ConfigError, RunConfig, build, read_run_file, split_run_table
-    from ..model import is_model_folder
+    from ..engines.model import is_model_folder
     from ..rl.tasks import TaskFormatError
 
     def fail(msg: str) -> int:
@@ -54,7 +54,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from ..model import create_tiny_model
+            from ..engines.model import create_tiny_model
 
             model = create_tiny_model(Path(tmp) / "tiny")
         try:
@@ -88,7 +88,7 @@ def _generator(run):
     from ..proofs.config import ProofsConfig
     from ..rl.config import InferenceConfig, RLConfig
     from ..adversary.generator import make_generator
-    from .config import WorkerConfig
+    from ..rollouts.config import WorkerConfig
 
     return make_generator(identity=Identity.generate(), run_name=run.name, rl=run.section("rl", RLConfig),
                           proofs=run.section("proofs", ProofsConfig), inference=run.section("inference", InferenceConfig),

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .identity import load_or_create_identity
-from .status import NODE_FILE, STATUS_FILE
+from ..identity import load_or_create_identity
+from ..status import NODE_FILE, STATUS_FILE
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 

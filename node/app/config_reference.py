@@ -13,7 +13,7 @@ import inspect
 import json
 import re
 
-from .config import SECTIONS, NodeConfig, RunConfig
+from ..config import SECTIONS, NodeConfig, RunConfig
 
 _FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^=]+?(?:=\s*(.*?))?\s*(?:#\s*(.*))?$")
 _COMMENT = re.compile(r"^\s+#\s?(.*)$")

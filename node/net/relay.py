@@ -38,6 +38,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import multiaddr
 import trio
@@ -52,10 +53,12 @@ from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.anyio_service import background_trio_service
 
-from .context import NodeContext
+from ..identity import public_key_of
+from ..wire import RemoteProtocolError
 from .host import SwarmHost, parse_multiaddr
-from .identity import public_key_of
-from .wire import RemoteProtocolError
+
+if TYPE_CHECKING:  # the services take the node's context; net/ sits below it at run time
+    from ..context import NodeContext
 
 log = logging.getLogger(__name__)
 
@@ -377,6 +380,11 @@ class RelayHop:
     """The HOP service's API object (handed back by :func:`serve_relay_hop`)."""
 
     protocol: _SwarmCircuitProtocol
+    host: SwarmHost
+
+    async def connect_addr(self, addr: str) -> str:
+        """Connect to a full multiaddr, direct or circuit (:func:`connect_addr`)."""
+        return await connect_addr(self.host, addr)
 
     def circuit_addrs(self) -> list[str]:
         """A relay takes no relayed connections itself: it is reached directly."""
@@ -420,7 +428,7 @@ async def serve_relay_hop(
     # A relay does not take relayed connections itself (no reservations of its own).
     protocol = _SwarmCircuitProtocol(node.host.host, limits, allow_hop=True, stop_from=lambda _: False,
                                      max_reservations_per_ip=max_reservations_per_ip)
-    hop = RelayHop(protocol)
+    hop = RelayHop(protocol, node.host)
     m = node.metrics
     m.gauge("relay_reservations", "Peers holding a reservation on this relay").set_function(
         hop.reservation_count)
@@ -491,6 +499,10 @@ class RelayClient:
     def has_reservation_on(self, relay_peer_id: str) -> bool:
         h = self.held.get(relay_peer_id)
         return h is not None and h.reservation is not None and h.reservation.expire_unix > time.time()
+
+    async def connect_addr(self, addr: str) -> str:
+        """Connect to a full multiaddr, direct or circuit (:func:`connect_addr`)."""
+        return await connect_addr(self.host, addr)
 
     def circuit_addrs(self) -> list[str]:
         """Addresses others can reach us at through our relays (advertise them in peer records)."""
@@ -601,10 +613,10 @@ async def serve_relay_client(
         await trio.sleep_forever()
 
 
-async def dial_via_relay(node: NodeContext, relay_addr: str, target_peer_id: str) -> str:
+async def dial_via_relay(host: SwarmHost, relay_addr: str, target_peer_id: str) -> str:
     """Open a connection to ``target_peer_id`` through the relay; returns the circuit address.
 
-    Afterwards ``node.host.open_stream(target_peer_id, proto)`` uses that connection. Raises
+    Afterwards ``host.open_stream(target_peer_id, proto)`` uses that connection. Raises
     RelayError when the relay is unreachable, the target holds no reservation there, or the
     handshake through the relay fails.
     """
@@ -612,10 +624,10 @@ async def dial_via_relay(node: NodeContext, relay_addr: str, target_peer_id: str
     # The transport's `protocol` argument is only used to build listeners (transport.py:965),
     # and the STOP role alone keeps dial() from reserving on every relay it dials through
     # (RelayRole.CLIENT does that: transport.py:398).
-    transport = CircuitV2Transport(node.host.host, None, RelayConfig(roles=RelayRole.STOP))
+    transport = CircuitV2Transport(host.host, None, RelayConfig(roles=RelayRole.STOP))
     try:
         with trio.fail_after(DIAL_TIMEOUT_S):
-            await node.host.connect(relay_addr)
+            await host.connect(relay_addr)
             # dial() first looks up stored circuit addresses of the target and logs a warning
             # when the peerstore has never heard of it (transport.py:312); harmless.
             await transport.dial(parse_multiaddr(addr))
@@ -629,7 +641,7 @@ async def dial_via_relay(node: NodeContext, relay_addr: str, target_peer_id: str
     return addr
 
 
-async def connect_addr(node: NodeContext, addr: str) -> str:
+async def connect_addr(host: SwarmHost, addr: str) -> str:
     """Connect to a full multiaddr, direct or circuit; returns the remote peer id.
 
     py-libp2p's swarm drops every ``/p2p-circuit`` address before dialling (network/swarm.py:818-828),
@@ -637,9 +649,9 @@ async def connect_addr(node: NodeContext, addr: str) -> str:
     """
     split = split_circuit_addr(addr)
     if split is None:
-        return await node.host.connect(addr)
+        return await host.connect(addr)
     relay_addr, target = split
-    await dial_via_relay(node, relay_addr, target)
+    await dial_via_relay(host, relay_addr, target)
     return target
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .cli import UsageError
-from .config import NodeConfig
-from .status import STATUS_FILE
+from ..config import NodeConfig, check_connect_addr
+from ..identity import Identity
+from ..status import STATUS_FILE
+from .errors import UsageError
 
 
 def fetch_status(config: NodeConfig, connect: str | None) -> dict:
@@ -26,12 +27,11 @@ def fetch_status(config: NodeConfig, connect: str | None) -> dict:
 
 
 def _fetch_remote(config: NodeConfig, addr: str) -> dict:
+    # Lazy: trio and libp2p only when asking a remote node (reading status.json needs neither).
     import trio
 
-    from .config import check_connect_addr
-    from .host import open_swarm_host
-    from .identity import Identity
-    from .status import call_status
+    from ..net.host import open_swarm_host
+    from ..status import call_status
 
     check_connect_addr(addr)
 

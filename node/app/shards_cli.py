@@ -45,7 +45,7 @@ def _config(args: argparse.Namespace, role: str):
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from .manifest import FolderError, folder_files
+    from ..shards.manifest import FolderError, folder_files
 
     try:
         config = _config(args, "trainer")
@@ -111,7 +111,7 @@ async def _publish(config, path: Path, version: int, seed_for: float) -> int:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from .store import PieceStore, read_verified_log
+    from ..shards.store import PieceStore, read_verified_log
 
     try:
         config = _config(args, None)

@@ -1,0 +1,139 @@
+"""Checkpoint announcements on ``/swarm/<run>/checkpoints/1`` and the manifest fetch that follows one.
+
+How this works
+--------------
+A trainer seals an :class:`Announce` (run, version, manifest root, sizes) and publishes it when it
+publishes a version, then again every ``announce_interval`` so late joiners learn of it. A topic
+validator (:func:`validate_announce`) accepts only announcements signed by a trainer of this run,
+so forgeries are neither stored nor forwarded. Followers hear each announcement
+(:func:`follow_announcements`) and, when their fetch policy (:func:`fetch_policy`) wants the
+version, fetch its manifest over a stream (:func:`fetch_manifest`): first from the announcer, then
+from any connected peer, each reply checked against the announced root and the trainers' keys.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+from libp2p.peer.id import ID
+
+from ..wire import LocalProtocolError, RemoteProtocolError, encode, seal, write_frame
+from .config import ShardsConfig
+from .manifest import SignedManifest, open_manifest, root_id
+from .protocol import (
+    ANNOUNCE_DOMAIN,
+    FIRST_MESSAGE_TIMEOUT,
+    PROTOCOL,
+    SOURCE,
+    Announce,
+    ManifestReply,
+    ManifestRequest,
+    Reject,
+    open_announce,
+    read_shards_message,
+)
+from .store import PieceStore
+
+log = logging.getLogger("node.shards.service")  # announcements log as part of the service
+
+MANIFEST_RETRY = 2.0  # seconds between rounds of asking every connected peer for a manifest
+
+
+def fetch_policy(cfg: ShardsConfig, role: str) -> str:
+    """Which announced versions this node downloads: "all" (relays), "newest", or "none" (trainers)."""
+    if cfg.fetch != "auto":
+        return cfg.fetch
+    return {"relay": "all", "trainer": "none"}.get(role, "newest")
+
+
+def validate_announce(node, run_name: str, trainers: list[str], msg) -> bool:
+    """gossipsub topic validator: a well-formed announcement of this run by one of its trainers."""
+    try:
+        open_announce(msg.data, run_name, trainers)
+        return True
+    except RemoteProtocolError as e:
+        node.metrics.reject(node.topic("checkpoints"), e.reason)
+        return False
+
+
+async def announce(node, signed: SignedManifest) -> None:
+    """Publish ``signed``'s version on the checkpoints topic (best effort)."""
+    m = signed.manifest
+    env = seal(node.identity, ANNOUNCE_DOMAIN, Announce(
+        run=m.run, version=m.version, root=signed.root, total_size=m.total_size, num_pieces=m.num_pieces))
+    try:
+        await node.host.pubsub.publish(node.topic("checkpoints"), encode(env))
+    except Exception as e:  # no peers yet, etc.: the next re-announcement will do
+        log.debug("shards: announce failed: %s", e)
+
+
+async def reannounce_loop(node, interval: float, published: Callable[[], SignedManifest | None]) -> None:
+    """Every ``interval`` seconds, announce the version we published last (if any)."""
+    while True:
+        await trio.sleep(interval)
+        signed = published()
+        if signed is not None:
+            await announce(node, signed)
+
+
+async def follow_announcements(sub, run_name: str, trainers: list[str],
+                               on_announce: Callable[[int, bytes, str], None]) -> None:
+    """Call ``on_announce(version, root, source)`` for each announcement on subscription ``sub``;
+    ``source`` is the peer that forwarded it (who most likely holds the manifest)."""
+    while True:
+        msg = await sub.get()
+        try:
+            sa = open_announce(msg.data, run_name, trainers)
+        except RemoteProtocolError:
+            continue  # the validator counted it
+        a = sa.announce
+        source = ID(msg.from_id).to_base58() if msg.from_id else sa.signer
+        on_announce(a.version, a.root, source)
+
+
+async def fetch_manifest(node, store: PieceStore, run_name: str, trainers: list[str],
+                         is_banned: Callable[[str, float], bool], version: int, root: bytes,
+                         source: str) -> SignedManifest:
+    """The manifest of ``version`` with root ``root``: saved on disk, else asked of ``source`` and
+    then of every connected peer not banned, round after round until one answers correctly."""
+    saved = store.saved_manifest(version)
+    if saved is not None and saved.root == root:
+        return saved
+    while True:
+        peers = [source] + [p for p in node.host.connected_peers() if p != source]
+        for peer in peers:
+            if is_banned(peer, trio.current_time()):
+                continue
+            try:
+                with trio.fail_after(FIRST_MESSAGE_TIMEOUT):
+                    return await call_manifest(node.host, peer, root, run_name, trainers)
+            except RemoteProtocolError as e:
+                node.metrics.reject(SOURCE, e.reason)
+            except (LocalProtocolError, AssertionError):
+                raise
+            except Exception as e:  # unreachable peer, timeout, reset
+                log.debug("shards: manifest from %s: %s", peer[-8:], e)
+        await trio.sleep(MANIFEST_RETRY)
+
+
+async def call_manifest(host, peer: str, root: bytes, run_name: str, trainers: list[str]) -> SignedManifest:
+    """Ask ``peer`` for the manifest with root ``root``; RemoteProtocolError unless it sends that one."""
+    stream = await host.open_stream(peer, PROTOCOL)
+    try:
+        await write_frame(stream, ManifestRequest(root=root))
+        reply = await read_shards_message(stream)
+        if isinstance(reply, Reject) or reply is None:
+            raise RemoteProtocolError("no-manifest", reply.reason if reply else "eof")
+        if not isinstance(reply, ManifestReply):
+            raise RemoteProtocolError("unexpected", reply.TYPE)
+        if root_id(reply.envelope.payload) != root:
+            raise RemoteProtocolError("wrong-root", "manifest does not hash to the announced root")
+        return open_manifest(reply.envelope, run_name, trainers)
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            try:
+                await stream.reset()
+            except Exception:
+                pass

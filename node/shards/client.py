@@ -1,0 +1,318 @@
+"""The downloading side of ``/swarm/shards/1.0.0``: one :class:`Download` per version we fetch.
+
+How this works
+--------------
+A download opens a :class:`ClientSession` to every connected peer (up to ``max_peers``), feeds
+what they say (bitfields, haves, data, rejects) into the pure :class:`Picker`, sends the requests
+and cancels the picker decides, assembles blocks in memory, hash-checks each piece, writes it to
+the :class:`VersionStore` and tells everyone ``Have`` through the shards service (which serves it
+onward at once). Peers the picker convicts of bad data are banned through the service.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..hashes import digest
+from ..wire import TRANSPORT_FAILURES, LocalProtocolError, Message, RemoteProtocolError, write_frame
+from .config import ShardsConfig
+from .picker import Actions, Picker, PickerParams
+from .protocol import (
+    BUSY,
+    FIRST_MESSAGE_TIMEOUT,
+    PROTOCOL,
+    SOURCE,
+    Bitfield,
+    Cancel,
+    Data,
+    Hello,
+    Have,
+    Reject,
+    Request,
+    read_shards_message,
+)
+from .store import VersionStore, pieces_of
+
+if TYPE_CHECKING:  # the service starts downloads and passes itself in
+    from .service import ShardsService
+
+log = logging.getLogger("node.shards.service")  # the sessions log as part of the service
+
+MAX_OUTBOX = 512  # messages waiting to be written on one download session
+RESCAN_INTERVAL = 1.0  # seconds between looks for new peers to download from
+RETRY_PEER_AFTER = 5.0  # seconds before a peer that refused a session is asked again
+# An unresponsive peer is asked again after RETRY_PEER_AFTER, doubled at each drop up to ban_seconds:
+# a silent liar costs a few timeouts per back-off, a peer that was only starved is not lost for good.
+
+
+class ClientSession:
+    """One outbound transfer session: we download a version from ``peer``."""
+
+    def __init__(self, peer: str, stream) -> None:
+        self.peer = peer
+        self.stream = stream
+        self.outbox_send, self.outbox_recv = trio.open_memory_channel[Message](MAX_OUTBOX)
+        self.cancel_scope = trio.CancelScope()
+
+    def post(self, msg: Message) -> None:
+        try:
+            self.outbox_send.send_nowait(msg)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            pass  # a peer that does not read its stream loses messages; its requests time out
+
+    async def write_loop(self) -> None:
+        async for msg in self.outbox_recv:
+            await write_frame(self.stream, msg)
+
+
+class Download:
+    """Fetch one version from the swarm into ``vs`` (see the module docstring)."""
+
+    def __init__(self, svc: ShardsService, vs: VersionStore) -> None:
+        self.svc = svc
+        self.vs = vs
+        m = vs.manifest
+        self.picker = Picker(
+            [m.piece_length(i) for i in range(m.num_pieces)],
+            PickerParams(
+                block_size=min(svc.cfg.block_size, m.piece_size),
+                request_timeout=svc.cfg.request_timeout,
+                ban_seconds=svc.cfg.ban_seconds,
+            ),
+            have=set(vs.verified),
+            rng=svc.rng,
+        )
+        self.sessions: dict[str, ClientSession] = {}
+        self.refused: dict[str, float] = {}  # peer -> time it refused a session
+        self.backoff: dict[str, float] = {}  # peer -> seconds before asking it again after a drop
+        self.buffers: dict[int, dict[int, bytes]] = {}
+        self.changed = trio.Event()
+        self.done = trio.Event()
+        self.refetched_pieces = 0
+        self.started = trio.current_time()
+        # piece -> (time it verified, the peer that supplied most of it): how the pieces spread
+        # (bench/shards.py prints first/last piece times from it). Bounded by the piece count.
+        self.verified_at: dict[int, tuple[float, str]] = {}
+
+    @property
+    def root(self) -> bytes:
+        return self.vs.signed.root
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._check_done()
+            next_scan = -math.inf
+            while not self.done.is_set():
+                now = trio.current_time()
+                if now >= next_scan:
+                    self._connect_new(now)
+                    next_scan = now + RESCAN_INTERVAL
+                self._apply(self.picker.poll(now))
+                self.changed = trio.Event()
+                wait = min(RESCAN_INTERVAL, max(0.0, self.picker.next_deadline() - now))
+                with trio.move_on_after(wait):
+                    await self.changed.wait()
+            nursery.cancel_scope.cancel()
+
+    def _check_done(self) -> None:
+        if self.picker.complete and not self.done.is_set():
+            self.done.set()
+
+    def _connect_new(self, now: float) -> None:
+        host = self.svc.node.host
+        for peer in host.connected_peers():
+            if len(self.sessions) >= self.svc.cfg.max_peers:
+                return
+            if peer in self.sessions or self.svc.is_banned(peer, now):
+                continue
+            if now - self.refused.get(peer, -math.inf) < self.backoff.get(peer, RETRY_PEER_AFTER):
+                continue
+            self.refused[peer] = now  # until it answers; cleared on a good session
+            self.sessions[peer] = None  # type: ignore[assignment]  # reserved while dialing
+            self._nursery.start_soon(self._session, peer)
+
+    async def _session(self, peer: str) -> None:
+        svc = self.svc
+        sess: ClientSession | None = None
+        try:
+            stream = await svc.node.host.open_stream(peer, PROTOCOL)
+        except Exception as e:  # libp2p raises many types for "could not open a stream"
+            log.debug("shards: no stream to %s: %s", peer[-8:], e)
+            self.sessions.pop(peer, None)
+            return
+        sess = ClientSession(peer, stream)
+        self.sessions[peer] = sess
+        try:
+            with sess.cancel_scope:
+                await write_frame(stream, Hello(root=self.root, bitfield=self.vs.bitfield()))
+                with trio.fail_after(FIRST_MESSAGE_TIMEOUT):
+                    first = await read_shards_message(stream)
+                if isinstance(first, Reject) or first is None:
+                    return
+                if not isinstance(first, Bitfield):
+                    raise RemoteProtocolError("unexpected", first.TYPE)
+                self.refused.pop(peer, None)
+                self.picker.on_bitfield(peer, pieces_of(first.bitfield, self.vs.manifest.num_pieces))
+                self._poke()
+                async with trio.open_nursery() as n:
+                    n.start_soon(sess.write_loop)
+                    await self._read_loop(sess)
+                    n.cancel_scope.cancel()
+        # except*: errors raised under the session's nursery arrive as exception groups.
+        except* (LocalProtocolError, AssertionError):
+            raise  # our bug: crash loudly
+        except* RemoteProtocolError as group:
+            e = group.exceptions[0]
+            svc.node.metrics.reject(SOURCE, e.reason)
+            # A peer killed mid-frame leaves a truncated stream: it left, it did not misbehave (a
+            # ban here outlives it and shuts out its restart, which may hold the only copies).
+            if e.reason not in TRANSPORT_FAILURES:
+                self._apply(self.picker.on_misbehaved(peer, trio.current_time(), e.reason))
+        except* Exception as group:  # connection lost, timeouts
+            log.debug("shards: session with %s ended: %r", peer[-8:], group.exceptions[0])
+        finally:
+            self.refused[peer] = trio.current_time()  # do not redial a peer that just left at once
+            self.sessions.pop(peer, None)
+            self.picker.on_peer_gone(peer)
+            self._drop_stale_buffers()
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass
+            self._poke()
+
+    async def _read_loop(self, sess: ClientSession) -> None:
+        n = self.vs.manifest.num_pieces
+        while True:
+            msg = await read_shards_message(sess.stream)
+            if msg is None:
+                return
+            now = trio.current_time()
+            if isinstance(msg, Data):
+                self._on_data(sess.peer, msg, now)
+            elif isinstance(msg, Have):
+                if msg.piece >= n:
+                    raise RemoteProtocolError("bad-piece-index", str(msg.piece))
+                self.picker.on_have(sess.peer, msg.piece)
+            elif isinstance(msg, Reject):
+                self.picker.on_reject(sess.peer, msg.piece, msg.offset, still_holds=msg.reason == BUSY)
+            elif isinstance(msg, Bitfield):
+                self.picker.on_bitfield(sess.peer, pieces_of(msg.bitfield, n))
+            else:
+                raise RemoteProtocolError("unexpected", msg.TYPE)
+            self._poke()
+
+    def _on_data(self, peer: str, msg: Data, now: float) -> None:
+        if not 0 <= msg.piece < self.vs.manifest.num_pieces:
+            self._apply(self.picker.on_misbehaved(peer, now, "bad-piece-index"))
+            return
+        keep, acts = self.picker.on_block(peer, msg.piece, msg.offset, len(msg.data), now)
+        self._apply(acts)
+        if not keep:
+            return
+        self.buffers.setdefault(msg.piece, {})[msg.offset] = msg.data
+        if self.picker.piece_ready(msg.piece):
+            self._finish_piece(msg.piece, now)
+
+    def _finish_piece(self, piece: int, now: float) -> None:
+        parts = self.buffers.pop(piece, {})
+        data = b"".join(parts[o] for o in sorted(parts))
+        contributors = self.picker.contributors(piece)
+        blocks = {o: digest(b) for o, b in parts.items()} if self.picker.has_suspects(piece) or len(contributors) > 1 else None
+        if self.vs.put_piece(piece, data):
+            self.verified_at[piece] = (now, max(contributors, key=contributors.get, default=""))
+            self._apply(self.picker.on_piece_verified(piece, now, blocks))
+            for peer, nbytes in contributors.items():
+                self.svc.credit(peer, self.root, nbytes)
+            self.svc.on_piece_verified(self.vs, piece)
+            for sess in self.sessions.values():
+                if sess is not None:
+                    sess.post(Have(piece=piece))
+            self._check_done()
+        else:
+            self.refetched_pieces += 1
+            self.svc.node.metrics.reject(SOURCE, "bad-piece")
+            log.warning("shards: piece %d of v%d failed its hash (from %s)", piece, self.vs.version,
+                        ",".join(p[-8:] for p in contributors))
+            self._apply(self.picker.on_piece_failed(piece, now, blocks))
+
+    def _drop_stale_buffers(self) -> None:
+        """Forget received blocks the picker no longer counts (their piece was reset)."""
+        for piece in list(self.buffers):
+            if piece not in self.picker.active:
+                del self.buffers[piece]
+
+    def _apply(self, acts: Actions) -> None:
+        for r in acts.requests:
+            sess = self.sessions.get(r.peer)
+            if sess is not None:
+                sess.post(Request(piece=r.piece, offset=r.offset, length=r.length))
+        for c in acts.cancels:
+            sess = self.sessions.get(c.peer)
+            if sess is not None:
+                sess.post(Cancel(piece=c.piece, offset=c.offset, length=c.length))
+        for peer, reason in acts.banned:
+            self.svc.ban(peer, reason, trio.current_time())
+            self._end_session(peer)
+        for peer in acts.dropped:
+            self.svc.node.metrics.reject(SOURCE, "unresponsive")
+            self.backoff[peer] = min(2 * self.backoff.get(peer, RETRY_PEER_AFTER / 2), self.svc.cfg.ban_seconds)
+            log.info("shards: %s unresponsive; asking it again in %.0fs", peer[-8:], self.backoff[peer])
+            self._end_session(peer)
+        if acts.banned or acts.cancels or acts.dropped:
+            self._drop_stale_buffers()
+
+    def _end_session(self, peer: str) -> None:
+        sess = self.sessions.get(peer)
+        if sess is not None:
+            sess.cancel_scope.cancel()
+
+    def _poke(self) -> None:
+        self.changed.set()
+
+    def status(self) -> dict[str, Any]:
+        m = self.vs.manifest
+        return {
+            "version": m.version,
+            "pieces": f"{len(self.vs.verified)}/{m.num_pieces}",
+            "bytes": self.vs.verified_bytes,
+            "total": m.total_size,
+            "peers": len([s for s in self.sessions.values() if s is not None]),
+            "endgame": self.picker.in_endgame,
+        }
+
+
+class progress_bar:
+    """A rich progress bar for one download when stderr is a terminal (else nothing)."""
+
+    def __init__(self, cfg: ShardsConfig, vs: VersionStore) -> None:
+        self.enabled = cfg.progress and sys.stderr.isatty()
+        self.vs = vs
+        self.bar = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        self.bar = Progress("[bold]checkpoint v{task.fields[v]}", BarColumn(), DownloadColumn(),
+                            TransferSpeedColumn(), transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task("dl", total=self.vs.manifest.total_size, v=self.vs.version)
+        return self
+
+    async def follow(self, dl: Download) -> None:
+        while not dl.done.is_set():
+            self.bar.update(self.task, completed=self.vs.verified_bytes)
+            await trio.sleep(0.25)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()

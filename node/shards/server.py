@@ -1,0 +1,174 @@
+"""The serving side of ``/swarm/shards/1.0.0``: one :class:`ServerSession` per peer downloading from us.
+
+How this works
+--------------
+The shards service (node/shards/service.py) hands each inbound ``Hello`` for a version we hold,
+complete or still downloading, to a session. The session sends our bitfield, then answers the
+peer's requests from the :class:`VersionStore`: a piece is served as soon as it is verified, and
+``Have`` is pushed to every open session at once (:meth:`ServerSession.push_have`), so a checkpoint
+flows through relays like a pipeline. Requests queue per session (bounded by
+MAX_QUEUED_REQUESTS) and are served under the service's global cap (``max_serving``) and its
+optional upload token bucket. For versions we published, the version's :class:`SuperSeeder`
+decides which pieces this peer is shown (:meth:`ServerSession.reveal`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..wire import Message, RemoteProtocolError, write_frame
+from .protocol import (
+    BAD_RANGE,
+    BUSY,
+    NOT_HELD,
+    Bitfield,
+    Cancel,
+    Data,
+    Hello,
+    Have,
+    Reject,
+    Request,
+    read_shards_message,
+    write_locked,
+)
+from .store import VersionStore, bitfield_of, pieces_of
+
+if TYPE_CHECKING:  # the service creates sessions and passes itself in
+    from .service import ShardsService
+
+log = logging.getLogger("node.shards.service")  # the sessions log as part of the service
+
+MAX_QUEUED_REQUESTS = 128  # per session; more is a flood (our own picker asks for <= 32)
+
+
+class ServerSession:
+    """One inbound transfer session: a peer downloading a version from us."""
+
+    def __init__(self, svc: ShardsService, stream, peer: str, vs: VersionStore) -> None:
+        self.svc, self.stream, self.peer, self.vs = svc, stream, peer, vs
+        self.lock = trio.Lock()
+        self.queue: deque[Request] = deque()
+        self.wakeup = trio.Event()
+        self.seeder = svc.superseeders.get(vs.signed.root)
+        self.shown: set[int] = set()  # pieces advertised to this peer (super-seeding)
+        self.written: dict[int, dict[int, int]] = {}  # super-seeding: piece -> {offset: length} written
+        self.bitfield_sent = False
+
+    def visible(self) -> set[int]:
+        if self.seeder is None:
+            return set(self.vs.verified)
+        return self.shown
+
+    async def run(self, hello: Hello) -> None:
+        n = self.vs.manifest.num_pieces
+        later: list[tuple[str, int]] = []
+        if self.seeder is not None:
+            for peer, piece in self.seeder.on_bitfield(self.peer, pieces_of(hello.bitfield, n), trio.current_time()):
+                if peer == self.peer:
+                    self.shown.add(piece)  # goes out in the bitfield below
+                else:
+                    later.append((peer, piece))
+        async with self.lock:  # reveals routed meanwhile wait, then go out as Have after this
+            await write_frame(self.stream, Bitfield(bitfield=bitfield_of(self.visible(), n)))
+            self.bitfield_sent = True
+        self.svc.route_reveals(self.vs.signed.root, later)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._serve_queue)
+            if self.seeder is not None:
+                nursery.start_soon(self._reveal_stalled)
+            try:
+                await self._read_loop()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _read_loop(self) -> None:
+        while True:
+            msg = await read_shards_message(self.stream)
+            if msg is None:
+                return
+            if isinstance(msg, Request):
+                if len(self.queue) >= MAX_QUEUED_REQUESTS:
+                    await write_locked(self.stream, self.lock, Reject(piece=msg.piece, offset=msg.offset, reason=BUSY))
+                    continue
+                self.queue.append(msg)
+                self.wakeup.set()
+            elif isinstance(msg, Cancel):
+                try:
+                    self.queue.remove(Request(piece=msg.piece, offset=msg.offset, length=msg.length))
+                except ValueError:
+                    pass  # already sent: the cancel raced the data
+            elif isinstance(msg, Have):
+                if self.seeder is not None and msg.piece < self.vs.manifest.num_pieces:
+                    log.debug("shards: %s has piece %d", self.peer[-8:], msg.piece)
+                    reveals = self.seeder.on_have(self.peer, msg.piece, trio.current_time())
+                    self.svc.route_reveals(self.vs.signed.root, reveals)
+            else:
+                raise RemoteProtocolError("unexpected", msg.TYPE)
+
+    async def reveal(self, piece: int) -> None:
+        """Super-seeding: show this peer one more piece."""
+        async with self.lock:
+            if piece in self.shown:
+                return
+            self.shown.add(piece)
+            if self.bitfield_sent:  # else it goes out in the bitfield
+                await write_frame(self.stream, Have(piece=piece))
+
+    def _note_written(self, data: Data) -> None:
+        """Super-seeding: once every byte of a revealed piece is written, the next may be revealed."""
+        if self.seeder is None or data.piece not in self.shown:
+            return
+        blocks = self.written.setdefault(data.piece, {})
+        blocks[data.offset] = len(data.data)
+        if sum(blocks.values()) >= self.vs.manifest.piece_length(data.piece):
+            del self.written[data.piece]
+            log.debug("shards: wrote piece %d to %s", data.piece, self.peer[-8:])
+            self.svc.route_reveals(self.vs.signed.root, self.seeder.on_sent(self.peer, data.piece, trio.current_time()))
+
+    async def _reveal_stalled(self) -> None:
+        """Super-seeding: pieces stuck at a slow first recipient are shown again after a while."""
+        while True:
+            await trio.sleep(self.seeder.stall_seconds / 4)
+            self.svc.route_reveals(self.vs.signed.root, self.seeder.reveal(trio.current_time()))
+
+    async def push_have(self, piece: int) -> None:
+        """We verified ``piece`` (a download in progress): tell this peer at once."""
+        if self.seeder is None:
+            async with self.lock:
+                if self.bitfield_sent:  # else the bitfield, read from the store, already has it
+                    await write_frame(self.stream, Have(piece=piece))
+
+    async def _serve_queue(self) -> None:
+        svc = self.svc
+        while True:
+            while not self.queue:
+                self.wakeup = trio.Event()
+                await self.wakeup.wait()
+            req = self.queue.popleft()
+            if req.piece not in self.visible() or req.piece not in self.vs.verified:
+                await write_locked(self.stream, self.lock, Reject(piece=req.piece, offset=req.offset, reason=NOT_HELD))
+                continue
+            async with svc.serve_slots:
+                reply = self.reply_to(req)
+                if reply is None:
+                    continue
+                if isinstance(reply, Data):
+                    wait = svc.bucket.delay(len(reply.data), trio.current_time())
+                    if wait > 0:
+                        await trio.sleep(wait)
+                await write_locked(self.stream, self.lock, reply)
+            if isinstance(reply, Data):
+                svc.m_served.inc(len(reply.data))
+                self._note_written(reply)
+
+    def reply_to(self, req: Request) -> Message | None:
+        """The answer to one request (tests subclass this to play a lying or silent peer)."""
+        try:
+            data = self.vs.read_block(req.piece, req.offset, req.length)
+        except ValueError:
+            return Reject(piece=req.piece, offset=req.offset, reason=BAD_RANGE)
+        return Data(piece=req.piece, offset=req.offset, data=data)

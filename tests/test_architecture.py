@@ -1,0 +1,237 @@
+"""The import rules that keep the layout honest (README "Layout", DESIGN.md "Layout and wiring").
+
+Arrows run down: app -> roles -> services -> pure logic -> wire. Every module under node/ is parsed
+with ``ast`` (imports inside functions included, since a lazy import is still a dependency) and
+the rules below are checked on the result; nothing is imported, so the test is fast and needs no
+ML stack. Imports under ``if TYPE_CHECKING:`` never run and are left out: they name a type for
+readers and checkers (net/relay.py's services take the node context that sits above net/).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+NODE = Path(__file__).resolve().parents[1] / "node"
+
+# Protocol logic with no I/O: messages and the time go in, decisions come out (STYLE.md 1-2).
+# Neither they nor anything they import (transitively, inside node/) may reach an event loop, the
+# network or a database. rollouts/submit.py is not here: its Outbox is pure, but the module also
+# holds the trio delivery call. rl/spec.py imports rl/sandbox.py, which runs verifier code in a
+# subprocess with limits: a blocking call the spec makes on purpose, not an I/O service.
+PURE = [
+    "node.wire",
+    "node.hashes",
+    "node.net.multiaddrs",
+    "node.peers.table",
+    "node.gossip.membership",
+    "node.gossip.records",
+    "node.gossip.connections",
+    "node.shards.picker",
+    "node.shards.manifest",
+    "node.shards.protocol",
+    "node.shards.superseed",
+    "node.shards.throttle",
+    "node.ledger.chain",
+    "node.ledger.entries",
+    "node.proofs.toploc",
+    "node.proofs.checks",
+    "node.proofs.margins",
+    "node.proofs.reasons",
+    "node.proofs.capture",
+    "node.rl.spec",
+    "node.rl.grpo",
+    "node.rollouts.assign",
+    "node.rollouts.schema",
+    "node.trainer.gate",
+    "node.trainer.intake",
+    "node.validator.policy",
+]
+# What pure code may not import: third-party I/O, and node's own I/O layers.
+IO_LIBRARIES = ("trio", "libp2p", "sqlite3", "socket")
+IO_MODULES = ("node.net.host", "node.net.relay", "node.net.reqres", "node.net.workarounds", "node.context",
+              "node.status", "node.roles", "node.app")
+IO_SUFFIXES = (".service", ".sync", ".store")  # the trio services and the SQLite/piece stores
+
+# Layers below the roles and the program: they never import them.
+LOWER = ("gossip", "shards", "proofs", "ledger", "peers", "net", "rl", "engines", "rollouts", "adversary",
+         "trainer", "validator", "inference")
+# Components that talk only through each other's typed APIs (``api.py`` Protocols) or pure modules.
+COMPONENTS = ("gossip", "shards", "ledger", "proofs")
+# The top: the program (``python -m node`` is node/__main__.py), the app and the role compositions.
+TOP = ("__main__", "app", "roles")
+# Top-level package edges that form a cycle and cannot be fixed yet: (importer, imported, why).
+CYCLE_ALLOWED: list[tuple[str, str, str]] = []
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(NODE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES: dict[str, Path] = {_module_name(p): p for p in sorted(NODE.rglob("*.py"))}
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip: set[int] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+            for child in n.body:
+                skip.update(id(d) for d in ast.walk(child))
+    return skip
+
+
+def imports_of(module: str) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in ``module`` that runs, relative ones resolved;
+    ``from pkg import name`` counts as importing ``pkg.name`` when that is a module."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    skip = _type_checking_nodes(tree)
+    out = []
+    for n in ast.walk(tree):
+        if id(n) in skip:
+            continue
+        if isinstance(n, ast.Import):
+            out += [(a.name, n.lineno) for a in n.names]
+        elif isinstance(n, ast.ImportFrom):
+            if n.level:
+                base = package.split(".")[: len(package.split(".")) - n.level + 1]
+                target = ".".join(base + ([n.module] if n.module else []))
+            else:
+                target = n.module
+            for a in n.names:
+                sub = f"{target}.{a.name}"
+                out.append((sub if sub in MODULES else target, n.lineno))
+    return out
+
+
+IMPORTS = {m: imports_of(m) for m in MODULES}
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _top(module: str) -> str:
+    """The top-level package (or module) of node that ``module`` belongs to."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def _is_io(name: str) -> bool:
+    return (name.split(".")[0] in IO_LIBRARIES or any(_within(name, m) for m in IO_MODULES)
+            or (name.startswith("node.") and name.endswith(IO_SUFFIXES)))
+
+
+def _io_paths(module: str) -> list[str]:
+    """Import chains from ``module`` to an I/O import, through node's own modules."""
+    found, seen, stack = [], set(), [(module, [module])]
+    while stack:
+        m, chain = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        for name, line in IMPORTS[m]:
+            if _is_io(name):
+                found.append(" -> ".join(chain) + f" -> {name} (line {line})")
+            elif name in MODULES:
+                stack.append((name, chain + [name]))
+    return found
+
+
+def test_the_rules_see_the_whole_package():
+    assert len(MODULES) > 100 and "node.app.cli" in MODULES
+    assert all(m in MODULES for m in PURE), [m for m in PURE if m not in MODULES]
+    # Lazy imports count: the CLI imports the role composition inside a function.
+    assert "node.roles.core" in {name for name, _ in IMPORTS["node.app.cli"]}
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_pure_modules_reach_no_io(module):
+    assert _io_paths(module) == []
+
+
+def test_lower_layers_never_import_roles_or_app():
+    """Services, pure logic and the shared top-level modules never reach up to the roles or the app."""
+    bad = [f"{m}:{line} imports {name}" for m in MODULES if _top(m) not in TOP
+           for name, line in IMPORTS[m] if _within(name, "node.roles") or _within(name, "node.app")]
+    assert bad == []
+    # Every package is either one of the lower layers or the top: a new one must be placed.
+    packages = {_top(m) for m in MODULES if m.count(".") > 1}
+    assert packages <= set(LOWER) | set(TOP), packages - set(LOWER) - set(TOP)
+
+
+def test_roles_never_import_the_app():
+    bad = [f"{m}:{line} imports {name}" for m in MODULES if _within(m, "node.roles")
+           for name, line in IMPORTS[m] if _within(name, "node.app")]
+    assert bad == []
+
+
+def _api_of(package: str, name: str) -> bool:
+    """What one component may import from another: its typed API, its config, a pure module, or
+    its package when that ``__init__`` imports no service."""
+    if name == f"node.{package}":
+        return not any(_is_io(n) for n, _ in IMPORTS[name])
+    return name in (f"node.{package}.api", f"node.{package}.config") or name in PURE
+
+
+def test_components_meet_only_through_apis_and_pure_modules():
+    bad = [f"{m}:{line} imports {name}" for m in MODULES if _top(m) in COMPONENTS
+           for name, line in IMPORTS[m]
+           if name.startswith("node.") and _top(name) in COMPONENTS and _top(name) != _top(m)
+           and not _api_of(_top(name), name)]
+    assert bad == []
+
+
+def package_graph() -> dict[str, dict[str, list[str]]]:
+    """Top-level package -> imported top-level package -> the imports that make the edge."""
+    graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for m in MODULES:
+        if m == "node":
+            continue
+        for name, line in IMPORTS[m]:
+            if name.startswith("node.") and _top(name) != _top(m):
+                graph[_top(m)][_top(name)].append(f"{m}:{line} -> {name}")
+    for src, dst, _why in CYCLE_ALLOWED:
+        graph[src].pop(dst, None)
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, list[str]]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph.get(v, {})):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state and (cycle := visit(w)):
+                return cycle
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (cycle := visit(v)):
+            return cycle
+    return None
+
+
+def test_top_level_packages_form_no_cycle():
+    graph = package_graph()
+    cycle = find_cycle(graph)
+    if cycle:
+        edges = [f"{a} -> {b}: {graph[a][b][0]}" for a, b in zip(cycle, cycle[1:])]
+        pytest.fail("import cycle between node's packages:\n  " + "\n  ".join(edges))
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b": ["x"]}, "b": {"c": ["y"]}, "c": {"a": ["z"]}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b": ["x"]}, "b": {}}) is None
