@@ -145,9 +145,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     import trio
 
     from .log import setup_logging
-    from .roles.core import run_node
+    from .roles.core import check_code_sandbox, run_node
 
     config = config_from_args(args)
+    check_code_sandbox(config)  # before a key is made: a node that cannot start should leave nothing
     identity = _identity(config)
     setup_logging(config.log_level, config.log_json, identity.peer_id[-8:])
     trio.run(run_node, config)
@@ -214,13 +215,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from .identity import IdentityError
+    from .rl.sandbox import SandboxUnavailable
 
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
         func = getattr(args, "func", None) or cmd_run
         return int(func(args) or 0)
-    except (ConfigError, UsageError, IdentityError) as e:
+    except (ConfigError, UsageError, IdentityError, SandboxUnavailable) as e:
         print(f"swarm-node: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

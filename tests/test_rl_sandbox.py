@@ -354,3 +354,53 @@ def test_time_is_limited(attacked):
     assert res["sleep_forever"]["wall_s"] < 1.0 + 5
     assert res["spin_forever"]["rc"] != 0 or res["spin_forever"]["timed_out"]
     assert res["spin_forever"]["wall_s"] < FAST["wall_s"] + 5
+
+
+# -- no sandbox: refuse, never degrade --------------------------------------------------------------
+
+
+@pytest.fixture
+def no_bwrap(monkeypatch):
+    """This machine as one without bubblewrap (the probe runs again afterwards with the real one)."""
+    from node.rl import sandbox
+
+    sandbox.isolation_mode.cache_clear()
+    monkeypatch.setattr(sandbox, "BWRAP", "swarm-test-no-such-bwrap")
+    yield sandbox
+    sandbox.isolation_mode.cache_clear()
+
+
+def test_without_a_sandbox_code_is_not_run(no_bwrap):
+    assert not no_bwrap.isolation_mode().available
+    with pytest.raises(no_bwrap.SandboxUnavailable, match="not found on PATH.*apt-get install bubblewrap"):
+        no_bwrap.run_python("print('ran anyway')")
+
+
+@pytest.mark.parametrize("role", ["validator", "inference"])
+def test_a_node_that_would_run_code_refuses_to_start(no_bwrap, tmp_path, capsys, role):
+    from node.cli import main
+
+    run = tmp_path / "run.toml"
+    run.write_text('[run]\nname = "sbx"\n[rl]\ntaskset = "code"\n')
+    data = tmp_path / "data"
+    assert main(["--role", role, "--run", str(run), "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0"]) == 2
+    err = capsys.readouterr().err
+    assert f"the {role} role runs code-task completions" in err and "no code sandbox" in err
+    assert "without code tasks" in err and err.count("\n") == 1
+    assert not data.exists()  # refused before it made a key
+
+
+@pytest.mark.parametrize("role, taskset", [("validator", "synthetic"), ("inference", "math"), ("relay", "code"),
+                                           ("trainer", "code")])
+def test_nodes_that_run_no_code_start_without_a_sandbox(no_bwrap, role, taskset):
+    from node.config import NodeConfig, RunConfig
+    from node.roles.core import check_code_sandbox
+
+    check_code_sandbox(NodeConfig(role=role, run=RunConfig(name="sbx", tables={"rl": {"taskset": taskset}})))
+
+
+def test_rl_local_refuses_code_tasks_without_a_sandbox(no_bwrap, capsys):
+    from node.cli import main
+
+    assert main(["rl-local", "--taskset", "code", "--steps", "1"]) == 2
+    assert "no code sandbox" in capsys.readouterr().err

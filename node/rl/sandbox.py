@@ -193,11 +193,13 @@ def isolation_mode() -> Isolation:
                      f"{BWRAP} cannot build its sandbox here ({'; '.join(errors)}): {INSTALL_HINT}")
 
 
-def require_isolation(why: str) -> Isolation:
-    """The sandbox, or :class:`SandboxUnavailable` saying ``why`` one is needed and how to get one."""
+def require_isolation(why: str, instead: str = "") -> Isolation:
+    """The sandbox, or :class:`SandboxUnavailable` saying ``why`` one is needed, how to get one and,
+    when given, what to do ``instead``."""
     iso = isolation_mode()
     if not iso.available:
-        raise SandboxUnavailable(f"{why}, but no code sandbox works on this machine: {iso.problem}")
+        raise SandboxUnavailable(f"{why}, but no code sandbox works on this machine: {iso.problem}"
+                                 + (f"; or {instead}" if instead else ""))
     return iso
 
 
