@@ -51,7 +51,10 @@ demo: $(STAMP)
 # A fixed hash seed: set and dict iteration orders are the same on every run and machine.
 export PYTHONHASHSEED := 0
 
+# Code tasks run in bubblewrap (Debian: apt-get install bubblewrap; .ci/run installs it): without it
+# the sandbox tests fail on purpose, since a node refuses to run code unsandboxed.
 test: $(STAMP)
+	@command -v bwrap >/dev/null || echo "make test: bwrap not found: the sandbox tests will fail (apt-get install bubblewrap)" >&2
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The default suite three times in a row while a CPU hog it starts itself keeps one core busy.
