@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 TOPLOC ?= toploc==0.1.6
 TOPLOC_VENV ?= .toploc-venv
 
-.PHONY: demo test test-slow stress interop lock venv clean
+.PHONY: demo test test-slow stress interop lock venv clean bwrap
 
 venv: $(STAMP)
 
@@ -51,14 +51,22 @@ demo: $(STAMP)
 # A fixed hash seed: set and dict iteration orders are the same on every run and machine.
 export PYTHONHASHSEED := 0
 
-test: $(STAMP)
+# Code tasks run in bubblewrap: a node refuses to run code unsandboxed, and the sandbox tests fail
+# without it. As root (CI, containers) the tests install Debian's package; otherwise they say how.
+bwrap:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } || \
+		{ echo "make: bwrap not found and not installable here: run 'sudo apt-get install bubblewrap'" >&2; exit 1; }
+
+test: $(STAMP) bwrap
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The default suite three times in a row while a CPU hog it starts itself keeps one core busy.
-stress: $(STAMP)
+stress: $(STAMP) bwrap
 	tests/stress.sh $(PYTEST_ARGS)
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) bwrap
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 interop: $(STAMP) $(TOPLOC_VENV)/.installed

@@ -18,6 +18,7 @@ from ..bootstrap_list import read_bootstrap_list
 from ..config import DEFAULT_LISTEN, LOG_LEVELS, ROLES, ConfigError, NodeConfig, load_config
 from ..identity import KEY_FILE, IdentityError, load_or_create_identity
 from ..log import setup_logging
+from ..rl.sandbox import SandboxUnavailable
 from ..rollouts.config import CHEATS
 from .errors import UsageError
 
@@ -145,9 +146,10 @@ def packaged_bootstrap() -> list[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     import trio
 
-    from ..roles.core import run_node
+    from ..roles.core import check_code_sandbox, run_node
 
     config = config_from_args(args)
+    check_code_sandbox(config)  # before a key is made: a node that cannot start should leave nothing
     identity = _identity(config)
     setup_logging(config.log_level, config.log_json, identity.peer_id[-8:])
     trio.run(run_node, config)
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         func = getattr(args, "func", None) or cmd_run
         return int(func(args) or 0)
-    except (ConfigError, UsageError, IdentityError) as e:
+    except (ConfigError, UsageError, IdentityError, SandboxUnavailable) as e:
         print(f"swarm-node: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -67,7 +67,8 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
     from ..engines.model import is_model_folder
     from .config import GRPOConfig, RLConfig
     from .loop import greedy_score, run_local_loop
-    from .tasks import TaskFormatError, load_taskset
+    from .sandbox import SandboxUnavailable, require_isolation
+    from .tasks import TaskFormatError, load_taskset, runs_code
     from .warmup import create_default_model
 
     if args.threads > 0:
@@ -78,7 +79,9 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
         grpo = GRPOConfig() if args.lr is None else GRPOConfig(lr=args.lr)
         grpo.validate()
         taskset = load_taskset(args.taskset)
-    except (ValueError, TaskFormatError) as e:
+        if runs_code(taskset):
+            require_isolation(f"task set {args.taskset!r} has code tasks", instead="pick another --taskset")
+    except (ValueError, TaskFormatError, SandboxUnavailable) as e:
         return _fail(str(e))
     with tempfile.TemporaryDirectory(prefix="swarm-rl-local-") as tmp:
         model_dir = Path(args.model).expanduser() if args.model else Path(tmp) / "model"

@@ -142,6 +142,12 @@ def load_taskset(name_or_path: str) -> TaskSet:
         raise TaskFormatError(f"{path}: not UTF-8") from None
 
 
+def runs_code(taskset: TaskSet) -> bool:
+    """Whether scoring this set runs model-written code (it has a code task): a node that scores it
+    needs the code sandbox (``node.rl.sandbox.require_isolation``)."""
+    return any(t.kind == "code" for t in taskset.tasks)
+
+
 def draw_index(taskset_digest: bytes, num_tasks: int, key: bytes, index: int) -> int:
     """Task index for (step key, counter): SHA-256 of the set digest, key and counter, mod num_tasks."""
     if num_tasks <= 0:

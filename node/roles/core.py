@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ..config import NodeConfig
+from ..config import ConfigError, NodeConfig
 from ..context import NodeContext, RunningNode
 from ..gossip.service import Membership, serve_membership
 from ..net.host import open_swarm_host
@@ -26,6 +26,9 @@ from ..identity import load_or_create_identity
 from ..ledger.sync import LedgerService, serve_ledger
 from ..peers import serve_peers
 from ..net.relay import RelayClient, RelayHop, serve_relay_client
+from ..rl.config import RLConfig
+from ..rl.sandbox import require_isolation
+from ..rl.tasks import TaskFormatError, load_taskset, runs_code
 from ..shards.service import ShardsService, serve_shards
 from ..status import serve_status
 
@@ -38,6 +41,9 @@ ROLE_MODULES = {
     "relay": "node.roles.relay",
     "validator": "node.roles.validator",
 }
+# Roles that score completions (the generator its own, the validator the workers'): on a task set
+# with code tasks they run model-written code, on a validator code from untrusted workers.
+SCORING_ROLES = ("inference", "validator")
 SHUTDOWN_GRACE = 5.0  # seconds for services to finish after a signal before we force the exit
 
 
@@ -70,6 +76,21 @@ async def start_core(
     return CoreNode(node, ledger, shards, relay, membership)
 
 
+def check_code_sandbox(config: NodeConfig) -> None:
+    """Refuse to start a node that would run untrusted code without the sandbox: raises
+    ``SandboxUnavailable`` (which says how to fix it) rather than score code with less isolation."""
+    if config.role not in SCORING_ROLES:
+        return
+    rl = config.run.section("rl", RLConfig)
+    try:
+        taskset = load_taskset(rl.taskset)
+    except TaskFormatError as e:
+        raise ConfigError(f"run.rl.taskset: {e}") from None
+    if runs_code(taskset):
+        require_isolation(f"the {config.role} role runs code-task completions (task set {rl.taskset!r} has code tasks)",
+                          instead="run a task set without code tasks ([rl] taskset)")
+
+
 async def run_node(
     config: NodeConfig,
     *,
@@ -78,6 +99,7 @@ async def run_node(
 ) -> None:
     """Run a node until cancelled or signalled. ``task_status.started(node)`` once all services run,
     with the :class:`CoreNode` (or the role's subclass of it) their APIs were handed back in."""
+    check_code_sandbox(config)
     data_dir = config.resolved_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
     identity, created = load_or_create_identity(data_dir)
