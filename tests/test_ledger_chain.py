@@ -6,7 +6,7 @@ import random
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from node.identity import Identity
@@ -552,6 +552,8 @@ def author_logs(fork_at: dict):
     st.dictionaries(st.sampled_from([TRAINER.peer_id, WORKER.peer_id]), st.integers(1, 6), max_size=2),
     st.randoms(use_true_random=False),
 )
+# Found by this test: a trainer forked at seq 1 left an all-zero totals row on some replicas only.
+@example(fork_at={TRAINER.peer_id: 1, WORKER.peer_id: 3}, rnd=random.Random(20))
 def test_replicas_converge_under_forks_and_partial_delivery(fork_at, rnd):
     """Three replicas each get a random part of the entries (forked authors: each replica may see
     either branch) in random order; pull-only anti-entropy rounds make their digests and totals equal."""

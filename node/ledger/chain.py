@@ -383,13 +383,18 @@ class Ledger:
         return {p: b for p, b in sorted(out.items()) if b is not None}
 
     def totals(self, peer: str | None = None) -> dict[str, dict[str, int]]:
-        """Totals per peer (credits of flagged authors' entries after the fork point excluded)."""
+        """Totals per peer (credits of flagged authors' entries after the fork point excluded).
+
+        Without ``peer``, only peers with something to show: whether an all-zero row exists depends
+        on the order entries arrived in (an equivocator forked at seq 1 leaves one where its entries
+        were counted before the fork was seen), and equal replicas must give equal totals."""
         served = self._bytes_served()
         peers = [peer] if peer is not None else sorted(set(self._totals) | set(served))
         out = {}
         for p in peers:
-            t = replace(self._totals.get(p) or PeerTotals(), bytes_served=served.get(p, 0))
-            out[p] = t.as_dict()
+            t = replace(self._totals.get(p) or PeerTotals(), bytes_served=served.get(p, 0)).as_dict()
+            if peer is not None or any(t.values()):
+                out[p] = t
         return out
 
     def missing(self, remote: Iterable[Head]) -> tuple[list[Want], list[str]]:
