@@ -85,9 +85,10 @@ def peer_of(stream) -> str:
         return ""
 
 
-async def reset(stream) -> None:
-    """Reset quietly: the peer may be gone already."""
-    with trio.move_on_after(CLOSE_TIMEOUT):
+async def reset(stream, *, shielded: bool = False) -> None:
+    """Reset quietly: the peer may be gone already (``shielded``: even while we are being cancelled,
+    so that a session's ``finally`` frees the stream)."""
+    with trio.move_on_after(CLOSE_TIMEOUT, shield=shielded):
         try:
             await stream.reset()
         except STREAM_ERRORS:

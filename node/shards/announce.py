@@ -19,6 +19,7 @@ from collections.abc import Callable
 import trio
 from libp2p.peer.id import ID
 
+from ..net.reqres import reset
 from ..wire import LocalProtocolError, RemoteProtocolError, encode, seal, write_frame
 from .config import ShardsConfig
 from .manifest import SignedManifest, open_manifest, root_id
@@ -132,8 +133,4 @@ async def call_manifest(host, peer: str, root: bytes, run_name: str, trainers: l
             raise RemoteProtocolError("wrong-root", "manifest does not hash to the announced root")
         return open_manifest(reply.envelope, run_name, trainers)
     finally:
-        with trio.CancelScope(shield=True), trio.move_on_after(1):
-            try:
-                await stream.reset()
-            except Exception:
-                pass
+        await reset(stream, shielded=True)

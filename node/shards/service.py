@@ -38,7 +38,7 @@ from typing import Any
 import trio
 
 from ..ledger.api import LedgerAPI
-from ..net.reqres import peer_of
+from ..net.reqres import peer_of, reset
 from ..peers import FaultRule
 from ..wire import LocalProtocolError, RemoteProtocolError, write_frame
 from .announce import announce, fetch_manifest, fetch_policy, follow_announcements, reannounce_loop, validate_announce
@@ -298,11 +298,7 @@ class ShardsService:
         except* Exception as group:  # resets, timeouts, closed connections: the peer left
             log.debug("shards: inbound session with %s ended: %r", peer[-8:], group.exceptions[0])
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(1):
-                try:
-                    await stream.reset()
-                except Exception:
-                    pass
+            await reset(stream, shielded=True)
 
     # ---------------------------------------------------------------------------------------
     # Announcements
