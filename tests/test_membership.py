@@ -212,3 +212,15 @@ def test_sync_planner_syncs_new_connections_only_while_joining() -> None:
     # Losing every connection means joining again.
     assert sp.plan(set(), 40.0, 30.0, rng) == []
     assert sp.plan({"s"}, 41.0, 30.0, rng) == ["s"]
+
+
+def test_an_accusation_of_an_incarnation_nobody_has_seen_is_ignored(table):
+    """The attack of issue 14: signed SUSPECT/DEAD messages at seq 2**63 - 1 were applied, and the
+    victim could never publish a higher seq to refute them. One accuses the record one knows."""
+    table.on_record(record("a", 12), now=0)
+    for dead in (False, True):
+        assert table.on_accusation(Accusation(run=RUN, target="a", seq=2**63 - 1, accuser="b"), dead=dead,
+                                   now=1) is Verdict.IGNORED
+    assert table.on_accusation(Accusation(run=RUN, target="a", seq=13, accuser="b"), dead=False, now=1) is Verdict.IGNORED
+    assert table.state_of("a") is MemberState.ALIVE and table.entered[MemberState.SUSPECT] == 0
+    assert table.on_accusation(Accusation(run=RUN, target="a", seq=12, accuser="b"), dead=False, now=1) is Verdict.SUSPECTED

@@ -178,8 +178,11 @@ class MemberTable:
         if acc.target == self.self_id:
             return Verdict.SELF
         m = self.members.get(acc.target)
-        # An accusation about an older record than ours is outdated: the peer already refuted it.
-        if m is None or acc.seq < m.record.seq or m.state in (MemberState.DEAD, MemberState.LEFT):
+        # One accuses the record one knows. An older one is outdated (the peer already refuted it);
+        # a newer one is a record we have not seen, which an honest accuser, who saw it arrive by
+        # the same gossip, rarely holds alone, while a forged seq of 2**63 - 1 could never be
+        # refuted by a higher one: ignored, the accuser's next probe failure accuses again.
+        if m is None or acc.seq != m.record.seq or m.state in (MemberState.DEAD, MemberState.LEFT):
             return Verdict.IGNORED
         if dead:
             self._set(m, MemberState.DEAD, now, acc.accuser)

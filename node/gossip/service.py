@@ -228,7 +228,9 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                     svc.envelopes[msg.peer_id] = _envelope_bytes(signed)
             elif isinstance(msg, Accusation):
                 verdict = table.on_accusation(msg, signed.domain == DOMAIN_DEAD, now)
-                if verdict is Verdict.SELF and msg.seq >= svc.record.seq:
+                # Only an accusation of our current record needs an answer: one of a seq we never
+                # published is forged, and refuting it would let anyone keep raising our health score.
+                if verdict is Verdict.SELF and msg.seq == svc.record.seq:
                     svc.refute()
             else:
                 verdict = table.on_goodbye(msg, now)
