@@ -9,6 +9,11 @@ import os
 from pathlib import Path
 
 
+class DataDirError(Exception):
+    """A file in the data dir cannot be used as it is (damaged, another run's, missing); the message
+    says which one and what to do. The CLI prints it as one line instead of a traceback."""
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -148,3 +148,34 @@ def test_help_lists_roles_and_commands():
     assert proc.returncode == 0
     for word in ("trainer", "inference", "relay", "validator", "keygen", "status", "demo", "--bootstrap"):
         assert word in proc.stdout
+
+
+def test_damaged_state_files_are_refused_with_one_line(tmp_path):
+    """A damaged database or training state stops the node with one clear line and exit 2, never a
+    traceback and never a silent fresh start over acknowledged work (issue 14)."""
+    for name, rel, role in (("ledger", "ledger.sqlite", "relay"), ("spool", "trainer/spool.sqlite", "trainer")):
+        data = tmp_path / name
+        (data / rel).parent.mkdir(parents=True, exist_ok=True)
+        (data / rel).write_bytes(b"this is not a database" * 100)
+        res = run_cli("--role", role, "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "error")
+        assert res.returncode == 2, res.stderr
+        assert "Traceback" not in res.stderr and "damaged" in res.stderr.strip().splitlines()[-1], res.stderr
+        assert (data / rel).read_bytes() == b"this is not a database" * 100  # left for the operator
+
+
+def test_a_changed_training_state_is_refused(tmp_path):
+    import torch
+
+    from node.atomic import DataDirError
+    from node.trainer.checkpoints import STATE, load_state, save_state
+
+    save_state(tmp_path, {"step": 3, "w": torch.ones(4)})
+    assert load_state(tmp_path)["step"] == 3
+    raw = bytearray((tmp_path / STATE).read_bytes())
+    raw[len(raw) // 2] ^= 1
+    (tmp_path / STATE).write_bytes(bytes(raw))
+    with pytest.raises(DataDirError, match="checksum"):
+        load_state(tmp_path)
+    (tmp_path / STATE).write_bytes(bytes(raw[: len(raw) // 3]))  # truncated too
+    with pytest.raises(DataDirError):
+        load_state(tmp_path)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
+from ..atomic import DataDirError
 from ..bootstrap_list import read_bootstrap_list
 from ..config import DEFAULT_LISTEN, LOG_LEVELS, ROLES, ConfigError, NodeConfig, load_config
 from ..identity import KEY_FILE, IdentityError, load_or_create_identity
@@ -152,8 +153,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_code_sandbox(config)  # before a key is made: a node that cannot start should leave nothing
     identity = _identity(config)
     setup_logging(config.log_level, config.log_json, identity.peer_id[-8:])
-    trio.run(run_node, config)
+    try:
+        trio.run(run_node, config)
+    except BaseExceptionGroup as group:  # a service's nursery wraps what stopped it
+        damaged, _ = group.split(DataDirError)
+        if damaged is None:
+            raise
+        raise _first_leaf(damaged) from None
     return 0
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def _identity(config: NodeConfig):
@@ -216,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         func = getattr(args, "func", None) or cmd_run
         return int(func(args) or 0)
-    except (ConfigError, UsageError, IdentityError, SandboxUnavailable) as e:
+    except (ConfigError, UsageError, IdentityError, SandboxUnavailable, DataDirError) as e:
         print(f"swarm-node: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -27,6 +27,7 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..atomic import DataDirError
 from ..dbthread import connect_reader
 from ..wire import RemoteProtocolError
 from .chain import Evidence, Ledger
@@ -53,7 +54,7 @@ CREATE TABLE IF NOT EXISTS evidence (
 """
 
 
-class LedgerStoreError(Exception):
+class LedgerStoreError(DataDirError):
     """The database cannot be used (another run's database, unreadable file): an operator problem."""
 
 

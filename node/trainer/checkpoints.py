@@ -5,6 +5,8 @@ Layout under ``<data dir>/trainer/``:
     models/v<N>/        one ordinary Hugging Face folder per version (config, safetensors, tokenizer)
     state.pt            the training state of the newest saved step (model, optimizer, scheduler,
                         step, RNG): what ``kill -9`` + restart resumes from
+    state.pt.sha256     the SHA-256 of the state.pt files that may be in place (the new one and,
+                        until the new one is renamed in, the old one): a changed byte is refused
 
 Both are written to a temporary name, fsynced, and renamed into place (POSIX rename is atomic), then
 the directory is fsynced, so after a crash each path is either the old complete object or the new
@@ -19,10 +21,12 @@ import re
 import shutil
 from pathlib import Path
 
-from ..atomic import fsync_dir
+from ..atomic import DataDirError, fsync_dir, write_atomic
+from ..hashes import hasher
 
 MODELS = "models"
 STATE = "state.pt"
+STATE_SUM = STATE + ".sha256"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
@@ -82,7 +86,10 @@ def prune_model_folders(root: Path, keep: int, protect: set[int] = frozenset()) 
 
 
 def save_state(root: Path, state: dict) -> Path:
-    """``torch.save`` the training state atomically to ``<root>/state.pt``."""
+    """``torch.save`` the training state atomically to ``<root>/state.pt``, with its checksum.
+
+    The checksum file lists the new digest (and the old one) *before* the new state is renamed in,
+    then only the new one: whenever the process dies, the state in place has its digest listed."""
     import torch
 
     root = Path(root)
@@ -92,9 +99,21 @@ def save_state(root: Path, state: dict) -> Path:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    new = file_digest(tmp)
+    old = file_digest(final) if final.is_file() else None
+    write_atomic(root / STATE_SUM, "".join(f"{d}\n" for d in (new, old) if d).encode())
     os.replace(tmp, final)
     fsync_dir(root)
+    write_atomic(root / STATE_SUM, f"{new}\n".encode())
     return final
+
+
+def file_digest(path: Path) -> str:
+    h = hasher()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def load_state(root: Path) -> dict | None:
@@ -104,5 +123,13 @@ def load_state(root: Path) -> dict | None:
     path = Path(root) / STATE
     if not path.is_file():
         return None
-    # weights_only=False: the state holds RNG states and optimizer dicts we wrote ourselves.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    fix = f"restore {path} from a backup, or move the trainer folder away to start from the base model"
+    sums = Path(root) / STATE_SUM
+    if sums.is_file():  # states saved before checksums existed have none: loaded as they are
+        if file_digest(path) not in sums.read_text().split():
+            raise DataDirError(f"training state {path} does not match its checksum: {fix}")
+    try:
+        # weights_only=False: the state holds RNG states and optimizer dicts we wrote ourselves.
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 — torch raises many types for a truncated or foreign file
+        raise DataDirError(f"training state {path} cannot be read ({type(e).__name__}: {e}): {fix}") from None

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomic import DataDirError
 from ..dbthread import connect_reader
 from ..rollouts.schema import SignedBatch
 from ..rollouts.steps import StepWindow
@@ -296,10 +297,17 @@ def open_spool(path: Path) -> Iterator[Spool]:
     db = sqlite3.connect(str(path), isolation_level="DEFERRED", check_same_thread=False)
     reader = None
     try:
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.executescript(SCHEMA)
-        reader = connect_reader(path)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(SCHEMA)
+            reader = connect_reader(path)
+            reader.execute("SELECT count(*) FROM batches").fetchone()
+        except sqlite3.DatabaseError as e:
+            # Refuse rather than start empty: the spool holds batches we acknowledged.
+            raise DataDirError(
+                f"trainer spool {path} is damaged ({e}); it holds acknowledged batches: restore it from a "
+                "backup, or move it away to start with an empty spool (those batches are then lost)") from None
         yield Spool(db, reader)
     finally:
         if reader is not None:

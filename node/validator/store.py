@@ -26,6 +26,7 @@ import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..atomic import DataDirError
 from ..dbthread import connect_reader
 from ..rollouts.steps import StepWindow
 
@@ -77,10 +78,17 @@ class ValidatorStore:
         self.path = Path(path)
         self.max_judged = max_judged
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
-        self._read = connect_reader(self.path)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            self._read = connect_reader(self.path)
+            self._read.execute("SELECT count(*) FROM judged").fetchone()
+        except sqlite3.DatabaseError as e:
+            self._db.close()
+            raise DataDirError(
+                f"validator store {self.path} is damaged ({e}): move it away to start afresh (batches judged "
+                "before may then be judged again; their signed verdicts stay in the ledger)") from None
 
     def close(self) -> None:
         self._read.close()
