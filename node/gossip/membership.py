@@ -178,11 +178,12 @@ class MemberTable:
         if acc.target == self.self_id:
             return Verdict.SELF
         m = self.members.get(acc.target)
-        # One accuses the record one knows. An older one is outdated (the peer already refuted it);
-        # a newer one is a record we have not seen, which an honest accuser, who saw it arrive by
-        # the same gossip, rarely holds alone, while a forged seq of 2**63 - 1 could never be
-        # refuted by a higher one: ignored, the accuser's next probe failure accuses again.
-        if m is None or acc.seq != m.record.seq or m.state in (MemberState.DEAD, MemberState.LEFT):
+        # An accusation about an older record than ours is outdated: the peer already refuted it.
+        # One about a newer record than any the member can have published by now is forged (seqs
+        # are its wall-clock ms): a seq of 2**63 - 1 could never be refuted by a higher one.
+        newest_plausible = m.record.seq + (max(0.0, now - m.last_heard) + SEQ_CLOCK_SLACK_S) * 1000 if m else 0
+        if (m is None or acc.seq < m.record.seq or acc.seq > newest_plausible
+                or m.state in (MemberState.DEAD, MemberState.LEFT)):
             return Verdict.IGNORED
         if dead:
             self._set(m, MemberState.DEAD, now, acc.accuser)
@@ -407,6 +408,9 @@ class SyncPlanner:
         """A full table arrived (from an exchange we started or one a peer started)."""
         self.joined = True
         self.tried.clear()
+
+
+SEQ_CLOCK_SLACK_S = 300.0  # how far members' wall clocks (and so their seqs) may disagree
 
 
 def next_seq(previous: int, now_ms: int) -> int:

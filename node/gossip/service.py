@@ -141,10 +141,11 @@ class Membership:
             self.record = replace(new, seq=next_seq(self.record.seq, wall_ms()))
             self.changed.set()
 
-    def refute(self) -> None:
-        """Someone accused us: republish our record with a higher sequence number (SWIM 4.2)."""
+    def refute(self, above: int = 0) -> None:
+        """Someone accused us (at seq ``above``): republish our record with a higher sequence number
+        (SWIM 4.2)."""
         self.health.on_refute()
-        self.record = replace(self.record, seq=next_seq(self.record.seq, wall_ms()))
+        self.record = replace(self.record, seq=next_seq(max(self.record.seq, above), wall_ms()))
         self.changed.set()
 
     def signed_record(self) -> bytes:
@@ -228,10 +229,10 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                     svc.envelopes[msg.peer_id] = _envelope_bytes(signed)
             elif isinstance(msg, Accusation):
                 verdict = table.on_accusation(msg, signed.domain == DOMAIN_DEAD, now)
-                # Only an accusation of our current record needs an answer: one of a seq we never
-                # published is forged, and refuting it would let anyone keep raising our health score.
-                if verdict is Verdict.SELF and msg.seq == svc.record.seq:
-                    svc.refute()
+                # Refute above the accused seq: members accept an accusation of a seq a little
+                # ahead of what they hold (clock skew), so the answer must outbid it.
+                if verdict is Verdict.SELF and msg.seq >= svc.record.seq:
+                    svc.refute(above=msg.seq)
             else:
                 verdict = table.on_goodbye(msg, now)
             verdicts.labels(verdict=verdict.value).inc()
