@@ -125,7 +125,7 @@ async def main():
                     nursery.start_soon(append_loop, cmd["n"], cmd.get("delay", 0.0))
                     reply({"ok": True})
                 elif op == "state":
-                    reply({"digest": svc.digest().hex(), "entries": len(svc.ledger),
+                    reply({"digest": svc.digest().hex(), "entries": svc.stored_entries(),
                            "own": svc.ledger.head_of(ident.peer_id), "flagged": svc.ledger.flagged(),
                            "rejected": dict(svc.rejections), "connected": host.connected_peers()})
                 elif op == "quit":

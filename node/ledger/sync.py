@@ -190,6 +190,7 @@ class LedgerService:
         self.rejections: collections.Counter = collections.Counter()  # "source/reason" -> count
         self.accepted: collections.Counter = collections.Counter()  # source -> entries accepted
         self._append_lock = trio.Lock()
+        self._committing = 0  # entries of the ingest batch whose commit is in flight
         self._store_lock = trio.Lock()  # check -> commit -> apply (or a range read) without interleaving
         self._db = DbThread()  # the store's writes, off the event loop
         self._validated: collections.OrderedDict[bytes, SignedEntry] = collections.OrderedDict()
@@ -323,11 +324,15 @@ class LedgerService:
         """The active ban on ``peer`` from any trainer's or validator's penalty entry, or None."""
         return self.ledger.ban_of(peer, self.now_ms())
 
+    def stored_entries(self) -> int:
+        """Entries in the replica that are also in the database (not the batch being committed)."""
+        return len(self.ledger) - self._committing
+
     def status(self) -> dict:
         """For ``swarm-node status``."""
         me, now = self.node.peer_id, self.now_ms()
         return {
-            "entries": len(self.ledger),
+            "entries": self.stored_entries(),
             "authors": len(self.ledger.authors()),
             "own_seq": self.ledger.head_of(me),
             "digest": self.ledger.digest().hex()[:16],
@@ -381,7 +386,14 @@ class LedgerService:
             else:
                 report.rejected[decision.reason] += 1
                 self._reject(source, decision.reason)
-        await self._db.run(self.store.commit, pending, evidence)
+        # The replica took these in to check the rest of the batch against them; until the commit
+        # in the worker thread returns they are not stored, and a kill -9 now loses them (peers
+        # still hold them; anti-entropy brings them back). Status counts only stored entries.
+        self._committing = len(pending)
+        try:
+            await self._db.run(self.store.commit, pending, evidence)
+        finally:
+            self._committing = 0
         self._list_bans(pending, now)
         if report.accepted:
             self._m_accepted.labels(source=source).inc(report.accepted)
