@@ -12,10 +12,10 @@ the local loop score with.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
+from node.rl import verifiers
 from node.rl.config import RLConfig
 from node.rl.sandbox import Limits
 from node.rl.spec import score
@@ -175,10 +175,23 @@ def test_thousands_separators_cannot_join_a_list_into_the_answer():
     assert reward(Task("m", "math", "p", answer="1024"), "\\boxed{1,024}") == 1.0
 
 
-def test_many_open_boxes_are_scored_in_linear_time():
-    t0 = time.perf_counter()
+def test_many_open_boxes_are_scored_in_linear_time(monkeypatch):
+    """The old scan searched for a box from every opening it found: quadratic in openings. The
+    boxes are now counted first, so at most one search runs, however many are opened (counted
+    here, not timed: a shared machine makes any time bound a guess)."""
+    searches = []
+
+    class Counting:
+        def search(self, text, *args):
+            searches.append(1)
+            return pattern.search(text, *args)
+
+    pattern = verifiers._BOXED
+    monkeypatch.setattr(verifiers, "_BOXED", Counting())
     assert reward(MATH, "\\boxed{" * 3000 + "42") == 0.0
-    assert time.perf_counter() - t0 < 1.0
+    assert searches == []
+    assert reward(MATH, "\\boxed{42}") == 1.0
+    assert searches == [1]  # the counter does see the one search of an honest answer
 
 
 HONEST_MATH = [
