@@ -100,12 +100,22 @@ def save_state(root: Path, state: dict) -> Path:
         f.flush()
         os.fsync(f.fileno())
     new = file_digest(tmp)
-    old = file_digest(final) if final.is_file() else None
+    old = _listed_digest(root) or (file_digest(final) if final.is_file() else None)  # no re-read when listed
     write_atomic(root / STATE_SUM, "".join(f"{d}\n" for d in (new, old) if d).encode())
     os.replace(tmp, final)
     fsync_dir(root)
     write_atomic(root / STATE_SUM, f"{new}\n".encode())
     return final
+
+
+def _listed_digest(root: Path) -> str | None:
+    """The digest of the state in place when the last save completed (a one-line list); None if
+    unknown (a save cut short lists two, either of which may be in place)."""
+    try:
+        listed = (root / STATE_SUM).read_text().split()
+    except OSError:
+        return None
+    return listed[0] if len(listed) == 1 else None
 
 
 def file_digest(path: Path) -> str:
