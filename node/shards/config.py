@@ -40,6 +40,10 @@ class ShardsConfig:
     super_seed: bool = True
     # Show a progress bar for downloads when stderr is a terminal.
     progress: bool = True
+    # Bytes per second re-hashed when the complete versions on disk are checked again at start (in the
+    # background, in a worker thread; a piece is served once it passes, a version is loaded once all
+    # of it passed); 0 = as fast as the disk allows.
+    recheck_rate: int = 256 * 1024 * 1024
 
     def validate(self) -> None:
         if self.piece_size and (self.piece_size < 16 * 1024 or self.piece_size > 64 * 1024 * 1024):
@@ -57,8 +61,9 @@ class ShardsConfig:
         for name in ("max_peers", "max_serving"):
             if not 1 <= getattr(self, name) <= 1024:
                 raise ValueError(f"{name}: 1..1024, got {getattr(self, name)}")
-        if self.upload_rate < 0:
-            raise ValueError(f"upload_rate: >= 0, got {self.upload_rate}")
+        for name in ("upload_rate", "recheck_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: >= 0, got {getattr(self, name)}")
         for name in ("request_timeout", "ban_seconds", "announce_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

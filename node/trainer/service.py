@@ -55,6 +55,7 @@ from ..rollouts.schema import (
 from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
 from ..wire import MAX_FRAME, RemoteProtocolError, decode_as
+from .checkpoints import NonFiniteCheckpoint, check_finite_folder
 from .config import TrainerConfig
 from .gate import ValidatorGate
 from .intake import (
@@ -460,9 +461,12 @@ class Trainer:
 
     async def publish(self, version: int) -> None:
         """Announce the model folder of ``version`` through the shard swarm and the ledger."""
+        folder = self.policy.folder(version)
         try:
-            signed = await self.shards.publish(self.policy.folder(version), version)
-        except (PermissionError, OSError, ValueError) as e:
+            # Never a NaN out: this also catches a folder saved before the check existed (issue 14).
+            await trio.to_thread.run_sync(check_finite_folder, folder)
+            signed = await self.shards.publish(folder, version)
+        except (PermissionError, OSError, ValueError, NonFiniteCheckpoint) as e:
             self.publish_error = str(e)
             log.error("trainer: publishing v%d failed: %s", version, e)
             return
