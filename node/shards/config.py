@@ -33,6 +33,10 @@ class ShardsConfig:
     request_timeout: float = 10.0
     # Seconds a peer that sent bad pieces or malformed data is banned for.
     ban_seconds: float = 600.0
+    # Malformed or out-of-protocol messages from one peer, within garbage_window seconds, that get it
+    # banned (ban_seconds) by this node's shards service; a stream cut mid-frame does not count.
+    garbage_strikes: int = 5
+    garbage_window: float = 600.0
     # Seconds between re-announcements of the newest version this node published (late joiners).
     announce_interval: float = 15.0
     # The publisher reveals pieces to each downloader a few at a time, least-spread first, so it
@@ -64,6 +68,8 @@ class ShardsConfig:
         for name in ("upload_rate", "recheck_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: >= 0, got {getattr(self, name)}")
-        for name in ("request_timeout", "ban_seconds", "announce_interval"):
+        if not 1 <= self.garbage_strikes <= 1000:
+            raise ValueError(f"garbage_strikes: 1..1000, got {self.garbage_strikes}")
+        for name in ("request_timeout", "ban_seconds", "announce_interval", "garbage_window"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

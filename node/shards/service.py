@@ -61,7 +61,7 @@ import trio
 from ..ledger.api import LedgerAPI
 from ..net.reqres import peer_of, reset
 from ..peers import FaultRule
-from ..wire import LocalProtocolError, RemoteProtocolError, write_frame
+from ..wire import TRANSPORT_FAILURES, LocalProtocolError, RemoteProtocolError, write_frame
 from .announce import announce, fetch_manifest, fetch_policy, follow_announcements, reannounce_loop, validate_announce
 from .client import Download, progress_bar
 from .config import ShardsConfig
@@ -95,6 +95,9 @@ log = logging.getLogger(__name__)
 # of the time with 64 KiB pieces and 95 % with 128 KiB pieces; with these budgets 97 %.
 SUPER_SEED_WRITING_BYTES = 512 << 10
 SUPER_SEED_REPORT_BYTES = 1 << 20
+# Fault source, in the peer table, of garbage sent to our serving side (the picker's convictions of
+# bad pieces are SOURCE, one report a ban; garbage counts strikes: [shards] garbage_strikes).
+GARBAGE_SOURCE = "shards-garbage"
 MAX_RECEIPT_PAIRS = 4096  # (peer, manifest) pairs whose received bytes we remember
 MAX_REFUSED_ROOTS = 256  # manifest roots refused for non-finite values, remembered so they are not refetched
 RECHECK_CHUNK_BYTES = 8 << 20  # bytes of pieces hashed per worker-thread call when re-verifying at start
@@ -143,6 +146,8 @@ class ShardsService:
         self.m_bans = mt.counter("shards_bans_total", "Peers banned by the shards service", ["reason"])
         # The picker's smart ban has already counted the strikes: one report here is a ban.
         node.peers.set_rule(SOURCE, FaultRule(strikes=1, ban_seconds=cfg.ban_seconds))
+        node.peers.set_rule(GARBAGE_SOURCE, FaultRule(weight=-10.0, strikes=cfg.garbage_strikes,
+                                                      window=cfg.garbage_window, ban_seconds=cfg.ban_seconds))
         self.m_versions = mt.gauge("shards_versions_complete", "Complete checkpoint versions held")
         self.m_damaged = mt.counter("shards_damaged_pieces_total", "Pieces on disk that failed their re-check at start")
         self._nursery: trio.Nursery | None = None
@@ -232,7 +237,8 @@ class ShardsService:
     # Bookkeeping used by sessions
 
     def is_banned(self, peer: str, now: float) -> bool:
-        return self.node.peers.is_banned(peer, SOURCE, now)
+        peers = self.node.peers
+        return peers.is_banned(peer, SOURCE, now) or peers.is_banned(peer, GARBAGE_SOURCE, now)
 
     def ban(self, peer: str, reason: str, now: float) -> None:
         """Ban ``peer`` for ``cfg.ban_seconds`` (the peer table scores it down and disconnects it)."""
@@ -328,8 +334,11 @@ class ShardsService:
         except* (LocalProtocolError, AssertionError):
             raise
         except* RemoteProtocolError as group:
-            self.node.metrics.reject(SOURCE, group.exceptions[0].reason)
-            log.debug("shards: %s sent garbage: %s", peer[-8:], group.exceptions[0])
+            e = group.exceptions[0]
+            self.node.metrics.reject(SOURCE, e.reason)
+            log.debug("shards: %s sent garbage: %s", peer[-8:], e)
+            if e.reason not in TRANSPORT_FAILURES:  # a peer cut off mid-frame left; it did not lie
+                self.node.peers.report(peer, GARBAGE_SOURCE, e.reason, trio.current_time())
         except* Exception as group:  # resets, timeouts, closed connections: the peer left
             log.debug("shards: inbound session with %s ended: %r", peer[-8:], group.exceptions[0])
         finally:
@@ -529,7 +538,8 @@ class ShardsService:
             "announced": sorted(self.announced)[-8:],
             "downloading": [d.status() for d in self.downloads.values() if d is not None],
             "serving_sessions": sum(len(s) for s in self.server_sessions.values()),
-            "banned": sorted(p for p, bans in self.node.peers.table.bans(trio.current_time()).items() if SOURCE in bans),
+            "banned": sorted(p for p, bans in self.node.peers.table.bans(trio.current_time()).items()
+                             if SOURCE in bans or GARBAGE_SOURCE in bans),
         }
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
