@@ -36,6 +36,7 @@ class ShardsConfig:
     # Malformed or out-of-protocol messages from one peer, within garbage_window seconds, that get it
     # banned (ban_seconds) by this node's shards service; a stream cut mid-frame does not count.
     garbage_strikes: int = 5
+    # Seconds over which garbage_strikes add up.
     garbage_window: float = 600.0
     # Seconds between re-announcements of the newest version this node published (late joiners).
     announce_interval: float = 15.0
