@@ -136,6 +136,7 @@ class ShardsService:
         self._resumed: dict[int, VersionStore] = {}  # partial versions reopened at start
         # Complete on disk, not yet re-verified since start (see the module docstring): not held yet.
         self._rechecking: dict[int, VersionStore] = {}
+        self._damaged_manifests: dict[int, bytes | None] = {}  # found at start: version -> root from COMPLETE
         self._refused: OrderedDict[bytes, str] = OrderedDict()  # root -> why (non-finite values)
         self.published: SignedManifest | None = None
         self.serve_slots = trio.Semaphore(cfg.max_serving)
@@ -225,7 +226,7 @@ class ShardsService:
     def fetch(self, version: int, root: bytes, source: str) -> None:
         """Download ``version`` (manifest root ``root``, first asked of ``source``) whatever the policy."""
         self._note_announced(version, root, source)
-        if root in self._refused:
+        if root in self._refused or version in self._rechecking:  # the re-check fetches what it finds missing
             return
         if version not in self.downloads and self.path_of(version) is None:
             scope = trio.CancelScope()
@@ -436,14 +437,22 @@ class ShardsService:
 
     def _drop_damaged_manifest(self, version: int) -> None:
         """A complete version whose saved manifest is unreadable or not signed by a trainer of the
-        run: no longer held; fetched again (by its root, kept in COMPLETE) if the fetch policy wants it."""
-        root = self.store.complete_root(version)
+        run: no longer held (its files stay, as a partial version without a manifest)."""
+        self._damaged_manifests[version] = self.store.complete_root(version)
         self.store.forget_manifest(version)
-        log.warning("shards: v%d dropped from the versions held: its manifest on disk is damaged or not signed by "
-                    "a trainer of this run (%s)%s", version, self.store.folder_of(version) / ".shards" / "manifest",
-                    "; fetching it again" if root and self.policy != "none" else "")
-        if root is not None:
-            self._note_announced(version, root, self.trainers[0] if self.trainers else "")
+
+    def _refetch_damaged_manifests(self) -> None:
+        """Fetch the versions dropped for a damaged manifest, by the root kept in COMPLETE, when the
+        fetch policy wants them; one log line each."""
+        for version, root in sorted(self._damaged_manifests.items()):
+            if root is not None:
+                self._note_announced(version, root, self.trainers[0] if self.trainers else "")
+                self._maybe_fetch(version)
+            log.warning("shards: v%d dropped from the versions held: its manifest on disk (%s) is damaged or not "
+                        "signed by a trainer of this run%s", version,
+                        self.store.folder_of(version) / ".shards" / "manifest",
+                        "; fetching it again" if version in self.downloads else "")
+        self._damaged_manifests.clear()
 
     async def _recheck_held(self) -> None:
         """Re-verify the complete versions opened at start, newest first (what a node loads)."""
@@ -473,7 +482,11 @@ class ShardsService:
                     vs.close()
                 return
             t0 = trio.current_time()
-            good = await trio.to_thread.run_sync(vs.check_pieces, chunk)
+            try:
+                good = await trio.to_thread.run_sync(vs.check_pieces, chunk)
+            except OSError as e:  # an unreadable disk region: those pieces are missing like damaged ones
+                log.warning("shards: v%d: reading pieces %d-%d for their re-check failed: %s", v, chunk[0], chunk[-1], e)
+                good = []
             for piece in good:
                 vs.verified.add(piece)
                 self.on_piece_verified(vs, piece)
@@ -558,9 +571,7 @@ class ShardsService:
                 self._note_announced(signed.version, signed.root, signed.signer)
             for signed in partial:
                 self._maybe_fetch(signed.version)
-            resumed = {signed.version for signed in partial}
-            for v in [v for v in self.announced if v not in self._rechecking and v not in resumed]:
-                self._maybe_fetch(v)  # dropped for a damaged manifest: its root came from COMPLETE
+            self._refetch_damaged_manifests()
             nursery.start_soon(self._recheck_held)
             self.node.status["shards"] = self.status
             task_status.started(self)
