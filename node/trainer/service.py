@@ -459,8 +459,8 @@ class Trainer:
                 self._strike(row.worker, "non_finite")
         self.dropped_steps += 1
 
-    async def publish(self, version: int) -> None:
-        """Announce the model folder of ``version`` through the shard swarm and the ledger."""
+    async def publish(self, version: int, *, ledger: bool = True) -> None:
+        """Announce the model folder of ``version`` through the shard swarm and (``ledger``) the ledger."""
         folder = self.policy.folder(version)
         try:
             # Never a NaN out: this also catches a folder saved before the check existed (issue 14).
@@ -477,6 +477,8 @@ class Trainer:
 
         # Advertise the versions we seed in our peer record.
         self.membership.update(checkpoints=list(self.shards.versions_held())[-MAX_VERSIONS:])
+        if not ledger:
+            return
         try:
             await self.ledger.append(CheckpointPublished(version=version, manifest_id=signed.root,
                                                          total_bytes=signed.manifest.total_size))
@@ -572,7 +574,9 @@ async def serve_trainer(node, shards: ShardsAPI, membership: MembershipAPI, ledg
             for row in spool.in_state(BatchState.GATED):
                 trainer.gate.add(row.batch_id)
         if shards.path_of(policy.step) is None:
-            await trainer.publish(policy.step)
+            # Not held, or held but not yet re-checked since start (node/shards/service.py): seeded
+            # again from our own folder, checked finite; its ledger entry exists if it was published.
+            await trainer.publish(policy.step, ledger=policy.step not in shards.announced)
         else:
             trainer.published = policy.step
         node.host.set_handler(ROLLOUTS_PROTOCOL, trainer.rollouts_handler())
