@@ -99,6 +99,8 @@ async def test_damaged_piece_is_not_served_and_is_fetched_again(tmp_path: Path, 
             vs = svc.serving[signed.root]
             assert svc.versions_held() == [] and svc.path_of(1) is None and svc.latest() is None
             assert svc.status()["rechecking"] == [1] and vs.verified == set()
+            advertised, answer = await ask_for_piece(Identity.generate(), r.host.listen_addrs()[0], signed.root, 0)
+            assert advertised == set() and isinstance(answer, Reject) and answer.reason == NOT_HELD
             Held.release.set()
             await wait_for(lambda: svc.downloads.get(1) is not None, what="re-fetch of the damaged piece started")
             assert vs.verified == set(range(signed.manifest.num_pieces)) - {damaged}
