@@ -311,6 +311,7 @@ class MemberTable:
             return Verdict.IGNORED
         if self.distrusted(acc.accuser, now):
             self.dropped["distrusted"] += 1
+            self._fault(acc.accuser, "distrusted-accusation")  # still accusing after being shown wrong
             return Verdict.DISTRUSTED
         if not self._source(acc.accuser, now).accusations.take(now):
             self.dropped["limited_accusations"] += 1

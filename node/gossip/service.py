@@ -50,7 +50,16 @@ from ..wire import (
 )
 from .api import HeldVersions, RelayAPI
 from .connections import AddressBackoff, ConnectionManager
-from .membership import LocalHealth, MemberState, MembershipConfig, MemberTable, SyncPlanner, Verdict, next_seq
+from .membership import (
+    SEQ_CLOCK_SLACK_S,
+    LocalHealth,
+    MemberState,
+    MembershipConfig,
+    MemberTable,
+    SyncPlanner,
+    Verdict,
+    next_seq,
+)
 from .records import (
     DOMAIN_DEAD,
     DOMAIN_GOODBYE,
@@ -78,6 +87,10 @@ DIAL_TIMEOUT = 3.0
 TICK = 0.25
 CLOSING_S = 5.0  # seconds after a deliberate close during which the connection may still be listed
 PRUNE_MEMORY = 30.0  # seconds a deliberate close (ours or theirs) keeps a lost connection from looking like a failure
+# How far ahead of our own seq an accusation about us may be and still be answered: members accept
+# one up to their copy's seq + (time since they heard it + clock slack); they hear us at least once
+# per refresh interval, so 3 of the longest ones (lost refreshes) plus the slack is ample.
+REFUTABLE_AHEAD_MS = int((3 * MembershipConfig.max_refresh + SEQ_CLOCK_SLACK_S) * 1000)
 SOURCE = "membership"  # fault source in the peer score table
 FAULT_WEIGHT = 2.0  # score points per membership fault (a flood of 50 graylists the flooder in gossipsub)
 
@@ -242,9 +255,12 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
             elif isinstance(msg, Accusation):
                 verdict = table.on_accusation(msg, signed.domain == DOMAIN_DEAD, now)
                 # Refute above the accused seq: members accept an accusation of a seq a little
-                # ahead of what they hold (clock skew), so the answer must outbid it.
+                # ahead of what they hold (clock skew), so the answer must outbid it. Not one far
+                # beyond any seq we could have published, which no member accepts either: outbidding
+                # 2**63 - 1 overflowed our seq (and its bound) and made every later record invalid.
                 if verdict is Verdict.SELF and msg.seq >= svc.record.seq:
-                    svc.refute(above=msg.seq)
+                    if msg.seq <= svc.record.seq + REFUTABLE_AHEAD_MS:
+                        svc.refute(above=msg.seq)
                     table.note_refuted(msg.accuser, now)  # we are alive: we know it is false
             else:
                 verdict = table.on_goodbye(msg, now)
