@@ -111,13 +111,13 @@ class MembershipConfig:
     tombstone_ttl: float = 600.0  # how long DEAD/LEFT entries are remembered
     conn_low: int = 8  # connection manager: dial more below this many connections
     conn_high: int = 24  # prune above this
-    dial_backoff: float = 10.0  # seconds before redialing a member that failed to connect
+    dial_backoff: float = 10.0  # seconds before redialing a member that failed to connect (and an address's first wait)
     max_members: int = 20_000  # table bound; at it, tombstones and unreached entries make room, else records are refused
     dial_backoff_max: float = 300.0  # cap of the per-address backoff (dial_backoff, doubling per failed dial)
     accusation_burst: int = 8  # accusations one accuser may make at once (token bucket size)
     accusation_rate: float = 0.2  # ... and per second after that; more are dropped and the accuser scored down
     refuted_limit: int = 3  # an accuser refuted this many times within refuted_window is ignored
-    refuted_window: float = 600.0
+    refuted_window: float = 600.0  # seconds a refuted accusation counts toward refuted_limit
     new_member_burst: int = 8  # members one source (gossip author, push-pull peer) may introduce at once
     new_member_rate: float = 0.1  # ... and per second after that; more are dropped and the source scored down
     unreached_ttl_mult: float = 3.0  # a member nobody reachable vouches for expires after this many refresh intervals
