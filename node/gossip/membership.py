@@ -11,8 +11,9 @@ Dissemination and failure detection are split, as in SWIM (Das, Gupta, Motivala,
   it holds a connection to (round-robin over a shuffled list, SWIM 4.3), and at once any member
   whose connection dropped without notice; on failure it asks ``indirect_probes`` others to ping it.
   Only when all fail does it *suspect* the member and publish a signed accusation naming the
-  record's sequence number. Every node that hears it marks the member SUSPECT; after
-  ``suspicion_timeout(N)`` without a newer record the member is DEAD. A live member that hears an
+  record's sequence number. Every node that hears it opens a suspicion on the member; after
+  ``suspicion_timeout(N)`` without a newer record the member is DEAD (see below for why the
+  hearers keep it ALIVE meanwhile). A live member that hears an
   accusation about itself refutes it by publishing its record with a higher sequence number.
 * A clean shutdown publishes a signed goodbye (LEFT). A restarted peer with the same key comes back
   with a higher sequence number (it starts at wall-clock milliseconds) and is ALIVE again.
@@ -49,8 +50,10 @@ peer prove:
 
 States::
 
-    (unknown) --record--> ALIVE --probe failed / accusation--> SUSPECT --timeout--> DEAD
-        ALIVE/SUSPECT/DEAD --newer record--> ALIVE          any --goodbye--> LEFT
+    (unknown) --record--> ALIVE --our probe failed--> SUSPECT --timeout--> DEAD
+        ALIVE --someone else's accusation--> ALIVE + pending suspicion --timeout--> DEAD
+        ALIVE/SUSPECT/DEAD --newer record--> ALIVE (clears a suspicion)   any --goodbye--> LEFT
+        ALIVE/SUSPECT --member_ttl(N) with nobody reachable vouching--> (forgotten)
     DEAD and LEFT entries are kept as tombstones for ``tombstone_ttl`` so that old records
     still circulating cannot resurrect them.
 
@@ -313,12 +316,14 @@ class MemberTable:
             self.dropped["distrusted"] += 1
             self._fault(acc.accuser, "distrusted-accusation")  # still accusing after being shown wrong
             return Verdict.DISTRUSTED
+        if m.hearsay is not None or m.state is MemberState.SUSPECT:
+            # One pending suspicion at a time: a second accuser does not shorten it, and an honest
+            # accuser's death declaration after its suspicion costs it no token.
+            return Verdict.SAME
         if not self._source(acc.accuser, now).accusations.take(now):
             self.dropped["limited_accusations"] += 1
             self._fault(acc.accuser, "accusation-flood")
             return Verdict.LIMITED
-        if m.hearsay is not None or m.state is MemberState.SUSPECT:
-            return Verdict.SAME  # one pending suspicion at a time: a second accuser does not shorten it
         m.hearsay = Suspicion(acc.accuser, acc.seq, now)
         return Verdict.SUSPECTED
 
