@@ -377,11 +377,12 @@ def test_at_the_bound_unreached_entries_make_room_for_newcomers(table):
     table.on_reached("a", now=0)
     table.on_record(record("b", 1), now=1)
     table.on_record(record("c", 1), now=2)
-    assert table.on_record(record("d", 1), now=3) is Verdict.NEW  # b: oldest of the never reached
+    assert table.on_record(record("x", 1), now=3) is Verdict.FULL  # an exempt join exchange only fills
+    assert table.on_record(record("d", 1), now=3, source="d") is Verdict.NEW  # b: oldest of the never reached
     assert sorted(table.members) == ["a", "c", "d"] and table.dropped["evicted"] == 1
     for p in "cd":
         table.on_reached(p, now=4)
-    assert table.on_record(record("e", 1), now=5) is Verdict.FULL  # everyone is reached: refuse
+    assert table.on_record(record("e", 1), now=5, source="e") is Verdict.FULL  # everyone is reached: refuse
 
 
 def test_dials_to_one_advertised_address_back_off():

@@ -83,6 +83,7 @@ heartbeats. First detection is ~e/(e-1) probe periods after a failure on average
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -232,6 +233,7 @@ class SourceRecord:
 
 MAX_SOURCES = 4096  # accusers/sources remembered; the least recently used is forgotten (its budget refills)
 MAX_FAULTS = 1024  # faults waiting for the service to report them
+EVICTION_SCAN = 256  # entries looked at for one to forget when the table is full
 
 
 @dataclass
@@ -271,7 +273,8 @@ class MemberTable:
                 self.dropped["limited_members"] += 1
                 self._fault(source, "new-member-flood")
                 return Verdict.LIMITED
-            if len(self.members) >= self.config.max_members and not self._make_room():
+            # Only a budgeted source makes room: an exempt join exchange fills what is free.
+            if len(self.members) >= self.config.max_members and (source is None or not self._make_room()):
                 return Verdict.FULL
             self.members[record.peer_id] = Member(record, MemberState.ALIVE, now, now, vouched=now)
             return Verdict.NEW
@@ -463,12 +466,16 @@ class MemberTable:
         self.faults.append((peer, reason))
 
     def _make_room(self) -> bool:
-        """At the bound: forget a tombstone, else the live entry longest without first-hand evidence."""
-        tombs = [m for m in self.members.values() if m.state in (MemberState.DEAD, MemberState.LEFT)]
+        """At the bound: forget a tombstone, else the live entry longest without first-hand evidence.
+
+        Looks only at the ``EVICTION_SCAN`` entries learned first (dicts keep insertion order), so
+        that a full table costs O(1) per newcomer, not a scan of 20,000 entries."""
+        oldest = list(itertools.islice(self.members.values(), EVICTION_SCAN))
+        tombs = [m for m in oldest if m.state in (MemberState.DEAD, MemberState.LEFT)]
         if tombs:
             victim = min(tombs, key=lambda m: m.since)
         else:
-            unreached = [m for m in self.members.values() if m.reached is None]
+            unreached = [m for m in oldest if m.reached is None]
             if not unreached:
                 return False
             victim = min(unreached, key=lambda m: m.vouched)
