@@ -414,3 +414,12 @@ def test_dials_to_one_advertised_address_back_off():
     b.on_connected("x")
     assert b.try_dial("x", 0) and not b.try_dial("x", 1)  # one dial at a time
     assert b.ready("y", 0)
+
+
+def test_a_push_pull_table_over_the_budget_is_trimmed_without_blaming_its_sender(table):
+    """An honest peer's table may hold many members we lack (it joined through someone else):
+    the surplus waits for the members' own refreshes, and the sender is not scored down."""
+    got = [table.on_record(record(f"m{i}", 1), now=0, source="peer", exchange=True) for i in range(30)]
+    assert got.count(Verdict.NEW) == table.config.new_member_burst
+    assert table.take_faults() == []
+    assert table.on_record(record("m29", 1), now=1, source="m29") is Verdict.NEW  # its own record, later

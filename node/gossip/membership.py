@@ -44,7 +44,8 @@ peer prove:
 * **New members per source are budgeted.** Each source (the gossipsub author of a record, or the
   peer of a push-pull exchange) may introduce ``new_member_burst`` members at once and
   ``new_member_rate`` per second after; an honest node introduces one, itself. Over-limit records
-  are dropped and the source reported. Only the exchanges a joining node starts are exempt (they
+  are dropped, and a gossip author reported (a push-pull table may honestly hold members we lack:
+  its surplus waits for those members' own refreshes). Only the exchanges a joining node starts are exempt (they
   bring the whole table, from peers it chose). At the table bound, tombstones and then the entry
   longest unreached make room for a newcomer.
 
@@ -257,12 +258,15 @@ class MemberTable:
 
     # ---------------------------------------------------------------- inputs
 
-    def on_record(self, record: PeerRecord, now: float, source: str | None = None) -> Verdict:
+    def on_record(self, record: PeerRecord, now: float, source: str | None = None, exchange: bool = False) -> Verdict:
         """A checked record (signature already verified against record.peer_id).
 
         ``source`` is whose word it is: the gossipsub author, or the peer of a push-pull exchange;
         ``None`` only for the exchanges a joining node starts (exempt from the new-member budget).
         A record vouches for the member (keeps it from expiring) only when it published it itself.
+        ``exchange``: it came in a push-pull table, which may honestly hold many members we lack:
+        over the budget it is dropped (the member's own refresh brings it) but is no fault; on
+        gossip an honest author only ever introduces itself.
         """
         if record.peer_id == self.self_id:
             return Verdict.SELF
@@ -271,7 +275,8 @@ class MemberTable:
         if m is None:
             if source is not None and not self._source(source, now).new_members.take(now):
                 self.dropped["limited_members"] += 1
-                self._fault(source, "new-member-flood")
+                if not exchange:
+                    self._fault(source, "new-member-flood")
                 return Verdict.LIMITED
             # Only a budgeted source makes room: an exempt join exchange fills what is free.
             if len(self.members) >= self.config.max_members and (source is None or not self._make_room()):

@@ -245,11 +245,11 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
             except Exception as e:  # a publish failure is ours to log, not fatal
                 log.warning("publish failed: %s", e)
 
-        def apply(signed: Signed, now: float, source: str | None) -> Verdict:
-            """One checked message; ``source``: whose word it is (see MemberTable.on_record)."""
+        def apply(signed: Signed, now: float, source: str | None, exchange: bool = False) -> Verdict:
+            """One checked message; ``source``, ``exchange``: see MemberTable.on_record."""
             msg = signed.message
             if isinstance(msg, PeerRecord):
-                verdict = table.on_record(msg, now, source)
+                verdict = table.on_record(msg, now, source, exchange)
                 if verdict in (Verdict.NEW, Verdict.UPDATED):
                     svc.envelopes[msg.peer_id] = _envelope_bytes(signed)
             elif isinstance(msg, Accusation):
@@ -323,7 +323,7 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                         node.metrics.reject(SYNC_PROTOCOL, e.reason)
                         continue
                     if signed.domain == DOMAIN_RECORD:
-                        apply(signed, now, source)
+                        apply(signed, now, source, exchange=True)
                 if batch.last:
                     svc.sync.on_synced()
                     return
