@@ -369,6 +369,12 @@ class Ledger:
         log = self._logs.get(author)
         return log.evidence if log else None
 
+    def accepted_samples(self, peer: str) -> int:
+        """Samples of ``peer``'s rollouts that trainers of the run recorded as trained (its history:
+        node/rollouts/quota.py). O(1); entries past a trainer's fork point do not count."""
+        t = self._totals.get(peer)
+        return t.rollouts_accepted if t else 0
+
     def ban_of(self, peer: str, now_ms: int) -> LedgerBan | None:
         """The longest active ban on ``peer`` (entries past an equivocator's fork point do not count)."""
         live = [

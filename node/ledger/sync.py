@@ -324,6 +324,10 @@ class LedgerService:
         """The active ban on ``peer`` from any trainer's or validator's penalty entry, or None."""
         return self.ledger.ban_of(peer, self.now_ms())
 
+    def accepted_samples(self, peer: str) -> int:
+        """Samples of ``peer``'s rollouts trainers recorded as trained (node/rollouts/quota.py's history)."""
+        return self.ledger.accepted_samples(peer)
+
     def stored_entries(self) -> int:
         """Entries in the replica that are also in the database (not the batch being committed)."""
         return len(self.ledger) - self._committing
