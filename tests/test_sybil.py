@@ -217,3 +217,193 @@ def test_the_validator_backstops_a_trainer_that_lets_too_much_through(tmp_path: 
     limit = validator_scale(1) * CFG.new_batches
     assert [a[1:] for a in answers] == [(True, "")] * limit + [(False, "quota")] * (40 - limit)
     assert svc.results["quota"] == 40 - limit
+
+
+# ---------------------------------------------------------------- the ledger (issue 14 item 6)
+
+from node.ledger.chain import AuthorLimits, Ledger, Outcome  # noqa: E402
+from node.ledger.config import LedgerConfig  # noqa: E402
+from node.ledger.entries import (  # noqa: E402
+    GENESIS,
+    CheckpointPublished,
+    ReceiptItem,
+    Receipts,
+    RolloutsJudged,
+    make_entry,
+)
+
+NOW_MS = 1_700_000_000_000
+TRAINER = Identity.from_seed(b"T" * 32)
+VALIDATOR = Identity.from_seed(b"V" * 32)
+MANIFEST = b"m" * 32
+LIMITS = LedgerConfig().limits()
+
+
+def _chain(ident, bodies, start_ms=NOW_MS, step_ms=1):
+    """``ident``'s log of ``bodies`` (seq 1, 2, ...), each entry ``step_ms`` after the previous."""
+    out, prev = [], GENESIS
+    for i, body in enumerate(bodies):
+        se = make_entry(ident, RUN, i + 1, prev, start_ms + i * step_ms, body)
+        out.append(se)
+        prev = se.hash
+    return out
+
+
+def _receipt(peer, nbytes=1000, manifest=MANIFEST):
+    return Receipts(items=(ReceiptItem(peer=peer, manifest_id=manifest, nbytes=nbytes, pieces=1),))
+
+
+def _trained(worker, samples=32):
+    return RolloutsJudged(worker=worker, step=1, accepted=True, samples=samples, tokens=samples, batch_hash=b"h" * 32)
+
+
+def _ledger():
+    return Ledger(RUN, [TRAINER.peer_id], [VALIDATOR.peer_id], 120_000, LIMITS)
+
+
+def _offer(led, entries):
+    """Offer entries until nothing more is accepted (gaps and standing filled in), as anti-entropy
+    re-offers what a peer still has; returns the outcomes of the last pass."""
+    while True:
+        before = len(led)
+        last = []
+        for se in entries:
+            d = led.check(se, NOW_MS)
+            if d.outcome is Outcome.ACCEPT:
+                led.apply(d)
+            last.append(d)
+        if len(led) == before:
+            return last
+
+
+def _flood(n_ids=10, per_id=90, backdate=True):
+    """The issue's attack: ``n_ids`` fresh keys, each a chain of ``per_id`` receipts vouching for the
+    others' bytes, time stamps spaced a minute apart from 1970 (so no rate by time stamp stops it)."""
+    ids = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(n_ids)]
+    out = []
+    for k, ident in enumerate(ids):
+        buddy = ids[(k + 1) % n_ids].peer_id
+        out += _chain(ident, [_receipt(buddy, 10**6) for _ in range(per_id)],
+                      start_ms=0 if backdate else NOW_MS, step_ms=60_000 if backdate else 1)
+    return ids, out
+
+
+def test_900_receipt_entries_from_10_fresh_identities_are_not_stored():
+    ids, flood = _flood()
+    led = _ledger()
+    led_entries = [_chain(TRAINER, [CheckpointPublished(version=1, manifest_id=MANIFEST, total_bytes=10**6)])[0]]
+    _offer(led, led_entries + flood)
+    assert len(led) == 1 + 10 * LIMITS.unvouched_receipts  # 41 of 901
+    refused = [d for d in (led.check(se, NOW_MS) for se in flood) if d.outcome is Outcome.REJECT]
+    assert refused and {d.reason for d in refused} == {"author-quota"}
+    # ... and they credit nothing: every voucher lacks standing.
+    assert all(led.totals(i.peer_id)[i.peer_id]["bytes_served"] == 0 for i in ids)
+
+
+def test_sybil_receipts_give_no_credit_and_a_voucher_with_standing_does():
+    worker = Identity.generate()
+    relay = Identity.generate().peer_id
+    sybils = [Identity.generate() for _ in range(10)]
+    entries = _chain(TRAINER, [CheckpointPublished(version=1, manifest_id=MANIFEST, total_bytes=5000),
+                               _trained(worker.peer_id)])
+    for s in sybils:
+        entries += _chain(s, [_receipt(relay, 5000)])
+    led = _ledger()
+    _offer(led, entries)
+    assert led.totals(relay)[relay]["bytes_served"] == 0  # ten fresh keys: 0 of 50,000 claimed bytes
+    _offer(led, _chain(worker, [_receipt(relay, 3000)]))
+    assert led.totals(relay)[relay]["bytes_served"] == 3000  # a worker whose rollouts trained counts in full
+    # A relay a validator's receipts vouch for gets standing too: its own receipts count.
+    _offer(led, _chain(VALIDATOR, [_receipt(relay, 5000)]))
+    assert led.vouched(relay) and not led.vouched(sybils[0].peer_id)
+    # "little": a run may let unvouched receipts count a fraction.
+    half = Ledger(RUN, [TRAINER.peer_id], [VALIDATOR.peer_id], 120_000, AuthorLimits(unvouched_credit=0.5))
+    _offer(half, entries)
+    assert half.totals(relay)[relay]["bytes_served"] == 10 * 5000 // 2  # each voucher's claim, halved
+
+
+def test_a_worker_with_standing_may_keep_writing_receipts_as_the_run_publishes_checkpoints():
+    worker = Identity.generate()
+    publishes = [CheckpointPublished(version=v, manifest_id=bytes([v]) * 32, total_bytes=1000) for v in range(10)]
+    trainer = _chain(TRAINER, [_trained(worker.peer_id)] + publishes)
+    allowed = LIMITS.receipts_burst + LIMITS.receipts_per_checkpoint * 10
+    mine = _chain(worker, [_receipt(TRAINER.peer_id, 10, bytes([i % 10]) * 32) for i in range(allowed + 5)])
+    led = _ledger()
+    _offer(led, trainer + mine)
+    assert led.head_of(worker.peer_id) == allowed
+    assert led.receipts_left(worker.peer_id) == 0 and led.receipts_left(TRAINER.peer_id) is None
+
+
+def test_replicas_converge_whatever_order_standing_and_receipts_arrive_in():
+    """The limit depends on the entries only: a replica that refused receipts for lack of the
+    trainer's entry takes them when they are offered again after it, and ends with the same digest."""
+    worker = Identity.generate()
+    trainer = _chain(TRAINER, [_trained(worker.peer_id)])
+    mine = _chain(worker, [_receipt(TRAINER.peer_id, 10) for _ in range(12)])
+    _, flood = _flood(3, 20, backdate=False)
+    early, late = _ledger(), _ledger()
+    for se in trainer + mine + flood:  # in order
+        d = early.check(se, NOW_MS)
+        if d.outcome is Outcome.ACCEPT:
+            early.apply(d)
+    for se in mine:  # receipts before the trainer's entry...
+        d = late.check(se, NOW_MS)
+        if d.outcome is Outcome.ACCEPT:
+            late.apply(d)
+    assert late.head_of(worker.peer_id) == LIMITS.unvouched_receipts  # ... only the unvouched allowance
+    _offer(late, flood + trainer + mine)  # anti-entropy offers the rest again
+    assert late.digest() == early.digest() and late.totals() == early.totals()
+    assert late.head_of(worker.peer_id) == 12
+
+
+async def test_ingest_refuses_and_never_stores_over_quota_entries_and_scores_the_sync_peer(tmp_path: Path):
+    """Through the ledger service and its SQLite store: the flood is refused at ingest, not stored,
+    and a sync peer that serves such entries (after we took its trusted authors' entries) loses score."""
+    from node.ledger.store import open_ledger_store
+    from node.ledger.sync import PROTOCOL, LedgerService
+
+    metrics = Metrics()
+    run = RunConfig(name=RUN, trainers=[TRAINER.peer_id], validators=[VALIDATOR.peer_id])
+    me = Identity.generate()
+    node = SimpleNamespace(config=NodeConfig(run=run), metrics=metrics, peers=Peers(None, metrics), peer_id=me.peer_id,
+                           identity=me, topic=lambda name: f"/swarm/{RUN}/{name}/1")
+    with open_ledger_store(tmp_path) as store:
+        svc = LedgerService(node, store, run.section("ledger"), wall_clock=lambda: NOW_MS / 1000)
+        ids, flood = _flood()
+        report = await svc.ingest([se.raw for se in flood], "gossip-test")
+        assert report.accepted == 10 * LIMITS.unvouched_receipts
+        # Each author's fifth is refused; what follows it cannot link (a gap) and is not stored either.
+        assert report.rejected["author-quota"] == 10 and len(report.gaps) == 10
+        assert store.count() == report.accepted
+        # A sync peer serving the fifth receipt of a fresh author is at fault (an honest one would not hold it).
+        sybil = ids[0]
+        assert svc.ledger.head_of(sybil.peer_id) == 4
+        before = node.peers.table.score("sync-peer", 0.0)
+        got = await svc._ingest_range("sync-peer", sybil.peer_id, 5, tuple(se.raw for se in flood[4:8]))
+        assert got.rejected["author-quota"] == 1 and store.count() == report.accepted
+        assert node.peers.table.score("sync-peer", 0.0) < before
+        assert svc.status()["rejected"][f"{PROTOCOL}/author-quota"] == 1
+
+
+async def test_own_receipts_stop_at_the_allowance_instead_of_failing(tmp_path: Path):
+    from node.ledger.store import open_ledger_store
+    from node.ledger.sync import LedgerService
+
+    metrics = Metrics()
+    run = RunConfig(name=RUN, trainers=[TRAINER.peer_id], validators=[VALIDATOR.peer_id])
+    me = Identity.generate()
+    host = SimpleNamespace(connected_peers=lambda: [], pubsub=SimpleNamespace(publish=_no_publish))
+    node = SimpleNamespace(config=NodeConfig(run=run), metrics=metrics, peers=Peers(None, metrics), peer_id=me.peer_id,
+                           identity=me, topic=lambda name: f"/swarm/{RUN}/{name}/1", host=host)
+    with open_ledger_store(tmp_path) as store:
+        svc = LedgerService(node, store, run.section("ledger"), wall_clock=lambda: NOW_MS / 1000)
+        written = 0
+        for _ in range(LIMITS.unvouched_receipts + 3):
+            svc.note_received(TRAINER.peer_id, MANIFEST, 100)
+            written += await svc.flush_receipts() is not None
+        assert written == LIMITS.unvouched_receipts
+        assert svc.status()["rejected"]["receipts/author-quota"] == 3 and svc.status()["pending_receipts"] == 0
+
+
+async def _no_publish(topic, data):
+    return None

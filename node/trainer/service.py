@@ -5,7 +5,8 @@ How this works
 * **Intake** (``/swarm/rollouts/1.0.0``, :meth:`Trainer.rollouts_handler`): one frame in, one
   :class:`RolloutAck` out. ``open_batch`` checks size, signature, schema, run and signer; then the
   pure :func:`node.trainer.intake.intake_reason` checks replay, staleness and shape against the
-  trainer's state. The batch is committed to the spool (SQLite, fsync) *before* the ack is written,
+  trainer's state, and a batch that passes all of that is still refused ``quota`` when its worker,
+  short of accepted history, used its allowance for this interval (node/rollouts/quota.py). The batch is committed to the spool (SQLite, fsync) *before* the ack is written,
   so an acknowledged batch survives ``kill -9``.
 * **Validator gate**: when the run names validators, a spooled batch is GATED: the gate
   (:mod:`node.trainer.gate`) picks a live validator by rendezvous hashing and we forward the signed
