@@ -130,6 +130,23 @@ def test_a_quota_refusal_is_not_now_everywhere():
         assert {"quota", "quota-new"} <= codes
 
 
+def test_a_worker_refused_by_the_quota_keeps_its_batch_and_spends_no_attempt():
+    from node.rollouts.schema import RolloutAck
+    from node.rollouts.submit import BatchState, Outbox, Pending
+
+    ob = Outbox(4, max_attempts=2, backoff=1.0, backoff_max=30.0, async_level=2)
+    p = Pending(batch_id=b"q" * 32, envelope=b"x", policy_version=0, num_samples=4, created_at=0.0)
+    ob.offer(p)
+    now = 0.0
+    for _ in range(10):  # far more refusals than max_attempts: the batch stays queued
+        got = ob.take(["t"], now)
+        assert got is not None, "the batch was dropped"
+        out = ob.on_ack(p.batch_id, "t", RolloutAck(batch_id=p.batch_id, accepted=False, reason="quota"), now)
+        assert out.state is BatchState.QUEUED
+        now = ob.blocked_until("t")  # the trainer is backed off meanwhile (1 s, doubling, at most 30 s)
+    assert ob.backoff_of("t") == 30.0
+
+
 # ---------------------------------------------------------------- trainer intake
 
 

@@ -54,7 +54,7 @@ class QuotaConfig:
     interval_s: float = 60.0  # length of one quota interval in seconds (fixed intervals from time 0)
     new_batches: int = 16  # batches a worker with no accepted batch may have taken per interval; 0 = no quota at all
     new_total: int = 64  # batches all workers with no accepted batch together may have taken per interval
-    trusted_after: int = 256  # accepted batches from which a worker has no quota (its allowance is new_batches + accepted below it)
+    trusted_after: int = 256  # trained batches from which a worker has no quota (below: new_batches + trained per interval)
 
     def validate(self) -> None:
         if not 1.0 <= self.interval_s <= 86400.0:

@@ -6,8 +6,9 @@ How this works
   :class:`RolloutAck` out. ``open_batch`` checks size, signature, schema, run and signer; then the
   pure :func:`node.trainer.intake.intake_reason` checks replay, staleness and shape against the
   trainer's state, and a batch that passes all of that is still refused ``quota`` when its worker,
-  short of accepted history, used its allowance for this interval (node/rollouts/quota.py). The batch is committed to the spool (SQLite, fsync) *before* the ack is written,
-  so an acknowledged batch survives ``kill -9``.
+  short of accepted history, used its allowance for this interval (node/rollouts/quota.py). The
+  batch is committed to the spool (SQLite, fsync) *before* the ack is written, so an acknowledged
+  batch survives ``kill -9``.
 * **Validator gate**: when the run names validators, a spooled batch is GATED: the gate
   (:mod:`node.trainer.gate`) picks a live validator by rendezvous hashing and we forward the signed
   batch over ``/swarm/verify/1.0.0``; the validator later opens ``/swarm/verdicts/1.0.0`` to us with
