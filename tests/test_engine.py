@@ -258,3 +258,32 @@ def test_vllm_hook_maps_recorded_states_back_to_completions():
     s2 = _take_states(by_key, prompt, [8, 1])
     assert s1[:, 0].tolist() == [1.0, 10.0] and s2[:, 0].tolist() == [3.0, 20.0]
     assert _take_states(by_key, prompt, [7, 9]) is None  # each recording is used once
+
+
+# -- which engine runs: "auto" never picks one the run does not accept ----------------------------
+
+
+def test_auto_picks_only_an_engine_the_run_accepts():
+    from node.rollouts.generate import pick_engine
+
+    assert pick_engine("auto", ("torch",), vllm_ok=True) == "torch"  # vLLM usable, but the run refuses it
+    assert pick_engine("auto", ("torch", "vllm"), vllm_ok=True) == "vllm"
+    assert pick_engine("auto", ("torch", "vllm"), vllm_ok=False) == "torch"
+    with pytest.raises(ValueError, match="no usable engine"):
+        pick_engine("auto", ("vllm",), vllm_ok=False)
+    with pytest.raises(ValueError, match="not in this run's engines"):
+        pick_engine("vllm", ("torch",), vllm_ok=True)
+
+
+def test_the_run_file_names_known_engines_and_an_accepted_one():
+    from node.rl.config import InferenceConfig
+
+    InferenceConfig(engines=["torch", "vllm"], engine="vllm").validate()
+    for bad in (InferenceConfig(engines=["tensorrt"]), InferenceConfig(replay_engines=["sglang"]),
+                InferenceConfig(engines=[]), InferenceConfig(engine="vllm")):
+        with pytest.raises(ValueError):
+            bad.validate()
+
+
+def test_the_torch_engine_states_its_dtype(engine):
+    assert engine.name == "torch" and engine.dtype_name == "float32"

@@ -85,6 +85,12 @@ class TorchEngine:
     def tokenizer(self):
         return self._tokenizer
 
+    @property
+    def dtype_name(self) -> str:
+        if self.model is None:
+            raise RuntimeError("dtype_name before load")
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
     # -- generation ------------------------------------------------------------------------
 
     @torch.no_grad()
