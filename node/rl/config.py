@@ -15,6 +15,7 @@ ENGINE_NAMES = ("torch", "vllm")  # what a batch may state (RolloutBatch.engine)
 # Engines whose sampling is node.engines.sampling's seeded Gumbel-max, so a validator can replay it.
 REPLAYABLE_ENGINES = ("torch",)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DECODE_MODES = ("auto", "dynamic", "static", "compiled")  # node.engines.torch_engine.DECODE_MODES
 
 
 @dataclass
@@ -102,6 +103,7 @@ class InferenceConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (torch engine)
     dtype: str = "auto"  # auto (the checkpoint's dtype) | float32 | bfloat16 | float16
     gpu_memory_utilization: float = 0.85  # vLLM's KV-cache budget as a fraction of GPU memory
+    decode: str = "auto"  # torch engine decode path: auto (compiled on CUDA, dynamic on CPU) | dynamic | static | compiled
     # Run-wide (validators and workers read the same file): the engines whose batches the run accepts
     # ("auto" picks only among them), and those whose batches also get the seeded-sampling replay.
     # vLLM's sampler is not ours, so its batches get the log-prob and proof checks only: accepting
@@ -129,5 +131,7 @@ class InferenceConfig:
             raise ValueError(f"engine: {self.engine!r} is not in this run's engines {list(self.accepted_engines())}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: one of {', '.join(DTYPES)}")
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode: one of {', '.join(DECODE_MODES)}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("gpu_memory_utilization: 0.05..0.99")

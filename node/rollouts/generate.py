@@ -79,7 +79,8 @@ def open_engine(cfg):
 
     from ..engines.torch_engine import TorchEngine
 
-    return TorchEngine(device=cfg.device, dtype=None if cfg.dtype == "auto" else getattr(torch, cfg.dtype))
+    return TorchEngine(device=cfg.device, dtype=None if cfg.dtype == "auto" else getattr(torch, cfg.dtype),
+                       decode=cfg.decode)
 
 
 @dataclass
