@@ -47,8 +47,6 @@ SCRIPT = textwrap.dedent("""
     from node.trainer import fsdp
     from node.trainer.fsdp import open_policy
     from node.rl.config import GRPOConfig
-from node.rl.grpo import TrainSample, split_minibatches
-from node.trainer.fsdp import empty_batch, loss_scale, plan_minibatches
     from node.trainer.config import TrainerConfig
     from node.engines.model import load_model, load_tokenizer
     from test_trainer_fsdp import step_samples
