@@ -438,3 +438,25 @@ def test_the_run_file_names_known_engines_and_an_accepted_one():
 
 def test_the_torch_engine_states_its_dtype(engine):
     assert engine.name == "torch" and engine.dtype_name == "float32"
+
+
+def test_a_failing_compiled_decode_falls_back_to_the_static_cache_with_the_same_samples(folders, monkeypatch):
+    eng = TorchEngine("cpu", decode="static")
+    eng.load(folders[0])
+    prompts = [enc(eng, "rev 12=")]
+    want = eng.generate(prompts, 2, 1.0, 1.0, 6, seed=4)[0]
+    monkeypatch.setattr(eng, "decode_mode", lambda: "compiled" if eng.decode == "static-compiled" else eng.decode)
+    eng.decode = "static-compiled"  # stands for CUDA + compiled: this CPU has no graphs to fail
+    real = eng._decode_static
+    calls = []
+
+    def broken_once(*args):
+        calls.append(eng.decode)
+        if len(calls) == 1:
+            raise RuntimeError("inductor: no kernel for this GPU")
+        return real(*args)
+
+    monkeypatch.setattr(eng, "_decode_static", broken_once)
+    got = eng.generate(prompts, 2, 1.0, 1.0, 6, seed=4)[0]
+    assert calls == ["static-compiled", "static"] and eng.decode == "static"
+    assert [s.completion_ids for s in got] == [s.completion_ids for s in want]

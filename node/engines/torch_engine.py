@@ -28,6 +28,7 @@ Two decode paths, the same tokens (tests/test_engine.py checks it on CPU):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,6 +37,8 @@ import torch
 from .model import load_model, load_tokenizer
 from .base import FINISH_LENGTH, FINISH_STOP, Sample
 from .sampling import sample_tokens, sequence_seed
+
+log = logging.getLogger(__name__)
 
 DECODE_MODES = ("auto", "dynamic", "static", "compiled")
 STATIC_ROUND = 64  # static cache length is rounded up to a multiple of this (fewer distinct shapes)
@@ -171,8 +174,19 @@ class TorchEngine:
         lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=dev)
 
         if self.decode_mode() != "dynamic":
-            tokens, logps, lengths, hidden, steps = self._decode_static(
-                input_ids, mask, positions, seed_t, max_new_tokens, temperature, top_p, eos, pad, capture_hidden)
+            args = (input_ids, mask, positions, seed_t, max_new_tokens, temperature, top_p, eos, pad, capture_hidden)
+            try:
+                tokens, logps, lengths, hidden, _ = self._decode_static(*args)
+            except Exception as e:  # noqa: BLE001 - torch.compile/graph failures have no common type
+                if self.decode_mode() != "compiled":
+                    raise
+                # Our environment's fault, not the caller's: keep generating without graphs. The
+                # sampling is seeded per sequence, so redoing the call gives the same samples.
+                log.warning("torch engine: compiled decode failed (%s: %s); using the static cache without "
+                            "CUDA graphs from now on", type(e).__name__, str(e)[:200])
+                self.decode = "static"
+                self._static.clear()
+                tokens, logps, lengths, hidden, _ = self._decode_static(*args)
             return self._samples(prompts, rows, seeds, tokens, logps, lengths, hidden)
 
         from transformers import DynamicCache
