@@ -113,11 +113,14 @@ def rules_from_run(run, cfg: ValidatorConfig) -> BatchRules:
     """The run's sampling, task and proof parameters every batch must carry."""
     rl = run.section("rl", RLConfig)
     grpo = run.section("grpo", GRPOConfig)
+    inference = run.section("inference", InferenceConfig)
     return BatchRules(
         run=run.name, taskset=rl.taskset, temperature=rl.temperature, top_p=rl.top_p,
         max_new_tokens=rl.max_new_tokens, group_size=rl.group_size, prompts_per_batch=rl.prompts_per_batch,
         async_level=grpo.async_level, proofs=run.section("proofs", ProofsConfig),
         sampling_tolerance=cfg.sampling_tolerance, check_sampling=cfg.check_sampling, check_seed=cfg.check_seed,
+        engines=inference.accepted_engines(), replay_engines=inference.replayed_engines(),
+        dtype=None if inference.dtype == "auto" else inference.dtype,
     )
 
 
