@@ -35,6 +35,7 @@ PURE = [
     "node.shards.protocol",
     "node.shards.superseed",
     "node.shards.throttle",
+    "node.shards.finite",
     "node.ledger.chain",
     "node.ledger.entries",
     "node.proofs.toploc",

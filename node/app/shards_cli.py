@@ -45,6 +45,7 @@ def _config(args: argparse.Namespace, role: str):
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
+    from ..shards.finite import non_finite_in_folder
     from ..shards.manifest import FolderError, folder_files
 
     try:
@@ -52,6 +53,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
         folder_files(args.path)  # fail before starting a node
     except (ConfigError, FolderError) as e:
         print(f"swarm-node publish: {e}", file=sys.stderr)
+        return 2
+    problems = non_finite_in_folder(Path(args.path))
+    if problems:  # every downloader would refuse it (node/shards/finite.py)
+        print(f"swarm-node publish: {args.path} cannot be published: {'; '.join(problems)}", file=sys.stderr)
         return 2
     if args.ckpt_version < 0:
         print("swarm-node publish: --version must be >= 0", file=sys.stderr)

@@ -54,8 +54,11 @@ def _fetch_remote(config: NodeConfig, addr: str) -> dict:
 def render_status(status: dict, console: Console | None = None) -> None:
     console = console or Console()
     member = status.get("membership", {})
+    own_role = status.get("role")
+    if (member.get("self") or {}).get("unlisted"):
+        own_role = f"{own_role} [red](unlisted: not in the run file)[/red]"
     head = (
-        f"[bold]{status.get('peer_id', '?')}[/bold]  role={status.get('role')}  run={status.get('run')}  "
+        f"[bold]{status.get('peer_id', '?')}[/bold]  role={own_role}  run={status.get('run')}  "
         f"uptime={status.get('uptime_s')}s  connections={member.get('connections', '?')}"
     )
     if status.get("stopped"):
@@ -71,7 +74,7 @@ def render_status(status: dict, console: Console | None = None) -> None:
         state = row["state"]
         table.add_row(
             row["peer_id"][:20] + "…",
-            row["role"],
+            role_text(row),
             f"[{colors.get(state, 'white')}]{state}[/]"
             + (f" [yellow](accused by {row['suspected_by'][:12]}…)[/]" if row.get("suspected_by") else ""),
             f"{row['for_s']}s",
@@ -92,6 +95,12 @@ def render_status(status: dict, console: Console | None = None) -> None:
         if name in ("membership", "peer_id", "role", "run", "uptime_s", "time", "addrs", "stopped"):
             continue
         console.print(f"[bold]{name}[/bold]: {json.dumps(value)[:400]}")
+
+
+def role_text(row: dict) -> str:
+    """A member's role as its record claims it, marked when it claims a role the run file did not
+    grant: anyone can write "trainer" in its own record (node/gossip/membership.py: unlisted_role)."""
+    return f"[yellow]{row['role']} (unlisted)[/yellow]" if row.get("unlisted") else row["role"]
 
 
 def _margins_line(margins: dict) -> str:

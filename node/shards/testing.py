@@ -18,8 +18,29 @@ from .config import ShardsConfig
 from .service import ShardsService
 
 
+def safetensors_bytes(total: int, body: bytes = b"", *, dtype: str = "U8", name: str = "data") -> bytes:
+    """A valid safetensors file of exactly ``total`` bytes: one 1-D tensor ``name`` of ``dtype``
+    whose bytes are ``body`` (then zeros), the header padded with spaces as the format allows."""
+    import json
+    import struct
+
+    item = {"U8": 1, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}[dtype]
+
+    def header(data_len: int) -> bytes:
+        return json.dumps({name: {"dtype": dtype, "shape": [data_len // item], "data_offsets": [0, data_len]}}).encode()
+
+    size = len(header(total)) + (-len(header(total)) % 8)  # the longest the header can be, 8-aligned
+    data_len = total - 8 - size
+    if data_len < len(body) or data_len % item:
+        raise ValueError(f"no {total}-byte safetensors file holds {len(body)} bytes of {dtype}")
+    head = header(data_len)
+    return struct.pack("<Q", size) + head + b" " * (size - len(head)) + body + bytes(data_len - len(body))
+
+
 def write_checkpoint(folder: Path, size: int, seed: int = 0, files: int = 3) -> Path:
-    """A fake model folder of ``size`` bytes spread over ``files`` files (random, reproducible)."""
+    """A fake model folder of ``size`` bytes spread over ``files`` files (random, reproducible): the
+    weights are valid safetensors files, each one ``U8`` tensor of random bytes (a random float
+    would sometimes be NaN, which no node accepts: node/shards/finite.py)."""
     import random
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -28,7 +49,7 @@ def write_checkpoint(folder: Path, size: int, seed: int = 0, files: int = 3) -> 
     rest = size - (folder / "config.json").stat().st_size
     for k in range(files - 1):
         n = rest // (files - 1) + (rest % (files - 1) if k == files - 2 else 0)
-        (folder / f"model-{k:05d}.safetensors").write_bytes(rng.randbytes(n))
+        (folder / f"model-{k:05d}.safetensors").write_bytes(safetensors_bytes(n, rng.randbytes(max(0, n - 128))))
     return folder
 
 

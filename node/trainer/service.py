@@ -58,6 +58,7 @@ from ..rollouts.quota import QuotaBook, QuotaConfig, QuotaRefusal, accepted_batc
 from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
 from ..wire import MAX_FRAME, RemoteProtocolError, decode_as
+from .checkpoints import NonFiniteCheckpoint, check_finite_folder
 from .config import TrainerConfig
 from .gate import ValidatorGate
 from .intake import (
@@ -477,11 +478,14 @@ class Trainer:
                 self._strike(row.worker, "non_finite")
         self.dropped_steps += 1
 
-    async def publish(self, version: int) -> None:
-        """Announce the model folder of ``version`` through the shard swarm and the ledger."""
+    async def publish(self, version: int, *, ledger: bool = True) -> None:
+        """Announce the model folder of ``version`` through the shard swarm and (``ledger``) the ledger."""
+        folder = self.policy.folder(version)
         try:
-            signed = await self.shards.publish(self.policy.folder(version), version)
-        except (PermissionError, OSError, ValueError) as e:
+            # Never a NaN out: this also catches a folder saved before the check existed (issue 14).
+            await trio.to_thread.run_sync(check_finite_folder, folder)
+            signed = await self.shards.publish(folder, version)
+        except (PermissionError, OSError, ValueError, NonFiniteCheckpoint) as e:
             self.publish_error = str(e)
             log.error("trainer: publishing v%d failed: %s", version, e)
             return
@@ -492,6 +496,8 @@ class Trainer:
 
         # Advertise the versions we seed in our peer record.
         self.membership.update(checkpoints=list(self.shards.versions_held())[-MAX_VERSIONS:])
+        if not ledger:
+            return
         try:
             await self.ledger.append(CheckpointPublished(version=version, manifest_id=signed.root,
                                                          total_bytes=signed.manifest.total_size))
@@ -588,7 +594,9 @@ async def serve_trainer(node, shards: ShardsAPI, membership: MembershipAPI, ledg
             for row in spool.in_state(BatchState.GATED):
                 trainer.gate.add(row.batch_id)
         if shards.path_of(policy.step) is None:
-            await trainer.publish(policy.step)
+            # Not held, or held but not yet re-checked since start (node/shards/service.py): seeded
+            # again from our own folder, checked finite; its ledger entry exists if it was published.
+            await trainer.publish(policy.step, ledger=policy.step not in shards.announced)
         else:
             trainer.published = policy.step
         node.host.set_handler(ROLLOUTS_PROTOCOL, trainer.rollouts_handler())
