@@ -19,13 +19,12 @@ import trio
 
 from .atomic import write_atomic
 from .context import NodeContext
+from .status_files import NODE_FILE, STATUS_FILE  # noqa: F401  (re-exported)
 from .wire import Message, RemoteProtocolError, bounded, read_message, register, write_frame
 
 log = logging.getLogger(__name__)
 
 STATUS_PROTOCOL = "/swarm/status/1.0.0"
-STATUS_FILE = "status.json"
-NODE_FILE = "node.json"  # peer id, addresses and pid of the running node (for scripts and tests)
 MAX_STATUS = 2 * 1024 * 1024
 STATUS_EVERY = 1.0
 MAX_STATUS_REQUESTS = 4  # served at once
