@@ -40,7 +40,7 @@ examples:
   swarm-node status                                  member table of the local node
   swarm-node demo --duration 60                      local swarm on loopback
 
-environment: SWARM_<FIELD> sets a node field (SWARM_ROLE, SWARM_LISTEN=a,b, SWARM_LOG_LEVEL...),
+environment: SWARM_RUN names the run file; SWARM_<FIELD> sets a node field (SWARM_ROLE, SWARM_LISTEN=a,b, SWARM_LOG_LEVEL...),
 SWARM_RUN_<FIELD> a run field (SWARM_RUN_NAME). Precedence: defaults < run file < env < flags.
 """
 
@@ -73,7 +73,8 @@ def _suggestion(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="node data dir (key, checkpoints, ledger); default ~/.local/share/swarm-node/<run>")
-    p.add_argument("--run", metavar="FILE", type=Path, help="run file (TOML): run name, trusted peers, component tables")
+    p.add_argument("--run", metavar="FILE", type=Path,
+                   help="run file (TOML): run name, trusted peers, component tables (default $SWARM_RUN)")
     p.add_argument("--log-level", choices=LOG_LEVELS, help="log verbosity (default info)")
 
 
@@ -97,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--relay-via", nargs="+", metavar="MULTIADDR",
         help="behind NAT: reserve a slot on these relays and advertise the relayed address",
     )
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (127.0.0.1 unless --metrics-listen)")
+    parser.add_argument("--metrics-listen", metavar="IP", help="address the metrics endpoint binds (default 127.0.0.1)")
+    parser.add_argument("--http-port", type=int,
+                        help="serve the web status page, /status.json, /metrics and /healthz on PORT (default off)")
+    parser.add_argument("--http-listen", metavar="IP", help="address the status page binds (default 127.0.0.1)")
     parser.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")
     _common(parser)
     sub = parser.add_subparsers(dest="command", metavar="[COMMAND]", required=False)
@@ -143,6 +148,9 @@ def flags_of(args: argparse.Namespace) -> dict:
         "log_level": getattr(args, "log_level", None),
         "log_json": getattr(args, "log_json", None),
         "metrics_port": getattr(args, "metrics_port", None),
+        "metrics_listen": getattr(args, "metrics_listen", None),
+        "http_port": getattr(args, "http_port", None),
+        "http_listen": getattr(args, "http_listen", None),
         "relay_via": getattr(args, "relay_via", None),
     }
     bootstrap = getattr(args, "bootstrap", None)
@@ -175,6 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     check_code_sandbox(config)  # before a key is made: a node that cannot start should leave nothing
     check_trusted_role(config)
+    setup_logging(config.log_level, config.log_json)  # what opening the data dir logs is formatted too
     identity = _identity(config)
     setup_logging(config.log_level, config.log_json, identity.peer_id[-8:])
     try:
