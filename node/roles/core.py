@@ -132,14 +132,14 @@ async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
 
 
 def start_metrics(node: NodeContext) -> Callable[[], None]:
-    """Serve Prometheus metrics on 127.0.0.1:<metrics_port> when asked to; returns a stopper."""
-    port = node.config.metrics_port
+    """Serve Prometheus metrics on <metrics_listen>:<metrics_port> when asked to; returns a stopper."""
+    port, addr = node.config.metrics_port, node.config.metrics_listen
     if not port:
         return lambda: None
     from prometheus_client import start_http_server
 
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=node.metrics.registry)
-    log.info("metrics", extra={"url": f"http://127.0.0.1:{port}/metrics"})
+    server, thread = start_http_server(port, addr=addr, registry=node.metrics.registry)
+    log.info("metrics", extra={"url": f"http://{addr}:{port}/metrics"})
 
     def stop() -> None:
         server.shutdown()
