@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cheat", choices=_cheats(), help="add a dishonest inference node of this kind")
     p.add_argument("--data-root", type=Path, default=Path("demo-data"), help="folder for the nodes' data dirs")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    p.add_argument("--http-port", type=int, default=8080,
+                   help="port of the trainer's web status page on 127.0.0.1 (default 8080; 0 = off)")
     p.set_defaults(func=cmd_demo)
 
     for mod in COMMAND_MODULES:
