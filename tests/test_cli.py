@@ -208,7 +208,7 @@ def _long_status() -> dict:
         "peer_id": "12D3KooWselfselfselfselfself", "role": "trainer", "run": "r", "uptime_s": 9.5,
         "addrs": ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWselfselfselfselfself"],
         "traffic": {"tcp_bytes_sent": 3 * 1024 * 1024, "tcp_bytes_received": 2048},
-        "membership": {"connections": 0, "counts": {}, "members": []},
+        "membership": {"connections": 0, "counts": {}, "members": [], "self": {"seq": 4, "checkpoints": [11, 12]}},
         "trainer": {"step": 12, "publish_error": reason, "reward": [[i, 0.1 * i] for i in range(40)],
                     "batches": {"ready": 1, "trained": 30}, "gate": {"live_validators": 0, "verdicts": {"pass": 3}},
                     "last_step": {"loss": 0.25, "seconds": 1.5}},
@@ -225,7 +225,7 @@ def test_status_shows_the_node_and_readable_sections():
     text = console.export_text()
     flat = "".join(text.split())  # rich wraps long lines; nothing may be cut
     assert "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWselfselfselfselfself" in text  # the node itself
-    assert "sent 3.0 MiB" in text
+    assert "sent 3.0 MiB" in text and "versions held: 11,12  record seq: 4" in text
     assert "END-OF-REASON" in flat and "x" * 600 in flat  # the whole value, not 400 characters of JSON
     assert '{"' not in text  # sections, not JSON
     assert "step: 12" in text and "ready=1, trained=30" in text and "verdicts: pass=3" in text

@@ -118,6 +118,10 @@ def _node_section(status: dict, member: dict, console: Console) -> None:
     console.print(head)
     addrs = status.get("addrs") or []
     console.print("  listening: " + (" ".join(addrs) if addrs else "-"), highlight=False)
+    me = member.get("self") or {}
+    held = (status.get("shards") or {}).get("held") or me.get("checkpoints") or []
+    if me or held:
+        console.print(f"  versions held: {','.join(map(str, held)) or 'none'}  record seq: {me.get('seq', '-')}")
     traffic = status.get("traffic") or {}
     if traffic:
         console.print(f"  traffic: sent {human_bytes(traffic.get('tcp_bytes_sent', 0))}, "
