@@ -315,6 +315,8 @@ def test_config_with_a_run_file_shows_what_applies(tmp_path, capsys, monkeypatch
     assert lines["role"].startswith('role = "inference"')
     assert lines["log_level"].startswith('log_level = "debug"')  # the environment applies too
     assert "(set)" not in lines["epsilon"]
+    assert main(["config", "--effective"]) == 0  # the environment alone
+    assert 'log_level = "debug"' in capsys.readouterr().out
     bad = tmp_path / "bad.toml"
     bad.write_text('[rl]\ngroup_size = "many"\n')
     assert main(["config", "--run", str(bad)]) == 2
