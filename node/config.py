@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import ipaddress
 import math
 import os
 import tomllib
@@ -157,8 +158,6 @@ def check_addr(text: str, field: str, *, need_peer_id: bool) -> None:
 
 def check_bind_host(host: str, field: str) -> None:
     """An IP address to bind a local HTTP endpoint to (not a name: nothing to resolve at start)."""
-    import ipaddress
-
     try:
         ipaddress.ip_address(host)
     except ValueError:

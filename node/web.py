@@ -61,16 +61,21 @@ async def serve_http(host: str, port: int, routes: dict[str, Route], *,
 
     async def handle(stream: trio.SocketStream) -> None:
         async with limit:
-            try:
-                with trio.move_on_after(REQUEST_TIMEOUT):
-                    await answer(stream, routes)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass  # the client went away: theirs, nothing to do
-            finally:
-                await trio.aclose_forcefully(stream)
+            await handle_connection(stream, routes)
 
     task_status.started(bound)
     await trio.serve_listeners(handle, listeners)
+
+
+async def handle_connection(stream, routes: dict[str, Route]) -> None:
+    """Answer one connection within ``REQUEST_TIMEOUT`` seconds, then close it whatever happened."""
+    try:
+        with trio.move_on_after(REQUEST_TIMEOUT):
+            await answer(stream, routes)
+    except (h11.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+        log.debug("web: client dropped: %s", e)  # the client's doing (went away, broke HTTP): not ours
+    finally:
+        await trio.aclose_forcefully(stream)
 
 
 async def answer(stream, routes: dict[str, Route]) -> None:

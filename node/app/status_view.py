@@ -50,7 +50,7 @@ def _fetch_remote(config: NodeConfig, addr: str) -> dict:
 
     # py-libp2p logs each failed dial attempt itself; the one line below says what matters.
     for name in ("libp2p", "multiaddr", "async_service"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+        logging.Logger.setLevel(logging.getLogger(name), logging.CRITICAL)  # also once node.log adopted it
 
     async def ask() -> dict:
         # A throwaway identity: asking for status must not need (or lock) the local node's key.
