@@ -179,3 +179,14 @@ async def test_a_client_that_breaks_http_midway_does_not_stop_the_server():
         status, _, body = await trio.to_thread.run_sync(lambda: get(f"http://127.0.0.1:{port}/healthz"))
         assert status == 200 and json.loads(body)["ok"] is True
         nursery.cancel_scope.cancel()
+
+
+async def test_the_page_binds_only_the_address_it_is_given():
+    """--http-listen: on 127.0.0.2 (another loopback address on Linux) nothing answers on 127.0.0.1."""
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_http, "127.0.0.2", 0, routes())
+        status, _, _ = await trio.to_thread.run_sync(lambda: get(f"http://127.0.0.2:{port}/healthz"))
+        assert status == 200
+        with pytest.raises(OSError):
+            await trio.to_thread.run_sync(lambda: get(f"http://127.0.0.1:{port}/healthz"))
+        nursery.cancel_scope.cancel()
