@@ -50,6 +50,7 @@ PURE = [
     "node.trainer.gate",
     "node.trainer.intake",
     "node.validator.policy",
+    "node.summary",
 ]
 # What pure code may not import: third-party I/O, and node's own I/O layers.
 IO_LIBRARIES = ("trio", "libp2p", "sqlite3", "socket")

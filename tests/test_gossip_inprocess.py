@@ -81,10 +81,10 @@ async def test_metrics_endpoint_on_loopback(tmp_path, fast_membership):
                 if 'swarm_members{state="alive"} 1.0' in body:
                     break
                 await trio.sleep(0.2)
-    assert "swarm_messages_in_total" in body and "swarm_tcp_bytes" in body
+    assert "swarm_messages_in_total" in body and "swarm_tcp_bytes_total" in body
     # Payload by protocol: membership's push-pull and gossipsub both moved bytes by now.
     sent = {line.split('protocol="')[1].split('"')[0]: float(line.split()[-1])
-            for line in body.splitlines() if line.startswith("swarm_stream_bytes{") and 'direction="sent"' in line}
+            for line in body.splitlines() if line.startswith("swarm_stream_bytes_total{") and 'direction="sent"' in line}
     assert sent.get("/swarm/members/1.0.0", 0) > 0 and any(p.startswith("/meshsub/") and n > 0 for p, n in sent.items())
 
 

@@ -72,6 +72,9 @@ async def test_batches_make_a_step_and_version_1_is_published(tmp_path):
         assert status["batches"]["trained"] == 2 and status["last_step"]["samples"] == 16
         assert status["reward"][0][0] == 1
         assert status["gate"].startswith("off")
+        metrics = tnode.metrics.render().decode()  # reward, loss and step time as Prometheus series
+        assert "swarm_trainer_step_seconds_count 1.0" in metrics and "swarm_trainer_step_seconds_bucket{" in metrics
+        assert "\nswarm_trainer_loss " in metrics and "\nswarm_trainer_reward " in metrics
         # ledger: accepted entries for the worker, and the checkpoint entries of v0 and v1
         ledger = tnode.ledger
         await wait_for(lambda: ledger.totals().get(client.peer_id, {}).get("rollouts_accepted", 0) == 16)

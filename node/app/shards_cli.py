@@ -125,11 +125,14 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         return 2
     root = config.resolved_data_dir() / "checkpoints"
     if not root.is_dir():
-        print("no checkpoints")
+        print(f"no checkpoints in {root}")
         return 0
     store = PieceStore(root, config.run.name, config.run.trainers)
     done = set(store.complete_versions())
-    for v in sorted(done | set(store.partial_versions())):
+    versions = sorted(done | set(store.partial_versions()))
+    if not versions:
+        print(f"no checkpoints in {root}")
+    for v in versions:
         signed = store.saved_manifest(v)
         if v in done:
             print(f"v{v}\tcomplete\t{store.folder_of(v)}")

@@ -81,7 +81,7 @@ def write_model_folder(root: Path, version: int, model, tokenizer, state_dict: d
 
     ``state_dict``: full weights to write instead of the model's own (a sharded model's gathered state).
     """
-    from ..engines.model import save_model_folder
+    from ..engines.model import portable_tokenizer_config, save_model_folder
 
     bad = non_finite_tensors(state_dict if state_dict is not None else model.state_dict())
     if bad:
@@ -96,6 +96,7 @@ def write_model_folder(root: Path, version: int, model, tokenizer, state_dict: d
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
+        portable_tokenizer_config(tmp)
     _fsync_tree(tmp)
     if final.exists():  # a crash after the rename but before state.pt: the same step is redone
         shutil.rmtree(final)

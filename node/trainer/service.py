@@ -144,6 +144,10 @@ class Trainer:
         self.m_step = m.gauge("trainer_step", "Policy version of the trainer")
         self.m_tokens = m.counter("trainer_tokens_total", "Completion tokens trained on")
         self.m_step.set(policy.step)
+        self.m_reward = m.gauge("trainer_reward", "Mean task reward of the samples in the last step")
+        self.m_loss = m.gauge("trainer_loss", "GRPO loss of the last step")
+        self.m_step_seconds = m.histogram("trainer_step_seconds", "Time of one optimizer step (training only)",
+                                          buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 
     # ------------------------------------------------------------------ helpers
 
@@ -452,6 +456,9 @@ class Trainer:
                           "tokens_per_s": round(stats.tokens / seconds, 1) if seconds > 0 else None}
         self.m_step.set(version)
         self.m_tokens.inc(stats.tokens)
+        self.m_reward.set(mean_reward)
+        self.m_loss.set(stats.loss)
+        self.m_step_seconds.observe(seconds)
         log.info("trainer: step %d: %d samples from %d batches, mean reward %.3f, loss %.4f, %.2fs",
                  version, len(samples), len(ids), mean_reward, stats.loss, seconds)
         await self.db.run(self.spool.prune, version - self.cfg.async_level - 1)
