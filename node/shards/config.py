@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FETCH_POLICIES = ("auto", "all", "newest", "none")
+DELTA_CODECS = ("lzma", "zlib")  # node/shards/delta.py CODECS
 
 
 @dataclass
@@ -40,6 +41,16 @@ class ShardsConfig:
     super_seed: bool = True
     # Show a progress bar for downloads when stderr is a terminal.
     progress: bool = True
+    # Publish each new version also as a delta against the previous one, and fetch a version as a
+    # delta when the trainer offers one against a version this node holds (node/shards/deltasync.py).
+    delta: bool = True
+    # Codec of published deltas: "lzma" (smaller) or "zlib" (faster); both are in the stdlib.
+    delta_codec: str = "lzma"
+    # A delta larger than this fraction of its full version is not published (receivers fetch full).
+    delta_max_ratio: float = 0.5
+    # Seconds a delta may go without a new verified piece (or its manifest unanswered) before the
+    # node gives up on it and fetches full pieces.
+    delta_stall_timeout: float = 30.0
 
     def validate(self) -> None:
         if self.piece_size and (self.piece_size < 16 * 1024 or self.piece_size > 64 * 1024 * 1024):
@@ -59,6 +70,10 @@ class ShardsConfig:
                 raise ValueError(f"{name}: 1..1024, got {getattr(self, name)}")
         if self.upload_rate < 0:
             raise ValueError(f"upload_rate: >= 0, got {self.upload_rate}")
-        for name in ("request_timeout", "ban_seconds", "announce_interval"):
+        if self.delta_codec not in DELTA_CODECS:
+            raise ValueError(f"delta_codec: one of {', '.join(DELTA_CODECS)}, got {self.delta_codec!r}")
+        if not 0 < self.delta_max_ratio <= 1:
+            raise ValueError(f"delta_max_ratio: in (0, 1], got {self.delta_max_ratio}")
+        for name in ("request_timeout", "ban_seconds", "announce_interval", "delta_stall_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

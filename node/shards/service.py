@@ -44,6 +44,7 @@ from ..wire import LocalProtocolError, RemoteProtocolError, write_frame
 from .announce import announce, fetch_manifest, fetch_policy, follow_announcements, reannounce_loop, validate_announce
 from .client import Download, progress_bar
 from .config import ShardsConfig
+from .deltasync import DeltaSync
 from .manifest import SignedManifest, build_manifest, sign_manifest
 from .protocol import (
     BANNED,
@@ -84,6 +85,7 @@ class ShardsService:
     """Everything about checkpoint versions on this node (API: node/shards/api.py)."""
 
     server_session_class = ServerSession
+    deltas_class = DeltaSync  # tests swap in a publisher of bad deltas
 
     def __init__(self, node, cfg: ShardsConfig, ledger: LedgerAPI) -> None:
         self.node = node
@@ -118,6 +120,7 @@ class ShardsService:
         node.peers.set_rule(SOURCE, FaultRule(strikes=1, ban_seconds=cfg.ban_seconds))
         self.m_versions = mt.gauge("shards_versions_complete", "Complete checkpoint versions held")
         self._nursery: trio.Nursery | None = None
+        self.deltas = self.deltas_class(self)  # versions as deltas (node/shards/deltasync.py)
 
     # ---------------------------------------------------------------------------------------
     # Public API
@@ -165,6 +168,7 @@ class ShardsService:
         signed = sign_manifest(ident, manifest)
         await self.seed(folder, signed, super_seed=self.cfg.super_seed)
         self.published = signed
+        await self.deltas.publish(signed)
         await self._announce(signed)
         log.info("shards: published v%d (%d pieces, %d bytes, root %s)", version, manifest.num_pieces,
                  manifest.total_size, signed.root.hex()[:12])
@@ -174,15 +178,19 @@ class ShardsService:
         """Take a folder matching a trainer's manifest (e.g. copied out of band) and serve it."""
         vs = await trio.to_thread.run_sync(self.store.import_folder, Path(folder), signed)
         if super_seed:
-            size = signed.manifest.piece_size
-            writing = max(2, -(-SUPER_SEED_WRITING_BYTES // size))
-            self.superseeders[signed.root] = SuperSeeder(
-                signed.manifest.num_pieces, in_transit=writing, rng=self.rng,
-                max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // size)))
+            self.add_superseeder(signed)
         self._serve(vs)
         self._note_announced(signed.version, signed.root, signed.signer)
         self._version_complete(vs)
         return vs
+
+    def add_superseeder(self, signed: SignedManifest) -> None:
+        """Serve the version (or delta) ``signed`` super-seeded: pieces revealed a few at a time."""
+        size = signed.manifest.piece_size
+        writing = max(2, -(-SUPER_SEED_WRITING_BYTES // size))
+        self.superseeders[signed.root] = SuperSeeder(
+            signed.manifest.num_pieces, in_transit=writing, rng=self.rng,
+            max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // size)))
 
     def fetch(self, version: int, root: bytes, source: str) -> None:
         """Download ``version`` (manifest root ``root``, first asked of ``source``) whatever the policy."""
@@ -246,6 +254,7 @@ class ShardsService:
                     held.close()
                     del self.serving[root]
                     self.superseeders.pop(root, None)
+        self.deltas.prune()
 
     def _note_announced(self, version: int, root: bytes, source: str) -> None:
         """Remember the first announcement of ``version``; followers learn of a newer one."""
@@ -307,9 +316,10 @@ class ShardsService:
         return validate_announce(self.node, self.run_name, self.trainers, msg)
 
     async def _announce(self, signed: SignedManifest) -> None:
-        await announce(self.node, signed)
+        await announce(self.node, signed, self.deltas.published_offer(signed.version))
 
-    def _on_announce(self, version: int, root: bytes, source: str) -> None:
+    def _on_announce(self, version: int, root: bytes, source: str, delta: tuple[int, bytes] | None = None) -> None:
+        self.deltas.note_offer(version, delta)
         self._note_announced(version, root, source)
         self._maybe_fetch(version)
 
@@ -345,6 +355,7 @@ class ShardsService:
                         log.warning("shards: %s", e)
                         return
                 self._serve(vs)
+                await self.deltas.fill(vs)  # from a delta against a version we hold, when offered
                 dl = Download(self, vs)
                 self.downloads[version] = dl
                 with progress_bar(self.cfg, vs) as bar:
@@ -382,6 +393,7 @@ class ShardsService:
                 self._serve(vs)
                 self._resumed[v] = vs
                 partial.append(signed)
+        self.deltas.load_held()
         return partial
 
     def status(self) -> dict[str, Any]:
@@ -405,7 +417,8 @@ class ShardsService:
             host.pubsub.set_topic_validator(topic, self._validate_announce, False)
             sub = await host.pubsub.subscribe(topic)
             nursery.start_soon(follow_announcements, sub, self.run_name, self.trainers, self._on_announce)
-            nursery.start_soon(reannounce_loop, self.node, self.cfg.announce_interval, lambda: self.published)
+            nursery.start_soon(reannounce_loop, self.node, self.cfg.announce_interval, lambda: self.published,
+                               self.deltas.published_offer)
             for signed in partial:  # resume interrupted downloads
                 self._note_announced(signed.version, signed.root, signed.signer)
             for signed in partial:
