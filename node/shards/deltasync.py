@@ -244,6 +244,11 @@ class DeltaSync:
         older = [v for v in self.svc.store.complete_versions() if v < version]
         return older[-1] if older else None
 
+    def encode(self, base: Path, base_names: list[str], target: Path, target_names: list[str]):
+        """(delta bytes, stats) of base -> target, in a worker thread (tests subclass this to publish
+        a corrupt delta)."""
+        return encode_folder_delta(base, base_names, target, target_names, self.cfg.delta_codec)
+
     async def publish(self, signed: SignedManifest) -> Offer | None:
         """Encode, store and serve the delta of ``signed``'s version against the newest older one held."""
         svc, v = self.svc, signed.version
@@ -258,8 +263,8 @@ class DeltaSync:
         staging = self.store.root / f"{TRASH_PREFIX}new-{v}-{base}"
 
         def build():
-            data, stats = encode_folder_delta(svc.store.folder_of(base), [f.name for f in base_signed.manifest.files],
-                                              target, [f.name for f in signed.manifest.files], self.cfg.delta_codec)
+            data, stats = self.encode(svc.store.folder_of(base), [f.name for f in base_signed.manifest.files],
+                                      target, [f.name for f in signed.manifest.files])
             if stats.size > self.cfg.delta_max_ratio * signed.manifest.total_size:
                 return None, stats
             shutil.rmtree(staging, ignore_errors=True)
