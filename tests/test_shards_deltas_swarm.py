@@ -1,0 +1,123 @@
+"""Checkpoint deltas between real hosts on loopback: a holder of v1 gets v2 as a delta, a newcomer
+gets it whole, a corrupt delta is caught by the full hashes and costs only a fallback."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from node.identity import Identity
+from node.shards.delta import encode_delta
+from node.shards.deltasync import DELTA_SOURCE, DeltaSync, _read_files
+from node.shards.protocol import SOURCE
+from node.shards.service import ShardsService
+from node.shards.testing import open_shards_swarm, same_files
+from test_shards_swarm import FAST, connect_all
+
+N = 1 << 20  # bf16 values per checkpoint: a 2 MiB weight file
+
+
+def weights(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2**16, size=N, dtype=np.uint16)
+
+
+def write_bf16_checkpoint(folder: Path, values: np.ndarray, step: int) -> Path:
+    """A model folder: config.json and one safetensors file of a single bf16 tensor."""
+    folder.mkdir(parents=True, exist_ok=True)
+    head = json.dumps({"w": {"dtype": "BF16", "shape": [values.size], "data_offsets": [0, 2 * values.size]}}).encode()
+    head += b" " * (-len(head) % 8)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + values.tobytes())
+    (folder / "config.json").write_text('{"model_type": "test", "step": %d}' % step)
+    return folder
+
+
+def next_step(values: np.ndarray, seed: int, fraction: float = 0.01) -> np.ndarray:
+    """About ``fraction`` of the values moved by one bf16 ulp: what a small-lr RL step publishes."""
+    rng = np.random.default_rng(seed)
+    out = values.copy()
+    out[rng.random(values.size) < fraction] += 1
+    return out
+
+
+def received(node, root: bytes) -> int:
+    return sum(n for (_, r), n in node.shards.receipts().items() if r == root.hex())
+
+
+async def test_holder_of_v1_gets_v2_as_a_delta_newcomer_gets_it_whole(tmp_path: Path) -> None:
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    w1 = weights(1)
+    v1 = write_bf16_checkpoint(tmp_path / "v1", w1, 1)
+    v2 = write_bf16_checkpoint(tmp_path / "v2", next_step(w1, 2), 2)
+    with trio.fail_after(90):
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **FAST)
+            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **FAST)
+            await connect_all([t, r])
+            s1 = await t.shards.publish(v1, 1)
+            assert t.shards.deltas.published_offer(1) is None  # nothing older to diff against
+            await r.shards.wait_version(1)
+            s2 = await t.shards.publish(v2, 2)
+            base, delta_root = t.shards.deltas.published_offer(2)
+            assert base == 1
+            dsize = t.shards.serving[delta_root].manifest.total_size
+            assert dsize < 0.05 * s2.manifest.total_size
+            assert same_files(v2, await r.shards.wait_version(2))
+            # it fetched the delta's bytes, not the full version's
+            assert received(r, delta_root) == dsize
+            assert received(r, s2.root) == 0
+            assert r.shards.deltas.rebuilt == {2: dsize}
+            # ...and serves both: the delta to others holding v1, v2 to everyone
+            assert delta_root in r.shards.serving and s2.root in r.shards.serving
+
+            # A newcomer that holds nothing hears the re-announcement and fetches v2 whole.
+            n = await swarm.add(tmp_path / "n", trainers=tr, role="inference", **FAST)
+            await connect_all([t, r, n])
+            assert same_files(v2, await n.shards.wait_version(2))
+            assert received(n, s2.root) == s2.manifest.total_size
+            assert received(n, delta_root) == 0 and received(n, s1.root) == 0
+            assert n.shards.deltas.rebuilt == {}
+
+
+class CorruptDeltas(DeltaSync):
+    """A publisher whose delta decodes fine but was built from bytes one bit off the real v2."""
+
+    def encode(self, base, base_names, target, target_names):
+        t = _read_files(target, target_names)
+        blob = bytearray(t["model.safetensors"])
+        blob[-1] ^= 0x01
+        t["model.safetensors"] = bytes(blob)
+        return encode_delta(_read_files(base, base_names), t, self.cfg.delta_codec)
+
+
+async def test_corrupt_delta_is_caught_and_costs_only_the_bad_pieces(tmp_path: Path) -> None:
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    w1 = weights(3)
+    v1 = write_bf16_checkpoint(tmp_path / "v1", w1, 1)
+    v2 = write_bf16_checkpoint(tmp_path / "v2", next_step(w1, 4), 2)
+    corrupt = type("CorruptTrainer", (ShardsService,), {"deltas_class": CorruptDeltas})
+    with trio.fail_after(90):
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer",
+                                service_class=corrupt, **FAST)
+            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **FAST)
+            await connect_all([t, r])
+            await t.shards.publish(v1, 1)
+            await r.shards.wait_version(1)
+            s2 = await t.shards.publish(v2, 2)
+            _, delta_root = t.shards.deltas.published_offer(2)
+            assert same_files(v2, await r.shards.wait_version(2))  # never a wrong byte
+            assert r.metrics.rejections().get(f"{SOURCE}/bad-delta", 0) == 1
+            now = trio.current_time()
+            # the signer of the bad delta is scored down for deltas, still trusted for full pieces
+            assert r.shards.node.peers.is_banned(t.peer_id, DELTA_SOURCE, now)
+            assert not r.shards.is_banned(t.peer_id, now)
+            # only the piece holding the flipped byte came as a full piece; the rest was rebuilt
+            full = received(r, s2.root)
+            assert 0 < full <= s2.manifest.piece_size
+            assert delta_root not in r.shards.serving and r.shards.deltas.rebuilt == {}
