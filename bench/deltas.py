@@ -1,6 +1,6 @@
 """How much of a checkpoint changes per GRPO step, and how small its delta is (node/shards/delta.py).
 
-    .venv/bin/python bench/deltas.py                       # both settings below, ~2-3 min on 2 cores
+    .venv/bin/python bench/deltas.py                       # both settings below, 2 steps each
     .venv/bin/python bench/deltas.py --setting realistic --steps 3 --lrs 1e-6
 
 Real GRPO steps (node/rl/grpo.py ``train_step``, AdamW, INTELLECT-2's clipping) on rollouts of the
@@ -93,7 +93,7 @@ def run(setting: str, lr: float, steps: int, seed: int) -> list[dict]:
     rows = []
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
-        samples = samples_for(model, rollouts(tok, step, 4, 8, seed), cfg)
+        samples = samples_for(model, rollouts(tok, step, 4, 4, seed), cfg)
         train_step(model, opt, sched, samples, cfg, pad_id=tok.pad_token_id)
         train_s = time.perf_counter() - t0
         cur = publish(model, dtype)
@@ -105,10 +105,12 @@ def run(setting: str, lr: float, steps: int, seed: int) -> list[dict]:
             row[f"{codec}_s"] = time.perf_counter() - t0
             row[codec] = st.ratio
             row["changed"] = st.changed_fraction
+            row["body"] = st.body / st.full
             assert apply_delta(prev, delta, {k: len(v) for k, v in cur.items()}) == cur, "delta does not rebuild"
         rows.append(row)
         print(f"  {setting} lr={lr:g} step {step}: changed {row['changed']:.4%}, zlib {row['zlib']:.4f}, "
-              f"lzma {row['lzma']:.4f} (train {train_s:.1f}s, lzma {row['lzma_s']:.1f}s)", flush=True)
+              f"lzma {row['lzma']:.4f}, body {row['body']:.4f} (train {train_s:.1f}s, zlib {row['zlib_s']:.1f}s, "
+              f"lzma {row['lzma_s']:.1f}s)", flush=True)
         prev = cur
     return rows
 
@@ -116,7 +118,7 @@ def run(setting: str, lr: float, steps: int, seed: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setting", choices=["realistic", "demo", "both"], default="both")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--lrs", default="3e-7,1e-6", help="learning rates of the realistic setting")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -129,11 +131,13 @@ def main() -> None:
     if args.setting in ("demo", "both"):
         rows += run("demo", GRPOConfig().lr, args.steps, args.seed)
     print()
-    print("| setting | params | publish dtype | lr | step | values changed | delta/full (zlib) | delta/full (lzma) | full bytes |")
+    print("| setting | params | publish dtype | lr | step | values changed | delta/full zlib (encode s) "
+          "| delta/full lzma (encode s) | full bytes |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['setting']} | {r['params'] / 1e6:.1f}M | {r['dtype']} | {r['lr']:g} | {r['step']} | "
-              f"{r['changed']:.3%} | {r['zlib']:.4f} | {r['lzma']:.4f} | {r['full']:,} |")
+              f"{r['changed']:.3%} | {r['zlib']:.4f} ({r['zlib_s']:.1f}) | {r['lzma']:.4f} ({r['lzma_s']:.1f}) "
+              f"| {r['full']:,} |")
 
 
 if __name__ == "__main__":

@@ -97,6 +97,12 @@ def test_unchanged_folder_is_tiny_and_all_same() -> None:
     assert D.apply_delta(base, data, sizes(base)) == base
 
 
+def test_encoder_gives_up_on_a_body_too_large() -> None:
+    base, target = folders(*model_pair(2, 1.0))
+    data, stats = D.encode_delta(base, target, max_body=100)
+    assert data is None and stats.body > 100
+
+
 def test_sparse_change_is_small() -> None:
     """1 % of bf16 values moved by an ulp or two: the delta is a small fraction of the full file."""
     rng = np.random.default_rng(3)

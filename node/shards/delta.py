@@ -253,14 +253,20 @@ def encode_file(name: str, base: bytes | None, target: bytes, stats: DeltaStats)
 
 
 def encode_delta(base: Mapping[str, bytes], target: Mapping[str, bytes], codec: str = "lzma",
-                 level: int | None = None) -> tuple[bytes, DeltaStats]:
-    """The delta that turns the files ``base`` (name -> bytes) into ``target``, and what it holds."""
+                 level: int | None = None, max_body: int | None = None) -> tuple[bytes | None, DeltaStats]:
+    """The delta that turns the files ``base`` (name -> bytes) into ``target``, and what it holds.
+
+    ``max_body``: give up (None, with the stats) before compressing a body larger than this; the
+    compression is most of the cost, and a body that big would not make a delta worth sending."""
     if codec not in CODECS:
         raise ValueError(f"codec: one of {', '.join(CODECS)}, got {codec!r}")
     stats = DeltaStats(full=sum(len(v) for v in target.values()))
     records = [encode_file(name, base.get(name), target[name], stats) for name in sorted(target)]
     body = pack({"files": records})
     stats.body = len(body)
+    if max_body is not None and len(body) > max_body:
+        stats.size = len(body)
+        return None, stats
     out = _compress(codec, body, level)
     stats.size = len(out)
     return out, stats

@@ -71,6 +71,10 @@ DELTA_SOURCE = "shards-delta"  # fault source in the peer table: signers of delt
 DELTA_FILE = "delta.bin"
 MAX_OFFERS = 64  # announced deltas remembered (newest versions kept)
 MAX_BAD = 256  # delta roots known to rebuild wrong (never fetched again)
+# lzma and zlib shrink delta bodies by well under 2x (bench/deltas.py prints body/full next to
+# delta/full: the demo's fp32 body is ~1.03x its checkpoint and compresses to ~0.65x), so a body over
+# twice the size limit is given up on before the compression, which is most of the encoding time.
+BODY_SLACK = 2.0
 PUT_BATCH = 16  # rebuilt pieces hash-checked between two yields to the event loop
 _FOLDER = re.compile(r"^(\d+)-(\d+)$")
 
@@ -183,11 +187,16 @@ def _read_files(folder: Path, names: list[str]) -> dict[str, bytes]:
 
 
 def encode_folder_delta(base: Path, base_names: list[str], target: Path, target_names: list[str],
-                        codec: str) -> tuple[bytes, object]:
-    """delta(base folder -> target folder) and its stats, checked to rebuild the target exactly."""
+                        codec: str, max_ratio: float) -> tuple[bytes | None, object]:
+    """delta(base folder -> target folder) and its stats, checked to rebuild the target exactly;
+    None when it would be larger than ``max_ratio`` of the target."""
     b = _read_files(base, base_names)
     t = _read_files(target, target_names)
-    data, stats = encode_delta(b, t, codec)
+    full = sum(len(v) for v in t.values())
+    # A body over BODY_SLACK x the limit is not compressed at all (see BODY_SLACK).
+    data, stats = encode_delta(b, t, codec, max_body=int(BODY_SLACK * max_ratio * full))
+    if data is None or stats.size > max_ratio * full:
+        return None, stats
     if apply_delta(b, data, {n: len(v) for n, v in t.items()}) != t:
         raise LocalProtocolError("the delta encoder built a delta that does not rebuild its target")
     return data, stats
@@ -247,7 +256,8 @@ class DeltaSync:
     def encode(self, base: Path, base_names: list[str], target: Path, target_names: list[str]):
         """(delta bytes, stats) of base -> target, in a worker thread (tests subclass this to publish
         a corrupt delta)."""
-        return encode_folder_delta(base, base_names, target, target_names, self.cfg.delta_codec)
+        return encode_folder_delta(base, base_names, target, target_names, self.cfg.delta_codec,
+                                   self.cfg.delta_max_ratio)
 
     async def publish(self, signed: SignedManifest) -> Offer | None:
         """Encode, store and serve the delta of ``signed``'s version against the newest older one held."""
@@ -265,7 +275,7 @@ class DeltaSync:
         def build():
             data, stats = self.encode(svc.store.folder_of(base), [f.name for f in base_signed.manifest.files],
                                       target, [f.name for f in signed.manifest.files])
-            if stats.size > self.cfg.delta_max_ratio * signed.manifest.total_size:
+            if data is None:
                 return None, stats
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()

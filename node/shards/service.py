@@ -167,8 +167,8 @@ class ShardsService:
         manifest = await trio.to_thread.run_sync(build_manifest, Path(folder), self.run_name, version, self.cfg.piece_size)
         signed = sign_manifest(ident, manifest)
         await self.seed(folder, signed, super_seed=self.cfg.super_seed)
-        self.published = signed
         await self.deltas.publish(signed)
+        self.published = signed  # only now: a re-announcement made before would lack the delta
         await self._announce(signed)
         log.info("shards: published v%d (%d pieces, %d bytes, root %s)", version, manifest.num_pieces,
                  manifest.total_size, signed.root.hex()[:12])
