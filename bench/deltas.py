@@ -81,7 +81,7 @@ def publish(model, dtype) -> dict[str, bytes]:
     return {"model.safetensors": save_safetensors(sd, metadata={"format": "pt"}), "config.json": b"{}"}
 
 
-def run(setting: str, lr: float, steps: int, seed: int) -> list[dict]:
+def run(setting: str, lr: float, steps: int, seed: int, group: int) -> list[dict]:
     tok = build_tokenizer()
     spec, dtype = (REALISTIC, torch.bfloat16) if setting == "realistic" else (TinyModelSpec(), torch.float32)
     model = build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id, spec, seed=seed)  # fp32 master
@@ -93,7 +93,7 @@ def run(setting: str, lr: float, steps: int, seed: int) -> list[dict]:
     rows = []
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
-        samples = samples_for(model, rollouts(tok, step, 4, 4, seed), cfg)
+        samples = samples_for(model, rollouts(tok, step, 4, group, seed), cfg)
         train_step(model, opt, sched, samples, cfg, pad_id=tok.pad_token_id)
         train_s = time.perf_counter() - t0
         cur = publish(model, dtype)
@@ -121,15 +121,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--lrs", default="3e-7,1e-6", help="learning rates of the realistic setting")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--group", type=int, default=4, help="answers per prompt (4 prompts per step)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
     if args.setting in ("realistic", "both"):
         for lr in (float(x) for x in args.lrs.split(",")):
-            rows += run("realistic", lr, args.steps, args.seed)
+            rows += run("realistic", lr, args.steps, args.seed, args.group)
     if args.setting in ("demo", "both"):
-        rows += run("demo", GRPOConfig().lr, args.steps, args.seed)
+        rows += run("demo", GRPOConfig().lr, args.steps, args.seed, args.group)
     print()
     print("| setting | params | publish dtype | lr | step | values changed | delta/full zlib (encode s) "
           "| delta/full lzma (encode s) | full bytes |")

@@ -14,9 +14,9 @@ A delta lists, per file of the target folder, one record:
   as a bitmap, whichever is smaller, and the new values XOR the old ones, split into byte planes
   (the XOR of a value moved by a few ulps is mostly zero bits; planes put the zeros together).
 
-The records are msgpack-encoded and the whole body is compressed with a stdlib codec (lzma by
-default, zlib when speed matters more than size) behind a small container header (magic, codec,
-raw length). Everything decoded is bounded: the raw length, the file count and names, each tensor
+The records are msgpack-encoded and the whole body is compressed with a stdlib codec (zlib by
+default; lzma is ~10 % smaller and ~10x slower to encode) behind a small container header (magic,
+codec, raw length). Everything decoded is bounded: the raw length, the file count and names, each tensor
 index, position count and value size; a position out of range or out of order is refused. A delta
 that decodes but builds wrong bytes is not caught here: the receiver checks every rebuilt piece
 against the full version's signed piece hashes (node/shards/deltasync.py), which is the only
@@ -252,7 +252,7 @@ def encode_file(name: str, base: bytes | None, target: bytes, stats: DeltaStats)
     return [name, RAW, target]
 
 
-def encode_delta(base: Mapping[str, bytes], target: Mapping[str, bytes], codec: str = "lzma",
+def encode_delta(base: Mapping[str, bytes], target: Mapping[str, bytes], codec: str = "zlib",
                  level: int | None = None, max_body: int | None = None) -> tuple[bytes | None, DeltaStats]:
     """The delta that turns the files ``base`` (name -> bytes) into ``target``, and what it holds.
 
