@@ -278,3 +278,37 @@ def test_announce_delta_fields() -> None:
     for bad in (dict(delta_root=b"\2" * 32, delta_base=3), dict(delta_base=1), dict(delta_root=b"x", delta_base=1)):
         with pytest.raises(ValueError):
             replace(a, **bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Delta store: a delta is stored like a version, so its download resumes
+
+
+def test_delta_download_resumes_from_its_verified_pieces(tmp_path) -> None:
+    from node.shards.deltasync import DELTA_FILE, DeltaStore
+    from node.shards.manifest import build_manifest, read_range
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / DELTA_FILE).write_bytes(np.random.default_rng(0).bytes(40_000))
+    m = build_manifest(src, "run", 2, piece_size=16 << 10)
+    assert m.num_pieces == 3
+    sd = sign_delta_manifest(TRAINER, _delta_manifest(piece_size=m.piece_size, files=m.files, hashes=m.hashes))
+    store = DeltaStore(tmp_path / "deltas", "run", [TRAINER.peer_id])
+    vs = store.open(sd)
+    piece = lambda i: read_range(src, m, i * m.piece_size, m.piece_length(i))  # noqa: E731
+    assert vs.put_piece(0, piece(0)) and not vs.put_piece(1, piece(2))  # a wrong piece is not kept
+    vs.close()
+    # a restart: a new store finds the delta by the version it builds and resumes it
+    store = DeltaStore(tmp_path / "deltas", "run", [TRAINER.peer_id])
+    assert store.find(b"\1" * 32).root == sd.root and store.find(bytes(32)) is None
+    vs = store.open(sd)
+    assert vs.verified == {0}
+    for i in (1, 2):
+        assert vs.put_piece(i, piece(i))
+    vs.finish()
+    vs.close()
+    assert store.is_complete(2, 1) and store.open(sd).verified == {0, 1, 2}
+    # the disk is not trusted blindly: a manifest that no longer verifies is not found
+    (store.folder_of(2, 1) / ".shards" / "manifest").write_bytes(b"junk")
+    assert store.saved(2, 1) is None and store.find(b"\1" * 32) is None
