@@ -3,11 +3,8 @@ gets it whole, a corrupt delta is caught by the full hashes and costs only a fal
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
-import numpy as np
 import trio
 
 from node.identity import Identity
@@ -15,32 +12,14 @@ from node.shards.delta import encode_delta
 from node.shards.deltasync import DELTA_SOURCE, DeltaSync, _read_files
 from node.shards.protocol import SOURCE
 from node.shards.service import ShardsService
-from node.shards.testing import open_shards_swarm, same_files
+from node.shards.testing import bf16_values, next_step, open_shards_swarm, same_files, write_bf16_checkpoint
 from test_shards_swarm import FAST, connect_all
 
 N = 1 << 20  # bf16 values per checkpoint: a 2 MiB weight file
 
 
-def weights(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 2**16, size=N, dtype=np.uint16)
-
-
-def write_bf16_checkpoint(folder: Path, values: np.ndarray, step: int) -> Path:
-    """A model folder: config.json and one safetensors file of a single bf16 tensor."""
-    folder.mkdir(parents=True, exist_ok=True)
-    head = json.dumps({"w": {"dtype": "BF16", "shape": [values.size], "data_offsets": [0, 2 * values.size]}}).encode()
-    head += b" " * (-len(head) % 8)
-    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + values.tobytes())
-    (folder / "config.json").write_text('{"model_type": "test", "step": %d}' % step)
-    return folder
-
-
-def next_step(values: np.ndarray, seed: int, fraction: float = 0.01) -> np.ndarray:
-    """About ``fraction`` of the values moved by one bf16 ulp: what a small-lr RL step publishes."""
-    rng = np.random.default_rng(seed)
-    out = values.copy()
-    out[rng.random(values.size) < fraction] += 1
-    return out
+def weights(seed: int):
+    return bf16_values(N, seed)
 
 
 def received(node, root: bytes) -> int:
