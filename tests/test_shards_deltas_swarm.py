@@ -100,3 +100,37 @@ async def test_corrupt_delta_is_caught_and_costs_only_the_bad_pieces(tmp_path: P
             full = received(r, s2.root)
             assert 0 < full <= s2.manifest.piece_size
             assert delta_root not in r.shards.serving and r.shards.deltas.rebuilt == {}
+
+
+async def test_peer_serving_bad_delta_pieces_is_banned_and_the_delta_still_rebuilds(tmp_path: Path) -> None:
+    """Delta pieces go through the same picker and hash checks as full ones: a relay that flips
+    bytes of the delta is banned, and the delta is completed from honest peers."""
+    from test_shards_swarm import SMALL, FlipBytes, liar
+
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    w1 = weights(7)
+    v1 = write_bf16_checkpoint(tmp_path / "v1", w1, 1)
+    v2 = write_bf16_checkpoint(tmp_path / "v2", next_step(w1, 8, fraction=0.2), 2)
+    with trio.fail_after(120):
+        async with open_shards_swarm() as swarm:
+            # The honest trainer is slow, the liar fast: the downloader will ask the liar plenty.
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer",
+                                upload_rate=256 * 1024, **SMALL)
+            flip = await swarm.add(tmp_path / "flip", trainers=tr, role="relay", service_class=liar(FlipBytes), **SMALL)
+            await connect_all([t, flip])
+            s1 = await t.shards.publish(v1, 1)
+            await flip.shards.wait_version(1)
+            await t.shards.publish(v2, 2)
+            await flip.shards.wait_version(2)  # it rebuilt v2 from the delta and serves the delta (flipped)
+            _, delta_root = t.shards.deltas.published_offer(2)
+            assert delta_root in flip.shards.serving
+            assert t.shards.serving[delta_root].manifest.num_pieces >= 3
+            d = await swarm.add(tmp_path / "d", trainers=tr, role="relay", **SMALL)
+            await d.shards.seed(v1, s1)  # holds v1 already (copied out of band)
+            await connect_all([t, flip, d])
+            assert same_files(v2, await d.shards.wait_version(2))
+            assert d.shards.deltas.rebuilt == {2: t.shards.serving[delta_root].manifest.total_size}
+            assert d.shards.is_banned(flip.peer_id, trio.current_time())
+            assert d.metrics.rejections().get(f"{SOURCE}/bad-piece", 0) >= 1
+            assert flip.peer_id not in {p for p, r in d.shards.receipts() if r == delta_root.hex()}
