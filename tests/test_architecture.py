@@ -32,6 +32,7 @@ PURE = [
     "node.gossip.connections",
     "node.shards.picker",
     "node.shards.manifest",
+    "node.shards.delta",
     "node.shards.protocol",
     "node.shards.superseed",
     "node.shards.throttle",

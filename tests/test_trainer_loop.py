@@ -78,8 +78,9 @@ async def test_batches_make_a_step_and_version_1_is_published(tmp_path):
         # ledger: accepted entries for the worker, and the checkpoint entries of v0 and v1
         ledger = tnode.ledger
         await wait_for(lambda: ledger.totals().get(client.peer_id, {}).get("rollouts_accepted", 0) == 16)
-        # v1's entry is appended after ``published`` is set (and after the accepted entries may be in).
-        await wait_for(lambda: ledger.totals()[tnode.peer_id]["checkpoints"] == 2, what="v0 and v1 in the ledger")
+        # published is set before the ledger entry is appended: wait for it, do not race it
+        await wait_for(lambda: ledger.totals().get(tnode.peer_id, {}).get("checkpoints", 0) == 2,
+                       what="checkpoint entries of v0 and v1")
         # the new version differs from v0 and is a loadable HF folder
         folder = shards.path_of(1)
         assert (folder / "config.json").is_file() and digest((folder / "model.safetensors").read_bytes()) != \

@@ -66,6 +66,7 @@ from .announce import announce, fetch_manifest, fetch_policy, follow_announcemen
 from .client import Download, progress_bar
 from .config import ShardsConfig
 from .finite import non_finite_in_folder
+from .deltasync import DeltaSync
 from .manifest import SignedManifest, build_manifest, sign_manifest
 from .protocol import (
     BANNED,
@@ -111,6 +112,7 @@ class ShardsService:
     """Everything about checkpoint versions on this node (API: node/shards/api.py)."""
 
     server_session_class = ServerSession
+    deltas_class = DeltaSync  # tests swap in a publisher of bad deltas
 
     def __init__(self, node, cfg: ShardsConfig, ledger: LedgerAPI) -> None:
         self.node = node
@@ -152,6 +154,7 @@ class ShardsService:
         self.m_versions = mt.gauge("shards_versions_complete", "Complete checkpoint versions held")
         self.m_damaged = mt.counter("shards_damaged_pieces_total", "Pieces on disk that failed their re-check at start")
         self._nursery: trio.Nursery | None = None
+        self.deltas = self.deltas_class(self)  # versions as deltas (node/shards/deltasync.py)
 
     # ---------------------------------------------------------------------------------------
     # Public API
@@ -199,7 +202,8 @@ class ShardsService:
         manifest = await trio.to_thread.run_sync(build_manifest, Path(folder), self.run_name, version, self.cfg.piece_size)
         signed = sign_manifest(ident, manifest)
         await self.seed(folder, signed, super_seed=self.cfg.super_seed)
-        self.published = signed
+        await self.deltas.publish(signed)
+        self.published = signed  # only now: a re-announcement made before would lack the delta
         await self._announce(signed)
         log.info("shards: published v%d (%d pieces, %d bytes, root %s)", version, manifest.num_pieces,
                  manifest.total_size, signed.root.hex()[:12])
@@ -213,15 +217,19 @@ class ShardsService:
             scope.cancel()
         vs = await trio.to_thread.run_sync(self.store.import_folder, Path(folder), signed)
         if super_seed:
-            size = signed.manifest.piece_size
-            writing = max(2, -(-SUPER_SEED_WRITING_BYTES // size))
-            self.superseeders[signed.root] = SuperSeeder(
-                signed.manifest.num_pieces, in_transit=writing, rng=self.rng,
-                max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // size)))
+            self.add_superseeder(signed)
         self._serve(vs)
         self._note_announced(signed.version, signed.root, signed.signer)
         self._version_complete(vs)
         return vs
+
+    def add_superseeder(self, signed: SignedManifest) -> None:
+        """Serve the version (or delta) ``signed`` super-seeded: pieces revealed a few at a time."""
+        size = signed.manifest.piece_size
+        writing = max(2, -(-SUPER_SEED_WRITING_BYTES // size))
+        self.superseeders[signed.root] = SuperSeeder(
+            signed.manifest.num_pieces, in_transit=writing, rng=self.rng,
+            max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // size)))
 
     def fetch(self, version: int, root: bytes, source: str) -> None:
         """Download ``version`` (manifest root ``root``, first asked of ``source``) whatever the policy."""
@@ -288,6 +296,7 @@ class ShardsService:
                     held.close()
                     del self.serving[root]
                     self.superseeders.pop(root, None)
+        self.deltas.prune()
 
     def _note_announced(self, version: int, root: bytes, source: str) -> None:
         """Remember the first announcement of ``version``; followers learn of a newer one."""
@@ -352,9 +361,10 @@ class ShardsService:
         return validate_announce(self.node, self.run_name, self.trainers, msg)
 
     async def _announce(self, signed: SignedManifest) -> None:
-        await announce(self.node, signed)
+        await announce(self.node, signed, self.deltas.published_offer(signed.version))
 
-    def _on_announce(self, version: int, root: bytes, source: str) -> None:
+    def _on_announce(self, version: int, root: bytes, source: str, delta: tuple[int, bytes] | None = None) -> None:
+        self.deltas.note_offer(version, delta)
         self._note_announced(version, root, source)
         self._maybe_fetch(version)
 
@@ -390,6 +400,7 @@ class ShardsService:
                         log.warning("shards: %s", e)
                         return
                 self._serve(vs)
+                await self.deltas.fill(vs)  # from a delta against a version we hold, when offered
                 dl = Download(self, vs)
                 self.downloads[version] = dl
                 with progress_bar(self.cfg, vs) as bar:
@@ -433,6 +444,7 @@ class ShardsService:
                 self._serve(vs)
                 self._resumed[v] = vs
                 partial.append(signed)
+        self.deltas.load_held()
         return partial
 
     def _drop_damaged_manifest(self, version: int) -> None:
@@ -566,7 +578,8 @@ class ShardsService:
             host.pubsub.set_topic_validator(topic, self._validate_announce, False)
             sub = await host.pubsub.subscribe(topic)
             nursery.start_soon(follow_announcements, sub, self.run_name, self.trainers, self._on_announce)
-            nursery.start_soon(reannounce_loop, self.node, self.cfg.announce_interval, lambda: self.published)
+            nursery.start_soon(reannounce_loop, self.node, self.cfg.announce_interval, lambda: self.published,
+                               self.deltas.published_offer)
             for signed in partial:  # resume interrupted downloads
                 self._note_announced(signed.version, signed.root, signed.signer)
             for signed in partial:
