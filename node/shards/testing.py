@@ -70,7 +70,10 @@ def write_bf16_checkpoint(folder: Path, values, step: int) -> Path:
 def bf16_values(count: int, seed: int):
     import numpy as np
 
-    return np.random.default_rng(seed).integers(0, 2**16, size=count, dtype=np.uint16)
+    # Weight-like values (the top 16 bits of normal float32s): random bit patterns would include
+    # NaN and infinity, which every node refuses to hold (node/shards/finite.py).
+    weights = np.random.default_rng(seed).standard_normal(count, dtype=np.float32) * 0.02
+    return (weights.view(np.uint32) >> 16).astype(np.uint16)
 
 
 def next_step(values, seed: int, fraction: float = 0.01):
