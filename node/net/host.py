@@ -130,6 +130,8 @@ class SwarmHost:
     handler_errors: HandlerErrors = field(default_factory=lambda: HandlerErrors())
     # gossipsub's application-specific score of a peer; node/peers sets it to its table's view.
     app_score: Callable[[str], float] = field(default=lambda peer_id: 0.0)
+    # protocol -> the inbound budget of its handler (node/net/reqres.py Inbound), for status
+    inbound: dict[str, object] = field(default_factory=dict)
 
     @property
     def peer_id(self) -> str:
@@ -190,6 +192,9 @@ class SwarmHost:
                 await stream.reset()
 
     def set_handler(self, protocol: str, handler: StreamHandler) -> None:
+        inbound = getattr(handler, "inbound", None)
+        if inbound is not None:
+            self.inbound[protocol] = inbound
         self.host.set_stream_handler(protocol, handler)
 
     async def open_stream(self, peer_id: str, protocol: str, timeout: float = OPEN_STREAM_TIMEOUT):

@@ -38,16 +38,16 @@ from typing import Any
 import trio
 
 from ..ledger.api import LedgerAPI
-from ..net.reqres import peer_of, reset
+from ..net.budget import STALLED
+from ..net.reqres import Inbound, Refused, peer_of, reset
 from ..peers import FaultRule
-from ..wire import LocalProtocolError, RemoteProtocolError, write_frame
+from ..wire import LocalProtocolError, RemoteProtocolError, decode, write_frame
 from .announce import announce, fetch_manifest, fetch_policy, follow_announcements, reannounce_loop, validate_announce
 from .client import Download, progress_bar
 from .config import ShardsConfig
 from .manifest import SignedManifest, build_manifest, sign_manifest
 from .protocol import (
     BANNED,
-    FIRST_MESSAGE_TIMEOUT,
     PROTOCOL,
     SOURCE,
     UNKNOWN_ROOT,
@@ -55,9 +55,8 @@ from .protocol import (
     ManifestReply,
     ManifestRequest,
     Reject,
-    read_shards_message,
 )
-from .server import ServerSession
+from .server import MAX_INBOUND_FRAME, SERVER_LIMITS, ServerSession
 from .store import PieceStore, StoreConflict, VersionStore
 from .superseed import SuperSeeder
 from .throttle import TokenBucket
@@ -109,6 +108,9 @@ class ShardsService:
         self._resumed: dict[int, VersionStore] = {}  # partial versions reopened at start
         self.published: SignedManifest | None = None
         self.serve_slots = trio.Semaphore(cfg.max_serving)
+        # Inbound streams: per-peer and total slots, header deadline, byte budget (node/net/budget.py).
+        self.inbound = Inbound(PROTOCOL, SERVER_LIMITS, config=run.section("streams"), peers=node.peers,
+                               metrics=node.metrics, source=SOURCE)
         self.bucket = TokenBucket(cfg.upload_rate, max(cfg.upload_rate / 10, 2 * cfg.block_size), trio.current_time())
         mt = node.metrics
         self.m_served = mt.counter("shards_served_bytes_total", "Checkpoint bytes served to peers")
@@ -266,39 +268,49 @@ class ShardsService:
             if self.is_banned(peer, trio.current_time()):
                 await write_frame(stream, Reject(piece=-1, offset=0, reason=BANNED))
                 return
-            with trio.fail_after(FIRST_MESSAGE_TIMEOUT):
-                first = await read_shards_message(stream)
-            if isinstance(first, ManifestRequest):
-                vs = self.serving.get(first.root)
-                reply = ManifestReply(envelope=vs.signed.envelope) if vs else Reject(piece=-1, offset=0, reason=UNKNOWN_ROOT)
-                await write_frame(stream, reply)
-                await stream.close()
-            elif isinstance(first, Hello):
-                vs = self.serving.get(first.root)
-                if vs is None:
-                    await write_frame(stream, Reject(piece=-1, offset=0, reason=UNKNOWN_ROOT))
-                    await stream.close()
-                    return
-                sess = self.server_session_class(self, stream, peer, vs)
-                self.server_sessions.setdefault(first.root, set()).add(sess)
-                try:
-                    await sess.run(first)
-                finally:
-                    self.server_sessions[first.root].discard(sess)
-                    if sess.seeder is not None:  # what it was shown may now go to others
-                        self.route_reveals(first.root, sess.seeder.on_peer_gone(peer, trio.current_time()))
-            elif first is not None:
-                raise RemoteProtocolError("unexpected", first.TYPE)
+            async with self.inbound.open(stream, peer, wait=False) as frames:
+                await self._serve_stream(stream, peer, frames)
         # except*: errors raised under the session's nursery arrive as exception groups.
         except* (LocalProtocolError, AssertionError):
             raise
-        except* RemoteProtocolError as group:
+        except* Refused as group:  # over the peer's share or no slot free: counted, the stream reset
             self.node.metrics.reject(SOURCE, group.exceptions[0].reason)
+        except* RemoteProtocolError as group:
+            if group.exceptions[0].reason != STALLED:  # a stall is counted and struck by Inbound
+                self.node.metrics.reject(SOURCE, group.exceptions[0].reason)
             log.debug("shards: %s sent garbage: %s", peer[-8:], group.exceptions[0])
         except* Exception as group:  # resets, timeouts, closed connections: the peer left
             log.debug("shards: inbound session with %s ended: %r", peer[-8:], group.exceptions[0])
         finally:
             await reset(stream, shielded=True)
+
+    async def _serve_stream(self, stream, peer: str, frames) -> None:
+        """One admitted inbound stream: its first message (within the header deadline), then a
+        manifest reply or a transfer session."""
+        data = await frames.read()
+        first = None if data is None else decode(data, MAX_INBOUND_FRAME)
+        if isinstance(first, ManifestRequest):
+            vs = self.serving.get(first.root)
+            reply = ManifestReply(envelope=vs.signed.envelope) if vs else Reject(piece=-1, offset=0, reason=UNKNOWN_ROOT)
+            await write_frame(stream, reply)
+            await stream.close()
+        elif isinstance(first, Hello):
+            vs = self.serving.get(first.root)
+            if vs is None:
+                await write_frame(stream, Reject(piece=-1, offset=0, reason=UNKNOWN_ROOT))
+                await stream.close()
+                return
+            frames.answered()
+            sess = self.server_session_class(self, stream, peer, vs, frames)
+            self.server_sessions.setdefault(first.root, set()).add(sess)
+            try:
+                await sess.run(first)
+            finally:
+                self.server_sessions[first.root].discard(sess)
+                if sess.seeder is not None:  # what it was shown may now go to others
+                    self.route_reveals(first.root, sess.seeder.on_peer_gone(peer, trio.current_time()))
+        elif first is not None:
+            raise RemoteProtocolError("unexpected", first.TYPE)
 
     # ---------------------------------------------------------------------------------------
     # Announcements
@@ -401,6 +413,7 @@ class ShardsService:
             partial = self._load_held()
             self.m_versions.set(len(self.store.complete_versions()))
             host.set_handler(PROTOCOL, self.handle_stream)
+            host.inbound[PROTOCOL] = self.inbound
             topic = self.node.topic("checkpoints")
             host.pubsub.set_topic_validator(topic, self._validate_announce, False)
             sub = await host.pubsub.subscribe(topic)
