@@ -81,7 +81,7 @@ class StreamsConfig:
     """``[streams]`` table: deadlines every inbound stream protocol applies to its peers."""
 
     header_timeout: float = 5.0  # seconds a request's frame header may take to arrive once its stream has a slot
-    min_body_rate: float = 65536.0  # bytes/s a frame's body must arrive at, at least, after body_grace
+    min_body_rate: float = 262144.0  # bytes/s a frame's body must arrive at, at least, after body_grace
     body_grace: float = 2.0  # seconds every frame body gets on top of its length / min_body_rate
     stall_strikes: int = 3  # streams cut for missing a deadline that get a peer banned and disconnected...
     stall_window: float = 600.0  # ... when they fall within this many seconds
