@@ -75,7 +75,7 @@ async def test_batches_make_a_step_and_version_1_is_published(tmp_path):
         # ledger: accepted entries for the worker, and the checkpoint entries of v0 and v1
         ledger = tnode.ledger
         await wait_for(lambda: ledger.totals().get(client.peer_id, {}).get("rollouts_accepted", 0) == 16)
-        assert ledger.totals()[tnode.peer_id]["checkpoints"] == 2
+        await wait_for(lambda: ledger.totals()[tnode.peer_id]["checkpoints"] == 2, timeout=60, what="v1 entry")
         # the new version differs from v0 and is a loadable HF folder
         folder = shards.path_of(1)
         assert (folder / "config.json").is_file() and digest((folder / "model.safetensors").read_bytes()) != \
