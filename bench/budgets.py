@@ -7,9 +7,10 @@ hostile one. The honest client submits ``--batches`` signed batches one after an
 median time from opening the stream to reading the ack is taken, first with the trainer idle, then
 while the hostile peer holds ``--hog-streams`` silent rollout streams (2 header bytes each: the
 attack of issue 14, which made an honest batch wait 29.5 s for its ack before per-peer budgets).
-The hog's streams are opened before each honest batch and stay open until it is acknowledged;
-the hostile peer is re-created after it is banned so the hog never stops. The ratio is printed
-last; the requirement is at most 2x.
+The hog's streams are opened once and held for the whole measurement (the header deadline is
+raised to 60 s here so that they are not cut meanwhile); the honest batches are sent once the hog
+holds its share and the rest of its streams were refused. The ratio is printed last; the
+requirement is at most 2x.
 
 The machine is shared and noisy: compare the ratio, not the absolute figures.
 """
@@ -31,19 +32,24 @@ from swarmtest import node_config  # noqa: E402
 
 from node.config import RunConfig  # noqa: E402
 from node.identity import load_or_create_identity  # noqa: E402
+from node.net.budget import PEER_STREAMS  # noqa: E402
 from node.net.reqres import Codec, call  # noqa: E402
 from node.roles.core import run_node  # noqa: E402
 from node.rollouts.schema import ROLLOUTS_PROTOCOL, RolloutAck  # noqa: E402
 from node.trainer.testing import reversal_batch, sign_batch  # noqa: E402
 from node.wire import decode_as  # noqa: E402
 
+WARM_UP = 3
 ACK = Codec(4096, lambda frame: decode_as(RolloutAck, frame, 4096))
 
 
 async def bench(batches: int, hog_streams: int, tmp: Path) -> tuple[float, float, int]:
     trainer_id, _ = load_or_create_identity(tmp / "trainer")
     run = RunConfig(name="bench", trainers=[trainer_id.peer_id])
-    run.tables.update(trainer={"init_warmup_steps": 0}, grpo={"min_batch_samples": 100_000})
+    # The hog may hold its streams for the whole measurement (the old 30 s read timeout): the
+    # header deadline that cuts it is the tests' business (tests/test_budgets_inprocess.py).
+    run.tables.update(trainer={"init_warmup_steps": 0}, grpo={"min_batch_samples": 100_000},
+                      streams={"header_timeout": 60.0})
     async with trio.open_nursery() as nursery:
         async def start(name: str, role: str = "relay"):
             cfg = node_config(tmp, name, role, run=run)
@@ -69,35 +75,35 @@ async def bench(batches: int, hog_streams: int, tmp: Path) -> tuple[float, float
             assert ack.accepted, ack.reason
             return trio.current_time() - start_t
 
+        for _ in range(WARM_UP):  # the first exchanges pay for stream set-up and cold caches
+            await submit_one()
         idle = [await submit_one() for _ in range(batches)]
 
-        hostiles = 0
-        hostile = None
+        hostile = await start("hostile")
+        await hostile.host.connect(tnode.host.listen_addrs()[0])
+        share = budget.limits.streams_per_peer
         under = []
-        for _ in range(batches):
-            if hostile is None or tnode.peers.is_banned(hostile.peer_id):
-                hostiles += 1
-                hostile = await start(f"hostile{hostiles}")
-                await hostile.host.connect(tnode.host.listen_addrs()[0])
-            share = budget.limits.streams_per_peer
-            async with trio.open_nursery() as hog:
-                async def one(h=hostile) -> None:
-                    try:
-                        stream = await h.host.open_stream(tnode.peer_id, ROLLOUTS_PROTOCOL)
-                        await stream.write(b"\x00\x01")
-                        await trio.sleep_forever()
-                    except Exception:  # noqa: BLE001 — refused streams are reset: expected
-                        pass
+        async with trio.open_nursery() as hog:
+            async def one() -> None:
+                try:
+                    stream = await hostile.host.open_stream(tnode.peer_id, ROLLOUTS_PROTOCOL)
+                    await stream.write(b"\x00\x01")
+                    await trio.sleep_forever()
+                except Exception:  # noqa: BLE001 — refused streams are reset: expected
+                    pass
 
-                for _ in range(hog_streams):
-                    hog.start_soon(one)
-                with trio.move_on_after(30):
-                    while budget.held_by(hostile.peer_id)[0] < share:
-                        await trio.sleep(0.01)
+            for _ in range(hog_streams):
+                hog.start_soon(one)
+            # Measure once the hog is in place: its share held, the rest of its streams refused.
+            while not (budget.held_by(hostile.peer_id)[0] == share
+                       and budget.refused[PEER_STREAMS] >= hog_streams - share):
+                await trio.sleep(0.01)
+            for _ in range(batches):
                 under.append(await submit_one())
-                hog.cancel_scope.cancel()
+                assert budget.held_by(hostile.peer_id)[0] == share, "the hog was cut before the measurement ended"
+            hog.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
-    return statistics.median(idle), statistics.median(under), hostiles
+    return statistics.median(idle), statistics.median(under), budget.refused[PEER_STREAMS]
 
 
 def main() -> None:
@@ -106,10 +112,10 @@ def main() -> None:
     parser.add_argument("--hog-streams", type=int, default=16)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        idle, under, hostiles = trio.run(bench, args.batches, args.hog_streams, Path(tmp))
+        idle, under, refused = trio.run(bench, args.batches, args.hog_streams, Path(tmp))
     print(f"honest ack latency, median of {args.batches}: idle {idle * 1000:.1f} ms, "
           f"with one peer holding {args.hog_streams} silent streams {under * 1000:.1f} ms "
-          f"({hostiles} hostile identities used)")
+          f"({refused} of them refused at once, the rest held for the whole run)")
     print(f"ratio under hog / idle: {under / idle:.2f} (requirement: <= 2)")
 
 
