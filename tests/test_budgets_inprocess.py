@@ -9,13 +9,15 @@ peer table say, never elapsed time:
   and the hostile peer is struck (and banned) when its header deadline passes;
 * 48 ledger-sync streams each announcing a 4 MiB frame and sending 3.5 MiB were all buffered; now
   at most the peer's byte share is reserved and every other stream is refused before its body;
-* four silent status streams denied status to everyone; now another peer is answered at once.
+* four silent status streams denied status to everyone; now another peer is answered at once;
+* and on every protocol a relay answers with our framing, silent streams are cut and struck.
 """
 
 from __future__ import annotations
 
 import struct
 
+import pytest
 import trio
 from swarmtest import node_config, open_nodes
 from waiting import wait_for
@@ -128,4 +130,37 @@ async def test_silent_status_streams_do_not_deny_status_to_another_peer(tmp_path
             assert budget.held_by(hostile.peer_id)[0] == per_peer  # answered while they were held
             await wait_for(lambda: budget.stalled == per_peer, what="hostile status streams cut")
             assert STALL_SOURCE in target.peers.table.peers[hostile.peer_id].strikes
+            nursery.cancel_scope.cancel()
+
+
+def relay_protocols() -> list[str]:
+    from node.gossip.service import PROBE_PROTOCOL, SYNC_PROTOCOL
+    from node.shards.protocol import PROTOCOL as SHARDS_PROTOCOL
+
+    return [STATUS_PROTOCOL, LEDGER_PROTOCOL, SHARDS_PROTOCOL, SYNC_PROTOCOL, PROBE_PROTOCOL]
+
+
+@pytest.mark.parametrize("protocol", relay_protocols())
+async def test_every_budgeted_protocol_cuts_and_strikes_silent_streams(tmp_path, protocol):
+    """Each protocol a relay answers with our framing: one peer's silent streams hold only its
+    share (the rest refused at once) and are cut and struck at the header deadline."""
+    run = RunConfig(name="test")
+    run.tables.update(streams={"header_timeout": 2.0})
+    cfgs = [node_config(tmp_path, n, run=run) for n in ("target", "hostile")]
+    async with open_nodes(cfgs) as (target, hostile):
+        budget = target.host.inbound[protocol].budget
+        share = budget.limits.streams_per_peer
+        assert share < budget.limits.streams
+        async with trio.open_nursery() as nursery:
+            await hold_streams(nursery, hostile, target.peer_id, protocol, share + 2, b"", [])
+            await wait_for(lambda: budget.stalled + budget.held_by(hostile.peer_id)[0] >= share
+                           and budget.refused[PEER_STREAMS] == 2, what=f"{protocol}: share held, the rest refused")
+            # All cut at the deadline; past stall_strikes (3) the peer is banned and disconnected,
+            # which ends its other streams before they are counted as stalls.
+            await wait_for(lambda: budget.held_by(hostile.peer_id) == (0, 0) and budget.stalled >= min(share, 3),
+                           what=f"{protocol}: silent streams cut")
+            if share >= 3:
+                assert target.peers.is_banned(hostile.peer_id, STALL_SOURCE)
+            else:
+                assert len(target.peers.table.peers[hostile.peer_id].strikes[STALL_SOURCE]) == share
             nursery.cancel_scope.cancel()
