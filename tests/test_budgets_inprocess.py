@@ -135,9 +135,10 @@ async def test_silent_status_streams_do_not_deny_status_to_another_peer(tmp_path
 
 def relay_protocols() -> list[str]:
     from node.gossip.service import PROBE_PROTOCOL, SYNC_PROTOCOL
+    from node.net.host import PING_PROTOCOL
     from node.shards.protocol import PROTOCOL as SHARDS_PROTOCOL
 
-    return [STATUS_PROTOCOL, LEDGER_PROTOCOL, SHARDS_PROTOCOL, SYNC_PROTOCOL, PROBE_PROTOCOL]
+    return [STATUS_PROTOCOL, LEDGER_PROTOCOL, SHARDS_PROTOCOL, SYNC_PROTOCOL, PROBE_PROTOCOL, str(PING_PROTOCOL)]
 
 
 @pytest.mark.parametrize("protocol", relay_protocols())
@@ -164,3 +165,16 @@ async def test_every_budgeted_protocol_cuts_and_strikes_silent_streams(tmp_path,
             else:
                 assert len(target.peers.table.peers[hostile.peer_id].strikes[STALL_SOURCE]) == share
             nursery.cancel_scope.cancel()
+
+
+async def test_pings_are_answered_under_the_budget(tmp_path):
+    """Our own ping (node/net/host.py) against the budgeted handler, and its streams are given back."""
+    from node.net.host import PING_PROTOCOL
+
+    cfgs = [node_config(tmp_path, n) for n in ("a", "b")]
+    async with open_nodes(cfgs) as (a, b):
+        budget = a.host.inbound[PING_PROTOCOL].budget
+        for _ in range(3 * budget.limits.streams_per_peer):  # more than its share, one after another
+            assert await b.host.ping(a.peer_id) >= 0
+        await wait_for(lambda: budget.held_by(b.peer_id) == (0, 0), what="ping streams given back")
+        assert budget.stalled == 0

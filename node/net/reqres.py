@@ -345,6 +345,57 @@ async def serve_requests(host, protocol: str, codec: Codec[T], handler: Handler,
 
 
 # --------------------------------------------------------------------------------------------
+# libp2p ping, budgeted
+
+
+PING_PAYLOAD = 32  # libp2p ping: the peer sends 32 random bytes, we echo them
+PING_IDLE = 30.0  # seconds a ping stream may rest between pings (other stacks ping one stream every ~15 s)
+MAX_PINGS_PER_STREAM = 64  # then the stream is closed; the peer's ping service opens a new one
+PING_LIMITS = StreamLimits(streams=64, streams_per_peer=4, frame_cap=PING_PAYLOAD,
+                           buffer_bytes=64 * PING_PAYLOAD, buffer_per_peer=4 * PING_PAYLOAD)
+
+
+def ping_handler(protocol: str, *, streams: StreamsConfig | None = None, peers=None, metrics=None):
+    """The stream handler for libp2p ping (``/ipfs/ping/1.0.0``) under :data:`PING_LIMITS`, in place
+    of py-libp2p's, which serves any number of streams per peer and lets each rest 10 s per ping.
+    The first ping is due within the header deadline (missing it is a stall, struck); later ones
+    within :data:`PING_IDLE` (missing it just ends the stream)."""
+    inbound = Inbound(protocol, PING_LIMITS, config=streams, peers=peers, metrics=metrics)
+
+    async def handle(stream) -> None:
+        peer = peer_of(stream)
+        try:
+            async with inbound.open(stream, peer, wait=False):
+                since = trio.current_time()
+                for i in range(MAX_PINGS_PER_STREAM):
+                    deadline = inbound.config.header_deadline(since) if i == 0 else since + PING_IDLE
+                    with trio.move_on_at(deadline) as waited:
+                        first = await stream.read(PING_PAYLOAD)
+                        payload = first + (await read_exactly(stream, PING_PAYLOAD - len(first))
+                                           if first and len(first) < PING_PAYLOAD else b"")
+                    if waited.cancelled_caught:
+                        if i == 0:
+                            inbound.stalled(peer)
+                        break
+                    if not payload:
+                        break
+                    with trio.fail_after(CLOSE_TIMEOUT * 5):
+                        await stream.write(payload)
+                    since = trio.current_time()
+        except Refused as e:
+            inbound.count(e.reason)
+        except (RemoteProtocolError, trio.TooSlowError, *STREAM_ERRORS) as e:
+            log.debug("ping from %s ended: %s", peer[-8:], e)
+        except Exception as e:  # noqa: BLE001 — py-libp2p signals EOF by exception (StreamEOF)
+            log.debug("ping from %s ended: %s", peer[-8:], type(e).__name__)
+        finally:
+            await reset(stream)
+
+    handle.inbound = inbound
+    return handle
+
+
+# --------------------------------------------------------------------------------------------
 # Client side
 
 
