@@ -178,3 +178,22 @@ async def test_pings_are_answered_under_the_budget(tmp_path):
             assert await b.host.ping(a.peer_id) >= 0
         await wait_for(lambda: budget.held_by(b.peer_id) == (0, 0), what="ping streams given back")
         assert budget.stalled == 0
+
+
+async def test_py_libp2p_handlers_take_only_their_share_of_streams(tmp_path):
+    """gossipsub's handler (py-libp2p's, no frames of ours): one peer's streams past its share are
+    reset at once instead of being served."""
+    from node.net.host import GOSSIPSUB_PROTOCOLS
+    from node.net.workarounds import OTHER_STREAMS
+
+    cfgs = [node_config(tmp_path, n) for n in ("target", "hostile")]
+    async with open_nodes(cfgs) as (target, hostile):
+        protocol = str(GOSSIPSUB_PROTOCOLS[0])
+        budget = target.host.inbound[protocol].budget
+        held_before = budget.held_by(hostile.peer_id)[0]  # its own gossip stream
+        extra = OTHER_STREAMS.streams_per_peer - held_before
+        async with trio.open_nursery() as nursery:
+            await hold_streams(nursery, hostile, target.peer_id, protocol, extra + 5, b"", [])
+            await wait_for(lambda: budget.held_by(hostile.peer_id)[0] == OTHER_STREAMS.streams_per_peer
+                           and budget.refused[PEER_STREAMS] >= 5, what="gossipsub streams capped")
+            nursery.cancel_scope.cancel()

@@ -241,7 +241,8 @@ async def open_swarm_host(
     )
     disable_auto_connect(host)
     handler_errors = HandlerErrors()
-    guard_handlers(host, handler_errors)
+    inbound: dict[str, object] = {}  # py-libp2p's own handlers' stream counts, then our budgets
+    guard_handlers(host, handler_errors, inbound)
     router = GossipSub(
         protocols=GOSSIPSUB_PROTOCOLS,
         degree=gossip.degree,
@@ -257,7 +258,7 @@ async def open_swarm_host(
         eclipse_protection_enabled=False,
     )
     pubsub = Pubsub(host, router, seen_ttl=gossip.seen_ttl, max_inbound_rpc_size=1024 * 1024)
-    swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), handler_errors)
+    swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), handler_errors, inbound=inbound)
     async with host.run(addrs):
         async with background_trio_service(pubsub), background_trio_service(router):
             await pubsub.wait_until_ready()

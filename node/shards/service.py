@@ -284,6 +284,15 @@ class ShardsService:
         finally:
             await reset(stream, shielded=True)
 
+    def _budgeted_handler(self):
+        """``handle_stream`` carrying its inbound budget (the host lists it in status)."""
+
+        async def handle(stream) -> None:
+            await self.handle_stream(stream)
+
+        handle.inbound = self.inbound
+        return handle
+
     async def _serve_stream(self, stream, peer: str, frames) -> None:
         """One admitted inbound stream: its first message (within the header deadline), then a
         manifest reply or a transfer session."""
@@ -412,8 +421,7 @@ class ShardsService:
             self._nursery = nursery
             partial = self._load_held()
             self.m_versions.set(len(self.store.complete_versions()))
-            host.set_handler(PROTOCOL, self.handle_stream)
-            host.inbound[PROTOCOL] = self.inbound
+            host.set_handler(PROTOCOL, self._budgeted_handler())
             topic = self.node.topic("checkpoints")
             host.pubsub.set_topic_validator(topic, self._validate_announce, False)
             sub = await host.pubsub.subscribe(topic)
