@@ -256,3 +256,15 @@ class _Named:
 
     def __getattr__(self, name):
         return getattr(self._s, name)
+
+
+async def test_a_frame_announced_over_the_cap_is_garbage_before_its_body(autojump_clock):
+    peers = peers_table()
+    inbound = Inbound("/p", lim(), config=StreamsConfig(), peers=peers)
+    client, server = pair("big")
+    await client.write(struct.pack(">I", 2**31))  # a 2 GiB header, no body
+    with pytest.raises(RemoteProtocolError) as e:
+        async with inbound.open(server, "big") as frames:
+            await frames.read()
+    assert e.value.reason == "oversized"
+    assert inbound.budget.peak_reserved == 0 and inbound.budget.stalled == 0

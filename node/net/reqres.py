@@ -202,11 +202,12 @@ class Frames:
         self.inbound.stalled(self.peer)
         return RemoteProtocolError(STALLED, what)
 
-    async def read(self, *, idle: float | None = None, strict: bool = True) -> bytes | None:
+    async def read(self, *, idle: float | None = None, strict: bool = True, max_size: int | None = None) -> bytes | None:
         """The next frame, or None at a clean end of stream. Its header must come within the header
         deadline (``strict``: missing it is a stall) or ``idle`` seconds (missing it is a plain
         timeout, trio.TooSlowError; None: no bound, for sessions that may rest), counted from the
-        previous read (or the slot); its body at the minimum rate, always strictly."""
+        previous read (or the slot); its body at the minimum rate, always strictly. A frame larger
+        than ``max_size`` (default: the protocol's frame cap) is "oversized" garbage."""
         self.release()
         inbound, cfg = self.inbound, self.inbound.config
         start = trio.current_time() if self._since is None else self._since
@@ -216,7 +217,8 @@ class Frames:
         else:
             deadline = float("inf") if idle is None else start + idle
         with trio.move_on_at(deadline) as waited:
-            n = await read_header(self.stream, inbound.budget.limits.frame_cap)
+            cap = inbound.budget.limits.frame_cap
+            n = await read_header(self.stream, cap if max_size is None else min(cap, max_size))
         if waited.cancelled_caught:
             if strict:
                 raise self._stall(f"no frame header within {cfg.header_timeout:g}s")
@@ -292,7 +294,7 @@ def request_handler(
 
     async def exchange(frames: Frames, stream, peer: str) -> None:
         for i in range(per_stream):
-            data = await frames.read(strict=i == 0, idle=timeout)
+            data = await frames.read(strict=i == 0, idle=timeout, max_size=codec.max_size)
             if data is None:
                 return
             reply = await handler(peer, codec.decode(data))
