@@ -9,7 +9,8 @@ measures:
     lasts at least one record refresh interval (records refresh in bursts), with the payload
     broken down by protocol;
   * detection: from `kill -9` of one node until every other node marks it dead;
-  * peak RSS per process (VmHWM).
+  * peak RSS per process (VmHWM);
+  * idle CPU per node: user + system CPU seconds per wall second over the steady window (median).
 Baseline, measured in the same run on the same machine: the naive design where every node
 re-broadcasts its record every second (refresh interval pinned to 1 s), the "heartbeat to all"
 scheme whose per-node cost grows with N. The load model's projection for N = 1,000 and 10,000 is
@@ -48,6 +49,17 @@ def peak_rss_mb(pid: int) -> float:
     except OSError:
         pass
     return float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/<pid>/stat fields 14 and 15)."""
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 def traffic(swarm: LocalSwarm, names) -> dict[str, dict]:
@@ -107,11 +119,14 @@ def measure(n: int, run_file: str, steady: float, detect: bool, timeout: float) 
         out["converge_s"] = time.monotonic() - t0
         out["settle_s"] = settle_connections(swarm, names, timeout)
         before, tb = traffic(swarm, names), time.monotonic()
+        cpu_before = {k: cpu_seconds(swarm.procs[k].pid) for k in names}
         # At least one record refresh interval (records refresh in bursts): 100 s at N = 50.
         window = max(steady, MembershipConfig().refresh_interval(n) + 5)
         out["window_s"] = window
         time.sleep(window)
         after, ta = traffic(swarm, names), time.monotonic()
+        cpu = [(cpu_seconds(swarm.procs[k].pid) - cpu_before[k]) / (ta - tb) for k in names]
+        out["cpu_pct"] = 100 * statistics.median([c for c in cpu if c == c] or [float("nan")])
         sent = {k: (before[k].get("tcp_bytes_sent", 0), after[k].get("tcp_bytes_sent", 0)) for k in names}
         rates = [(a - b) / (ta - tb) for b, a in sent.values() if a and b]
         out["bytes_per_node_s"] = statistics.median(rates) if rates else float("nan")
@@ -167,7 +182,7 @@ def main() -> int:
     print()
     print("Membership, real processes on this machine (probe period 1 s, suspicion 4*max(1,log10 N) s)")
     hdr = (f"{'N':>6} {'converge s':>11} {'settle s':>9} {'detect s':>9} {'TCP B/s':>9} {'payload':>9} "
-           f"{'model':>7} {'naive TCP':>10} {'naive/ours':>10} {'RSS MB':>7}")
+           f"{'model':>7} {'naive TCP':>10} {'naive/ours':>10} {'RSS MB':>7} {'CPU %':>6}")
     print(hdr)
     print("-" * len(hdr))
     # The model at the mesh degree the swarm really ran at (py-libp2p accepts grafts up to
@@ -191,6 +206,7 @@ def main() -> int:
         print(
             f"{n:>6} {ours['converge_s']:>11.1f} {ours['settle_s']:>9.0f} {ours['detect_s']:>9.1f} "
             f"{ours['bytes_per_node_s']:>9.0f} {payload:>9.0f} {model:>7.0f} {nb:>10} {ratio:>10} {ours['rss_mb']:>7.0f}"
+            f" {ours.get('cpu_pct', float('nan')):>6.1f}"
         )
     for n in (1_000, 10_000):
         model = load_model(n, cfg, degree=big_degree)
@@ -213,6 +229,7 @@ def main() -> int:
     print(f"model: node/gossip/membership.py load_model at the measured mesh degree ({big_degree} for the projections)")
     print("TCP B/s: all bytes a node writes to its TCP connections (Yamux, Noise, handshakes included);")
     print("payload: the same on libp2p streams before framing, which is what the load model counts.")
+    print("CPU %: one node's user + system CPU time per wall second over the steady window (median over nodes).")
     print("detect s for the model rows = SWIM's mean first detection (1.58 periods) + suspicion timeout.")
     print("Anchors: SWIM/memberlist first detection ~1.58 probe periods, per-node load constant in N;")
     print("Prime protocol heartbeats: 10 s, dead after 3 misses -> up to ~45 s detection.")

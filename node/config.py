@@ -40,6 +40,7 @@ SECTIONS: dict[str, str] = {
     "trainer": "node.trainer.config:TrainerConfig",
     "validator": "node.validator.config:ValidatorConfig",
     "worker": "node.rollouts.config:WorkerConfig",
+    "quota": "node.rollouts.quota:QuotaConfig",
     "rl": "node.rl.config:RLConfig",
     "grpo": "node.rl.config:GRPOConfig",
     "inference": "node.rl.config:InferenceConfig",

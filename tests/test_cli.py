@@ -112,7 +112,8 @@ def test_status_view_shows_members_rejections_and_ledger_bans():
         "peer_id": "12D3KooWself", "role": "trainer", "run": "r", "uptime_s": 5,
         "membership": {"connections": 1, "counts": {"alive": 1},
                        "members": [{"peer_id": "12D3KooWpeerA", "role": "inference", "state": "alive", "for_s": 3,
-                                    "seq": 17, "checkpoints": [2], "addrs": ["/ip4/127.0.0.1/tcp/1"]}],
+                                    "seq": 17, "checkpoints": [2], "addrs": ["/ip4/127.0.0.1/tcp/1"],
+                                    "suspected_by": "12D3KooWaccuser"}],
                        "rejected": {"members/forged": 2}},
         "ledger": {"bans": {"12D3KooWcheat": {"seconds_left": 590, "reason": "reward_mismatch", "by": "12D3KooWval"}}},
         "validator": {"proof_margins": {
@@ -125,6 +126,7 @@ def test_status_view_shows_members_rejections_and_ledger_bans():
     assert "480 accepted rollouts" in text and "mantissa_mean 1.39 / 10.0" in text
     assert "recommended for the run file's [proofs]: max_exp_mismatches = 14" in text
     assert "12D3KooWpeerA" in text and "inference" in text and "members/forged=2" in text
+    assert "alive (accused by 12D3KooWaccu…)" in text  # hearsay is shown, and is no verdict
     assert "banned 12D3KooWcheat" in text and "reward_mismatch" in text and "590s left" in text
 
 

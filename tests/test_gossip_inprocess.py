@@ -181,3 +181,88 @@ async def test_an_indirect_probe_dials_only_members_at_their_recorded_addresses(
         nursery.cancel_scope.cancel()
     for conn in accepted:
         await conn.aclose()
+
+
+async def test_an_accusation_flood_by_a_non_prober_never_takes_a_live_member_out(tmp_path, fast_membership):
+    """Issue 14, attack 4, against a real node: a peer that never probed the victim publishes 50
+    DEAD and 49 SUSPECT accusations at 9 msg/s (under py-libp2p's 10 msg/s per peer and topic),
+    at the victim's current seq and every tenth at the forged seq 2**63 - 1. The relay never takes
+    the victim out of its live set (sampled throughout, and no state change at all); the victim
+    refutes, and after ``refuted_limit`` refutations the relay ignores the accuser and scores it
+    down. (At this pace refutations come before the accuser's token bucket runs dry: the bucket
+    is tested in test_membership.py.)
+
+    Probe timeouts are relaxed so that a starved machine cannot make the relay suspect the victim
+    on its own: what is tested is what the accusations do."""
+    from node.gossip.records import DOMAIN_DEAD, DOMAIN_SUSPECT, Accusation
+    from node.gossip.membership import Verdict
+
+    relaxed = dict(fast_membership, probe_timeout=5.0, indirect_timeout=10.0)
+    configs = [node_config(tmp_path, f"n{i}", membership=relaxed) for i in range(2)]
+    async with open_nodes(configs) as nodes:
+        relay, victim = nodes
+        await wait_for(lambda: sees_all(nodes), what="every node sees every other alive")
+        table, topic = relay.membership.table, relay.topic("members")
+        seq_before = victim.membership.record.seq
+        snapshots: list[bool] = []
+        mallory = Identity.generate()
+        async with open_swarm_host(mallory, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as watch:
+            await host.pubsub.subscribe(topic)
+            await host.connect(relay.host.listen_addrs()[0])
+            await wait_for(lambda: host.mesh_size(topic) >= 1, what="mallory in the relay's mesh")
+
+            async def watch_relay() -> None:
+                while True:
+                    snapshots.append(victim.peer_id in relay.membership.members()
+                                     and table.state_of(victim.peer_id) is MemberState.ALIVE)
+                    await trio.sleep(0.005)
+
+            watch.start_soon(watch_relay)
+            for i in range(99):
+                accused = 2**63 - 1 if i % 10 == 0 else table.members[victim.peer_id].record.seq
+                acc = Accusation(run="test", target=victim.peer_id, seq=accused, accuser=mallory.peer_id)
+                await host.pubsub.publish(topic, encode(seal(mallory, DOMAIN_DEAD if i < 50 else DOMAIN_SUSPECT, acc)))
+                await trio.sleep(1 / 9)  # the attack's pace, not a wait for a result
+            await wait_for(lambda: table.distrusted(mallory.peer_id, trio.current_time()),
+                           what="the accuser refuted often enough to be ignored")
+            await wait_for(lambda: victim.membership.record.seq > seq_before, what="the victim refuted")
+            await wait_for(lambda: table.members[victim.peer_id].hearsay is None, what="the refutation reached the relay")
+            watch.cancel_scope.cancel()
+        assert snapshots and all(snapshots), f"{snapshots.count(False)} of {len(snapshots)} snapshots not alive"
+        assert table.entered[MemberState.DEAD] == 0 and table.entered[MemberState.SUSPECT] == 0
+        events = {v: relay.metrics.registry.get_sample_value("swarm_membership_events_total", {"verdict": v.value})
+                  for v in (Verdict.DIED, Verdict.IGNORED, Verdict.SUSPECTED, Verdict.DISTRUSTED)}
+        assert not events[Verdict.DIED] and events[Verdict.IGNORED] >= 1 and events[Verdict.DISTRUSTED] >= 1
+        assert events[Verdict.SUSPECTED] <= table.config.refuted_limit
+        assert relay.peers.table.score(mallory.peer_id, trio.current_time()) < 0  # scored through node/peers
+        assert victim.peers.table.score(mallory.peer_id, trio.current_time()) < 0  # the victim knows it is false
+        # Still working: a record change of the victim's arrives.
+        victim.membership.update(load=5.0)
+        await wait_for(lambda: table.members[victim.peer_id].record.load == 5.0)
+        assert victim.peer_id in relay.membership.members()
+
+
+async def test_throwaway_records_from_one_source_are_budgeted(tmp_path, fast_membership):
+    """Issue 14, attack 5, against a real node: records of 30 throwaway identities published by one
+    peer at 9 msg/s. The relay admits the source's budget, drops the rest and scores the source down."""
+    configs = [node_config(tmp_path, "n0", membership=fast_membership)]
+    async with open_nodes(configs) as nodes:
+        relay = nodes[0]
+        table, topic = relay.membership.table, relay.topic("members")
+        mallory = Identity.generate()
+        async with open_swarm_host(mallory, ["/ip4/127.0.0.1/tcp/0"]) as host:
+            await host.pubsub.subscribe(topic)
+            await host.connect(relay.host.listen_addrs()[0])
+            await wait_for(lambda: host.mesh_size(topic) >= 1, what="mallory in the relay's mesh")
+            fakes = [Identity.generate() for _ in range(30)]
+            for fake in fakes:
+                rec = PeerRecord(run="test", peer_id=fake.peer_id, role="inference", addrs=["/ip4/127.0.0.1/tcp/9"],
+                                 software="x", seq=1)
+                await host.pubsub.publish(topic, encode(seal(fake, DOMAIN_RECORD, rec)))
+                await trio.sleep(1 / 9)  # the attack's pace (py-libp2p drops over 10 msg/s per peer)
+            budget = table.config.new_member_burst
+            await wait_for(lambda: table.dropped["limited_members"] >= len(fakes) - budget - 1,
+                           what="the source over its budget")
+        known = {f.peer_id for f in fakes} & set(table.members)
+        assert budget <= len(known) <= budget + 1  # + one token refilled meanwhile at most
+        assert relay.peers.table.score(mallory.peer_id, trio.current_time()) < 0

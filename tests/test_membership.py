@@ -58,7 +58,8 @@ def test_remote_suspicion_times_out_without_our_declaration(table):
 
 def test_refutation_with_higher_seq_revives(table):
     table.on_record(record("a", 10), now=0)
-    table.on_accusation(Accusation(run=RUN, target="a", seq=10, accuser="b"), dead=True, now=1)
+    table.on_probe_failed("a", now=1)
+    table.tick(now=1 + table.config.suspicion_timeout(table.size()))
     assert table.state_of("a") is MemberState.DEAD
     assert table.on_record(record("a", 10), now=2) is Verdict.SAME  # same seq cannot revive
     assert table.state_of("a") is MemberState.DEAD
@@ -117,14 +118,16 @@ def test_probe_order_only_among_eligible_members(table):
     assert sorted(picks) == ["b", "b", "d", "d", "f", "f"]  # every connected member once per round
     assert table.next_probe_target(set()) is None
     assert table.next_probe_target({"zz"}) is None  # not a member
-    table.on_accusation(Accusation(run=RUN, target="b", seq=1, accuser="x"), dead=True, now=1)
-    assert {table.next_probe_target({"b", "d"}) for _ in range(3)} == {"d"}  # the dead are not probed
+    table.on_goodbye(Goodbye(run=RUN, peer_id="b", seq=1), now=1)
+    assert {table.next_probe_target({"b", "d"}) for _ in range(3)} == {"d"}  # the departed are not probed
 
 
 def test_table_bound(table):
     table.config.max_members = 2
     assert table.on_record(record("a", 1), 0) is Verdict.NEW
     assert table.on_record(record("b", 1), 0) is Verdict.NEW
+    for p in "ab":
+        table.on_reached(p, 0)  # members we reach are never evicted for a newcomer
     assert table.on_record(record("c", 1), 0) is Verdict.FULL
 
 
@@ -187,8 +190,8 @@ def test_local_health_stretches_timeouts_when_we_are_the_slow_one():
     assert h.scale() == 4  # capped
     h.on_round(lag=0.0, tolerance=0.25)
     assert h.scale() == 3  # recovers one step per timely round
-    h.on_refute()
-    assert h.score == 3
+    h.on_probe_missed()  # our own direct ping got no ack
+    assert h.score == 3  # capped
 
 
 def test_sync_planner_syncs_new_connections_only_while_joining() -> None:
@@ -227,3 +230,196 @@ def test_an_accusation_of_an_incarnation_nobody_has_seen_is_ignored(table):
     assert table.state_of("a") is MemberState.ALIVE and table.entered[MemberState.SUSPECT] == 0
     assert table.on_accusation(Accusation(run=RUN, target="a", seq=12 + slack_ms + 999, accuser="b"), dead=False,
                                now=1) is Verdict.SUSPECTED
+
+
+# --------------------------------------------------------------------- forged verdicts (issue 14)
+
+
+def snapshot_alive(table, peer: str) -> bool:
+    """What other services see: the live set (inference picks trainers from it) and the state."""
+    return peer in table.alive() and table.state_of(peer) is MemberState.ALIVE
+
+
+def test_a_flood_of_accusations_by_a_non_prober_never_takes_the_victim_out(table):
+    """Issue 14, attack 4: 50 DEAD and 49 SUSPECT accusations by a peer that never probed the
+    victim got it declared dead 50 times. Whatever the seq (implausible or the victim's current
+    one), the victim stays alive in every snapshot, the accuser is budgeted, then, refuted, ignored
+    and reported to the peer score owner."""
+    table.on_record(record("victim", 1000), now=0)
+    seq, now, verdicts = 1000, 0.0, []
+    for i in range(99):
+        now += 0.1
+        dead = i < 50
+        for accused in (2**63 - 1, seq):  # the forged incarnation, then the victim's real one
+            verdicts.append(table.on_accusation(Accusation(run=RUN, target="victim", seq=accused, accuser="mallory"),
+                                                dead=dead, now=now))
+            assert snapshot_alive(table, "victim"), (i, accused)
+            table.tick(now)
+            assert snapshot_alive(table, "victim"), (i, accused)
+        if table.members["victim"].hearsay is not None:  # the victim hears of it and refutes
+            seq += 1
+            now += 0.05
+            assert table.on_record(record("victim", seq), now=now, source="victim") is Verdict.UPDATED
+            assert snapshot_alive(table, "victim")
+    assert Verdict.DIED not in verdicts and table.entered[MemberState.DEAD] == 0
+    assert table.entered[MemberState.SUSPECT] == 0  # only our own probes make a suspect
+    cfg = table.config
+    assert verdicts.count(Verdict.SUSPECTED) == cfg.refuted_limit  # refuted that often, then ignored
+    assert table.distrusted("mallory", now)
+    assert verdicts.count(Verdict.DISTRUSTED) == 99 - cfg.refuted_limit
+    assert verdicts.count(Verdict.IGNORED) == 99  # every forged seq
+    faults = table.take_faults()
+    assert faults == ([("mallory", "refuted-accusation")] * cfg.refuted_limit
+                      + [("mallory", "distrusted-accusation")] * (99 - cfg.refuted_limit))
+    assert table.take_faults() == []
+
+
+def test_accusations_are_rate_limited_per_accuser(table):
+    cfg = table.config
+    for p in range(40):
+        table.on_record(record(f"m{p}", 1), now=0)
+    got = [table.on_accusation(Accusation(run=RUN, target=f"m{p}", seq=1, accuser="mallory"), dead=False, now=1)
+           for p in range(40)]
+    assert got.count(Verdict.SUSPECTED) == cfg.accusation_burst
+    assert got.count(Verdict.LIMITED) == 40 - cfg.accusation_burst
+    assert table.take_faults() == [("mallory", "accusation-flood")] * (40 - cfg.accusation_burst)
+    # Another accuser has its own budget; the first gets one more per 1/rate seconds.
+    assert table.on_accusation(Accusation(run=RUN, target="m39", seq=1, accuser="honest"), False, now=1) \
+        is Verdict.SUSPECTED
+    later = 1 + 1 / cfg.accusation_rate
+    assert table.on_accusation(Accusation(run=RUN, target="m38", seq=1, accuser="mallory"), False, now=later) \
+        is Verdict.SUSPECTED
+
+
+def test_a_death_declaration_by_someone_else_is_only_a_suspicion(table):
+    """SWIM's confirm is the accuser's word: the accused still gets its suspicion timeout."""
+    table.on_record(record("a", 10), now=0)
+    timeout = table.config.suspicion_timeout(table.size())
+    assert table.on_accusation(Accusation(run=RUN, target="a", seq=10, accuser="b"), dead=True, now=1) \
+        is Verdict.SUSPECTED
+    assert snapshot_alive(table, "a") and table.rows(1)[0]["suspected_by"] == "b"
+    table.tick(now=1 + timeout - 0.01)
+    assert snapshot_alive(table, "a")
+    table.tick(now=1 + timeout)  # not refuted in time: now it is dead
+    assert table.state_of("a") is MemberState.DEAD and "a" not in table.alive()
+    assert table.take_faults() == []  # an accusation nobody refuted costs the accuser nothing
+
+
+def test_our_own_probe_clears_someone_elses_suspicion_without_blaming_them(table):
+    table.on_record(record("a", 10), now=0)
+    table.on_accusation(Accusation(run=RUN, target="a", seq=10, accuser="b"), dead=False, now=1)
+    table.on_probe_ok("a", now=2)
+    table.tick(now=20)  # past the suspicion timeout
+    assert table.state_of("a") is MemberState.ALIVE
+    assert table.take_faults() == [] and not table.distrusted("b", 20)
+
+
+def test_refutations_by_the_accused_itself_count_against_the_accuser(table):
+    """The victim's own table: it refutes (service) and notes the accuser each time."""
+    for i in range(table.config.refuted_limit):
+        assert not table.distrusted("mallory", now=i)
+        table.note_refuted("mallory", now=i)
+    assert table.distrusted("mallory", now=10)
+    assert not table.distrusted("mallory", now=table.config.refuted_window + 1)  # forgiven in time
+    table.note_refuted("me", now=1)  # our own wrong suspicion is no fault
+    assert all(p == "mallory" for p, _ in table.take_faults())
+
+
+def test_refuting_an_accusation_does_not_stretch_our_probe_timeouts():
+    """Issue 14: each refutation raised the victim's local health score, so a peer that never
+    probed it could lengthen its probe timeouts at will."""
+    from node.gossip.service import Membership
+
+    table = MemberTable("me")
+    svc = Membership(None, table.config, table, record("me", 5))
+    for above in range(5, 105):
+        svc.refute(above=above)
+    assert svc.record.seq > 104 and svc.health.score == 0 and svc.health.scale() == 1
+
+
+def test_throwaway_records_are_budgeted_per_source_and_expire(table):
+    """Issue 14, attack 5: 10 peers at 9 msg/s each added 900 records of throwaway identities,
+    kept alive for ever. Now each source introduces at most its budget, and what nobody reachable
+    vouches for is gone after the TTL, while a member we reach and one that refreshes its own
+    record stay."""
+    cfg = table.config
+    table.on_record(record("reached", 1), now=0, source="reached")
+    table.on_record(record("talker", 1), now=0, source="talker")
+    verdicts = []
+    for k in range(90):  # 10 s at 9 msg/s per source
+        for src in range(10):
+            fake = record(f"fake-{src}-{k}", 1)
+            verdicts.append(table.on_record(fake, now=k / 9, source=f"attacker{src}"))
+    budget = cfg.new_member_burst + cfg.new_member_rate * 10
+    assert verdicts.count(Verdict.NEW) <= 10 * budget < 900 / 4
+    assert verdicts.count(Verdict.LIMITED) == 900 - verdicts.count(Verdict.NEW)
+    faults = table.take_faults()
+    assert {p for p, _ in faults} == {f"attacker{i}" for i in range(10)} and len(faults) == 900 - verdicts.count(Verdict.NEW)
+    # Attackers re-sending the fakes' records (and a push-pull copy) do not keep them.
+    ttl = cfg.member_ttl(table.size())
+    now = 0.0
+    while now <= ttl + 1:
+        now += 10
+        table.on_reached("reached", now)
+        if now % 30 == 0:
+            table.on_record(record("talker", 1), now=now, source="talker")  # its own refresh
+        for m in [m for m in table.members.values() if m.peer_id.startswith("fake")][:50]:
+            table.on_record(m.record, now=now, source="attacker0")
+            table.on_record(m.record, now=now, source=None)
+        table.tick(now)
+    assert sorted(table.members) == ["reached", "talker"]
+    assert table.dropped["expired"] == verdicts.count(Verdict.NEW)
+
+
+def test_at_the_bound_unreached_entries_make_room_for_newcomers(table):
+    table.config.max_members = 3
+    table.on_record(record("a", 1), now=0)
+    table.on_reached("a", now=0)
+    table.on_record(record("b", 1), now=1)
+    table.on_record(record("c", 1), now=2)
+    assert table.on_record(record("x", 1), now=3) is Verdict.FULL  # an exempt join exchange only fills
+    assert table.on_record(record("d", 1), now=3, source="d") is Verdict.NEW  # b: oldest of the never reached
+    assert sorted(table.members) == ["a", "c", "d"] and table.dropped["evicted"] == 1
+    for p in "cd":
+        table.on_reached(p, now=4)
+    assert table.on_record(record("e", 1), now=5, source="e") is Verdict.FULL  # everyone is reached: refuse
+
+
+def test_dials_to_one_advertised_address_back_off():
+    """Issue 14, attack 5: 900 members advertising one address were dialled 202 times in 15 s.
+    The connection loop (every 2 s, as the service runs it) with every dial failing."""
+    from node.gossip.connections import AddressBackoff
+
+    cfg = MembershipConfig()
+    addr = "/ip4/203.0.113.7/tcp/4001"
+    alive = {f"fake{i}": "inference" for i in range(900)}
+    cm = ConnectionManager(cfg.conn_low, cfg.conn_high, cfg.dial_backoff, rng=random.Random(0))
+    backoff = AddressBackoff(cfg.dial_backoff, cfg.dial_backoff_max)
+    dials: list[float] = []
+    t = 0.0
+    while t <= 15.0:
+        plan = cm.plan(set(), alive, set(), t, dialable=lambda p: backoff.ready(addr, t))
+        for p in plan.dial:
+            if backoff.try_dial(addr, t):
+                dials.append(t)
+                backoff.on_failed(addr, t + 3.0)  # the dial timed out
+            cm.on_dial_failed(p, t + 3.0)
+        t += 2.0
+    assert len(dials) <= 3, dials  # 0 s, then 3 + 10 s
+    # The wait doubles per failure up to the cap, and a success forgets it.
+    b = AddressBackoff(base=10, cap=40)
+    for k, wait in enumerate([10, 20, 40, 40]):
+        b.on_failed("x", now=0)
+        assert not b.ready("x", wait - 0.01) and b.ready("x", wait), k
+    b.on_connected("x")
+    assert b.try_dial("x", 0) and not b.try_dial("x", 1)  # one dial at a time
+    assert b.ready("y", 0)
+
+
+def test_a_push_pull_table_over_the_budget_is_trimmed_without_blaming_its_sender(table):
+    """An honest peer's table may hold many members we lack (it joined through someone else):
+    the surplus waits for the members' own refreshes, and the sender is not scored down."""
+    got = [table.on_record(record(f"m{i}", 1), now=0, source="peer", exchange=True) for i in range(30)]
+    assert got.count(Verdict.NEW) == table.config.new_member_burst
+    assert table.take_faults() == []
+    assert table.on_record(record("m29", 1), now=1, source="m29") is Verdict.NEW  # its own record, later

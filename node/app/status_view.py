@@ -72,7 +72,8 @@ def render_status(status: dict, console: Console | None = None) -> None:
         table.add_row(
             row["peer_id"][:20] + "…",
             row["role"],
-            f"[{colors.get(state, 'white')}]{state}[/]",
+            f"[{colors.get(state, 'white')}]{state}[/]"
+            + (f" [yellow](accused by {row['suspected_by'][:12]}…)[/]" if row.get("suspected_by") else ""),
             f"{row['for_s']}s",
             str(row["seq"])[-6:],
             ",".join(map(str, row.get("checkpoints", []))) or "-",

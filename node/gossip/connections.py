@@ -5,13 +5,59 @@ has fewest connections to (a node meshed only with relays learns little about tr
 partition along roles would cut the loop). Members that failed to dial wait ``backoff`` seconds.
 Above ``high`` it prunes the most-represented roles first, never a protected peer (bootstrap
 peers, and the trainers/validators of the run, whom the loop needs).
+
+Dials are also limited per *address* (:class:`AddressBackoff`): records are anyone's to sign, so
+900 throwaway identities advertising one address made a relay dial it 202 times in 15 s (issue
+14); a per-peer backoff cannot see that they are one target. One dial to an address at a time,
+and after each failure a wait that doubles from ``dial_backoff`` up to ``dial_backoff_max``.
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+MAX_BACKOFF_ADDRS = 4096  # addresses whose failures are remembered; the oldest is forgotten first
+
+
+@dataclass
+class AddressBackoff:
+    """Exponential backoff per dialled address (pure: time passed in).
+
+    ``try_dial`` reserves the address (no second dial until this one's outcome or ``base``
+    seconds), ``on_failed`` doubles the wait, ``on_connected`` forgets the address.
+    """
+
+    base: float
+    cap: float
+    max_addrs: int = MAX_BACKOFF_ADDRS
+    _entries: dict[str, tuple[int, float]] = field(default_factory=dict)  # addr -> (failures, not before)
+
+    def ready(self, addr: str, now: float) -> bool:
+        entry = self._entries.get(addr)
+        return entry is None or now >= entry[1]
+
+    def try_dial(self, addr: str, now: float) -> bool:
+        """May we dial ``addr`` now? If so it is reserved for this dial."""
+        if not self.ready(addr, now):
+            return False
+        failures = self._entries.pop(addr, (0, 0.0))[0]
+        self._put(addr, failures, now + self.base)
+        return True
+
+    def on_failed(self, addr: str, now: float) -> None:
+        failures = self._entries.pop(addr, (0, 0.0))[0] + 1
+        self._put(addr, failures, now + min(self.cap, self.base * 2 ** min(failures - 1, 32)))
+
+    def on_connected(self, addr: str) -> None:
+        self._entries.pop(addr, None)
+
+    def _put(self, addr: str, failures: int, not_before: float) -> None:
+        if len(self._entries) >= self.max_addrs:
+            del self._entries[next(iter(self._entries))]
+        self._entries[addr] = (failures, not_before)
 
 
 @dataclass
@@ -29,6 +75,9 @@ class ConnectionManager:
     _failed_at: dict[str, float] = field(default_factory=dict)
 
     def on_dial_failed(self, peer_id: str, now: float) -> None:
+        self._failed_at.pop(peer_id, None)
+        if len(self._failed_at) >= MAX_BACKOFF_ADDRS:
+            del self._failed_at[next(iter(self._failed_at))]  # the oldest failure
         self._failed_at[peer_id] = now
 
     def on_connected(self, peer_id: str) -> None:
@@ -40,6 +89,7 @@ class ConnectionManager:
         alive: dict[str, str],  # peer id -> role, live members
         protected: set[str],
         now: float,
+        dialable: Callable[[str], bool] | None = None,  # e.g. has an address out of AddressBackoff
     ) -> ConnectionPlan:
         n = len(connected)
         if n < self.low:
@@ -47,6 +97,7 @@ class ConnectionManager:
                 p
                 for p in alive
                 if p not in connected and now - self._failed_at.get(p, -1e18) >= self.backoff
+                and (dialable is None or dialable(p))
             ]
             return ConnectionPlan(self._diverse_sample(candidates, alive, connected, self.low - n), [])
         if n > self.high:

@@ -11,8 +11,9 @@ Dissemination and failure detection are split, as in SWIM (Das, Gupta, Motivala,
   it holds a connection to (round-robin over a shuffled list, SWIM 4.3), and at once any member
   whose connection dropped without notice; on failure it asks ``indirect_probes`` others to ping it.
   Only when all fail does it *suspect* the member and publish a signed accusation naming the
-  record's sequence number. Every node that hears it marks the member SUSPECT; after
-  ``suspicion_timeout(N)`` without a newer record the member is DEAD. A live member that hears an
+  record's sequence number. Every node that hears it opens a suspicion on the member; after
+  ``suspicion_timeout(N)`` without a newer record the member is DEAD (see below for why the
+  hearers keep it ALIVE meanwhile). A live member that hears an
   accusation about itself refutes it by publishing its record with a higher sequence number.
 * A clean shutdown publishes a signed goodbye (LEFT). A restarted peer with the same key comes back
   with a higher sequence number (it starts at wall-clock milliseconds) and is ALIVE again.
@@ -20,10 +21,40 @@ Dissemination and failure detection are split, as in SWIM (Das, Gupta, Motivala,
   connects to (memberlist's full-state sync); after that only one random peer every
   ``sync_interval(N)`` (see ``SyncPlanner``).
 
+Membership that cannot be forged into a verdict (issue 14)
+-----------------------------------------------------------
+Anyone can sign an accusation or a record, so the table believes only what the protocol lets a
+peer prove:
+
+* **Hearsay is not a verdict.** Someone else's accusation (SUSPECT or DEAD alike) opens a
+  *suspicion* on the member but leaves its state ALIVE: it stays in the live set while it has
+  ``suspicion_timeout(N)`` to answer, and becomes DEAD only if it does not. Only our own failed
+  probes make a member SUSPECT at once (first-hand evidence). Memberlist likewise keeps suspects
+  among the members; a DEAD message here cannot skip the suspicion (SWIM 4.2's confirm is the
+  accuser's own word). An accused seq must be one the member can have published by now.
+* **Accusers are accountable.** Each accuser has a token bucket (``accusation_burst``,
+  ``accusation_rate``); a refutation (a newer record signed by the accused while its suspicion is
+  pending) counts against the accuser, and one refuted ``refuted_limit`` times within
+  ``refuted_window`` is ignored. Both are reported as faults to the peer score owner.
+* **Unreachable members expire.** A live entry is kept while there is first-hand evidence it can
+  be reached (our probe answered, we hold a connection) or it refreshes its record itself on
+  gossip (the gossipsub author is the member: it takes part in the mesh); otherwise it is dropped
+  after ``member_ttl(N)`` = ``unreached_ttl_mult`` refresh intervals. Copies of its record from
+  others (push-pull, republished gossip) do not keep it.
+* **New members per source are budgeted.** Each source (the gossipsub author of a record, or the
+  peer of a push-pull exchange) may introduce ``new_member_burst`` members at once and
+  ``new_member_rate`` per second after; an honest node introduces one, itself. Over-limit records
+  are dropped, and a gossip author reported (a push-pull table may honestly hold members we lack:
+  its surplus waits for those members' own refreshes). Only the exchanges a joining node starts are exempt (they
+  bring the whole table, from peers it chose). At the table bound, tombstones and then the entry
+  longest unreached make room for a newcomer.
+
 States::
 
-    (unknown) --record--> ALIVE --probe failed / accusation--> SUSPECT --timeout--> DEAD
-        ALIVE/SUSPECT/DEAD --newer record--> ALIVE          any --goodbye--> LEFT
+    (unknown) --record--> ALIVE --our probe failed--> SUSPECT --timeout--> DEAD
+        ALIVE --someone else's accusation--> ALIVE + pending suspicion --timeout--> DEAD
+        ALIVE/SUSPECT/DEAD --newer record--> ALIVE (clears a suspicion)   any --goodbye--> LEFT
+        ALIVE/SUSPECT --member_ttl(N) with nobody reachable vouching--> (forgotten)
     DEAD and LEFT entries are kept as tombstones for ``tombstone_ttl`` so that old records
     still circulating cannot resurrect them.
 
@@ -53,6 +84,7 @@ heartbeats. First detection is ~e/(e-1) probe periods after a failure on average
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -84,8 +116,16 @@ class MembershipConfig:
     tombstone_ttl: float = 600.0  # how long DEAD/LEFT entries are remembered
     conn_low: int = 8  # connection manager: dial more below this many connections
     conn_high: int = 24  # prune above this
-    dial_backoff: float = 10.0  # seconds before redialing a member that failed to connect
-    max_members: int = 20_000  # table bound; records beyond it are refused
+    dial_backoff: float = 10.0  # seconds before redialing a member that failed to connect (and an address's first wait)
+    max_members: int = 20_000  # table bound; at it, tombstones and unreached entries make room, else records are refused
+    dial_backoff_max: float = 300.0  # cap of the per-address backoff (dial_backoff, doubling per failed dial)
+    accusation_burst: int = 8  # accusations one accuser may make at once (token bucket size)
+    accusation_rate: float = 0.2  # ... and per second after that; more are dropped and the accuser scored down
+    refuted_limit: int = 3  # an accuser refuted this many times within refuted_window is ignored
+    refuted_window: float = 600.0  # seconds a refuted accusation counts toward refuted_limit
+    new_member_burst: int = 8  # members one source (gossip author, push-pull peer) may introduce at once
+    new_member_rate: float = 0.1  # ... and per second after that; more are dropped and the source scored down
+    unreached_ttl_mult: float = 3.0  # a member nobody reachable vouches for expires after this many refresh intervals
 
     def validate(self) -> None:
         if self.probe_period <= 0 or self.probe_timeout <= 0 or self.indirect_timeout <= 0:
@@ -96,6 +136,14 @@ class MembershipConfig:
             raise ValueError("need 0 < conn_low <= conn_high")
         if self.suspicion_mult < 1:
             raise ValueError("suspicion_mult must be >= 1")
+        if self.accusation_burst < 1 or self.new_member_burst < 1 or self.refuted_limit < 1:
+            raise ValueError("accusation_burst, new_member_burst and refuted_limit must be >= 1")
+        if self.accusation_rate < 0 or self.new_member_rate < 0:
+            raise ValueError("rates must be >= 0")
+        if self.unreached_ttl_mult < 1:
+            raise ValueError("unreached_ttl_mult must be >= 1 (a member refreshes once per interval)")
+        if self.dial_backoff_max < self.dial_backoff:
+            raise ValueError("dial_backoff_max must be >= dial_backoff")
 
     def refresh_interval(self, n: int) -> float:
         return min(self.max_refresh, max(self.min_refresh, n / self.record_rate))
@@ -106,6 +154,10 @@ class MembershipConfig:
     def suspicion_timeout(self, n: int) -> float:
         return self.suspicion_mult * max(1.0, math.log10(max(n, 1))) * self.probe_period
 
+    def member_ttl(self, n: int) -> float:
+        """How long a live entry lasts without first-hand evidence or a refresh by the member itself."""
+        return self.unreached_ttl_mult * self.refresh_interval(n)
+
 
 class Verdict(enum.Enum):
     """What the table did with an input (reasons are counted in metrics/status)."""
@@ -115,11 +167,22 @@ class Verdict(enum.Enum):
     SAME = "same"  # same seq, nothing changed
     STALE = "stale"  # older seq than known
     SELF = "self"  # about us: handled by the caller (refute)
-    IGNORED = "ignored"  # accusation about an unknown peer or an outdated seq
+    IGNORED = "ignored"  # accusation about an unknown peer or an outdated or implausible seq
+    DISTRUSTED = "distrusted"  # accusation by an accuser refuted too often
+    LIMITED = "limited"  # over the source's budget (accusations, or new members)
     SUSPECTED = "suspected"
     DIED = "died"
     LEFT = "left"
     FULL = "full"  # table bound reached
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    """Someone else's accusation, pending: the member has until ``since + suspicion_timeout``."""
+
+    accuser: str
+    seq: int
+    since: float
 
 
 @dataclass
@@ -129,10 +192,49 @@ class Member:
     since: float  # when the current state began
     last_heard: float  # last record, refresh or successful probe
     accuser: str = ""  # who suspected it (for status)
+    reached: float | None = None  # last first-hand evidence it is reachable (probe answered, connection held)
+    vouched: float = 0.0  # when first learned, or last refreshed by a record it published itself
+    hearsay: Suspicion | None = None  # a third party's pending accusation (the state stays ALIVE)
 
     @property
     def peer_id(self) -> str:
         return self.record.peer_id
+
+
+@dataclass
+class TokenBucket:
+    """``burst`` tokens, refilled at ``rate`` per second (pure: time passed in)."""
+
+    rate: float
+    burst: float
+    tokens: float
+    stamp: float
+
+    @classmethod
+    def full(cls, rate: float, burst: float, now: float) -> "TokenBucket":
+        return cls(rate, burst, burst, now)
+
+    def take(self, now: float, n: float = 1.0) -> bool:
+        self.tokens = min(self.burst, self.tokens + max(0.0, now - self.stamp) * self.rate)
+        self.stamp = max(self.stamp, now)
+        if self.tokens < n:
+            return False
+        self.tokens -= n
+        return True
+
+
+@dataclass
+class SourceRecord:
+    """What the table remembers about one accuser or source of records."""
+
+    accusations: TokenBucket
+    new_members: TokenBucket
+    refuted: list[float] = field(default_factory=list)  # times its accusations were refuted (last refuted_limit)
+
+
+MAX_SOURCES = 4096  # accusers/sources remembered; the least recently used is forgotten (its budget refills)
+MAX_FAULTS = 1024  # faults waiting for the service to report them
+EVICTION_SCAN = 256  # entries looked at for one to forget when the table is full
 
 
 @dataclass
@@ -148,35 +250,68 @@ class MemberTable:
     # it): "nobody was ever suspected" is then a fact to read, not the absence of a sighting.
     entered: dict[MemberState, int] = field(default_factory=lambda: dict.fromkeys(MemberState, 0))
     probes: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})  # outcomes reported to us
+    sources: dict[str, SourceRecord] = field(default_factory=dict)  # LRU order, bounded by MAX_SOURCES
+    # Remote faults found here, (peer, reason), for the service to report to the peer score owner.
+    faults: list[tuple[str, str]] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=lambda: {
+        "expired": 0, "evicted": 0, "limited_members": 0, "limited_accusations": 0, "distrusted": 0, "refuted": 0})
 
     # ---------------------------------------------------------------- inputs
 
-    def on_record(self, record: PeerRecord, now: float) -> Verdict:
-        """A checked record (signature already verified against record.peer_id)."""
+    def on_record(self, record: PeerRecord, now: float, source: str | None = None, exchange: bool = False) -> Verdict:
+        """A checked record (signature already verified against record.peer_id).
+
+        ``source`` is whose word it is: the gossipsub author, or the peer of a push-pull exchange;
+        ``None`` only for the exchanges a joining node starts (exempt from the new-member budget).
+        A record vouches for the member (keeps it from expiring) only when it published it itself.
+        ``exchange``: it came in a push-pull table, which may honestly hold many members we lack:
+        over the budget it is dropped (the member's own refresh brings it) but is no fault; on
+        gossip an honest author only ever introduces itself.
+        """
         if record.peer_id == self.self_id:
             return Verdict.SELF
         m = self.members.get(record.peer_id)
+        vouch = source == record.peer_id
         if m is None:
-            if len(self.members) >= self.config.max_members:
+            if source is not None and not self._source(source, now).new_members.take(now):
+                self.dropped["limited_members"] += 1
+                if not exchange:
+                    self._fault(source, "new-member-flood")
+                return Verdict.LIMITED
+            # Only a budgeted source makes room: an exempt join exchange fills what is free.
+            if len(self.members) >= self.config.max_members and (source is None or not self._make_room()):
                 return Verdict.FULL
-            self.members[record.peer_id] = Member(record, MemberState.ALIVE, now, now)
+            self.members[record.peer_id] = Member(record, MemberState.ALIVE, now, now, vouched=now)
             return Verdict.NEW
         if record.seq < m.record.seq:
             return Verdict.STALE
+        if vouch and m.state in (MemberState.ALIVE, MemberState.SUSPECT):
+            m.vouched = now
         if record.seq == m.record.seq:
             if m.state is MemberState.ALIVE:
                 m.last_heard = now
             return Verdict.SAME
         m.record = record
         m.last_heard = now
+        if m.hearsay is not None and record.seq > m.hearsay.seq:
+            # The accused answered within its suspicion timeout: the accusation was false.
+            self.note_refuted(m.hearsay.accuser, now)
+            m.hearsay = None
         if m.state is not MemberState.ALIVE:
             m.state, m.since, m.accuser = MemberState.ALIVE, now, ""
+            m.vouched = max(m.vouched, now)
         return Verdict.UPDATED
 
     def on_accusation(self, acc: Accusation, dead: bool, now: float) -> Verdict:
-        """Someone suspects (or declares dead) ``acc.target`` at record ``acc.seq``."""
+        """Someone suspects (or declares dead) ``acc.target`` at record ``acc.seq``.
+
+        Either opens a suspicion (see "Hearsay is not a verdict" above); ``dead`` only names the
+        kind for the caller, a death declaration from someone else cannot skip the suspicion.
+        """
         if acc.target == self.self_id:
             return Verdict.SELF
+        if acc.accuser == self.self_id:
+            return Verdict.SAME  # our own, echoed back: applied when we made it
         m = self.members.get(acc.target)
         # An accusation about an older record than ours is outdated: the peer already refuted it.
         # One about a newer record than any the member can have published by now is forged (seqs
@@ -185,13 +320,42 @@ class MemberTable:
         if (m is None or acc.seq < m.record.seq or acc.seq > newest_plausible
                 or m.state in (MemberState.DEAD, MemberState.LEFT)):
             return Verdict.IGNORED
-        if dead:
-            self._set(m, MemberState.DEAD, now, acc.accuser)
-            return Verdict.DIED
-        if m.state is MemberState.SUSPECT:
+        if self.distrusted(acc.accuser, now):
+            self.dropped["distrusted"] += 1
+            self._fault(acc.accuser, "distrusted-accusation")  # still accusing after being shown wrong
+            return Verdict.DISTRUSTED
+        if m.hearsay is not None or m.state is MemberState.SUSPECT:
+            # One pending suspicion at a time: a second accuser does not shorten it, and an honest
+            # accuser's death declaration after its suspicion costs it no token.
             return Verdict.SAME
-        self._set(m, MemberState.SUSPECT, now, acc.accuser)
+        if not self._source(acc.accuser, now).accusations.take(now):
+            self.dropped["limited_accusations"] += 1
+            self._fault(acc.accuser, "accusation-flood")
+            return Verdict.LIMITED
+        m.hearsay = Suspicion(acc.accuser, acc.seq, now)
         return Verdict.SUSPECTED
+
+    def note_refuted(self, accuser: str, now: float) -> None:
+        """An accusation by ``accuser`` was refuted (here, or by us when it was about us)."""
+        if not accuser or accuser == self.self_id:
+            return  # our own suspicion was wrong: LocalHealth's business, not a fault
+        rec = self._source(accuser, now)
+        recent = [t for t in rec.refuted if now - t < self.config.refuted_window] + [now]
+        rec.refuted = recent[-self.config.refuted_limit:]  # bounded: only the last few matter
+        self.dropped["refuted"] += 1
+        self._fault(accuser, "refuted-accusation")
+
+    def distrusted(self, accuser: str, now: float) -> bool:
+        rec = self.sources.get(accuser)
+        if rec is None:
+            return False
+        recent = [t for t in rec.refuted if now - t < self.config.refuted_window]
+        return len(recent) >= self.config.refuted_limit
+
+    def take_faults(self) -> list[tuple[str, str]]:
+        """The remote faults found since the last call, (peer, reason), for the peer score owner."""
+        out, self.faults = self.faults, []
+        return out
 
     def on_goodbye(self, bye: Goodbye, now: float) -> Verdict:
         m = self.members.get(bye.peer_id)
@@ -208,9 +372,16 @@ class MemberTable:
         m = self.members.get(peer_id)
         if m is None or m.state in (MemberState.DEAD, MemberState.LEFT):
             return
-        m.last_heard = now
+        m.last_heard = m.reached = now
+        m.hearsay = None  # we reached it ourselves: someone else's doubt no longer counts here
         if m.state is MemberState.SUSPECT:
             self._set(m, MemberState.ALIVE, now, "")
+
+    def on_reached(self, peer_id: str, now: float) -> None:
+        """First-hand evidence that ``peer_id`` is reachable (we hold a connection to it)."""
+        m = self.members.get(peer_id)
+        if m is not None and m.state in (MemberState.ALIVE, MemberState.SUSPECT):
+            m.reached = now
 
     def on_probe_failed(self, peer_id: str, now: float) -> Accusation | None:
         """Direct and indirect probes failed: suspect it; returns the accusation to publish."""
@@ -225,7 +396,9 @@ class MemberTable:
 
     def tick(self, now: float) -> list[Accusation]:
         """Advance timers. Returns death declarations *we* must publish (for members we suspected)."""
-        timeout = self.config.suspicion_timeout(self.size())
+        size = self.size()
+        timeout = self.config.suspicion_timeout(size)
+        ttl = self.config.member_ttl(size)
         declare: list[Accusation] = []
         for m in list(self.members.values()):
             if m.state is MemberState.SUSPECT and now - m.since >= timeout:
@@ -234,8 +407,17 @@ class MemberTable:
                         Accusation(run=m.record.run, target=m.peer_id, seq=m.record.seq, accuser=self.self_id)
                     )
                 self._set(m, MemberState.DEAD, now, m.accuser)
-            elif m.state in (MemberState.DEAD, MemberState.LEFT) and now - m.since >= self.config.tombstone_ttl:
+                m.hearsay = None
+            elif m.hearsay is not None and now - m.hearsay.since >= timeout:
+                self._set(m, MemberState.DEAD, now, m.hearsay.accuser)  # not refuted in time
+                m.hearsay = None
+            elif m.state in (MemberState.DEAD, MemberState.LEFT):
+                if now - m.since >= self.config.tombstone_ttl:
+                    del self.members[m.peer_id]
+            elif now - max(m.vouched, m.reached if m.reached is not None else -math.inf) > ttl:
+                # Nobody who can be reached vouches for it: a record anyone may keep re-sending.
                 del self.members[m.peer_id]
+                self.dropped["expired"] += 1
         return declare
 
     def next_probe_target(self, eligible: set[str] | None = None) -> str | None:
@@ -272,6 +454,40 @@ class MemberTable:
 
     # ---------------------------------------------------------------- views
 
+    def _source(self, peer: str, now: float) -> SourceRecord:
+        rec = self.sources.pop(peer, None)
+        if rec is None:
+            if len(self.sources) >= MAX_SOURCES:
+                del self.sources[next(iter(self.sources))]  # least recently used
+            c = self.config
+            rec = SourceRecord(TokenBucket.full(c.accusation_rate, c.accusation_burst, now),
+                               TokenBucket.full(c.new_member_rate, c.new_member_burst, now))
+        self.sources[peer] = rec  # most recently used last
+        return rec
+
+    def _fault(self, peer: str, reason: str) -> None:
+        if len(self.faults) >= MAX_FAULTS:
+            del self.faults[0]
+        self.faults.append((peer, reason))
+
+    def _make_room(self) -> bool:
+        """At the bound: forget a tombstone, else the live entry longest without first-hand evidence.
+
+        Looks only at the ``EVICTION_SCAN`` entries learned first (dicts keep insertion order), so
+        that a full table costs O(1) per newcomer, not a scan of 20,000 entries."""
+        oldest = list(itertools.islice(self.members.values(), EVICTION_SCAN))
+        tombs = [m for m in oldest if m.state in (MemberState.DEAD, MemberState.LEFT)]
+        if tombs:
+            victim = min(tombs, key=lambda m: m.since)
+        else:
+            unreached = [m for m in oldest if m.reached is None]
+            if not unreached:
+                return False
+            victim = min(unreached, key=lambda m: m.vouched)
+        del self.members[victim.peer_id]
+        self.dropped["evicted"] += 1
+        return True
+
     def _set(self, m: Member, state: MemberState, now: float, accuser: str) -> None:
         if state is not m.state:
             self.entered[state] += 1
@@ -302,6 +518,8 @@ class MemberTable:
                 "role": m.record.role,
                 "state": m.state.value,
                 "for_s": round(now - m.since, 1),
+                # A pending accusation by someone else: shown, but it is no verdict until it times out.
+                "suspected_by": m.hearsay.accuser if m.hearsay else "",
                 "seq": m.record.seq,
                 "addrs": list(m.record.addrs),
                 "checkpoints": list(m.record.checkpoints),
@@ -344,9 +562,13 @@ class LocalHealth:
 
     A node that is itself slow (CPU starved, paused) sees its probes time out and would accuse
     healthy peers; on a loaded machine those false suspicions, refutations and redials add load
-    and feed on themselves. The score rises when our own event loop lags or we had to refute an
-    accusation, falls with each timely probe round, and stretches our probe timeouts by
-    ``1 + score`` so a sick node waits longer before it suspects anyone.
+    and feed on themselves. The score rises only on what this node measures of itself: its own
+    event loop lagging, and its own direct probes missing their ack (Lifeguard's "failed probe");
+    it falls with each timely probe round, and stretches our probe timeouts by ``1 + score`` so a
+    sick node waits longer before it suspects anyone.
+
+    Not on refuting an accusation, which Lifeguard also counts: accusations are anyone's signed
+    word, so that let a peer that never probed us stretch our timeouts at will (issue 14).
     """
 
     max_score: int = 8
@@ -359,7 +581,8 @@ class LocalHealth:
         elif self.score:
             self.score -= 1
 
-    def on_refute(self) -> None:
+    def on_probe_missed(self) -> None:
+        """A direct ping of ours got no ack in time."""
         self.score = min(self.max_score, self.score + 1)
 
     def scale(self) -> int:

@@ -16,6 +16,11 @@ gossipsub mesh peer) right after: at N = 50 on one machine that churn starved th
 the meshes, refutations got lost, and live members were declared dead faster than they could come
 back. A deliberate close is announced first (``Prune`` on the probe protocol), so that the pruned
 peer does not take it for a failure and redial.
+
+What the table finds wrong with a remote peer (a refuted or flooding accuser, a source over its
+new-member budget) is reported to the peer score owner under ``SOURCE``; we report an accuser
+ourselves when the accusation is about us and we refute it. Every dial (the connection manager's,
+a probe's redial, an indirect probe for another) goes through one :class:`AddressBackoff`.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from .. import __version__
 from ..context import NodeContext
 from ..net.budget import STALLED, StreamLimits
 from ..net.reqres import CallFailure, Inbound, Refused, call, close, messages, request_handler
+from ..peers import FaultRule
 from ..wire import (
     MAX_FRAME,
     Message,
@@ -46,8 +52,17 @@ from ..wire import (
     write_frame,
 )
 from .api import HeldVersions, RelayAPI
-from .connections import ConnectionManager
-from .membership import LocalHealth, MemberState, MembershipConfig, MemberTable, SyncPlanner, Verdict, next_seq
+from .connections import AddressBackoff, ConnectionManager
+from .membership import (
+    SEQ_CLOCK_SLACK_S,
+    LocalHealth,
+    MemberState,
+    MembershipConfig,
+    MemberTable,
+    SyncPlanner,
+    Verdict,
+    next_seq,
+)
 from .records import (
     DOMAIN_DEAD,
     DOMAIN_GOODBYE,
@@ -80,6 +95,12 @@ DIAL_TIMEOUT = 3.0
 TICK = 0.25
 CLOSING_S = 5.0  # seconds after a deliberate close during which the connection may still be listed
 PRUNE_MEMORY = 30.0  # seconds a deliberate close (ours or theirs) keeps a lost connection from looking like a failure
+# How far ahead of our own seq an accusation about us may be and still be answered: members accept
+# one up to their copy's seq + (time since they heard it + clock slack); they hear us at least once
+# per refresh interval, so 3 of the longest ones (lost refreshes) plus the slack is ample.
+REFUTABLE_AHEAD_MS = int((3 * MembershipConfig.max_refresh + SEQ_CLOCK_SLACK_S) * 1000)
+SOURCE = "membership"  # fault source in the peer score table
+FAULT_WEIGHT = 2.0  # score points per membership fault (a flood of 50 graylists the flooder in gossipsub)
 
 
 @register
@@ -140,6 +161,7 @@ class Membership:
     deliberate: dict[str, float] = field(default_factory=dict)
     closes: dict[str, int] = field(default_factory=lambda: {"pruned": 0, "pruned_by_peer": 0, "lost": 0})
     conn: ConnectionManager | None = None
+    backoff: AddressBackoff = field(default_factory=lambda: AddressBackoff(10.0, 300.0))
     health: LocalHealth = field(default_factory=LocalHealth)
 
     def update(self, **fields) -> None:
@@ -151,8 +173,7 @@ class Membership:
 
     def refute(self, above: int = 0) -> None:
         """Someone accused us (at seq ``above``): republish our record with a higher sequence number
-        (SWIM 4.2)."""
-        self.health.on_refute()
+        (SWIM 4.2). Local health is not touched: see :class:`LocalHealth`."""
         self.record = replace(self.record, seq=next_seq(max(self.record.seq, above), wall_ms()))
         self.changed.set()
 
@@ -183,6 +204,7 @@ class Membership:
             "mesh": self.node.host.mesh_size(self.node.topic("members")),  # gossipsub mesh peers on our topic
             "closed": dict(self.closes),  # pruned by us / by the peer (announced), lost (probed at once)
             "local_health": self.health.score,
+            "dropped": dict(self.table.dropped),  # expired, evicted, limited, distrusted, refuted
             "rejected": self.node.metrics.rejections(),
         }
 
@@ -212,6 +234,8 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
     table = MemberTable(node.peer_id, cfg)
     svc = Membership(node, cfg, table, own_record(node, relay, next_seq(0, wall_ms())))
     svc.conn = ConnectionManager(cfg.conn_low, cfg.conn_high, cfg.dial_backoff)
+    svc.backoff = AddressBackoff(cfg.dial_backoff, cfg.dial_backoff_max)
+    node.peers.set_rule(SOURCE, FaultRule(weight=FAULT_WEIGHT))
     node.status["membership"] = svc.status
     members_gauge = node.metrics.gauge("members", "Known members by state", ["state"])
     verdicts = node.metrics.counter("membership_events_total", "Member table inputs by verdict", ["verdict"])
@@ -229,28 +253,39 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
             except Exception as e:  # a publish failure is ours to log, not fatal
                 log.warning("publish failed: %s", e)
 
-        def apply(signed: Signed, now: float) -> Verdict:
+        def apply(signed: Signed, now: float, source: str | None, exchange: bool = False) -> Verdict:
+            """One checked message; ``source``, ``exchange``: see MemberTable.on_record."""
             msg = signed.message
             if isinstance(msg, PeerRecord):
-                verdict = table.on_record(msg, now)
+                verdict = table.on_record(msg, now, source, exchange)
                 if verdict in (Verdict.NEW, Verdict.UPDATED):
                     svc.envelopes[msg.peer_id] = _envelope_bytes(signed)
             elif isinstance(msg, Accusation):
                 verdict = table.on_accusation(msg, signed.domain == DOMAIN_DEAD, now)
                 # Refute above the accused seq: members accept an accusation of a seq a little
-                # ahead of what they hold (clock skew), so the answer must outbid it.
+                # ahead of what they hold (clock skew), so the answer must outbid it. Not one far
+                # beyond any seq we could have published, which no member accepts either: outbidding
+                # 2**63 - 1 overflowed our seq (and its bound) and made every later record invalid.
                 if verdict is Verdict.SELF and msg.seq >= svc.record.seq:
-                    svc.refute(above=msg.seq)
+                    if msg.seq <= svc.record.seq + REFUTABLE_AHEAD_MS:
+                        svc.refute(above=msg.seq)
+                    table.note_refuted(msg.accuser, now)  # we are alive: we know it is false
             else:
                 verdict = table.on_goodbye(msg, now)
             verdicts.labels(verdict=verdict.value).inc()
             if verdict is Verdict.STALE:
                 node.metrics.reject(topic.topic, "stale")
+            elif verdict in (Verdict.LIMITED, Verdict.DISTRUSTED):
+                node.metrics.reject(topic.topic, verdict.value)
+            for peer, reason in table.take_faults():
+                node.peers.report(peer, SOURCE, reason, now)
             return verdict
 
         async def read_topic() -> None:
             async for delivery in topic:
-                apply(delivery.value, trio.current_time())
+                # The gossipsub author (signed: py-libp2p's strict signing), not the mesh peer that
+                # relayed it: an honest relay forwarding a flood is not its source.
+                apply(delivery.value, trio.current_time(), delivery.forwarder)
 
         async def publish_record_loop() -> None:
             while True:
@@ -268,7 +303,7 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
             try:
                 async with sync_inbound.open(stream, peer) as frames:
                     with trio.fail_after(10):
-                        await receive_batches(stream, peer, frames)
+                        await receive_batches(stream, peer, peer, frames)
                         await send_batches(stream)
             except Refused as e:  # over the peer's share of streams or bytes, or no slot free
                 node.metrics.reject(SYNC_PROTOCOL, e.reason)
@@ -290,7 +325,7 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                 chunk = envs[i : i + SYNC_BATCH]
                 await write_frame(stream, MemberBatch(envelopes=chunk, last=i + SYNC_BATCH >= len(envs)))
 
-        async def receive_batches(stream, peer: str, frames=None) -> None:
+        async def receive_batches(stream, peer: str, source: str | None, frames=None) -> None:
             for _ in range(MAX_SYNC_FRAMES):
                 if frames is None:  # our own push-pull: the peer we asked answers
                     batch = await read_message(stream)
@@ -309,19 +344,22 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                         node.metrics.reject(SYNC_PROTOCOL, e.reason)
                         continue
                     if signed.domain == DOMAIN_RECORD:
-                        apply(signed, now)
+                        apply(signed, now, source, exchange=True)
                 if batch.last:
                     svc.sync.on_synced()
                     return
             raise RemoteProtocolError("oversized", "too many sync frames")
 
         async def push_pull(peer: str) -> None:
+            # While joining, the exchanges we start bring the whole table from peers we chose:
+            # exempt from the new-member budget (the records still expire unless vouched for).
+            source = None if not svc.sync.joined else peer
             try:
                 with trio.fail_after(10):
                     stream = await node.host.open_stream(peer, SYNC_PROTOCOL)
                     try:
                         await send_batches(stream)
-                        await receive_batches(stream, peer)
+                        await receive_batches(stream, peer, source)
                     finally:
                         await close(stream)
             except RemoteProtocolError as e:
@@ -333,12 +371,28 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
             with trio.move_on_after(timeout + (0 if node.host.is_connected(peer) else DIAL_TIMEOUT)):
                 try:
                     if not node.host.is_connected(peer):
-                        await dial(node, relay, peer, addrs)
+                        await dial_limited(peer, addrs)
                     await node.host.ping(peer)
                     return True
                 except Exception:
                     return False
             return False
+
+        async def dial_limited(peer: str, addrs: list[str]) -> None:
+            """:func:`dial` with only the addresses out of backoff; their outcome updates it."""
+            now = trio.current_time()
+            ready = [a for a in addrs if svc.backoff.try_dial(a, now)]
+            if not ready:
+                raise ConnectionError(f"every address of {peer[:16]} is in dial backoff")
+            try:
+                await dial(node, relay, peer, ready)
+            except BaseException:
+                for a in ready:
+                    svc.backoff.on_failed(a, trio.current_time())
+                raise
+            for a in ready:
+                svc.backoff.on_connected(a)
+            table.on_reached(peer, trio.current_time())
 
         async def answer_probe(peer: str, req) -> PingResult | None:
             if isinstance(req, Prune):  # the peer is closing our connection on purpose
@@ -371,6 +425,7 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
             if await ping_once(target, addrs, cfg.probe_timeout * scale):
                 table.on_probe_ok(target, trio.current_time())
                 return
+            svc.health.on_probe_missed()  # our own missed ack (Lifeguard): maybe we are the slow one
             helpers = table.indirect_helpers(target, set(node.host.connected_peers()), cfg.indirect_probes)
             results: list[bool] = []
             async with trio.open_nursery() as n:
@@ -430,9 +485,14 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                 for acc in table.tick(now):
                     log.info("dead %s", acc.target[:16])
                     await publish(DOMAIN_DEAD, acc)
+                if len(svc.envelopes) > len(table.members):  # entries expired, evicted or forgotten
+                    for pid in [p for p in svc.envelopes if p not in table.members]:
+                        del svc.envelopes[pid]
                 for state, count in table.counts().items():
                     members_gauge.labels(state=state).set(count)
                 connected = set(node.host.connected_peers())
+                for p in connected:
+                    table.on_reached(p, now)  # an authenticated connection: first-hand evidence
                 node.metrics.connections.set(len(connected))
                 for p in lost_connections(connected, now):
                     nursery.start_soon(probe, p, svc.health.scale())
@@ -448,7 +508,8 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                 if bootstrap and not (connected & {_peer_of(a) for a in bootstrap}) and len(connected) < cfg.conn_low:
                     for addr in bootstrap:
                         nursery.start_soon(dial_bootstrap, addr)
-                plan = svc.conn.plan(connected, svc.members(), protected(), now)
+                plan = svc.conn.plan(connected, svc.members(), protected(), now,
+                                     dialable=lambda p: any(svc.backoff.ready(a, now) for a in svc.addrs_of(p)))
                 for p in plan.dial:
                     nursery.start_soon(dial_member, p)
                 for p in plan.prune:
@@ -480,7 +541,7 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
         async def dial_member(peer: str) -> None:
             try:
                 with trio.fail_after(DIAL_TIMEOUT):
-                    await dial(node, relay, peer, svc.addrs_of(peer))
+                    await dial_limited(peer, svc.addrs_of(peer))
                 svc.conn.on_connected(peer)
             except Exception:
                 svc.conn.on_dial_failed(peer, trio.current_time())
