@@ -49,7 +49,8 @@ async def bench(batches: int, hog_streams: int, tmp: Path) -> tuple[float, float
     # The hog may hold its streams for the whole measurement (the old 30 s read timeout): the
     # header deadline that cuts it is the tests' business (tests/test_budgets_inprocess.py).
     run.tables.update(trainer={"init_warmup_steps": 0}, grpo={"min_batch_samples": 100_000},
-                      streams={"header_timeout": 60.0})
+                      streams={"header_timeout": 60.0},
+                      quota={"new_batches": 0})  # one fresh identity sends all the batches: no Sybil quota
     async with trio.open_nursery() as nursery:
         async def start(name: str, role: str = "relay"):
             cfg = node_config(tmp, name, role, run=run)
