@@ -47,6 +47,7 @@ SECTIONS: dict[str, str] = {
     "grpo": "node.rl.config:GRPOConfig",
     "inference": "node.rl.config:InferenceConfig",
     "proofs": "node.proofs.config:ProofsConfig",
+    "streams": "node.net.budget:StreamsConfig",
 }
 
 T = TypeVar("T")

@@ -9,7 +9,6 @@ tables are public information already (they travel on gossip); nothing secret is
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -21,14 +20,19 @@ from .atomic import write_atomic
 from .context import NodeContext
 from .summary import NO_TRAINER_GRACE, SummaryClock
 from .status_files import NODE_FILE, STATUS_FILE  # noqa: F401  (re-exported)
+from .net.budget import StreamLimits
+from .net.reqres import messages, request_handler
 from .wire import Message, RemoteProtocolError, bounded, read_message, register, write_frame
-
-log = logging.getLogger(__name__)
 
 STATUS_PROTOCOL = "/swarm/status/1.0.0"
 MAX_STATUS = 2 * 1024 * 1024
 STATUS_EVERY = 1.0
-MAX_STATUS_REQUESTS = 4  # served at once
+MAX_STATUS_REQUESTS = 16  # served at once, all peers
+MAX_STATUS_PER_PEER = 2  # ... of which one peer may hold (a person asks once at a time)
+MAX_REQUEST = 1024
+STATUS_TIMEOUT = 5.0  # seconds to write the answer to a peer that does not read it
+STATUS_LIMITS = StreamLimits(MAX_STATUS_REQUESTS, MAX_STATUS_PER_PEER, frame_cap=MAX_REQUEST,
+                             buffer_bytes=MAX_STATUS_REQUESTS * MAX_REQUEST, buffer_per_peer=MAX_STATUS_PER_PEER * MAX_REQUEST)
 
 
 @register
@@ -54,6 +58,7 @@ def snapshot(node: NodeContext) -> dict:
         "addrs": node.host.listen_addrs(),
         "traffic": node.metrics.totals(),
         "handler_errors": {f"{p}/{e}": n for (p, e), n in node.host.handler_errors.counts.items()},
+        "streams": {p: inbound.budget.snapshot() for p, inbound in node.host.inbound.items()},
     }
     for name, provider in node.status.items():
         try:
@@ -63,31 +68,22 @@ def snapshot(node: NodeContext) -> dict:
     return out
 
 
+def status_handler(node: NodeContext):
+    """``/swarm/status/1.0.0``: one StatusRequest in, one StatusResponse out, under the protocol's
+    per-peer and total budget (node/net/budget.py): one peer holding its streams silent is cut and
+    struck, and never takes the slots of everyone else."""
+
+    async def answer(peer: str, req: StatusRequest) -> StatusResponse:
+        return StatusResponse(json=json.dumps(snapshot(node)))
+
+    return request_handler(STATUS_PROTOCOL, messages(StatusRequest, max_size=MAX_REQUEST), answer,
+                           max_inflight=MAX_STATUS_REQUESTS, timeout=STATUS_TIMEOUT, wait_for_slot=False,
+                           limits=STATUS_LIMITS, streams=node.run.section("streams"), peers=node.peers,
+                           metrics=node.metrics)
+
+
 async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    limit = trio.Semaphore(MAX_STATUS_REQUESTS)
-
-    async def handle(stream) -> None:
-        try:
-            if limit.value == 0:
-                node.metrics.reject(STATUS_PROTOCOL, "busy")
-                return
-            async with limit:
-                with trio.fail_after(5):
-                    req = await read_message(stream, 1024)
-                    if not isinstance(req, StatusRequest):
-                        raise RemoteProtocolError("wrong-type", "expected status.request")
-                    await write_frame(stream, StatusResponse(json=json.dumps(snapshot(node))))
-        except (RemoteProtocolError, trio.TooSlowError) as e:
-            node.metrics.reject(STATUS_PROTOCOL, getattr(e, "reason", "timeout"))
-        except Exception as e:
-            log.debug("status handler: %s", e)
-        finally:
-            with trio.move_on_after(1):
-                try:
-                    await stream.close()
-                except Exception:
-                    pass
-
+    handle = status_handler(node)
     node.host.set_handler(STATUS_PROTOCOL, handle)
     info = {"peer_id": node.peer_id, "role": node.config.role, "addrs": node.host.listen_addrs(), "pid": os.getpid()}
     write_atomic(node.data_dir / NODE_FILE, json.dumps(info).encode(), durable=False)

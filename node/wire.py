@@ -420,8 +420,10 @@ async def read_exactly(stream: _Reader, n: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_frame(stream: _Reader, max_size: int = MAX_FRAME) -> bytes | None:
-    """Read one length-prefixed frame. Returns None on a clean EOF between frames."""
+async def read_header(stream: _Reader, max_size: int = MAX_FRAME) -> int | None:
+    """Read one frame's length prefix: the body's announced length (at most ``max_size``), or None
+    on a clean EOF between frames. The body is not read: a caller with a memory budget reserves the
+    announced length first (node/net/budget.py), then reads it with :func:`read_exactly`."""
     first = await _read_some(stream, _LEN.size)
     if not first:
         return None
@@ -429,6 +431,14 @@ async def read_frame(stream: _Reader, max_size: int = MAX_FRAME) -> bytes | None
     (n,) = _LEN.unpack(head)
     if n > max_size:
         raise RemoteProtocolError("oversized", f"frame of {n} bytes > {max_size}")
+    return n
+
+
+async def read_frame(stream: _Reader, max_size: int = MAX_FRAME) -> bytes | None:
+    """Read one length-prefixed frame. Returns None on a clean EOF between frames."""
+    n = await read_header(stream, max_size)
+    if n is None:
+        return None
     return await read_exactly(stream, n) if n else b""
 
 

@@ -36,10 +36,13 @@ import trio
 
 from .. import __version__
 from ..context import NodeContext
+from ..net.budget import STALLED, StreamLimits
+from ..net.reqres import CallFailure, Inbound, Refused, call, close, messages, request_handler
 from ..peers import FaultRule
-from ..net.reqres import CallFailure, call, close, messages, request_handler
 from ..wire import (
+    MAX_FRAME,
     Message,
+    decode,
     encode,
     RemoteProtocolError,
     bounded,
@@ -83,6 +86,11 @@ SYNC_PROTOCOL = "/swarm/members/1.0.0"
 PROBE_PROTOCOL = "/swarm/probe/1.0.0"
 SYNC_BATCH = 256  # envelopes per frame in a push-pull exchange
 MAX_SYNC_FRAMES = 128  # 32k records: above MembershipConfig.max_members
+# Inbound push-pull sessions (node/net/budget.py): a peer syncs with us about once per interval,
+# so 2 sessions per peer and 32 in all (a burst of joiners waits for a slot); frames are read one
+# at a time per session, so 1 frame's bytes per peer and 8 in all.
+SYNC_LIMITS = StreamLimits(streams=32, streams_per_peer=2, frame_cap=MAX_FRAME,
+                           buffer_bytes=8 * MAX_FRAME, buffer_per_peer=MAX_FRAME)
 MAX_PROBE_REQS = 8  # ping-reqs we serve at once for others
 DIAL_TIMEOUT = 3.0
 TICK = 0.25
@@ -290,16 +298,25 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                 await publish(DOMAIN_RECORD, svc.record)
                 svc.last_published = trio.current_time()
 
+        sync_inbound = Inbound(SYNC_PROTOCOL, SYNC_LIMITS, config=node.run.section("streams"), peers=node.peers,
+                               metrics=node.metrics)
+
         async def handle_sync(stream) -> None:
             peer = stream.muxed_conn.peer_id.to_base58()
             try:
-                with trio.fail_after(10):
-                    await receive_batches(stream, peer, peer)
-                    await send_batches(stream)
+                async with sync_inbound.open(stream, peer) as frames:
+                    with trio.fail_after(10):
+                        await receive_batches(stream, peer, peer, frames)
+                        await send_batches(stream)
+            except Refused as e:  # over the peer's share of streams or bytes, or no slot free
+                node.metrics.reject(SYNC_PROTOCOL, e.reason)
             except (RemoteProtocolError, trio.TooSlowError) as e:
-                node.metrics.reject(SYNC_PROTOCOL, getattr(e, "reason", "timeout"))
+                if getattr(e, "reason", "") != STALLED:  # a stall is counted and struck by Inbound
+                    node.metrics.reject(SYNC_PROTOCOL, getattr(e, "reason", "timeout"))
             finally:
                 await close(stream)
+
+        handle_sync.inbound = sync_inbound
 
         async def send_batches(stream) -> None:
             envs = [svc.signed_record()] + [
@@ -311,9 +328,13 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                 chunk = envs[i : i + SYNC_BATCH]
                 await write_frame(stream, MemberBatch(envelopes=chunk, last=i + SYNC_BATCH >= len(envs)))
 
-        async def receive_batches(stream, peer: str, source: str | None) -> None:
+        async def receive_batches(stream, peer: str, source: str | None, frames=None) -> None:
             for _ in range(MAX_SYNC_FRAMES):
-                batch = await read_message(stream)
+                if frames is None:  # our own push-pull: the peer we asked answers
+                    batch = await read_message(stream)
+                else:  # an inbound session: each frame under the budget and its header deadline
+                    data = await frames.read()
+                    batch = None if data is None else decode(data)
                 if batch is None:  # the peer went away (pruned, timed out): not garbage
                     raise RemoteProtocolError("truncated", "stream closed before the last batch")
                 if not isinstance(batch, MemberBatch):

@@ -45,9 +45,11 @@ from libp2p.exceptions import BaseLibp2pError
 
 from .. import hashes
 from ..dbthread import DbThread
+from ..net.budget import StreamLimits
 from ..net.reqres import CallFailure, FailureKind, messages, open_call, request_handler
 from ..peers import FaultRule
 from ..wire import (
+    MAX_FRAME,
     TRANSPORT_FAILURES,
     LocalProtocolError,
     Message,
@@ -90,6 +92,11 @@ STREAM_OPEN_TIMEOUT = 5.0
 SYNC_PENALTY = -20.0  # app score step for a peer that sends invalid entries over sync
 BAN_SOURCE = "ledger"  # bans from penalty entries, as the peer table lists them
 MAX_SYNC_SESSIONS = 32  # sync sessions answered at once; more wait
+# Inbound sync sessions (node/net/budget.py): one peer holds at most 4 sessions (honest peers hold
+# 1-2: ours with them and their push-pull) and 2 frames' worth of unfinished bytes (a SyncHello of
+# MAX_AUTHORS heads is ~2.6 MiB); all peers together 8 frames, 32 MiB.
+SYNC_LIMITS = StreamLimits(streams=MAX_SYNC_SESSIONS, streams_per_peer=4, frame_cap=MAX_FRAME,
+                           buffer_bytes=8 * MAX_FRAME, buffer_per_peer=2 * MAX_FRAME)
 # Reasons that are the sending peer's fault on a sync stream (as opposed to, e.g., our clock).
 # "author-quota" too: a session takes the trusted authors' ranges first (_call_sync), so we know every
 # trusted entry the peer had, and an honest peer stores no receipts beyond what those allow.
@@ -622,7 +629,8 @@ class LedgerService:
         return request_handler(PROTOCOL, messages(SyncHello, RangeRequest, EvidenceRequest), self._answer,
                                max_inflight=MAX_SYNC_SESSIONS, timeout=self.config.sync_timeout,
                                stream_timeout=self.config.sync_timeout, per_stream=1 + MAX_REQUESTS_PER_STREAM,
-                               on_fault=self._sync_fault)
+                               on_fault=self._sync_fault, limits=SYNC_LIMITS, streams=self.node.run.section("streams"),
+                               peers=self.node.peers, metrics=self.node.metrics, source=PROTOCOL)
 
     def _sync_fault(self, peer: str, reason: str) -> None:
         if reason == "timeout":

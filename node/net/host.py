@@ -130,6 +130,8 @@ class SwarmHost:
     handler_errors: HandlerErrors = field(default_factory=lambda: HandlerErrors())
     # gossipsub's application-specific score of a peer; node/peers sets it to its table's view.
     app_score: Callable[[str], float] = field(default=lambda peer_id: 0.0)
+    # protocol -> the inbound budget of its handler (node/net/reqres.py Inbound), for status
+    inbound: dict[str, object] = field(default_factory=dict)
 
     @property
     def peer_id(self) -> str:
@@ -190,6 +192,9 @@ class SwarmHost:
                 await stream.reset()
 
     def set_handler(self, protocol: str, handler: StreamHandler) -> None:
+        inbound = getattr(handler, "inbound", None)
+        if inbound is not None:
+            self.inbound[protocol] = inbound
         self.host.set_stream_handler(protocol, handler)
 
     async def open_stream(self, peer_id: str, protocol: str, timeout: float = OPEN_STREAM_TIMEOUT):
@@ -236,7 +241,8 @@ async def open_swarm_host(
     )
     disable_auto_connect(host)
     handler_errors = HandlerErrors()
-    guard_handlers(host, handler_errors)
+    inbound: dict[str, object] = {}  # py-libp2p's own handlers' stream counts, then our budgets
+    guard_handlers(host, handler_errors, inbound)
     router = GossipSub(
         protocols=GOSSIPSUB_PROTOCOLS,
         degree=gossip.degree,
@@ -252,7 +258,7 @@ async def open_swarm_host(
         eclipse_protection_enabled=False,
     )
     pubsub = Pubsub(host, router, seen_ttl=gossip.seen_ttl, max_inbound_rpc_size=1024 * 1024)
-    swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), handler_errors)
+    swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), handler_errors, inbound=inbound)
     async with host.run(addrs):
         async with background_trio_service(pubsub), background_trio_service(router):
             await pubsub.wait_until_ready()

@@ -2,10 +2,17 @@
 
 How this works
 --------------
+* Every inbound stream of a budgeted protocol goes through its :class:`Inbound`, the trio edge of
+  the pure accounting in node/net/budget.py: per-peer and total stream slots, a byte reservation
+  of each frame's announced length before its body is read, a header deadline and a minimum body
+  rate. A peer that misses a deadline holds a slot without sending: its stream is cut and it is
+  struck through the peer table (``Peers.strike_stalled``). Protocols that read frames themselves
+  (shards sessions) use :class:`Inbound` directly.
 * Server side, :func:`request_handler` (or :func:`serve_requests`, which installs one and runs
   until cancelled) turns ``handler(peer, request) -> reply`` into a stream handler: at most
-  ``max_inflight`` streams at once (the others wait, or are refused as "busy"), then up to
-  ``per_stream`` exchanges of one length-prefixed frame in (read within ``timeout``, decoded by the
+  ``max_inflight`` streams at once, a share of them per peer (the others wait, or are refused as
+  "busy"), then up to ``per_stream`` exchanges of one length-prefixed frame in (the first header
+  within ``[streams] header_timeout``, later ones within ``timeout``; decoded by the
   :class:`Codec`) and the handler's reply out (None: no reply, the stream ends).
 * Client side, :func:`open_call` opens a stream and hands back a :class:`Caller` whose ``ask``
   writes a request and reads one reply; :func:`call` is one ``ask`` on a fresh stream.
@@ -26,7 +33,10 @@ from typing import Generic, TypeVar
 
 import trio
 
+from .budget import REFUSALS, STALLED, Budget, StreamLimits, StreamsConfig, limits as default_limits
 from .host import OPEN_STREAM_TIMEOUT, STREAM_ERRORS
+from ..peers import FaultRule
+from ..peers.service import STALL_SOURCE
 from ..wire import (
     MAX_FRAME,
     TRANSPORT_FAILURES,
@@ -34,7 +44,9 @@ from ..wire import (
     Message,
     RemoteProtocolError,
     decode,
+    read_exactly,
     read_frame,
+    read_header,
     write_frame,
 )
 
@@ -42,9 +54,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CLOSE_TIMEOUT = 1.0  # a close or reset of a stream the peer no longer reads from
-# Refusals that are nobody's fault (a stream that broke, a peer too slow, our own load): counted,
-# never reported to the peer table.
-NOT_FAULTS = TRANSPORT_FAILURES | {"timeout", "busy"}
+# Refusals that are nobody's fault (a stream that broke, a peer too slow, our own load), or that
+# the stream layer has dealt with already (a stall is struck by Inbound): counted, never reported
+# to the peer table by request_handler.
+NOT_FAULTS = TRANSPORT_FAILURES | REFUSALS | {"timeout", "banned", STALLED}
+STALL_WEIGHT = 10.0  # score points one stall costs (decaying, node/peers/table.py)
 
 
 @dataclass(frozen=True)
@@ -105,6 +119,129 @@ async def close(stream) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Inbound budgets (node/net/budget.py at the trio edge)
+
+
+class Refused(Exception):
+    """An inbound stream or frame refused by its protocol's budget (``reason``); nothing was read."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Inbound:
+    """One protocol's inbound streams: its :class:`~node.net.budget.Budget`, deadlines and blame."""
+
+    def __init__(self, protocol: str, limits: StreamLimits, *, config: StreamsConfig | None = None,
+                 peers=None, metrics=None, source: str | None = None) -> None:
+        self.protocol = protocol
+        self.source = source or protocol
+        self.budget = Budget(limits)
+        self.config = config or StreamsConfig()
+        self.peers, self.metrics = peers, metrics
+        self._lot = trio.lowlevel.ParkingLot()  # admitted streams waiting for a slot
+        if peers is not None:
+            cfg = self.config
+            peers.set_rule(STALL_SOURCE, FaultRule(weight=STALL_WEIGHT, strikes=cfg.stall_strikes,
+                                                   window=cfg.stall_window, ban_seconds=cfg.stall_ban_seconds))
+
+    def count(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.reject(self.source, reason)
+
+    def stalled(self, peer: str) -> None:
+        """``peer`` missed a deadline while holding a slot: counted and struck (the caller cuts the stream)."""
+        self.budget.note_stalled()
+        self.count(STALLED)
+        log.info("%s: %s held a stream without sending; cut and struck", self.protocol, peer[-8:])
+        if self.peers is not None:
+            self.peers.strike_stalled(peer, self.source)
+
+    @asynccontextmanager
+    async def open(self, stream, peer: str, *, wait: bool = True) -> AsyncIterator[Frames]:
+        """A slot for one stream of ``peer`` (waiting for one while ``wait``), and its frame reader;
+        :class:`Refused` when the peer is over its share, stall-banned, or no slot is free."""
+        if self.peers is not None and self.peers.is_banned(peer, STALL_SOURCE):
+            self.budget.refused["banned"] += 1
+            raise Refused("banned")
+        refusal = self.budget.admit(peer)
+        if refusal is not None:
+            raise Refused(refusal)
+        try:
+            while not self.budget.start():
+                if not wait:
+                    raise Refused(self.budget.refuse_busy())
+                await self._lot.park()
+            frames = Frames(self, stream, peer, trio.current_time())
+            try:
+                yield frames
+            finally:
+                frames.release()
+                self.budget.stop()
+                self._lot.unpark()
+        finally:
+            self.budget.leave(peer)
+
+
+class Frames:
+    """Frames of one admitted stream, read within its protocol's deadlines and byte budget. The
+    bytes of the last frame read stay reserved until the next read or the end of the stream."""
+
+    def __init__(self, inbound: Inbound, stream, peer: str, since: float) -> None:
+        self.inbound, self.stream, self.peer = inbound, stream, peer
+        self._since = since  # when the wait for the next header began
+        self._held = 0
+
+    def release(self) -> None:
+        if self._held:
+            self.inbound.budget.release(self.peer, self._held)
+            self._held = 0
+
+    def _stall(self, what: str) -> RemoteProtocolError:
+        self.inbound.stalled(self.peer)
+        return RemoteProtocolError(STALLED, what)
+
+    async def read(self, *, idle: float | None = None, strict: bool = True, max_size: int | None = None) -> bytes | None:
+        """The next frame, or None at a clean end of stream. Its header must come within the header
+        deadline (``strict``: missing it is a stall) or ``idle`` seconds (missing it is a plain
+        timeout, trio.TooSlowError; None: no bound, for sessions that may rest), counted from the
+        previous read (or the slot); its body at the minimum rate, always strictly. A frame larger
+        than ``max_size`` (default: the protocol's frame cap) is "oversized" garbage."""
+        self.release()
+        inbound, cfg = self.inbound, self.inbound.config
+        start = trio.current_time() if self._since is None else self._since
+        self._since = None
+        if strict:
+            deadline = cfg.header_deadline(start)
+        else:
+            deadline = float("inf") if idle is None else start + idle
+        with trio.move_on_at(deadline) as waited:
+            cap = inbound.budget.limits.frame_cap
+            n = await read_header(self.stream, cap if max_size is None else min(cap, max_size))
+        if waited.cancelled_caught:
+            if strict:
+                raise self._stall(f"no frame header within {cfg.header_timeout:g}s")
+            raise trio.TooSlowError
+        if n is None:
+            return None
+        refusal = inbound.budget.reserve(self.peer, n)
+        if refusal is not None:
+            raise Refused(refusal)
+        self._held = n
+        with trio.move_on_at(cfg.body_deadline(n, trio.current_time())) as body:
+            data = await read_exactly(self.stream, n) if n else b""
+        if body.cancelled_caught:
+            raise self._stall(f"{n}-byte body slower than {cfg.min_body_rate:g} B/s")
+        return data
+
+    def answered(self) -> None:
+        """Our reply went out: the frame's bytes are free and the next header's wait begins."""
+        self.release()
+        self._since = trio.current_time()
+
+
+# --------------------------------------------------------------------------------------------
 # Server side
 
 Handler = Callable[[str, T], Awaitable[Message | bytes | None]]
@@ -125,16 +262,24 @@ def request_handler(
     peers=None,
     metrics=None,
     source: str | None = None,
+    limits: StreamLimits | None = None,
+    streams: StreamsConfig | None = None,
 ) -> Callable[[object], Awaitable[None]]:
     """The stream handler serving ``protocol`` (see the module docstring).
 
     ``admit(peer)`` may refuse a stream before anything is read (its reason is counted, the stream
     reset). Remote faults and timeouts go to ``on_fault(peer, reason)``; by default they are counted
     in ``metrics`` under ``source`` (the protocol) and reported to ``peers`` (node/peers) unless in
-    NOT_FAULTS. ``stream_timeout`` bounds a whole stream of ``per_stream`` exchanges.
+    NOT_FAULTS. ``stream_timeout`` bounds a whole stream of ``per_stream`` exchanges. ``limits``
+    (default: ``max_inflight`` streams, a quarter per peer, one frame of ``codec.max_size`` per
+    stream) and ``streams`` (the ``[streams]`` deadlines) make the :class:`Inbound` budget; stalls
+    are struck through ``peers``. The handler's ``inbound`` attribute is that budget.
     """
     source = source or protocol
-    slots = trio.Semaphore(max_inflight)
+    limits = limits or default_limits(max_inflight, codec.max_size)
+    if limits.frame_cap < codec.max_size:
+        raise ValueError(f"{protocol}: frame cap {limits.frame_cap} below the codec's {codec.max_size}")
+    inbound = Inbound(protocol, limits, config=streams, peers=peers, metrics=metrics, source=source)
 
     def count(reason: str) -> None:
         if metrics is not None:
@@ -147,10 +292,9 @@ def request_handler(
 
     fault = on_fault or default_fault
 
-    async def exchange(stream, peer: str) -> None:
-        for _ in range(per_stream):
-            with trio.fail_after(timeout):
-                data = await read_frame(stream, codec.max_size)
+    async def exchange(frames: Frames, stream, peer: str) -> None:
+        for i in range(per_stream):
+            data = await frames.read(strict=i == 0, idle=timeout, max_size=codec.max_size)
             if data is None:
                 return
             reply = await handler(peer, codec.decode(data))
@@ -158,6 +302,7 @@ def request_handler(
                 return
             with trio.fail_after(timeout):
                 await write_frame(stream, reply)
+            frames.answered()
 
     async def handle(stream) -> None:
         peer = peer_of(stream)
@@ -166,17 +311,19 @@ def request_handler(
             count(refusal)
             await reset(stream)
             return
-        if slots.value == 0 and not wait_for_slot:
-            fault(peer, "busy")
-            await close(stream)
-            return
         try:
-            async with slots:
+            async with inbound.open(stream, peer, wait=wait_for_slot) as frames:
                 with trio.fail_after(stream_timeout if stream_timeout is not None else float("inf")):
-                    await exchange(stream, peer)
-        except RemoteProtocolError as e:
-            fault(peer, e.reason)
+                    await exchange(frames, stream, peer)
+        except Refused as e:
+            count(e.reason)
             await reset(stream)
+        except RemoteProtocolError as e:
+            if e.reason == STALLED:  # counted and struck by Inbound
+                await reset(stream)
+            else:
+                fault(peer, e.reason)
+                await reset(stream)
         except trio.TooSlowError:
             fault(peer, "timeout")
             await reset(stream)
@@ -186,6 +333,7 @@ def request_handler(
         finally:
             await close(stream)
 
+    handle.inbound = inbound
     return handle
 
 
@@ -196,6 +344,57 @@ async def serve_requests(host, protocol: str, codec: Codec[T], handler: Handler,
                                                timeout=timeout, **options))
     task_status.started()
     await trio.sleep_forever()
+
+
+# --------------------------------------------------------------------------------------------
+# libp2p ping, budgeted
+
+
+PING_PAYLOAD = 32  # libp2p ping: the peer sends 32 random bytes, we echo them
+PING_IDLE = 30.0  # seconds a ping stream may rest between pings (other stacks ping one stream every ~15 s)
+MAX_PINGS_PER_STREAM = 64  # then the stream is closed; the peer's ping service opens a new one
+PING_LIMITS = StreamLimits(streams=64, streams_per_peer=4, frame_cap=PING_PAYLOAD,
+                           buffer_bytes=64 * PING_PAYLOAD, buffer_per_peer=4 * PING_PAYLOAD)
+
+
+def ping_handler(protocol: str, *, streams: StreamsConfig | None = None, peers=None, metrics=None):
+    """The stream handler for libp2p ping (``/ipfs/ping/1.0.0``) under :data:`PING_LIMITS`, in place
+    of py-libp2p's, which serves any number of streams per peer and lets each rest 10 s per ping.
+    The first ping is due within the header deadline (missing it is a stall, struck); later ones
+    within :data:`PING_IDLE` (missing it just ends the stream)."""
+    inbound = Inbound(protocol, PING_LIMITS, config=streams, peers=peers, metrics=metrics)
+
+    async def handle(stream) -> None:
+        peer = peer_of(stream)
+        try:
+            async with inbound.open(stream, peer, wait=False):
+                since = trio.current_time()
+                for i in range(MAX_PINGS_PER_STREAM):
+                    deadline = inbound.config.header_deadline(since) if i == 0 else since + PING_IDLE
+                    with trio.move_on_at(deadline) as waited:
+                        first = await stream.read(PING_PAYLOAD)
+                        payload = first + (await read_exactly(stream, PING_PAYLOAD - len(first))
+                                           if first and len(first) < PING_PAYLOAD else b"")
+                    if waited.cancelled_caught:
+                        if i == 0:
+                            inbound.stalled(peer)
+                        break
+                    if not payload:
+                        break
+                    with trio.fail_after(CLOSE_TIMEOUT * 5):
+                        await stream.write(payload)
+                    since = trio.current_time()
+        except Refused as e:
+            inbound.count(e.reason)
+        except (RemoteProtocolError, trio.TooSlowError, *STREAM_ERRORS) as e:
+            log.debug("ping from %s ended: %s", peer[-8:], e)
+        except Exception as e:  # noqa: BLE001 — py-libp2p signals EOF by exception (StreamEOF)
+            log.debug("ping from %s ended: %s", peer[-8:], type(e).__name__)
+        finally:
+            await reset(stream)
+
+    handle.inbound = inbound
+    return handle
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import logging
 
 import trio
 
+from .budget import Budget, StreamLimits
+
 log = logging.getLogger(__name__)
 
 
@@ -155,7 +157,43 @@ class HandlerErrors:
         self.counts[key] = self.counts.get(key, 0) + 1
 
 
-def guard_handlers(host, errors: HandlerErrors) -> None:
+# py-libp2p's own handlers (identify, gossipsub, ...) have no budget of ours: their streams are
+# at least counted and capped per peer and in total (py-libp2p alone allows 256 per connection, and
+# a peer may open several connections). The relay's hop/stop streams are left to its own limits.
+OTHER_STREAMS = StreamLimits(streams=1024, streams_per_peer=32, frame_cap=0, buffer_bytes=1, buffer_per_peer=0)
+UNCAPPED_PREFIXES = ("/libp2p/circuit/relay/",)
+
+
+class StreamCount:
+    """A per-protocol stream cap for a handler without an inbound budget of its own; ``budget``
+    counts its streams (node/net/budget.py; no deadlines or bytes: we do not parse its frames)."""
+
+    def __init__(self) -> None:
+        self.budget = Budget(OTHER_STREAMS)
+
+    def take(self, peer: str) -> bool:
+        """A slot for a new stream of ``peer``, or False (refused and counted)."""
+        if self.budget.admit(peer) is not None:
+            return False
+        if not self.budget.start():
+            self.budget.refuse_busy()
+            self.budget.leave(peer)
+            return False
+        return True
+
+    def give_back(self, peer: str) -> None:
+        self.budget.stop()
+        self.budget.leave(peer)
+
+
+def _peer_of(stream) -> str:
+    try:
+        return stream.muxed_conn.peer_id.to_base58()
+    except AttributeError:
+        return ""
+
+
+def guard_handlers(host, errors: HandlerErrors, counts: dict | None = None) -> None:
     """Make every stream handler of ``host`` unable to crash the node.
 
     py-libp2p runs stream handlers inside the connection's nursery, and that nursery inside the
@@ -164,14 +202,28 @@ def guard_handlers(host, errors: HandlerErrors) -> None:
     ``stream_handler`` catches only StreamError/ParseError/IncompleteReadError), so one peer
     sending a malformed gossip RPC could stop us. We wrap the handlers already registered and
     every one registered later: a failing handler is logged, counted and its stream reset.
+    A handler without an inbound budget of ours (``handler.inbound``, node/net/reqres.py) also gets
+    a :class:`StreamCount` (in ``counts`` by protocol): a peer over its share is reset at once.
     """
     muxer = host.get_mux()
 
     def guard(protocol, handler):
         if handler is None or getattr(handler, "_guarded", False):
             return handler
+        count = None
+        if getattr(handler, "inbound", None) is None and not str(protocol).startswith(UNCAPPED_PREFIXES):
+            count = StreamCount()
+            if counts is not None:
+                counts[str(protocol)] = count
 
         async def guarded(stream) -> None:
+            peer = _peer_of(stream)
+            if count is not None and not count.take(peer):
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass
+                return
             try:
                 await handler(stream)
             except Exception as exc:  # the remote's bytes or a library bug: never fatal
@@ -181,6 +233,9 @@ def guard_handlers(host, errors: HandlerErrors) -> None:
                     await stream.reset()
                 except Exception:
                     pass
+            finally:
+                if count is not None:
+                    count.give_back(peer)
 
         guarded._guarded = True
         return guarded

@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 
 MAX_QUEUED_DISCONNECTS = 256  # disconnects waiting for serve_peers; more are dropped (the ban holds)
 DISCONNECT_TIMEOUT = 5.0
+# Peers that hold inbound stream slots without sending (node/net/budget.py) are struck under one
+# source, whatever the protocol: holding slots is the same fault everywhere.
+STALL_SOURCE = "streams"
 
 
 class Peers:
@@ -60,6 +63,12 @@ class Peers:
         self.m_faults.labels(source=source, reason=reason).inc()
         now = self._now() if now is None else now
         return self._carry_out(self.table.on_fault(peer, source, reason, now), now)
+
+    def strike_stalled(self, peer: str, protocol: str, now: float | None = None) -> list[Action]:
+        """``peer`` held a slot of ``protocol`` without sending in time (its stream is cut by the
+        caller): one strike under :data:`STALL_SOURCE`, whose rule (set by the stream layer from
+        ``[streams]``) bans and disconnects a repeat offender."""
+        return self.report(peer, STALL_SOURCE, f"stalled:{protocol}", now)
 
     def ban(self, peer: str, source: str, reason: str, seconds: float, now: float | None = None) -> list[Action]:
         """A ban decided outside the table (a ledger penalty entry) for ``seconds`` from now."""

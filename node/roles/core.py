@@ -21,9 +21,10 @@ import trio
 from ..config import ConfigError, NodeConfig
 from ..context import NodeContext, RunningNode
 from ..gossip.service import Membership, serve_membership
-from ..net.host import open_swarm_host
+from ..net.host import PING_PROTOCOL, open_swarm_host
 from ..identity import load_or_create_identity
 from ..ledger.sync import LedgerService, serve_ledger
+from ..net.reqres import ping_handler
 from ..peers import serve_peers
 from ..net.relay import RelayClient, RelayHop, serve_relay_client
 from ..rl.config import RLConfig
@@ -70,6 +71,9 @@ async def start_core(
     membership, whose record advertises the relay's circuit addresses and the versions held; and,
     when ``http_port`` is set, the web status page (node/web.py), which reads the ledger's totals."""
     await nursery.start(serve_peers, node)
+    # libp2p ping under a per-peer budget (node/net/reqres.py) instead of py-libp2p's unbounded handler
+    node.host.set_handler(PING_PROTOCOL, ping_handler(PING_PROTOCOL, streams=node.run.section("streams"),
+                                                      peers=node.peers, metrics=node.metrics))
     await nursery.start(serve_status, node)
     ledger = await nursery.start(serve_ledger, node)
     shards = await nursery.start(serve_shards, node, ledger)

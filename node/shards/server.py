@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..wire import Message, RemoteProtocolError, write_frame
+from ..net.budget import StreamLimits
+from ..wire import Message, RemoteProtocolError, decode, write_frame
 from .protocol import (
     BAD_RANGE,
     BUSY,
+    MAX_BITFIELD,
     NOT_HELD,
     Bitfield,
     Cancel,
@@ -43,13 +45,20 @@ if TYPE_CHECKING:  # the service creates sessions and passes itself in
 log = logging.getLogger("node.shards.service")  # the sessions log as part of the service
 
 MAX_QUEUED_REQUESTS = 128  # per session; more is a flood (our own picker asks for <= 32)
+# What a downloader sends us is small: the largest is a Hello with a whole bitfield.
+MAX_INBOUND_FRAME = MAX_BITFIELD + 1024
+# Inbound shards streams (node/net/budget.py): a downloader holds one session per version it
+# fetches from us plus short manifest requests, so 16 per peer is plenty; 256 in all.
+SERVER_LIMITS = StreamLimits(streams=256, streams_per_peer=16, frame_cap=MAX_INBOUND_FRAME,
+                             buffer_bytes=64 * MAX_INBOUND_FRAME, buffer_per_peer=8 * MAX_INBOUND_FRAME)
 
 
 class ServerSession:
     """One inbound transfer session: a peer downloading a version from us."""
 
-    def __init__(self, svc: ShardsService, stream, peer: str, vs: VersionStore) -> None:
+    def __init__(self, svc: ShardsService, stream, peer: str, vs: VersionStore, frames=None) -> None:
         self.svc, self.stream, self.peer, self.vs = svc, stream, peer, vs
+        self.frames = frames  # the stream's budgeted reader (node/net/reqres.py Frames); None: unbudgeted
         self.lock = trio.Lock()
         self.queue: deque[Request] = deque()
         self.wakeup = trio.Event()
@@ -85,9 +94,17 @@ class ServerSession:
             finally:
                 nursery.cancel_scope.cancel()
 
+    async def _next_message(self) -> Message | None:
+        """The downloader's next message: a session may rest between them (no header deadline),
+        but a frame once announced must arrive at the minimum rate and fit the byte budget."""
+        if self.frames is None:
+            return await read_shards_message(self.stream)
+        data = await self.frames.read(strict=False, idle=None)
+        return None if data is None else decode(data, MAX_INBOUND_FRAME)
+
     async def _read_loop(self) -> None:
         while True:
-            msg = await read_shards_message(self.stream)
+            msg = await self._next_message()
             if msg is None:
                 return
             if isinstance(msg, Request):

@@ -59,9 +59,10 @@ from typing import Any
 import trio
 
 from ..ledger.api import LedgerAPI
-from ..net.reqres import peer_of, reset
+from ..net.budget import STALLED
+from ..net.reqres import Inbound, Refused, peer_of, reset
 from ..peers import FaultRule
-from ..wire import TRANSPORT_FAILURES, LocalProtocolError, RemoteProtocolError, write_frame
+from ..wire import TRANSPORT_FAILURES, LocalProtocolError, RemoteProtocolError, decode, write_frame
 from .announce import announce, fetch_manifest, fetch_policy, follow_announcements, reannounce_loop, validate_announce
 from .client import Download, progress_bar
 from .config import ShardsConfig
@@ -70,7 +71,6 @@ from .deltasync import DeltaSync
 from .manifest import SignedManifest, build_manifest, sign_manifest
 from .protocol import (
     BANNED,
-    FIRST_MESSAGE_TIMEOUT,
     PROTOCOL,
     SOURCE,
     UNKNOWN_ROOT,
@@ -78,9 +78,8 @@ from .protocol import (
     ManifestReply,
     ManifestRequest,
     Reject,
-    read_shards_message,
 )
-from .server import ServerSession
+from .server import MAX_INBOUND_FRAME, SERVER_LIMITS, ServerSession
 from .store import PieceStore, StoreConflict, VersionStore
 from .superseed import SuperSeeder
 from .throttle import TokenBucket
@@ -142,6 +141,9 @@ class ShardsService:
         self._refused: OrderedDict[bytes, str] = OrderedDict()  # root -> why (non-finite values)
         self.published: SignedManifest | None = None
         self.serve_slots = trio.Semaphore(cfg.max_serving)
+        # Inbound streams: per-peer and total slots, header deadline, byte budget (node/net/budget.py).
+        self.inbound = Inbound(PROTOCOL, SERVER_LIMITS, config=run.section("streams"), peers=node.peers,
+                               metrics=node.metrics, source=SOURCE)
         self.bucket = TokenBucket(cfg.upload_rate, max(cfg.upload_rate / 10, 2 * cfg.block_size), trio.current_time())
         mt = node.metrics
         self.m_served = mt.counter("shards_served_bytes_total", "Checkpoint bytes served to peers")
@@ -317,42 +319,62 @@ class ShardsService:
             if self.is_banned(peer, trio.current_time()):
                 await write_frame(stream, Reject(piece=-1, offset=0, reason=BANNED))
                 return
-            with trio.fail_after(FIRST_MESSAGE_TIMEOUT):
-                first = await read_shards_message(stream)
-            if isinstance(first, ManifestRequest):
-                vs = self.serving.get(first.root)
-                reply = ManifestReply(envelope=vs.signed.envelope) if vs else Reject(piece=-1, offset=0, reason=UNKNOWN_ROOT)
-                await write_frame(stream, reply)
-                await stream.close()
-            elif isinstance(first, Hello):
-                vs = self.serving.get(first.root)
-                if vs is None:
-                    await write_frame(stream, Reject(piece=-1, offset=0, reason=UNKNOWN_ROOT))
-                    await stream.close()
-                    return
-                sess = self.server_session_class(self, stream, peer, vs)
-                self.server_sessions.setdefault(first.root, set()).add(sess)
-                try:
-                    await sess.run(first)
-                finally:
-                    self.server_sessions[first.root].discard(sess)
-                    if sess.seeder is not None:  # what it was shown may now go to others
-                        self.route_reveals(first.root, sess.seeder.on_peer_gone(peer, trio.current_time()))
-            elif first is not None:
-                raise RemoteProtocolError("unexpected", first.TYPE)
+            async with self.inbound.open(stream, peer, wait=False) as frames:
+                await self._serve_stream(stream, peer, frames)
         # except*: errors raised under the session's nursery arrive as exception groups.
         except* (LocalProtocolError, AssertionError):
             raise
+        except* Refused as group:  # over the peer's share or no slot free: counted, the stream reset
+            self.node.metrics.reject(SOURCE, group.exceptions[0].reason)
         except* RemoteProtocolError as group:
             e = group.exceptions[0]
-            self.node.metrics.reject(SOURCE, e.reason)
+            if e.reason != STALLED:  # a stall is counted and struck by Inbound
+                self.node.metrics.reject(SOURCE, e.reason)
             log.debug("shards: %s sent garbage: %s", peer[-8:], e)
-            if e.reason not in TRANSPORT_FAILURES:  # a peer cut off mid-frame left; it did not lie
+            # A peer cut off mid-frame left (it did not lie); a stall is struck by Inbound already.
+            if e.reason not in TRANSPORT_FAILURES and e.reason != STALLED:
                 self.node.peers.report(peer, GARBAGE_SOURCE, e.reason, trio.current_time())
         except* Exception as group:  # resets, timeouts, closed connections: the peer left
             log.debug("shards: inbound session with %s ended: %r", peer[-8:], group.exceptions[0])
         finally:
             await reset(stream, shielded=True)
+
+    def _budgeted_handler(self):
+        """``handle_stream`` carrying its inbound budget (the host lists it in status)."""
+
+        async def handle(stream) -> None:
+            await self.handle_stream(stream)
+
+        handle.inbound = self.inbound
+        return handle
+
+    async def _serve_stream(self, stream, peer: str, frames) -> None:
+        """One admitted inbound stream: its first message (within the header deadline), then a
+        manifest reply or a transfer session."""
+        data = await frames.read()
+        first = None if data is None else decode(data, MAX_INBOUND_FRAME)
+        if isinstance(first, ManifestRequest):
+            vs = self.serving.get(first.root)
+            reply = ManifestReply(envelope=vs.signed.envelope) if vs else Reject(piece=-1, offset=0, reason=UNKNOWN_ROOT)
+            await write_frame(stream, reply)
+            await stream.close()
+        elif isinstance(first, Hello):
+            vs = self.serving.get(first.root)
+            if vs is None:
+                await write_frame(stream, Reject(piece=-1, offset=0, reason=UNKNOWN_ROOT))
+                await stream.close()
+                return
+            frames.answered()
+            sess = self.server_session_class(self, stream, peer, vs, frames)
+            self.server_sessions.setdefault(first.root, set()).add(sess)
+            try:
+                await sess.run(first)
+            finally:
+                self.server_sessions[first.root].discard(sess)
+                if sess.seeder is not None:  # what it was shown may now go to others
+                    self.route_reveals(first.root, sess.seeder.on_peer_gone(peer, trio.current_time()))
+        elif first is not None:
+            raise RemoteProtocolError("unexpected", first.TYPE)
 
     # ---------------------------------------------------------------------------------------
     # Announcements
@@ -573,7 +595,7 @@ class ShardsService:
             self._nursery = nursery
             partial = self._load_held()
             self.m_versions.set(len(self.versions_held()))
-            host.set_handler(PROTOCOL, self.handle_stream)
+            host.set_handler(PROTOCOL, self._budgeted_handler())
             topic = self.node.topic("checkpoints")
             host.pubsub.set_topic_validator(topic, self._validate_announce, False)
             sub = await host.pubsub.subscribe(topic)

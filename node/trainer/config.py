@@ -20,6 +20,7 @@ class TrainerConfig:
     max_pending_batches: int = 256  # spooled batches not yet trained; beyond it intake answers "busy"
     max_step_samples: int = 1024  # cap on samples in one rollout step (batches are taken whole)
     max_concurrent_intake: int = 16  # rollout streams handled at once; more wait for a slot
+    max_intake_per_peer: int = 4  # rollout streams one peer may hold at once (below max_concurrent_intake); more are refused
     verify_timeout_s: float = 120.0  # a validator silent this long on a batch is skipped for it
     max_verify_in_flight: int = 64  # batches sent to validators and awaiting a verdict
     ban_after_strikes: int = 5  # invalid batches (forged, malformed, bad tokens...) that get a sender banned
@@ -34,6 +35,8 @@ class TrainerConfig:
             raise ValueError("keep_checkpoints: at least 1")
         if self.max_pending_batches < 1 or self.max_step_samples < 1 or self.max_concurrent_intake < 1:
             raise ValueError("max_pending_batches, max_step_samples, max_concurrent_intake: at least 1")
+        if not 1 <= self.max_intake_per_peer < max(2, self.max_concurrent_intake):
+            raise ValueError("max_intake_per_peer: 1..max_concurrent_intake - 1 (one peer never takes every slot)")
         if self.ban_after_strikes < 1 or self.strike_window_s <= 0 or self.ban_seconds < 0:
             raise ValueError("ban_after_strikes >= 1, strike_window_s > 0, ban_seconds >= 0")
         if self.verify_timeout_s <= 0:

@@ -39,6 +39,7 @@ from ..dbthread import DbThread
 from ..gossip.api import MembershipAPI
 from ..hashes import digest
 from ..ledger.api import LedgerAPI
+from ..net.budget import limits
 from ..net.reqres import CallFailure, Codec, FailureKind, call, raw, request_handler
 from ..peers import ActionKind, FaultRule
 from ..ledger.sync import LedgerError
@@ -282,9 +283,13 @@ class Trainer:
 
     def rollouts_handler(self):
         """``/swarm/rollouts/1.0.0``: one batch frame in, one ack frame out."""
+        total = self.tcfg.max_concurrent_intake
         return request_handler(ROLLOUTS_PROTOCOL, raw(MAX_INTAKE_FRAME), self._answer_rollouts,
-                               max_inflight=self.tcfg.max_concurrent_intake, timeout=READ_TIMEOUT,
-                               admit=self._admit_rollouts, on_fault=self._rollouts_fault, source=SOURCE)
+                               max_inflight=total, timeout=READ_TIMEOUT,
+                               admit=self._admit_rollouts, on_fault=self._rollouts_fault, source=SOURCE,
+                               limits=limits(total, MAX_INTAKE_FRAME, per_peer=self.tcfg.max_intake_per_peer),
+                               streams=self.node.run.section("streams"), peers=self.node.peers,
+                               metrics=self.node.metrics)
 
     # ------------------------------------------------------------------ validator gate
 
@@ -301,7 +306,8 @@ class Trainer:
         return request_handler(VERDICTS_PROTOCOL, raw(MAX_VERDICT_FRAME), self._answer_verdict,
                                max_inflight=MAX_VERDICT_STREAMS, timeout=READ_TIMEOUT,
                                per_stream=MAX_FRAMES_PER_STREAM, on_fault=self._verdicts_fault,
-                               source=VERDICT_SOURCE)
+                               source=VERDICT_SOURCE, streams=self.node.run.section("streams"),
+                               peers=self.node.peers, metrics=self.node.metrics)
 
     async def on_verdict_bytes(self, data: bytes) -> tuple[bytes, bool, str]:
         """Check and apply one verdict; (batch id, recorded?, reason)."""

@@ -41,6 +41,7 @@ from ..ledger.api import LedgerAPI
 from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
 from ..ledger.sync import LedgerError
+from ..net.budget import limits
 from ..net.reqres import CallFailure, Codec, FailureKind, open_call, raw, request_handler
 from ..proofs.config import ProofsConfig
 from ..proofs.margins import ProofMargins
@@ -88,6 +89,9 @@ READ_TIMEOUT = 30.0  # seconds a trainer has to send its batch frame
 ACK_TIMEOUT = 30.0  # seconds a trainer has to acknowledge a verdict frame
 MAX_ACK_FRAME = 4096  # a RolloutAck is ~100 bytes
 MAX_VERIFY_STREAMS = 16  # batches read from trainers at once (trainers are few; others wait)
+# ... of which one trainer may hold: only trainers of the run are admitted, and a trainer hands
+# over batches in bursts, so its share is large, but never all (node/net/budget.py).
+MAX_VERIFY_PER_TRAINER = 12
 DELIVER_PER_STREAM = 64  # verdict frames sent on one delivery stream before it is closed
 _ACK = Codec(MAX_ACK_FRAME, lambda frame: decode_as(RolloutAck, frame, MAX_ACK_FRAME))
 BEHIND_FRACTION = 0.8  # queue fill at which status says "behind"
@@ -182,7 +186,8 @@ class ValidatorService:
         """``/swarm/verify/1.0.0``: one signed batch from a trainer, one RolloutAck back."""
         return request_handler(VERIFY_PROTOCOL, raw(MAX_FRAME), self._answer_verify, max_inflight=MAX_VERIFY_STREAMS,
                                timeout=READ_TIMEOUT, admit=self._admit_verify, peers=self.node.peers,
-                               metrics=self.node.metrics)
+                               metrics=self.node.metrics, streams=self.node.run.section("streams"),
+                               limits=limits(MAX_VERIFY_STREAMS, MAX_FRAME, per_peer=MAX_VERIFY_PER_TRAINER))
 
     def _admit_verify(self, peer: str) -> str | None:
         return None if peer in self.trainers else "not-trainer"
