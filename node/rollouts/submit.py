@@ -15,6 +15,12 @@ How this works:
   another one), a per-batch attempt limit, and dropping batches whose policy version became too old
   to be trained on (INTELLECT-2's async level: a trainer at step n takes versions >= n - async_level,
   so sending older ones only wastes both sides' bandwidth). Time is an argument; it never sleeps.
+* Back-pressure (issue 15, node/trainer/pacing.py): an ack's ``retry_after_ms`` paces the worker.
+  After it, that trainer gets nothing before the wait is over and :meth:`Outbox.generation_hold`
+  tells the generator to wait too (until the earliest trainer is free again), so a saturated
+  trainer or validator set slows the workers down instead of receiving work it would throw away. A
+  ``busy`` refusal (or any transient one) costs the batch no attempt: it stays queued and is
+  resubmitted after the wait if it is still fresh.
 
 Batch states (one per batch, refused loudly when illegal)::
 
@@ -74,6 +80,7 @@ class Pending:
 class _TrainerHealth:
     failures: int = 0  # consecutive failures; 0 after any ack
     blocked_until: float = 0.0
+    paced_until: float = 0.0  # the trainer's last ack asked for no new batch before this time
 
 
 @dataclass(frozen=True)
@@ -179,14 +186,20 @@ class Outbox:
         health = self._health_of(trainer)
         if ack.trainer_step:
             self.observe_version(ack.trainer_step)
+        wait = min(self.backoff_max, ack.retry_after_ms / 1000.0)  # a trainer cannot park us for longer
+        health.paced_until = now + wait
         if ack.accepted:
-            health.failures, health.blocked_until = 0, 0.0
+            health.failures, health.blocked_until = 0, (now + wait if wait > 0 else 0.0)
             self._finish(item, BatchState.ACCEPTED)
             return Outcome(BatchState.ACCEPTED, "ok")
         reason = ack.reason or "unspecified"
         if reason in TRANSIENT_REASONS:
-            self._back_off(trainer, now)
-            return self._retry(item, now, reason)
+            if wait > 0:  # the trainer said when: no guessing, and it is not a failure
+                health.failures, health.blocked_until = 0, now + wait
+            else:
+                self._back_off(trainer, now)
+            # "Not now" is no fault of the batch: it keeps its attempts and stays queued while fresh.
+            return self._retry(item, now, reason, counts=False)
         health.failures, health.blocked_until = 0, 0.0  # it answered sensibly: it is alive
         self._finish(item, BatchState.REFUSED)
         return Outcome(BatchState.REFUSED, reason)
@@ -200,6 +213,14 @@ class Outbox:
         # makes every trainer choke must not circulate forever); an unreachable trainer says nothing
         # about the batch, so it costs no attempt: staleness bounds how long such a batch waits.
         return self._retry(item, now, kind.value, counts=kind is not FailureKind.UNREACHABLE)
+
+    def generation_hold(self, trainers: Iterable[str], now: float) -> float:
+        """Time before which generating another batch is pointless: every trainer asked us to wait
+        (the earliest of their waits), or ``now`` when one of them takes work (or none is known)."""
+        ts = set(trainers)
+        if not ts:
+            return now
+        return max(now, min(self._health_of(t).paced_until for t in ts))
 
     def backoff_of(self, trainer: str) -> float:
         """Seconds a trainer is skipped after its latest failure (exponential, capped)."""
