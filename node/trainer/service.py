@@ -340,6 +340,7 @@ class Trainer:
                     else:
                         self._gone([verdict.batch_id], row.samples, outcome.reason)
                     self._wake("train" if outcome.passed else "ledger")
+                    self._wake("gate")  # a validator slot is free: send the next batch now, not at the next tick
                     return verdict.batch_id, True, ""
         self.verdicts[reason] += 1
         self.node.metrics.reject(VERDICT_SOURCE, reason)
@@ -441,7 +442,10 @@ class Trainer:
     async def _expire(self, batch_ids: list[bytes]) -> None:
         """Reject acknowledged batches the trainer can no longer train: our queueing, so no ledger
         entry and no strike (the worker was fresh when we took its batch)."""
-        samples = sum(r.samples for r in map(self.spool.get, batch_ids) if r is not None)
+        rows = [r for r in map(self.spool.get, batch_ids) if r is not None]
+        samples = sum(r.samples for r in rows)
+        log.info("trainer: %d batches expired at step %d before they could be trained (%s)", len(rows), self.step,
+                 ", ".join(f"v{r.policy_version} acked at {r.accepted_step} {r.state.value}" for r in rows[:4]))
         await self.db.run(functools.partial(self.spool.reject, batch_ids, "expired", ledger_due=False))
         self._gone(batch_ids, samples, "expired")
 

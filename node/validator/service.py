@@ -163,7 +163,8 @@ class ValidatorService:
         self.reasons: collections.Counter = collections.Counter()  # sample reason -> count
         self.margins = ProofMargins()  # how close accepted work comes to the proof thresholds
         self.tokens_checked = 0
-        self.check_seconds = 0.0
+        self.check_seconds = 0.0  # time spent judging batches (model work included)
+        self.first_job_at: float | None = None  # wall time the first batch arrived (utilisation)
         m = node.metrics
         self.m_queue = m.gauge("validator_queue_depth", "Batches waiting to be checked")
         self.m_busy = m.counter("validator_busy_total", "Batches refused because the check queue was full")
@@ -210,6 +211,8 @@ class ValidatorService:
             self.m_busy.inc()
             return batch_id, False, "busy"
         self.queued.add(batch_id)
+        if self.first_job_at is None:
+            self.first_job_at = self.wall_clock()
         self.m_queue.set(len(self.queued))
         return batch_id, True, ""
 
@@ -433,6 +436,11 @@ class ValidatorService:
             "models_loaded": list(self.models),
             "undelivered": sum(len(q) for q in self.pending.values()),
             "tokens_per_s": round(self.tokens_checked / self.check_seconds, 1) if self.check_seconds else None,
+            "check_seconds": round(self.check_seconds, 2),
+            # Share of the time since the first batch arrived spent checking: 1.0 = the bottleneck.
+            "utilisation": (round(self.check_seconds / elapsed, 4)
+                            if self.first_job_at is not None and (elapsed := now - self.first_job_at) > 0
+                            else None),
             "proof_margins": self.margins.status(self.rules.proofs),
         }
 
