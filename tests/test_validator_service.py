@@ -108,8 +108,10 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             assert set(third.reasons) == {BatchReason.BANNED.value}  # banned after two offences
             assert all(v.validator == validator.peer_id for v in received.values())
 
+            # A verdict is handed to the trainer before its ledger entry is appended: wait for the fifth.
+            await wait_for(lambda: validator.ledger.totals().get(validator.peer_id, {}).get("verdicts") == 5,
+                           what="five verdict entries in the validator's ledger")
             totals = validator.ledger.totals()
-            assert totals[validator.peer_id]["verdicts"] == 5
             assert totals[cheat_w.peer_id]["verdicts_failed"] == 3
             assert totals[cheat_w.peer_id]["penalties"] == 2 and totals[cheat_w.peer_id]["bans"] == 1
             assert totals.get(honest_w.peer_id, {}).get("penalties", 0) == 0
