@@ -46,9 +46,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seeds", default="0", help="comma-separated sampling seeds; curves are averaged over them")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=None, help="override the demo's [grpo] lr (for tuning)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rl, grpo = demo_tables()
+    if args.lr is not None:
+        grpo.lr = args.lr
     taskset = load_taskset(rl.taskset)
     levels = [int(x) for x in args.levels.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]

@@ -249,3 +249,15 @@ async def test_a_batch_claiming_a_future_version_is_rejected_after_the_grace(tmp
     j = await svc.judge(job)
     assert set(j.reasons) == {"future_policy"}
     assert 5.0 <= trio.current_time() - start < 6.0
+
+
+def test_a_validator_refuses_as_stale_only_what_the_trainer_could_no_longer_train() -> None:
+    """Issue 15: the trainer judged staleness at intake and keeps a batch trainable for
+    verify_grace_steps more steps; a validator that judged it again by version alone threw that away."""
+    from node.proofs.checks import check_policy_version
+
+    run = RunConfig(name="test", tables={"rl": RL, "grpo": {"async_level": 2, "verify_grace_steps": 3}})
+    rules = rules_from_run(run, ValidatorConfig())
+    assert rules.async_level == 5
+    assert check_policy_version(5, current_step=10, async_level=rules.async_level).ok  # 5 behind: still usable
+    assert not check_policy_version(4, current_step=10, async_level=rules.async_level).ok
