@@ -43,9 +43,8 @@ def run(steps: int, max_seconds: float, async_level: int | None, cheat: str, roo
     try:
         with LocalSwarm(root, log_level="warning") as swarm:
             text = RUN_TEMPLATE.format(trainer=swarm.peer_id("trainer"), validator=swarm.peer_id("validator"))
-            if async_level is not None:
-                text += f"\n[grpo]\nasync_level = {async_level}\n" if "[grpo]" not in text else ""
-                text = text.replace("[grpo]\n", f"[grpo]\nasync_level = {async_level}\n", 1) if "async_level" not in text else text
+            if async_level is not None:  # the demo's run file has a [grpo] table
+                text = text.replace("[grpo]\n", f"[grpo]\nasync_level = {async_level}\n", 1)
             swarm.write_run_file(text)
             for name, role in (("relay", "relay"), ("trainer", "trainer"), ("validator", "validator"),
                                ("inference-1", "inference"), ("inference-2", "inference")):

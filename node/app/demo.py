@@ -5,7 +5,10 @@ One relay (the bootstrap peer), a trainer, a validator and two inference nodes (
 process with its own data dir under ``--data-root``, on the embedded tiny model and the synthetic
 digit-reversal task. The run file names the trainer and the validator as the run's trusted peers.
 The live table shows members, checkpoint versions and where they are, rollouts accepted and
-rejected, and the reward; the demo ends with the trainer's reward curve and the ledger totals.
+rejected, and the reward; the demo ends with the trainer's reward curve (and the mean reward of its
+first and last 10 steps), where the honest work went (node/app/loopfigures.py: trained and lost
+fractions, trainer idle, validator utilisation, the trainer's time by phase, a sample's life) and
+the ledger totals. Those figures are also written to ``<data root>/figures.json``.
 """
 
 from __future__ import annotations
@@ -44,9 +47,16 @@ max_new_tokens = 10
 [trainer]
 max_pending_batches = 12
 target_pending_batches = 4
+verify_timeout_s = 30.0  # a batch the loaded validator could not judge is reassigned sooner
 
 [worker]
 max_pending_batches = 2
+
+# Staleness is judged at intake (node/trainer/intake.py); the one CPU validator, sharing two cores,
+# can take more than two of the demo's ~2 s steps to reach a batch, so an acknowledged batch stays
+# trainable for four steps (measured: with two, 19 % of the honest samples expired in the queue).
+[grpo]
+verify_grace_steps = 4
 """
 
 

@@ -22,7 +22,10 @@ class TrainerConfig:
     max_concurrent_intake: int = 16  # rollout streams handled at once; more wait for a slot
     verify_timeout_s: float = 120.0  # a validator silent this long on a batch is skipped for it
     max_verify_in_flight: int = 64  # batches sent to validators and awaiting a verdict
-    max_verify_per_validator: int = 2  # of those, on one validator: the trainer, not a validator's FIFO, orders verification
+    # Of those, on one validator: the trainer, not a validator's FIFO, orders verification. More than
+    # two because a batch a validator could not judge (checkpoint not obtained) holds its slot until
+    # verify_timeout_s: the validator says nothing (measured: two slots stalled a loaded demo for 120 s).
+    max_verify_per_validator: int = 4
     target_pending_batches: int = 0  # pending batches above which acks tell workers to wait (0 = max_pending_batches // 2)
     max_retry_after_s: float = 30.0  # longest wait an ack asks of a worker
     ban_after_strikes: int = 5  # invalid batches (forged, malformed, bad tokens...) that get a sender banned

@@ -34,6 +34,8 @@ Pure state machine, time passed in. Each gated batch is in one of these states:
   meant to save. Among batches with the same deadline, the fresher one is the better gradient.
   Overload (more batches than validators can check in time) is handled upstream: the trainer's
   acks tell workers to slow down (node/trainer/pacing.py).
+  Known limit: a validator that cannot judge a batch (its checkpoint not obtained in time) says
+  nothing, so that batch holds one of the validator's ``per_validator`` slots until its deadline.
 """
 
 from __future__ import annotations
