@@ -315,3 +315,13 @@ def test_a_trainer_cannot_park_a_worker_beyond_its_backoff_cap():
     _, t = ob.take(["T"], 0.0)
     ob.on_ack(a.batch_id, t, paced(a, True, wait_ms=3_600_000), 0.0)
     assert ob.generation_hold(["T"], 0.0) == 8.0
+
+
+def test_generation_does_not_start_from_the_oldest_version_the_trainer_still_takes():
+    ob = outbox(async_level=2)
+    ob.observe_version(5)
+    assert not ob.is_stale(3) and ob.too_old_to_start(3)  # fresh now, refused after one more trainer step
+    assert not ob.too_old_to_start(4)
+    sync = outbox(async_level=0)
+    sync.observe_version(5)
+    assert not sync.too_old_to_start(5) and sync.too_old_to_start(4)

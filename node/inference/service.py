@@ -228,11 +228,11 @@ class InferenceService:
                     await self._wait_changed()
                 self.stats.paced_s += trio.current_time() - now
                 continue
-            if self.outbox.is_stale(self.version):
-                # The trainer moved more than async_level steps past our weights (the download is
+            if self.outbox.too_old_to_start(self.version):
+                # The trainer moved (nearly) async_level steps past our weights (the download is
                 # behind): anything generated now would be refused. Wait for the newer version.
                 self.waiting_for_checkpoint = True
-                while self.outbox.is_stale(self.version):
+                while self.outbox.too_old_to_start(self.version):
                     self.stats.held_back += 1
                     await self._wait_changed()  # a load or a newer step seen notifies
                 self.waiting_for_checkpoint = False
