@@ -259,3 +259,69 @@ async def test_call_submit_unreachable():
     with pytest.raises(SubmitFailure) as err:
         await call_submit(FakeHost(None), "T", BID, b"batch", timeout=5)
     assert err.value.kind is FailureKind.UNREACHABLE
+
+
+def paced(p: Pending, accepted: bool, reason: str = "", wait_ms: int = 0) -> RolloutAck:
+    return RolloutAck(batch_id=p.batch_id, accepted=accepted, reason=reason, retry_after_ms=wait_ms)
+
+
+def test_busy_with_a_wait_keeps_the_batch_and_costs_no_attempt():
+    """Issue 15: a busy trainer does not burn the batch; it is resubmitted after the wait, still fresh."""
+    ob = outbox(attempts=1)  # one counted attempt would drop it
+    a = item(1)
+    ob.offer(a)
+    for k in range(5):
+        now = 10.0 * k
+        got, t = ob.take(["T"], now)
+        out = ob.on_ack(a.batch_id, t, paced(a, False, "busy", wait_ms=3000), now)
+        assert (out.state, out.reason) == (BatchState.QUEUED, "busy") and a.attempts == 0
+        assert ob.take(["T"], now + 2.9) is None  # the trainer said when
+    got, t = ob.take(["T"], 53.0)
+    assert got is a and ob.on_ack(a.batch_id, t, paced(a, True), 53.0).state is BatchState.ACCEPTED
+
+
+def test_a_busy_batch_that_went_stale_meanwhile_is_dropped_not_resent():
+    ob = outbox()
+    a = item(1, version=0)
+    ob.offer(a)
+    _, t = ob.take(["T"], 0.0)
+    out = ob.on_ack(a.batch_id, t, RolloutAck(batch_id=a.batch_id, accepted=False, reason="busy",
+                                              trainer_step=3, retry_after_ms=1000), 0.0)
+    assert (out.state, out.reason) == (BatchState.DROPPED, "stale")
+
+
+def test_an_ack_with_a_wait_holds_generation_until_the_earliest_trainer_is_free():
+    ob = outbox()
+    a, b = item(1), item(2)
+    ob.offer(a)
+    ob.offer(b)
+    assert ob.generation_hold(["T", "U"], 0.0) == 0.0
+    _, t = ob.take(["T"], 0.0)
+    ob.on_ack(a.batch_id, t, paced(a, True, wait_ms=4000), 0.0)
+    assert ob.generation_hold(["T"], 0.0) == 4.0  # the only trainer asked for 4 s
+    assert ob.generation_hold(["T", "U"], 0.0) == 0.0  # another trainer takes work now
+    _, u = ob.take(["U"], 0.0)
+    ob.on_ack(b.batch_id, u, paced(b, True, wait_ms=2000), 0.0)
+    assert ob.generation_hold(["T", "U"], 1.0) == 2.0 and ob.generation_hold(["T", "U"], 5.0) == 5.0
+    c = item(3)
+    ob.offer(c)
+    assert ob.take(["T"], 0.5)[0] is c  # a batch already made is still sent: holding it would only age it
+
+
+def test_a_trainer_cannot_park_a_worker_beyond_its_backoff_cap():
+    ob = outbox()  # backoff_max 8 s
+    a = item(1)
+    ob.offer(a)
+    _, t = ob.take(["T"], 0.0)
+    ob.on_ack(a.batch_id, t, paced(a, True, wait_ms=3_600_000), 0.0)
+    assert ob.generation_hold(["T"], 0.0) == 8.0
+
+
+def test_generation_does_not_start_from_the_oldest_version_the_trainer_still_takes():
+    ob = outbox(async_level=2)
+    ob.observe_version(5)
+    assert not ob.is_stale(3) and ob.too_old_to_start(3)  # fresh now, refused after one more trainer step
+    assert not ob.too_old_to_start(4)
+    sync = outbox(async_level=0)
+    sync.observe_version(5)
+    assert not sync.too_old_to_start(5) and sync.too_old_to_start(4)

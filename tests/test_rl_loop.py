@@ -65,6 +65,32 @@ def test_local_loop_runs_and_trains_in_place(engine):
     assert any(not torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
 
 
+def test_an_async_level_samples_from_weights_that_lag_that_many_steps(tmp_path):
+    path, _ = create_default_model(tmp_path / "m", warmup_steps=2, spec=SMALL)
+    e = TorchEngine("cpu")
+    e.load(path)
+    first = {k: v.clone() for k, v in e.model.state_dict().items()}
+    rl = RLConfig(group_size=4, prompts_per_batch=2, max_new_tokens=6)
+    sampled = []
+
+    def spy(engine_used):
+        sampled.append({k: v.clone() for k, v in engine_used.model.state_dict().items()})
+
+    import node.rl.loop as loop
+
+    real = loop.make_groups
+    loop.make_groups = lambda engine_used, *a, **kw: (spy(engine_used), real(engine_used, *a, **kw))[1]
+    try:
+        after = []  # the trainee's weights after each step: version step + 1
+        hist = run_local_loop(e, load_taskset("synthetic"), rl, GRPOConfig(lr=1e-2, warmup_steps=0), 4, async_level=2,
+                              on_step=lambda _: after.append({k: v.clone() for k, v in e.model.state_dict().items()}))
+    finally:
+        loop.make_groups = real
+    assert [h.policy_version for h in hist] == [0, 0, 0, 1]
+    assert all(torch.equal(sampled[i][k], first[k]) for i in range(3) for k in first)  # steps 0-2 sample from v0
+    assert all(torch.equal(sampled[3][k], after[0][k]) for k in first)  # step 3 samples from v1
+
+
 @pytest.mark.slow
 def test_mean_reward_rises_on_the_synthetic_task(tmp_path):
     """The demo's promise, measured: the default model + defaults learn digit reversal on a CPU."""

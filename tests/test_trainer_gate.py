@@ -121,3 +121,47 @@ def test_every_batch_is_either_decided_or_still_gated(ops, n):
     assert len(decided) == len(set(decided))
     assert set(decided) | set(g.batches) == set(ids)
     assert not set(decided) & set(g.batches)
+
+
+def test_batches_that_can_no_longer_be_trained_are_dropped_before_any_prefill():
+    """Issue 15: a waiting batch past its last trainable step never reaches a validator."""
+    g = ValidatorGate(timeout=10.0, max_in_flight=8)
+    g.add(bid(1), policy_version=3, expires=7)
+    g.add(bid(2), policy_version=5, expires=9)
+    assert g.drop_expired(step=7) == []  # step 7 may still train it
+    assert g.drop_expired(step=8) == [bid(1)]
+    assert [b for b, _ in g.due(VALS, 0.0)] == [bid(2)] and g.status()["skipped_expired"] == 1
+
+
+def test_a_batch_already_with_a_validator_is_left_to_finish():
+    g = ValidatorGate(timeout=10.0, max_in_flight=8)
+    g.add(bid(1), policy_version=3, expires=7)
+    g.due(VALS, 0.0)
+    g.sent(bid(1), 0.0)
+    assert g.drop_expired(step=9) == [] and bid(1) in g.batches
+
+
+def test_nearest_deadline_first_then_freshest_then_oldest_arrival():
+    g = ValidatorGate(timeout=10.0, max_in_flight=1)
+    g.add(bid(1), policy_version=4, expires=9)
+    g.add(bid(2), policy_version=2, expires=7)  # nearest deadline
+    g.add(bid(3), policy_version=5, expires=9)  # same deadline as 1, fresher
+    g.add(bid(4), policy_version=5, expires=9)  # same as 3, arrived later
+    order = []
+    for _ in range(4):
+        [(b, _)] = g.due(VALS, 0.0)
+        order.append(b)
+        g.on_verdict(b, True, ["ok"])
+    assert order == [bid(2), bid(3), bid(4), bid(1)]
+
+
+def test_each_validator_holds_only_its_share_so_the_order_stays_here():
+    g = ValidatorGate(timeout=10.0, max_in_flight=64, per_validator=2)
+    for i in range(10):
+        g.add(bid(i), policy_version=i, expires=100 - i)
+    sent = g.due(["val-a"], 0.0)
+    assert len(sent) == 2  # the checked batch and the next; the other 8 wait here, ordered
+    assert [b for b, _ in sent] == [bid(9), bid(8)]  # nearest deadlines
+    g.on_verdict(bid(9), True, ["ok"])
+    assert [b for b, _ in g.due(["val-a"], 0.0)] == [bid(7)]
+    assert len(g.due(VALS, 0.0)) == 4  # val-a is full; val-b and val-c take two each

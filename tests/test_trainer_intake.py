@@ -19,7 +19,7 @@ from node.rl.config import GRPOConfig
 from node.rollouts.schema import MAX_BATCH_BYTES, open_batch
 from node.trainer.config import TrainerConfig
 from node.peers import FaultRule, Peers, PeerTable
-from node.trainer.intake import NOT_STRIKES, IntakeLimits, intake_reason, staleness_reason
+from node.trainer.intake import NOT_STRIKES, IntakeLimits, expired, intake_reason, staleness_reason, trainable_until
 from node.trainer.service import Trainer
 from node.trainer.spool import BatchState, SpoolError, open_spool
 from node.trainer.testing import fake_wiring, reversal_batch, sign_batch
@@ -178,21 +178,54 @@ async def test_flat_batches_are_consumed_and_do_not_fill_the_queue(trainer):
     assert len(trainer.spool.ledger_due(10)) == 3  # valid work: credited as accepted
 
 
-async def test_batches_that_grow_stale_while_queued_expire_without_blame(trainer):
+async def test_a_batch_fresh_at_intake_is_not_wasted_by_a_slow_wait(trainer):
+    """Issue 15: staleness is judged at intake. Version 3 acknowledged at step 5 (async level 2) is
+    still trained at step 6 and 7, though by its version alone it would have been stale at 6."""
+    trainer.cfg.min_batch_samples = 4
+    ack = await trainer.judge(sign_batch(WORKER, batch(version=3)), WORKER.peer_id)
+    assert ack.accepted and trainer.spool.get(ack.batch_id).accepted_step == 5
+    trainer.policy.step = 7  # two steps of queueing later (verify_grace_steps = 2)
+    picked_ids, _, _ = await trainer.pick()
+    assert picked_ids == [ack.batch_id]
+
+
+async def test_batches_past_their_grace_expire_without_blame(trainer):
     ack = await trainer.judge(sign_batch(WORKER, batch(version=3)), WORKER.peer_id)
     assert ack.accepted
-    trainer.policy.step = 6  # two steps later, version 3 is out of the async window
+    trainer.policy.step = 8  # acknowledged at 5, grace 2: the last step it could be trained at was 7
     assert await trainer.pick() is None
     row = trainer.spool.get(ack.batch_id)
     assert row.state is BatchState.REJECTED and row.reason == "expired"
-    assert trainer.spool.ledger_due(10) == []
+    assert trainer.spool.ledger_due(10) == []  # no ledger entry against the worker
+    assert not trainer.node.peers.table.bans(0.0)  # and no strike
+    assert trainer.status()["sample_outcomes"] == {"expired": 8}
 
 
-async def test_pick_takes_whole_batches_until_min_batch_samples(trainer):
+def test_trainable_until_never_earlier_than_by_version():
+    assert trainable_until(3, 5, async_level=2, grace=2) == 7
+    assert trainable_until(5, 5, async_level=2, grace=0) == 7  # fresh by its version: the old rule still holds
+    assert trainable_until(3, None, async_level=2, grace=2) == 5  # a row from before accepted_step: old rule
+    assert trainable_until(4, 4, async_level=0, grace=0) == 4  # synchronous: trained before the next version
+    assert not expired(3, 5, 7, async_level=2, grace=2) and expired(3, 5, 8, async_level=2, grace=2)
+
+
+async def test_pick_takes_every_trainable_batch_up_to_max_step_samples(trainer):
     trainer.cfg.min_batch_samples = 12
     ids = [(await trainer.judge(sign_batch(WORKER, batch(step=s)), WORKER.peer_id)).batch_id for s in range(3)]
     picked_ids, samples, mean_reward = await trainer.pick()
-    assert picked_ids == ids[:2] and len(samples) == 16 and 0 < mean_reward <= 1
+    assert picked_ids == ids and len(samples) == 24 and 0 < mean_reward <= 1  # not only min_batch_samples' worth
+    trainer.tcfg.max_step_samples = 16
+    picked_ids, samples, _ = await trainer.pick()
+    assert picked_ids == ids[:2] and len(samples) == 16
+
+
+async def test_acks_carry_back_pressure_and_busy_says_when_to_retry(trainer):
+    """max_pending_batches 4, target 2: the second ack asks for a wait, the fifth batch is busy with one."""
+    acks = [await trainer.judge(sign_batch(WORKER, batch(step=s)), WORKER.peer_id) for s in range(5)]
+    assert [a.accepted for a in acks] == [True] * 4 + [False]
+    assert acks[0].retry_after_ms == 0  # below the target: no wait
+    assert 0 < acks[1].retry_after_ms < acks[2].retry_after_ms < acks[3].retry_after_ms  # grows with the queue
+    assert acks[4].reason == "busy" and acks[4].retry_after_ms >= acks[3].retry_after_ms
 
 
 def test_pure_intake_order_of_checks():

@@ -108,9 +108,9 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             assert set(third.reasons) == {BatchReason.BANNED.value}  # banned after two offences
             assert all(v.validator == validator.peer_id for v in received.values())
 
-            # The verdict is queued for delivery before its ledger entry is appended: wait for the last one.
+            # A verdict is handed to the trainer before its ledger entry is appended: wait for the fifth.
             await wait_for(lambda: validator.ledger.totals().get(validator.peer_id, {}).get("verdicts") == 5,
-                           what="5 verdict entries")
+                           what="five verdict entries in the validator's ledger")
             totals = validator.ledger.totals()
             assert totals[cheat_w.peer_id]["verdicts_failed"] == 3
             assert totals[cheat_w.peer_id]["penalties"] == 2 and totals[cheat_w.peer_id]["bans"] == 1
@@ -249,3 +249,15 @@ async def test_a_batch_claiming_a_future_version_is_rejected_after_the_grace(tmp
     j = await svc.judge(job)
     assert set(j.reasons) == {"future_policy"}
     assert 5.0 <= trio.current_time() - start < 6.0
+
+
+def test_a_validator_refuses_as_stale_only_what_the_trainer_could_no_longer_train() -> None:
+    """Issue 15: the trainer judged staleness at intake and keeps a batch trainable for
+    verify_grace_steps more steps; a validator that judged it again by version alone threw that away."""
+    from node.proofs.checks import check_policy_version
+
+    run = RunConfig(name="test", tables={"rl": RL, "grpo": {"async_level": 2, "verify_grace_steps": 3}})
+    rules = rules_from_run(run, ValidatorConfig())
+    assert rules.async_level == 5
+    assert check_policy_version(5, current_step=10, async_level=rules.async_level).ok  # 5 behind: still usable
+    assert not check_policy_version(4, current_step=10, async_level=rules.async_level).ok

@@ -101,7 +101,8 @@ class Stats:
     last_mean_reward: float | None = None
     reward_sum: float = 0.0
     swaps: int = 0
-    held_back: int = 0  # times the generator was ready for a step and waited (outbox full, weights too old)
+    held_back: int = 0  # times the generator was ready for a step and waited (outbox full, weights too old, paced)
+    paced_s: float = 0.0  # seconds the generator waited because trainers asked it to (back-pressure)
 
 
 class InferenceService:
@@ -131,6 +132,7 @@ class InferenceService:
         self.stats = Stats()
         self.outcomes: Counter[str] = Counter()  # "accepted", "refused/<reason>", "dropped/<reason>"
         self.failures: Counter[str] = Counter()  # transport failures by kind (retried)
+        self.sample_outcomes: Counter[str] = Counter()  # the same keys as outcomes, counted in samples
         self.sent = 0  # submissions attempted
         self.engine_lock = trio.Lock()  # held around each step and each weight swap
         self.loaded = trio.Event()
@@ -176,8 +178,8 @@ class InferenceService:
             # The newest announced version is the trainer's step even before it is downloaded here:
             # batches now too old for it are dropped instead of sent (INTELLECT-2's async level).
             announced = await self.shards.wait_announced(self.outbox.newest_version)
-            for _ in self.outbox.observe_version(announced):
-                self._count("dropped", "stale")
+            for p in self.outbox.observe_version(announced):
+                self._count("dropped", "stale", p.num_samples)
             self._notify()
 
     async def _follow_complete(self) -> None:
@@ -203,8 +205,8 @@ class InferenceService:
         self.m_version.set(version)
         log.info("inference: %s v%d", "loaded" if first else f"{how} to", version)
         self.loaded.set()
-        for _ in self.outbox.observe_version(version):
-            self._count("dropped", "stale")
+        for p in self.outbox.observe_version(version):
+            self._count("dropped", "stale", p.num_samples)
         self._notify()
         return True
 
@@ -216,11 +218,21 @@ class InferenceService:
             while self.outbox.full:
                 self.stats.held_back += 1
                 await self._wait_changed()
-            if self.outbox.is_stale(self.version):
-                # The trainer moved more than async_level steps past our weights (the download is
+            now = trio.current_time()
+            hold = self.outbox.generation_hold(self.trainers(), now)
+            if hold > now:
+                # Back-pressure (node/trainer/pacing.py): every trainer asked us to wait; a batch made
+                # now would queue behind work the trainer cannot absorb yet and age there.
+                self.stats.held_back += 1
+                with trio.move_on_at(hold):
+                    await self._wait_changed()
+                self.stats.paced_s += trio.current_time() - now
+                continue
+            if self.outbox.too_old_to_start(self.version):
+                # The trainer moved (nearly) async_level steps past our weights (the download is
                 # behind): anything generated now would be refused. Wait for the newer version.
                 self.waiting_for_checkpoint = True
-                while self.outbox.is_stale(self.version):
+                while self.outbox.too_old_to_start(self.version):
                     self.stats.held_back += 1
                     await self._wait_changed()  # a load or a newer step seen notifies
                 self.waiting_for_checkpoint = False
@@ -271,12 +283,12 @@ class InferenceService:
     async def _queue(self, r) -> None:
         sealed = r.sealed
         if sealed is None:
-            self._count("dropped", "oversized")
+            self._count("dropped", "oversized", r.samples)
             log.error("inference: step %d does not fit one frame and is not sent (a batch must hold every drawn "
                       "prompt); lower [rl] prompts_per_batch or max_new_tokens", r.step)
             return
         if self.outbox.is_stale(r.policy_version):
-            self._count("dropped", "stale")  # a newer version arrived while we generated
+            self._count("dropped", "stale", r.samples)  # a newer version arrived while we generated
             return
         while not self.outbox.offer(self._pending(sealed, r.policy_version)):
             await self._wait_changed()  # full: wait for a delivery or a drop
@@ -316,7 +328,7 @@ class InferenceService:
             else:
                 outcome = self.outbox.on_ack(item.batch_id, trainer, ack, trio.current_time())
             if outcome.state is not BatchState.QUEUED:
-                self._count(outcome.state.value, outcome.reason)
+                self._count(outcome.state.value, outcome.reason, item.num_samples)
             self._notify()
             self._advertise()
 
@@ -334,8 +346,10 @@ class InferenceService:
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
-    def _count(self, state: str, reason: str) -> None:
-        self.outcomes["accepted" if state == "accepted" else f"{state}/{reason}"] += 1
+    def _count(self, state: str, reason: str, samples: int = 0) -> None:
+        key = "accepted" if state == "accepted" else f"{state}/{reason}"
+        self.outcomes[key] += 1
+        self.sample_outcomes[key] += samples
         self.m_batches.labels(outcome=state, reason=reason).inc()
         self.m_queue.set(len(self.outbox))
 
@@ -376,6 +390,8 @@ class InferenceService:
                 "dropped": dropped,
                 "transport_failures": dict(self.failures),
             },
+            "sample_outcomes": dict(self.sample_outcomes),
+            "paced_s": round(st.paced_s, 2),
             "trainers_alive": len(self.trainers()),
             "weight_swaps": st.swaps,
             "waiting_for_checkpoint": self.waiting_for_checkpoint,

@@ -72,6 +72,10 @@ class GRPOConfig:
     pack_length: int = 512  # tokens per packed row (INTELLECT-2: 32k)
     temperature: float = 1.0  # logits are divided by the sampling temperature before log-softmax
     async_level: int = 2  # accept rollouts made with policy version >= step - async_level
+    # Staleness is judged once, at intake (node/trainer/intake.py): a batch fresh when the trainer
+    # acknowledged it at step a stays trainable until step a + verify_grace_steps, however long its
+    # verification takes, so it is trained at most async_level + this many versions behind.
+    verify_grace_steps: int = 2  # steps an acknowledged batch stays trainable: staleness is judged once, at intake
     min_batch_samples: int = 16  # online filtering: wait for this many non-zero-advantage samples
 
     def validate(self) -> None:
@@ -91,6 +95,8 @@ class GRPOConfig:
             raise ValueError("temperature: > 0")
         if not 0 <= self.async_level <= 64:
             raise ValueError("async_level: 0..64")
+        if not 0 <= self.verify_grace_steps <= 64:
+            raise ValueError("verify_grace_steps: 0..64")
         if self.min_batch_samples < 1:
             raise ValueError("min_batch_samples: >= 1")
 

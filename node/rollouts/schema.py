@@ -122,6 +122,9 @@ class RolloutAck(Message):
     accepted: bool = False
     reason: str = bounded(max_len=64, default="")  # reason code when refused
     trainer_step: int = bounded(min=0, max=2**62, default=0)  # lets the worker notice it is stale
+    # Back-pressure (node/trainer/pacing.py): the sender should not send (nor generate) another batch
+    # for this trainer before this many milliseconds; with ``busy`` it says when to resubmit this one.
+    retry_after_ms: int = bounded(min=0, max=3_600_000, default=0)
 
 
 @register

@@ -23,12 +23,22 @@ class TrainerConfig:
     max_intake_per_peer: int = 4  # rollout streams one peer may hold at once (below max_concurrent_intake); more are refused
     verify_timeout_s: float = 120.0  # a validator silent this long on a batch is skipped for it
     max_verify_in_flight: int = 64  # batches sent to validators and awaiting a verdict
+    # Of those, on one validator: the trainer, not a validator's FIFO, orders verification. More than
+    # two because a batch a validator could not judge (checkpoint not obtained) holds its slot until
+    # verify_timeout_s: the validator says nothing (measured: two slots stalled a loaded demo for 120 s).
+    max_verify_per_validator: int = 4
+    target_pending_batches: int = 0  # pending batches above which acks tell workers to wait (0 = max_pending_batches // 2)
+    max_retry_after_s: float = 30.0  # longest wait an ack asks of a worker
     ban_after_strikes: int = 5  # invalid batches (forged, malformed, bad tokens...) that get a sender banned
     strike_window_s: float = 600.0  # ... when they fall within this many seconds
     ban_seconds: float = 3600.0  # how long a banned sender's streams are refused
     device: str = "auto"  # auto (cuda when present, else cpu) | cpu | cuda | cuda:N
     seed: int = 0  # seeds the torch RNG on first start (restored from the training state afterwards)
     init_warmup_steps: int = -1  # warm-up steps of a fresh embedded default model (-1 = node.rl.warmup's default, 0 = random)
+
+    def pacing_target(self) -> int:
+        """Pending batches at which back-pressure starts (node/trainer/pacing.py)."""
+        return self.target_pending_batches or max(1, self.max_pending_batches // 2)
 
     def validate(self) -> None:
         if self.keep_checkpoints < 1:
@@ -41,8 +51,12 @@ class TrainerConfig:
             raise ValueError("ban_after_strikes >= 1, strike_window_s > 0, ban_seconds >= 0")
         if self.verify_timeout_s <= 0:
             raise ValueError("verify_timeout_s: > 0")
-        if self.max_verify_in_flight < 1:
-            raise ValueError("max_verify_in_flight: at least 1")
+        if self.max_verify_in_flight < 1 or self.max_verify_per_validator < 1:
+            raise ValueError("max_verify_in_flight, max_verify_per_validator: at least 1")
+        if not 0 <= self.target_pending_batches <= self.max_pending_batches:
+            raise ValueError("target_pending_batches: 0 (= max_pending_batches // 2) .. max_pending_batches")
+        if self.max_retry_after_s <= 0 or self.max_retry_after_s > 3600:
+            raise ValueError("max_retry_after_s: in (0, 3600]")
         if self.init_warmup_steps < -1:
             raise ValueError("init_warmup_steps: -1 (default), 0 (none) or more")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

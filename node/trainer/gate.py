@@ -18,7 +18,24 @@ Pure state machine, time passed in. Each gated batch is in one of these states:
 * A verdict counts whoever signed it, as long as the signer is a validator of the run (checked by
   ``open_verdict`` before it reaches here): a late verdict from a validator we had given up on is as
   good as the one we were waiting for, and the second verdict for a batch is ignored (``decided``).
-* At most ``max_in_flight`` batches are SENDING or AWAITING at once (bounded work on validators).
+* At most ``max_in_flight`` batches are SENDING or AWAITING at once (bounded work on validators),
+  and at most ``per_validator`` on any one validator: a validator holds only the batch it checks and
+  the next, so the order of verification is decided here, where the batches' ages are known, and not
+  by the first-come queue of a validator that fell behind (issue 15).
+* **Order and skipping** (issue 15). Each batch carries the last trainer step at which it can still
+  be trained (``expires``, :func:`node.trainer.intake.trainable_until`) and its policy version.
+  :meth:`drop_expired` removes the batches the trainer can no longer use *before* any validator
+  spends a prefill on them (the trainer rejects them as ``expired``, no blame: our queueing, not the
+  worker's fault). The others go out earliest deadline first, then freshest version first, then
+  oldest arrival. Why that order rather than "freshest first": every batch here was fresh when
+  acknowledged and has a deadline; serving the nearest deadline first loses none of them whenever
+  any order could keep them all (Jackson's rule for unit jobs with deadlines), while freshest-first
+  would let older ones expire whenever fresh work keeps coming — exactly the honest work this is
+  meant to save. Among batches with the same deadline, the fresher one is the better gradient.
+  Overload (more batches than validators can check in time) is handled upstream: the trainer's
+  acks tell workers to slow down (node/trainer/pacing.py).
+  Known limit: a validator that cannot judge a batch (its checkpoint not obtained in time) says
+  nothing, so that batch holds one of the validator's ``per_validator`` slots until its deadline.
 """
 
 from __future__ import annotations
@@ -46,6 +63,9 @@ class Gated:
     deadline: float = 0.0
     failed: set[str] = field(default_factory=set)  # validators that timed out or refused this batch
     attempts: int = 0
+    policy_version: int = 0
+    expires: int | None = None  # last trainer step at which the batch can be trained (None: never expires)
+    seq: int = 0  # arrival order
 
 
 @dataclass(frozen=True)
@@ -60,20 +80,40 @@ class VerdictOutcome:
 class ValidatorGate:
     """Routing of gated batches to validators (see the module docstring)."""
 
-    def __init__(self, timeout: float, max_in_flight: int) -> None:
+    def __init__(self, timeout: float, max_in_flight: int, per_validator: int | None = None) -> None:
         self.timeout = timeout
         self.max_in_flight = max_in_flight
+        self.per_validator = max_in_flight if per_validator is None else per_validator
         self.batches: dict[bytes, Gated] = {}
         self.decided: dict[bytes, bool] = {}  # insertion-ordered; bounded by MAX_DECIDED
         self.timeouts = 0
         self.reassignments = 0
+        self.skipped = 0  # batches dropped as expired before any validator checked them
+        self._seq = 0
 
-    def add(self, batch_id: bytes) -> None:
+    def add(self, batch_id: bytes, policy_version: int = 0, expires: int | None = None) -> None:
         if batch_id not in self.batches and batch_id not in self.decided:
-            self.batches[batch_id] = Gated(batch_id)
+            self._seq += 1
+            self.batches[batch_id] = Gated(batch_id, policy_version=policy_version, expires=expires, seq=self._seq)
 
     def in_flight(self) -> int:
         return sum(1 for g in self.batches.values() if g.phase is not Phase.UNASSIGNED)
+
+    def drop_expired(self, step: int) -> list[bytes]:
+        """Forget the waiting (UNASSIGNED) batches that the trainer at ``step`` can no longer train;
+        returns them, for the trainer to reject without blame. Batches already with a validator are
+        left to finish: their prefill is being spent, and a verdict is what credits the worker."""
+        out = [g.batch_id for g in self.batches.values()
+               if g.phase is Phase.UNASSIGNED and g.expires is not None and step > g.expires]
+        for b in out:
+            del self.batches[b]
+        self.skipped += len(out)
+        return out
+
+    @staticmethod
+    def _order(g: Gated) -> tuple:
+        # Earliest deadline first, then freshest version, then oldest arrival (module docstring).
+        return (g.expires if g.expires is not None else float("inf"), -g.policy_version, g.seq)
 
     def due(self, live_validators: Collection[str], now: float) -> list[tuple[bytes, str]]:
         """(batch id, validator) pairs to send now; each is SENDING until sent() or send_failed()."""
@@ -82,20 +122,26 @@ class ValidatorGate:
         budget = self.max_in_flight - self.in_flight()
         if budget <= 0 or not live_validators:
             return out
+        load: dict[str, int] = {}
         for g in self.batches.values():
+            if g.phase is not Phase.UNASSIGNED and g.validator is not None:
+                load[g.validator] = load.get(g.validator, 0) + 1
+        for g in sorted((g for g in self.batches.values() if g.phase is Phase.UNASSIGNED), key=self._order):
             if len(out) >= budget:
                 break
-            if g.phase is not Phase.UNASSIGNED:
-                continue
-            v = assign_validator(g.batch_id, live_validators, exclude=g.failed)
-            if v is None:  # every live validator failed this batch: start over
-                g.failed.clear()
-                v = assign_validator(g.batch_id, live_validators)
+            full = {v for v in live_validators if load.get(v, 0) >= self.per_validator}
+            if len(full) >= len(set(live_validators)):
+                break  # every validator holds its share: the rest wait, in order
+            v = assign_validator(g.batch_id, live_validators, exclude=g.failed | full)
+            if v is None and assign_validator(g.batch_id, live_validators, exclude=g.failed) is None:
+                g.failed.clear()  # every live validator failed this batch: start over
+                v = assign_validator(g.batch_id, live_validators, exclude=full)
             if v is None:
                 continue
             if g.attempts:
                 self.reassignments += 1
             g.phase, g.validator, g.attempts = Phase.SENDING, v, g.attempts + 1
+            load[v] = load.get(v, 0) + 1
             out.append((g.batch_id, v))
         return out
 
@@ -150,4 +196,4 @@ class ValidatorGate:
             if g.validator:
                 per_validator[g.validator] = per_validator.get(g.validator, 0) + 1
         return {"waiting": by_phase, "per_validator": per_validator, "timeouts": self.timeouts,
-                "reassignments": self.reassignments, "decided": len(self.decided)}
+                "reassignments": self.reassignments, "decided": len(self.decided), "skipped_expired": self.skipped}

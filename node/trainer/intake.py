@@ -3,8 +3,15 @@
 ``open_batch`` checked size, signature, schema, run and signer; what is left depends on the
 trainer's state, so it lives here, as a function of that state (no I/O, no clock):
 
-* **staleness** (INTELLECT-2 §3, "asynchronous RL"): a batch made with policy version ``v`` is used
-  at step ``s`` only if ``v >= s - async_level``; a version newer than ours cannot exist (``future``);
+* **staleness** (INTELLECT-2 §3, "asynchronous RL"), judged **once, here**: a batch made with policy
+  version ``v`` is acknowledged at step ``a`` only if ``v >= a - async_level``; a version newer than
+  ours cannot exist (``future``). An acknowledged batch then stays trainable until step
+  ``a + verify_grace_steps`` (:func:`trainable_until`), whatever its verification costs: the time
+  it waits for a validator is the system's queueing, not the worker's lag, and judging staleness
+  again after that wait threw away honest work (issue 15: 40 % of it on a loaded 2-core machine).
+  The bound on how far behind a trained sample can be stays fixed (``async_level +
+  verify_grace_steps`` versions), which INTELLECT-2's two-sided clipping is there to absorb; a batch
+  that can no longer be trained is dropped before any validator spends a prefill on it;
 * **replay**: a batch id seen before (spooled, trained or refused) is refused; batch ids are content
   hashes of the signed payload, so a replay is byte-identical and always caught. A different batch
   for a (worker, step) already spooled is refused too: a worker must not sample many batches for one
@@ -48,6 +55,24 @@ def staleness_reason(policy_version: int, step: int, async_level: int) -> str | 
     if policy_version < step - async_level:
         return "stale"
     return None
+
+
+def trainable_until(policy_version: int, accepted_step: int | None, async_level: int, grace: int) -> int:
+    """The last trainer step (current policy version) at which a batch may still be trained.
+
+    ``accepted_step`` is the trainer's step when it acknowledged the batch (None for rows spooled
+    before it was recorded: they keep the old rule, ``policy_version + async_level``). Never earlier
+    than the old rule, so a batch that is fresh by its version is never dropped for its wait.
+    """
+    by_version = policy_version + async_level
+    if accepted_step is None:
+        return by_version
+    return max(by_version, accepted_step + grace)
+
+
+def expired(policy_version: int, accepted_step: int | None, step: int, async_level: int, grace: int) -> bool:
+    """True once the trainer at ``step`` may no longer train an acknowledged batch (see :func:`trainable_until`)."""
+    return step > trainable_until(policy_version, accepted_step, async_level, grace)
 
 
 def shape_reason(batch: RolloutBatch, limits: IntakeLimits) -> str | None:

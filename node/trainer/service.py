@@ -13,10 +13,16 @@ How this works
   (:mod:`node.trainer.gate`) picks a live validator by rendezvous hashing and we forward the signed
   batch over ``/swarm/verify/1.0.0``; the validator later opens ``/swarm/verdicts/1.0.0`` to us with
   a signed Verdict (:meth:`Trainer.verdicts_handler`). A pass makes the batch READY, a failure
-  REJECTED; a silent validator is skipped for that batch after ``verify_timeout_s``.
+  REJECTED; a silent validator is skipped for that batch after ``verify_timeout_s``. The gate sends
+  the nearest deadline first and drops, before any prefill, batches the trainer can no longer use.
   With no validators the gate is off (shown in status) and batches are READY at once.
-* **Loop** (:meth:`Trainer.train_loop`): take READY batches oldest first, drop the ones that became
-  too stale while they waited, drop zero-signal groups (online filtering), and once
+* **Staleness** is judged once, at intake (node/trainer/intake.py ``trainable_until``): a batch
+  acknowledged at step ``a`` stays trainable until step ``a + [grpo] verify_grace_steps``.
+* **Back-pressure** (node/trainer/pacing.py): every ack carries ``retry_after_ms``, the time the
+  trainer needs to drain its queue back to ``target_pending_batches`` at its measured rate; workers
+  wait that long before generating again. ``busy`` (queue at its bound) carries the same wait.
+* **Loop** (:meth:`Trainer.train_loop`): take every READY batch still trainable (nearest deadline
+  first, up to ``max_step_samples``), drop zero-signal groups (online filtering), and once
   ``min_batch_samples`` samples with signal are there, run one rollout step in a worker thread,
   save the model folder and training state, publish the folder through the shard swarm as the
   next version and record it in the ledger. Generation never waits for training and training never
@@ -30,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -67,9 +74,11 @@ from .intake import (
     NOT_ATTRIBUTABLE,
     IntakeLimits,
     NOT_STRIKES,
+    expired,
     intake_reason,
-    staleness_reason,
+    trainable_until,
 )
+from .pacing import Pacer
 from .fsdp import open_policy
 from .policy import Policy, training_samples
 from .spool import BatchState, Spool, StepRecord, open_spool
@@ -90,6 +99,7 @@ LEDGER_CHUNK = 32  # ledger entries written per wake-up
 GATE_TICK = 1.0  # seconds between gate passes when nothing happens
 STATUS_STEPS = 200  # reward-curve points in status (longer runs are averaged into this many buckets)
 ZERO_ID = bytes(32)
+MAX_LIFE_TRACKED = 4096  # batches whose generated/acked/verified times are remembered until trained
 
 
 class Trainer:
@@ -113,7 +123,10 @@ class Trainer:
         run = node.config.run
         self.run_name = run.name
         self.validators = set(run.validators)
-        self.gate = ValidatorGate(tcfg.verify_timeout_s, tcfg.max_verify_in_flight) if self.validators else None
+        self.gate = (ValidatorGate(tcfg.verify_timeout_s, tcfg.max_verify_in_flight, tcfg.max_verify_per_validator)
+                     if self.validators else None)
+        self.pacer = Pacer(tcfg.pacing_target(), tcfg.max_pending_batches, tcfg.max_retry_after_s)
+        self.wall_clock = time.time  # the sample-life figures compare with workers' created_ms stamps
         self.limits = IntakeLimits(policy.vocab_size, cfg.pack_length, cfg.temperature, cfg.async_level)
         # The step window (node/rollouts/steps.py) is sized by the run's [worker] table, as the workers' outboxes are.
         self.step_window = step_window_size(run.section("worker", WorkerConfig).max_pending_batches)
@@ -132,7 +145,12 @@ class Trainer:
         self._wake_gate = trio.Event()
         self._wake_ledger = trio.Event()
         self.idle_s = 0.0  # time the loop waited for rollouts since the first batch of this run arrived
-        self.busy_s = 0.0  # time spent in steps (train + save)
+        self.busy_s = 0.0  # time spent in steps (train + save + publish)
+        self.step_time = Counter()  # seconds of step wall time by phase: train, save, publish (wait = idle_s)
+        self.sample_outcomes = Counter()  # samples by what became of their batch since start: trained, <reason>
+        self._life: dict[bytes, tuple[float, float, float | None]] = {}  # batch -> (generated, acked, verified) wall s
+        self.life_s = Counter()  # summed seconds per stage of trained batches: queued (generated->acked), ...
+        self.life_n = 0  # trained batches in those sums
         self.last_step: dict = {}
         self.no_signal_batches = 0  # batches consumed with every group flat (nothing to learn from)
         self.dropped_steps = 0  # steps whose loss or gradients were not finite (see _drop_step)
@@ -187,8 +205,10 @@ class Trainer:
             return self._refuse(signed.batch_id, "banned", sender)
         # The capacity, replay and step-window checks hold until the batch is spooled: no other judge in between.
         async with self._spool_lock:
-            if self.spool.pending() >= self.tcfg.max_pending_batches and not self.spool.knows(signed.batch_id):
-                return self._refuse(signed.batch_id, "busy", sender)
+            pending = self.spool.pending()
+            if self.pacer.busy(pending) and not self.spool.knows(signed.batch_id):
+                return self._refuse(signed.batch_id, "busy", sender,
+                                    retry_after=self.pacer.retry_after(pending, self.clock()))
             announced = self.shards.announced.get(b.policy_version)  # (root, announcer) of our own manifest
             reason = intake_reason(
                 b,
@@ -215,30 +235,41 @@ class Trainer:
                         window=0 if reason in KEEPS_WINDOW else self.step_window))
                     self._wake("ledger")
                 return self._refuse(signed.batch_id, reason, sender)
+            # Staleness was judged just now, against the step of this acknowledgement: from here on the
+            # batch's wait is ours, and it is trainable until trainable_until() (intake.py).
+            state = BatchState.GATED if self.gate is not None else BatchState.READY
+            await self.db.run(functools.partial(self.spool.add, signed, state, window=self.step_window,
+                                                accepted_step=self.step))
+            if len(self._life) < MAX_LIFE_TRACKED:
+                self._life[signed.batch_id] = (b.created_ms / 1000.0, self.wall_clock(), None)
             if self.gate is not None:
-                await self.db.run(functools.partial(self.spool.add, signed, BatchState.GATED, window=self.step_window))
-                self.gate.add(signed.batch_id)
+                self.gate.add(signed.batch_id, b.policy_version, self._expiry(b.policy_version, self.step))
                 self._wake("gate")
             else:
-                await self.db.run(functools.partial(self.spool.add, signed, BatchState.READY, window=self.step_window))
                 self._wake("train")
             self.quota.take(b.worker, history, self.clock())
+            wait = self.pacer.retry_after(pending + 1, self.clock())
         self.intake["accepted"] += 1
         self.m_batches.labels(outcome="accepted").inc()
-        return RolloutAck(batch_id=signed.batch_id, accepted=True, trainer_step=self.step)
+        return RolloutAck(batch_id=signed.batch_id, accepted=True, trainer_step=self.step,
+                          retry_after_ms=int(wait * 1000))
 
-    def _refuse(self, batch_id: bytes, reason: str, sender: str) -> RolloutAck:
+    def _expiry(self, policy_version: int, accepted_step: int | None) -> int:
+        return trainable_until(policy_version, accepted_step, self.cfg.async_level, self.cfg.verify_grace_steps)
+
+    def _refuse(self, batch_id: bytes, reason: str, sender: str, retry_after: float = 0.0) -> RolloutAck:
         self.intake[reason] += 1
         self.m_batches.labels(outcome=reason).inc()
         self.node.metrics.reject(SOURCE, reason)
         self._strike(sender, reason)
-        return RolloutAck(batch_id=batch_id, accepted=False, reason=reason, trainer_step=self.step)
+        return RolloutAck(batch_id=batch_id, accepted=False, reason=reason, trainer_step=self.step,
+                          retry_after_ms=int(retry_after * 1000))
 
     def _refuse_quota(self, batch_id: bytes, refusal: QuotaRefusal, sender: str) -> RolloutAck:
         """Not now: the worker has used its quota for this interval (no strike, no ledger entry)."""
         log.info("trainer: batch %s of %s refused: %s, %s; next interval in %.0fs", batch_id.hex()[:12],
                  sender[-8:], refusal.reason, refusal.detail, refusal.retry_after_s)
-        return self._refuse(batch_id, refusal.reason, sender)
+        return self._refuse(batch_id, refusal.reason, sender, retry_after=refusal.retry_after_s)
 
     def _strike(self, sender: str, reason: str) -> None:
         """Report a refusal that is the sender's fault to the peer table; a ban it earns is recorded."""
@@ -332,7 +363,14 @@ class Trainer:
                 else:
                     await self.db.run(self.spool.decide, verdict.batch_id, outcome.passed, outcome.reason, data)
                     self.verdicts["passed" if outcome.passed else "failed"] += 1
+                    if outcome.passed:
+                        life = self._life.get(verdict.batch_id)
+                        if life is not None:
+                            self._life[verdict.batch_id] = (life[0], life[1], self.wall_clock())
+                    else:
+                        self._gone([verdict.batch_id], row.samples, outcome.reason)
                     self._wake("train" if outcome.passed else "ledger")
+                    self._wake("gate")  # a validator slot is free: send the next batch now, not at the next tick
                     return verdict.batch_id, True, ""
         self.verdicts[reason] += 1
         self.node.metrics.reject(VERDICT_SOURCE, reason)
@@ -345,6 +383,9 @@ class Trainer:
         async with trio.open_nursery() as nursery:
             while True:
                 now = trio.current_time()
+                skipped = self.gate.drop_expired(self.step)
+                if skipped:  # before any validator spends a prefill on them (gate.py)
+                    await self._expire(skipped)
                 for batch_id, validator in self.gate.due(self.live_validators(), now):
                     nursery.start_soon(self._send_to_validator, batch_id, validator)
                 nxt = self.gate.next_deadline()
@@ -384,20 +425,25 @@ class Trainer:
     async def pick(self) -> tuple[list[bytes], list[TrainSample], float] | None:
         """READY batches for the next step: (ids, samples, mean reward), or None to keep waiting.
 
-        Batches too stale for this step are rejected ("expired": our delay, not the worker's fault,
-        so no ledger entry). Batches whose every group is flat (online filtering left nothing) are
-        consumed at once by the coming step: valid work, credited, but they must not fill the queue
-        while a weak policy scores everything alike. The rest are taken oldest first and whole, until
-        ``min_batch_samples`` samples with signal are in hand (capped at ``max_step_samples``).
+        Batches the trainer can no longer train (past :func:`node.trainer.intake.trainable_until`)
+        are rejected ("expired": our delay, not the worker's fault, so no ledger entry). Batches whose
+        every group is flat (online filtering left nothing) are consumed at once by the coming step:
+        valid work, credited, but they must not fill the queue while a weak policy scores everything
+        alike. The rest are taken whole, nearest deadline first, *all* of them up to
+        ``max_step_samples``: a step that took only ``min_batch_samples`` left the rest to age past
+        their deadline while workers kept sending (issue 15); ``min_batch_samples`` is the least a
+        step waits for.
         """
         ids: list[bytes] = []
         samples: list[TrainSample] = []
         reward_sum = 0.0
         n_all = 0
-        expired, flat = [], []
-        for row in self.spool.in_state(BatchState.READY, limit=self.tcfg.max_pending_batches):
-            if staleness_reason(row.policy_version, self.step, self.cfg.async_level):
-                expired.append(row.batch_id)
+        gone, flat = [], []
+        rows = self.spool.in_state(BatchState.READY, limit=self.tcfg.max_pending_batches)
+        rows.sort(key=lambda r: (self._expiry(r.policy_version, r.accepted_step), -r.policy_version))
+        for row in rows:
+            if expired(row.policy_version, row.accepted_step, self.step, self.cfg.async_level, self.cfg.verify_grace_steps):
+                gone.append(row.batch_id)
                 continue
             got, _ = self._decoded(row.batch_id)
             if not got:
@@ -409,20 +455,53 @@ class Trainer:
             samples.extend(got)
             reward_sum += row.mean_reward * row.samples
             n_all += row.samples
-            if len(samples) >= self.cfg.min_batch_samples:
-                break
-        if expired:
-            await self.db.run(functools.partial(self.spool.reject, expired, "expired", ledger_due=False))
+        if gone:
+            await self._expire(gone)
         if flat:
             await self.db.run(self.spool.take, flat, self.step + 1)  # like any batch of that step: back to READY if it is lost
             self.no_signal_batches += len(flat)
+            self._trained(flat)
             self._wake("ledger")
-        for bid in expired + flat:
+        for bid in gone + flat:
             self._samples.pop(bid, None)
         self.samples_in_hand = len(samples)
         if len(samples) < self.cfg.min_batch_samples:
             return None
         return ids, samples, reward_sum / max(n_all, 1)
+
+    async def _expire(self, batch_ids: list[bytes]) -> None:
+        """Reject acknowledged batches the trainer can no longer train: our queueing, so no ledger
+        entry and no strike (the worker was fresh when we took its batch)."""
+        rows = [r for r in map(self.spool.get, batch_ids) if r is not None]
+        samples = sum(r.samples for r in rows)
+        log.info("trainer: %d batches expired at step %d before they could be trained (%s)", len(rows), self.step,
+                 ", ".join(f"v{r.policy_version} acked at {r.accepted_step} {r.state.value}" for r in rows[:4]))
+        await self.db.run(functools.partial(self.spool.reject, batch_ids, "expired", ledger_due=False))
+        self._gone(batch_ids, samples, "expired")
+
+    def _gone(self, batch_ids: list[bytes], samples: int, reason: str) -> None:
+        """Acknowledged batches that left the queue untrained (figures and pacing)."""
+        self.sample_outcomes[reason] += samples
+        self.pacer.on_drained(len(batch_ids), self.clock())
+        for bid in batch_ids:
+            self._life.pop(bid, None)
+
+    def _trained(self, batch_ids: list[bytes]) -> None:
+        """Batches consumed by the coming step: sample figures, the stages of their life, pacing."""
+        now = self.wall_clock()
+        for bid in batch_ids:
+            row = self.spool.get(bid)
+            if row is not None:
+                self.sample_outcomes["trained"] += row.samples
+            life = self._life.pop(bid, None)
+            if life is not None:
+                generated, acked, verified = life
+                verified = acked if verified is None else verified  # no validators: ready at once
+                self.life_s["generated_to_acked"] += max(0.0, acked - generated)
+                self.life_s["acked_to_verified"] += verified - acked
+                self.life_s["verified_to_trained"] += now - verified
+                self.life_n += 1
+        self.pacer.on_drained(len(batch_ids), self.clock())
 
     async def train_loop(self) -> None:
         """Step whenever enough READY samples are there; publish each new version."""
@@ -440,6 +519,7 @@ class Trainer:
         """One rollout step on the given READY batches, recorded, saved and published (None: dropped)."""
         version = self.step + 1
         await self.db.run(self.spool.take, ids, version)  # before training: see Spool.recover
+        self._trained(ids)
         t0 = trio.current_time()
         try:
             stats = await trio.to_thread.run_sync(self.policy.train, samples)
@@ -447,11 +527,13 @@ class Trainer:
             await self._drop_step(ids, e)
             return None
         seconds = trio.current_time() - t0
-        self.busy_s += seconds
+        self.step_time["train"] += seconds
         record = StepRecord(version, mean_reward, len(samples), len(ids), stats.tokens, stats.loss, seconds)
+        t1 = trio.current_time()
         await self.db.run(self.spool.record_step, record)  # then the model: never a saved model without its record
         await trio.to_thread.run_sync(self.policy.save)
         await self.db.run(self.spool.finish_step, record)
+        self.step_time["save"] += trio.current_time() - t1
         for bid in ids:
             self._samples.pop(bid, None)
         self.reward_curve.append((version, mean_reward))
@@ -467,9 +549,12 @@ class Trainer:
         self.m_step_seconds.observe(seconds)
         log.info("trainer: step %d: %d samples from %d batches, mean reward %.3f, loss %.4f, %.2fs",
                  version, len(samples), len(ids), mean_reward, stats.loss, seconds)
-        await self.db.run(self.spool.prune, version - self.cfg.async_level - 1)
+        await self.db.run(self.spool.prune, version - self.cfg.async_level - self.cfg.verify_grace_steps - 1)
         self._wake("ledger")
+        t2 = trio.current_time()
         await self.publish(version)
+        self.step_time["publish"] += trio.current_time() - t2
+        self.busy_s += trio.current_time() - t0
         return record
 
     async def _drop_step(self, ids: list[bytes], error: NonFiniteStep) -> None:
@@ -484,6 +569,8 @@ class Trainer:
         await self.db.run(self.spool.untake, ids)
         if culprits:
             await self.db.run(self.spool.reject, culprits, "non_finite")
+        # counted by _trained at the take; not trained after all
+        self.sample_outcomes["trained"] -= sum(r.samples for r in map(self.spool.get, ids) if r is not None)
         for bid in culprits:
             row = self.spool.get(bid)
             self._samples.pop(bid, None)
@@ -571,6 +658,10 @@ class Trainer:
             "reward": reward_points(self.reward_curve, STATUS_STEPS),
             "last_step": self.last_step,
             "idle_fraction": round(self.idle_s / total, 4) if total > 0 else None,
+            "step_time_s": {"wait": round(self.idle_s, 2), **{k: round(v, 2) for k, v in self.step_time.items()}},
+            "sample_outcomes": dict(self.sample_outcomes),
+            "sample_life_s": {k: round(v / self.life_n, 3) for k, v in self.life_s.items()} if self.life_n else {},
+            "pacing": self.pacer.status(self.spool.pending(), self.clock()),
         }
 
 
@@ -605,7 +696,7 @@ async def serve_trainer(node, shards: ShardsAPI, membership: MembershipAPI, ledg
         trainer = Trainer(node, policy, spool, cfg, tcfg, shards=shards, membership=membership, ledger=ledger)
         if trainer.gate is not None:
             for row in spool.in_state(BatchState.GATED):
-                trainer.gate.add(row.batch_id)
+                trainer.gate.add(row.batch_id, row.policy_version, trainer._expiry(row.policy_version, row.accepted_step))
         if shards.path_of(policy.step) is None:
             # Not held, or held but not yet re-checked since start (node/shards/service.py): seeded
             # again from our own folder, checked finite; its ledger entry exists if it was published.

@@ -62,7 +62,8 @@ CREATE TABLE IF NOT EXISTS batches (
     verdict BLOB,                     -- the signed verdict that decided it, if any
     trained_step INTEGER,
     ledger_due INTEGER NOT NULL,      -- 1: an accepted/rejected ledger entry must be written
-    ledger_done INTEGER NOT NULL DEFAULT 0
+    ledger_done INTEGER NOT NULL DEFAULT 0,
+    accepted_step INTEGER             -- trainer step when acknowledged (staleness is judged then: intake.py)
 );
 CREATE INDEX IF NOT EXISTS batches_worker_step ON batches (worker, step);
 CREATE INDEX IF NOT EXISTS batches_state ON batches (state);
@@ -115,6 +116,7 @@ class SpooledBatch:
     state: BatchState
     reason: str
     trained_step: int | None
+    accepted_step: int | None = None  # None: spooled before this was recorded (intake.trainable_until)
 
 
 @dataclass(frozen=True)
@@ -128,11 +130,11 @@ class StepRecord:
     seconds: float
 
 
-_COLS = "batch_id, worker, step, policy_version, samples, tokens, mean_reward, state, reason, trained_step"
+_COLS = "batch_id, worker, step, policy_version, samples, tokens, mean_reward, state, reason, trained_step, accepted_step"
 
 
 def _row(r) -> SpooledBatch:
-    return SpooledBatch(bytes(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], BatchState(r[7]), r[8], r[9])
+    return SpooledBatch(bytes(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], BatchState(r[7]), r[8], r[9], r[10])
 
 
 def _get(db: sqlite3.Connection, batch_id: bytes) -> SpooledBatch | None:
@@ -203,18 +205,19 @@ class Spool:
     # ------------------------------------------------------------------ writes (each one transaction)
 
     def add(self, signed: SignedBatch, state: BatchState, *, reason: str = "", ledger_due: bool = True,
-            window: int = 0) -> None:
+            window: int = 0, accepted_step: int | None = None) -> None:
         """Record a judged batch; durable when this returns (ack only after that). With ``window``
-        (the step window's size) the batch's step is marked used in the worker's window too."""
+        (the step window's size) the batch's step is marked used in the worker's window too;
+        ``accepted_step`` is the trainer's step at the acknowledgement."""
         b = signed.batch
         _, _, _, _, tokens, mean_reward = _batch_figures(b)
         keep = signed.envelope if state in (BatchState.GATED, BatchState.READY) else None
         with self.db:
             self.db.execute(
                 "INSERT INTO batches (batch_id, worker, step, policy_version, samples, tokens, mean_reward, "
-                "state, reason, envelope, ledger_due) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                "state, reason, envelope, ledger_due, accepted_step) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (signed.batch_id, b.worker, b.step, b.policy_version, len(b.samples), tokens, mean_reward,
-                 state.value, reason, keep, int(ledger_due)),
+                 state.value, reason, keep, int(ledger_due), accepted_step),
             )
             if window:
                 w = self.step_window(b.worker, self.db).after(b.step, window)
@@ -346,6 +349,10 @@ def open_spool(path: Path) -> Iterator[Spool]:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
             db.executescript(SCHEMA)
+            columns = {r[1] for r in db.execute("PRAGMA table_info(batches)")}
+            if "accepted_step" not in columns:  # a spool written before staleness was judged at intake
+                with db:
+                    db.execute("ALTER TABLE batches ADD COLUMN accepted_step INTEGER")
             reader = connect_reader(path)
             problem = "the file is empty" if emptied else check_spool(reader)
         except sqlite3.DatabaseError as e:

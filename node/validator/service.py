@@ -121,7 +121,11 @@ def rules_from_run(run, cfg: ValidatorConfig) -> BatchRules:
     return BatchRules(
         run=run.name, taskset=rl.taskset, temperature=rl.temperature, top_p=rl.top_p,
         max_new_tokens=rl.max_new_tokens, group_size=rl.group_size, prompts_per_batch=rl.prompts_per_batch,
-        async_level=grpo.async_level, proofs=run.section("proofs", ProofsConfig),
+        # The trainer judged staleness at intake and keeps an acknowledged batch trainable for
+        # verify_grace_steps more steps (node/trainer/intake.py): only a batch older than both
+        # together can no longer be trained, and only that one is refused here (benign, no penalty),
+        # still before any prefill is spent on it.
+        async_level=grpo.async_level + grpo.verify_grace_steps, proofs=run.section("proofs", ProofsConfig),
         sampling_tolerance=cfg.sampling_tolerance, check_sampling=cfg.check_sampling, check_seed=cfg.check_seed,
         engines=inference.accepted_engines(), replay_engines=inference.replayed_engines(),
         dtype=None if inference.dtype == "auto" else inference.dtype,
@@ -170,7 +174,8 @@ class ValidatorService:
         self.reasons: collections.Counter = collections.Counter()  # sample reason -> count
         self.margins = ProofMargins()  # how close accepted work comes to the proof thresholds
         self.tokens_checked = 0
-        self.check_seconds = 0.0
+        self.check_seconds = 0.0  # time spent judging batches (model work included)
+        self.first_job_at: float | None = None  # wall time the first batch arrived (utilisation)
         m = node.metrics
         self.m_queue = m.gauge("validator_queue_depth", "Batches waiting to be checked")
         self.m_busy = m.counter("validator_busy_total", "Batches refused because the check queue was full")
@@ -226,6 +231,8 @@ class ValidatorService:
             return batch_id, False, "busy"
         self.quota.take(worker, history, now)
         self.queued.add(batch_id)
+        if self.first_job_at is None:
+            self.first_job_at = self.wall_clock()
         self.m_queue.set(len(self.queued))
         return batch_id, True, ""
 
@@ -449,6 +456,11 @@ class ValidatorService:
             "models_loaded": list(self.models),
             "undelivered": sum(len(q) for q in self.pending.values()),
             "tokens_per_s": round(self.tokens_checked / self.check_seconds, 1) if self.check_seconds else None,
+            "check_seconds": round(self.check_seconds, 2),
+            # Share of the time since the first batch arrived spent checking: 1.0 = the bottleneck.
+            "utilisation": (round(self.check_seconds / elapsed, 4)
+                            if self.first_job_at is not None and (elapsed := now - self.first_job_at) > 0
+                            else None),
             "proof_margins": self.margins.status(self.rules.proofs),
         }
 
