@@ -26,6 +26,7 @@ PURE = [
     "node.wire",
     "node.hashes",
     "node.net.multiaddrs",
+    "node.net.reachability",
     "node.peers.table",
     "node.gossip.membership",
     "node.gossip.records",

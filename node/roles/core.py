@@ -25,6 +25,7 @@ from ..net.host import open_swarm_host
 from ..identity import load_or_create_identity
 from ..ledger.sync import LedgerService, serve_ledger
 from ..peers import serve_peers
+from ..net.dialback import ReachabilityService, serve_dialback
 from ..net.relay import RelayClient, RelayHop, serve_relay_client
 from ..rl.config import RLConfig
 from ..rl.sandbox import require_isolation
@@ -55,6 +56,7 @@ class CoreNode(RunningNode):
     shards: ShardsService
     relay: RelayClient | RelayHop
     membership: Membership
+    reachability: ReachabilityService
 
 
 async def start_core(
@@ -66,14 +68,17 @@ async def start_core(
     remote faults to ``node.peers``); status; the ledger; shards, which credit the
     bytes they verify in the ledger; the relay side (``serve_relay_client``: accept relayed
     connections and reserve when behind NAT; the relay role runs the HOP service instead);
-    membership, whose record advertises the relay's circuit addresses and the versions held."""
+    membership, whose record advertises the relay's circuit addresses and the versions held; and
+    dial-back (node/net/dialback.py), which answers peers asking whether they are reachable and,
+    off the relay role, finds our own reachability and reserves relay slots when we are private."""
     await nursery.start(serve_peers, node)
     await nursery.start(serve_status, node)
     ledger = await nursery.start(serve_ledger, node)
     shards = await nursery.start(serve_shards, node, ledger)
     relay = await nursery.start(serve_relay, node)
     membership = await nursery.start(serve_membership, node, relay, shards)
-    return CoreNode(node, ledger, shards, relay, membership)
+    reachability = await nursery.start(serve_dialback, node, relay, membership)
+    return CoreNode(node, ledger, shards, relay, membership, reachability)
 
 
 def check_code_sandbox(config: NodeConfig) -> None:
