@@ -404,18 +404,30 @@ class ReachabilityService:
             "advice": advice(self.reach.state, self.my_ports()),
         }
 
+    def short_of_relays(self) -> bool:
+        return (self.reach.state == PRIVATE and self.relay is not None
+                and sum(1 for r in self.relay.held if self.relay.has_reservation_on(r)) < MAX_RELAYS_CHOSEN)
+
     async def keep_asking(self) -> None:
+        """Rounds of dial-backs until the verdict is backed by enough votes, then one every
+        RECHECK_ROUND_S; in between, a private node short of relays looks for more every
+        RETRY_ROUND_S (relays join later) without asking anyone to dial it again."""
+        next_round = 0.0
         while True:
             if not direct_peers(self.node.host):
                 await trio.sleep(FIRST_ROUND_S)
                 continue
-            await self.round()
             now = trio.current_time()
-            settled = not self.reach.needs_votes(now)
-            short_of_relays = (self.reach.state == PRIVATE and self.relay is not None
-                               and sum(1 for r in self.relay.held if self.relay.has_reservation_on(r))
-                               < MAX_RELAYS_CHOSEN)
-            await trio.sleep(RETRY_ROUND_S if (not settled or short_of_relays) else RECHECK_ROUND_S)
+            if now >= next_round or self.reach.needs_votes(now):
+                await self.round()
+                now = trio.current_time()
+                next_round = now + (RETRY_ROUND_S if self.reach.needs_votes(now) else RECHECK_ROUND_S)
+            elif self.short_of_relays():
+                await self.follow(self.reach.state)
+            wait = next_round - trio.current_time()
+            if self.short_of_relays():
+                wait = min(wait, RETRY_ROUND_S)
+            await trio.sleep(max(1.0, wait))
 
 
 async def serve_dialback(node: NodeContext, relay, members: MembersAPI | None, *,
