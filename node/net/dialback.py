@@ -394,14 +394,17 @@ class ReachabilityService:
 
     def status(self) -> dict:
         now = trio.current_time()
+        # What `swarm-node status` shows in one line comes first: the verdict and the relays.
+        relays = self.relay.status()["relays"] if self.relay is not None else []
         return {
             "reachability": self.reach.state,
+            "relays": [{"relay": r["relay"], "reserved": r["reserved"], "expires_in_s": r["expires_in_s"]}
+                       for r in relays],
+            "advice": advice(self.reach.state, self.my_ports()),
+            "rounds": self.rounds,
             "votes": {p: v.value for p, v in self.reach.fresh(now).items()},
             "last_answers": dict(self.last),
-            "rounds": self.rounds,
             "auto_relays": sorted(self.auto_relays),
-            "relays": (self.relay.status()["relays"] if self.relay is not None else []),
-            "advice": advice(self.reach.state, self.my_ports()),
         }
 
     def short_of_relays(self) -> bool:
