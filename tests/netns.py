@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def sh(*cmd: str) -> None:
@@ -106,9 +106,16 @@ table ip swarmnat {{
         type filter hook forward priority filter; policy drop;
         ct state established,related accept
         iifname "{lan}" oifname "{wan}" accept
-    }}
+    }}{input}
 }}
 """
+# Optional: what many consumer routers do with a connection attempt from outside that matches
+# nothing: drop it silently, instead of the kernel's answer to a closed port (a TCP RST).
+SILENT_INPUT = """
+    chain input {
+        type filter hook input priority filter; policy accept;
+        iifname "%s" ct state new drop
+    }"""
 
 
 @dataclass
@@ -119,7 +126,7 @@ class NatTopology:
     public: list[str]
     homes: list[str]
     prefix: str = "nat"
-    created: list[str] = field(default_factory=list)
+    silent_drop: bool = False  # routers drop unsolicited inbound connections instead of refusing them
 
     @property
     def bridge(self) -> str:
@@ -163,7 +170,7 @@ class NatTopology:
                 in_ns(router, "ip", "addr", "add", f"192.168.{k}.1/24", "dev", lan)
                 in_ns(host, "ip", "route", "add", "default", "via", f"192.168.{k}.1")
                 in_ns(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-                rules = ROUTER_RULES.format(wan=wan, lan=lan)
+                rules = ROUTER_RULES.format(wan=wan, lan=lan, input=SILENT_INPUT % wan if self.silent_drop else "")
                 subprocess.run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=rules, text=True,
                                check=True, capture_output=True)
         except BaseException:

@@ -44,6 +44,7 @@ import multiaddr
 import trio
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, StopMessage
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
@@ -505,6 +506,7 @@ class RelayClient:
     host: SwarmHost
     my_peer_id: str
     held: dict[str, _Held] = field(default_factory=dict)  # relay peer id -> state
+    dcutr: DCUtRProtocol | None = None  # hole punching (None: off)
 
     def has_reservation_on(self, relay_peer_id: str) -> bool:
         h = self.held.get(relay_peer_id)
@@ -572,10 +574,18 @@ class RelayClient:
                                     relay, e, h.refresh_at - trio.current_time())
             await trio.sleep(CHECK_INTERVAL_S)
 
+    def hole_punching(self) -> dict | None:
+        """DCUtR counters: peers whose relayed connection became direct, attempts made."""
+        if self.dcutr is None:
+            return None
+        return {"direct": len(self.dcutr._direct_connections),  # py-libp2p's own bookkeeping (dcutr.py:208)
+                "attempts": sum(self.dcutr._hole_punch_attempts.values())}
+
     def status(self) -> dict:
         now_unix = time.time()
         return {
             "role": "client",
+            "hole_punching": self.hole_punching(),
             "circuit_addrs": self.circuit_addrs(),
             "relays": [
                 {
@@ -594,9 +604,13 @@ async def serve_relay_client(
     node: NodeContext,
     *,
     relays: list[str] | None = None,
+    hole_punch: bool = True,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Accept relayed connections and keep reservations on ``relays`` until cancelled.
+    """Accept relayed connections and keep reservations on ``relays`` until cancelled; with
+    ``hole_punch``, try to upgrade relayed connections to direct ones (py-libp2p's DCUtR, which
+    drives an attempt for every relayed connection it sees and closes the circuit once a direct
+    connection verifies).
 
     ``relays`` (full relay multiaddrs) defaults to ``node.config.relay_via`` when that field
     exists; an empty list means "directly reachable": the STOP side still runs (it accepts only
@@ -610,8 +624,14 @@ async def serve_relay_client(
         client.held[relay_peer_id_of(addr)] = _Held(addr)  # ValueError on a bad address
     protocol = _SwarmCircuitProtocol(node.host.host, None, allow_hop=False,
                                      stop_from=client.accepts_stop_from)
-    async with background_trio_service(protocol), trio.open_nursery() as nursery:
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(background_trio_service(protocol))
         await protocol.event_started.wait()  # STOP handler registered (protocol.py:186)
+        if hole_punch:
+            client.dcutr = DCUtRProtocol(node.host.host)
+            await stack.enter_async_context(background_trio_service(client.dcutr))
+            await client.dcutr.event_started.wait()
+        nursery = await stack.enter_async_context(trio.open_nursery())
         # First reservations before "started", so a node that says it is ready is reachable.
         # A relay that is down does not block start-up: the keeper retries it.
         for addr in relays:
