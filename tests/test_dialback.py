@@ -290,3 +290,30 @@ async def test_a_dial_back_must_prove_the_askers_peer_id(tmp_path):
         assert await dial_verified(b.host, a.peer_id, a.host.transport_addrs()[0])
         assert not await dial_verified(b.host, a.peer_id, c.host.transport_addrs()[0])
         assert not b.host.is_connected(a.peer_id)  # the dial-back never joined the swarm
+
+
+async def test_rounds_repeat_until_the_verdict_is_backed_then_only_rarely(monkeypatch, autojump_clock):
+    """The asking schedule on a mock clock: every RETRY_ROUND_S while votes are missing, then
+    every RECHECK_ROUND_S."""
+    from node.net import dialback
+
+    monkeypatch.setattr(dialback, "direct_peers", lambda host: ["p1", "p2"])
+    svc = ReachabilityService(type("N", (), {"host": None})(), None, None)
+    times: list[float] = []
+
+    async def fake_round() -> str:
+        now = trio.current_time()
+        times.append(now)
+        if len(times) == 2:  # the second round brings two agreeing votes
+            svc.reach.record("p1", Vote.NOT_REACHED, now)
+            svc.reach.record("p2", Vote.NOT_REACHED, now)
+        return svc.reach.state
+
+    svc.round = fake_round
+    start = trio.current_time()
+    with trio.move_on_after(2 * dialback.RECHECK_ROUND_S + 60):
+        await svc.keep_asking()
+    gaps = [round(b - a) for a, b in zip(times, times[1:])]
+    assert times[0] == start
+    assert gaps == [dialback.RETRY_ROUND_S, dialback.RECHECK_ROUND_S, dialback.RECHECK_ROUND_S]
+    assert svc.reach.state == PRIVATE

@@ -27,7 +27,6 @@ import pytest
 from netns import NatTopology, missing_for_namespaces
 from node.app.localswarm import LocalSwarm, Proc
 from node.status import NODE_FILE
-from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
