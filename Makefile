@@ -17,7 +17,12 @@ PYTEST_ARGS ?=
 TOPLOC ?= toploc==0.1.6
 TOPLOC_VENV ?= .toploc-venv
 
-.PHONY: demo test test-slow stress interop lock venv clean bwrap nft
+# The pinned vLLM (pyproject.toml's [vllm] extra) in a venv of its own, to check without a GPU that
+# every vLLM name and signature node/engines/vllm_engine.py uses exists (tests/vllm_conformance.py).
+VLLM ?= vllm==0.32.0
+VLLM_VENV ?= .vllm-venv
+
+.PHONY: demo test test-slow stress interop lock venv clean bwrap nft vllm-conformance
 
 venv: $(STAMP)
 
@@ -90,3 +95,18 @@ $(TOPLOC_VENV)/.installed: $(LOCK)
 
 clean:
 	rm -rf $(VENV) $(TOPLOC_VENV) $(LOCK_VENV) build *.egg-info
+
+# Not in CI: it downloads the vLLM wheel (~0.5 GB) and ~60 small packages. torch (the CPU build) and
+# vLLM go in without their dependencies, then only what importing vLLM's API modules needs
+# (`--import-deps`: no CUDA kernels, no media stack); then import + inspect every name in
+# node/engines/vllm_engine.py's VLLM_API.
+vllm-conformance: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python tests/vllm_conformance.py
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $(PIP) packaging
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps $(TORCH) $(VLLM)
+	$(VLLM_VENV)/bin/python tests/vllm_conformance.py --import-deps > $(VLLM_VENV)/import-deps.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_VENV)/import-deps.txt
+	touch $@

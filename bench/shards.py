@@ -4,6 +4,7 @@
     .venv/bin/python bench/shards.py overhead [--size-mib 256] [--seeders 4]
     .venv/bin/python bench/shards.py swarm [--n 8] [--size-mib 32] [--mbit 10]     # needs root
     .venv/bin/python bench/shards.py shardcast [--n 8] [--size-mib 32] [--mbit 10] [--shardcast-venv DIR]
+    .venv/bin/python bench/shards.py deltas [--n 8] [--size-mib 32] [--mbit 10] [--changed 0.03]  # needs root
     .venv/bin/python bench/shards.py all
 
 1. **calibrate**: goodput of one libp2p stream (TCP + Noise + Yamux) carrying length-prefixed
@@ -22,6 +23,10 @@
    (``python -m venv DIR && DIR/bin/pip install shardcast``), never in the project's. Its middle
    nodes poll every second here (default 30 s) and its shard size is F/4 (the 200 MB / 50 MB ratio
    of its defaults), both in its favour.
+
+5. **deltas**: the swarm's namespaces and caps; the trainer publishes v1 (a bf16 safetensors
+   checkpoint) to N downloaders, then v2 with ``--changed`` of its values one ulp off, which the N
+   holders of v1 fetch as a delta (node/shards/deltasync.py). Ratio = v2's distribution time / v1's.
 
 The machine is shared and noisy (2 cores, other jobs): compare the ratios, not absolute figures.
 """
@@ -256,9 +261,10 @@ def _scratch(prefix: str):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen:
+def _spawn(ns: str, args: list[str], log: Path, stdin: bool = False) -> subprocess.Popen:
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "node.shards.testing", *args]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+                            stdin=subprocess.PIPE if stdin else None)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -363,6 +369,68 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
     return t
 
 
+def deltas(n: int, size_mib: int, mbit: float, changed: float, timeout: float = 300.0) -> float | None:
+    """Time to deliver v2 to ``n`` holders of v1 (as a delta) vs delivering v1 (full), same run."""
+    print(f"== deltas: seeder + {n} downloaders in network namespaces, {size_mib} MiB bf16 checkpoint, "
+          f"{changed:.1%} of values changed in v2, upload {mbit} Mbit/s each")
+    if os.geteuid() != 0:
+        print("  skipped: needs root (ip netns, tc)")
+        return None
+    from node.shards.testing import bf16_values, next_step, write_bf16_checkpoint
+
+    trainer_seed = "22" * 32
+    seed_id = Identity.from_seed(bytes.fromhex(trainer_seed)).peer_id
+    with _scratch("bench-shards-deltas-") as (tmp, procs):
+        try:
+            with Namespaces(n + 1, mbit) as nets:
+                w1 = bf16_values(size_mib * MiB // 2, seed=5)
+                v1 = write_bf16_checkpoint(tmp / "v1", w1, 1)
+                v2 = write_bf16_checkpoint(tmp / "v2", next_step(w1, 6, changed), 2)
+                common = ["--trainer-seed", trainer_seed, "--then-version", "2",
+                          "--shards", json.dumps({"announce_interval": 1.0, "progress": False})]
+                addrs = []
+                for i in range(1, n + 1):
+                    p = _spawn(nets.names[i], ["--data-dir", str(tmp / f"d{i}"), "--role", "inference",
+                                               "--listen", f"/ip4/{nets.ip(i)}/tcp/4001", *common, "--connect", *addrs],
+                               tmp / f"d{i}.err")
+                    procs.append(p)
+                    addrs.append(_read_json(p, 60)["addr"])
+                seeder = _spawn(nets.names[0], ["--data-dir", str(tmp / "seed"), "--seed", trainer_seed, "--role",
+                                                "trainer", "--listen", f"/ip4/{nets.ip(0)}/tcp/4001", "--publish",
+                                                str(v1), "--then-publish", str(v2), "--publish-delay", "3", *common,
+                                                "--connect", *addrs], tmp / "seed.err", stdin=True)
+                procs.append(seeder)
+                _read_json(seeder, 60)  # hello
+                times, reports = {}, {}
+                for version in (1, 2):
+                    if version == 2:
+                        seeder.stdin.write("go\n")
+                        seeder.stdin.flush()
+                    while "published_at" not in (msg := _read_json(seeder, 60)):
+                        pass
+                    published = msg["published_at"]
+                    done = []
+                    for p in procs[:n]:
+                        while "complete" not in (msg := _read_json(p, timeout)) or msg["complete"] != version:
+                            pass
+                        done.append(msg["at"] - published)
+                        reports.setdefault(version, []).append(msg)
+                    times[version] = max(done)
+                    print(f"  v{version}: completion times (s after publish): {sorted(round(x, 1) for x in done)}")
+                for i in range(1, n + 1):
+                    assert same_files(v2, tmp / f"d{i}" / "checkpoints" / "2"), f"d{i} differs"
+                _stop(procs)
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
+            print(f"  skipped: could not set up namespaces ({e})")
+            return None
+    rebuilt = [r.get("rebuilt_from_delta") for r in reports[2]]
+    print(f"  v2 rebuilt from a delta of {rebuilt[0]} bytes by {sum(1 for x in rebuilt if x)} of {n} holders of v1")
+    print(f"  full distribution of v1: {times[1]:.1f} s; delta distribution of v2: {times[2]:.1f} s "
+          f"(publish -> last holder complete, the trainer's delta encoding included)")
+    print(f"  ratio (delta distribution / full distribution): {times[2] / times[1]:.3f}")
+    return times[2] / times[1]
+
+
 SHARDCAST_CLIENT = """
 import sys, time
 from shardcast.client_node import ClientNode
@@ -450,7 +518,10 @@ def main() -> None:
     # timeout(1) and Ctrl-C: unwind, so that the children are killed and the namespaces removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["calibrate", "overhead", "swarm", "shardcast", "all"], nargs="?", default="all")
+    ap.add_argument("what", choices=["calibrate", "overhead", "swarm", "shardcast", "deltas", "all"], nargs="?",
+                    default="all")
+    ap.add_argument("--changed", type=float, default=0.03,
+                    help="deltas: fraction of bf16 values v2 changes (bench/deltas.py: 1-6 %% per RL step)")
     ap.add_argument("--size-mib", type=int, default=0, help="checkpoint size (default 256 overhead, 32 swarm and shardcast)")
     ap.add_argument("--seeders", type=int, default=4)
     ap.add_argument("--n", type=int, default=8, help="downloaders in the swarm benchmark")
@@ -466,6 +537,8 @@ def main() -> None:
         overhead(args.size_mib or 256, args.seeders)
     if args.what in ("swarm", "all"):
         swarm(args.n, args.size_mib or 32, args.mbit, args.piece_kib, trace=args.trace)
+    if args.what in ("deltas", "all"):
+        deltas(args.n, args.size_mib or 32, args.mbit, args.changed)
     if args.what in ("shardcast", "all"):
         theirs = shardcast(args.n, args.size_mib or 32, args.mbit, args.shardcast_venv)
         if theirs is not None:

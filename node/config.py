@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import ipaddress
 import math
 import os
 import tomllib
@@ -31,6 +32,7 @@ ROLES = ("trainer", "inference", "relay", "validator")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PORT = 4001
 DEFAULT_LISTEN = f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT}"
+RUN_FILE_ENV = "SWARM_RUN"  # path of the run file when --run is not given (the one place it is read)
 
 # Component tables of the run file: name -> "module:Class". Imported only when asked for.
 SECTIONS: dict[str, str] = {
@@ -40,6 +42,7 @@ SECTIONS: dict[str, str] = {
     "trainer": "node.trainer.config:TrainerConfig",
     "validator": "node.validator.config:ValidatorConfig",
     "worker": "node.rollouts.config:WorkerConfig",
+    "quota": "node.rollouts.quota:QuotaConfig",
     "rl": "node.rl.config:RLConfig",
     "grpo": "node.rl.config:GRPOConfig",
     "inference": "node.rl.config:InferenceConfig",
@@ -91,7 +94,11 @@ class NodeConfig:
     data_dir: str = ""  # "" = the user's data dir, scoped by run
     log_level: str = "info"  # debug | info | warning | error
     log_json: bool = False  # one JSON object per log line (for log shippers)
-    metrics_port: int = 0  # Prometheus metrics on 127.0.0.1:<port>; 0 = off
+    metrics_port: int = 0  # Prometheus metrics on <metrics_listen>:<port>; 0 = off
+    metrics_listen: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0 = every interface)
+    http_port: int = 0  # web status page (/, /status.json, /metrics, /healthz) on <http_listen>:<port>; 0 = off
+    http_listen: str = "127.0.0.1"  # address the status page binds (0.0.0.0 = every interface)
+    summary_interval: float = 60.0  # seconds between one-line summaries in the log; 0 = off
     run: RunConfig = field(default_factory=RunConfig)
 
     def resolved_data_dir(self) -> Path:
@@ -105,8 +112,13 @@ class NodeConfig:
             raise ConfigError(f"role: must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics_port: must be 0..65535, got {self.metrics_port}")
+        for name in ("metrics_port", "http_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name}: must be 0..65535, got {getattr(self, name)}")
+        for name in ("metrics_listen", "http_listen"):
+            check_bind_host(getattr(self, name), name)
+        if self.summary_interval < 0:
+            raise ConfigError(f"summary_interval: must be >= 0 seconds, got {self.summary_interval}")
         if not self.listen:
             raise ConfigError("listen: at least one address is required")
         for a in self.listen:
@@ -143,6 +155,14 @@ def check_addr(text: str, field: str, *, need_peer_id: bool) -> None:
         check_multiaddr(text, field, need_peer_id=need_peer_id)
     except MultiaddrError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_bind_host(host: str, field: str) -> None:
+    """An IP address to bind a local HTTP endpoint to (not a name: nothing to resolve at start)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(f"{field}: expected an IP address such as 127.0.0.1 or 0.0.0.0, got {host!r}") from None
 
 
 def check_connect_addr(addr: str) -> None:
@@ -287,9 +307,13 @@ def load_config(
     environ: dict[str, str],
     flags: dict[str, Any],
 ) -> NodeConfig:
-    """Merge defaults < run file < environment < flags into a validated NodeConfig."""
+    """Merge defaults < run file < environment < flags into a validated NodeConfig.
+
+    The run file is ``run_file`` (``--run``), else the path in ``$SWARM_RUN``, else none."""
     merged: dict[str, Any] = {}
     run: dict[str, Any] = {"tables": {}}
+    if run_file is None and environ.get(RUN_FILE_ENV):
+        run_file = Path(environ[RUN_FILE_ENV])  # containers and units name the run file here
     if run_file is not None:
         doc = read_run_file(run_file)
         node_table = doc.get("node", {})

@@ -1,33 +1,47 @@
 """Prometheus metrics, one registry per node (so several nodes can share a process in tests).
 
-Components get-or-create their own series with :meth:`Metrics.counter` / :meth:`Metrics.gauge`;
-names are prefixed ``swarm_``. Served only when the operator opts in (``--metrics-port``), and only
-on 127.0.0.1: put a reverse proxy in front to expose it.
+Components get-or-create their own series with :meth:`Metrics.counter` / :meth:`Metrics.gauge` /
+:meth:`Metrics.histogram`; names are prefixed ``swarm_`` and follow Prometheus' naming
+conventions (https://prometheus.io/docs/practices/naming/): counters end in ``_total``, units are
+in the name in base units (``_bytes``, ``_seconds``), and no ``*_created`` series are exported
+(prometheus_client's ``disable_created_metrics``: they double the series count and no dashboard
+here reads them). The process collector adds ``process_resident_memory_bytes``,
+``process_cpu_seconds_total``, open fds and start time. Served only when the operator opts in
+(``--metrics-port``, or ``/metrics`` of ``--http-port``), on 127.0.0.1 unless
+``--metrics-listen`` / ``--http-listen`` says otherwise.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+prometheus_client.disable_created_metrics()  # process-wide; see the module docstring
 
 # The byte counters live with the py-libp2p patches that fill them; that module imports libp2p only
 # when a host installs them, so metrics stay importable without the network stack.
 from .net.workarounds import StreamBytes, TcpBytes
 
 
-class _StreamBytesCollector:
-    """``swarm_stream_bytes{protocol,direction}``: read from ``StreamBytes`` at scrape time, since
-    the protocols are only known as streams open."""
+class _ByteCounters:
+    """``swarm_stream_bytes_total{protocol,direction}`` and ``swarm_tcp_bytes_total{direction}``:
+    counters read from ``StreamBytes`` / ``TcpBytes`` at scrape time (the protocols are only known
+    as streams open, and the counts are kept by the py-libp2p patches, not by prometheus_client)."""
 
     def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily
 
-        fam = GaugeMetricFamily("swarm_stream_bytes", "Payload bytes on libp2p streams by protocol",
-                                labels=["protocol", "direction"])
-        sb = StreamBytes
-        for direction, counts in (("sent", sb.sent), ("received", sb.received)):
+        streams = CounterMetricFamily("swarm_stream_bytes", "Payload bytes on libp2p streams by protocol",
+                                      labels=["protocol", "direction"])
+        for direction, counts in (("sent", StreamBytes.sent), ("received", StreamBytes.received)):
             for proto, n in sorted(counts.items()):
-                fam.add_metric([proto, direction], n)
-        yield fam
+                streams.add_metric([proto, direction], n)
+        yield streams
+        tcp = CounterMetricFamily("swarm_tcp_bytes", "Bytes moved over libp2p TCP connections by this process",
+                                  labels=["direction"])
+        tcp.add_metric(["sent"], TcpBytes.sent)
+        tcp.add_metric(["received"], TcpBytes.received)
+        yield tcp
 
 
 class Metrics:
@@ -42,10 +56,8 @@ class Metrics:
         self.bytes_out = self.counter("gossip_bytes_out_total", "Gossip payload bytes published", ["topic"])
         self.bytes_in = self.counter("gossip_bytes_in_total", "Gossip payload bytes received", ["topic"])
         self.connections = self.gauge("connections", "Open peer connections")
-        tcp = self.gauge("tcp_bytes", "Bytes moved over libp2p TCP connections by this process", ["direction"])
-        tcp.labels(direction="sent").set_function(lambda: TcpBytes.sent)
-        tcp.labels(direction="received").set_function(lambda: TcpBytes.received)
-        self.registry.register(_StreamBytesCollector())
+        self.registry.register(_ByteCounters())
+        ProcessCollector(registry=self.registry)  # process_* (Linux /proc; absent elsewhere)
 
     def _get(self, kind, name: str, doc: str, labels: list[str] | tuple[str, ...] = (), **kw):
         full = f"swarm_{name}"
@@ -54,6 +66,8 @@ class Metrics:
         return self._series[full]
 
     def counter(self, name: str, doc: str, labels: list[str] | tuple[str, ...] = ()) -> Counter:
+        if not name.endswith("_total"):  # ours to fix: the convention is checked where series are made
+            raise ValueError(f"counter {name!r}: counter names end in _total")
         return self._get(Counter, name, doc, labels)
 
     def gauge(self, name: str, doc: str, labels: list[str] | tuple[str, ...] = ()) -> Gauge:

@@ -19,13 +19,13 @@ import trio
 
 from .atomic import write_atomic
 from .context import NodeContext
+from .summary import NO_TRAINER_GRACE, SummaryClock
+from .status_files import NODE_FILE, STATUS_FILE  # noqa: F401  (re-exported)
 from .wire import Message, RemoteProtocolError, bounded, read_message, register, write_frame
 
 log = logging.getLogger(__name__)
 
 STATUS_PROTOCOL = "/swarm/status/1.0.0"
-STATUS_FILE = "status.json"
-NODE_FILE = "node.json"  # peer id, addresses and pid of the running node (for scripts and tests)
 MAX_STATUS = 2 * 1024 * 1024
 STATUS_EVERY = 1.0
 MAX_STATUS_REQUESTS = 4  # served at once
@@ -93,10 +93,15 @@ async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORE
     write_atomic(node.data_dir / NODE_FILE, json.dumps(info).encode(), durable=False)
     task_status.started()
     path = node.data_dir / STATUS_FILE
+    interval = node.config.summary_interval
+    summary = SummaryClock(interval, list(node.run.trainers), trio.current_time(), grace=min(NO_TRAINER_GRACE, interval))
     try:
         while True:
-            data = json.dumps(snapshot(node)).encode()  # in the trio thread: providers read trio's clock
+            snap = snapshot(node)  # in the trio thread: providers read trio's clock
+            data = json.dumps(snap).encode()
             await trio.to_thread.run_sync(lambda: write_atomic(path, data, durable=False))
+            for level, line in summary.due(trio.current_time(), snap):
+                getattr(log, level)(line)
             await trio.sleep(STATUS_EVERY)
     finally:
         with trio.CancelScope(shield=True):

@@ -33,9 +33,11 @@ PURE = [
     "node.gossip.connections",
     "node.shards.picker",
     "node.shards.manifest",
+    "node.shards.delta",
     "node.shards.protocol",
     "node.shards.superseed",
     "node.shards.throttle",
+    "node.shards.finite",
     "node.ledger.chain",
     "node.ledger.entries",
     "node.proofs.toploc",
@@ -50,6 +52,7 @@ PURE = [
     "node.trainer.gate",
     "node.trainer.intake",
     "node.validator.policy",
+    "node.summary",
 ]
 # What pure code may not import: third-party I/O, and node's own I/O layers.
 IO_LIBRARIES = ("trio", "libp2p", "sqlite3", "socket")

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from node.app.cli import main
-from node.identity import KEY_FILE
+from node.identity import KEY_FILE, load_or_create_identity
 
 
 def run_cli(*args, env=None, cwd=None):
@@ -157,9 +157,12 @@ def test_damaged_state_files_are_refused_with_one_line(tmp_path):
     traceback and never a silent fresh start over acknowledged work (issue 14)."""
     for name, rel, role in (("ledger", "ledger.sqlite", "relay"), ("spool", "trainer/spool.sqlite", "trainer")):
         data = tmp_path / name
+        peer = load_or_create_identity(data)[0].peer_id  # a listed trainer, so it gets as far as its spool
+        (tmp_path / f"{name}.toml").write_text(f'[run]\ntrainers = ["{peer}"]\n')
         (data / rel).parent.mkdir(parents=True, exist_ok=True)
         (data / rel).write_bytes(b"this is not a database" * 100)
-        res = run_cli("--role", role, "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "error")
+        res = run_cli("--role", role, "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "error",
+                      "--run", str(tmp_path / f"{name}.toml"))
         assert res.returncode == 2, res.stderr
         assert "Traceback" not in res.stderr and "damaged" in res.stderr.strip().splitlines()[-1], res.stderr
         assert (data / rel).read_bytes() == b"this is not a database" * 100  # left for the operator
@@ -181,3 +184,175 @@ def test_a_changed_training_state_is_refused(tmp_path):
     (tmp_path / STATE).write_bytes(bytes(raw[: len(raw) // 3]))  # truncated too
     with pytest.raises(DataDirError):
         load_state(tmp_path)
+
+
+# ------------------------------------------------------------------ what operators touch (issue 19)
+
+
+def test_reading_status_loads_no_network_stack(tmp_path):
+    """`swarm-node status` on a local data dir reads status.json: neither the status view nor the
+    CLI's path to it may import libp2p (it was 1.0 s of a 1.4 s command)."""
+    (tmp_path / "status.json").write_text(json.dumps({"peer_id": "12D3KooWself", "role": "relay"}))
+    code = ("import sys\n"
+            "import node.app.status_view\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('libp2p', 'trio')], 'view imports the stack'\n"
+            "from node.app.cli import main\n"
+            f"assert main(['status', '--data-dir', {str(tmp_path)!r}]) == 0\n"
+            "assert 'libp2p' not in sys.modules, 'status imports libp2p'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "12D3KooWself" in proc.stdout
+
+
+def _long_status() -> dict:
+    reason = "validator 12D3KooWvalidator timed out on batch " + "x" * 600 + " END-OF-REASON"
+    return {
+        "peer_id": "12D3KooWselfselfselfselfself", "role": "trainer", "run": "r", "uptime_s": 9.5,
+        "addrs": ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWselfselfselfselfself"],
+        "traffic": {"tcp_bytes_sent": 3 * 1024 * 1024, "tcp_bytes_received": 2048},
+        "membership": {"connections": 0, "counts": {}, "members": [], "self": {"seq": 4, "checkpoints": [11, 12]}},
+        "trainer": {"step": 12, "publish_error": reason, "reward": [[i, 0.1 * i] for i in range(40)],
+                    "batches": {"ready": 1, "trained": 30}, "gate": {"live_validators": 0, "verdicts": {"pass": 3}},
+                    "last_step": {"loss": 0.25, "seconds": 1.5}},
+    }
+
+
+def test_status_shows_the_node_and_readable_sections():
+    from rich.console import Console
+
+    from node.app.status_view import render_status
+
+    console = Console(record=True, width=100)
+    render_status(_long_status(), console)
+    text = console.export_text()
+    flat = "".join(text.split())  # rich wraps long lines; nothing may be cut
+    assert "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWselfselfselfselfself" in text  # the node itself
+    assert "sent 3.0 MiB" in text and "versions held: 11,12  record seq: 4" in text
+    assert "END-OF-REASON" in flat and "x" * 600 in flat  # the whole value, not 400 characters of JSON
+    assert '{"' not in text  # sections, not JSON
+    assert "step: 12" in text and "ready=1, trained=30" in text and "verdicts: pass=3" in text
+    assert "(40inall,thelast8shown)" in flat and "(393.9)" in flat
+    assert "members: none known yet" in text
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_status_into_a_closed_pipe_ends_quietly(tmp_path, as_json):
+    status = _long_status()
+    status["membership"]["members"] = [
+        {"peer_id": f"12D3KooWpeer{i:04d}", "role": "inference", "state": "alive", "for_s": i, "seq": i,
+         "checkpoints": [1], "addrs": [f"/ip4/10.0.0.{i % 250}/tcp/4001"]} for i in range(150)]
+    status["trainer"]["publish_error"] = "y" * 300_000  # more than a pipe buffer holds
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    # `swarm-node status | head -1`: the reader closes its end after one line.
+    proc = subprocess.Popen([sys.executable, "-m", "node", "status", "--data-dir", str(tmp_path)] + ["--json"] * as_json,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert "Traceback" not in err and "Broken pipe" not in err and "BrokenPipe" not in err, err
+    assert proc.returncode in (0, 1)
+
+
+def test_connect_to_a_dead_peer_is_one_line_and_exit_1(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    peer = load_or_create_identity(tmp_path / "k")[0].peer_id
+    proc = run_cli("status", "--connect", f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer}", "--data-dir", str(tmp_path))
+    assert proc.returncode == 1, proc.stderr
+    assert "cannot get status from" in one_line_error(proc.stderr)
+    assert proc.stdout == ""
+
+
+def test_id_never_creates_a_key_silently(tmp_path, capsys):
+    data = tmp_path / "new"
+    assert main(["id", "--data-dir", str(data)]) == 2
+    assert "no key in" in one_line_error(capsys.readouterr().err)
+    assert not (data / KEY_FILE).exists()
+    assert main(["id", "--create", "--data-dir", str(data)]) == 0
+    out, err = capsys.readouterr()
+    assert f"created: {data / KEY_FILE}" in err
+    assert (data / KEY_FILE).exists() and out.split()[0].startswith("12D3KooW")
+
+
+def test_id_prints_dialable_addresses(tmp_path, capsys, monkeypatch):
+    from node.app import addresses
+
+    monkeypatch.setattr(addresses, "interface_ipv4", lambda: ["192.168.7.9", "127.0.0.1"])
+    assert main(["keygen", "--data-dir", str(tmp_path)]) == 0
+    peer = capsys.readouterr().out.strip()
+    assert main(["id", "--data-dir", str(tmp_path), "--listen", "/ip4/0.0.0.0/tcp/4001"]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == [peer, f"/ip4/192.168.7.9/tcp/4001/p2p/{peer}", f"/ip4/127.0.0.1/tcp/4001/p2p/{peer}"]
+    assert "0.0.0.0" not in out and "relay-via" in err
+
+
+def test_interface_addresses_are_real_and_never_the_wildcard():
+    from node.app.addresses import interface_ipv4
+
+    ips = interface_ipv4()
+    assert ips and "0.0.0.0" not in ips and all(ip.count(".") == 3 for ip in ips)
+
+
+def test_empty_checkpoints_say_so(tmp_path):
+    proc = run_cli("checkpoints", "--data-dir", str(tmp_path))
+    assert proc.returncode == 0 and "no checkpoints in" in proc.stdout
+    (tmp_path / "checkpoints").mkdir()
+    proc = run_cli("checkpoints", "--data-dir", str(tmp_path))
+    assert proc.returncode == 0 and "no checkpoints in" in proc.stdout
+
+
+def test_config_with_a_run_file_shows_what_applies(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run.toml"
+    run.write_text('[run]\nname = "r7"\n[rl]\ngroup_size = 4\n[node]\nrole = "inference"\n')
+    monkeypatch.setenv("SWARM_LOG_LEVEL", "debug")
+    assert main(["config", "--run", str(run)]) == 0
+    out = capsys.readouterr().out
+    lines = {l.split("=")[0].strip(): l for l in out.splitlines() if "=" in l and not l.startswith("#")}
+    assert lines["name"].startswith('name = "r7"') and "(set)" in lines["name"]
+    assert lines["group_size"].startswith("group_size = 4") and "(set)" in lines["group_size"]
+    assert lines["role"].startswith('role = "inference"')
+    assert lines["log_level"].startswith('log_level = "debug"')  # the environment applies too
+    assert "(set)" not in lines["epsilon"]
+    assert main(["config", "--effective"]) == 0  # the environment alone
+    assert 'log_level = "debug"' in capsys.readouterr().out
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[rl]\ngroup_size = "many"\n')
+    assert main(["config", "--run", str(bad)]) == 2
+    assert "run.rl.group_size" in one_line_error(capsys.readouterr().err)
+
+
+def test_unknown_flags_are_named_with_a_suggestion():
+    proc = run_cli("status", "--conect", "x")
+    line = one_line_error(proc.stderr)
+    assert proc.returncode == 2 and "unrecognized arguments: --conect" in line and "did you mean --connect?" in line
+    proc = run_cli("--zzzzzz")
+    assert proc.returncode == 2 and "unrecognized arguments: --zzzzzz" in one_line_error(proc.stderr)
+
+
+@pytest.mark.parametrize("role", ["trainer", "validator"])
+def test_an_unlisted_trainer_or_validator_stops_with_exit_2(tmp_path, role):
+    data = tmp_path / "d"
+    res = run_cli("--role", role, "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0")
+    assert res.returncode == 2 and f"run.{role}s" in one_line_error(res.stderr) and "keygen" in res.stderr
+    assert not (data / KEY_FILE).exists()  # a node that cannot start leaves nothing behind
+    load_or_create_identity(data)
+    other = load_or_create_identity(tmp_path / "other")[0].peer_id
+    run = tmp_path / "run.toml"
+    run.write_text(f'[run]\n{role}s = ["{other}"]\n')
+    res = run_cli("--role", role, "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0", "--run", str(run))
+    assert res.returncode == 2 and f"is not a {role} of run" in one_line_error(res.stderr)
+
+
+def test_a_listed_trainer_passes_the_check(tmp_path):
+    from node.app.cli import check_trusted_role
+    from node.config import load_config
+
+    peer = load_or_create_identity(tmp_path)[0].peer_id
+    run = tmp_path / "run.toml"
+    run.write_text(f'[run]\ntrainers = ["{peer}"]\n')
+    check_trusted_role(load_config(run, {}, {"role": "trainer", "data_dir": str(tmp_path)}))
+    check_trusted_role(load_config(None, {}, {"role": "inference", "data_dir": str(tmp_path / "x")}))

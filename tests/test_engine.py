@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -238,23 +239,224 @@ def test_gumbel_sampling_is_unbiased_over_seeds_for_a_random_distribution():
     assert math.isfinite(chi2)
 
 
-def test_vllm_hook_maps_recorded_states_back_to_completions():
-    """The vLLM engine's pre-hook bookkeeping, driven with stand-ins for vLLM's sampling metadata."""
-    from types import SimpleNamespace as NS
+# -- the static-cache decode path: same tokens, log-probs and proof states as the dynamic one ------
 
-    from node.engines.vllm_engine import _states_by_prompt, _StepRecorder, _take_states
 
-    rec = _StepRecorder()
-    prompt = (5, 6)
-    # two sequences of one prompt; step 0 (prefill, 2 positions each, last one selected), then one decode step
-    data = {1: NS(prompt_token_ids=prompt, output_token_ids=()), 2: NS(prompt_token_ids=prompt, output_token_ids=())}
-    meta0 = NS(selected_token_indices=torch.tensor([1, 3]), seq_groups=[NS(seq_ids=[1], seq_data=data), NS(seq_ids=[2], seq_data=data)])
-    rec(None, (None, torch.arange(4.0)[:, None].expand(4, 3), meta0))
-    data[1].output_token_ids, data[2].output_token_ids = (7,), (8,)
-    meta1 = NS(selected_token_indices=torch.tensor([0, 1]), seq_groups=[NS(seq_ids=[2], seq_data=data), NS(seq_ids=[1], seq_data=data)])
-    rec(None, (None, torch.tensor([[20.0] * 3, [10.0] * 3]), meta1))
-    by_key = _states_by_prompt(rec)
-    s1 = _take_states(by_key, prompt, [7, 9])  # sequence 1 produced 7 then 9
-    s2 = _take_states(by_key, prompt, [8, 1])
-    assert s1[:, 0].tolist() == [1.0, 10.0] and s2[:, 0].tolist() == [3.0, 20.0]
-    assert _take_states(by_key, prompt, [7, 9]) is None  # each recording is used once
+@pytest.fixture(scope="module")
+def static_engine(folders):
+    e = TorchEngine("cpu", decode="static")
+    e.load(folders[0])
+    return e
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (1.5, 1.0)])
+def test_static_decode_matches_the_dynamic_path(engine, static_engine, temperature, top_p):
+    assert engine.decode_mode() == "dynamic" and static_engine.decode_mode() == "static"
+    prompts = [enc(engine, "rev 1="), enc(engine, "rev 31415926="), enc(engine, "rev 42=")]
+    for seed in (2, 3):  # the second call reuses the (reset) static cache
+        a = [s for g in engine.generate(prompts, 3, temperature, top_p, 12, seed=seed) for s in g]
+        b = [s for g in static_engine.generate(prompts, 3, temperature, top_p, 12, seed=seed) for s in g]
+        assert [s.completion_ids for s in a] == [s.completion_ids for s in b]
+        assert [s.finish_reason for s in a] == [s.finish_reason for s in b]
+        for x, y in zip(a, b):
+            assert y.logprobs == pytest.approx(x.logprobs, abs=1e-5)
+            assert y.hidden.shape == x.hidden.shape and y.hidden.dtype == x.hidden.dtype
+            assert torch.allclose(x.hidden, y.hidden, atol=1e-5)
+
+
+def test_static_decode_states_are_what_a_validator_prefill_proves(static_engine):
+    from node.proofs.config import ProofsConfig
+    from node.proofs.toploc import build_proofs_many, verify_proofs
+
+    flat = [s for g in static_engine.generate([enc(static_engine, "rev 2718=")], 4, 1.0, 1.0, 40, seed=8) for s in g]
+    ref = recompute_decode_states(static_engine.model, [s.prompt_ids for s in flat], [s.completion_ids for s in flat])
+    proofs = build_proofs_many([s.hidden for s in flat], 32, 128)
+    for s, r, p in zip(flat, ref, proofs):
+        assert torch.allclose(s.hidden, r.float(), atol=1e-4)
+        assert verify_proofs(r, p, ProofsConfig()).ok
+
+
+def test_decode_modes_resolve_by_device_and_model(engine, folders):
+    assert TorchEngine("cpu").decode_mode() == "dynamic" or TorchEngine("cpu").model is None
+    compiled_on_cpu = TorchEngine("cpu", decode="compiled")
+    compiled_on_cpu.load(folders[0])
+    assert compiled_on_cpu.decode_mode() == "static"  # CUDA graphs are GPU-only
+    with pytest.raises(ValueError):
+        TorchEngine("cpu", decode="fast")
+
+
+# -- the vLLM engine against a stand-in of vLLM's public API (the real one is checked by
+#    `make vllm-conformance`; no GPU here) --------------------------------------------------------
+
+
+class _FakeLLM:
+    """vllm.LLM as the engine uses it: generate(TokensPrompt list, SamplingParams list) -> RequestOutputs.
+
+    Tokens come from our torch engine under a seed the request does not carry (vLLM's sampler is
+    not ours); log-probs are the processed ones (after temperature) as logprobs_mode asks."""
+
+    def __init__(self, inner, **kwargs):
+        self.inner, self.kwargs, self.rpcs, self.resets = inner, kwargs, [], 0
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        from types import SimpleNamespace as NS
+
+        outs = []
+        for k, (p, sp) in enumerate(zip(prompts, sampling_params)):
+            s = self.inner.generate([p["prompt_token_ids"]], 1, sp.temperature, sp.top_p, sp.max_tokens,
+                                    seed=sp.seed ^ 0xABC, capture_hidden=False)[0][0]
+            lps = [{t: NS(logprob=lp)} for t, lp in zip(s.completion_ids, s.logprobs)]
+            outs.append(NS(outputs=[NS(token_ids=tuple(s.completion_ids), logprobs=lps, text=s.text,
+                                       finish_reason=s.finish_reason)]))
+        return outs
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.rpcs.append((method, kwargs))
+        self.inner.swap_weights(Path(kwargs["weights_path"]))
+        return [None]
+
+    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        self.resets += 1
+        return True
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, folders):
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    inner = TorchEngine("cpu")
+    inner.load(folders[0])
+
+    @dataclass
+    class SamplingParams:
+        n: int = 1
+        temperature: float = 1.0
+        top_p: float = 1.0
+        max_tokens: int = 16
+        seed: int | None = None
+        logprobs: int | None = None
+        skip_special_tokens: bool = True
+        stop_token_ids: list | None = None
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = lambda **kw: _FakeLLM(inner, **kw)
+    vllm.SamplingParams = SamplingParams
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    vllm.inputs = inputs
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    return inner
+
+
+def test_vllm_engine_samples_per_request_seeds_and_proves_with_a_torch_prefill(fake_vllm, folders):
+    from node.engines.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine()
+    eng.load(folders[0])
+    assert eng.llm.kwargs["logprobs_mode"] == "processed_logprobs" and eng.llm.kwargs["generation_config"] == "vllm"
+    assert eng.name == "vllm" and eng.dtype_name == "float32" and isinstance(eng, Engine)
+    prompts = [enc(eng, "rev 12="), enc(eng, "rev 9876=")]
+    rows, seeds, _, params = eng.requests(prompts, 3, 1.0, 1.0, 8, seed=5)
+    assert [p.n for p in params] == [1] * 6 and [p.seed for p in params] == seeds  # one request per sequence
+    assert len(set(seeds)) == 6 and seeds[0] == sequence_seed(5, 0, 0)
+    groups = eng.generate(prompts, 3, 1.0, 1.0, 8, seed=5)
+    flat = [s for g in groups for s in g]
+    ref = recompute_decode_states(fake_vllm.model, [s.prompt_ids for s in flat], [s.completion_ids for s in flat])
+    for s, r in zip(flat, ref):
+        assert torch.allclose(s.hidden, r.float(), atol=1e-4)  # proofs come from the prefill
+    # the claimed log-probs are vLLM's (top_p = 1) and equal the prefill's log softmax(logits / T)
+    _, prefill_lp = eng.prove([s.prompt_ids for s in flat], [s.completion_ids for s in flat], 1.0)
+    for s, lp in zip(flat, prefill_lp):
+        assert s.logprobs == pytest.approx(lp, abs=1e-4)
+
+
+def test_vllm_engine_takes_prefill_logprobs_under_top_p_and_swaps_weights_through_the_rpc(fake_vllm, folders):
+    from node.engines.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine()
+    eng.load(folders[0])
+    flat = [s for g in eng.generate([enc(eng, "rev 55=")], 2, 0.8, 0.9, 6, seed=1) for s in g]
+    _, prefill_lp = eng.prove([s.prompt_ids for s in flat], [s.completion_ids for s in flat], 0.8)
+    assert [s.logprobs for s in flat] == prefill_lp  # vLLM's would be renormalised over the nucleus
+    eng.swap_weights(folders[1])
+    assert eng.llm.rpcs == [("reload_weights", {"weights_path": str(folders[1])})] and eng.llm.resets == 1
+    fresh = TorchEngine("cpu")
+    fresh.load(folders[1])
+    for a, b in zip(eng.prover.model.state_dict().values(), fresh.model.state_dict().values()):
+        assert torch.equal(a, b)  # the prover follows the same checkpoint
+
+
+def test_the_vllm_engine_uses_only_vllm_names_the_conformance_table_lists():
+    """Every ``vllm`` import and every ``self.llm.<name>`` call in the engine is in VLLM_API, which
+    ``make vllm-conformance`` checks against the pinned release."""
+    import ast
+    import inspect
+
+    from node.engines import vllm_engine
+
+    tree = ast.parse(inspect.getsource(vllm_engine))
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vllm":
+            used |= {f"{node.module}.{a.name}" for a in node.names}
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "llm" and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"):
+            used.add(f"vllm.LLM.{node.attr}")
+    assert used and used <= set(vllm_engine.VLLM_API), used - set(vllm_engine.VLLM_API)
+    attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert not attrs & {"llm_engine", "model_executor", "driver_worker", "environ"}  # no V0 internals, no env switches
+    assert not any(a.startswith("_") and not a.startswith("__") for a in attrs - {"_dtype"})  # no private attribute
+
+
+# -- which engine runs: "auto" never picks one the run does not accept ----------------------------
+
+
+def test_auto_picks_only_an_engine_the_run_accepts():
+    from node.rollouts.generate import pick_engine
+
+    assert pick_engine("auto", ("torch",), vllm_ok=True) == "torch"  # vLLM usable, but the run refuses it
+    assert pick_engine("auto", ("torch", "vllm"), vllm_ok=True) == "vllm"
+    assert pick_engine("auto", ("torch", "vllm"), vllm_ok=False) == "torch"
+    with pytest.raises(ValueError, match="no usable engine"):
+        pick_engine("auto", ("vllm",), vllm_ok=False)
+    with pytest.raises(ValueError, match="not in this run's engines"):
+        pick_engine("vllm", ("torch",), vllm_ok=True)
+
+
+def test_the_run_file_names_known_engines_and_an_accepted_one():
+    from node.rl.config import InferenceConfig
+
+    InferenceConfig(engines=["torch", "vllm"], engine="vllm").validate()
+    for bad in (InferenceConfig(engines=["tensorrt"]), InferenceConfig(replay_engines=["sglang"]),
+                InferenceConfig(engines=[]), InferenceConfig(engine="vllm")):
+        with pytest.raises(ValueError):
+            bad.validate()
+
+
+def test_the_torch_engine_states_its_dtype(engine):
+    assert engine.name == "torch" and engine.dtype_name == "float32"
+
+
+def test_a_failing_compiled_decode_falls_back_to_the_static_cache_with_the_same_samples(folders, monkeypatch):
+    eng = TorchEngine("cpu", decode="static")
+    eng.load(folders[0])
+    prompts = [enc(eng, "rev 12=")]
+    want = eng.generate(prompts, 2, 1.0, 1.0, 6, seed=4)[0]
+    monkeypatch.setattr(eng, "decode_mode", lambda: "compiled" if eng.decode == "static-compiled" else eng.decode)
+    eng.decode = "static-compiled"  # stands for CUDA + compiled: this CPU has no graphs to fail
+    real = eng._decode_static
+    calls = []
+
+    def broken_once(*args):
+        calls.append(eng.decode)
+        if len(calls) == 1:
+            raise RuntimeError("inductor: no kernel for this GPU")
+        return real(*args)
+
+    monkeypatch.setattr(eng, "_decode_static", broken_once)
+    got = eng.generate(prompts, 2, 1.0, 1.0, 6, seed=4)[0]
+    assert calls == ["static-compiled", "static"] and eng.decode == "static"
+    assert [s.completion_ids for s in got] == [s.completion_ids for s in want]

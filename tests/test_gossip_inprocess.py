@@ -81,10 +81,10 @@ async def test_metrics_endpoint_on_loopback(tmp_path, fast_membership):
                 if 'swarm_members{state="alive"} 1.0' in body:
                     break
                 await trio.sleep(0.2)
-    assert "swarm_messages_in_total" in body and "swarm_tcp_bytes" in body
+    assert "swarm_messages_in_total" in body and "swarm_tcp_bytes_total" in body
     # Payload by protocol: membership's push-pull and gossipsub both moved bytes by now.
     sent = {line.split('protocol="')[1].split('"')[0]: float(line.split()[-1])
-            for line in body.splitlines() if line.startswith("swarm_stream_bytes{") and 'direction="sent"' in line}
+            for line in body.splitlines() if line.startswith("swarm_stream_bytes_total{") and 'direction="sent"' in line}
     assert sent.get("/swarm/members/1.0.0", 0) > 0 and any(p.startswith("/meshsub/") and n > 0 for p, n in sent.items())
 
 
@@ -266,3 +266,37 @@ async def test_throwaway_records_from_one_source_are_budgeted(tmp_path, fast_mem
         known = {f.peer_id for f in fakes} & set(table.members)
         assert budget <= len(known) <= budget + 1  # + one token refilled meanwhile at most
         assert relay.peers.table.score(mallory.peer_id, trio.current_time()) < 0
+
+
+async def test_a_trainer_role_not_in_the_run_file_is_shown_as_unlisted(tmp_path, fast_membership):
+    """Anyone may sign "role=trainer" into its own record; status marks it untrusted (issue 14, 12)."""
+    from rich.console import Console
+
+    from node.app.status_view import render_status
+    from node.config import RunConfig
+
+    listed, pretender = Identity.generate(), Identity.generate()
+    run = RunConfig(name="test", trainers=[listed.peer_id])
+    async with open_nodes([node_config(tmp_path, "n0", run=run, membership=fast_membership)]) as nodes:
+        target = nodes[0]
+        topic = target.topic("members")
+        async with open_swarm_host(pretender, ["/ip4/127.0.0.1/tcp/0"]) as host:
+            await host.pubsub.subscribe(topic)
+            await host.connect(target.host.listen_addrs()[0])
+            await wait_for(lambda: host.mesh_size(topic) >= 1, what="the pretender in the target's mesh")
+            for ident in (pretender, listed):  # both signed by their own key: valid records
+                record = PeerRecord(run="test", peer_id=ident.peer_id, role="trainer",
+                                    addrs=["/ip4/127.0.0.1/tcp/9"], software="x", seq=1)
+                await host.pubsub.publish(topic, encode(seal(ident, DOMAIN_RECORD, record)))
+            await wait_for(lambda: {pretender.peer_id, listed.peer_id} <= set(target.membership.table.members),
+                           what="both records taken")
+            status = target.status["membership"]()
+        rows = {r["peer_id"]: r for r in status["members"]}
+        assert rows[pretender.peer_id]["role"] == "trainer" and rows[pretender.peer_id]["unlisted"] is True
+        assert rows[listed.peer_id]["unlisted"] is False
+        assert status["self"]["unlisted"] is False  # a relay claims no run-file role
+        console = Console(record=True, width=250)
+        render_status({"peer_id": target.peer_id, "role": "relay", "run": "test", "membership": status}, console)
+        lines = console.export_text().splitlines()
+        assert any(pretender.peer_id[:20] in ln and "trainer (unlisted)" in ln for ln in lines)
+        assert any(listed.peer_id[:20] in ln and "trainer" in ln and "unlisted" not in ln for ln in lines)

@@ -284,3 +284,28 @@ def test_config_validation():
     with pytest.raises(ValueError):
         GRPOConfig(epsilon=0).validate()
     GRPOConfig().validate()
+
+
+# -- GPU bits, their CPU side: the choices are made by pure functions tested here ---------------
+
+
+def test_packed_rows_use_position_resets_alone_under_a_varlen_flash_kernel_and_the_mask_otherwise():
+    from node.rl.grpo import TrainSample, pack, packed_attention
+
+    batch = pack([TrainSample([1, 2], [3], [-1.0], 1.0), TrainSample([4], [5, 6], [-1.0, -1.0], -1.0)], 8)
+    assert batch.position_ids[0].tolist()[:5] == [0, 1, 2, 0, 1]  # restarts per sample
+    flash = packed_attention(batch, "flash_attention_2", torch.bfloat16)
+    assert flash["attention_mask"] is None and torch.equal(flash["position_ids"], batch.position_ids)
+    for impl in ("sdpa", "eager", None):
+        sdpa = packed_attention(batch, impl, torch.float32)
+        assert sdpa["attention_mask"].shape == (1, 1, 8, 8)
+        assert torch.equal(sdpa["attention_mask"], batch.attention_mask(torch.float32))
+
+
+def test_adamw_is_fused_only_when_every_parameter_is_on_cuda():
+    from node.rl.grpo import adamw_kwargs, make_optimizer
+
+    assert adamw_kwargs({"cuda:0"}) == {"fused": True}
+    assert adamw_kwargs({"cpu"}) == {} and adamw_kwargs({"cuda:0", "cpu"}) == {} and adamw_kwargs(set()) == {}
+    opt, _ = make_optimizer(torch.nn.Linear(2, 2), GRPOConfig())
+    assert not opt.param_groups[0].get("fused")  # the CPU path is torch's default AdamW, as before

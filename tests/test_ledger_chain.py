@@ -251,6 +251,8 @@ def test_bytes_vouched_are_capped_per_voucher_at_the_checkpoint_size():
     led = new_ledger()
     t, w, o = Author(TRAINER), Author(WORKER), Author(OTHER)
     add(led, t.next(published(1000)))
+    add(led, t.next(rollouts(worker=WORKER)))  # both vouchers have standing (trained rollouts):
+    add(led, t.next(rollouts(worker=OTHER)))  # their receipts count (tests/test_sybil.py: without)
     # A colluder claims 50x the checkpoint from the worker and half of it from the trainer:
     # its claims are scaled to the 1000 bytes it can have received, in proportion.
     add(led, o.next(Receipts(items=(ReceiptItem(peer=WORKER.peer_id, manifest_id=b"m" * 32, nbytes=50_000, pieces=1),
@@ -264,13 +266,15 @@ def test_bytes_vouched_are_capped_per_voucher_at_the_checkpoint_size():
 
 def test_receipts_for_an_unpublished_manifest_count_once_it_is_published_in_any_order():
     t, w = Author(TRAINER), Author(WORKER)
-    entries = [w.next(receipt(TRAINER, 700)), t.next(published(5000))]
+    entries = [w.next(receipt(TRAINER, 700)), t.next(rollouts(worker=WORKER)), t.next(published(5000))]
     early, late = new_ledger(), new_ledger()
     add(early, entries[0])
-    assert early.totals(TRAINER.peer_id)[TRAINER.peer_id]["bytes_served"] == 0  # nobody published "m"
     add(early, entries[1])
-    for se in reversed(entries):
-        add(late, se)
+    assert early.totals(TRAINER.peer_id)[TRAINER.peer_id]["bytes_served"] == 0  # nobody published "m"
+    add(early, entries[2])
+    for _ in range(2):  # the trainer's entries arrive last-first: its gap is filled on the second pass
+        for se in reversed(entries):
+            add(late, se)
     assert early.totals() == late.totals()
     assert early.totals(TRAINER.peer_id)[TRAINER.peer_id]["bytes_served"] == 700
 
@@ -470,8 +474,8 @@ def test_digest_is_order_independent():
     entries = []
     for i in range(30):
         a = authors[i % 4]
-        body = (
-            rollouts(samples=i) if a.identity is TRAINER
+        body = (  # trained rollouts give the worker and OTHER standing for their receipts
+            rollouts(samples=i + 1, worker=OTHER if i % 8 == 0 else WORKER) if a.identity is TRAINER
             else Penalty(peer=WORKER.peer_id, reason="x", points=i) if a.identity is VALIDATOR
             else receipt(TRAINER, i + 1)
         )
@@ -484,8 +488,10 @@ def test_digest_is_order_independent():
         random.Random(seed).shuffle(shuffled)
         led = new_ledger()
         pending = shuffled
-        while pending:  # re-offer gapped entries, as anti-entropy would
-            pending = [se for se in pending if add(led, se).outcome is Outcome.GAP]
+        while pending:  # re-offer gapped entries, and receipts before their author's standing, as anti-entropy would
+            again = [se for se in pending if (d := add(led, se)).outcome is Outcome.GAP or d.reason == "author-quota"]
+            assert len(again) < len(pending)
+            pending = again
         assert led.digest() == ref.digest()
         assert led.totals() == ref.totals()
     assert new_ledger().digest() != ref.digest()

@@ -9,7 +9,7 @@ import pytest
 
 from node.identity import load_or_create_identity
 from node.app.shards_cli import add_commands
-from node.shards.testing import write_checkpoint
+from node.shards.testing import safetensors_bytes, write_checkpoint
 
 
 def run(*argv: str) -> int:
@@ -45,11 +45,15 @@ def test_publish_then_list(setup, capsys) -> None:
         (["--version", "1", "PATH/missing"], "not a directory"),
         (["--version", "-1", "PATH/ckpt"], "--version must be >= 0"),
         (["--version", "1", "PATH/ckpt", "--other-key"], "not among the run's trainers"),
+        (["--version", "1", "PATH/nan"], "lm_head (F32) holds NaN or infinity"),
     ],
 )
 def test_publish_errors_are_one_line(setup, capsys, extra, message) -> None:
     tmp, data, run_file = setup
     write_checkpoint(tmp / "ckpt", 1 << 20)
+    write_checkpoint(tmp / "nan", 1 << 20)
+    (tmp / "nan" / "model-00000.safetensors").write_bytes(
+        safetensors_bytes(1 << 19, b"\x00\x00\xc0\x7f", dtype="F32", name="lm_head"))  # a NaN
     argv = ["publish", "--run", str(run_file)]
     if "--other-key" in extra:
         extra = [e for e in extra if e != "--other-key"]

@@ -234,3 +234,51 @@ async def test_inference_fetches_newest_relay_fetches_all(tmp_path: Path) -> Non
             assert d.shards.versions_held() == [2]  # ... and abandoned for version 2
             assert 1 not in d.shards.downloads
             assert r.shards.versions_held() == [1, 2]
+
+
+async def test_a_peer_sending_garbage_to_the_server_is_banned_past_the_threshold(tmp_path: Path) -> None:
+    """Garbage on /swarm/shards/1.0.0 counts strikes in the peer table; the [shards] garbage_strikes-th
+    bans the sender (its next stream is refused), while a stream cut mid-frame is never counted."""
+    from node.net.host import open_swarm_host
+    from node.shards.protocol import BANNED, PROTOCOL, Reject, read_shards_message
+    from node.shards.service import GARBAGE_SOURCE
+
+    trainer, mallory = Identity.generate(), Identity.generate()
+    with trio.fail_after(90):
+        async with open_shards_swarm() as swarm:
+            s = await swarm.add(tmp_path / "s", trainers=[trainer.peer_id], role="relay", garbage_strikes=3, **FAST)
+            svc, addr = s.shards, s.host.listen_addrs()[0]
+            async with open_swarm_host(mallory, ["/ip4/127.0.0.1/tcp/0"]) as host:
+                await host.connect(addr)
+
+                async def send(raw: bytes, answer: bool = True):
+                    stream = await host.open_stream(s.peer_id, PROTOCOL)
+                    try:
+                        await stream.write(raw)
+                        return await read_shards_message(stream) if answer else None
+                    except Exception:  # noqa: BLE001 — the server resets the stream after garbage (or a ban)
+                        return None
+                    finally:
+                        await stream.reset()
+
+                def strikes() -> int:
+                    return int(s.metrics.rejections().get("shards/malformed", 0))
+
+                await send(struct.pack(">I", 100) + b"\x00" * 10, answer=False)  # cut mid-frame: it left, no strike
+                rejections = s.metrics.rejections
+                await wait_for(lambda: rejections().get("shards/truncated") or rejections().get("shards/stream-error"),
+                               what="cut stream seen")
+                for n in (1, 2):
+                    await send(struct.pack(">I", 3) + b"\xc1\xc1\xc1")  # not msgpack
+                    await wait_for(lambda: strikes() == n, what=f"garbage {n} counted")
+                assert not svc.is_banned(mallory.peer_id, trio.current_time())  # below the threshold
+                await send(struct.pack(">I", 3) + b"\xc1\xc1\xc1")
+                await wait_for(lambda: svc.is_banned(mallory.peer_id, trio.current_time()), what="ban")
+                assert mallory.peer_id in svc.status()["banned"]
+                assert GARBAGE_SOURCE in s.peers.table.bans(trio.current_time())[mallory.peer_id]
+                await wait_for(lambda: mallory.peer_id not in s.host.connected_peers(), what="cut off")
+                await host.connect(addr)
+                # Its next stream is refused before anything on it is read (the reset may beat the Reject).
+                answer = await send(struct.pack(">I", 3) + b"\xc1\xc1\xc1")
+                assert answer is None or (isinstance(answer, Reject) and answer.reason == BANNED), answer
+                assert strikes() == 3

@@ -60,3 +60,34 @@ def test_a_step_is_recorded_before_its_model_and_never_as_nan(tmp_path):
         assert spool.steps() == []
         with pytest.raises(ValueError, match="non-finite"):
             spool.record_step(StepRecord(1, 0.5, 16, 2, 80, float("nan"), 0.5))
+
+
+def test_moving_average_trails_over_its_window():
+    from node.trainer.plot import moving_average
+
+    assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert moving_average([], 3) == []
+
+
+def test_without_matplotlib_the_png_is_drawn_by_hand(tmp_path, monkeypatch):
+    from node.trainer import plot
+
+    monkeypatch.setattr(plot, "have_matplotlib", lambda: False)
+    path = plot.write_curve_png([(1, 0.1), (2, 0.3)], tmp_path / "r.png")
+    assert path.read_bytes() == plot.render_curve([(1, 0.1), (2, 0.3)])
+
+
+def test_with_matplotlib_the_png_has_a_title_axes_and_ticks(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional extra `plot` (not in the lock)")
+    from node.trainer import plot
+
+    points = [(s, 0.1 + 0.01 * s) for s in range(1, 41)]
+    ax = plot.curve_figure(points).axes[0]
+    assert ax.get_title() == "Mean reward per trainer step"
+    assert ax.get_xlabel().startswith("trainer step") and ax.get_ylabel() == "mean task reward"
+    assert len(ax.get_xticks()) >= 3 and len(ax.get_yticks()) >= 3
+    assert [l.get_label() for l in ax.get_lines()] == ["mean reward", "moving average (4 steps)"]
+    path = plot.write_curve_png(points, tmp_path / "r.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data != plot.render_curve([(s, 0.1 + 0.01 * s) for s in range(1, 41)])
+    assert struct.unpack(">II", data[16:24]) == (WIDTH, HEIGHT)

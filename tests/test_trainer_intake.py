@@ -286,7 +286,7 @@ async def test_a_worker_banned_in_the_ledger_is_refused_at_intake(trainer):
     decision = replica.check(entry, now_ms)
     assert decision.outcome is Outcome.ACCEPT
     replica.apply(decision)
-    trainer.ledger = SimpleNamespace(ban_of=lambda peer: replica.ban_of(peer, now_ms))
+    trainer.ledger = SimpleNamespace(ban_of=lambda peer: replica.ban_of(peer, now_ms), accepted_samples=replica.accepted_samples)
     ack = await trainer.judge(sign_batch(WORKER, batch()), OTHER.peer_id)
     assert not ack.accepted and ack.reason == "banned"
     assert OTHER.peer_id not in trainer.node.peers.table.peers

@@ -72,10 +72,15 @@ async def test_batches_make_a_step_and_version_1_is_published(tmp_path):
         assert status["batches"]["trained"] == 2 and status["last_step"]["samples"] == 16
         assert status["reward"][0][0] == 1
         assert status["gate"].startswith("off")
+        metrics = tnode.metrics.render().decode()  # reward, loss and step time as Prometheus series
+        assert "swarm_trainer_step_seconds_count 1.0" in metrics and "swarm_trainer_step_seconds_bucket{" in metrics
+        assert "\nswarm_trainer_loss " in metrics and "\nswarm_trainer_reward " in metrics
         # ledger: accepted entries for the worker, and the checkpoint entries of v0 and v1
         ledger = tnode.ledger
         await wait_for(lambda: ledger.totals().get(client.peer_id, {}).get("rollouts_accepted", 0) == 16)
-        assert ledger.totals()[tnode.peer_id]["checkpoints"] == 2
+        # published is set before the ledger entry is appended: wait for it, do not race it
+        await wait_for(lambda: ledger.totals().get(tnode.peer_id, {}).get("checkpoints", 0) == 2,
+                       what="checkpoint entries of v0 and v1")
         # the new version differs from v0 and is a loadable HF folder
         folder = shards.path_of(1)
         assert (folder / "config.json").is_file() and digest((folder / "model.safetensors").read_bytes()) != \
@@ -84,12 +89,18 @@ async def test_batches_make_a_step_and_version_1_is_published(tmp_path):
         assert replay.reason == "duplicate"
         again = await submit(client, tnode.peer_id, honest(client, trainer, step=1, seed=3))
         assert again.reason == "duplicate-step"
-    # restart: same peer id, resumes at step 1, nothing retrained, v1 still served
-    cfgs = [node_config(tmp_path, "trainer", "trainer", run=make_run(tmp_path))]
+    # restart: same peer id, resumes at step 1, nothing retrained, v1 still served. The stored copy's
+    # re-check is paced to never end here, so the trainer finds v1 not held and seeds it again.
+    run = make_run(tmp_path)
+    run.tables["shards"] = {"recheck_rate": 1}
+    cfgs = [node_config(tmp_path, "trainer", "trainer", run=run)]
     async with open_nodes(cfgs) as (tnode,):
         trainer = tnode.trainer
         assert tnode.peer_id == run.trainers[0]
-        assert trainer.step == 1 and trainer.published == 1
+        assert trainer.step == 1 and trainer.published == 1 and tnode.shards.latest() == 1
+        # v1 is seeded again from the trainer's folder while its stored copy is re-checked, but it is
+        # not a new checkpoint: no second ledger entry (the publish at start ran before started()).
+        assert tnode.ledger.totals()[tnode.peer_id]["checkpoints"] == 2
         assert trainer.spool.counts() == {"trained": 2, "rejected": 1}  # the duplicate-step one
         assert trainer.status()["reward"][0][0] == 1
 

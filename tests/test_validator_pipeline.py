@@ -283,3 +283,98 @@ def test_length_reward_runs_check_budgets_and_penalties(world):
     cheat = T.sign_batch(worker, replace(signed.batch, samples=T.regroup_advantages(unpenalised)))
     j = judge_batch(cheat.batch, RULES, current_version=VERSION, tasks=tasks, model=model)
     assert_rejected(j, frozenset({Reason.REWARD_MISMATCH.value}))
+
+
+# --------------------------------------------------------------------------------------------
+# Engine-aware checks: a batch states its engine; the run says which it accepts and which replay
+
+
+class OtherSamplerEngine:
+    """A vLLM-style engine: honest log-probs and final hidden states, tokens drawn by a sampler the
+    validator cannot replay (here: our sampler under seeds the batch does not state)."""
+
+    name = "vllm"
+
+    def __init__(self, inner: TorchEngine) -> None:
+        self.inner = inner
+
+    @property
+    def tokenizer(self):
+        return self.inner.tokenizer
+
+    @property
+    def dtype_name(self) -> str:
+        return self.inner.dtype_name
+
+    def generate(self, prompts, n, temperature, top_p, max_new_tokens, seed, capture_hidden=True):
+        return self.inner.generate(prompts, n, temperature, top_p, max_new_tokens, seed ^ 0x5EED, capture_hidden)
+
+
+VLLM_RUN = replace(RULES, engines=("torch", "vllm"), replay_engines=("torch",))
+
+
+@pytest.fixture(scope="module")
+def vllm_batch(world):
+    engine, tasks, worker, _, _ = world
+    return T.make_batch(OtherSamplerEngine(engine), worker, VLLM_RUN, tasks, step=7, policy_version=VERSION)
+
+
+def test_batches_state_their_engine_and_dtype_under_the_signature(world, vllm_batch):
+    honest = world[3][0]
+    assert (honest.batch.engine, honest.batch.dtype) == ("torch", "float32")
+    assert (vllm_batch.batch.engine, vllm_batch.batch.dtype) == ("vllm", "float32")
+    claimed = T.sign_batch(world[2], replace(honest.batch, engine="vllm"))
+    assert claimed.batch_id != honest.batch_id  # the engine is part of what is signed
+
+
+def test_a_batch_claiming_an_engine_the_run_refuses_is_rejected_with_the_reason(world, vllm_batch):
+    _, tasks, _, _, model = world
+    j = judge_batch(vllm_batch.batch, RULES, current_version=VERSION, tasks=tasks, model=model, policy_root=T.ROOT)
+    assert set(j.reasons) == {BatchReason.ENGINE_REFUSED.value}
+    assert "'vllm' is not one this run accepts (torch)" in j.details[0]
+    # a cheat that relabels an honest torch batch as vllm (to skip the replay) is refused the same way
+    relabelled = T.sign_batch(world[2], replace(world[3][0].batch, engine="vllm"))
+    assert set(judge(world, relabelled).reasons) == {BatchReason.ENGINE_REFUSED.value}
+
+
+def test_a_vllm_style_batch_passes_a_run_that_accepts_it_and_fails_one_that_requires_replay(world, vllm_batch):
+    _, tasks, _, _, model = world
+
+    def judged(rules):
+        return judge_batch(vllm_batch.batch, rules, current_version=VERSION, tasks=tasks, model=model, policy_root=T.ROOT)
+
+    ok = judged(VLLM_RUN)
+    assert ok.accepted, (ok.reasons, ok.details)
+    strict = judged(replace(VLLM_RUN, replay_engines=("torch", "vllm")))
+    assert not strict.accepted
+    assert {r for r in strict.reasons if r != "ok"} == {BatchReason.SAMPLING_MISMATCH.value}
+    # the same tokens stated as torch's are replayed, and fail: the replay is what tells the engines apart
+    as_torch = T.sign_batch(world[2], replace(vllm_batch.batch, engine="torch"))
+    j = judge_batch(as_torch.batch, VLLM_RUN, current_version=VERSION, tasks=tasks, model=model, policy_root=T.ROOT)
+    assert BatchReason.SAMPLING_MISMATCH.value in j.reasons
+
+
+def test_log_prob_and_proof_checks_still_apply_to_engines_without_replay(world, vllm_batch):
+    _, tasks, worker, _, model = world
+    lied = T.with_samples(vllm_batch, worker, lambda i, s: replace(s, logprobs=[x - 1.0 for x in s.logprobs]))
+    j = judge_batch(lied.batch, VLLM_RUN, current_version=VERSION, tasks=tasks, model=model, policy_root=T.ROOT)
+    assert set(j.reasons) == {Reason.LOGPROB_MISMATCH.value}
+    unproved = T.with_samples(vllm_batch, worker, lambda i, s: replace(s, proof=bytes(len(s.proof))))
+    j = judge_batch(unproved.batch, VLLM_RUN, current_version=VERSION, tasks=tasks, model=model, policy_root=T.ROOT)
+    assert not j.accepted and Reason.LOGPROB_MISMATCH.value not in j.reasons
+
+
+def test_a_run_that_fixes_the_dtype_refuses_batches_stating_another(world):
+    j = judge_batch(world[3][0].batch, replace(RULES, dtype="bfloat16"), current_version=VERSION, tasks=world[1],
+                    model=world[4], policy_root=T.ROOT)
+    assert set(j.reasons) == {BatchReason.WRONG_PARAMS.value} and "dtype" in j.details[0]
+
+
+def test_a_batch_stating_an_unknown_dtype_or_a_garbage_engine_is_malformed(world):
+    from node.wire import encode, pack, seal
+
+    for bad in ({"dtype": "int4"}, {"engine": "to rch"}, {"engine": ""}):
+        wire = {**world[3][0].batch.to_wire(), **bad}  # raw bytes: a hostile encoder skips our checks
+        data = encode(seal(world[2], "rollout-batch", pack(wire)))
+        check = parse_batch(data, RUN)
+        assert check.reason == BatchReason.MALFORMED, bad

@@ -7,6 +7,7 @@ Bad input is one line on stderr naming the field, never a traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import os
@@ -17,11 +18,11 @@ from .. import __version__
 from ..atomic import DataDirError
 from ..bootstrap_list import read_bootstrap_list
 from ..config import DEFAULT_LISTEN, LOG_LEVELS, ROLES, ConfigError, NodeConfig, load_config
-from ..identity import KEY_FILE, IdentityError, load_or_create_identity
+from ..identity import KEY_FILE, IdentityError, load_identity, load_or_create_identity
 from ..log import setup_logging
 from ..rl.sandbox import SandboxUnavailable
 from ..rollouts.config import CHEATS
-from .errors import UsageError
+from .errors import RuntimeFailure, UsageError
 
 # Imported inside the commands on purpose: trio and libp2p (roles, status, status_view's remote
 # fetch) and the demo's swarm cost start-up time that ``--help``, ``keygen`` and ``id`` should not pay.
@@ -39,19 +40,41 @@ examples:
   swarm-node status                                  member table of the local node
   swarm-node demo --duration 60                      local swarm on loopback
 
-environment: SWARM_<FIELD> sets a node field (SWARM_ROLE, SWARM_LISTEN=a,b, SWARM_LOG_LEVEL...),
+environment: SWARM_RUN names the run file; SWARM_<FIELD> sets a node field (SWARM_ROLE, SWARM_LISTEN=a,b, SWARM_LOG_LEVEL...),
 SWARM_RUN_<FIELD> a run field (SWARM_RUN_NAME). Precedence: defaults < run file < env < flags.
 """
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse prints usage + exits 2; keep it to one clear line
+        if message.startswith("unrecognized arguments:"):
+            message += _suggestion(self, message.split(":", 1)[1].split())
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every --flag of ``parser`` and of its subcommands (a flag given to the wrong one lands here)."""
+    out = {s for s in parser._option_string_actions if s.startswith("--")}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _option_strings(sub)
+    return out
+
+
+def _suggestion(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    known = sorted(_option_strings(parser))
+    for word in unknown:
+        close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+        if word.startswith("-") and close:
+            return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="node data dir (key, checkpoints, ledger); default ~/.local/share/swarm-node/<run>")
-    p.add_argument("--run", metavar="FILE", type=Path, help="run file (TOML): run name, trusted peers, component tables")
+    p.add_argument("--run", metavar="FILE", type=Path,
+                   help="run file (TOML): run name, trusted peers, component tables (default $SWARM_RUN)")
     p.add_argument("--log-level", choices=LOG_LEVELS, help="log verbosity (default info)")
 
 
@@ -75,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--relay-via", nargs="+", metavar="MULTIADDR",
         help="behind NAT: reserve a slot on these relays and advertise the relayed address",
     )
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (127.0.0.1 unless --metrics-listen)")
+    parser.add_argument("--metrics-listen", metavar="IP", help="address the metrics endpoint binds (default 127.0.0.1)")
+    parser.add_argument("--http-port", type=int,
+                        help="serve the web status page, /status.json, /metrics and /healthz on PORT (default off)")
+    parser.add_argument("--http-listen", metavar="IP", help="address the status page binds (default 127.0.0.1)")
     parser.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")
     _common(parser)
     sub = parser.add_subparsers(dest="command", metavar="[COMMAND]", required=False)
@@ -84,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.set_defaults(func=cmd_keygen)
 
-    p = sub.add_parser("id", help="print the peer id and listen addresses")
+    p = sub.add_parser("id", help="print the peer id and the addresses other peers can dial")
     _common(p)
     p.add_argument("--listen", nargs="+", metavar="MULTIADDR")
+    p.add_argument("--create", action="store_true", help="create the key if the data dir has none (as keygen)")
     p.set_defaults(func=cmd_id)
 
     p = sub.add_parser("status", help="member table of a running node")
@@ -101,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cheat", choices=_cheats(), help="add a dishonest inference node of this kind")
     p.add_argument("--data-root", type=Path, default=Path("demo-data"), help="folder for the nodes' data dirs")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    p.add_argument("--http-port", type=int, default=8080,
+                   help="port of the trainer's web status page on 127.0.0.1 (default 8080; 0 = off)")
     p.set_defaults(func=cmd_demo)
 
     for mod in COMMAND_MODULES:
@@ -120,6 +150,9 @@ def flags_of(args: argparse.Namespace) -> dict:
         "log_level": getattr(args, "log_level", None),
         "log_json": getattr(args, "log_json", None),
         "metrics_port": getattr(args, "metrics_port", None),
+        "metrics_listen": getattr(args, "metrics_listen", None),
+        "http_port": getattr(args, "http_port", None),
+        "http_listen": getattr(args, "http_listen", None),
         "relay_via": getattr(args, "relay_via", None),
     }
     bootstrap = getattr(args, "bootstrap", None)
@@ -151,6 +184,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     check_code_sandbox(config)  # before a key is made: a node that cannot start should leave nothing
+    check_trusted_role(config)
+    setup_logging(config.log_level, config.log_json)  # what opening the data dir logs is formatted too
     identity = _identity(config)
     setup_logging(config.log_level, config.log_json, identity.peer_id[-8:])
     try:
@@ -161,6 +196,26 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise
         raise _first_leaf(damaged) from None
     return 0
+
+
+def check_trusted_role(config: NodeConfig) -> None:
+    """A trainer or validator whose peer id is not in the run's list would run without effect
+    (peers refuse its checkpoints or verdicts): stop before starting, exit 2, saying how to fix it.
+    Checked before any key is created, so a misconfigured start leaves nothing behind."""
+    listed = {"trainer": config.run.trainers, "validator": config.run.validators}.get(config.role)
+    if listed is None:
+        return
+    field = f"run.{config.role}s"
+    data_dir = config.resolved_data_dir()
+    if not (data_dir / KEY_FILE).exists():
+        raise UsageError(f"{field}: this {config.role} has no key yet in {data_dir}, so it cannot be listed; "
+                         f"run `swarm-node keygen --data-dir {data_dir}` and add the peer id it prints to {field}")
+    peer_id = load_identity(data_dir / KEY_FILE).peer_id
+    if peer_id not in listed:
+        where = f"the run file's [run] {config.role}s" if listed else f"{field} (empty in this run)"
+        raise UsageError(f"{field}: this node ({peer_id}) is not a {config.role} of run {config.run.name!r}; "
+                         f"peers would refuse its {'checkpoints' if config.role == 'trainer' else 'verdicts'}: "
+                         f"add it to {where}")
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:
@@ -185,22 +240,32 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_id(args: argparse.Namespace) -> int:
-    from ..status import NODE_FILE
+    """The peer id, then the addresses to give other peers (``--bootstrap``): the running node's
+    own (node.json) or, when none runs, the configured listen addresses; wildcards expanded."""
+    from ..status_files import NODE_FILE
+    from .addresses import NAT_NOTE, dialable
 
     config = config_from_args(args)
-    identity = _identity(config)
+    data_dir = config.resolved_data_dir()
+    if not (data_dir / KEY_FILE).exists() and not args.create:
+        raise UsageError(f"no key in {data_dir}: create one with `swarm-node keygen --data-dir {data_dir}` "
+                         "(or `swarm-node id --create`)")
+    identity, created = load_or_create_identity(data_dir)
+    if created:
+        print(f"created: {data_dir / KEY_FILE}", file=sys.stderr)
     print(identity.peer_id)
-    running = config.resolved_data_dir() / NODE_FILE
+    addrs = list(config.listen)
+    running = data_dir / NODE_FILE
     if running.exists():
         try:
-            addrs = json.loads(running.read_text())["addrs"]
+            addrs = json.loads(running.read_text())["addrs"] or addrs
         except (ValueError, KeyError, OSError):
-            addrs = []
-        for a in addrs:
-            print(a)
-    else:
-        for a in config.listen:
-            print(f"{a}/p2p/{identity.peer_id}")
+            pass
+    shown, expanded = dialable(addrs, identity.peer_id)
+    for a in shown:
+        print(a)
+    if expanded:
+        print(NAT_NOTE, file=sys.stderr)
     return 0
 
 
@@ -231,11 +296,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UsageError, IdentityError, SandboxUnavailable, DataDirError) as e:
         print(f"swarm-node: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeFailure as e:
+        print(f"swarm-node: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`swarm-node status | head`): stop quietly
+        _silence_stdout()
+        return 1
     except OSError as e:
         print(f"swarm-node: error: {e}", file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again
+    (the recipe of Python's ``signal`` documentation, "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

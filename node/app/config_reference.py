@@ -12,6 +12,7 @@ import importlib
 import inspect
 import json
 import re
+from pathlib import Path
 
 from ..config import SECTIONS, NodeConfig, RunConfig
 
@@ -50,10 +51,10 @@ def _toml(value) -> str:
     return json.dumps(str(value))
 
 
-def _table(name: str, cls: type, skip: set[str] = frozenset()) -> list[str]:
+def _table(name: str, cls: type, skip: set[str] = frozenset(), obj=None) -> list[str]:
     comments = field_comments(cls)
     lines = [f"[{name}]"]
-    obj = cls()
+    obj = cls() if obj is None else obj
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
@@ -73,6 +74,44 @@ def reference() -> str:
     return "\n\n".join("\n".join(b) for b in blocks) + "\n"
 
 
+def effective(config: NodeConfig) -> str:
+    """The settings that apply to a node started with ``config`` (run file < environment < flags
+    already merged), in the reference's layout: one table per component, every field, with its
+    meaning; values that differ from the default are marked ``(set)``."""
+    blocks = [_marked("node", NodeConfig, config, skip={"run"}), _marked("run", RunConfig, config.run, skip={"tables"})]
+    for name, path in SECTIONS.items():
+        module, _, attr = path.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+        blocks.append(_marked(name, cls, config.run.section(name, cls)))
+    return "\n\n".join("\n".join(b) for b in blocks) + "\n"
+
+
+def _marked(name: str, cls: type, obj, skip: set[str] = frozenset()) -> list[str]:
+    lines = _table(name, cls, skip, obj)
+    default = cls()
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
+    for i, field_name in enumerate(names, start=1):
+        if getattr(obj, field_name) != getattr(default, field_name):
+            lines[i] = lines[i].replace(" # ", " # (set) ", 1) if " # " in lines[i] else lines[i] + "  # (set)"
+    return lines
+
+
+def cmd_config(args) -> int:
+    if args.run is None and not args.effective:
+        print(reference(), end="")
+        return 0
+    from .cli import config_from_args
+
+    print(effective(config_from_args(args)), end="")
+    return 0
+
+
 def add_commands(sub) -> None:
-    p = sub.add_parser("config", help="print every run-file setting with its default and meaning")
-    p.set_defaults(func=lambda args: print(reference(), end="") or 0)
+    p = sub.add_parser("config", help="print every run-file setting with its default and meaning; "
+                                      "with --run FILE, the settings that would apply")
+    p.add_argument("--run", metavar="FILE", type=Path,
+                   help="show the settings a node started with this run file (and this environment) would use")
+    p.add_argument("--effective", action="store_true",
+                   help="show the settings that would apply from the environment alone (SWARM_*)")
+    p.add_argument("--data-dir")
+    p.set_defaults(func=cmd_config)

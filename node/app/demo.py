@@ -75,8 +75,8 @@ def describe(role: str, status: dict) -> tuple[str, str, str]:
     return held, "-", "-"
 
 
-def build_table(swarm: LocalSwarm, started: float) -> Table:
-    table = Table(title=f"swarm-node demo — {time.monotonic() - started:.0f}s (Ctrl-C to stop)")
+def build_table(swarm: LocalSwarm, started: float, caption: str | None = None) -> Table:
+    table = Table(title=f"swarm-node demo — {time.monotonic() - started:.0f}s (Ctrl-C to stop)", caption=caption)
     for col in ("node", "role", "members a/s/d/l", "conns", "versions held", "rollouts", "reward"):
         table.add_column(col)
     for name, proc in swarm.procs.items():
@@ -119,6 +119,19 @@ def ledger_totals(data_dir: Path) -> str:
     return proc.stdout if proc.returncode == 0 else proc.stderr
 
 
+def _free_or_other(port: int) -> int:
+    """``port`` if 127.0.0.1 can bind it now, else one the kernel picks (the demo must not fail
+    because something else holds 8080)."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_demo(args) -> int:
     console = Console()
     root: Path = args.data_root
@@ -135,22 +148,28 @@ def run_demo(args) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if args.http_port:
+        args.http_port = _free_or_other(args.http_port)
     with LocalSwarm(root, log_level=args.log_level) as swarm:
         run_text = RUN_TEMPLATE.format(trainer=swarm.peer_id("trainer"), validator=swarm.peer_id("validator"))
         swarm.write_run_file(run_text)
         console.print(f"starting {len(names) + bool(args.cheat)} nodes on 127.0.0.1 "
                       f"(data in {root}/, logs in {root}/<node>/node.log)")
         for name, role in names:
-            swarm.start(name, role)
+            web = ["--http-port", str(args.http_port)] if name == "trainer" and args.http_port else []
+            swarm.start(name, role, *web)
+        if args.http_port:  # the trainer's page: members, propagation, reward curve, ledger
+            console.print(f"status page: http://127.0.0.1:{args.http_port}/")
         if args.cheat:
             cheat_run = root / "cheat.toml"
             cheat_run.write_text(run_text.replace("[worker]\n", f'[worker]\ncheat = "{args.cheat}"\n'))
             swarm.start("cheater", "inference", "--run", str(cheat_run))
         started = time.monotonic()
-        with Live(build_table(swarm, started), console=console, refresh_per_second=1) as live:
+        caption = f"status page: http://127.0.0.1:{args.http_port}/" if args.http_port else None
+        with Live(build_table(swarm, started, caption), console=console, refresh_per_second=1) as live:
             while not stop and (not args.duration or time.monotonic() - started < args.duration):
                 time.sleep(1.0)
-                live.update(build_table(swarm, started))
+                live.update(build_table(swarm, started, caption))
         console.print("stopping nodes (each leaves the swarm with a signed goodbye)…")
     console.print(build_table(swarm, started))
     curve = (swarm.status("trainer").get("trainer") or {}).get("reward") or []

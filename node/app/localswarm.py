@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..identity import load_or_create_identity
-from ..status import NODE_FILE, STATUS_FILE
+from ..status_files import NODE_FILE, STATUS_FILE
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 

@@ -45,6 +45,7 @@ def _config(args: argparse.Namespace, role: str):
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
+    from ..shards.finite import non_finite_in_folder
     from ..shards.manifest import FolderError, folder_files
 
     try:
@@ -52,6 +53,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
         folder_files(args.path)  # fail before starting a node
     except (ConfigError, FolderError) as e:
         print(f"swarm-node publish: {e}", file=sys.stderr)
+        return 2
+    problems = non_finite_in_folder(Path(args.path))
+    if problems:  # every downloader would refuse it (node/shards/finite.py)
+        print(f"swarm-node publish: {args.path} cannot be published: {'; '.join(problems)}", file=sys.stderr)
         return 2
     if args.ckpt_version < 0:
         print("swarm-node publish: --version must be >= 0", file=sys.stderr)
@@ -120,11 +125,14 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         return 2
     root = config.resolved_data_dir() / "checkpoints"
     if not root.is_dir():
-        print("no checkpoints")
+        print(f"no checkpoints in {root}")
         return 0
     store = PieceStore(root, config.run.name, config.run.trainers)
     done = set(store.complete_versions())
-    for v in sorted(done | set(store.partial_versions())):
+    versions = sorted(done | set(store.partial_versions()))
+    if not versions:
+        print(f"no checkpoints in {root}")
+    for v in versions:
         signed = store.saved_manifest(v)
         if v in done:
             print(f"v{v}\tcomplete\t{store.folder_of(v)}")

@@ -55,7 +55,11 @@ class SamplingParams:
 class Engine(Protocol):
     """What the inference role needs from any generation backend."""
 
-    name: str
+    name: str  # stated in every batch (RolloutBatch.engine): decides which checks a validator runs
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype the loaded model runs in ("float32" | "bfloat16" | "float16"), stated in every batch."""
 
     def load(self, path: Path) -> None:
         """Load the model (and tokenizer) of a local HF folder."""

@@ -40,20 +40,48 @@ class TinyModelSpec:
     max_position_embeddings: int = 256
 
 
-def build_tokenizer():
-    """Character-level tokenizer (one token per character) wrapped for transformers.
+# Qwen2's pre-tokenizer split (transformers' models/qwen2/tokenization_qwen2.py, PRETOKENIZE_REGEX).
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
-    Built with the `tokenizers` library: a WordLevel vocabulary over the alphabet, a pre-tokenizer
-    that isolates every character, and a Fuse decoder so decoding joins characters without spaces.
+
+def byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the one ByteLevel pre-tokenizers use (" " -> "Ġ",
+    "\n" -> "Ċ", printable ASCII unchanged)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def build_tokenizer():
+    """Character-level tokenizer (one token per character of ``ALPHABET``) wrapped for transformers.
+
+    Built as the pipeline Qwen2's tokenizer class has, so that the checkpoint is portable (issue
+    19): transformers 5's ``AutoTokenizer`` picks the tokenizer class from the model type
+    (``qwen2`` -> ``Qwen2Tokenizer``), which keeps only the vocabulary of ``tokenizer.json`` and
+    rebuilds its own pipeline around it — NFC, Qwen2's split, ByteLevel, BPE with no unknown token.
+    A character-level WordLevel vocabulary then lost every space and newline. So the vocabulary
+    here is byte-level (each alphabet character as ByteLevel spells it) for a BPE with no merges:
+    every character is one token whichever class loads the folder, with the ids the old WordLevel
+    tokenizer gave (special tokens 0-2, then the alphabet in order). Characters outside the
+    alphabet are dropped, as Qwen2's class drops them, rather than mapped to ``<unk>``.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    # "[\s\S]" rather than "." so that "\n" is a token too ("." skips newlines in Oniguruma).
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
+    chars = byte_level_chars()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(chars[ord(c)] for c in ALPHABET))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, continuing_subword_prefix="",
+                                end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    core.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=4096
     )
@@ -92,7 +120,23 @@ def save_model_folder(model, tokenizer, path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    portable_tokenizer_config(path)
     return path
+
+
+def portable_tokenizer_config(path: Path) -> None:
+    """Name the tokenizer class as every transformers version knows it: transformers 5 writes
+    ``TokenizersBackend``, which 4.x cannot load (``Tokenizer class TokenizersBackend does not
+    exist``); ``PreTrainedTokenizerFast`` is the same class in 5 and the tokenizer.json loader in 4."""
+    import json
+
+    config = Path(path) / "tokenizer_config.json"
+    if not config.is_file():
+        return
+    data = json.loads(config.read_text())
+    if data.get("tokenizer_class") == "TokenizersBackend":
+        data["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 def create_tiny_model(path: Path, *, seed: int = 0, spec: TinyModelSpec = TinyModelSpec()) -> Path:
@@ -112,9 +156,10 @@ def load_tokenizer(path: Path):
     """The tokenizer of a local HF folder, exactly as its ``tokenizer.json`` defines it.
 
     Why not plain ``AutoTokenizer``: transformers 5 picks the tokenizer class from the model type
-    (``qwen2`` -> ``Qwen2Tokenizer``), which replaces the pre-tokenizer of our character-level
-    tokenizer with Qwen2's byte-level one and silently drops newlines. Loading ``tokenizer.json``
-    through ``PreTrainedTokenizerFast`` keeps whatever the folder's author serialised. Folders with no
+    (``qwen2`` -> ``Qwen2Tokenizer``), which replaces the pipeline of ``tokenizer.json`` with its
+    own. The embedded model's tokenizer is built to survive that (:func:`build_tokenizer`), but
+    checkpoints made before it, and other folders, may not be: loading ``tokenizer.json`` through
+    ``PreTrainedTokenizerFast`` keeps whatever the folder's author serialised. Folders with no
     ``tokenizer.json`` (slow tokenizers only) fall back to ``AutoTokenizer``. Pad defaults to eos.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

@@ -1,42 +1,76 @@
-"""vLLM engine (GPU): same interface as the torch engine, for real model sizes.
+"""vLLM engine (GPU): the same interface as the torch engine, on the public API of vLLM 0.32.0.
 
-NOT RUN on the machines this project was built on (no GPU, no vllm): it is written against vLLM's
-documented offline API (``vllm.LLM``, ``SamplingParams``, ``TokensPrompt``) and, for hidden states
-and weight swaps, against the V0 engine's in-process model (``llm.llm_engine.model_executor.
-driver_worker.model_runner.model``), the route INTELLECT-2's TOPLOC integration took. Treat it as
-a starting point to validate on a GPU box, not as tested code. Module import never needs vllm.
+NOT RUN ON A GPU YET: the machines this was written on have none. What is checked without one:
+``make vllm-conformance`` installs the pinned vLLM (``[vllm]`` extra: ``vllm==0.32.0``, the release
+that requires ``torch==2.13.0``) in a venv of its own and checks that every name and signature in
+:data:`VLLM_API` exists (tests/vllm_conformance.py); the CPU tests drive this module against a fake
+``vllm`` that follows the same API (tests/test_engine.py). Module import never needs vllm.
 
-Settings, following INTELLECT-2:
-
-* ``VLLM_USE_V1=0`` and ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the model must live in this process
-  for the hook (V1 runs it in a separate engine-core process).
-* ``disable_async_output_proc=True``: with async output processing the captured states drift by one
-  step under CUDA-graph padding (the off-by-one INTELLECT-2 reported).
-* Final hidden states are captured by a forward *pre*-hook on the model's ``logits_processor``: its
-  input is (lm_head, hidden_states, sampling_metadata); ``hidden_states`` are the outputs of the final
-  norm for every scheduled token, and ``sampling_metadata.selected_token_indices`` picks the positions
-  that produce the next token of each sequence — exactly the "decode positions" of
-  ``node.proofs.capture`` (prefill's last position, then one per decode step).
-* Each of the ``n`` samples of a prompt is submitted as its own request with ``n=1`` and its own seed
-  (``sampling.sequence_seed``), so a sequence's randomness does not depend on its batch-mates. vLLM's
-  sampler is not our Gumbel-max sampler, so a validator cannot replay vLLM's exact draws; it checks
-  the log-probabilities instead.
-* Log-probs: vLLM V0 returns log-softmax of the processed logits (after temperature and top-p); with
-  top_p = 1 that equals our convention log softmax(logits / T).
+How it works
+------------
+* **Sampling** goes through ``LLM.generate`` with one ``SamplingParams`` per sequence: each of the
+  ``n`` samples of a prompt is its own request with ``n=1`` and its own ``seed``
+  (``sampling.sequence_seed``), so a sequence's randomness does not depend on its batch-mates.
+  vLLM's sampler is not our Gumbel-max sampler, so a validator cannot replay its draws: batches say
+  ``engine = "vllm"`` and the run decides whether it accepts them (``[inference] engines``); they
+  get the proof and log-prob checks, not the replay.
+* **Log-probs**: ``logprobs=0`` returns the sampled token's log-prob, and ``logprobs_mode =
+  "processed_logprobs"`` makes it log softmax of the logits *after* temperature (vLLM's default,
+  raw, is before temperature). With ``top_p = 1`` that is our convention, log softmax(logits / T)
+  over the full vocabulary. With ``top_p < 1`` vLLM's value is renormalised over the nucleus, so
+  the engine takes the log-probs from the proof prefill below instead (the quantity the trainer
+  and the validator recompute).
+* **Proofs**: vLLM's V1 engine runs the model in another process and offers no stable hook for the
+  final hidden states (the V0 route through ``llm_engine.model_executor.driver_worker`` is gone).
+  So after generation the same checkpoint, loaded once in a :class:`TorchEngine` on the same GPU,
+  runs one batched prefill of prompt + completion and its final-norm states at the decode
+  positions are what TOPLOC proves (``node.proofs.capture.recompute_decode_states``, the very
+  computation the validator runs, which also keeps the honest error small). Its cost is a prefill:
+  ``bench/gpu.py`` measures it as a fraction of generation.
+* **Weight swaps**: ``LLM.collective_rpc("reload_weights", kwargs={"weights_path": ...})`` (each
+  worker reloads in place from the new folder, vLLM's in-place reload), then
+  ``LLM.reset_prefix_cache()`` so no KV computed with the old weights is reused; the prover swaps
+  its weights too. ``generation_config = "vllm"`` keeps the checkpoint's generation_config.json
+  from adding stop tokens the validator would not know: a sequence stops at the tokenizer's eos.
 """
 
 from __future__ import annotations
 
-import os
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from .base import FINISH_LENGTH, FINISH_STOP, Sample
 from .sampling import sequence_seed
 
+VLLM_VERSION = "0.32.0"  # pinned in pyproject.toml's [vllm] extra; requires torch==2.13.0
+PROOF_PREFILL_TOKENS = 65536  # tokens per batched proof prefill (bounds its activation memory)
+
+# Every vLLM name this module uses, with the parameters or fields it passes or reads. The
+# conformance check (tests/vllm_conformance.py, `make vllm-conformance`) imports each and inspects
+# it; tests/test_engine.py checks that this module touches no vLLM name missing from the table.
+VLLM_API: dict[str, tuple[str, ...]] = {
+    "vllm.LLM": ("model", "tokenizer", "dtype", "seed", "gpu_memory_utilization"),
+    "vllm.LLM.generate": ("prompts", "sampling_params", "use_tqdm"),
+    "vllm.LLM.collective_rpc": ("method", "kwargs"),
+    "vllm.LLM.reset_prefix_cache": (),
+    # LLM(**kwargs) go to EngineArgs: these must be its fields
+    "vllm.EngineArgs": ("logprobs_mode", "generation_config", "enable_prefix_caching"),
+    "vllm.config.model.LogprobsMode": ("processed_logprobs",),
+    "vllm.SamplingParams": ("n", "temperature", "top_p", "max_tokens", "seed", "logprobs",
+                            "skip_special_tokens", "stop_token_ids"),
+    "vllm.inputs.TokensPrompt": ("prompt_token_ids",),
+    "vllm.outputs.RequestOutput": ("outputs",),
+    "vllm.outputs.CompletionOutput": ("token_ids", "logprobs", "text", "finish_reason"),
+    "vllm.logprobs.Logprob": ("logprob",),
+    # the worker method collective_rpc("reload_weights", ...) reaches (GPU worker, then its runner)
+    "vllm.v1.worker.gpu_worker.Worker.reload_weights": (),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reload_weights": ("weights_path",),
+}
+
 
 def vllm_available() -> bool:
-    """vllm importable and a CUDA device present: the only case the vLLM engine is chosen."""
+    """vllm importable and a CUDA device present: the only case the vLLM engine can run."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -48,84 +82,99 @@ def vllm_available() -> bool:
     return torch.cuda.is_available()
 
 
-class _StepRecorder:
-    """Pre-hook on the logits processor: per sequence id, the final states that produced each token."""
+def checkpoint_dtype(path: Path, requested: str = "auto") -> str:
+    """The dtype both models run in: ``requested``, or the checkpoint's own (config.json), else bfloat16."""
+    if requested != "auto":
+        return requested
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "bfloat16"
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    return name if name in ("float32", "bfloat16", "float16") else "bfloat16"
 
-    def __init__(self) -> None:
-        self.states: dict[int, list] = {}  # seq_id -> [(H,) tensor on CPU]
-        self.prompts: dict[int, tuple[int, ...]] = {}
-        self.prefix: dict[int, tuple[int, ...]] = {}  # seq_id -> output tokens before the latest step
 
-    def __call__(self, _module, args):
-        _lm_head, hidden, meta = args[0], args[1], args[2]
-        # one device->host copy per step, in the model's dtype (bf16 bits are what TOPLOC proves)
-        picked = hidden.index_select(0, meta.selected_token_indices).cpu()  # (num sampled, H)
-        row = 0
-        for group in meta.seq_groups:
-            for seq_id in group.seq_ids:
-                data = group.seq_data[seq_id]
-                self.prompts.setdefault(seq_id, tuple(data.prompt_token_ids))
-                self.prefix[seq_id] = tuple(data.output_token_ids)
-                self.states.setdefault(seq_id, []).append(picked[row])
-                row += 1
+def sampled_logprobs(token_ids: Sequence[int], logprobs) -> list[float] | None:
+    """The sampled tokens' log-probs out of vLLM's per-position ``{token id: Logprob}`` maps.
+
+    None when vLLM returned none or not one per token (then the prefill's are used)."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        return None
+    out = []
+    for t, d in zip(token_ids, logprobs):
+        entry = d.get(t) if hasattr(d, "get") else None
+        if entry is None:
+            return None
+        out.append(float(entry.logprob))
+    return out
 
 
 class VLLMEngine:
-    """Engine on vLLM's offline ``LLM`` (one GPU)."""
+    """Engine on vLLM's offline ``LLM`` (one GPU), proofs from a torch prefill of the same weights."""
 
     name = "vllm"
 
-    def __init__(self, cfg=None):
+    def __init__(self, cfg=None, prover=None):
         self.cfg = cfg
         self.llm = None
         self.path: Path | None = None
-        self._tokenizer = None
+        self.prover = prover  # a TorchEngine of the same checkpoint (made at load() when None)
+        self._dtype = "bfloat16"
 
     # -- loading ---------------------------------------------------------------------------
 
     def load(self, path: Path) -> None:
-        os.environ.setdefault("VLLM_USE_V1", "0")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        from .model import load_tokenizer
-
-        dtype = getattr(self.cfg, "dtype", "auto") or "auto"
+        self._dtype = checkpoint_dtype(path, getattr(self.cfg, "dtype", "auto") or "auto")
         util = getattr(self.cfg, "gpu_memory_utilization", 0.85)
-        self.llm = LLM(model=str(path), tokenizer=str(path), dtype=dtype, gpu_memory_utilization=util,
-                       disable_async_output_proc=True, enable_prefix_caching=False, seed=0)
-        self._tokenizer = load_tokenizer(path)
+        self.llm = LLM(model=str(path), tokenizer=str(path), dtype=self._dtype, gpu_memory_utilization=util, seed=0,
+                       logprobs_mode="processed_logprobs", generation_config="vllm", enable_prefix_caching=True)
+        if self.prover is None:
+            import torch
+
+            from .torch_engine import TorchEngine
+
+            self.prover = TorchEngine(getattr(self.cfg, "device", "auto"), dtype=getattr(torch, self._dtype),
+                                      decode="dynamic")  # it only prefills
+        self.prover.load(path)
         self.path = Path(path)
 
-    def _model(self):
-        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-
     def swap_weights(self, path: Path) -> None:
-        """Stream the new safetensors into the running model (``model.load_weights``), no restart."""
+        """Reload the new checkpoint's weights in place in vLLM's workers and in the prover."""
         if self.llm is None:
             raise RuntimeError("swap_weights before load")
-        from safetensors.torch import safe_open
-
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
+        if not sorted(Path(path).glob("*.safetensors")):
             raise ValueError(f"{path}: no *.safetensors file")
-
-        def tensors():
-            for f in files:
-                with safe_open(str(f), framework="pt") as fh:
-                    for key in fh.keys():  # noqa: SIM118 - safe_open handles are not dicts
-                        yield key, fh.get_tensor(key)
-
-        self._model().load_weights(tensors())
-        if hasattr(self.llm.llm_engine, "reset_prefix_cache"):  # cached KV of old weights must not be reused
-            self.llm.llm_engine.reset_prefix_cache()
+        self.prover.swap_weights(path)  # raises ValueError on another architecture: the caller reloads
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
         self.path = Path(path)
 
     @property
     def tokenizer(self):
-        return self._tokenizer
+        return self.prover.tokenizer if self.prover is not None else None
+
+    @property
+    def dtype_name(self) -> str:
+        return self._dtype
 
     # -- generation ------------------------------------------------------------------------
+
+    def requests(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int, seed: int) -> tuple[list[tuple[int, int]], list[int], list, list]:
+        """(rows, per-sequence seeds, vLLM prompts, vLLM sampling params): one request per sequence."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        eos = self.tokenizer.eos_token_id
+        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        seeds = [sequence_seed(seed, i, j) for i, j in rows]
+        reqs = [TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _ in rows]
+        params = [SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                                 seed=s % (2**63), logprobs=0, skip_special_tokens=True,
+                                 stop_token_ids=[eos]) for s in seeds]
+        return rows, seeds, reqs, params
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int, seed: int, capture_hidden: bool = True) -> list[list[Sample]]:
@@ -133,60 +182,58 @@ class VLLMEngine:
             raise RuntimeError("generate before load")
         if not prompts or n < 1 or max_new_tokens < 1 or any(len(p) == 0 for p in prompts):
             raise ValueError("need non-empty prompts, n >= 1 and max_new_tokens >= 1")
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
-        seeds = [sequence_seed(seed, i, j) for i, j in rows]
-        reqs = [TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _ in rows]
-        params = [SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                                 seed=s % (2**31), logprobs=0, skip_special_tokens=True) for s in seeds]
-        recorder = _StepRecorder() if capture_hidden else None
-        handle = self._model().logits_processor.register_forward_pre_hook(recorder) if recorder else None
-        try:
-            outs = self.llm.generate(reqs, params, use_tqdm=False)
-        finally:
-            if handle is not None:
-                handle.remove()
-        eos = self._tokenizer.eos_token_id
-        hidden_by_key = _states_by_prompt(recorder) if recorder else {}
+        rows, seeds, reqs, params = self.requests(prompts, n, temperature, top_p, max_new_tokens, seed)
+        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        if len(outs) != len(rows):
+            raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(rows)} requests")
+        eos = self.tokenizer.eos_token_id
+        ids = [list(out.outputs[0].token_ids)[:max_new_tokens] for out in outs]
+        for k, seq in enumerate(ids):  # a sequence ends at its first eos (vLLM stops there; be sure)
+            if eos in seq:
+                ids[k] = seq[: seq.index(eos) + 1]
+        claimed = [sampled_logprobs(seq, out.outputs[0].logprobs) if top_p >= 1.0 else None
+                   for seq, out in zip(ids, outs)]
+        need_prefill = capture_hidden or any(c is None for c in claimed)
+        hidden, prefill_lp = (self.prove([prompts[i] for i, _ in rows], ids, temperature) if need_prefill
+                              else ([None] * len(rows), [None] * len(rows)))
         groups: list[list[Sample]] = [[] for _ in prompts]
-        for (i, j), s, out in zip(rows, seeds, outs):
-            comp = out.outputs[0]
-            ids = list(comp.token_ids)
-            lps = [next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
-                   for t, d in zip(ids, comp.logprobs or [])]
-            hidden = None
-            if recorder is not None:
-                hidden = _take_states(hidden_by_key, tuple(prompts[i]), ids)
+        tok = self.tokenizer
+        for r, ((i, j), s) in enumerate(zip(rows, seeds)):
+            seq = ids[r]
+            lps = claimed[r] if claimed[r] is not None else prefill_lp[r]
             groups[i].append(Sample(
-                prompt_index=i, sample_index=j, seed=s, prompt_ids=list(prompts[i]), completion_ids=ids,
-                logprobs=lps, finish_reason=FINISH_STOP if ids and ids[-1] == eos else FINISH_LENGTH,
-                hidden=hidden, text=comp.text,
+                prompt_index=i, sample_index=j, seed=s, prompt_ids=list(prompts[i]), completion_ids=seq,
+                logprobs=list(lps), finish_reason=FINISH_STOP if seq and seq[-1] == eos else FINISH_LENGTH,
+                hidden=hidden[r] if capture_hidden else None, text=tok.decode(seq, skip_special_tokens=True),
             ))
         return groups
 
+    def prove(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+              temperature: float) -> tuple[list, list[list[float]]]:
+        """Per sequence, the (T, H) final states at the decode positions (model dtype, CPU) and the
+        log softmax(logits / T) of each token, from batched prefills of the prover (bounded size)."""
+        import torch
 
-def _states_by_prompt(rec: _StepRecorder) -> dict[tuple, list]:
-    """(prompt ids, output tokens before the last step) -> recorded state lists of such sequences."""
-    out: dict[tuple, list] = {}
-    for seq_id, states in sorted(rec.states.items()):
-        out.setdefault((rec.prompts[seq_id], rec.prefix[seq_id]), []).append(states)
-    return out
+        from ..proofs.capture import logits_from_hidden, recompute_decode_states
 
-
-def _take_states(by_key: dict, prompt: tuple[int, ...], completion: Sequence[int]):
-    """Pop the recorded sequence that generated ``completion`` after ``prompt``, stacked to (T, H).
-
-    vLLM does not expose which internal sequence id served which request, so sequences are matched by
-    prompt and by the tokens they had produced before their last step (all but the last token).
-    Two sequences with the same key ran on identical inputs, so their states are interchangeable.
-    """
-    import torch
-
-    pool = by_key.get((prompt, tuple(completion[:-1])), [])
-    for k, states in enumerate(pool):
-        if len(states) == len(completion):
-            pool.pop(k)
-            return torch.stack(states)
-    return None
+        model, tok = self.prover.model, self.prover.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        states: list = []
+        logps: list[list[float]] = []
+        start = 0
+        with torch.no_grad():
+            while start < len(prompts):
+                end, tokens = start, 0
+                while end < len(prompts) and (end == start or tokens + len(prompts[end]) + len(completions[end])
+                                              <= PROOF_PREFILL_TOKENS):
+                    tokens += len(prompts[end]) + len(completions[end])
+                    end += 1
+                chunk = recompute_decode_states(model, prompts[start:end], completions[start:end], pad)
+                for h, comp in zip(chunk, completions[start:end]):
+                    logits = logits_from_hidden(model, h) / max(temperature, 1e-6)  # (T, V) float32
+                    lp = torch.log_softmax(logits, dim=-1).gather(
+                        -1, torch.tensor(comp, device=logits.device)[:, None]).squeeze(-1)
+                    states.append(h.cpu())
+                    logps.append(lp.cpu().tolist())
+                start = end
+        return states, logps

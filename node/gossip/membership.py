@@ -87,6 +87,7 @@ import enum
 import itertools
 import math
 import random
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .records import Accusation, Goodbye, PeerRecord
@@ -510,12 +511,14 @@ class MemberTable:
             out[m.state.value] += 1
         return out
 
-    def rows(self, now: float) -> list[dict]:
-        """JSON-able rows for status views, sorted by role then peer id."""
+    def rows(self, now: float, trainers: Collection[str] = (), validators: Collection[str] = ()) -> list[dict]:
+        """JSON-able rows for status views, sorted by role then peer id. ``unlisted``: the record
+        claims a role only the run file grants (``trainers``, ``validators``) and is not listed."""
         rows = [
             {
                 "peer_id": m.peer_id,
                 "role": m.record.role,
+                "unlisted": unlisted_role(m.record.role, m.peer_id, trainers, validators),
                 "state": m.state.value,
                 "for_s": round(now - m.since, 1),
                 # A pending accusation by someone else: shown, but it is no verdict until it times out.
@@ -529,6 +532,15 @@ class MemberTable:
             for m in self.members.values()
         ]
         return sorted(rows, key=lambda r: (r["role"], r["peer_id"]))
+
+
+def unlisted_role(role: str, peer_id: str, trainers: Collection[str], validators: Collection[str]) -> bool:
+    """Does a record claim "trainer" or "validator" for a peer the run file does not list as one?
+    Anyone may write any role in its own record; only the run file makes a trainer or validator
+    trusted (selection reads the run file: node/inference/service.py, node/trainer/gate.py), so
+    status views show such a claim as untrusted ("trainer (unlisted)") instead of taking it."""
+    listed = {"trainer": trainers, "validator": validators}.get(role)
+    return listed is not None and peer_id not in listed
 
 
 RECORD_BYTES = 400  # a signed record envelope with two addresses (measured: ~330-420 B)

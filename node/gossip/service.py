@@ -59,6 +59,7 @@ from .membership import (
     SyncPlanner,
     Verdict,
     next_seq,
+    unlisted_role,
 )
 from .records import (
     DOMAIN_DEAD,
@@ -182,16 +183,18 @@ class Membership:
 
     def status(self) -> dict:
         now = trio.current_time()
+        run = self.node.run
         return {
             "self": {
                 "peer_id": self.node.peer_id,
                 "role": self.record.role,
+                "unlisted": unlisted_role(self.record.role, self.node.peer_id, run.trainers, run.validators),
                 "seq": self.record.seq,
                 "addrs": self.node.host.listen_addrs(),
                 "checkpoints": list(self.record.checkpoints),
             },
             "counts": self.table.counts(),
-            "members": self.table.rows(now),
+            "members": self.table.rows(now, set(run.trainers), set(run.validators)),
             "connections": len(self.node.host.connected_peers()),
             "mesh": self.node.host.mesh_size(self.node.topic("members")),  # gossipsub mesh peers on our topic
             "closed": dict(self.closes),  # pruned by us / by the peer (announced), lost (probed at once)

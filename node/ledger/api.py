@@ -15,5 +15,8 @@ class LedgerAPI(Protocol):
     def ban_of(self, peer: str) -> Any | None:
         """The active ban on ``peer`` from a penalty entry, or None."""
 
+    def accepted_samples(self, peer: str) -> int:
+        """Samples of ``peer``'s rollouts that trainers recorded as trained (its accepted history)."""
+
     def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
         """``peer`` sent us ``nbytes`` of verified checkpoint data (batched into signed receipts)."""

@@ -19,7 +19,7 @@ EQUIVOCATION   the author signed two different entries for one seq: either a dif
                seq we hold, or an entry at head + 1 whose ``prev`` is not our head (it commits to
                a different entry at our head's seq). The pair is :class:`Evidence`.
 REJECT         everything else, with a reason (wrong-run, unauthorized, future-timestamp,
-               time-regress, bad-link, equivocator)
+               time-regress, bad-link, equivocator, author-quota)
 =============  ===============================================================================
 
 Equivocation (the classic fork attack on per-author logs, as in Secure Scuttlebutt and
@@ -32,6 +32,31 @@ Bytes served: receipts vouch for bytes received from a peer for one checkpoint. 
 them, so one voucher's claims for a manifest are capped at that manifest's published size (a
 downloader receives each byte once) and claims for manifests no trainer published count nothing:
 colluders cannot mint credit beyond one checkpoint per identity and checkpoint.
+
+Sybil bounds (issue 13 "Sybil-resistant accounting", issue 14 item 6): keys are free, and receipts
+are the one kind anyone may author, so both what they credit and how many are stored depend on the
+author's *standing* (:meth:`Ledger.vouched`): a trainer or validator of the run, a worker with
+rollouts a trainer recorded as trained, or a peer a trainer's or validator's receipts vouch for (a
+relay that served a validator). Standing comes only from entries of the run's trusted roles.
+
+* credit: receipts of an author without standing count ``unvouched_credit`` of their bytes (0 by
+  default), so ten fresh keys vouching for each other mint nothing;
+* storage: an author without standing may have ``unvouched_receipts`` receipts entries in its log;
+  one with standing ``receipts_burst + receipts_per_checkpoint * (checkpoints the run's trainers
+  published)``. Beyond that a receipts entry is refused (``author-quota``) and not stored. A
+  downloader writes about one receipt per checkpoint it fetches (one per ``receipt_interval``), so
+  the allowance follows the run's progress as the trainers' signed entries show it.
+
+Convergence: the limit is a function of the author's own log and of trusted entries only, never
+of arrival order or our clock, and it only grows as trusted entries arrive. A replica that refuses
+an entry because it still lacks a trainer's entry accepts it when anti-entropy offers it again
+after that entry arrived (``missing`` still lists the range), so replicas holding the same entries
+hold the same receipts and the same digest. The one case where standing could shrink is a trainer
+or validator caught equivocating (its entries past the fork stop counting); then the bound is lifted
+for everyone, which is monotone too (evidence only accumulates), rather than leave replicas that
+accepted under the old standing apart from those that did not. Time stamps are the author's own claim (anything up to
+the clock-skew bound, back to 1970), so a rate by the entry's time would bound nothing by itself;
+the trainers' checkpoints are the clock the allowance is counted in.
 
 Bans: a ``penalty`` entry with ``ban_seconds`` (only trainers and validators may author one) bans its
 peer from the entry's time for that long; :meth:`Ledger.ban_of` is what trainers and validators
@@ -63,6 +88,7 @@ from .entries import (
     Authors,
     Credit,
     Penalty,
+    Receipts,
     SignedEntry,
 )
 
@@ -148,6 +174,17 @@ class LedgerBan:
     seq: int
 
 
+@dataclass(frozen=True)
+class AuthorLimits:
+    """Per-author bounds on self-asserted entries (receipts); see the module docstring. Built from
+    ``[ledger]`` (node/ledger/config.py), where each field is explained."""
+
+    unvouched_receipts: int = 4
+    receipts_burst: int = 16
+    receipts_per_checkpoint: int = 4
+    unvouched_credit: float = 0.0
+
+
 @dataclass
 class PeerTotals:
     """A peer's contribution as the ledger records it (fields: :data:`entries.TOTAL_FIELDS`)."""
@@ -177,6 +214,7 @@ class _Log:
     hashes: list[bytes] = field(default_factory=list)  # hashes[i] is the hash of seq i + 1
     credits: list[tuple[Credit, ...]] = field(default_factory=list)  # credits[i]: credits of seq i + 1
     last_time_ms: int = 0
+    receipts: int = 0  # receipts entries in the log (the per-author bound of the module docstring)
     fork_seq: int = 0  # 0 = not flagged
     evidence: Evidence | None = None
 
@@ -192,11 +230,15 @@ class _Log:
 class Ledger:
     """An in-memory replica of every author's log, checked against the run's rules."""
 
-    def __init__(self, run: str, trainers: Iterable[str], validators: Iterable[str], max_skew_ms: int) -> None:
+    def __init__(self, run: str, trainers: Iterable[str], validators: Iterable[str], max_skew_ms: int,
+                 limits: AuthorLimits = AuthorLimits()) -> None:
         self.run = run
         self.trainers = frozenset(trainers)
         self.validators = frozenset(validators)
+        self.trusted = self.trainers | self.validators
         self.max_skew_ms = max_skew_ms
+        self.limits = limits
+        self._trusted_vouched: dict[str, int] = {}  # peer -> bytes trainers' and validators' receipts vouch for
         self._logs: dict[str, _Log] = {}
         self._totals: dict[str, PeerTotals] = {}
         self._bans: dict[str, list[LedgerBan]] = {}  # banned peer -> ban entries naming it
@@ -243,7 +285,30 @@ class Ledger:
             return Decision(Outcome.REJECT, se, "bad-link")
         if log and se.time_ms < log.last_time_ms:
             return Decision(Outcome.REJECT, se, "time-regress")
+        if se.kind == Receipts.TYPE and self.receipts_left(se.author) == 0:
+            return Decision(Outcome.REJECT, se, "author-quota")
         return Decision(Outcome.ACCEPT, se)
+
+    def vouched(self, peer: str) -> bool:
+        """Whether ``peer`` has standing: a trusted role, rollouts trained by a trainer, or bytes a
+        trainer's or validator's receipts vouch for (usable entries only)."""
+        return (peer in self.trusted or self.accepted_samples(peer) > 0
+                or self._trusted_vouched.get(peer, 0) > 0)
+
+    def receipts_left(self, author: str) -> int | None:
+        """How many more receipts entries ``author``'s log may hold now (None: no bound, a trusted role)."""
+        if author in self.trusted:
+            return None
+        if any(self._logs[t].fork_seq for t in self.trusted if t in self._logs):
+            return None  # a trusted author forked: standing is no longer monotone (module docstring)
+        lim = self.limits
+        if self.vouched(author):
+            checkpoints = sum(self._totals[t].checkpoints for t in self.trainers if t in self._totals)
+            allowed = lim.receipts_burst + lim.receipts_per_checkpoint * checkpoints
+        else:
+            allowed = lim.unvouched_receipts
+        log = self._logs.get(author)
+        return max(0, allowed - (log.receipts if log else 0))
 
     def apply(self, decision: Decision) -> None:
         """Record an accepted entry (after the caller stored it)."""
@@ -267,6 +332,7 @@ class Ledger:
         log.hashes.append(se.hash)
         log.credits.append(credits)
         log.last_time_ms = max(log.last_time_ms, se.time_ms)
+        log.receipts += se.kind == Receipts.TYPE
         if not log.fork_seq or se.seq < log.fork_seq:
             self._credit(se.author, credits, +1)
         body = se.body
@@ -282,6 +348,8 @@ class Ledger:
             elif c.manifest is not None:  # bytes vouched for: capped when totals are read
                 claims = self._vouched.setdefault((author, c.manifest), {})
                 claims[c.peer] = claims.get(c.peer, 0) + sign * c.amount
+                if author in self.trusted:
+                    self._trusted_vouched[c.peer] = self._trusted_vouched.get(c.peer, 0) + sign * c.amount
             else:
                 t = self._totals.setdefault(c.peer, PeerTotals())
                 setattr(t, c.field, getattr(t, c.field) + sign * c.amount)
@@ -292,17 +360,26 @@ class Ledger:
         A downloader receives each verified byte of a checkpoint once, so its receipts for one
         manifest add up to at most that manifest's size; a voucher claiming more (to inflate a
         colluder's credit) has its claims scaled down to the size, and claims for a manifest no
-        trainer published count nothing. Computed from the whole replica, so every replica with
-        the same entries agrees, whatever order they arrived in.
+        trainer published count nothing. A voucher without standing (:meth:`vouched`) counts
+        ``unvouched_credit`` of what it vouches for (Sybil keys crediting each other). Computed from
+        the whole replica, so every replica with the same entries agrees, whatever order they
+        arrived in.
         """
         out: dict[str, int] = {}
-        for (_, manifest), claims in self._vouched.items():
+        weight = self.limits.unvouched_credit
+        for (voucher, manifest), claims in self._vouched.items():
             sizes = [size for size, n in self._published.get(manifest, {}).items() if n > 0]
             cap = max(sizes, default=0)
+            if not cap:
+                continue
+            full = self.vouched(voucher)
+            if not full and weight <= 0:
+                continue
             claimed = sum(claims.values())
             for peer, amount in claims.items():
-                if amount > 0 and cap:
-                    out[peer] = out.get(peer, 0) + (amount if claimed <= cap else amount * cap // claimed)
+                if amount > 0:
+                    got = amount if claimed <= cap else amount * cap // claimed
+                    out[peer] = out.get(peer, 0) + (got if full else int(got * weight))
         return out
 
     def add_evidence(self, ev: Evidence) -> bool:
@@ -368,6 +445,12 @@ class Ledger:
     def evidence(self, author: str) -> Evidence | None:
         log = self._logs.get(author)
         return log.evidence if log else None
+
+    def accepted_samples(self, peer: str) -> int:
+        """Samples of ``peer``'s rollouts that trainers of the run recorded as trained (its history:
+        node/rollouts/quota.py). O(1); entries past a trainer's fork point do not count."""
+        t = self._totals.get(peer)
+        return t.rollouts_accepted if t else 0
 
     def ban_of(self, peer: str, now_ms: int) -> LedgerBan | None:
         """The longest active ban on ``peer`` (entries past an equivocator's fork point do not count)."""

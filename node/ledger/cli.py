@@ -80,7 +80,7 @@ def _open(args) -> tuple[LedgerStore, object]:
 def _replica(store: LedgerStore, config) -> Ledger:
     run = config.run
     name = store.run() or run.name
-    ledger = Ledger(name, run.trainers, run.validators, max_skew_ms=0)
+    ledger = Ledger(name, run.trainers, run.validators, max_skew_ms=0, limits=run.section("ledger").limits())
     for author, (seq, reason) in rebuild(store, ledger).items():
         print(f"warning: {author} not counted from seq {seq} ({reason}); run `swarm-node ledger verify`", file=sys.stderr)
     return ledger

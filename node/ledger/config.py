@@ -23,6 +23,22 @@ class LedgerConfig:
     receipt_interval: float = 30.0
     # Entries per author whose signature and links are re-verified when the node opens its database.
     tail_verify: int = 16
+    # Receipts entries an author without standing (no trusted role, no trained rollouts, no bytes
+    # vouched by a trainer's or validator's receipts) may have stored; more are refused (node/ledger/chain.py).
+    unvouched_receipts: int = 4
+    # Receipts entries an author with standing may have: this many, plus receipts_per_checkpoint per
+    # checkpoint the run's trainers published (a downloader writes about one per checkpoint it fetches).
+    receipts_burst: int = 16
+    receipts_per_checkpoint: int = 4
+    # Fraction of the bytes vouched for by an author without standing that counts as bytes_served (0 = none).
+    unvouched_credit: float = 0.0
+
+    def limits(self):
+        """The chain rules' per-author bounds (:class:`node.ledger.chain.AuthorLimits`)."""
+        from .chain import AuthorLimits
+
+        return AuthorLimits(self.unvouched_receipts, self.receipts_burst, self.receipts_per_checkpoint,
+                            self.unvouched_credit)
 
     def validate(self) -> None:
         if not 0.05 <= self.sync_interval <= 3600:
@@ -37,3 +53,8 @@ class LedgerConfig:
             raise ValueError(f"receipt_interval: 0.05..86400 seconds, got {self.receipt_interval}")
         if not 0 <= self.tail_verify <= 1_000_000:
             raise ValueError(f"tail_verify: 0..1000000, got {self.tail_verify}")
+        for name in ("unvouched_receipts", "receipts_burst", "receipts_per_checkpoint"):
+            if not 0 <= getattr(self, name) <= 1_000_000:
+                raise ValueError(f"{name}: 0..1000000, got {getattr(self, name)}")
+        if not 0.0 <= self.unvouched_credit <= 1.0:
+            raise ValueError(f"unvouched_credit: 0..1, got {self.unvouched_credit}")

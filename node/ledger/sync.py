@@ -91,7 +91,9 @@ SYNC_PENALTY = -20.0  # app score step for a peer that sends invalid entries ove
 BAN_SOURCE = "ledger"  # bans from penalty entries, as the peer table lists them
 MAX_SYNC_SESSIONS = 32  # sync sessions answered at once; more wait
 # Reasons that are the sending peer's fault on a sync stream (as opposed to, e.g., our clock).
-_SENDER_FAULTS = {"wrong-run", "unauthorized", "bad-link", "unrequested"}
+# "author-quota" too: a session takes the trusted authors' ranges first (_call_sync), so we know every
+# trusted entry the peer had, and an honest peer stores no receipts beyond what those allow.
+_SENDER_FAULTS = {"wrong-run", "unauthorized", "bad-link", "unrequested", "author-quota"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +188,7 @@ class LedgerService:
         self._wall_clock = wall_clock
         self._rng = rng or random.Random()
         run = node.config.run
-        self.ledger = Ledger(run.name, run.trainers, run.validators, int(config.max_clock_skew * 1000))
+        self.ledger = Ledger(run.name, run.trainers, run.validators, int(config.max_clock_skew * 1000), config.limits())
         self.rejections: collections.Counter = collections.Counter()  # "source/reason" -> count
         self.accepted: collections.Counter = collections.Counter()  # source -> entries accepted
         self._append_lock = trio.Lock()
@@ -305,6 +307,14 @@ class LedgerService:
         """Append one receipts entry with up to MAX_RECEIPT_ITEMS pending pairs (None if none)."""
         if not self._receipts:
             return None
+        if self.ledger.receipts_left(self.node.peer_id) == 0:
+            # Our log holds all the receipts our standing allows (node/ledger/chain.py): peers would
+            # refuse more, and the bytes would not count. Drop them; the allowance grows with the run.
+            self._reject("receipts", "author-quota")
+            log.info("ledger: %d receipts not recorded: this node's receipt allowance is used up",
+                     len(self._receipts))
+            self._receipts.clear()
+            return None
         keys = sorted(self._receipts)[:MAX_RECEIPT_ITEMS]
         items = tuple(
             ReceiptItem(peer=p, manifest_id=m, nbytes=self._receipts[(p, m)][0], pieces=self._receipts[(p, m)][1])
@@ -323,6 +333,10 @@ class LedgerService:
     def ban_of(self, peer: str):
         """The active ban on ``peer`` from any trainer's or validator's penalty entry, or None."""
         return self.ledger.ban_of(peer, self.now_ms())
+
+    def accepted_samples(self, peer: str) -> int:
+        """Samples of ``peer``'s rollouts trainers recorded as trained (node/rollouts/quota.py's history)."""
+        return self.ledger.accepted_samples(peer)
 
     def stored_entries(self) -> int:
         """Entries in the replica that are also in the database (not the batch being committed)."""
@@ -559,6 +573,8 @@ class LedgerService:
                 if reply.a and reply.b:
                     await self.ingest_evidence(reply.a, reply.b, PROTOCOL)
             wants, _ = self.ledger.missing(hello.heads)  # again: new evidence caps what we want
+            # Trusted authors first: their entries decide what the others may hold (author-quota).
+            wants.sort(key=lambda w: w.author not in self.ledger.trusted)
             for want in wants:
                 start = want.start
                 while start <= want.end and requests < MAX_REQUESTS_PER_STREAM:

@@ -7,11 +7,15 @@ the tiny CPU demo say so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TASK_KINDS = ("synthetic", "math", "code")
 ENGINES = ("auto", "torch", "vllm")
+ENGINE_NAMES = ("torch", "vllm")  # what a batch may state (RolloutBatch.engine)
+# Engines whose sampling is node.engines.sampling's seeded Gumbel-max, so a validator can replay it.
+REPLAYABLE_ENGINES = ("torch",)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DECODE_MODES = ("auto", "dynamic", "static", "compiled")  # node.engines.torch_engine.DECODE_MODES
 
 
 @dataclass
@@ -95,15 +99,39 @@ class GRPOConfig:
 class InferenceConfig:
     """``[inference]``: which engine generates and where."""
 
-    engine: str = "auto"  # auto (vllm when importable and CUDA is present, else torch) | torch | vllm
+    engine: str = "auto"  # auto (vllm when it imports, CUDA is present and the run accepts it; else torch) | torch | vllm
     device: str = "auto"  # auto | cpu | cuda | cuda:N (torch engine)
     dtype: str = "auto"  # auto (the checkpoint's dtype) | float32 | bfloat16 | float16
     gpu_memory_utilization: float = 0.85  # vLLM's KV-cache budget as a fraction of GPU memory
+    decode: str = "auto"  # torch engine decode path: auto (compiled on CUDA, dynamic on CPU) | dynamic | static | compiled
+    # Run-wide (validators and workers read the same file): the engines whose batches the run accepts
+    # ("auto" picks only among them), and those whose batches also get the seeded-sampling replay.
+    # vLLM's sampler is not ours, so its batches get the log-prob and proof checks only: accepting
+    # "vllm" trusts those two for a worker's token choices. Listing "vllm" in replay_engines makes
+    # every vLLM batch fail the replay (a run that requires replayable sampling).
+    engines: list[str] = field(default_factory=lambda: ["torch"])  # engines the run accepts; ["torch", "vllm"] lets GPU workers run vLLM
+    replay_engines: list[str] = field(default_factory=lambda: list(REPLAYABLE_ENGINES))  # engines whose batches get the sampling replay
+
+    def accepted_engines(self) -> tuple[str, ...]:
+        return tuple(self.engines)
+
+    def replayed_engines(self) -> tuple[str, ...]:
+        return tuple(self.replay_engines)
 
     def validate(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine: one of {', '.join(ENGINES)}")
+        for name, names in (("engines", self.accepted_engines()), ("replay_engines", self.replayed_engines())):
+            bad = [e for e in names if e not in ENGINE_NAMES]
+            if bad:
+                raise ValueError(f"{name}: {bad} not among {', '.join(ENGINE_NAMES)}")
+        if not self.accepted_engines():
+            raise ValueError("engines: at least one")
+        if self.engine != "auto" and self.engine not in self.accepted_engines():
+            raise ValueError(f"engine: {self.engine!r} is not in this run's engines {list(self.accepted_engines())}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: one of {', '.join(DTYPES)}")
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode: one of {', '.join(DECODE_MODES)}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("gpu_memory_utilization: 0.05..0.99")

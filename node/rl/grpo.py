@@ -148,16 +148,30 @@ def pack(samples: Sequence[TrainSample], pack_length: int, pad_id: int = 0, one_
     return PackedBatch(ids, pos, seg, tgt, old, adv, (tgt != IGNORE).float(), num_samples=len(samples))
 
 
+# Attention implementations that read packed samples' boundaries from position ids that restart at
+# 0 (transformers' varlen path), so a packed row needs no (R, 1, S, S) mask and keeps the flash kernel.
+POSITION_PACKED_ATTENTION = frozenset({"flash_attention_2", "flash_attention_3"})
+
+
+def packed_attention(batch: PackedBatch, attn_implementation: str | None, dtype: torch.dtype) -> dict:
+    """The forward's attention arguments for a packed batch.
+
+    With a varlen flash kernel the position-id resets alone delimit samples (no mask: the kernel
+    never materialises S x S); otherwise (SDPA, eager) the block-diagonal causal 4-D mask, which
+    SDPA honours. Both compute the per-sample causal attention :func:`pack` promises.
+    """
+    if attn_implementation in POSITION_PACKED_ATTENTION:
+        return {"position_ids": batch.position_ids, "attention_mask": None}
+    return {"position_ids": batch.position_ids, "attention_mask": batch.attention_mask(dtype)}
+
+
 def token_logprobs(model, batch: PackedBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp (R, S), entropy (R, S)) of each target under softmax(logits / T); 0 where IGNORE."""
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    out = model(
-        input_ids=batch.input_ids.to(dev),
-        position_ids=batch.position_ids.to(dev),
-        attention_mask=batch.attention_mask(dtype).to(dev),
-        use_cache=False,
-    )
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    attn = {k: (v.to(dev) if v is not None else None) for k, v in packed_attention(batch, impl, dtype).items()}
+    out = model(input_ids=batch.input_ids.to(dev), use_cache=False, **attn)
     # at least float32 for the softmax (bf16 logits lose the small log-probs); float64 stays float64
     logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)) / temperature  # (R, S, V)
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -237,9 +251,17 @@ def batch_loss(model, batch: PackedBatch, cfg: GRPOConfig, ref_model=None) -> Lo
                      cfg, ref_logp=ref, entropy=ent)
 
 
+def adamw_kwargs(devices: set[str]) -> dict:
+    """``fused=True`` (one kernel for the whole update, torch's fastest AdamW) when every parameter is
+    on CUDA; the CPU path keeps torch's default implementation."""
+    return {"fused": True} if devices and all(d.startswith("cuda") for d in devices) else {}
+
+
 def make_optimizer(model, cfg: GRPOConfig):
     """AdamW with linear warm-up to ``cfg.lr`` over ``cfg.warmup_steps`` optimizer steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    devices = {str(p.device) for p in model.parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99),
+                            **adamw_kwargs(devices))
     warm = max(cfg.warmup_steps, 0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
     return opt, sched

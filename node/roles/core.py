@@ -32,6 +32,7 @@ from ..rl.sandbox import require_isolation
 from ..rl.tasks import TaskFormatError, load_taskset, runs_code
 from ..shards.service import ShardsService, serve_shards
 from ..status import serve_status
+from ..web import serve_web
 
 log = logging.getLogger("node")
 
@@ -68,9 +69,11 @@ async def start_core(
     remote faults to ``node.peers``); status; the ledger; shards, which credit the
     bytes they verify in the ledger; the relay side (``serve_relay_client``: accept relayed
     connections and reserve when behind NAT; the relay role runs the HOP service instead);
-    membership, whose record advertises the relay's circuit addresses and the versions held; and
+    membership, whose record advertises the relay's circuit addresses and the versions held;
     dial-back (node/net/dialback.py), which answers peers asking whether they are reachable and,
-    off the relay role, finds our own reachability and reserves relay slots when we are private."""
+    off the relay role, finds our own reachability and reserves relay slots when we are private;
+    and, when ``http_port`` is set, the web status page (node/web.py), which reads the ledger's
+    totals."""
     await nursery.start(serve_peers, node)
     await nursery.start(serve_status, node)
     ledger = await nursery.start(serve_ledger, node)
@@ -78,6 +81,8 @@ async def start_core(
     relay = await nursery.start(serve_relay, node)
     membership = await nursery.start(serve_membership, node, relay, shards)
     reachability = await nursery.start(serve_dialback, node, relay, membership)
+    if node.config.http_port:  # the web status page reads status providers at each request
+        await nursery.start(serve_web, node, ledger)
     return CoreNode(node, ledger, shards, relay, membership, reachability)
 
 
@@ -137,14 +142,14 @@ async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
 
 
 def start_metrics(node: NodeContext) -> Callable[[], None]:
-    """Serve Prometheus metrics on 127.0.0.1:<metrics_port> when asked to; returns a stopper."""
-    port = node.config.metrics_port
+    """Serve Prometheus metrics on <metrics_listen>:<metrics_port> when asked to; returns a stopper."""
+    port, addr = node.config.metrics_port, node.config.metrics_listen
     if not port:
         return lambda: None
     from prometheus_client import start_http_server
 
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=node.metrics.registry)
-    log.info("metrics", extra={"url": f"http://127.0.0.1:{port}/metrics"})
+    server, thread = start_http_server(port, addr=addr, registry=node.metrics.registry)
+    log.info("metrics", extra={"url": f"http://{addr}:{port}/metrics"})
 
     def stop() -> None:
         server.shutdown()

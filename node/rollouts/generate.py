@@ -49,11 +49,26 @@ def vllm_usable() -> bool:
     return torch.cuda.is_available()
 
 
+def pick_engine(requested: str, accepted: tuple[str, ...], vllm_ok: bool) -> str:
+    """The engine to run: ``requested``, or for "auto" vLLM when usable *and accepted*, else torch.
+
+    Never one the run does not accept (its batches would all be refused): raises ValueError (a
+    configuration error of this node) when nothing fits.
+    """
+    if requested != "auto":
+        if requested not in accepted:
+            raise ValueError(f"[inference] engine = {requested!r} is not in this run's engines {list(accepted)}")
+        return requested
+    for name, usable in (("vllm", vllm_ok), ("torch", True)):
+        if usable and name in accepted:
+            return name
+    raise ValueError(f"[inference] engine = 'auto': no usable engine among this run's engines {list(accepted)} "
+                     "(vllm needs the vllm package and a CUDA device)")
+
+
 def open_engine(cfg):
-    """The engine named by ``[inference]`` (``auto``: vLLM when usable, else torch). Not loaded yet."""
-    name = cfg.engine
-    if name == "auto":
-        name = "vllm" if vllm_usable() else "torch"
+    """The engine named by ``[inference]`` (see :func:`pick_engine`). Not loaded yet."""
+    name = pick_engine(cfg.engine, cfg.accepted_engines(), vllm_usable() if cfg.engine in ("auto", "vllm") else False)
     if name == "vllm":
         if not vllm_usable():
             raise RuntimeError("[inference] engine = 'vllm' needs the vllm package and a CUDA device")
@@ -64,7 +79,8 @@ def open_engine(cfg):
 
     from ..engines.torch_engine import TorchEngine
 
-    return TorchEngine(device=cfg.device, dtype=None if cfg.dtype == "auto" else getattr(torch, cfg.dtype))
+    return TorchEngine(device=cfg.device, dtype=None if cfg.dtype == "auto" else getattr(torch, cfg.dtype),
+                       decode=cfg.decode)
 
 
 @dataclass
@@ -154,6 +170,7 @@ class RolloutGenerator:
             taskset=self.taskset.name,
             seed=drawn.seed, temperature=rl.temperature, top_p=rl.top_p, max_new_tokens=rl.max_new_tokens,
             group_size=rl.group_size, created_ms=created_ms, samples=samples,
+            engine=self.engine.name, dtype=self.engine.dtype_name,
         )
         sealed = seal_within(self.identity, batch, self.worker.max_batch_bytes)
         return StepResult(

@@ -45,6 +45,8 @@ MAX_ID = 128
 # A sampled token had probability e^-1000 at the least: far below anything a sampler ever draws,
 # far above what overflows exp() in the GRPO ratio once the trainer bounds the log-ratio.
 MIN_LOGPROB = -1000.0
+MAX_ENGINE_NAME = 16
+BATCH_DTYPES = ("float32", "bfloat16", "float16")  # the model dtype a batch states it was generated in
 # (r - mean) / (std + eps) over a group of G is at most sqrt(G - 1) in size: 32 for G = 1024.
 MAX_ADVANTAGE = 1000.0
 
@@ -81,7 +83,7 @@ class RolloutBatch(Message):
     """Groups of samples from one worker at one step, all made with one policy version."""
 
     TYPE: ClassVar[str] = "rollout.batch"
-    VERSION: ClassVar[int] = 2  # 2: policy_root (the draw is keyed by it); draws cover the whole step
+    VERSION: ClassVar[int] = 3  # 2: policy_root (the draw is keyed by it); 3: engine and dtype
     run: str = bounded(max_len=64)
     worker: str = bounded(max_len=MAX_ID)  # peer id of the inference node (must be the signer)
     step: int = bounded(min=0, max=2**62)  # the worker's draw step (task draw input)
@@ -97,6 +99,17 @@ class RolloutBatch(Message):
     group_size: int = bounded(min=1, max=MAX_SAMPLES)
     created_ms: int = bounded(min=0, max=2**62)
     samples: list[RolloutSample] = bounded(max_len=MAX_SAMPLES)
+    # The engine that generated the batch (``Engine.name``: "torch" | "vllm") and the dtype it ran the
+    # model in. Signed with the rest: the run file says which engines it accepts and which checks
+    # apply to each ([inference] engines / replay_engines), so a batch is judged by what made it.
+    engine: str = bounded(max_len=MAX_ENGINE_NAME, default="torch")
+    dtype: str = bounded(max_len=16, default="float32")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in BATCH_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(BATCH_DTYPES)}")
+        if not self.engine or not self.engine.isascii() or not self.engine.replace("-", "").isalnum():
+            raise ValueError(f"engine {self.engine[:16]!r} is not an engine name")
 
 
 @register

@@ -22,8 +22,8 @@ The rule, kept per worker by the trainer (its spool) and the validator (its stor
 This is the anti-replay sliding window of IPsec (RFC 4303 §3.4.3) applied to step numbers.
 
 First sight: a worker the node has never seen may start at any step. A fresh identity is a fresh
-set of draws anyway (keys are free: grinding identities is the Sybil problem, bounded by quotas on
-new identities, not by this window), and it lets a validator join a run that is under way.
+set of draws anyway (keys are free: grinding identities is the Sybil problem, bounded by the quota on
+new identities in node/rollouts/quota.py, not by this window), and it lets a validator join a run that is under way.
 
 Honest workers never trip it (tests/test_redteam_steps.py): an inference node uses consecutive steps
 and persists its next step before each one (node/roles/inference.py), so a gap at a trainer is the

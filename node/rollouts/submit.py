@@ -35,12 +35,13 @@ from dataclasses import dataclass, field
 
 from ..net.reqres import CallFailure, Codec, FailureKind, call
 from ..wire import MAX_FRAME, LocalProtocolError, decode_as
+from .quota import QUOTA_REASONS
 from .schema import ROLLOUTS_PROTOCOL, RolloutAck
 
 MAX_ACK_BYTES = 4096  # a RolloutAck is ~100 bytes; anything bigger is garbage
 # Refusal reasons that say "not now" rather than "never": the batch goes back to the queue and the
 # trainer is backed off. Every other reason is final (the batch itself is bad or unwanted).
-TRANSIENT_REASONS = frozenset({"busy", "overloaded", "not-ready", "shutting-down"})
+TRANSIENT_REASONS = frozenset({"busy", "overloaded", "not-ready", "shutting-down"}) | QUOTA_REASONS
 
 
 class BatchState(enum.Enum):
@@ -186,7 +187,9 @@ class Outbox:
         reason = ack.reason or "unspecified"
         if reason in TRANSIENT_REASONS:
             self._back_off(trainer, now)
-            return self._retry(item, now, reason)
+            # A quota refusal (a new worker's allowance per interval, node/rollouts/quota.py) says
+            # nothing about the batch: it costs no attempt, and staleness bounds how long it waits.
+            return self._retry(item, now, reason, counts=reason not in QUOTA_REASONS)
         health.failures, health.blocked_until = 0, 0.0  # it answered sensibly: it is alive
         self._finish(item, BatchState.REFUSED)
         return Outcome(BatchState.REFUSED, reason)

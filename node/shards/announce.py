@@ -59,30 +59,35 @@ def validate_announce(node, run_name: str, trainers: list[str], msg) -> bool:
         return False
 
 
-async def announce(node, signed: SignedManifest) -> None:
-    """Publish ``signed``'s version on the checkpoints topic (best effort)."""
+async def announce(node, signed: SignedManifest, delta: tuple[int, bytes] | None = None) -> None:
+    """Publish ``signed``'s version on the checkpoints topic (best effort), with the (base version,
+    delta manifest root) of its delta when there is one."""
     m = signed.manifest
+    base, delta_root = delta if delta is not None else (-1, b"")
     env = seal(node.identity, ANNOUNCE_DOMAIN, Announce(
-        run=m.run, version=m.version, root=signed.root, total_size=m.total_size, num_pieces=m.num_pieces))
+        run=m.run, version=m.version, root=signed.root, total_size=m.total_size, num_pieces=m.num_pieces,
+        delta_root=delta_root, delta_base=base))
     try:
         await node.host.pubsub.publish(node.topic("checkpoints"), encode(env))
     except Exception as e:  # no peers yet, etc.: the next re-announcement will do
         log.debug("shards: announce failed: %s", e)
 
 
-async def reannounce_loop(node, interval: float, published: Callable[[], SignedManifest | None]) -> None:
-    """Every ``interval`` seconds, announce the version we published last (if any)."""
+async def reannounce_loop(node, interval: float, published: Callable[[], SignedManifest | None],
+                          delta_of: Callable[[int], tuple[int, bytes] | None] = lambda version: None) -> None:
+    """Every ``interval`` seconds, announce the version we published last (if any), with its delta."""
     while True:
         await trio.sleep(interval)
         signed = published()
         if signed is not None:
-            await announce(node, signed)
+            await announce(node, signed, delta_of(signed.version))
 
 
 async def follow_announcements(sub, run_name: str, trainers: list[str],
-                               on_announce: Callable[[int, bytes, str], None]) -> None:
-    """Call ``on_announce(version, root, source)`` for each announcement on subscription ``sub``;
-    ``source`` is the peer that forwarded it (who most likely holds the manifest)."""
+                               on_announce: Callable[..., None]) -> None:
+    """Call ``on_announce(version, root, source, delta)`` for each announcement on subscription
+    ``sub``; ``source`` is the peer that forwarded it (who most likely holds the manifest), ``delta``
+    the (base version, delta manifest root) the trainer offers, or None."""
     while True:
         msg = await sub.get()
         try:
@@ -91,7 +96,7 @@ async def follow_announcements(sub, run_name: str, trainers: list[str],
             continue  # the validator counted it
         a = sa.announce
         source = ID(msg.from_id).to_base58() if msg.from_id else sa.signer
-        on_announce(a.version, a.root, source)
+        on_announce(a.version, a.root, source, a.delta)
 
 
 async def fetch_manifest(node, store: PieceStore, run_name: str, trainers: list[str],

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FETCH_POLICIES = ("auto", "all", "newest", "none")
+DELTA_CODECS = ("lzma", "zlib")  # node/shards/delta.py CODECS
 
 
 @dataclass
@@ -33,6 +34,11 @@ class ShardsConfig:
     request_timeout: float = 10.0
     # Seconds a peer that sent bad pieces or malformed data is banned for.
     ban_seconds: float = 600.0
+    # Malformed or out-of-protocol messages from one peer, within garbage_window seconds, that get it
+    # banned (ban_seconds) by this node's shards service; a stream cut mid-frame does not count.
+    garbage_strikes: int = 5
+    # Seconds over which garbage_strikes add up.
+    garbage_window: float = 600.0
     # Seconds between re-announcements of the newest version this node published (late joiners).
     announce_interval: float = 15.0
     # The publisher reveals pieces to each downloader a few at a time, least-spread first, so it
@@ -40,6 +46,21 @@ class ShardsConfig:
     super_seed: bool = True
     # Show a progress bar for downloads when stderr is a terminal.
     progress: bool = True
+    # Bytes per second re-hashed when the complete versions on disk are checked again at start (in the
+    # background, in a worker thread; a piece is served once it passes, a version is loaded once all
+    # of it passed); 0 = as fast as the disk allows.
+    recheck_rate: int = 256 * 1024 * 1024
+    # Publish each new version also as a delta against the previous one, and fetch a version as a
+    # delta when the trainer offers one against a version this node holds (node/shards/deltasync.py).
+    delta: bool = True
+    # Codec of published deltas, both in the stdlib: "zlib" (bench/deltas.py, 59M-parameter bf16
+    # step: 1.1 s to encode, 0.034 of the full size) or "lzma" (11.7 s, 0.031).
+    delta_codec: str = "zlib"
+    # A delta larger than this fraction of its full version is not published (receivers fetch full).
+    delta_max_ratio: float = 0.5
+    # Seconds a delta may go without a new verified piece (or its manifest unanswered) before the
+    # node gives up on it and fetches full pieces.
+    delta_stall_timeout: float = 30.0
 
     def validate(self) -> None:
         if self.piece_size and (self.piece_size < 16 * 1024 or self.piece_size > 64 * 1024 * 1024):
@@ -57,8 +78,15 @@ class ShardsConfig:
         for name in ("max_peers", "max_serving"):
             if not 1 <= getattr(self, name) <= 1024:
                 raise ValueError(f"{name}: 1..1024, got {getattr(self, name)}")
-        if self.upload_rate < 0:
-            raise ValueError(f"upload_rate: >= 0, got {self.upload_rate}")
-        for name in ("request_timeout", "ban_seconds", "announce_interval"):
+        for name in ("upload_rate", "recheck_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: >= 0, got {getattr(self, name)}")
+        if not 1 <= self.garbage_strikes <= 1000:
+            raise ValueError(f"garbage_strikes: 1..1000, got {self.garbage_strikes}")
+        if self.delta_codec not in DELTA_CODECS:
+            raise ValueError(f"delta_codec: one of {', '.join(DELTA_CODECS)}, got {self.delta_codec!r}")
+        if not 0 < self.delta_max_ratio <= 1:
+            raise ValueError(f"delta_max_ratio: in (0, 1], got {self.delta_max_ratio}")
+        for name in ("request_timeout", "ban_seconds", "announce_interval", "garbage_window", "delta_stall_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

@@ -272,3 +272,72 @@ def read_range(folder: Path, manifest: Manifest, start: int, length: int) -> byt
             fh.seek(off)
             parts.append(fh.read(n))
     return b"".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Delta manifests (node/shards/delta.py is the format, node/shards/deltasync.py the transfer)
+
+DELTA_DOMAIN = "shards-delta"
+
+
+@register
+@dataclass(frozen=True)
+class DeltaManifest(Message):
+    """Version ``version`` as a delta against ``base_version``: the delta's own files and pieces
+    (so it travels like any version) and the root ids of the base and target full manifests it
+    joins. Signed by a trainer under :data:`DELTA_DOMAIN`, so it can never pass for a full one."""
+
+    TYPE: ClassVar[str] = "shards.delta-manifest"
+    run: str = bounded(max_len=64)
+    version: int = bounded(min=1, max=MAX_VERSION)
+    base_version: int = bounded(min=0, max=MAX_VERSION)
+    base_root: bytes = bounded(exact_len=DIGEST_SIZE)
+    target_root: bytes = bounded(exact_len=DIGEST_SIZE)
+    piece_size: int = bounded(min=MIN_PIECE_SIZE, max=MAX_PIECE_SIZE)
+    files: list[FileEntry] = bounded(max_len=MAX_FILES)
+    hashes: bytes = bounded(max_len=MAX_PIECES * DIGEST_SIZE)
+
+    def __post_init__(self) -> None:
+        if self.base_version >= self.version:
+            raise ValueError("a delta's base must be older than its target")
+        self.pieces  # checks files, piece size and hashes as a Manifest does
+
+    @property
+    def pieces(self) -> Manifest:
+        """The delta's payload as a Manifest (what the piece store and the transfer sessions use)."""
+        return Manifest(run=self.run, version=self.version, piece_size=self.piece_size, files=self.files,
+                        hashes=self.hashes)
+
+
+@dataclass(frozen=True)
+class SignedDelta:
+    """A delta manifest that passed :func:`open_delta_manifest`, with its envelope and root id."""
+
+    delta: DeltaManifest
+    envelope: Envelope
+    root: bytes
+    signer: str
+
+    @property
+    def as_signed_manifest(self) -> SignedManifest:
+        """The delta seen as a version of its own (its root is the delta's), for the piece store."""
+        return SignedManifest(self.delta.pieces, self.envelope, self.root, self.signer)
+
+
+def open_delta_manifest(envelope: Envelope, run: str, trainers: list[str]) -> SignedDelta:
+    """Verify a sealed delta manifest for run ``run``. RemoteProtocolError names what is wrong."""
+    payload = envelope.open(DELTA_DOMAIN)
+    signer = peer_id_of(envelope.public_key)
+    if signer not in trainers:
+        raise RemoteProtocolError("not-trainer", signer)
+    delta = decode_as(DeltaManifest, payload, max_size=MAX_MANIFEST_BYTES)
+    if delta.run != run:
+        raise RemoteProtocolError("wrong-run", delta.run[:64])
+    if encode(delta) != payload:
+        raise RemoteProtocolError("non-canonical", "delta manifest does not re-encode to its own bytes")
+    return SignedDelta(delta, envelope, root_id(payload), signer)
+
+
+def sign_delta_manifest(identity, delta: DeltaManifest) -> SignedDelta:
+    envelope = seal(identity, DELTA_DOMAIN, delta)
+    return SignedDelta(delta, envelope, root_id(envelope.payload), identity.peer_id)

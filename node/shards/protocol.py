@@ -138,6 +138,21 @@ class Announce(Message):
     root: bytes = bounded(exact_len=DIGEST_SIZE)
     total_size: int = bounded(min=1, max=MAX_TOTAL_SIZE)
     num_pieces: int = bounded(min=1, max=MAX_PIECES)
+    # The same version as a delta (node/shards/deltasync.py): the delta manifest's root and the
+    # version it applies to; empty / -1 when the trainer published none.
+    delta_root: bytes = bounded(max_len=DIGEST_SIZE, default=b"")
+    delta_base: int = bounded(min=-1, max=MAX_VERSION, default=-1)
+
+    def __post_init__(self) -> None:
+        if self.delta_root and (len(self.delta_root) != DIGEST_SIZE or not 0 <= self.delta_base < self.version):
+            raise ValueError("delta_root needs a full root id and a delta_base older than the version")
+        if not self.delta_root and self.delta_base != -1:
+            raise ValueError("delta_base without delta_root")
+
+    @property
+    def delta(self) -> tuple[int, bytes] | None:
+        """(base version, delta manifest root) when the trainer offers a delta."""
+        return (self.delta_base, self.delta_root) if self.delta_root else None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,27 @@ sessions together, each in its own module:
   (``"none"``) nothing. The manifest of a version to fetch comes over a stream, checked against
   the announced root.
 
+Data at rest is checked before it is trusted (issue 14):
+
+* **Complete versions are re-verified at start**, in the background (``_recheck_held``: newest
+  first, pieces hashed in a worker thread at ``recheck_rate`` bytes/s), so start is not blocked.
+  Serving is per piece: a piece is served once it has passed, as during a download, because a
+  downloader hash-checks every piece and would ban a seeder that sends damaged bytes. Loading is
+  per version: until every piece has passed, the version is not *held* (``latest``, ``path_of``,
+  ``wait_version`` do not return it), since a model loaded from a half-checked folder could read a
+  changed tensor. Pieces that fail are marked missing and fetched again from peers before they are
+  served; a node whose fetch policy is ``"none"`` (the trainer, which publishes from its own
+  folders) drops the version instead.
+* **A damaged manifest** (undecodable, or no longer signed by a trainer of the run) drops the
+  version from the versions held with one log line; the root recorded in ``COMPLETE`` lets the
+  fetch policy get it again.
+* **No checkpoint with a NaN or an infinity is held** (node/shards/finite.py): a downloaded version
+  is checked once assembled, a re-verified one once all its pieces passed, before it counts as held.
+  A refused version is deleted, no longer served, and its root is not fetched again, even though a
+  trainer signed it (a bug or a stolen trainer key). Its pieces may have been served onward while it
+  was still downloading (pieces are checked against the manifest only); every downloader checks
+  again, so nobody loads it.
+
 API (handed back through ``task_status.started``; node/shards/api.py): ``publish(folder, version)``,
 ``wait_version(v)``, ``wait_newer(v)``, ``wait_announced(v)``, ``path_of(v)``, ``latest()``,
 ``versions_held()``, ``receipts()``. Verified bytes are credited in the ledger given at start.
@@ -40,10 +61,12 @@ import trio
 from ..ledger.api import LedgerAPI
 from ..net.reqres import peer_of, reset
 from ..peers import FaultRule
-from ..wire import LocalProtocolError, RemoteProtocolError, write_frame
+from ..wire import TRANSPORT_FAILURES, LocalProtocolError, RemoteProtocolError, write_frame
 from .announce import announce, fetch_manifest, fetch_policy, follow_announcements, reannounce_loop, validate_announce
 from .client import Download, progress_bar
 from .config import ShardsConfig
+from .finite import non_finite_in_folder
+from .deltasync import DeltaSync
 from .manifest import SignedManifest, build_manifest, sign_manifest
 from .protocol import (
     BANNED,
@@ -73,7 +96,12 @@ log = logging.getLogger(__name__)
 # of the time with 64 KiB pieces and 95 % with 128 KiB pieces; with these budgets 97 %.
 SUPER_SEED_WRITING_BYTES = 512 << 10
 SUPER_SEED_REPORT_BYTES = 1 << 20
+# Fault source, in the peer table, of garbage sent to our serving side (the picker's convictions of
+# bad pieces are SOURCE, one report a ban; garbage counts strikes: [shards] garbage_strikes).
+GARBAGE_SOURCE = "shards-garbage"
 MAX_RECEIPT_PAIRS = 4096  # (peer, manifest) pairs whose received bytes we remember
+MAX_REFUSED_ROOTS = 256  # manifest roots refused for non-finite values, remembered so they are not refetched
+RECHECK_CHUNK_BYTES = 8 << 20  # bytes of pieces hashed per worker-thread call when re-verifying at start
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,6 +112,7 @@ class ShardsService:
     """Everything about checkpoint versions on this node (API: node/shards/api.py)."""
 
     server_session_class = ServerSession
+    deltas_class = DeltaSync  # tests swap in a publisher of bad deltas
 
     def __init__(self, node, cfg: ShardsConfig, ledger: LedgerAPI) -> None:
         self.node = node
@@ -107,6 +136,10 @@ class ShardsService:
         self._events: dict[int, trio.Event] = {}
         self._news = trio.Event()  # set (and replaced) when a version is announced or completed
         self._resumed: dict[int, VersionStore] = {}  # partial versions reopened at start
+        # Complete on disk, not yet re-verified since start (see the module docstring): not held yet.
+        self._rechecking: dict[int, VersionStore] = {}
+        self._damaged_manifests: dict[int, bytes | None] = {}  # found at start: version -> root from COMPLETE
+        self._refused: OrderedDict[bytes, str] = OrderedDict()  # root -> why (non-finite values)
         self.published: SignedManifest | None = None
         self.serve_slots = trio.Semaphore(cfg.max_serving)
         self.bucket = TokenBucket(cfg.upload_rate, max(cfg.upload_rate / 10, 2 * cfg.block_size), trio.current_time())
@@ -116,23 +149,28 @@ class ShardsService:
         self.m_bans = mt.counter("shards_bans_total", "Peers banned by the shards service", ["reason"])
         # The picker's smart ban has already counted the strikes: one report here is a ban.
         node.peers.set_rule(SOURCE, FaultRule(strikes=1, ban_seconds=cfg.ban_seconds))
+        node.peers.set_rule(GARBAGE_SOURCE, FaultRule(weight=-10.0, strikes=cfg.garbage_strikes,
+                                                      window=cfg.garbage_window, ban_seconds=cfg.ban_seconds))
         self.m_versions = mt.gauge("shards_versions_complete", "Complete checkpoint versions held")
+        self.m_damaged = mt.counter("shards_damaged_pieces_total", "Pieces on disk that failed their re-check at start")
         self._nursery: trio.Nursery | None = None
+        self.deltas = self.deltas_class(self)  # versions as deltas (node/shards/deltasync.py)
 
     # ---------------------------------------------------------------------------------------
     # Public API
 
     def latest(self) -> int | None:
         """The newest complete version held, or None."""
-        done = self.store.complete_versions()
+        done = self.versions_held()
         return done[-1] if done else None
 
     def path_of(self, version: int) -> Path | None:
         """The model folder of a complete version (load it with transformers), else None."""
-        return self.store.path_of(version)
+        return None if version in self._rechecking else self.store.path_of(version)
 
     def versions_held(self) -> list[int]:
-        return self.store.complete_versions()
+        """Complete versions, oldest first, but for those whose re-check at start is not finished."""
+        return [v for v in self.store.complete_versions() if v not in self._rechecking]
 
     async def wait_version(self, version: int) -> Path:
         """Wait until ``version`` is complete here; returns its folder."""
@@ -164,7 +202,8 @@ class ShardsService:
         manifest = await trio.to_thread.run_sync(build_manifest, Path(folder), self.run_name, version, self.cfg.piece_size)
         signed = sign_manifest(ident, manifest)
         await self.seed(folder, signed, super_seed=self.cfg.super_seed)
-        self.published = signed
+        await self.deltas.publish(signed)
+        self.published = signed  # only now: a re-announcement made before would lack the delta
         await self._announce(signed)
         log.info("shards: published v%d (%d pieces, %d bytes, root %s)", version, manifest.num_pieces,
                  manifest.total_size, signed.root.hex()[:12])
@@ -172,21 +211,31 @@ class ShardsService:
 
     async def seed(self, folder: Path, signed: SignedManifest, *, super_seed: bool = False) -> VersionStore:
         """Take a folder matching a trainer's manifest (e.g. copied out of band) and serve it."""
+        # The copy we hold of this version is replaced: its re-check and any re-fetch stop.
+        self._rechecking.pop(signed.version, None)
+        if (scope := self._download_scopes.get(signed.version)) is not None:
+            scope.cancel()
         vs = await trio.to_thread.run_sync(self.store.import_folder, Path(folder), signed)
         if super_seed:
-            size = signed.manifest.piece_size
-            writing = max(2, -(-SUPER_SEED_WRITING_BYTES // size))
-            self.superseeders[signed.root] = SuperSeeder(
-                signed.manifest.num_pieces, in_transit=writing, rng=self.rng,
-                max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // size)))
+            self.add_superseeder(signed)
         self._serve(vs)
         self._note_announced(signed.version, signed.root, signed.signer)
         self._version_complete(vs)
         return vs
 
+    def add_superseeder(self, signed: SignedManifest) -> None:
+        """Serve the version (or delta) ``signed`` super-seeded: pieces revealed a few at a time."""
+        size = signed.manifest.piece_size
+        writing = max(2, -(-SUPER_SEED_WRITING_BYTES // size))
+        self.superseeders[signed.root] = SuperSeeder(
+            signed.manifest.num_pieces, in_transit=writing, rng=self.rng,
+            max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // size)))
+
     def fetch(self, version: int, root: bytes, source: str) -> None:
         """Download ``version`` (manifest root ``root``, first asked of ``source``) whatever the policy."""
         self._note_announced(version, root, source)
+        if root in self._refused or version in self._rechecking:  # the re-check fetches what it finds missing
+            return
         if version not in self.downloads and self.path_of(version) is None:
             scope = trio.CancelScope()
             self._download_scopes[version] = scope
@@ -197,7 +246,8 @@ class ShardsService:
     # Bookkeeping used by sessions
 
     def is_banned(self, peer: str, now: float) -> bool:
-        return self.node.peers.is_banned(peer, SOURCE, now)
+        peers = self.node.peers
+        return peers.is_banned(peer, SOURCE, now) or peers.is_banned(peer, GARBAGE_SOURCE, now)
 
     def ban(self, peer: str, reason: str, now: float) -> None:
         """Ban ``peer`` for ``cfg.ban_seconds`` (the peer table scores it down and disconnects it)."""
@@ -237,15 +287,16 @@ class ShardsService:
         self.serving[vs.signed.root] = vs
 
     def _version_complete(self, vs: VersionStore) -> None:
-        self.m_versions.set(len(self.store.complete_versions()))
+        self.m_versions.set(len(self.versions_held()))
         self._events.pop(vs.version, trio.Event()).set()
         self._tell_news()
-        for v in self.store.prune(protect=set(self.downloads)):
+        for v in self.store.prune(protect=set(self.downloads) | set(self._rechecking)):
             for root, held in list(self.serving.items()):
                 if held.version == v:
                     held.close()
                     del self.serving[root]
                     self.superseeders.pop(root, None)
+        self.deltas.prune()
 
     def _note_announced(self, version: int, root: bytes, source: str) -> None:
         """Remember the first announcement of ``version``; followers learn of a newer one."""
@@ -293,8 +344,11 @@ class ShardsService:
         except* (LocalProtocolError, AssertionError):
             raise
         except* RemoteProtocolError as group:
-            self.node.metrics.reject(SOURCE, group.exceptions[0].reason)
-            log.debug("shards: %s sent garbage: %s", peer[-8:], group.exceptions[0])
+            e = group.exceptions[0]
+            self.node.metrics.reject(SOURCE, e.reason)
+            log.debug("shards: %s sent garbage: %s", peer[-8:], e)
+            if e.reason not in TRANSPORT_FAILURES:  # a peer cut off mid-frame left; it did not lie
+                self.node.peers.report(peer, GARBAGE_SOURCE, e.reason, trio.current_time())
         except* Exception as group:  # resets, timeouts, closed connections: the peer left
             log.debug("shards: inbound session with %s ended: %r", peer[-8:], group.exceptions[0])
         finally:
@@ -307,9 +361,10 @@ class ShardsService:
         return validate_announce(self.node, self.run_name, self.trainers, msg)
 
     async def _announce(self, signed: SignedManifest) -> None:
-        await announce(self.node, signed)
+        await announce(self.node, signed, self.deltas.published_offer(signed.version))
 
-    def _on_announce(self, version: int, root: bytes, source: str) -> None:
+    def _on_announce(self, version: int, root: bytes, source: str, delta: tuple[int, bytes] | None = None) -> None:
+        self.deltas.note_offer(version, delta)
         self._note_announced(version, root, source)
         self._maybe_fetch(version)
 
@@ -345,12 +400,17 @@ class ShardsService:
                         log.warning("shards: %s", e)
                         return
                 self._serve(vs)
+                await self.deltas.fill(vs)  # from a delta against a version we hold, when offered
                 dl = Download(self, vs)
                 self.downloads[version] = dl
                 with progress_bar(self.cfg, vs) as bar:
                     if bar is not None:
                         self._nursery.start_soon(bar.follow, dl)
                     await dl.run()
+                problems = await trio.to_thread.run_sync(non_finite_in_folder, vs.folder, _files(vs))
+                if problems:
+                    await self._refuse(vs, problems)
+                    return
                 await trio.to_thread.run_sync(vs.finish)  # fsyncs the whole checkpoint: off the event loop
                 log.info("shards: v%d complete in %.1fs (%d pieces re-fetched after bad hashes)",
                          version, trio.current_time() - dl.started, dl.refetched_pieces)
@@ -363,16 +423,18 @@ class ShardsService:
     # Lifecycle
 
     def _load_held(self) -> list[SignedManifest]:
-        """Serve every complete version on disk; return manifests of partial ones to resume."""
+        """Open every complete version on disk for its re-check (nothing of it served yet) and drop
+        those whose manifest is damaged; return manifests of partial ones to resume."""
         partial = []
         for v in self.store.complete_versions():
             signed = self.store.saved_manifest(v)
             if signed is None:
+                self._drop_damaged_manifest(v)
                 continue
             vs = VersionStore(self.store.folder_of(v), signed)
-            vs._open(create=False)
-            vs.verified = set(range(signed.manifest.num_pieces))  # COMPLETE was written after fsync
-            self._serve(vs)
+            vs._open(create=True)  # a lost or resized file comes back at its size; its pieces fail the re-check
+            self._rechecking[v] = vs
+            self._serve(vs)  # with no piece verified yet: each is served once it passes
             self._note_announced(v, signed.root, signed.signer)
         for v in self.store.partial_versions():
             signed = self.store.saved_manifest(v)
@@ -382,16 +444,127 @@ class ShardsService:
                 self._serve(vs)
                 self._resumed[v] = vs
                 partial.append(signed)
+        self.deltas.load_held()
         return partial
+
+    def _drop_damaged_manifest(self, version: int) -> None:
+        """A complete version whose saved manifest is unreadable or not signed by a trainer of the
+        run: no longer held (its files stay, as a partial version without a manifest)."""
+        self._damaged_manifests[version] = self.store.complete_root(version)
+        self.store.forget_manifest(version)
+
+    def _refetch_damaged_manifests(self) -> None:
+        """Fetch the versions dropped for a damaged manifest, by the root kept in COMPLETE, when the
+        fetch policy wants them; one log line each."""
+        for version, root in sorted(self._damaged_manifests.items()):
+            if root is not None:
+                self._note_announced(version, root, self.trainers[0] if self.trainers else "")
+                self._maybe_fetch(version)
+            log.warning("shards: v%d dropped from the versions held: its manifest on disk (%s) is damaged or not "
+                        "signed by a trainer of this run%s", version,
+                        self.store.folder_of(version) / ".shards" / "manifest",
+                        "; fetching it again" if version in self.downloads else "")
+        self._damaged_manifests.clear()
+
+    async def _recheck_held(self) -> None:
+        """Re-verify the complete versions opened at start, newest first (what a node loads)."""
+        for v in sorted(self._rechecking, reverse=True):
+            vs = self._rechecking.get(v)
+            if vs is not None:
+                await self._recheck_version(vs)
+
+    async def _before_recheck_chunk(self, vs: VersionStore) -> None:
+        """Called before each chunk of a re-check is hashed (tests hold the re-check here)."""
+
+    async def _recheck_version(self, vs: VersionStore) -> None:
+        """Hash every piece of ``vs`` again, serving each that passes; then hold the version, or fetch
+        the pieces that failed (or drop it, with fetch policy "none")."""
+        m, v = vs.manifest, vs.version
+        bad: list[int] = []
+        nxt = 0
+        while nxt < m.num_pieces:
+            chunk, size = [], 0
+            while nxt < m.num_pieces and (not chunk or size < RECHECK_CHUNK_BYTES):
+                chunk.append(nxt)
+                size += m.piece_length(nxt)
+                nxt += 1
+            await self._before_recheck_chunk(vs)
+            if self._rechecking.get(v) is not vs:  # replaced meanwhile (re-published): its own copy is checked
+                if self.serving.get(vs.signed.root) is not vs:
+                    vs.close()
+                return
+            t0 = trio.current_time()
+            try:
+                good = await trio.to_thread.run_sync(vs.check_pieces, chunk)
+            except OSError as e:  # an unreadable disk region: those pieces are missing like damaged ones
+                log.warning("shards: v%d: reading pieces %d-%d for their re-check failed: %s", v, chunk[0], chunk[-1], e)
+                good = []
+            for piece in good:
+                vs.verified.add(piece)
+                self.on_piece_verified(vs, piece)
+            bad += sorted(set(chunk) - set(good))
+            pause = size / self.cfg.recheck_rate - (trio.current_time() - t0) if self.cfg.recheck_rate else 0.0
+            await trio.sleep(max(0.0, pause))
+        if self._rechecking.get(v) is not vs:
+            return
+        if not bad:
+            problems = await trio.to_thread.run_sync(non_finite_in_folder, vs.folder, _files(vs))
+            if self._rechecking.pop(v, None) is not vs:
+                return
+            if problems:
+                await self._refuse(vs, problems)
+                return
+            log.debug("shards: v%d re-verified (%d pieces)", v, m.num_pieces)
+            self._version_complete(vs)
+            return
+        del self._rechecking[v]
+        self.m_damaged.inc(len(bad))
+        if self.policy == "none":
+            log.warning("shards: v%d: %d of %d pieces on disk failed their re-check; dropped (fetch policy none)",
+                        v, len(bad), m.num_pieces)
+            self._unserve(vs)
+            await trio.to_thread.run_sync(self.store.remove, v)
+            self._tell_news()
+            return
+        log.warning("shards: v%d: %d of %d pieces on disk failed their re-check (pieces %s); fetching them again "
+                    "before they are served", v, len(bad), m.num_pieces, ",".join(map(str, bad[:8])))
+        await trio.to_thread.run_sync(vs.mark_incomplete)
+        self._resumed[v] = vs
+        self.fetch(v, vs.signed.root, vs.signed.signer)
+
+    def _unserve(self, vs: VersionStore) -> None:
+        """Stop serving ``vs`` (sessions still open on it get NOT_HELD for every request) and close it."""
+        root = vs.signed.root
+        if self.serving.get(root) is vs:
+            del self.serving[root]
+        self.superseeders.pop(root, None)
+        vs.verified = set()
+        vs.close()
+
+    async def _refuse(self, vs: VersionStore, problems: list[str]) -> None:
+        """A version with a non-finite value: log it, delete it, never hold, serve or fetch it again."""
+        v, root = vs.version, vs.signed.root
+        self._refused[root] = problems[0]
+        while len(self._refused) > MAX_REFUSED_ROOTS:
+            self._refused.popitem(last=False)
+        self.node.metrics.reject(SOURCE, "non-finite-checkpoint")
+        log.error("shards: v%d (manifest %s, signed by trainer %s) refused: %s; it is not loaded, served or fetched "
+                  "again", v, root.hex()[:12], vs.signed.signer, "; ".join(problems))
+        self._unserve(vs)
+        await trio.to_thread.run_sync(self.store.remove, v)
+        self._tell_news()
 
     def status(self) -> dict[str, Any]:
         return {
             "policy": self.policy,
             "held": self.versions_held(),
+            "rechecking": sorted(self._rechecking),
+            "refused": len(self._refused),
             "announced": sorted(self.announced)[-8:],
             "downloading": [d.status() for d in self.downloads.values() if d is not None],
             "serving_sessions": sum(len(s) for s in self.server_sessions.values()),
-            "banned": sorted(p for p, bans in self.node.peers.table.bans(trio.current_time()).items() if SOURCE in bans),
+            "banned": sorted(p for p, bans in self.node.peers.table.bans(trio.current_time()).items()
+                             if SOURCE in bans or GARBAGE_SOURCE in bans),
         }
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -399,20 +572,27 @@ class ShardsService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             partial = self._load_held()
-            self.m_versions.set(len(self.store.complete_versions()))
+            self.m_versions.set(len(self.versions_held()))
             host.set_handler(PROTOCOL, self.handle_stream)
             topic = self.node.topic("checkpoints")
             host.pubsub.set_topic_validator(topic, self._validate_announce, False)
             sub = await host.pubsub.subscribe(topic)
             nursery.start_soon(follow_announcements, sub, self.run_name, self.trainers, self._on_announce)
-            nursery.start_soon(reannounce_loop, self.node, self.cfg.announce_interval, lambda: self.published)
+            nursery.start_soon(reannounce_loop, self.node, self.cfg.announce_interval, lambda: self.published,
+                               self.deltas.published_offer)
             for signed in partial:  # resume interrupted downloads
                 self._note_announced(signed.version, signed.root, signed.signer)
             for signed in partial:
                 self._maybe_fetch(signed.version)
+            self._refetch_damaged_manifests()
+            nursery.start_soon(self._recheck_held)
             self.node.status["shards"] = self.status
             task_status.started(self)
             await trio.sleep_forever()
+
+
+def _files(vs: VersionStore) -> list[str]:
+    return [f.name for f in vs.manifest.files]
 
 
 async def _quietly(fn, *args) -> None:

@@ -20,6 +20,9 @@ Layout under ``<data_dir>/checkpoints/``::
 * A version is complete only when ``.shards/COMPLETE`` exists; it is created after the data files are
   fsync'd, with write-fsync-rename-fsync(dir), so a crash never leaves a "complete" version with
   missing bytes. Hidden names keep the state out of the model folder's file list.
+* A complete version is not trusted either: at start the shards service re-hashes every piece of
+  it in the background (node/shards/service.py, ``_recheck_version``) and serves each piece only
+  once it has passed; pieces that fail are fetched again (:meth:`VersionStore.mark_incomplete`).
 * Only the newest ``keep`` complete versions are kept; older ones (and abandoned partial downloads
   older than them) are renamed away, then deleted, so a crash mid-delete leaves no half version.
 """
@@ -31,7 +34,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from ..atomic import write_atomic
+from ..atomic import fsync_dir, write_atomic
 from ..wire import Envelope, RemoteProtocolError, decode_as, encode
 from .manifest import Manifest, SignedManifest, open_manifest
 
@@ -152,6 +155,17 @@ class VersionStore:
     def read_piece(self, piece: int) -> bytes:
         return self._pread(piece * self.manifest.piece_size, self.manifest.piece_length(piece))
 
+    def check_pieces(self, pieces: list[int]) -> list[int]:
+        """Those of ``pieces`` whose bytes on disk match the manifest (reads only: a worker thread may run it)."""
+        return [i for i in pieces if self.manifest.check_piece(i, self.read_piece(i))]
+
+    def mark_incomplete(self) -> None:
+        """A complete version found damaged: drop COMPLETE, log only the pieces verified now, so the
+        missing ones are fetched again (and a crash meanwhile leaves an ordinary partial version)."""
+        (self.state / "COMPLETE").unlink(missing_ok=True)
+        fsync_dir(self.state)
+        self._start_log()
+
     def resume(self) -> int:
         """Re-check every piece the log claims, then start a fresh log. Returns how many were kept."""
         for i in sorted(read_verified_log(self.folder, self.signed.root, self.manifest.num_pieces)):
@@ -206,6 +220,27 @@ class PieceStore:
     def path_of(self, version: int) -> Path | None:
         """The model folder of a complete version, else None."""
         return self.folder_of(version) if version in self.complete_versions() else None
+
+    def complete_root(self, version: int) -> bytes | None:
+        """The manifest root recorded in a complete version's COMPLETE marker (None if unreadable)."""
+        try:
+            root = (self.folder_of(version) / STATE / "COMPLETE").read_bytes()
+        except OSError:
+            return None
+        return root if len(root) == 32 else None
+
+    def forget_manifest(self, version: int) -> None:
+        """A version whose saved manifest is damaged: drop its state (manifest, log, COMPLETE) and
+        keep its files, so it is no longer held and a download of it starts afresh."""
+        state = self.folder_of(version) / STATE
+        for name in ("COMPLETE", "manifest", "verified"):
+            (state / name).unlink(missing_ok=True)
+        fsync_dir(state)
+
+    def remove(self, version: int) -> None:
+        """Delete a version (complete or not) from disk."""
+        if self.folder_of(version).exists():
+            self._remove(version)
 
     def saved_manifest(self, version: int) -> SignedManifest | None:
         """The manifest stored for ``version`` (checked again: the disk is not trusted blindly)."""

@@ -18,8 +18,29 @@ from .config import ShardsConfig
 from .service import ShardsService
 
 
+def safetensors_bytes(total: int, body: bytes = b"", *, dtype: str = "U8", name: str = "data") -> bytes:
+    """A valid safetensors file of exactly ``total`` bytes: one 1-D tensor ``name`` of ``dtype``
+    whose bytes are ``body`` (then zeros), the header padded with spaces as the format allows."""
+    import json
+    import struct
+
+    item = {"U8": 1, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}[dtype]
+
+    def header(data_len: int) -> bytes:
+        return json.dumps({name: {"dtype": dtype, "shape": [data_len // item], "data_offsets": [0, data_len]}}).encode()
+
+    size = len(header(total)) + (-len(header(total)) % 8)  # the longest the header can be, 8-aligned
+    data_len = total - 8 - size
+    if data_len < len(body) or data_len % item:
+        raise ValueError(f"no {total}-byte safetensors file holds {len(body)} bytes of {dtype}")
+    head = header(data_len)
+    return struct.pack("<Q", size) + head + b" " * (size - len(head)) + body + bytes(data_len - len(body))
+
+
 def write_checkpoint(folder: Path, size: int, seed: int = 0, files: int = 3) -> Path:
-    """A fake model folder of ``size`` bytes spread over ``files`` files (random, reproducible)."""
+    """A fake model folder of ``size`` bytes spread over ``files`` files (random, reproducible): the
+    weights are valid safetensors files, each one ``U8`` tensor of random bytes (a random float
+    would sometimes be NaN, which no node accepts: node/shards/finite.py)."""
     import random
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -28,8 +49,41 @@ def write_checkpoint(folder: Path, size: int, seed: int = 0, files: int = 3) -> 
     rest = size - (folder / "config.json").stat().st_size
     for k in range(files - 1):
         n = rest // (files - 1) + (rest % (files - 1) if k == files - 2 else 0)
-        (folder / f"model-{k:05d}.safetensors").write_bytes(rng.randbytes(n))
+        (folder / f"model-{k:05d}.safetensors").write_bytes(safetensors_bytes(n, rng.randbytes(max(0, n - 128))))
     return folder
+
+
+def write_bf16_checkpoint(folder: Path, values, step: int) -> Path:
+    """A model folder: config.json and one safetensors file holding ``values`` (a numpy uint16
+    array) as a single bf16 tensor: what deltas are measured and tested on."""
+    import json
+    import struct
+
+    folder.mkdir(parents=True, exist_ok=True)
+    head = json.dumps({"w": {"dtype": "BF16", "shape": [values.size], "data_offsets": [0, 2 * values.size]}}).encode()
+    head += b" " * (-len(head) % 8)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + values.tobytes())
+    (folder / "config.json").write_text('{"model_type": "test", "step": %d}' % step)
+    return folder
+
+
+def bf16_values(count: int, seed: int):
+    import numpy as np
+
+    # Weight-like values (the top 16 bits of normal float32s): random bit patterns would include
+    # NaN and infinity, which every node refuses to hold (node/shards/finite.py).
+    weights = np.random.default_rng(seed).standard_normal(count, dtype=np.float32) * 0.02
+    return (weights.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def next_step(values, seed: int, fraction: float = 0.01):
+    """About ``fraction`` of the values moved by one bf16 ulp: what a small-lr RL step publishes."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = values.copy()
+    out[rng.random(values.size) < fraction] += 1
+    return out
 
 
 def same_files(a: Path, b: Path) -> bool:
@@ -141,29 +195,43 @@ async def _child(args) -> None:
             await trio.sleep(args.publish_delay)  # let gossip meshes form before announcing
             print(json.dumps({"published_at": time.time()}), flush=True)
             await svc.publish(Path(args.publish), args.version)
-        start = trio.current_time()
-        wall = time.time() - start  # trio time -> wall clock, to compare with other processes
-        downloads = []
-
-        async def watch() -> None:  # the Download object, once the manifest is in
-            while (dl := svc.downloads.get(args.version)) is None:
-                await trio.sleep(0.01)
-            downloads.append(dl)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch)
-            await svc.wait_version(args.version)
-            nursery.cancel_scope.cancel()
-        timeline = {}
-        if downloads:
-            dl = downloads[0]
-            pieces = sorted((t + wall, i, p[-8:]) for i, (t, p) in dl.verified_at.items())
-            timeline = {"download_at": dl.started + wall, "first_piece_at": pieces[0][0] if pieces else None,
-                        "last_piece_at": pieces[-1][0] if pieces else None, "pieces": pieces}
-        print(json.dumps({"complete": args.version, "seconds": trio.current_time() - start, "at": time.time(),
-                          "receipts": {f"{p}:{r[:8]}": n for (p, r), n in svc.receipts().items()},
-                          "timeline": timeline}), flush=True)
+        await _report_complete(svc, args.version)
+        if args.then_version:  # a second version (a delta against the first, when offered)
+            if args.then_publish:
+                await trio.to_thread.run_sync(sys.stdin.readline)  # the benchmark says when
+                print(json.dumps({"published_at": time.time()}), flush=True)
+                await svc.publish(Path(args.then_publish), args.then_version)
+            await _report_complete(svc, args.then_version)
         await trio.sleep_forever()
+
+
+async def _report_complete(svc, version: int) -> None:
+    """Wait until ``version`` is complete here, then print when, who sent what, and its timeline."""
+    import json
+    import time
+
+    start = trio.current_time()
+    wall = time.time() - start  # trio time -> wall clock, to compare with other processes
+    downloads = []
+
+    async def watch() -> None:  # the Download object, once the manifest is in
+        while (dl := svc.downloads.get(version)) is None:
+            await trio.sleep(0.01)
+        downloads.append(dl)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        await svc.wait_version(version)
+        nursery.cancel_scope.cancel()
+    timeline = {}
+    if downloads:
+        dl = downloads[0]
+        pieces = sorted((t + wall, i, p[-8:]) for i, (t, p) in dl.verified_at.items())
+        timeline = {"download_at": dl.started + wall, "first_piece_at": pieces[0][0] if pieces else None,
+                    "last_piece_at": pieces[-1][0] if pieces else None, "pieces": pieces}
+    print(json.dumps({"complete": version, "seconds": trio.current_time() - start, "at": time.time(),
+                      "receipts": {f"{p}:{r[:8]}": n for (p, r), n in svc.receipts().items()},
+                      "rebuilt_from_delta": svc.deltas.rebuilt.get(version), "timeline": timeline}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--publish-delay", type=float, default=0.0)
     p.add_argument("--version", type=int, default=1)
     p.add_argument("--shards", default="", help="JSON of [shards] settings")
+    p.add_argument("--then-version", type=int, default=0, help="then wait for this version too")
+    p.add_argument("--then-publish", default="", help="publisher: after a line on stdin, publish this folder")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     # Drops and back-offs: what a failed test needs; SHARDS_DEBUG=1 adds every super-seeding reveal.

@@ -12,6 +12,12 @@ Both are written to a temporary name, fsynced, and renamed into place (POSIX ren
 the directory is fsynced, so after a crash each path is either the old complete object or the new
 complete one. The model folder of version N is complete before ``state.pt`` says step N, so a saved
 state always has its folder (INTELLECT-2 writes a "stable" marker last for the same reason).
+
+A model with a NaN or an infinity in any tensor is never written (:func:`write_model_folder`
+checks the weights first) nor published (:func:`check_finite_folder`, run on the folder's files
+before every publish, also catches a folder saved by an older version of this program): such a
+checkpoint would poison every node that loads it (issue 14). Downloaders check again
+(node/shards/finite.py), so the swarm refuses one even when a trainer's key signed it.
 """
 
 from __future__ import annotations
@@ -23,11 +29,32 @@ from pathlib import Path
 
 from ..atomic import DataDirError, fsync_dir, write_atomic
 from ..hashes import hasher
+from ..shards.finite import non_finite_in_folder
 
 MODELS = "models"
 STATE = "state.pt"
 STATE_SUM = STATE + ".sha256"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+class NonFiniteCheckpoint(ArithmeticError):
+    """A model about to be written or published holds NaN or infinity: our bug (the training step
+    checks its loss and gradients, node/rl/grpo.py), so it is never written or sent."""
+
+
+def non_finite_tensors(state_dict: dict) -> list[str]:
+    """Names of the floating-point tensors of ``state_dict`` holding a NaN or an infinity."""
+    import torch
+
+    return [k for k, v in state_dict.items()
+            if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def check_finite_folder(folder: Path) -> None:
+    """Raise :class:`NonFiniteCheckpoint` unless every tensor in the folder's safetensors is finite."""
+    problems = non_finite_in_folder(Path(folder))
+    if problems:
+        raise NonFiniteCheckpoint(f"{folder}: " + "; ".join(problems))
 
 
 def _fsync_tree(path: Path) -> None:
@@ -54,8 +81,12 @@ def write_model_folder(root: Path, version: int, model, tokenizer, state_dict: d
 
     ``state_dict``: full weights to write instead of the model's own (a sharded model's gathered state).
     """
-    from ..engines.model import save_model_folder
+    from ..engines.model import portable_tokenizer_config, save_model_folder
 
+    bad = non_finite_tensors(state_dict if state_dict is not None else model.state_dict())
+    if bad:
+        raise NonFiniteCheckpoint(f"v{version}: not written, {len(bad)} tensors hold NaN or infinity "
+                                  f"({', '.join(bad[:4])})")
     final = model_dir(root, version)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -65,6 +96,7 @@ def write_model_folder(root: Path, version: int, model, tokenizer, state_dict: d
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
+        portable_tokenizer_config(tmp)
     _fsync_tree(tmp)
     if final.exists():  # a crash after the rename but before state.pt: the same step is redone
         shutil.rmtree(final)

@@ -15,25 +15,36 @@ How it works
   which sit in :func:`follow` and do the same call, so every collective is entered by every rank.
 * ``OPEN``: rank 0 creates or resumes the policy exactly as one process would, saves it, then every
   rank loads that saved state from the same data dir (one machine: same disk) and shards it.
-* ``TRAIN``: rank 0 scatters the samples round-robin; each rank runs
-  :func:`node.rl.grpo.train_step` on its share. FSDP2 reduce-scatters (averages) gradients, and
-  ``clip_grad_norm_`` over DTensors computes the global norm, so the update is the data-parallel
-  one. The loss is a token mean per rank, averaged over ranks: equal to the global token mean when
-  ranks get equal token counts (round-robin keeps them close).
+* ``TRAIN``: rank 0 scatters the samples round-robin; each rank splits its share into
+  mini-batches. Every FSDP forward and backward is a collective (all-gather of each layer's
+  parameters, reduce-scatter of its gradients), so every rank must make the same number of them:
+  the ranks all-reduce the largest mini-batch count, and a rank whose share splits into fewer runs
+  empty-weighted mini-batches (one pad token with a zero loss mask: a forward and a backward that
+  add nothing). Shares of 7, 7 and 6 samples with ``optimizer_steps = 4`` split into 4, 4 and 3
+  mini-batches; without the agreement the third rank left the loop while the others waited in
+  ``all_gather`` forever. The ranks also all-reduce each mini-batch's loss-token count and scale
+  their token-mean loss by ``local tokens x ranks / global tokens``; FSDP2 averages gradients over
+  ranks, so the update is the one of the global token mean whatever the shares. ``clip_grad_norm_``
+  over DTensors computes the global norm, and whether a step is finite is decided by an all-reduce,
+  so either every rank steps or every rank raises.
+* ``NONFINITE``: the forward-only search for the batch that made a step non-finite runs on every
+  rank over the same samples (a forward on rank 0 alone would wait for the others' all-gathers).
 * ``SAVE``: all ranks gather full, CPU-offloaded model and optimizer state dicts
   (``torch.distributed.checkpoint.state_dict``); rank 0 writes the model folder and ``state.pt``
   with the same atomic writes as one process.
 * ``STOP``: followers leave when rank 0's trainer stops.
 
-Limits: one machine (ranks read rank 0's files); every rank needs at least ``optimizer_steps``
-samples per step, so ``[grpo] min_batch_samples`` must be >= N x ``optimizer_steps`` (checked);
-a ``state.pt`` written under FSDP holds optimizer state keyed by parameter name, so resume under FSDP
+On CUDA the layers keep fp32 master weights and compute in bf16 (FSDP2's ``MixedPrecisionPolicy``,
+gradients reduced in fp32), as one GPU process does under autocast.
+
+Limits: one machine (ranks read rank 0's files); a ``state.pt`` written under FSDP holds optimizer state keyed by parameter name, so resume under FSDP
 again (any N).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import sys
@@ -43,14 +54,22 @@ import torch
 import torch.distributed as dist
 
 from ..rl.config import GRPOConfig
-from ..rl.grpo import StepStats, TrainSample, train_step
+from ..rl.grpo import (
+    NonFiniteStep,
+    PackedBatch,
+    StepStats,
+    TrainSample,
+    batch_loss,
+    pack,
+    split_minibatches,
+)
 from . import checkpoints
 from .config import TrainerConfig
 from .policy import Policy
 
 log = logging.getLogger("node.trainer")
 
-OPEN, TRAIN, SAVE, STOP = "open", "train", "save", "stop"
+OPEN, TRAIN, NONFINITE, SAVE, STOP = "open", "train", "nonfinite", "save", "stop"
 _stopped = False  # rank 0: STOP was broadcast (followers are gone; never broadcast again)
 
 
@@ -80,14 +99,98 @@ def shard_model(model, device: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
+    cuda = device.startswith("cuda")
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError("FSDP wrapping expects a HF decoder with model.layers")
+    kw = {}
+    if cuda:  # bf16 compute, fp32 master weights and gradient reduction (CPU keeps fp32 throughout)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
+
+
+def plan_minibatches(samples: list[TrainSample], parts: int, count: int) -> list[list[TrainSample]]:
+    """This rank's mini-batches, padded with empty ones to the ``count`` every rank agreed on.
+
+    ``count`` is the all-reduced maximum of ``len(split_minibatches(share, parts))`` over ranks, so
+    it is never below this rank's own count (a smaller one is a bug: raises).
+    """
+    own = split_minibatches(samples, parts) if samples else []
+    if len(own) > count:
+        raise RuntimeError(f"agreed mini-batch count {count} is below this rank's {len(own)}")
+    return own + [[] for _ in range(count - len(own))]
+
+
+def loss_scale(local_tokens: int, global_tokens: int, ranks: int) -> float:
+    """Factor on a rank's token-mean loss so that FSDP's average over ranks is the global token mean.
+
+    mean over ranks of (sum_r / n_r) x (n_r x ranks / N) = sum over ranks of sum_r / N.
+    """
+    if global_tokens <= 0:
+        return 0.0
+    return local_tokens * ranks / global_tokens
+
+
+def empty_batch(pad_id: int, pack_length: int) -> PackedBatch:
+    """One pad token that carries no loss: the forward/backward a short rank runs to keep in step."""
+    batch = pack([TrainSample([pad_id], [pad_id], [0.0], 0.0)], max(2, pack_length), pad_id=pad_id)
+    batch.loss_mask.zero_()
+    batch.num_samples = 0
+    return batch
+
+
+def _all_reduce(values: list[float], op, device: str) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def train_agreed(model, optimizer, scheduler, share: list[TrainSample], cfg: GRPOConfig, device: str,
+                 ref_model=None, pad_id: int = 0) -> StepStats:
+    """Every rank: one rollout step on its ``share`` with the same number of collectives as the others.
+
+    The counterpart of :func:`node.rl.grpo.train_step` under FSDP (see the module docstring).
+    """
+    stats = StepStats()
+    ranks = dist.get_world_size()
+    own = len(split_minibatches(share, cfg.optimizer_steps)) if share else 0
+    count = int(_all_reduce([own], dist.ReduceOp.MAX, device)[0])
+    plan = plan_minibatches(share, cfg.optimizer_steps, count)
+    batches = [pack(mb, cfg.pack_length, pad_id=pad_id) if mb else empty_batch(pad_id, cfg.pack_length)
+               for mb in plan]
+    local = [b.num_tokens for b in batches]
+    total = _all_reduce(local, dist.ReduceOp.SUM, device) if batches else []
+    model.train()
+    for k, (mb, batch) in enumerate(zip(plan, batches)):
+        parts = batch_loss(model, batch, cfg, ref_model)
+        loss = parts.loss * loss_scale(local[k], int(total[k]), ranks)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+        finite = float(torch.isfinite(loss.detach()).item() and math.isfinite(gn))
+        if _all_reduce([finite], dist.ReduceOp.MIN, device)[0] < 1.0:  # every rank raises, or none
+            optimizer.zero_grad(set_to_none=True)
+            model.eval()
+            raise NonFiniteStep(f"mini-batch {k}: loss {float(loss.detach())}, grad norm {gn} (on some rank)")
+        stats.lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        stats.optimizer_steps += 1
+        stats.samples += len(mb)
+        stats.tokens += batch.num_tokens
+        stats.rows += batch.input_ids.shape[0] if mb else 0
+        for name, val in (("loss", float(parts.loss.detach())), ("policy", parts.policy), ("kl", parts.kl),
+                          ("entropy", parts.entropy), ("clip_frac", parts.clip_frac), ("grad_norm", gn)):
+            setattr(stats, name, (getattr(stats, name) * k + val) / (k + 1))
+    model.eval()
+    return stats
 
 
 class FSDPPolicy(Policy):
@@ -95,9 +198,6 @@ class FSDPPolicy(Policy):
 
     @classmethod
     def open(cls, root: Path, source: str, cfg: GRPOConfig, tcfg: TrainerConfig) -> tuple[FSDPPolicy, bool]:
-        n = world()
-        if cfg.min_batch_samples < n * cfg.optimizer_steps:
-            raise ValueError(f"[grpo] min_batch_samples must be >= ranks x optimizer_steps = {n * cfg.optimizer_steps}")
         created = False
         if dist.get_rank() == 0:
             # Create or resume exactly as one process, so state.pt holds the latest step.
@@ -150,10 +250,16 @@ class FSDPPolicy(Policy):
             shares = None
         mine = [None]
         dist.scatter_object_list(mine, shares, src=0)
-        stats = train_step(self.model, self.optimizer, self.scheduler, mine[0], self.cfg,
-                           ref_model=self.ref_model, pad_id=self.pad_id)
+        stats = train_agreed(self.model, self.optimizer, self.scheduler, mine[0], self.cfg, self.device,
+                             ref_model=self.ref_model, pad_id=self.pad_id)
         self.step += 1
         return stats
+
+    def non_finite(self, groups: list[list[TrainSample]]) -> list[int]:
+        """Every rank runs the same forwards over the same groups (each forward is a collective)."""
+        if dist.get_rank() == 0:
+            _broadcast((NONFINITE, groups))
+        return Policy.non_finite(self, groups)
 
     def state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import (
@@ -216,7 +322,12 @@ def follow(cfg: GRPOConfig, tcfg: TrainerConfig) -> int:
         if cmd[0] == OPEN:
             policy = FSDPPolicy._load_sharded(Path(cmd[1]), cfg, tcfg)
         elif cmd[0] == TRAIN:
-            policy.train([])
+            try:
+                policy.train([])
+            except NonFiniteStep:  # rank 0 raised too (the decision is collective) and handles it
+                pass
+        elif cmd[0] == NONFINITE:
+            policy.non_finite(cmd[1])
         elif cmd[0] == SAVE:
             policy.save()
         elif cmd[0] == STOP:

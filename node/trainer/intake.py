@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from ..rollouts.quota import QUOTA_REASONS
 from ..rollouts.schema import RolloutBatch
 from ..wire import TRANSPORT_FAILURES
 
@@ -103,12 +104,13 @@ def intake_reason(
 
 # Refusals that say nothing about the worker's honesty or that a third party can cause (replaying a
 # worker's signed batch) are not recorded against the worker in the ledger.
-NOT_ATTRIBUTABLE = frozenset({"duplicate", "busy"})
+NOT_ATTRIBUTABLE = frozenset({"duplicate", "busy"}) | QUOTA_REASONS
 
 
 # Refusals that are no fault of the sender: lag, replays, our own load, a worker that died mid-upload.
 # A step outside the window is refused, not struck: with several trainers, one that was unreachable
 # for a long while sees an honest worker's steps jump (node/rollouts/steps.py, "Known limit").
-NOT_STRIKES = frozenset({"stale", "future", "duplicate", "busy", "banned", "step-ahead", "step-behind"}) | TRANSPORT_FAILURES
+# A quota refusal (node/rollouts/quota.py) is "not now": the worker retries in the next interval.
+NOT_STRIKES = frozenset({"stale", "future", "duplicate", "busy", "banned", "step-ahead", "step-behind"}) | TRANSPORT_FAILURES | QUOTA_REASONS
 # Refusals that do not use up the batch's step in the worker's window (the window must not move for them).
-KEEPS_WINDOW = frozenset({"duplicate", "duplicate-step", "step-ahead", "step-behind", "busy", "banned"})
+KEEPS_WINDOW = frozenset({"duplicate", "duplicate-step", "step-ahead", "step-behind", "busy", "banned"}) | QUOTA_REASONS

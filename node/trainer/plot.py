@@ -1,9 +1,13 @@
-"""A reward-per-step line plot as a PNG, with nothing but the standard library (zlib + struct).
+"""The reward-per-step plot as a PNG: with matplotlib when it is installed (the optional extra
+``pip install swarm-node[plot]``), else with nothing but the standard library (zlib + struct).
 
-Why not matplotlib: it is not a dependency of the node, and the demo only needs one honest line
-chart. The image is a white canvas, light grid lines at each tenth of the axes, axes, and the
-curve drawn with Bresenham segments (no antialiasing). PNG per RFC 2083: signature, IHDR, one
-zlib-compressed IDAT of filter-0 scanlines, IEND, each chunk CRC-32'd.
+With matplotlib (:func:`render_curve_matplotlib`, headless Agg backend): a title, labelled axes
+with tick values, the mean reward per step and its moving average. Without it
+(:func:`render_curve`): a white canvas, light grid lines at each tenth of the axes, axes, and the
+curve drawn with Bresenham segments (no antialiasing, and no text: a hand-drawn PNG cannot
+label its axes, which is why matplotlib is preferred). PNG per RFC 2083: signature, IHDR, one
+zlib-compressed IDAT of filter-0 scanlines, IEND, each chunk CRC-32'd. The ASCII plot for
+terminals is ``node.app.demo.reward_plot``.
 """
 
 from __future__ import annotations
@@ -69,7 +73,65 @@ def render_curve(points: Sequence[tuple[float, float]]) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(raw, 9)) + _chunk(b"IEND", b"")
 
 
-def write_curve_png(points: Sequence[tuple[float, float]], path: Path) -> Path:
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over at most ``window`` values (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def curve_figure(points: Sequence[tuple[float, float]], title: str = "Mean reward per trainer step"):
+    """The matplotlib Figure of the reward curve: title, labelled axes with ticks, a moving average."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(WIDTH / 100, HEIGHT / 100), dpi=100)
+    ax = fig.add_subplot()
+    steps = [p[0] for p in points]
+    rewards = [p[1] for p in points]
+    window = max(1, len(points) // 10)
+    if points:
+        ax.plot(steps, rewards, color="#9bb5e6", linewidth=1, label="mean reward")
+        ax.plot(steps, moving_average(rewards, window), color="#1a4fb0", linewidth=2,
+                label=f"moving average ({window} steps)")
+        ax.legend(loc="lower right", fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no training steps yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(title)
+    ax.set_xlabel("trainer step (policy version)")
+    ax.set_ylabel("mean task reward")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def render_curve_matplotlib(points: Sequence[tuple[float, float]]) -> bytes:
+    """PNG bytes of :func:`curve_figure`."""
+    import io
+
+    buf = io.BytesIO()
+    curve_figure(points).savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def write_curve_png(points: Sequence[tuple[float, float]], path: Path, *, use_matplotlib: bool | None = None) -> Path:
+    """Write the reward curve to ``path``: matplotlib's when importable (or asked), else ours."""
     path = Path(path)
-    path.write_bytes(render_curve(points))
+    if use_matplotlib is None:
+        use_matplotlib = have_matplotlib()
+    path.write_bytes(render_curve_matplotlib(points) if use_matplotlib else render_curve(points))
     return path

@@ -5,8 +5,10 @@ How this works
 * **Intake** (``/swarm/rollouts/1.0.0``, :meth:`Trainer.rollouts_handler`): one frame in, one
   :class:`RolloutAck` out. ``open_batch`` checks size, signature, schema, run and signer; then the
   pure :func:`node.trainer.intake.intake_reason` checks replay, staleness and shape against the
-  trainer's state. The batch is committed to the spool (SQLite, fsync) *before* the ack is written,
-  so an acknowledged batch survives ``kill -9``.
+  trainer's state, and a batch that passes all of that is still refused ``quota`` when its worker,
+  short of accepted history, used its allowance for this interval (node/rollouts/quota.py). The
+  batch is committed to the spool (SQLite, fsync) *before* the ack is written, so an acknowledged
+  batch survives ``kill -9``.
 * **Validator gate**: when the run names validators, a spooled batch is GATED: the gate
   (:mod:`node.trainer.gate`) picks a live validator by rendezvous hashing and we forward the signed
   batch over ``/swarm/verify/1.0.0``; the validator later opens ``/swarm/verdicts/1.0.0`` to us with
@@ -40,7 +42,7 @@ from ..ledger.api import LedgerAPI
 from ..net.reqres import CallFailure, Codec, FailureKind, call, raw, request_handler
 from ..peers import ActionKind, FaultRule
 from ..ledger.sync import LedgerError
-from ..rl.config import GRPOConfig
+from ..rl.config import GRPOConfig, RLConfig
 from ..rl.grpo import NonFiniteStep, TrainSample
 from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import (
@@ -52,9 +54,11 @@ from ..rollouts.schema import (
     open_batch,
     open_verdict,
 )
+from ..rollouts.quota import QuotaBook, QuotaConfig, QuotaRefusal, accepted_batches
 from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
 from ..wire import MAX_FRAME, RemoteProtocolError, decode_as
+from .checkpoints import NonFiniteCheckpoint, check_finite_folder
 from .config import TrainerConfig
 from .gate import ValidatorGate
 from .intake import (
@@ -113,6 +117,10 @@ class Trainer:
         # The step window (node/rollouts/steps.py) is sized by the run's [worker] table, as the workers' outboxes are.
         self.step_window = step_window_size(run.section("worker", WorkerConfig).max_pending_batches)
         self.intake_slots = trio.Semaphore(tcfg.max_concurrent_intake)
+        # Fresh identities get a small quota per interval until batches of theirs train (node/rollouts/quota.py).
+        rl = run.section("rl", RLConfig)
+        self.samples_per_batch = rl.prompts_per_batch * rl.group_size
+        self.quota = QuotaBook(run.section("quota", QuotaConfig))
         node.peers.set_rule(SOURCE, FaultRule(strikes=tcfg.ban_after_strikes, window=tcfg.strike_window_s,
                                               ban_seconds=tcfg.ban_seconds))
         self._nursery: trio.Nursery | None = None
@@ -136,6 +144,10 @@ class Trainer:
         self.m_step = m.gauge("trainer_step", "Policy version of the trainer")
         self.m_tokens = m.counter("trainer_tokens_total", "Completion tokens trained on")
         self.m_step.set(policy.step)
+        self.m_reward = m.gauge("trainer_reward", "Mean task reward of the samples in the last step")
+        self.m_loss = m.gauge("trainer_loss", "GRPO loss of the last step")
+        self.m_step_seconds = m.histogram("trainer_step_seconds", "Time of one optimizer step (training only)",
+                                          buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 
     # ------------------------------------------------------------------ helpers
 
@@ -188,6 +200,11 @@ class Trainer:
                 # validators, who check the draw; a root that contradicts ours is the worker's lie.
                 root_ok=announced is None or announced[0] == b.policy_root,
             )
+            history = accepted_batches(self.ledger.accepted_samples(b.worker), self.samples_per_batch)
+            if reason is None:
+                refusal = self.quota.check(b.worker, history, self.clock())
+                if refusal is not None:
+                    return self._refuse_quota(signed.batch_id, refusal, sender)
             if reason is not None:
                 if reason not in NOT_ATTRIBUTABLE:
                     # A third party may replay a worker's signed batch: only the worker's own submission
@@ -204,6 +221,7 @@ class Trainer:
             else:
                 await self.db.run(functools.partial(self.spool.add, signed, BatchState.READY, window=self.step_window))
                 self._wake("train")
+            self.quota.take(b.worker, history, self.clock())
         self.intake["accepted"] += 1
         self.m_batches.labels(outcome="accepted").inc()
         return RolloutAck(batch_id=signed.batch_id, accepted=True, trainer_step=self.step)
@@ -214,6 +232,12 @@ class Trainer:
         self.node.metrics.reject(SOURCE, reason)
         self._strike(sender, reason)
         return RolloutAck(batch_id=batch_id, accepted=False, reason=reason, trainer_step=self.step)
+
+    def _refuse_quota(self, batch_id: bytes, refusal: QuotaRefusal, sender: str) -> RolloutAck:
+        """Not now: the worker has used its quota for this interval (no strike, no ledger entry)."""
+        log.info("trainer: batch %s of %s refused: %s, %s; next interval in %.0fs", batch_id.hex()[:12],
+                 sender[-8:], refusal.reason, refusal.detail, refusal.retry_after_s)
+        return self._refuse(batch_id, refusal.reason, sender)
 
     def _strike(self, sender: str, reason: str) -> None:
         """Report a refusal that is the sender's fault to the peer table; a ban it earns is recorded."""
@@ -432,6 +456,9 @@ class Trainer:
                           "tokens_per_s": round(stats.tokens / seconds, 1) if seconds > 0 else None}
         self.m_step.set(version)
         self.m_tokens.inc(stats.tokens)
+        self.m_reward.set(mean_reward)
+        self.m_loss.set(stats.loss)
+        self.m_step_seconds.observe(seconds)
         log.info("trainer: step %d: %d samples from %d batches, mean reward %.3f, loss %.4f, %.2fs",
                  version, len(samples), len(ids), mean_reward, stats.loss, seconds)
         await self.db.run(self.spool.prune, version - self.cfg.async_level - 1)
@@ -458,11 +485,14 @@ class Trainer:
                 self._strike(row.worker, "non_finite")
         self.dropped_steps += 1
 
-    async def publish(self, version: int) -> None:
-        """Announce the model folder of ``version`` through the shard swarm and the ledger."""
+    async def publish(self, version: int, *, ledger: bool = True) -> None:
+        """Announce the model folder of ``version`` through the shard swarm and (``ledger``) the ledger."""
+        folder = self.policy.folder(version)
         try:
-            signed = await self.shards.publish(self.policy.folder(version), version)
-        except (PermissionError, OSError, ValueError) as e:
+            # Never a NaN out: this also catches a folder saved before the check existed (issue 14).
+            await trio.to_thread.run_sync(check_finite_folder, folder)
+            signed = await self.shards.publish(folder, version)
+        except (PermissionError, OSError, ValueError, NonFiniteCheckpoint) as e:
             self.publish_error = str(e)
             log.error("trainer: publishing v%d failed: %s", version, e)
             return
@@ -473,6 +503,8 @@ class Trainer:
 
         # Advertise the versions we seed in our peer record.
         self.membership.update(checkpoints=list(self.shards.versions_held())[-MAX_VERSIONS:])
+        if not ledger:
+            return
         try:
             await self.ledger.append(CheckpointPublished(version=version, manifest_id=signed.root,
                                                          total_bytes=signed.manifest.total_size))
@@ -527,6 +559,7 @@ class Trainer:
             },
             "samples_in_hand": [self.samples_in_hand, self.cfg.min_batch_samples],
             "dropped_steps": self.dropped_steps,
+            "quota": self.quota.status(),
             "rejected_by_reason": self.spool.rejected_by_reason(),
             "gate": gate,
             "reward": reward_points(self.reward_curve, STATUS_STEPS),
@@ -568,7 +601,9 @@ async def serve_trainer(node, shards: ShardsAPI, membership: MembershipAPI, ledg
             for row in spool.in_state(BatchState.GATED):
                 trainer.gate.add(row.batch_id)
         if shards.path_of(policy.step) is None:
-            await trainer.publish(policy.step)
+            # Not held, or held but not yet re-checked since start (node/shards/service.py): seeded
+            # again from our own folder, checked finite; its ledger entry exists if it was published.
+            await trainer.publish(policy.step, ledger=policy.step not in shards.announced)
         else:
             trainer.published = policy.step
         node.host.set_handler(ROLLOUTS_PROTOCOL, trainer.rollouts_handler())

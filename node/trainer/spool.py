@@ -19,6 +19,15 @@ loses nor double-trains a batch.
 
 Ledger entries ("rollouts accepted/rejected") are due when a batch reaches TRAINED or REJECTED; the
 ``ledger_done`` flag is set only after the entry is appended, so they too survive a crash.
+
+A damaged file never passes for an intact one (issue 14): at open, :func:`check_spool` runs SQLite's
+``integrity_check`` (page structure, free lists, every index against its table) and re-derives every
+acknowledged batch not yet trained (GATED, READY) from its signed envelope: the envelope must hash to
+the batch id and give the same worker, step, version, sizes and reward as its row. SQLite keeps no
+checksum of row contents, so this is what catches a flipped byte inside a row. Either every such
+batch is there as it was acknowledged, or the node refuses to start with one line
+(:class:`~node.atomic.DataDirError`, exit 2) naming the file. Rows of finished batches keep no
+envelope and are checked only for a valid state.
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ from pathlib import Path
 
 from ..atomic import DataDirError
 from ..dbthread import connect_reader
-from ..rollouts.schema import SignedBatch
+from ..rollouts.schema import DOMAIN_BATCH, MAX_BATCH_BYTES, RolloutBatch, SignedBatch, batch_id_of
+from ..wire import Envelope, RemoteProtocolError, decode_as
 from ..rollouts.steps import StepWindow
 
 SCHEMA = """
@@ -197,8 +207,7 @@ class Spool:
         """Record a judged batch; durable when this returns (ack only after that). With ``window``
         (the step window's size) the batch's step is marked used in the worker's window too."""
         b = signed.batch
-        tokens = sum(len(s.completion_ids) for s in b.samples)
-        mean_reward = sum(s.reward for s in b.samples) / len(b.samples) if b.samples else 0.0
+        _, _, _, _, tokens, mean_reward = _batch_figures(b)
         keep = signed.envelope if state in (BatchState.GATED, BatchState.READY) else None
         with self.db:
             self.db.execute(
@@ -285,6 +294,40 @@ class Spool:
         return cur.rowcount
 
 
+def _batch_figures(b: RolloutBatch) -> tuple:
+    """What a row records of a batch, derived from the batch (as :meth:`Spool.add` computes it)."""
+    tokens = sum(len(s.completion_ids) for s in b.samples)
+    mean_reward = sum(s.reward for s in b.samples) / len(b.samples) if b.samples else 0.0
+    return b.worker, b.step, b.policy_version, len(b.samples), tokens, mean_reward
+
+
+def check_spool(db: sqlite3.Connection) -> str | None:
+    """What is wrong with a spool database, or None (see the module docstring). Reads every page."""
+    result = [r[0] for r in db.execute("PRAGMA integrity_check(8)")]
+    if result != ["ok"]:
+        return "; ".join(result)
+    states = tuple(s.value for s in BatchState)
+    bad = db.execute(f"SELECT COUNT(*) FROM batches WHERE state NOT IN ({','.join('?' * len(states))})", states)
+    if (n := bad.fetchone()[0]):
+        return f"{n} batches in an unknown state"
+    q = ("SELECT batch_id, worker, step, policy_version, samples, tokens, mean_reward, envelope FROM batches "
+         "WHERE state IN (?, ?)")
+    for bid, *cols, env in db.execute(q, (BatchState.GATED.value, BatchState.READY.value)):
+        name = bytes(bid).hex()[:12]
+        if env is None:
+            return f"acknowledged batch {name} lost its envelope"
+        try:
+            envelope = decode_as(Envelope, bytes(env), MAX_BATCH_BYTES)
+            if batch_id_of(envelope) != bytes(bid):
+                return f"acknowledged batch {name} does not hash to its id"
+            batch = envelope.open_as(DOMAIN_BATCH, RolloutBatch, MAX_BATCH_BYTES)
+        except RemoteProtocolError as e:
+            return f"acknowledged batch {name} cannot be read ({e})"
+        if _batch_figures(batch) != tuple(cols):
+            return f"acknowledged batch {name}: its row does not match its envelope"
+    return None
+
+
 @contextmanager
 def open_spool(path: Path) -> Iterator[Spool]:
     """Open (creating) the spool database at ``path``; closed on exit.
@@ -294,6 +337,8 @@ def open_spool(path: Path) -> Iterator[Spool]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # SQLite takes an empty file for a new database: a spool cut to 0 bytes would start empty.
+    emptied = path.is_file() and path.stat().st_size == 0
     db = sqlite3.connect(str(path), isolation_level="DEFERRED", check_same_thread=False)
     reader = None
     try:
@@ -302,12 +347,14 @@ def open_spool(path: Path) -> Iterator[Spool]:
             db.execute("PRAGMA synchronous=FULL")
             db.executescript(SCHEMA)
             reader = connect_reader(path)
-            reader.execute("SELECT count(*) FROM batches").fetchone()
+            problem = "the file is empty" if emptied else check_spool(reader)
         except sqlite3.DatabaseError as e:
+            problem = str(e)
+        if problem is not None:
             # Refuse rather than start empty: the spool holds batches we acknowledged.
             raise DataDirError(
-                f"trainer spool {path} is damaged ({e}); it holds acknowledged batches: restore it from a "
-                "backup, or move it away to start with an empty spool (those batches are then lost)") from None
+                f"trainer spool {path} is damaged ({problem}); it holds acknowledged batches: restore it from a "
+                "backup, or move it away to start with an empty spool (those batches are then lost)")
         yield Spool(db, reader)
     finally:
         if reader is not None:

@@ -93,11 +93,13 @@ def sign_batch(identity, batch: RolloutBatch) -> bytes:
 
 
 class FakeLedger:
-    """Records appended entries; bans whom ``bans`` names (peer -> ban)."""
+    """Records appended entries; bans whom ``bans`` names (peer -> ban); ``accepted`` gives peers an
+    accepted history (peer -> samples)."""
 
-    def __init__(self, bans: dict | None = None) -> None:
+    def __init__(self, bans: dict | None = None, accepted: dict | None = None) -> None:
         self.entries: list = []
         self.bans = dict(bans or {})
+        self.accepted = dict(accepted or {})
 
     async def append(self, body):
         self.entries.append(body)
@@ -105,6 +107,9 @@ class FakeLedger:
 
     def ban_of(self, peer: str):
         return self.bans.get(peer)
+
+    def accepted_samples(self, peer: str) -> int:
+        return self.accepted.get(peer, 0)
 
     def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
         pass

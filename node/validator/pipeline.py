@@ -9,7 +9,8 @@ How this works (DESIGN.md "The loop", step 4; TOPLOC paper §3-§6; INTELLECT-2 
    assigns to the step key (``node.rl.spec.sampling_seed``: a worker cannot shop for lucky seeds), the
    batch is complete (every one of the ``prompts_per_batch`` drawn prompts, each with G samples: a
    worker cannot drop the prompts it failed, nor draw more and keep the easy ones), and the policy
-   version is at most ``async_level`` behind the newest checkpoint and not from the future. A
+   version is at most ``async_level`` behind the newest checkpoint and not from the future; the
+   engine the batch states is one the run accepts, and its dtype the run's when the run fixes one. A
    failure here is the reason of every sample, and no model work is done. (Which step numbers a
    worker may use at all, the step window of node/rollouts/steps.py, is the service's check: it
    needs the store.)
@@ -20,8 +21,9 @@ How this works (DESIGN.md "The loop", step 4; TOPLOC paper §3-§6; INTELLECT-2 
    ``(r - mean) / (std + 1e-6)`` of its group (the rules are node/rl/spec.py's, as the worker's).
 3. **Per sample, with the checkpoint's model** (one batched prefill of prompt+completion, see
    :class:`CheckModel`): the TOPLOC proofs match the validator's own final hidden states at the
-   decode positions; the claimed log-probs match log softmax(logits / T); and every token is the
-   seeded Gumbel-max choice (TOPLOC2 / prime-rl: the sampling noise comes from a counter-based hash
+   decode positions; the claimed log-probs match log softmax(logits / T); and, when the batch's
+   engine follows our sampler (``[inference] replay_engines``; vLLM's does not, so its batches get
+   the first two checks only), every token is the seeded Gumbel-max choice (TOPLOC2 / prime-rl: the sampling noise comes from a counter-based hash
    of the per-sequence seed, so a validator holding the logits replays it exactly, up to
    ``sampling_tolerance`` of numeric noise). The proof binds the hidden states to the model and the
    tokens; the replay binds the tokens to the seed; together a worker can neither use another
@@ -77,6 +79,7 @@ class BatchReason(str, enum.Enum):
     WRONG_PROMPT = "wrong_prompt"  # prompt tokens are not the drawn task's prompt
     WRONG_FINISH = "wrong_finish"  # finish_reason contradicts the tokens
     SAMPLING_MISMATCH = "sampling_mismatch"  # a token is not the seeded Gumbel-max choice
+    ENGINE_REFUSED = "engine_refused"  # the batch states an engine the run does not accept ([inference] engines)
     BANNED = "banned"  # the worker is banned (no checks run)
     NO_CHECKPOINT = "no_checkpoint"  # the claimed checkpoint could not be obtained (not the worker's fault)
 
@@ -101,6 +104,13 @@ class BatchRules:
     sampling_tolerance: float = 0.05
     check_sampling: bool = True
     check_seed: bool = True
+    engines: tuple[str, ...] = ("torch",)  # engines the run accepts ([inference] engines)
+    replay_engines: tuple[str, ...] = ("torch",)  # engines whose batches get the sampling replay
+    dtype: str | None = None  # the dtype every batch must state (the run's [inference] dtype); None = any
+
+    def replays(self, engine: str) -> bool:
+        """Whether a batch from ``engine`` gets the seeded-sampling replay (log-probs and proofs: always)."""
+        return self.check_sampling and engine in self.replay_engines
 
 
 @dataclass(frozen=True)
@@ -242,6 +252,9 @@ def check_batch_rules(batch: RolloutBatch, rules: BatchRules, current_version: i
 
     ``policy_root`` is the manifest root this node knows for ``batch.policy_version`` (the service
     always passes it; None skips the check, for tests of other rules)."""
+    if batch.engine not in rules.engines:
+        return reject(BatchReason.ENGINE_REFUSED, f"engine {batch.engine!r} is not one this run accepts "
+                                                  f"({', '.join(rules.engines)})")
     if policy_root is not None and batch.policy_root != policy_root:
         return reject(BatchReason.WRONG_ROOT, f"policy_root {batch.policy_root.hex()[:12]} is not v{batch.policy_version}'s "
                                               f"{policy_root.hex()[:12]}")
@@ -257,6 +270,7 @@ def check_batch_rules(batch: RolloutBatch, rules: BatchRules, current_version: i
             ("max_new_tokens", batch.max_new_tokens == rules.max_new_tokens),
             ("group_size", batch.group_size == rules.group_size),
             ("taskset", batch.taskset == rules.taskset),
+            ("dtype", rules.dtype is None or batch.dtype == rules.dtype),
         )
         if not ok
     ]
@@ -417,7 +431,7 @@ def model_results(
         return {}
     recomputed = model.recompute([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
     out = {i: _proof_and_logprob_checks(batch, s, r, rules, measured) for i, s, r in zip(samples_to_check, samples, recomputed)}
-    if rules.check_sampling:
+    if rules.replays(batch.engine):
         todo = [(i, s, r) for i, s, r in zip(samples_to_check, samples, recomputed) if out[i].ok]
         replays = [Replay(r.logits, s.completion_ids, sequence_seed(batch.seed, s.prompt_index, s.sample_index))
                    for _, s, r in todo]

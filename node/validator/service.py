@@ -54,6 +54,7 @@ from ..rollouts.schema import (
     SignedBatch,
     Verdict,
 )
+from ..rollouts.quota import QuotaBook, QuotaConfig, accepted_batches, validator_scale
 from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
 from ..wire import (
@@ -112,11 +113,14 @@ def rules_from_run(run, cfg: ValidatorConfig) -> BatchRules:
     """The run's sampling, task and proof parameters every batch must carry."""
     rl = run.section("rl", RLConfig)
     grpo = run.section("grpo", GRPOConfig)
+    inference = run.section("inference", InferenceConfig)
     return BatchRules(
         run=run.name, taskset=rl.taskset, temperature=rl.temperature, top_p=rl.top_p,
         max_new_tokens=rl.max_new_tokens, group_size=rl.group_size, prompts_per_batch=rl.prompts_per_batch,
         async_level=grpo.async_level, proofs=run.section("proofs", ProofsConfig),
         sampling_tolerance=cfg.sampling_tolerance, check_sampling=cfg.check_sampling, check_seed=cfg.check_seed,
+        engines=inference.accepted_engines(), replay_engines=inference.replayed_engines(),
+        dtype=None if inference.dtype == "auto" else inference.dtype,
     )
 
 
@@ -147,6 +151,9 @@ class ValidatorService:
         # Sized by the run's [worker] table, as the trainer's (node/rollouts/steps.py).
         self.step_window = step_window_size(run.section("worker", WorkerConfig).max_pending_batches)
         self.book = PenaltyBook(cfg)
+        # The trainers' intake quota for fresh identities, scaled up: a backstop (node/rollouts/quota.py).
+        self.quota = QuotaBook(run.section("quota", QuotaConfig), validator_scale(len(self.trainers)))
+        self.samples_per_batch = rules.prompts_per_batch * rules.group_size
         for peer, until, reason in store.bans(wall_clock()):
             self.book.apply_ban(peer, reason, until)
         self._send, self._recv = trio.open_memory_channel[Job](cfg.queue_size)
@@ -199,12 +206,20 @@ class ValidatorService:
             return batch_id, True, ""
         if batch_id in self.queued or batch_id == self.checking:
             return batch_id, True, ""
+        worker = parsed.batch.worker
+        history = accepted_batches(self.ledger.accepted_samples(worker), self.samples_per_batch)
+        refusal = self.quota.check(worker, history, now)
+        if refusal is not None:  # "not now" to the trainer, which keeps the batch and tries again
+            self.results[refusal.reason] += 1
+            self.node.metrics.reject(VERIFY_PROTOCOL, refusal.reason)
+            return batch_id, False, refusal.reason
         try:
             self._send.send_nowait(Job(trainer, parsed, now))
         except trio.WouldBlock:
             self.results["busy"] += 1
             self.m_busy.inc()
             return batch_id, False, "busy"
+        self.quota.take(worker, history, now)
         self.queued.add(batch_id)
         self.m_queue.set(len(self.queued))
         return batch_id, True, ""

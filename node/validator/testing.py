@@ -84,6 +84,7 @@ def make_batch(
         taskset=rules.taskset,
         seed=base_seed, temperature=rules.temperature, top_p=rules.top_p, max_new_tokens=rules.max_new_tokens,
         group_size=rules.group_size, created_ms=created_ms, samples=samples,
+        engine=engine.name, dtype=engine.dtype_name,
     )
     return sign_batch(identity, batch)
 

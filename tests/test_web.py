@@ -1,0 +1,192 @@
+"""The web status page (issue 19): HTTP over real sockets, the node's routes, and the page in a
+real headless browser against a running multi-process swarm."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+import trio
+
+from node.web import MAX_REQUEST_BYTES, node_routes, page_html, serve_http
+from waiting import wait_until
+
+
+def get(url: str, method: str = "GET") -> tuple[int, object, bytes]:
+    req = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+class FakeLedger:
+    def __init__(self):
+        self.calls = 0
+
+    def totals(self):
+        self.calls += 1
+        return {"12D3KooWpeerA": {"rollouts_accepted": 16, "tokens": 100}}
+
+
+def routes(ledger=None):
+    status = {"peer_id": "12D3KooWself", "role": "relay", "membership": {"members": []}}
+    return node_routes(lambda: status, lambda: b"swarm_up 1\n", ledger or FakeLedger(), 0.0)
+
+
+async def test_routes_over_a_real_socket():
+    ledger = FakeLedger()
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_http, "127.0.0.1", 0, routes(ledger))
+        base = f"http://127.0.0.1:{port}"
+
+        def fetch_all():
+            return {p: get(base + p) for p in ("/", "/status.json", "/ledger.json", "/metrics", "/healthz",
+                                                "/nope", "/status.json?x=1")}
+
+        got = await trio.to_thread.run_sync(fetch_all)
+        assert got["/"][0] == 200 and got["/"][1]["Content-Type"].startswith("text/html")
+        assert got["/"][2] == page_html() and b"<script>" in got["/"][2]
+        assert json.loads(got["/status.json"][2])["peer_id"] == "12D3KooWself"
+        assert got["/status.json?x=1"][0] == 200
+        assert json.loads(got["/ledger.json"][2])["totals"]["12D3KooWpeerA"]["tokens"] == 100
+        assert got["/metrics"][2] == b"swarm_up 1\n" and "version=0.0.4" in got["/metrics"][1]["Content-Type"]
+        assert json.loads(got["/healthz"][2])["ok"] is True
+        assert got["/nope"][0] == 404
+        head = await trio.to_thread.run_sync(lambda: get(base + "/healthz", "HEAD"))
+        assert head[0] == 200 and head[2] == b""
+        post = await trio.to_thread.run_sync(lambda: get(base + "/healthz", "POST"))
+        assert post[0] == 405
+        nursery.cancel_scope.cancel()
+    assert ledger.calls == 1  # totals are cached between polls
+
+
+async def test_garbage_and_oversized_requests_get_a_4xx_and_the_server_keeps_serving():
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_http, "127.0.0.1", 0, routes())
+
+        async def raw(data: bytes) -> bytes:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(data)
+                out = b""
+                while chunk := await stream.receive_some(65536):
+                    out += chunk
+                return out
+
+        assert (await raw(b"this is not http\r\n\r\n")).startswith(b"HTTP/1.1 400")
+        huge = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_REQUEST_BYTES + 10) + b"\r\n\r\n"
+        assert (await raw(huge)).startswith(b"HTTP/1.1 431")
+        assert (await raw(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_client_is_dropped_after_the_request_timeout(autojump_clock):
+    """A connection that never sends its request holds a slot only REQUEST_TIMEOUT seconds: the
+    server closes it then (virtual time: the test never waits for real)."""
+    import trio.testing
+
+    from node.web import REQUEST_TIMEOUT, handle_connection
+
+    client, server = trio.testing.memory_stream_pair()
+    with trio.fail_after(2 * REQUEST_TIMEOUT):  # without the server's own timeout this fails, not hangs
+        await handle_connection(server, routes())
+        assert await client.receive_some(1024) == b""  # closed
+    assert trio.current_time() == pytest.approx(REQUEST_TIMEOUT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_running_node_serves_its_page(tmp_path):
+    from node.app.localswarm import LocalSwarm
+
+    port = _free_port()
+    with LocalSwarm(tmp_path) as swarm:
+        swarm.start("relay", "relay", "--http-port", str(port))
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: swarm.status("relay").get("web"), what="the status page is up")
+        assert swarm.status("relay")["web"]["url"] == base + "/"
+        status = json.loads(get(base + "/status.json")[2])
+        assert status["role"] == "relay" and status["peer_id"] == swarm.peer_id("relay")
+        assert get(base + "/healthz")[0] == 200
+        metrics = get(base + "/metrics")[2].decode()
+        assert "swarm_tcp_bytes_total" in metrics and "process_resident_memory_bytes" in metrics
+        assert "totals" in json.loads(get(base + "/ledger.json")[2])
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_chromium() is None, reason="chromium is not installed (Debian: apt-get install chromium)")
+def test_the_page_shows_the_members_of_a_running_swarm_in_a_browser(tmp_path):
+    """Chromium renders the page of a relay in a three-process swarm: the script ran (it counts its
+    polls), the member table lists the other two nodes, and a later dump shows more polls."""
+    from node.app.localswarm import LocalSwarm
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/"
+    with LocalSwarm(tmp_path) as swarm:
+        swarm.start("relay", "relay", "--http-port", str(port))
+        swarm.start("r2", "relay")
+        swarm.start("r3", "relay")
+        others = {swarm.peer_id("r2"), swarm.peer_id("r3")}
+        wait_until(lambda: others <= {r["peer_id"] for r in swarm.status("relay")["membership"]["members"]
+                                      if r["state"] == "alive"}, what="the relay sees both others alive")
+
+        def dump() -> str:
+            proc = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                                   "--dump-dom", url], capture_output=True, text=True, timeout=120)
+            return proc.stdout
+
+        def polls(dom: str) -> int:
+            return int(dom.split('data-polls="', 1)[1].split('"', 1)[0]) if 'data-polls="' in dom else 0
+
+        dom = wait_until(lambda: (d := dump()) and all(f'data-peer="{p}"' in d for p in others) and d,
+                         what="the member table lists both other nodes")
+        assert "relay" in dom and polls(dom) >= 1 and '<div id="error"></div>' in dom  # no fetch failed
+        assert "Checkpoint propagation" in dom and "Contributions (ledger)" in dom
+        swarm.kill("r3")  # the page updates: the killed node leaves the alive set in a later render
+        gone = f'data-peer="{swarm.peer_id("r3")}"'
+
+        def r3_not_alive(dom: str) -> bool:
+            return gone not in dom or 'class="alive">alive' not in dom.split(gone, 1)[1].split("</tr>", 1)[0]
+
+        wait_until(lambda: r3_not_alive(dump()), what="the page shows r3 no longer alive")
+
+
+async def test_a_client_that_breaks_http_midway_does_not_stop_the_server():
+    """Pipelined requests, a body on a GET and a half-sent head: each connection ends, the server serves on."""
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_http, "127.0.0.1", 0, routes())
+        for data in (b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                     b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello",
+                     b"GET /healthz HTTP/1.1\r\nHo"):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(data)
+            await stream.aclose()
+        status, _, body = await trio.to_thread.run_sync(lambda: get(f"http://127.0.0.1:{port}/healthz"))
+        assert status == 200 and json.loads(body)["ok"] is True
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_page_binds_only_the_address_it_is_given():
+    """--http-listen: on 127.0.0.2 (another loopback address on Linux) nothing answers on 127.0.0.1."""
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_http, "127.0.0.2", 0, routes())
+        status, _, _ = await trio.to_thread.run_sync(lambda: get(f"http://127.0.0.2:{port}/healthz"))
+        assert status == 200
+        with pytest.raises(OSError):
+            await trio.to_thread.run_sync(lambda: get(f"http://127.0.0.1:{port}/healthz"))
+        nursery.cancel_scope.cancel()
