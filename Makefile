@@ -22,7 +22,7 @@ TOPLOC_VENV ?= .toploc-venv
 VLLM ?= vllm==0.32.0
 VLLM_VENV ?= .vllm-venv
 
-.PHONY: demo test test-slow stress interop lock venv clean bwrap vllm-conformance
+.PHONY: demo test test-slow stress interop lock venv clean bwrap nft vllm-conformance
 
 venv: $(STAMP)
 
@@ -64,6 +64,13 @@ bwrap:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } || \
 		{ echo "make: bwrap not found and not installable here: run 'sudo apt-get install bubblewrap'" >&2; exit 1; }
 
+# nft (nftables) for the NAT test's home routers (tests/test_nat.py, source NAT with masquerade).
+nft:
+	@command -v nft >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >/dev/null; } || \
+		{ echo "make: nft not found and not installable here (sudo apt-get install nftables): tests/test_nat.py will be skipped" >&2; }
+
 test: $(STAMP) bwrap
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
@@ -71,7 +78,7 @@ test: $(STAMP) bwrap
 stress: $(STAMP) bwrap
 	tests/stress.sh $(PYTEST_ARGS)
 
-test-slow: $(STAMP) bwrap
+test-slow: $(STAMP) bwrap nft
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 interop: $(STAMP) $(TOPLOC_VENV)/.installed

@@ -54,6 +54,8 @@ import trio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "tests"))
+from netns import Namespaces  # noqa: E402  (shared with the NAT test)
 from node.net.host import open_swarm_host  # noqa: E402
 from node.identity import Identity  # noqa: E402
 from node.shards.testing import open_shards_swarm, same_files, write_checkpoint  # noqa: E402
@@ -171,45 +173,6 @@ def overhead(size_mib: int, seeders: int) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # 3. swarm efficiency in network namespaces
-
-
-class Namespaces:
-    """A bridge and one namespace per host, each with an upload cap (tc tbf on its veth)."""
-
-    def __init__(self, count: int, mbit: float, prefix: str = "shb") -> None:
-        self.names = [f"{prefix}{i}" for i in range(count)]
-        self.bridge = f"{prefix}br"
-        self.mbit = mbit
-
-    def ip(self, i: int) -> str:
-        return f"10.77.0.{i + 1}"
-
-    def _sh(self, *cmd: str) -> None:
-        subprocess.run(cmd, check=True, capture_output=True)
-
-    def __enter__(self) -> "Namespaces":
-        self.__exit__()
-        self._sh("ip", "link", "add", self.bridge, "type", "bridge")
-        self._sh("ip", "link", "set", self.bridge, "up")
-        for i, ns in enumerate(self.names):
-            self._sh("ip", "netns", "add", ns)
-            self._sh("ip", "link", "add", f"{ns}a", "type", "veth", "peer", "name", f"{ns}b")
-            self._sh("ip", "link", "set", f"{ns}a", "netns", ns)
-            self._sh("ip", "link", "set", f"{ns}b", "master", self.bridge)
-            self._sh("ip", "link", "set", f"{ns}b", "up")
-            self._sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.ip(i)}/24", "dev", f"{ns}a")
-            self._sh("ip", "netns", "exec", ns, "ip", "link", "set", f"{ns}a", "up")
-            self._sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-            # Upload cap: what leaves this host. Burst ~ a few ms of traffic, as a real link.
-            self._sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", f"{ns}a", "root", "tbf",
-                     "rate", f"{self.mbit}mbit", "burst", "64kb", "latency", "100ms")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for ns in self.names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            subprocess.run(["ip", "link", "del", f"{ns}b"], capture_output=True)  # if a process kept the ns
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
 
 class UploadSampler:

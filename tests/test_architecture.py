@@ -27,6 +27,7 @@ PURE = [
     "node.hashes",
     "node.net.multiaddrs",
     "node.net.budget",
+    "node.net.reachability",
     "node.peers.table",
     "node.gossip.membership",
     "node.gossip.records",

@@ -78,8 +78,11 @@ async def open_triangle(tmp_path, limits=None):
     async with AsyncExitStack() as stack:
         a = await stack.enter_async_context(open_node(tmp_path, "a", serve_relay_hop, limits=limits))
         a_addr = a.host.listen_addrs()[0]
-        b = await stack.enter_async_context(open_node(tmp_path, "b", serve_relay_client, relays=[a_addr]))
-        c = await stack.enter_async_context(open_node(tmp_path, "c", serve_relay_client, relays=[]))
+        # No hole punching: on loopback it would upgrade every circuit these tests look at.
+        b = await stack.enter_async_context(open_node(tmp_path, "b", serve_relay_client, relays=[a_addr],
+                                                      hole_punch=False))
+        c = await stack.enter_async_context(open_node(tmp_path, "c", serve_relay_client, relays=[],
+                                                      hole_punch=False))
         yield a, b, c, a_addr
 
 
@@ -119,6 +122,8 @@ async def test_client_reaches_target_only_through_relay(tmp_path, caplog):
         assert "/p2p-circuit/" in str(c_to_b[0].get_transport_addresses()[0])
         # The relay counts the circuit it carries; the direct links are not relayed.
         assert a.relay.status()["circuits_active"] == 1
+        # ...and the bytes: at least the echo both ways, plus the Noise/Yamux handshakes inside.
+        assert a.relay.status()["circuit_bytes"] >= 2 * len(b"through the relay")
         assert not any(is_relayed(conn) for conn in connections(c, a))
         # A reservation or a circuit on the normal path logs no error anywhere.
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

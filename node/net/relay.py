@@ -44,6 +44,7 @@ import multiaddr
 import trio
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, StopMessage
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
@@ -259,6 +260,7 @@ class _SwarmCircuitProtocol(CircuitV2Protocol):
         self.circuits_active = 0  # CONNECT requests being answered or relayed now
         self.connects_total = 0  # CONNECT requests received
         self.reservations_refused = 0
+        self.circuit_bytes = 0  # bytes carried over circuits, both directions, since start
 
     async def _handle_reserve(self, stream, msg: HopMessage) -> None:
         # Fix 1: py-libp2p reserves for whatever peer id the RESERVE message names
@@ -311,6 +313,14 @@ class _SwarmCircuitProtocol(CircuitV2Protocol):
                 await self._reset_circuit(stream, msg)
         finally:
             self.circuits_active -= 1
+
+    async def _read_stream_with_retry(self, stream, *args, **kwargs):
+        # Counter only: py-libp2p reads each chunk it relays here (protocol.py:860), and nowhere
+        # else, so the sum is what our circuits carried (what the NAT test checks stays small).
+        data = await super()._read_stream_with_retry(stream, *args, **kwargs)
+        if data:
+            self.circuit_bytes += len(data)
+        return data
 
     async def _reset_circuit(self, stream, msg: HopMessage) -> None:
         # The cancelled relay loop leaves (source, destination) in _active_relays under the
@@ -404,6 +414,7 @@ class RelayHop:
             "reservations": self.reservation_count(),
             "circuits_active": self.protocol.circuits_active,
             "connects_total": self.protocol.connects_total,
+            "circuit_bytes": self.protocol.circuit_bytes,
             "reservations_refused_per_ip": self.protocol.reservations_refused,
             "limits": {
                 "reservations": limits.max_reservations,
@@ -495,6 +506,7 @@ class RelayClient:
     host: SwarmHost
     my_peer_id: str
     held: dict[str, _Held] = field(default_factory=dict)  # relay peer id -> state
+    dcutr: DCUtRProtocol | None = None  # hole punching (None: off)
 
     def has_reservation_on(self, relay_peer_id: str) -> bool:
         h = self.held.get(relay_peer_id)
@@ -547,6 +559,8 @@ class RelayClient:
         while True:
             now = trio.current_time()
             for relay, h in list(self.held.items()):
+                if self.held.get(relay) is not h:
+                    continue  # released (reachability found us public) while we refreshed another
                 if h.reservation is not None and not self.host.is_connected(relay):
                     # A relay honours a reservation only while its holder stays connected
                     # (resources.py:449, :514): stop advertising it and reserve again now.
@@ -560,10 +574,18 @@ class RelayClient:
                                     relay, e, h.refresh_at - trio.current_time())
             await trio.sleep(CHECK_INTERVAL_S)
 
+    def hole_punching(self) -> dict | None:
+        """DCUtR counters: peers whose relayed connection became direct, attempts made."""
+        if self.dcutr is None:
+            return None
+        return {"direct": len(self.dcutr._direct_connections),  # py-libp2p's own bookkeeping (dcutr.py:208)
+                "attempts": sum(self.dcutr._hole_punch_attempts.values())}
+
     def status(self) -> dict:
         now_unix = time.time()
         return {
             "role": "client",
+            "hole_punching": self.hole_punching(),
             "circuit_addrs": self.circuit_addrs(),
             "relays": [
                 {
@@ -582,9 +604,13 @@ async def serve_relay_client(
     node: NodeContext,
     *,
     relays: list[str] | None = None,
+    hole_punch: bool = True,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Accept relayed connections and keep reservations on ``relays`` until cancelled.
+    """Accept relayed connections and keep reservations on ``relays`` until cancelled; with
+    ``hole_punch``, try to upgrade relayed connections to direct ones (py-libp2p's DCUtR, which
+    drives an attempt for every relayed connection it sees and closes the circuit once a direct
+    connection verifies).
 
     ``relays`` (full relay multiaddrs) defaults to ``node.config.relay_via`` when that field
     exists; an empty list means "directly reachable": the STOP side still runs (it accepts only
@@ -598,8 +624,14 @@ async def serve_relay_client(
         client.held[relay_peer_id_of(addr)] = _Held(addr)  # ValueError on a bad address
     protocol = _SwarmCircuitProtocol(node.host.host, None, allow_hop=False,
                                      stop_from=client.accepts_stop_from)
-    async with background_trio_service(protocol), trio.open_nursery() as nursery:
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(background_trio_service(protocol))
         await protocol.event_started.wait()  # STOP handler registered (protocol.py:186)
+        if hole_punch:
+            client.dcutr = DCUtRProtocol(node.host.host)
+            await stack.enter_async_context(background_trio_service(client.dcutr))
+            await client.dcutr.event_started.wait()
+        nursery = await stack.enter_async_context(trio.open_nursery())
         # First reservations before "started", so a node that says it is ready is reachable.
         # A relay that is down does not block start-up: the keeper retries it.
         for addr in relays:

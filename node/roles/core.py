@@ -26,6 +26,7 @@ from ..identity import load_or_create_identity
 from ..ledger.sync import LedgerService, serve_ledger
 from ..net.reqres import ping_handler
 from ..peers import serve_peers
+from ..net.dialback import ReachabilityService, serve_dialback
 from ..net.relay import RelayClient, RelayHop, serve_relay_client
 from ..rl.config import RLConfig
 from ..rl.sandbox import require_isolation
@@ -57,6 +58,7 @@ class CoreNode(RunningNode):
     shards: ShardsService
     relay: RelayClient | RelayHop
     membership: Membership
+    reachability: ReachabilityService
 
 
 async def start_core(
@@ -68,8 +70,11 @@ async def start_core(
     remote faults to ``node.peers``); status; the ledger; shards, which credit the
     bytes they verify in the ledger; the relay side (``serve_relay_client``: accept relayed
     connections and reserve when behind NAT; the relay role runs the HOP service instead);
-    membership, whose record advertises the relay's circuit addresses and the versions held; and,
-    when ``http_port`` is set, the web status page (node/web.py), which reads the ledger's totals."""
+    membership, whose record advertises the relay's circuit addresses and the versions held;
+    dial-back (node/net/dialback.py), which answers peers asking whether they are reachable and,
+    off the relay role, finds our own reachability and reserves relay slots when we are private;
+    and, when ``http_port`` is set, the web status page (node/web.py), which reads the ledger's
+    totals."""
     await nursery.start(serve_peers, node)
     # libp2p ping under a per-peer budget (node/net/reqres.py) instead of py-libp2p's unbounded handler
     node.host.set_handler(PING_PROTOCOL, ping_handler(PING_PROTOCOL, streams=node.run.section("streams"),
@@ -79,9 +84,10 @@ async def start_core(
     shards = await nursery.start(serve_shards, node, ledger)
     relay = await nursery.start(serve_relay, node)
     membership = await nursery.start(serve_membership, node, relay, shards)
+    reachability = await nursery.start(serve_dialback, node, relay, membership)
     if node.config.http_port:  # the web status page reads status providers at each request
         await nursery.start(serve_web, node, ledger)
-    return CoreNode(node, ledger, shards, relay, membership)
+    return CoreNode(node, ledger, shards, relay, membership, reachability)
 
 
 def check_code_sandbox(config: NodeConfig) -> None:
