@@ -46,7 +46,8 @@ from .reachability import (
     dialback_targets,
     tcp_port_of,
 )
-from .reqres import CallFailure, call, close, messages, peer_of, reset
+from .budget import STALLED, limits
+from .reqres import CallFailure, Inbound, Refused, call, close, messages, peer_of, reset
 
 if TYPE_CHECKING:
     from ..context import NodeContext
@@ -62,6 +63,9 @@ DIAL_TIMEOUT_S = 5.0  # one dial back: TCP connect + Noise handshake
 REQUEST_TIMEOUT_S = 5.0  # reading the request
 ANSWER_TIMEOUT_S = DIAL_TIMEOUT_S * MAX_DIAL_PORTS + 5.0  # the asker's wait for the reply
 MAX_INFLIGHT = 4  # dial-back requests we serve at once (others are refused as busy)
+# One peer may hold at most one of those slots (node/net/budget.py): a silent asker cannot keep
+# the others from learning their reachability; it is cut at the header deadline and struck.
+DIALBACK_LIMITS = limits(MAX_INFLIGHT, 4096, per_peer=1)
 FIRST_ROUND_S = 3.0  # after start, how often we look for peers to ask until we have some
 RETRY_ROUND_S = 15.0  # next round while the verdict lacks votes (or relays are missing)
 RECHECK_ROUND_S = 600.0
@@ -182,7 +186,7 @@ def _quiet_dial_logs() -> None:
 class DialBackServer:
     host: SwarmHost
     peers: object  # node/peers' Peers (report)
-    slots: trio.Semaphore = field(default_factory=lambda: trio.Semaphore(MAX_INFLIGHT))
+    inbound: Inbound | None = None  # the per-peer and total budget (serve_dialback sets it)
     busy_ips: set[str] = field(default_factory=set)
     served: int = 0
     refused: dict[str, int] = field(default_factory=dict)
@@ -211,31 +215,33 @@ class DialBackServer:
         finally:
             self.busy_ips.discard(ip)
 
+    def __post_init__(self) -> None:
+        if self.inbound is None:
+            self.inbound = Inbound(DIALBACK_PROTOCOL, DIALBACK_LIMITS, peers=self.peers, source=SOURCE)
+
     async def handle(self, stream) -> None:
         peer = peer_of(stream)
-        if self.slots.value == 0:
-            await write_busy(stream, self._refuse("busy"))
-            return
-        async with self.slots:
-            try:
-                with trio.fail_after(REQUEST_TIMEOUT_S):
-                    data = await read_frame(stream, 4096)
+        try:
+            async with self.inbound.open(stream, peer, wait=False) as frames:
+                data = await frames.read(max_size=4096)  # within the header deadline, or struck
                 if data is None:
                     return
                 req = decode_as(DialBackRequest, data, 4096)
                 reply = await self.answer(peer, req, observed_ip(stream))
                 with trio.fail_after(REQUEST_TIMEOUT_S):
                     await write_frame(stream, reply)
-            except RemoteProtocolError as e:
-                if self.peers is not None:
-                    self.peers.report(peer, SOURCE, e.reason)
-                await reset(stream)
-            except trio.TooSlowError:
-                await reset(stream)
-            except STREAM_ERRORS:
-                await reset(stream)
-            finally:
-                await close(stream)
+        except Refused as e:  # over its share, or every slot taken: told, nothing read
+            await write_busy(stream, self._refuse("busy" if e.reason != "banned" else "banned"))
+        except RemoteProtocolError as e:
+            if e.reason != STALLED and self.peers is not None:  # a stall is struck by Inbound
+                self.peers.report(peer, SOURCE, e.reason)
+            await reset(stream)
+        except trio.TooSlowError:
+            await reset(stream)
+        except STREAM_ERRORS:
+            await reset(stream)
+        finally:
+            await close(stream)
 
 
 async def write_busy(stream, reply: DialBackReply) -> None:
@@ -438,8 +444,15 @@ async def serve_dialback(node: NodeContext, relay, members: MembersAPI | None, *
     """Answer dial-back requests; on every role but relay also find our own reachability (and
     reserve relay slots when private). Hands back the :class:`ReachabilityService`."""
     node.peers.set_rule(SOURCE, FAULT_RULE)
-    server = DialBackServer(node.host, node.peers)
-    node.host.set_handler(DIALBACK_PROTOCOL, server.handle)
+    server = DialBackServer(node.host, node.peers,
+                            Inbound(DIALBACK_PROTOCOL, DIALBACK_LIMITS, config=node.run.section("streams"),
+                                    peers=node.peers, metrics=node.metrics, source=SOURCE))
+
+    async def handle(stream) -> None:
+        await server.handle(stream)
+
+    handle.inbound = server.inbound  # the host lists it in status (streams)
+    node.host.set_handler(DIALBACK_PROTOCOL, handle)
     client = relay if isinstance(relay, RelayClient) else None
     svc = ReachabilityService(node, client, members)
     if client is None:  # a relay is dialable by its operator's promise; it only answers
