@@ -237,6 +237,17 @@ def test_pure_intake_order_of_checks():
     assert intake_reason(b, known_batch=False, known_worker_step=False, step=1, limits=limits) is None
 
 
+def test_a_batch_from_an_engine_the_run_refuses_is_refused_at_intake():
+    """A run without validators must not train on an engine its run file refuses (issue 17)."""
+    torch_only = IntakeLimits(vocab_size=len(TOK), pack_length=64, temperature=1.0, async_level=2)
+    b = batch(version=5)
+    vllm = dataclasses.replace(b, engine="vllm")
+    assert intake_reason(b, known_batch=False, known_worker_step=False, step=5, limits=torch_only) is None
+    assert intake_reason(vllm, known_batch=False, known_worker_step=False, step=5, limits=torch_only) == "engine_refused"
+    both = dataclasses.replace(torch_only, engines=("torch", "vllm"))
+    assert intake_reason(vllm, known_batch=False, known_worker_step=False, step=5, limits=both) is None
+
+
 def test_spool_refuses_illegal_transitions(tmp_path):
     with open_spool(tmp_path / "s.sqlite") as spool:
         signed = open_batch(sign_batch(WORKER, batch()), RUN)

@@ -21,7 +21,7 @@ trainer's state, so it lives here, as a function of that state (no I/O, no clock
   refused; and **policy root**: the batch's ``policy_root`` must be the manifest root we announced
   for its ``policy_version`` (``wrong-root``), since the task draw is keyed by it;
 * **shape**: sampling temperature equal to the trainer's (the GRPO ratio divides logits by it),
-  token ids inside the vocabulary, every sequence fits a packed row, groups no larger than claimed.
+  an engine the run accepts, token ids inside the vocabulary, every sequence fits a packed row, groups no larger than claimed.
 
 Each refusal is a short reason code (a metrics label, a status key, a ledger entry's reason).
 """
@@ -46,6 +46,9 @@ class IntakeLimits:
     pack_length: int  # longest prompt + completion a packed row holds
     temperature: float
     async_level: int
+    # Engines the run accepts ([inference] engines). Checked here too, not only by validators: a run
+    # without validators would otherwise train on batches from an engine its operators refused.
+    engines: tuple[str, ...] = ("torch",)
 
 
 def staleness_reason(policy_version: int, step: int, async_level: int) -> str | None:
@@ -79,6 +82,8 @@ def shape_reason(batch: RolloutBatch, limits: IntakeLimits) -> str | None:
     """None if every sample of ``batch`` can be trained on, else why not."""
     if not batch.samples:
         return "empty"
+    if batch.engine not in limits.engines:
+        return "engine_refused"
     if abs(batch.temperature - limits.temperature) > TEMPERATURE_TOLERANCE:
         return "wrong-temperature"
     per_prompt = Counter(s.prompt_index for s in batch.samples)

@@ -50,7 +50,7 @@ from ..net.budget import limits
 from ..net.reqres import CallFailure, Codec, FailureKind, call, raw, request_handler
 from ..peers import ActionKind, FaultRule
 from ..ledger.sync import LedgerError
-from ..rl.config import GRPOConfig, RLConfig
+from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 from ..rl.grpo import NonFiniteStep, TrainSample
 from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import (
@@ -127,7 +127,8 @@ class Trainer:
                      if self.validators else None)
         self.pacer = Pacer(tcfg.pacing_target(), tcfg.max_pending_batches, tcfg.max_retry_after_s)
         self.wall_clock = time.time  # the sample-life figures compare with workers' created_ms stamps
-        self.limits = IntakeLimits(policy.vocab_size, cfg.pack_length, cfg.temperature, cfg.async_level)
+        self.limits = IntakeLimits(policy.vocab_size, cfg.pack_length, cfg.temperature, cfg.async_level,
+                                   run.section("inference", InferenceConfig).accepted_engines())
         # The step window (node/rollouts/steps.py) is sized by the run's [worker] table, as the workers' outboxes are.
         self.step_window = step_window_size(run.section("worker", WorkerConfig).max_pending_batches)
         self.intake_slots = trio.Semaphore(tcfg.max_concurrent_intake)
