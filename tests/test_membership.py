@@ -49,6 +49,39 @@ def test_suspect_then_dead_after_timeout(table):
     assert table.state_of("a") is MemberState.DEAD
 
 
+def test_a_member_that_never_heard_its_death_is_revived_by_its_own_refresh(table):
+    """A lost DEAD notice leaves the member nothing to refute: its own same-seq refresh (gossipsub
+    author = the member) brings it back; the same record relayed by anyone else does not."""
+    table.on_record(record("a", 10), now=0)
+    table.on_probe_failed("a", now=5)
+    table.tick(now=5 + table.config.suspicion_timeout(table.size()))
+    assert table.state_of("a") is MemberState.DEAD
+    assert table.on_record(record("a", 10), now=20, source="b") is Verdict.SAME  # hearsay: still dead
+    assert table.on_record(record("a", 10), now=21, source="a", exchange=True) is Verdict.SAME  # a table copy
+    assert table.state_of("a") is MemberState.DEAD
+    assert table.on_record(record("a", 10), now=22, source="a") is Verdict.UPDATED
+    assert table.state_of("a") is MemberState.ALIVE and table.revived == 1
+    # A suspicion of ours is cleared the same way, without waiting for a refutation.
+    table.on_probe_failed("a", now=30)
+    assert table.state_of("a") is MemberState.SUSPECT
+    assert table.on_record(record("a", 10), now=31, source="a") is Verdict.UPDATED
+    assert table.state_of("a") is MemberState.ALIVE
+    # A member that said goodbye stays gone.
+    table.on_goodbye(Goodbye(run=RUN, peer_id="a", seq=10), now=40)
+    assert table.on_record(record("a", 10), now=41, source="a") is Verdict.SAME
+    assert table.state_of("a") is MemberState.LEFT
+
+
+def test_indirect_helpers_are_members_we_can_reach_before_throwaway_ones(table):
+    for peer in ("conn", "was-reached", *(f"fake{i}" for i in range(20))):
+        table.on_record(record(peer, 10), now=0)
+    table.on_record(record("target", 10), now=0)
+    table.on_probe_ok("was-reached", now=1)
+    for _ in range(10):
+        helpers = table.indirect_helpers("target", connected={"conn"}, k=3)
+        assert helpers[:2] == ["conn", "was-reached"] and helpers[2].startswith("fake")
+
+
 def test_remote_suspicion_times_out_without_our_declaration(table):
     table.on_record(record("a", 10), now=0)
     assert table.on_accusation(Accusation(run=RUN, target="a", seq=10, accuser="b"), dead=False, now=1) is Verdict.SUSPECTED

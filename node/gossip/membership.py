@@ -54,6 +54,7 @@ States::
     (unknown) --record--> ALIVE --our probe failed--> SUSPECT --timeout--> DEAD
         ALIVE --someone else's accusation--> ALIVE + pending suspicion --timeout--> DEAD
         ALIVE/SUSPECT/DEAD --newer record--> ALIVE (clears a suspicion)   any --goodbye--> LEFT
+        SUSPECT/DEAD --the same record, published by the member itself--> ALIVE (it never heard)
         ALIVE/SUSPECT --member_ttl(N) with nobody reachable vouching--> (forgotten)
     DEAD and LEFT entries are kept as tombstones for ``tombstone_ttl`` so that old records
     still circulating cannot resurrect them.
@@ -252,6 +253,7 @@ class MemberTable:
     entered: dict[MemberState, int] = field(default_factory=lambda: dict.fromkeys(MemberState, 0))
     probes: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})  # outcomes reported to us
     sources: dict[str, SourceRecord] = field(default_factory=dict)  # LRU order, bounded by MAX_SOURCES
+    revived: int = 0  # suspected or dead members brought back by a record they published themselves
     # Remote faults found here, (peer, reason), for the service to report to the peer score owner.
     faults: list[tuple[str, str]] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=lambda: {
@@ -291,6 +293,17 @@ class MemberTable:
         if record.seq == m.record.seq:
             if m.state is MemberState.ALIVE:
                 m.last_heard = now
+            elif vouch and not exchange and m.state in (MemberState.SUSPECT, MemberState.DEAD):
+                # It published this itself, just now (the gossipsub author, signed): it is alive, and
+                # still at this seq because it never heard the verdict. Refutation needs the SUSPECT or
+                # DEAD notice to reach it; one lost notice would otherwise leave a live, connected
+                # member dead here for good (seen under load in tests/test_adversarial_processes.py).
+                # Only the member can author this, so no third party can revive a dead peer with it.
+                self._set(m, MemberState.ALIVE, now, "")
+                m.last_heard = m.vouched = now
+                m.hearsay = None
+                self.revived += 1
+                return Verdict.UPDATED
             return Verdict.SAME
         m.record = record
         m.last_heard = now
@@ -445,13 +458,17 @@ class MemberTable:
         return None
 
     def indirect_helpers(self, target: str, connected: set[str], k: int) -> list[str]:
-        """Up to k alive members (preferring ones we are connected to) to ping ``target`` for us."""
+        """Up to k alive members to ping ``target`` for us: those we are connected to, then those we
+        reached once, and only then members nobody showed us reachable. Throwaway records (anyone
+        may publish them) are never reached: chosen as helpers they answer nothing, and a slow direct
+        probe then becomes a false suspicion (seen under a member flood in the adversarial suite)."""
         alive = [p for p in self.alive() if p != target]
         near = [p for p in alive if p in connected]
-        far = [p for p in alive if p not in connected]
-        self.rng.shuffle(near)
-        self.rng.shuffle(far)
-        return (near + far)[:k]
+        reached = [p for p in alive if p not in connected and self.members[p].reached is not None]
+        unknown = [p for p in alive if p not in connected and self.members[p].reached is None]
+        for group in (near, reached, unknown):
+            self.rng.shuffle(group)
+        return (near + reached + unknown)[:k]
 
     # ---------------------------------------------------------------- views
 

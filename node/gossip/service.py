@@ -208,6 +208,7 @@ class Membership:
             "closed": dict(self.closes),  # pruned by us / by the peer (announced), lost (probed at once)
             "local_health": self.health.score,
             "dropped": dict(self.table.dropped),  # expired, evicted, limited, distrusted, refuted
+            "revived": self.table.revived,  # suspected or dead members whose own refresh showed them alive
             "rejected": self.node.metrics.rejections(),
         }
 
