@@ -199,12 +199,7 @@ class TorchEngine:
             next_pos = positions[:, -1] + 1  # (B,)
             steps = 0
             for t in range(max_new_tokens):
-                tok_t, lp_t = sample_tokens(logits, seed_t, t, temperature, top_p)
-                tok_t = torch.where(done, torch.full_like(tok_t, pad), tok_t)
-                tokens[:, t], logps[:, t] = tok_t, lp_t
-                newly = (~done) & (tok_t == eos)
-                lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
-                done |= newly
+                tok_t, lengths = _take_token(logits, seed_t, t, temperature, top_p, eos, pad, done, tokens, logps, lengths)
                 steps = t + 1
                 if bool(done.all()) or t + 1 == max_new_tokens:
                     break
@@ -284,12 +279,7 @@ class TorchEngine:
         for t in range(max_new_tokens):
             if capture_hidden:
                 states.append(h.clone())  # a graph replay overwrites its outputs
-            tok_t, lp_t = sample_tokens(logits, seed_t, t, temperature, top_p)
-            tok_t = torch.where(done, torch.full_like(tok_t, pad), tok_t)
-            tokens[:, t], logps[:, t] = tok_t, lp_t
-            newly = (~done) & (tok_t == eos)
-            lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
-            done |= newly
+            tok_t, lengths = _take_token(logits, seed_t, t, temperature, top_p, eos, pad, done, tokens, logps, lengths)
             steps = t + 1
             if bool(done.all()) or t + 1 == max_new_tokens:
                 break
@@ -300,6 +290,19 @@ class TorchEngine:
             next_pos = next_pos + 1
         hidden = torch.stack(states, dim=1) if capture_hidden else None  # (B, steps, H)
         return tokens[:, :steps], logps[:, :steps], lengths, hidden, steps
+
+
+def _take_token(logits, seed_t, t, temperature, top_p, eos, pad, done, tokens, logps, lengths):
+    """Sample token ``t`` of every row (our seeded sampler), pad rows already done, and write it into
+    ``tokens``/``logps``; marks rows ending here in ``done`` (in place) and returns (token, lengths).
+    One step shared by both decode paths, so they cannot drift apart."""
+    tok_t, lp_t = sample_tokens(logits, seed_t, t, temperature, top_p)
+    tok_t = torch.where(done, torch.full_like(tok_t, pad), tok_t)
+    tokens[:, t], logps[:, t] = tok_t, lp_t
+    newly = (~done) & (tok_t == eos)
+    lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
+    done |= newly
+    return tok_t, lengths
 
 
 def _static_capable(model) -> bool:

@@ -126,6 +126,12 @@ async def fetch_manifest(node, store: PieceStore, run_name: str, trainers: list[
 
 async def call_manifest(host, peer: str, root: bytes, run_name: str, trainers: list[str]) -> SignedManifest:
     """Ask ``peer`` for the manifest with root ``root``; RemoteProtocolError unless it sends that one."""
+    return await call_signed(host, peer, root, lambda env: open_manifest(env, run_name, trainers), "manifest")
+
+
+async def call_signed(host, peer: str, root: bytes, opener, what: str):
+    """Ask ``peer`` for the signed ``what`` (a manifest or a delta manifest) with root ``root`` and
+    open it with ``opener(envelope)``; RemoteProtocolError unless it sends that one."""
     stream = await host.open_stream(peer, PROTOCOL)
     try:
         await write_frame(stream, ManifestRequest(root=root))
@@ -135,7 +141,7 @@ async def call_manifest(host, peer: str, root: bytes, run_name: str, trainers: l
         if not isinstance(reply, ManifestReply):
             raise RemoteProtocolError("unexpected", reply.TYPE)
         if root_id(reply.envelope.payload) != root:
-            raise RemoteProtocolError("wrong-root", "manifest does not hash to the announced root")
-        return open_manifest(reply.envelope, run_name, trainers)
+            raise RemoteProtocolError("wrong-root", f"{what} does not hash to the announced root")
+        return opener(reply.envelope)
     finally:
         await reset(stream, shielded=True)

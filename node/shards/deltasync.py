@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..atomic import write_atomic
-from ..net.reqres import reset
 from ..peers import FaultRule
-from ..wire import Envelope, LocalProtocolError, RemoteProtocolError, decode_as, encode, write_frame
+from ..wire import Envelope, LocalProtocolError, RemoteProtocolError, decode_as, encode
+from .announce import call_signed
 from .client import Download
 from .delta import apply_delta, encode_delta
 from .manifest import (
@@ -56,10 +56,9 @@ from .manifest import (
     SignedManifest,
     build_manifest,
     open_delta_manifest,
-    root_id,
     sign_delta_manifest,
 )
-from .protocol import FIRST_MESSAGE_TIMEOUT, PROTOCOL, SOURCE, ManifestReply, ManifestRequest, Reject, read_shards_message
+from .protocol import FIRST_MESSAGE_TIMEOUT, SOURCE
 from .store import STATE, TRASH_PREFIX, VersionStore
 
 if TYPE_CHECKING:  # the service creates this and passes itself in
@@ -459,16 +458,5 @@ class DeltaSync:
 
 async def call_delta_manifest(host, peer: str, root: bytes, run_name: str, trainers: list[str]) -> SignedDelta:
     """Ask ``peer`` for the delta manifest with root ``root``; RemoteProtocolError unless it sends that one."""
-    stream = await host.open_stream(peer, PROTOCOL)
-    try:
-        await write_frame(stream, ManifestRequest(root=root))
-        reply = await read_shards_message(stream)
-        if isinstance(reply, Reject) or reply is None:
-            raise RemoteProtocolError("no-manifest", reply.reason if reply else "eof")
-        if not isinstance(reply, ManifestReply):
-            raise RemoteProtocolError("unexpected", reply.TYPE)
-        if root_id(reply.envelope.payload) != root:
-            raise RemoteProtocolError("wrong-root", "delta manifest does not hash to the announced root")
-        return open_delta_manifest(reply.envelope, run_name, trainers)
-    finally:
-        await reset(stream, shielded=True)
+    return await call_signed(host, peer, root, lambda env: open_delta_manifest(env, run_name, trainers),
+                             "delta manifest")
