@@ -319,3 +319,34 @@ async def test_downloaders_send_haves_only_to_a_super_seeder(tmp_path: Path) -> 
             assert same_files(src, await d.shards.wait_version(1))
             assert CountsHaves.haves.get(t.peer_id, 0) >= signed.manifest.num_pieces  # r's and d's, super-seeding
             assert CountsHaves.haves.get(r.peer_id, 0) == 0  # d sent none to the plain relay
+
+
+async def test_a_verified_piece_is_not_announced_to_peers_known_to_hold_it(tmp_path: Path) -> None:
+    """Have suppression: a peer that told us it holds a piece is not told we now have it too."""
+    from types import SimpleNamespace
+
+    import trio.testing
+
+    from node.shards.picker import Picker
+    from node.shards.testing import open_shards_node
+
+    async with open_shards_node(tmp_path / "a", trainers=[Identity.generate().peer_id], **FAST) as a:
+        svc = a.shards
+        root = b"\x01" * 32
+        vs = SimpleNamespace(version=3, signed=SimpleNamespace(root=root))
+        picker = Picker([1 << 18] * 4)
+        picker.on_bitfield("holder", {2})
+        svc.downloads[3] = SimpleNamespace(root=root, picker=picker)
+        told = []
+
+        def session(peer):
+            async def push_have(piece):
+                told.append((peer, piece))
+            return SimpleNamespace(peer=peer, push_have=push_have)
+
+        svc.server_sessions[root] = [session("holder"), session("other")]  # iterated like the set
+        svc.on_piece_verified(vs, 2)
+        svc.on_piece_verified(vs, 1)
+        await trio.testing.wait_all_tasks_blocked()  # the pushes spawned above have run
+        del svc.downloads[3], svc.server_sessions[root]
+    assert sorted(told) == [("holder", 1), ("other", 1), ("other", 2)]
