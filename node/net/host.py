@@ -56,6 +56,7 @@ from .workarounds import (
     HandlerErrors,
     StreamBytes,
     TcpBytes,
+    WholeNoiseMessages,
     disable_auto_connect,
     guard_handlers,
 )
@@ -232,6 +233,7 @@ async def open_swarm_host(
     StreamBytes.install()
     CancelSafeFrames.install()
     BatchedWindowCredit.install()
+    WholeNoiseMessages.install()
     keypair = to_libp2p_keypair(identity)
     noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
     addrs = [parse_multiaddr(a) for a in listen]

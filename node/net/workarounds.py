@@ -6,6 +6,8 @@
   Noise stream for good; make it all-or-nothing.
 * :class:`BatchedWindowCredit`: Yamux sends a window update after nearly every read; credit the
   sender once half the window is consumed, as go-yamux does.
+* :class:`WholeNoiseMessages`: wake the connection's reader once a Noise message is all there
+  (``SO_RCVLOWAT``), not for every TCP segment of it.
 * :func:`disable_auto_connect`: the swarm's own auto-connector fights our connection manager.
 * :func:`guard_handlers`: an exception escaping any stream handler tears down the whole host.
 
@@ -166,6 +168,83 @@ class BatchedWindowCredit:
                 await self.send_window_update(increment, skip_lock=True)
 
         YamuxStream._auto_tune_and_send_window_update = credit
+        cls._installed = True
+
+
+# The largest SO_RCVLOWAT asked for: a whole Noise message (2-byte length, so at most 65535 bytes).
+# Linux grows the socket's receive buffer to twice the low-water mark when needed (tcp_set_rcvlowat).
+MAX_RCVLOWAT = 65535
+
+
+def _tcp_socket(conn):
+    """The socket under a py-libp2p raw connection (RawConnection -> TrioTCPStream -> SocketStream)."""
+    try:
+        return conn.stream.stream.socket
+    except AttributeError:
+        return None
+
+
+class WholeNoiseMessages:
+    """Read each Noise message's body with ``SO_RCVLOWAT`` set to its length (py-libp2p 0.8.1).
+
+    py-libp2p reads a Noise message (up to 64 KiB, one Yamux frame) with ``read_exactly``: one
+    ``recv`` and one trio wake-up per batch of TCP segments that happens to be there. On a fast
+    link that is a few per message; on a slow one bytes trickle in a segment at a time (1448 bytes
+    every 1.2 ms at 10 Mbit/s), ~45 wake-ups per 64 KiB message, each a full pass through trio's
+    scheduler. A plain stream cost 6x the CPU per MiB through a 10 Mbit/s link that it costs on
+    loopback (``bench/shards.py swarm`` prints both). The body's length is known once its 2-byte
+    prefix is read, and nothing can be done with part of it (it is decrypted whole), so asking
+    the kernel to wake us only when it has the rest (or EOF, or an error) loses nothing. The mark
+    is the bytes still missing, set again after each partial read (a mark above what the peer will
+    send before it waits for us would never fire), and goes back to 1 before the next prefix.
+    Linux only (elsewhere the option is missing and reads go as before).
+    """
+
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        import socket
+
+        from libp2p.io.exceptions import IncompleteReadError
+        from libp2p.io.utils import read_exactly
+        from libp2p.security.noise.io import NoisePacketReadWriter
+
+        option = getattr(socket, "SO_RCVLOWAT", None)
+
+        def set_mark(sock, n: int) -> bool:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, n)
+                return True
+            except OSError:  # closed meanwhile: the read below fails or ends as before
+                return False
+
+        async def read_msg(self) -> bytes:
+            length = await self.next_msg_len()
+            conn = self.read_write_closer
+            sock = _tcp_socket(conn) if option is not None else None
+            if sock is None:
+                return await read_exactly(conn, length)
+            body = bytearray(await conn.read(length))  # what is there already: no wait, no mark
+            mark = 1
+            try:
+                while len(body) < length:
+                    want = min(length - len(body), MAX_RCVLOWAT)
+                    if want != mark and set_mark(sock, want):
+                        mark = want
+                    chunk = await conn.read(length - len(body))
+                    if not chunk:
+                        raise IncompleteReadError(f"connection closed with {length - len(body)} of a "
+                                                  f"{length}-byte Noise message missing")
+                    body += chunk
+            finally:
+                if mark != 1:
+                    set_mark(sock, 1)
+            return bytes(body)
+
+        NoisePacketReadWriter.read_msg = read_msg
         cls._installed = True
 
 
