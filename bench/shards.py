@@ -64,6 +64,7 @@ from node.wire import read_frame, write_frame  # noqa: E402
 
 MiB = 1 << 20
 PROTO = "/bench/stream/1"
+CAPPED_STREAM_MIB = 8  # the plain stream through a capped link: 6.7 s at 10 Mbit/s
 
 
 def cpu_seconds(pid: int) -> float:
@@ -134,6 +135,59 @@ async def stream_goodput(total: int, frame: int | None, cpu: dict | None = None)
         if cpu is not None:
             cpu["cpu"] = time.process_time() - c0
         return total / (time.perf_counter() - t0) / MiB
+
+
+async def _stream_end(args: argparse.Namespace) -> None:
+    """One end of the plain stream across the capped namespaces (``_stream-end`` subcommand): it
+    prints its address (receiver) and then its own CPU-seconds from the first byte to the last."""
+    total = args.size_mib * MiB
+    async with open_swarm_host(Identity.generate(), [args.listen]) as h:
+        if not args.dial:
+            done = trio.Event()
+
+            async def handler(stream):
+                got, c0 = 0, None
+                while got < total:
+                    chunk = await stream.read(MiB)
+                    if not chunk:
+                        break
+                    c0 = time.process_time() if c0 is None else c0
+                    got += len(chunk)
+                print(json.dumps({"cpu": time.process_time() - c0, "bytes": got}), flush=True)
+                await stream.write(b"k")
+                done.set()
+
+            h.set_handler(PROTO, handler)
+            print(json.dumps({"addr": h.listen_addrs()[0]}), flush=True)
+            await done.wait()
+            await trio.sleep(1.0)  # let the ack leave
+        else:
+            peer = await h.connect(args.dial)
+            s = await h.open_stream(peer, PROTO)
+            block = os.urandom(MiB)
+            c0, t0 = time.process_time(), time.time()
+            for _ in range(total // MiB):
+                await s.write(block)
+            await s.read(1)
+            print(json.dumps({"cpu": time.process_time() - c0, "seconds": time.time() - t0}), flush=True)
+
+
+def capped_stream_cpu_per_mib(nets: Namespaces, size_mib: int) -> tuple[float, float]:
+    """(CPU-seconds per MiB, both ends; MiB/s) of one plain libp2p stream from host 0 to host 1 of
+    ``nets`` through the same upload cap as the swarm: what py-libp2p itself costs per byte when
+    bytes trickle in at the link's rate (more, smaller reads than on loopback)."""
+    me = [sys.executable, str(Path(__file__).resolve()), "_stream-end", "--size-mib", str(size_mib)]
+    rx = subprocess.Popen(["ip", "netns", "exec", nets.names[1], *me, "--listen", f"/ip4/{nets.ip(1)}/tcp/4002"],
+                          cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        addr = _read_json(rx, 60)["addr"]
+        tx = subprocess.run(["ip", "netns", "exec", nets.names[0], *me, "--listen", f"/ip4/{nets.ip(0)}/tcp/4002",
+                             "--dial", addr], cwd=REPO, capture_output=True, text=True, timeout=60 + size_mib * 2)
+        sent = json.loads(tx.stdout.strip().splitlines()[-1])
+        got = _read_json(rx, 30)
+    finally:
+        _stop([rx])
+    return (sent["cpu"] + got["cpu"]) / size_mib, size_mib / sent["seconds"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +401,7 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
     with _scratch("bench-shards-ns-") as (tmp, procs), _hog(hog):
         try:
             with Namespaces(n + relays + 1, mbit) as nets:
+                capped_cpu, capped_rate = capped_stream_cpu_per_mib(nets, CAPPED_STREAM_MIB)
                 src = write_checkpoint(tmp / "src", size, seed=3)
                 settings = {"announce_interval": 1.0, "progress": False}
                 if piece_kib:
@@ -418,6 +473,9 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
           f"{sum(dl_cpu) / delivered:.4f} (per MiB each received: {statistics.median(dl_cpu) / (size / MiB):.4f} median), "
           f"whole tree {sum(cpu) / delivered:.4f}")
     print(f"  plain libp2p stream, same bytes, both ends, same run: {base_cpu:.4f} CPU-s per MiB ({base_rate:.0f} MiB/s)")
+    print(f"  plain libp2p stream through one capped link ({CAPPED_STREAM_MIB} MiB, host 0 -> 1, same run): "
+          f"{capped_cpu:.4f} CPU-s per MiB ({capped_rate:.2f} MiB/s)")
+    print(f"  ratio (whole-tree CPU per MiB delivered / capped plain stream's): {sum(cpu) / delivered / capped_cpu:.1f}")
     print(f"  ratio (whole-tree CPU per MiB delivered / plain stream's): {sum(cpu) / delivered / base_cpu:.1f}")
     print(f"  Kumar-Ross T_min = max(F/u_s, N*F/(u_s + sum u_i)) = {t_min:.1f} s")
     print(f"  distribution time: {t:.1f} s")
@@ -595,6 +653,14 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, help="swarm: cProfile the seed and one downloader into DIR/seed.prof, DIR/d1.prof")
     ap.add_argument("--hog", action="store_true", help="swarm: keep one core busy with a spinning process meanwhile")
     ap.add_argument("--trace", type=Path, help="swarm: write per-piece times and every host's upload samples (JSON) here")
+    if sys.argv[1:2] == ["_stream-end"]:  # one end of capped_stream_cpu_per_mib, in a namespace
+        sp = argparse.ArgumentParser()
+        sp.add_argument("_", choices=["_stream-end"])
+        sp.add_argument("--size-mib", type=int, required=True)
+        sp.add_argument("--listen", required=True)
+        sp.add_argument("--dial", default="")
+        trio.run(_stream_end, sp.parse_args())
+        return
     args = ap.parse_args()
     if args.what in ("calibrate", "all"):
         calibrate()
