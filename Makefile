@@ -22,7 +22,7 @@ TOPLOC_VENV ?= .toploc-venv
 VLLM ?= vllm==0.32.0
 VLLM_VENV ?= .vllm-venv
 
-.PHONY: demo test test-slow stress interop lock venv clean bwrap nft vllm-conformance
+.PHONY: chromium demo test test-slow stress interop lock venv clean bwrap nft vllm-conformance
 
 venv: $(STAMP)
 
@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(BIN)/python -m pip check
 	touch $(STAMP)
 
-# Regenerate the lock from pyproject.toml's ranges (the ml and test extras) for this platform and
+# Regenerate the lock from pyproject.toml's ranges (the ml, test and plot extras) for this platform and
 # Python, with torch held at $(TORCH) while resolving but left out of the file (installed above, so
 # that TORCH stays overridable; its own dependencies are in the lock).
 LOCK_VENV ?= .lock-venv
@@ -46,7 +46,7 @@ lock:
 	$(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/python -m pip install -q $(PIP) $(PIP_TOOLS)
 	echo '$(TORCH)' > $(LOCK_VENV)/torch.txt
-	$(LOCK_VENV)/bin/pip-compile -q --upgrade --extra ml --extra test --generate-hashes --strip-extras \
+	$(LOCK_VENV)/bin/pip-compile -q --upgrade --extra ml --extra test --extra plot --generate-hashes --strip-extras \
 		--unsafe-package torch --no-emit-index-url --no-emit-find-links \
 		--constraint $(LOCK_VENV)/torch.txt --output-file $(LOCK) pyproject.toml
 
@@ -65,6 +65,13 @@ bwrap:
 		{ echo "make: bwrap not found and not installable here: run 'sudo apt-get install bubblewrap'" >&2; exit 1; }
 
 # nft (nftables) for the NAT test's home routers (tests/test_nat.py, source NAT with masquerade).
+# The status page's browser test (tests/test_web.py) renders it in headless Chromium from Debian.
+chromium:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		{ echo "make: chromium not found and not installable here (sudo apt-get install chromium): the browser test will be skipped" >&2; }
+
 nft:
 	@command -v nft >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
@@ -78,7 +85,7 @@ test: $(STAMP) bwrap
 stress: $(STAMP) bwrap
 	tests/stress.sh $(PYTEST_ARGS)
 
-test-slow: $(STAMP) bwrap nft
+test-slow: $(STAMP) bwrap nft chromium
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 interop: $(STAMP) $(TOPLOC_VENV)/.installed

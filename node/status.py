@@ -9,6 +9,7 @@ tables are public information already (they travel on gossip); nothing secret is
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from .status_files import NODE_FILE, STATUS_FILE  # noqa: F401  (re-exported)
 from .net.budget import StreamLimits
 from .net.reqres import messages, request_handler
 from .wire import Message, RemoteProtocolError, bounded, read_message, register, write_frame
+
+log = logging.getLogger(__name__)
 
 STATUS_PROTOCOL = "/swarm/status/1.0.0"
 MAX_STATUS = 2 * 1024 * 1024

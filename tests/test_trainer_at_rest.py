@@ -17,6 +17,7 @@ import trio
 from safetensors.numpy import save_file
 
 from node.atomic import DataDirError
+from node.identity import load_or_create_identity
 from node.rl.config import GRPOConfig
 from node.rollouts.schema import open_batch
 from node.trainer import checkpoints
@@ -160,9 +161,11 @@ def test_the_trainer_refuses_a_damaged_spool_with_one_line(tmp_path):
     at = raw.find(WORKER.peer_id.encode())  # inside the batch's row
     raw[at : at + 4] = bytes(b ^ 0xFF for b in raw[at : at + 4])
     spool.write_bytes(bytes(raw))
+    peer = load_or_create_identity(data)[0].peer_id  # a listed trainer, so it gets as far as its spool
+    (tmp_path / "run.toml").write_text(f'[run]\ntrainers = ["{peer}"]\n')
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     res = subprocess.run([sys.executable, "-m", "node", "--role", "trainer", "--data-dir", str(data),
-                          "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "error"],
+                          "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "error", "--run", str(tmp_path / "run.toml")],
                          capture_output=True, text=True, timeout=300, env=env, check=False)
     assert res.returncode == 2, res.stderr
     last = res.stderr.strip().splitlines()[-1]

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text

@@ -30,7 +30,7 @@ import trio
 from libp2p.peer.id import ID
 
 from ..peers.table import FaultRule
-from ..wire import Message, RemoteProtocolError, bounded, decode_as, read_frame, register, write_frame
+from ..wire import Message, RemoteProtocolError, bounded, decode_as, register, write_frame
 from .host import STREAM_ERRORS, SwarmHost, parse_multiaddr
 from .relay import RelayClient, RelayError, is_relayed, relay_peer_id_of
 from .reachability import (
