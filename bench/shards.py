@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/shards.py calibrate                 # block size sweep (manifest.py's table)
     .venv/bin/python bench/shards.py overhead [--size-mib 256] [--seeders 4]
-    .venv/bin/python bench/shards.py swarm [--n 8] [--size-mib 32] [--mbit 10]     # needs root
+    .venv/bin/python bench/shards.py swarm [--n 8] [--size-mib 32] [--mbit 10] [--hog] [--profile DIR]  # needs root
     .venv/bin/python bench/shards.py shardcast [--n 8] [--size-mib 32] [--mbit 10] [--shardcast-venv DIR]
     .venv/bin/python bench/shards.py deltas [--n 8] [--size-mib 32] [--mbit 10] [--changed 0.03]  # needs root
     .venv/bin/python bench/shards.py all
@@ -16,7 +16,11 @@
    bridge, every host's upload capped with ``tc tbf`` (no download cap). Distribution time (publish
    -> last downloader complete, announcement included) vs the Kumar & Ross lower bound
    T_min = max(F/u_s, F/d_min, N*F/(u_s + sum u_i)) (IEEE HotWeb 2006). Skipped with a message when
-   not root or when ``ip netns`` fails.
+   not root or when ``ip netns`` fails. Also the CPU-seconds of each node process from publish to the
+   last completion (``/proc/<pid>/stat``) per MiB delivered, by role and for the whole tree, beside
+   one plain libp2p stream carrying the same bytes on loopback and one carrying 8 MiB through one
+   capped link (py-libp2p's own cost per byte when bytes trickle in), both in the same run.
+   ``--hog`` keeps one core busy meanwhile; ``--profile DIR`` cProfiles the seed and one downloader.
 4. **shardcast**: the same namespaces and caps with SHARDCAST 0.3.2 (origin -> 2 middle nodes ->
    N clients, as INTELLECT-2 ran it), then this project's swarm on the same N+3 hosts (the 2 extra
    hosts as relays), in the same run: time ratio. SHARDCAST lives in its own virtualenv
