@@ -177,11 +177,10 @@ MAX_RCVLOWAT = 65535
 
 
 def _tcp_socket(conn):
-    """The socket under a py-libp2p raw connection (RawConnection -> TrioTCPStream -> SocketStream)."""
-    try:
-        return conn.stream.stream.socket
-    except AttributeError:
-        return None
+    """The TCP socket under a py-libp2p raw connection (RawConnection -> TrioTCPStream ->
+    trio.SocketStream), or None for any other (a relayed circuit rides on a libp2p stream)."""
+    inner = getattr(getattr(conn, "stream", None), "stream", None)
+    return inner.socket if isinstance(inner, trio.SocketStream) else None
 
 
 class WholeNoiseMessages:
