@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/shards.py calibrate                 # block size sweep (manifest.py's table)
     .venv/bin/python bench/shards.py overhead [--size-mib 256] [--seeders 4]
-    .venv/bin/python bench/shards.py swarm [--n 8] [--size-mib 32] [--mbit 10]     # needs root
+    .venv/bin/python bench/shards.py swarm [--n 8] [--size-mib 32] [--mbit 10] [--hog] [--profile DIR]  # needs root
     .venv/bin/python bench/shards.py shardcast [--n 8] [--size-mib 32] [--mbit 10] [--shardcast-venv DIR]
     .venv/bin/python bench/shards.py deltas [--n 8] [--size-mib 32] [--mbit 10] [--changed 0.03]  # needs root
     .venv/bin/python bench/shards.py all
@@ -16,7 +16,11 @@
    bridge, every host's upload capped with ``tc tbf`` (no download cap). Distribution time (publish
    -> last downloader complete, announcement included) vs the Kumar & Ross lower bound
    T_min = max(F/u_s, F/d_min, N*F/(u_s + sum u_i)) (IEEE HotWeb 2006). Skipped with a message when
-   not root or when ``ip netns`` fails.
+   not root or when ``ip netns`` fails. Also the CPU-seconds of each node process from publish to the
+   last completion (``/proc/<pid>/stat``) per MiB delivered, by role and for the whole tree, beside
+   one plain libp2p stream carrying the same bytes on loopback and one carrying 8 MiB through one
+   capped link (py-libp2p's own cost per byte when bytes trickle in), both in the same run.
+   ``--hog`` keeps one core busy meanwhile; ``--profile DIR`` cProfiles the seed and one downloader.
 4. **shardcast**: the same namespaces and caps with SHARDCAST 0.3.2 (origin -> 2 middle nodes ->
    N clients, as INTELLECT-2 ran it), then this project's swarm on the same N+3 hosts (the 2 extra
    hosts as relays), in the same run: time ratio. SHARDCAST lives in its own virtualenv
@@ -41,6 +45,7 @@ import os
 import select
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,14 +68,40 @@ from node.wire import read_frame, write_frame  # noqa: E402
 
 MiB = 1 << 20
 PROTO = "/bench/stream/1"
+CAPPED_STREAM_MIB = 8  # the plain stream through a capped link: 6.7 s at 10 Mbit/s
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/<pid>/stat fields 14 and 15); nan once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def stream_cpu_per_mib(total: int) -> tuple[float, float]:
+    """(CPU-seconds per MiB, MiB/s) of one plain libp2p stream carrying ``total`` bytes in 1 MiB
+    writes between two hosts in this process: both ends' CPU (sender and receiver), host start-up
+    excluded. The baseline the swarm's CPU per MiB delivered is set beside."""
+    out = {}
+
+    async def run() -> None:
+        t0 = time.process_time()
+        out["rate"] = await stream_goodput(total, None, cpu=out)
+        out.setdefault("cpu", time.process_time() - t0)
+
+    trio.run(run)
+    return out["cpu"] / (total / MiB), out["rate"]
 
 
 # ---------------------------------------------------------------------------------------------
 # Plain stream baseline
 
 
-async def stream_goodput(total: int, frame: int | None) -> float:
-    """MiB/s of one libp2p stream between two fresh hosts: raw 1 MiB writes, or frames of ``frame``."""
+async def stream_goodput(total: int, frame: int | None, cpu: dict | None = None) -> float:
+    """MiB/s of one libp2p stream between two fresh hosts: raw 1 MiB writes, or frames of ``frame``.
+    With ``cpu``, ``cpu["cpu"]`` is set to this process's CPU-seconds from the first byte to the last."""
     async with open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as a, open_swarm_host(
         Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]
     ) as b:
@@ -97,7 +128,7 @@ async def stream_goodput(total: int, frame: int | None) -> float:
         await a.connect(b.listen_addrs()[0])
         s = await a.open_stream(b.peer_id, PROTO)
         block = os.urandom(frame or MiB)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(total // len(block)):
             if frame is None:
                 await s.write(block)
@@ -105,7 +136,62 @@ async def stream_goodput(total: int, frame: int | None) -> float:
                 await write_frame(s, block)
         await s.read(1)
         await done.wait()
+        if cpu is not None:
+            cpu["cpu"] = time.process_time() - c0
         return total / (time.perf_counter() - t0) / MiB
+
+
+async def _stream_end(args: argparse.Namespace) -> None:
+    """One end of the plain stream across the capped namespaces (``_stream-end`` subcommand): it
+    prints its address (receiver) and then its own CPU-seconds from the first byte to the last."""
+    total = args.size_mib * MiB
+    async with open_swarm_host(Identity.generate(), [args.listen]) as h:
+        if not args.dial:
+            done = trio.Event()
+
+            async def handler(stream):
+                got, c0 = 0, None
+                while got < total:
+                    chunk = await stream.read(MiB)
+                    if not chunk:
+                        break
+                    c0 = time.process_time() if c0 is None else c0
+                    got += len(chunk)
+                print(json.dumps({"cpu": time.process_time() - c0, "bytes": got}), flush=True)
+                await stream.write(b"k")
+                done.set()
+
+            h.set_handler(PROTO, handler)
+            print(json.dumps({"addr": h.listen_addrs()[0]}), flush=True)
+            await done.wait()
+            await trio.sleep(1.0)  # let the ack leave
+        else:
+            peer = await h.connect(args.dial)
+            s = await h.open_stream(peer, PROTO)
+            block = os.urandom(MiB)
+            c0, t0 = time.process_time(), time.time()
+            for _ in range(total // MiB):
+                await s.write(block)
+            await s.read(1)
+            print(json.dumps({"cpu": time.process_time() - c0, "seconds": time.time() - t0}), flush=True)
+
+
+def capped_stream_cpu_per_mib(nets: Namespaces, size_mib: int) -> tuple[float, float]:
+    """(CPU-seconds per MiB, both ends; MiB/s) of one plain libp2p stream from host 0 to host 1 of
+    ``nets`` through the same upload cap as the swarm: what py-libp2p itself costs per byte when
+    bytes trickle in at the link's rate (more, smaller reads than on loopback)."""
+    me = [sys.executable, str(Path(__file__).resolve()), "_stream-end", "--size-mib", str(size_mib)]
+    rx = subprocess.Popen(["ip", "netns", "exec", nets.names[1], *me, "--listen", f"/ip4/{nets.ip(1)}/tcp/4002"],
+                          cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        addr = _read_json(rx, 60)["addr"]
+        tx = subprocess.run(["ip", "netns", "exec", nets.names[0], *me, "--listen", f"/ip4/{nets.ip(0)}/tcp/4002",
+                             "--dial", addr], cwd=REPO, capture_output=True, text=True, timeout=60 + size_mib * 2)
+        sent = json.loads(tx.stdout.strip().splitlines()[-1])
+        got = _read_json(rx, 30)
+    finally:
+        _stop([rx])
+    return (sent["cpu"] + got["cpu"]) / size_mib, size_mib / sent["seconds"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,10 +347,26 @@ def _scratch(prefix: str):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _spawn(ns: str, args: list[str], log: Path, stdin: bool = False) -> subprocess.Popen:
+@contextmanager
+def _hog(on: bool):
+    """With ``on``, a process spinning on one core for the duration (what a GPU driver, a tokenizer
+    or a validator's prefill take from a real node)."""
+    if not on:
+        yield
+        return
+    p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _spawn(ns: str, args: list[str], log: Path, stdin: bool = False, profile: Path | None = None) -> subprocess.Popen:
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "node.shards.testing", *args]
+    env = dict(os.environ, SHARDS_PROFILE=str(profile)) if profile else None  # cProfile (node/shards/testing.py)
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                            stdin=subprocess.PIPE if stdin else None)
+                            stdin=subprocess.PIPE if stdin else None, env=env)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -285,10 +387,12 @@ def _read_json(proc: subprocess.Popen, timeout: float) -> dict:
 
 
 def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 0,
-          timeout: float = 300.0, trace: Path | None = None) -> float | None:
+          timeout: float = 300.0, trace: Path | None = None, hog: bool = False,
+          profile: Path | None = None) -> float | None:
     """Distribution time to ``n`` downloaders (plus ``relays`` relay hosts); prints the ratio to T_min."""
     print(f"== swarm: seeder + {relays} relays + {n} downloaders in network namespaces, {size_mib} MiB, "
-          f"upload {mbit} Mbit/s each, pieces {f'{piece_kib} KiB' if piece_kib else 'automatic'}")
+          f"upload {mbit} Mbit/s each, pieces {f'{piece_kib} KiB' if piece_kib else 'automatic'}"
+          f"{', a CPU hog keeping one core busy' if hog else ''}")
     if os.geteuid() != 0:
         print("  skipped: needs root (ip netns, tc)")
         return None
@@ -296,9 +400,12 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
     u = mbit * 1e6 / 8  # bytes/s
     t_min = max(size / u, n * size / (u + (n + relays) * u))  # no download cap: F/d_min = 0
     trainer_seed = "22" * 32
-    with _scratch("bench-shards-ns-") as (tmp, procs):
+    base_cpu, base_rate = stream_cpu_per_mib(size)  # the same bytes on one plain stream, this run
+    cpu_at: dict[str, list[float]] = {}  # "publish" / "done" -> CPU-seconds of each node process
+    with _scratch("bench-shards-ns-") as (tmp, procs), _hog(hog):
         try:
             with Namespaces(n + relays + 1, mbit) as nets:
+                capped_cpu, capped_rate = capped_stream_cpu_per_mib(nets, CAPPED_STREAM_MIB)
                 src = write_checkpoint(tmp / "src", size, seed=3)
                 settings = {"announce_interval": 1.0, "progress": False}
                 if piece_kib:
@@ -309,17 +416,20 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
                     role = "relay" if i > n else "inference"
                     p = _spawn(nets.names[i], ["--data-dir", str(tmp / f"d{i}"), "--role", role,
                                                "--listen", f"/ip4/{nets.ip(i)}/tcp/4001", *common, "--connect", *addrs],
-                               tmp / f"d{i}.err")
+                               tmp / f"d{i}.err", profile=profile / "d1.prof" if profile and i == 1 else None)
                     procs.append(p)
                     addrs.append(_read_json(p, 60)["addr"])
                 with UploadSampler(nets) as sampler:
                     seeder = _spawn(nets.names[0], ["--data-dir", str(tmp / "seed"), "--seed", trainer_seed,
                                                     "--role", "trainer", "--listen", f"/ip4/{nets.ip(0)}/tcp/4001",
                                                     "--publish", str(src), "--publish-delay", "3", *common,
-                                                    "--connect", *addrs], tmp / "seed.err")
+                                                    "--connect", *addrs], tmp / "seed.err",
+                                    profile=profile / "seed.prof" if profile else None)
                     procs.append(seeder)
                     _read_json(seeder, 60)  # hello
                     published = _read_json(seeder, 60)["published_at"]
+                    # Start-up (imports, dials, gossip meshes) excluded: counted from the publish on.
+                    cpu_at["publish"] = [cpu_seconds(p.pid) for p in procs]
                     done, reports = [], []
                     from_seed = 0  # payload bytes the seeder sent (downloaders and relays)
                     seed_id = Identity.from_seed(bytes.fromhex(trainer_seed)).peer_id
@@ -332,6 +442,7 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
                                     reports.append(msg)
                                 from_seed += sum(b for key, b in msg["receipts"].items() if key.startswith(seed_id))
                                 break
+                    cpu_at["done"] = [cpu_seconds(p.pid) for p in procs]  # the last one complete
                 for i in range(1, n + 1):
                     assert same_files(src, tmp / f"d{i}" / "checkpoints" / "1"), f"d{i} differs"
                 _stop(procs)  # before the namespaces go away
@@ -356,6 +467,20 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
           f"{ph['peer_upload_busy']:.0%} of their caps (first seed block -> last completion)")
     print(f"  tail: last completion {ph['tail']:.1f} s after the seed's last block")
     print(f"  the seeder sent {from_seed / size:.2f} x the checkpoint directly (1.00 = each piece once)")
+    cpu = [b - a for a, b in zip(cpu_at["publish"], cpu_at["done"])]  # procs: downloaders, relays, seed
+    delivered = (n + relays) * size / MiB
+    seed_cpu, dl_cpu = cpu[-1], cpu[:n]
+    print(f"  CPU-s from publish to the last completion: seed {seed_cpu:.1f}, downloaders "
+          f"{sum(dl_cpu):.1f} (each {min(dl_cpu):.1f}..{max(dl_cpu):.1f}), all node processes {sum(cpu):.1f} "
+          f"in {t:.1f} s wall ({sum(cpu) / t:.2f} cores busy)")
+    print(f"  CPU-s per MiB delivered ({delivered:.0f} MiB): seed {seed_cpu / delivered:.4f}, downloaders "
+          f"{sum(dl_cpu) / delivered:.4f} (per MiB each received: {statistics.median(dl_cpu) / (size / MiB):.4f} median), "
+          f"whole tree {sum(cpu) / delivered:.4f}")
+    print(f"  plain libp2p stream, same bytes, both ends, same run: {base_cpu:.4f} CPU-s per MiB ({base_rate:.0f} MiB/s)")
+    print(f"  plain libp2p stream through one capped link ({CAPPED_STREAM_MIB} MiB, host 0 -> 1, same run): "
+          f"{capped_cpu:.4f} CPU-s per MiB ({capped_rate:.2f} MiB/s)")
+    print(f"  ratio (whole-tree CPU per MiB delivered / capped plain stream's): {sum(cpu) / delivered / capped_cpu:.1f}")
+    print(f"  ratio (whole-tree CPU per MiB delivered / plain stream's): {sum(cpu) / delivered / base_cpu:.1f}")
     print(f"  Kumar-Ross T_min = max(F/u_s, N*F/(u_s + sum u_i)) = {t_min:.1f} s")
     print(f"  distribution time: {t:.1f} s")
     print(f"  ratio (distribution time / T_min): {t / t_min:.2f}")
@@ -529,14 +654,25 @@ def main() -> None:
     ap.add_argument("--shardcast-venv", type=Path, default=Path("/tmp/shardcast-venv"),
                     help="virtualenv with shardcast installed (benchmark only)")
     ap.add_argument("--piece-kib", type=int, default=0, help="piece size for the swarm benchmark (default: automatic)")
+    ap.add_argument("--profile", type=Path, help="swarm: cProfile the seed and one downloader into DIR/seed.prof, DIR/d1.prof")
+    ap.add_argument("--hog", action="store_true", help="swarm: keep one core busy with a spinning process meanwhile")
     ap.add_argument("--trace", type=Path, help="swarm: write per-piece times and every host's upload samples (JSON) here")
+    if sys.argv[1:2] == ["_stream-end"]:  # one end of capped_stream_cpu_per_mib, in a namespace
+        sp = argparse.ArgumentParser()
+        sp.add_argument("_", choices=["_stream-end"])
+        sp.add_argument("--size-mib", type=int, required=True)
+        sp.add_argument("--listen", required=True)
+        sp.add_argument("--dial", default="")
+        trio.run(_stream_end, sp.parse_args())
+        return
     args = ap.parse_args()
     if args.what in ("calibrate", "all"):
         calibrate()
     if args.what in ("overhead", "all"):
         overhead(args.size_mib or 256, args.seeders)
     if args.what in ("swarm", "all"):
-        swarm(args.n, args.size_mib or 32, args.mbit, args.piece_kib, trace=args.trace)
+        swarm(args.n, args.size_mib or 32, args.mbit, args.piece_kib, trace=args.trace, hog=args.hog,
+              profile=args.profile)
     if args.what in ("deltas", "all"):
         deltas(args.n, args.size_mib or 32, args.mbit, args.changed)
     if args.what in ("shardcast", "all"):

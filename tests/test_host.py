@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 
 import trio
+import trio.testing
 from libp2p.peer.id import ID
 from libp2p.security.noise.io import NoiseTransportReadWriter
 from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_PING, YAMUX_HEADER_FORMAT
@@ -77,3 +78,87 @@ async def test_a_ping_cut_short_does_not_break_the_next_one():
             cancel_scopes[0].cancel()
         b.set_handler(PING_PROTOCOL, answered)
         assert await a.ping(b.peer_id) >= 0
+
+
+async def test_window_credit_is_sent_once_per_half_window_not_per_read(monkeypatch):
+    """py-libp2p credited the Yamux window after nearly every read: a receiver of small frames (two
+    reads each) sent more WINDOW_UPDATE frames than it got data frames. Batched as go-yamux does,
+    the updates are about one per half window of bytes consumed, and every byte still arrives."""
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+    updates = []
+    send_update = YamuxStream.send_window_update
+
+    async def counted(self, increment, skip_lock=False):
+        updates.append(increment)
+        await send_update(self, increment, skip_lock=skip_lock)
+
+    monkeypatch.setattr(YamuxStream, "send_window_update", counted)
+    frames, size = 2048, 4096  # 8 MiB in 4 KiB frames
+    got = []
+
+    async def sink(stream) -> None:
+        for _ in range(frames):
+            got.append(await read_frame(stream))
+        await stream.write(b"k")
+        await stream.close()
+
+    async with open_swarm_host(Identity.generate(), LOOPBACK) as a, open_swarm_host(Identity.generate(), LOOPBACK) as b:
+        b.set_handler("/test/sink/1", sink)
+        await a.connect(b.listen_addrs()[0])
+        stream = await a.open_stream(b.peer_id, "/test/sink/1")
+        with trio.fail_after(30):
+            for k in range(frames):
+                await write_frame(stream, k.to_bytes(4, "big") * (size // 4))
+            assert await stream.read(1) == b"k"
+    assert [f[:4] for f in got] == [k.to_bytes(4, "big") for k in range(frames)]
+    half_windows = frames * size // (128 * 1024)  # the window starts at 256 KiB and only grows
+    assert len(updates) <= half_windows + 8, f"{len(updates)} window updates for {frames} frames"
+
+
+async def test_a_noise_message_arriving_a_segment_at_a_time_wakes_the_reader_a_few_times(monkeypatch):
+    """On a slow link a 60 KiB Noise message arrives ~1.4 KB at a time; py-libp2p woke its reader
+    (a recv and a pass through trio's scheduler) for each piece. With SO_RCVLOWAT set to what the
+    message still lacks, a few reads take it whole, and every byte still arrives in order."""
+    from libp2p.io.trio import TrioTCPStream
+
+    write, read = TrioTCPStream.write, TrioTCPStream.read
+    reads: dict[int, int] = {}
+    slow = {"on": False}
+
+    async def trickle(self, data: bytes) -> None:  # a slow link: small segments, spaced out
+        if not slow["on"]:
+            return await write(self, data)
+        for i in range(0, len(data), 1400):
+            await write(self, data[i : i + 1400])
+            await trio.sleep(0.0005)
+
+    async def counted(self, n=None):
+        reads[id(self)] = reads.get(id(self), 0) + 1
+        return await read(self, n)
+
+    monkeypatch.setattr(TrioTCPStream, "write", trickle)
+    monkeypatch.setattr(TrioTCPStream, "read", counted)
+    frames, size = 16, 60 * 1024
+    got = []
+
+    async def sink(stream) -> None:
+        for _ in range(frames):
+            got.append(await read_frame(stream))
+        await stream.write(b"k")
+        await stream.close()
+
+    async with open_swarm_host(Identity.generate(), LOOPBACK) as a, open_swarm_host(Identity.generate(), LOOPBACK) as b:
+        b.set_handler("/test/sink/1", sink)
+        await a.connect(b.listen_addrs()[0])
+        stream = await a.open_stream(b.peer_id, "/test/sink/1")
+        await trio.testing.wait_all_tasks_blocked()
+        reads.clear()
+        slow["on"] = True
+        with trio.fail_after(30):
+            for k in range(frames):
+                await write_frame(stream, bytes([k]) * size)
+            assert await stream.read(1) == b"k"
+    assert got == [bytes([k]) * size for k in range(frames)]
+    receiver = max(reads.values())  # the connection that took in the ~1 MiB
+    assert receiver <= 6 * frames + 20, f"{receiver} reads for {frames} messages of {size} bytes"

@@ -9,7 +9,7 @@ from pathlib import Path
 import trio
 
 from node.identity import Identity
-from node.shards.protocol import Data
+from node.shards.protocol import Data, Have
 from node.shards.server import ServerSession
 from node.shards.service import ShardsService
 from node.wire import encode
@@ -282,3 +282,71 @@ async def test_a_peer_sending_garbage_to_the_server_is_banned_past_the_threshold
                 answer = await send(struct.pack(">I", 3) + b"\xc1\xc1\xc1")
                 assert answer is None or (isinstance(answer, Reject) and answer.reason == BANNED), answer
                 assert strikes() == 3
+
+
+class CountsHaves(ServerSession):
+    """Records the Have messages its downloader sends."""
+
+    haves: dict[str, int] = {}  # serving node's peer id -> Haves received
+
+    async def _next_message(self):
+        msg = await super()._next_message()
+        if isinstance(msg, Have):
+            me = self.svc.node.identity.peer_id
+            CountsHaves.haves[me] = CountsHaves.haves.get(me, 0) + 1
+        return msg
+
+
+async def test_downloaders_send_haves_only_to_a_super_seeder(tmp_path: Path) -> None:
+    """A Have per piece per peer is wasted on a server that is not super-seeding (it drops them):
+    the server's Bitfield says whether it wants them, and only the publisher's does."""
+    trainer = Identity.generate()
+    src = write_checkpoint(tmp_path / "ckpt", 3 * MiB, seed=4)
+    counting = type("CountingService", (ShardsService,), {"server_session_class": CountsHaves})
+    CountsHaves.haves = {}
+    tr = [trainer.peer_id]
+    with trio.fail_after(60):
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer",
+                                service_class=counting, **FAST)
+            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", service_class=counting, **FAST)
+            await connect_all([t, r])
+            signed = await t.shards.publish(src, 1)
+            await r.shards.wait_version(1)
+            d = await swarm.add(tmp_path / "d", trainers=tr, role="inference", fetch="none", **FAST)
+            await connect_all([d, t, r])
+            d.shards.fetch(1, signed.root, t.peer_id)
+            assert same_files(src, await d.shards.wait_version(1))
+            assert CountsHaves.haves.get(t.peer_id, 0) >= signed.manifest.num_pieces  # r's and d's, super-seeding
+            assert CountsHaves.haves.get(r.peer_id, 0) == 0  # d sent none to the plain relay
+
+
+async def test_a_verified_piece_is_not_announced_to_peers_known_to_hold_it(tmp_path: Path) -> None:
+    """Have suppression: a peer that told us it holds a piece is not told we now have it too."""
+    from types import SimpleNamespace
+
+    import trio.testing
+
+    from node.shards.picker import Picker
+    from node.shards.testing import open_shards_node
+
+    async with open_shards_node(tmp_path / "a", trainers=[Identity.generate().peer_id], **FAST) as a:
+        svc = a.shards
+        root = b"\x01" * 32
+        vs = SimpleNamespace(version=3, signed=SimpleNamespace(root=root))
+        picker = Picker([1 << 18] * 4)
+        picker.on_bitfield("holder", {2})
+        svc.downloads[3] = SimpleNamespace(root=root, picker=picker)
+        told = []
+
+        def session(peer):
+            async def push_have(piece):
+                told.append((peer, piece))
+            return SimpleNamespace(peer=peer, push_have=push_have)
+
+        svc.server_sessions[root] = [session("holder"), session("other")]  # iterated like the set
+        svc.on_piece_verified(vs, 2)
+        svc.on_piece_verified(vs, 1)
+        await trio.testing.wait_all_tasks_blocked()  # the pushes spawned above have run
+        del svc.downloads[3], svc.server_sessions[root]
+    assert sorted(told) == [("holder", 1), ("other", 1), ("other", 2)]

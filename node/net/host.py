@@ -51,10 +51,12 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from ..identity import Identity
 from .workarounds import (
+    BatchedWindowCredit,
     CancelSafeFrames,
     HandlerErrors,
     StreamBytes,
     TcpBytes,
+    WholeNoiseMessages,
     disable_auto_connect,
     guard_handlers,
 )
@@ -230,6 +232,8 @@ async def open_swarm_host(
     TcpBytes.install()
     StreamBytes.install()
     CancelSafeFrames.install()
+    BatchedWindowCredit.install()
+    WholeNoiseMessages.install()
     keypair = to_libp2p_keypair(identity)
     noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
     addrs = [parse_multiaddr(a) for a in listen]

@@ -4,6 +4,10 @@
   net stream once per process so metrics can show what each protocol costs.
 * :class:`CancelSafeFrames`: a Yamux frame write cancelled between encrypt and send corrupts the
   Noise stream for good; make it all-or-nothing.
+* :class:`BatchedWindowCredit`: Yamux sends a window update after nearly every read; credit the
+  sender once half the window is consumed, as go-yamux does.
+* :class:`WholeNoiseMessages`: wake the connection's reader once a Noise message is all there
+  (``SO_RCVLOWAT``), not for every TCP segment of it.
 * :func:`disable_auto_connect`: the swarm's own auto-connector fights our connection manager.
 * :func:`guard_handlers`: an exception escaping any stream handler tears down the whole host.
 
@@ -127,6 +131,119 @@ class CancelSafeFrames:
             await trio.lowlevel.checkpoint()
 
         Yamux._write_frame = write_frame
+        cls._installed = True
+
+
+class BatchedWindowCredit:
+    """Send a Yamux window update once half the receive window is consumed (py-libp2p 0.8.1).
+
+    py-libp2p's ``YamuxStream._auto_tune_and_send_window_update`` runs after every read and, unless
+    ``PY_YAMUX_RELEASE_ON_READ=0``, credits the bytes just read at once (its "partial slack" branch
+    does the same whenever any credit is owed): one WINDOW_UPDATE frame, i.e. one Noise message,
+    one ``send`` and one wake-up of the peer's reader, per read. A length-prefixed frame costs two
+    reads or more (header, then body as it trickles in), so a receiver sent more window updates than
+    data frames: 43,336 updates against 22,873 data frames in one downloader of ``bench/shards.py
+    swarm --n 8`` (cProfile), ~20 % of its CPU time. go-yamux (``sendWindowUpdate``) credits only
+    once the owed delta reaches half the window (its hysteresis) and so do we; the auto-tuning of
+    the window (doubling within 4 RTTs, up to 16 MiB) is py-libp2p's, unchanged.
+    """
+
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+        async def credit(self, *, bytes_read: int = 0) -> None:
+            increment = 0
+            async with self.window_lock:
+                buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+                owed = self.target_recv_window - (self.recv_window + buffered)
+                if owed > 0 and owed >= self._grow_threshold():
+                    increment = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
+                    self._pending_recv_release = 0
+            if increment > 0:
+                await self.send_window_update(increment, skip_lock=True)
+
+        YamuxStream._auto_tune_and_send_window_update = credit
+        cls._installed = True
+
+
+# The largest SO_RCVLOWAT asked for: a whole Noise message (2-byte length, so at most 65535 bytes).
+# Linux grows the socket's receive buffer to twice the low-water mark when needed (tcp_set_rcvlowat).
+MAX_RCVLOWAT = 65535
+
+
+def _tcp_socket(conn):
+    """The TCP socket under a py-libp2p raw connection (RawConnection -> TrioTCPStream ->
+    trio.SocketStream), or None for any other (a relayed circuit rides on a libp2p stream)."""
+    inner = getattr(getattr(conn, "stream", None), "stream", None)
+    return inner.socket if isinstance(inner, trio.SocketStream) else None
+
+
+class WholeNoiseMessages:
+    """Read each Noise message's body with ``SO_RCVLOWAT`` set to its length (py-libp2p 0.8.1).
+
+    py-libp2p reads a Noise message (up to 64 KiB, one Yamux frame) with ``read_exactly``: one
+    ``recv`` and one trio wake-up per batch of TCP segments that happens to be there. On a fast
+    link that is a few per message; on a slow one bytes trickle in a segment at a time (1448 bytes
+    every 1.2 ms at 10 Mbit/s), ~45 wake-ups per 64 KiB message, each a full pass through trio's
+    scheduler. A plain stream cost 6x the CPU per MiB through a 10 Mbit/s link that it costs on
+    loopback (``bench/shards.py swarm`` prints both). The body's length is known once its 2-byte
+    prefix is read, and nothing can be done with part of it (it is decrypted whole), so asking
+    the kernel to wake us only when it has the rest (or EOF, or an error) loses nothing. The mark
+    is the bytes still missing, set again after each partial read (a mark above what the peer will
+    send before it waits for us would never fire), and goes back to 1 before the next prefix.
+    Linux only (elsewhere the option is missing and reads go as before).
+    """
+
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        import socket
+
+        from libp2p.io.exceptions import IncompleteReadError
+        from libp2p.io.utils import read_exactly
+        from libp2p.security.noise.io import NoisePacketReadWriter
+
+        option = getattr(socket, "SO_RCVLOWAT", None)
+
+        def set_mark(sock, n: int) -> bool:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, n)
+                return True
+            except OSError:  # closed meanwhile: the read below fails or ends as before
+                return False
+
+        async def read_msg(self) -> bytes:
+            length = await self.next_msg_len()
+            conn = self.read_write_closer
+            sock = _tcp_socket(conn) if option is not None else None
+            if sock is None:
+                return await read_exactly(conn, length)
+            body = bytearray(await conn.read(length))  # what is there already: no wait, no mark
+            mark = 1
+            try:
+                while len(body) < length:
+                    want = min(length - len(body), MAX_RCVLOWAT)
+                    if want != mark and set_mark(sock, want):
+                        mark = want
+                    chunk = await conn.read(length - len(body))
+                    if not chunk:
+                        raise IncompleteReadError(f"connection closed with {length - len(body)} of a "
+                                                  f"{length}-byte Noise message missing")
+                    body += chunk
+            finally:
+                if mark != 1:
+                    set_mark(sock, 1)
+            return bytes(body)
+
+        NoisePacketReadWriter.read_msg = read_msg
         cls._installed = True
 
 

@@ -58,6 +58,7 @@ class ClientSession:
         self.stream = stream
         self.outbox_send, self.outbox_recv = trio.open_memory_channel[Message](MAX_OUTBOX)
         self.cancel_scope = trio.CancelScope()
+        self.wants_haves = True  # the server's Bitfield says (only a super-seeder reads them)
 
     def post(self, msg: Message) -> None:
         try:
@@ -158,6 +159,7 @@ class Download:
                 if not isinstance(first, Bitfield):
                     raise RemoteProtocolError("unexpected", first.TYPE)
                 self.refused.pop(peer, None)
+                sess.wants_haves = first.wants_haves
                 self.picker.on_bitfield(peer, pieces_of(first.bitfield, self.vs.manifest.num_pieces))
                 self._poke()
                 async with trio.open_nursery() as n:
@@ -233,7 +235,7 @@ class Download:
                 self.svc.credit(peer, self.root, nbytes)
             self.svc.on_piece_verified(self.vs, piece)
             for sess in self.sessions.values():
-                if sess is not None:
+                if sess is not None and sess.wants_haves:
                     sess.post(Have(piece=piece))
             self._check_done()
         else:

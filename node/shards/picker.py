@@ -201,7 +201,12 @@ class Picker:
     def interesting(self, peer: str) -> bool:
         """Does ``peer`` have a piece we still need?"""
         st = self.peers.get(peer)
-        return st is not None and any(i not in self.verified for i in st.pieces)
+        return st is not None and not st.pieces <= self.verified  # set ops: poll asks per peer per wake-up
+
+    def peer_has(self, peer: str, piece: int) -> bool:
+        """Has ``peer`` told us it holds ``piece`` (bitfield or Have)?"""
+        st = self.peers.get(peer)
+        return st is not None and piece in st.pieces
 
     # ----------------------------------------------------------------------------------------
     # What peers say
@@ -411,9 +416,7 @@ class Picker:
                         ap.parole_peer = peer
                     return self._assign(peer, piece, idx)
         # 2. A new piece: random while we have few, then rarest first with random ties.
-        candidates = [i for i in self._unstarted if i in st.pieces] if len(st.pieces) < len(self._unstarted) else [
-            i for i in st.pieces if i in self._unstarted
-        ]
+        candidates = sorted(self._unstarted & st.pieces)  # sorted: a seeded rng picks the same
         if candidates:
             if len(self.verified) < self.params.random_first:
                 piece = self.rng.choice(candidates)

@@ -7,8 +7,9 @@ A stream starts with one message from the side that opened it:
 * ``ManifestRequest(root)`` -> one ``ManifestReply(envelope)`` or ``Reject``; the stream closes.
 * ``Hello(root, bitfield)`` opens a transfer session for one manifest. The server answers with its
   ``Bitfield`` (or ``Reject`` and closes). Then, in any order, until either side closes:
-  the downloader sends ``Request(piece, offset, length)``, ``Cancel(...)`` and ``Have(piece)`` (so the
-  server knows what it may hand to whom: super-seeding); the server sends ``Data(piece, offset,
+  the downloader sends ``Request(piece, offset, length)``, ``Cancel(...)`` and, when the server's
+  ``Bitfield`` asked for them (``wants_haves``: a super-seeder), ``Have(piece)`` (so the server knows
+  what it may hand to whom); the server sends ``Data(piece, offset,
   bytes)`` or ``Reject(piece, offset, reason)`` per request, and ``Have(piece)`` when it verifies
   (or reveals) a piece, so a relay serves pieces onward while it is still downloading.
 
@@ -72,6 +73,10 @@ class Hello(Message):
 class Bitfield(Message):
     TYPE: ClassVar[str] = "shards.bitfield"
     bitfield: bytes = bounded(max_len=MAX_BITFIELD)
+    # Does the server want the downloader's Have messages? Only a super-seeder uses them (to pick
+    # what to reveal to whom); any other server would read and drop one per piece per peer, which
+    # at N peers is N Haves per piece on the downloader's side, each a Yamux frame and a wake-up.
+    wants_haves: bool = bounded(default=True)
 
 
 @register

@@ -82,7 +82,8 @@ class ServerSession:
                 else:
                     later.append((peer, piece))
         async with self.lock:  # reveals routed meanwhile wait, then go out as Have after this
-            await write_frame(self.stream, Bitfield(bitfield=bitfield_of(self.visible(), n)))
+            await write_frame(self.stream, Bitfield(bitfield=bitfield_of(self.visible(), n),
+                                                    wants_haves=self.seeder is not None))
             self.bitfield_sent = True
         self.svc.route_reveals(self.vs.signed.root, later)
         async with trio.open_nursery() as nursery:
