@@ -3,7 +3,8 @@
 One relay (the bootstrap peer), a trainer, a validator and two inference nodes (more with
 ``--extra``; ``--cheat KIND`` adds a dishonest inference node), each a real ``swarm-node``
 process with its own data dir under ``--data-root``, on the embedded tiny model and the synthetic
-digit-reversal task. The run file names the trainer and the validator as the run's trusted peers.
+digit-reversal task, each with one torch thread (``DEMO_THREADS``: four torch processes share what
+may be two cores). The run file names the trainer and the validator as the run's trusted peers.
 The live table shows members, checkpoint versions and where they are, rollouts accepted and
 rejected, and the reward; the demo ends with the trainer's reward curve (and the mean reward of its
 first and last 10 steps), where the honest work went (node/app/loopfigures.py: trained and lost
@@ -58,6 +59,19 @@ max_pending_batches = 2
 [grpo]
 verify_grace_steps = 4
 """
+
+
+# Torch threads per node process. The demo runs four torch processes (trainer, validator, two
+# inference nodes) on a machine that may have two cores: with torch's default (one thread per core
+# each) their OpenMP threads spin against each other; one thread each lets the OS share the cores.
+DEMO_THREADS = 1
+
+
+def node_env(threads: int | None) -> dict[str, str]:
+    """Environment for the demo's node processes: torch's intra-op threads (None: torch's default)."""
+    if not threads:
+        return {}
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 def _fmt(value, default: str = "-") -> str:
@@ -162,7 +176,7 @@ def run_demo(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     if args.http_port:
         args.http_port = _free_or_other(args.http_port)
-    with LocalSwarm(root, log_level=args.log_level) as swarm:
+    with LocalSwarm(root, log_level=args.log_level, extra_env=node_env(DEMO_THREADS)) as swarm:
         run_text = RUN_TEMPLATE.format(trainer=swarm.peer_id("trainer"), validator=swarm.peer_id("validator"))
         swarm.write_run_file(run_text)
         console.print(f"starting {len(names) + bool(args.cheat)} nodes on 127.0.0.1 "
