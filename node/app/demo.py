@@ -48,7 +48,7 @@ max_new_tokens = 10
 [trainer]
 max_pending_batches = 12
 target_pending_batches = 4
-verify_timeout_s = 30.0  # a batch the loaded validator could not judge is reassigned sooner
+verify_timeout_s = 30.0  # a validator gone silent is given up on sooner (one that cannot judge yet says so at once)
 
 [worker]
 max_pending_batches = 2
