@@ -1,6 +1,7 @@
 """The whole loop on loopback for a fixed number of trainer steps: where honest work goes.
 
     .venv/bin/python bench/loop.py [--steps 40] [--max-seconds 300] [--async-level 2] [--hog] [--cheat KIND]
+                                   [--threads 1] [--optimizer-steps 8] [--keep DIR]
 
 Starts the demo's swarm (``swarm-node demo``'s run file: a relay, a trainer, a validator and two
 inference nodes as real processes on 127.0.0.1, the tiny default model, the synthetic task), waits
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,22 +31,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.app.demo import RUN_TEMPLATE  # noqa: E402
+from node.app.demo import DEMO_THREADS, RUN_TEMPLATE, node_env  # noqa: E402
 from node.app.localswarm import LocalSwarm  # noqa: E402
 from node.app.loopfigures import format_figures, loop_figures, reward_ratio  # noqa: E402
 
 HOG = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < end: pass\n"
 
 
-def run(steps: int, max_seconds: float, async_level: int | None, cheat: str, root: Path, hog: bool) -> dict:
+def run(steps: int, max_seconds: float, async_level: int | None, cheat: str, root: Path, hog: bool,
+        threads: int | None = DEMO_THREADS, optimizer_steps: int | None = None) -> dict:
     hog_proc = None
     if hog:  # one busy core, bounded even if we are killed
         hog_proc = subprocess.Popen([sys.executable, "-c", HOG.format(limit=max_seconds + 120)])
     try:
-        with LocalSwarm(root, log_level="warning") as swarm:
+        with LocalSwarm(root, log_level="warning", extra_env=node_env(threads)) as swarm:
             text = RUN_TEMPLATE.format(trainer=swarm.peer_id("trainer"), validator=swarm.peer_id("validator"))
             if async_level is not None:  # the demo's run file has a [grpo] table
                 text = text.replace("[grpo]\n", f"[grpo]\nasync_level = {async_level}\n", 1)
+            if optimizer_steps is not None:
+                text = re.sub(r"(?m)^optimizer_steps = \d+$", f"optimizer_steps = {optimizer_steps}", text)
             swarm.write_run_file(text)
             for name, role in (("relay", "relay"), ("trainer", "trainer"), ("validator", "validator"),
                                ("inference-1", "inference"), ("inference-2", "inference")):
@@ -77,9 +82,18 @@ def main() -> None:
     ap.add_argument("--hog", action="store_true", help="keep one core busy with a CPU hog during the run")
     ap.add_argument("--cheat", default="", help="add a cheating inference node (see swarm-node demo --cheat)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures and reward curve here")
+    ap.add_argument("--threads", type=int, default=DEMO_THREADS,
+                    help=f"torch threads per node process (default {DEMO_THREADS}, as the demo; 0 = torch's own default)")
+    ap.add_argument("--optimizer-steps", type=int, default=None, help="override the demo's [grpo] optimizer_steps")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the nodes' data dirs and logs here")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
-        f = run(args.steps, args.max_seconds, args.async_level, args.cheat, Path(tmp), args.hog)
+    if args.keep:
+        f = run(args.steps, args.max_seconds, args.async_level, args.cheat, args.keep, args.hog, args.threads or None,
+                args.optimizer_steps)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
+            f = run(args.steps, args.max_seconds, args.async_level, args.cheat, Path(tmp), args.hog, args.threads or None,
+                    args.optimizer_steps)
     print(format_figures(f))
     ratio = reward_ratio(f["reward"])
     if ratio is not None:

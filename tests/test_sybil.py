@@ -227,7 +227,7 @@ def test_the_validator_backstops_a_trainer_that_lets_too_much_through(tmp_path: 
     rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
     svc = ValidatorService(node, run.section("validator", ValidatorConfig), rules, _NoTasks(),
-                           ValidatorStore(tmp_path / "v.sqlite"), shards=_Versions(None, {}), ledger=FakeLedger())
+                           ValidatorStore(tmp_path / "v.sqlite"), shards=_Versions(0, {}, held={0}), ledger=FakeLedger())
     sybil = Identity.generate()
     answers = [svc.submit(trainer, T.sign_batch(sybil, _tiny_batch(sybil.peer_id, step)).envelope, 30.0)
                for step in range(40)]

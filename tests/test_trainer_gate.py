@@ -165,3 +165,59 @@ def test_each_validator_holds_only_its_share_so_the_order_stays_here():
     g.on_verdict(bid(9), True, ["ok"])
     assert [b for b, _ in g.due(["val-a"], 0.0)] == [bid(7)]
     assert len(g.due(VALS, 0.0)) == 4  # val-a is full; val-b and val-c take two each
+
+
+# ---------------------------------------------------------------- "cannot judge yet" (issue 15)
+
+
+def test_not_now_frees_the_slot_at_once_and_moves_the_batch_to_the_next_validator():
+    # Without not_now the batch would hold first's slot until now = 100 (the timeout).
+    g = ValidatorGate(timeout=100.0, max_in_flight=8, per_validator=1, retry=2.0)
+    g.add(bid(1))
+    [(_, first)] = g.due(VALS, 0.0)
+    g.sent(bid(1), 0.0)
+    assert g.not_now(bid(1), first, now=1.0)
+    [(b, second)] = g.due(VALS, 1.0)
+    assert b == bid(1) and second == validator_ranking(bid(1), VALS)[1] != first
+    assert g.timeouts == 0 and g.not_now_count == 1 and bid(1) not in g.decided
+
+
+def test_not_now_from_the_only_validator_waits_retry_seconds_then_asks_again():
+    g = ValidatorGate(timeout=100.0, max_in_flight=8, per_validator=1, retry=2.0)
+    g.add(bid(1))
+    g.add(bid(2))
+    [(b1, v)] = g.due(["val-a"], 0.0)  # one slot: bid(1) first (arrival order)
+    assert b1 == bid(1)
+    g.sent(b1, 0.0)
+    g.not_now(b1, v, now=1.0)
+    # The freed slot serves the batch the validator can judge; bid(1) waits out its retry.
+    assert g.due(["val-a"], 1.0) == [(bid(2), "val-a")]
+    g.sent(bid(2), 1.0)
+    assert g.on_verdict(bid(2), True, ["ok"]).passed
+    assert g.due(["val-a"], 2.5) == []
+    assert g.next_deadline(now=2.5) == 3.0  # the gate loop wakes when the wait ends
+    assert g.due(["val-a"], 3.0) == [(bid(1), "val-a")]
+
+
+def test_not_now_from_a_validator_the_batch_already_left_does_not_move_it():
+    g = ValidatorGate(timeout=10.0, max_in_flight=8)
+    g.add(bid(1))
+    [(_, first)] = g.due(VALS, 0.0)
+    g.sent(bid(1), 0.0)
+    [(_, second)] = g.due(VALS, 10.0)  # first timed out; second has it now
+    g.sent(bid(1), 10.0)
+    assert not g.not_now(bid(1), first, now=11.0)  # a late answer from first
+    assert g.batches[bid(1)].phase is Phase.AWAITING and g.batches[bid(1)].validator == second
+    assert not g.not_now(bid(9), first, now=11.0)  # unknown batch: nothing to do
+
+
+def test_not_now_is_no_verdict_a_later_verdict_still_decides():
+    g = ValidatorGate(timeout=10.0, max_in_flight=8, retry=1.0)
+    g.add(bid(1))
+    [(_, v)] = g.due(["val-a"], 0.0)
+    g.sent(bid(1), 0.0)
+    g.not_now(bid(1), v, 0.5)
+    assert bid(1) in g.batches and bid(1) not in g.decided
+    [(_, v2)] = g.due(["val-a"], 1.5)
+    g.sent(bid(1), 1.5)
+    assert g.on_verdict(bid(1), False, ["bad-proof"]).reason == "verdict:bad-proof"

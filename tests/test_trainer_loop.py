@@ -16,6 +16,7 @@ from node.identity import load_or_create_identity
 from node.rollouts.schema import (
     DOMAIN_VERDICT,
     ROLLOUTS_PROTOCOL,
+    UNJUDGED_NO_CHECKPOINT,
     VERDICTS_PROTOCOL,
     VERIFY_PROTOCOL,
     RolloutAck,
@@ -187,3 +188,51 @@ async def test_a_non_finite_step_is_dropped_and_only_its_culprit_refused(tmp_pat
         assert (await submit(client, tnode.peer_id, honest(client, trainer, step=2, seed=3))).accepted
         await wait_for(lambda: trainer.published == 1, what="the next honest step")
         assert trainer.spool.counts() == {"trained": 2, "rejected": 1}
+
+
+async def test_a_validator_that_cannot_judge_yet_is_asked_again_without_waiting_the_verify_timeout(tmp_path):
+    """Issue 15: "no-checkpoint" in the validator's ack, then a signed ``unjudged`` verdict, each free
+    the batch at once (no blame on the worker); with a 600 s verify timeout the batch still trains."""
+    val_id, _ = load_or_create_identity(tmp_path / "validator")
+    run = make_run(tmp_path, validators=[val_id.peer_id])
+    run.tables["trainer"].update(verify_timeout_s=600.0, unjudged_retry_s=0.2)
+    cfgs = [node_config(tmp_path, "trainer", "trainer", run=run),
+            node_config(tmp_path, "validator", "relay", run=run),
+            node_config(tmp_path, "client", "relay", run=run)]
+    async with open_nodes(cfgs) as (tnode, vnode, client):
+        trainer = tnode.trainer
+        asks: list[bytes] = []
+        verdict_acks: list[RolloutAck] = []
+
+        async def send_verdict(signed, **fields):
+            verdict = Verdict(run="test", batch_id=signed.batch_id, worker=signed.batch.worker,
+                              validator=vnode.peer_id, policy_version=signed.batch.policy_version, created_ms=0,
+                              **fields)
+            out = await vnode.host.open_stream(tnode.peer_id, VERDICTS_PROTOCOL)
+            await write_frame(out, encode(seal(vnode.identity, DOMAIN_VERDICT, verdict)))
+            verdict_acks.append(decode_as(RolloutAck, await read_frame(out, 4096)))
+            await out.close()
+
+        async def handle_verify(stream):  # 1st ask: refused at once; 2nd: queued, then unjudged; 3rd: passes
+            signed = open_batch(await read_frame(stream, 8 * 1024 * 1024), "test")
+            asks.append(signed.batch_id)
+            first = len(asks) == 1
+            await write_frame(stream, RolloutAck(batch_id=signed.batch_id, accepted=not first,
+                                                 reason=UNJUDGED_NO_CHECKPOINT if first else ""))
+            await stream.close()
+            if len(asks) == 2:
+                await send_verdict(signed, accepted=False, reasons=[], unjudged=UNJUDGED_NO_CHECKPOINT)
+            elif len(asks) == 3:
+                await send_verdict(signed, accepted=True, reasons=["ok"] * len(signed.batch.samples))
+
+        vnode.host.set_handler(VERIFY_PROTOCOL, handle_verify)
+        await wait_for(lambda: vnode.peer_id in trainer.live_validators(), what="validator alive")
+        ack = await submit(client, tnode.peer_id, honest(client, trainer, step=0, seed=1))
+        assert ack.accepted
+        # A hang guard well under the verify timeout: without "not now" the batch would wait 600 s.
+        await wait_for(lambda: trainer.spool.get(ack.batch_id).state is not BatchState.GATED, timeout=60,
+                       what="the batch verified on the third ask")
+        assert asks == [ack.batch_id] * 3 and all(a.accepted for a in verdict_acks)
+        gate = trainer.status()["gate"]
+        assert gate["not_now"] == 2 and gate["timeouts"] == 0 and gate["verdicts"]["passed"] == 1
+        assert trainer.spool.get(ack.batch_id).state is not BatchState.REJECTED

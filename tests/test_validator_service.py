@@ -25,6 +25,7 @@ from node.rl.config import RLConfig
 from node.rl.spec import sampling_seed, step_key
 from node.trainer.testing import FakeLedger
 from node.rollouts.schema import (
+    UNJUDGED_NO_CHECKPOINT,
     VERDICTS_PROTOCOL,
     VERIFY_PROTOCOL,
     RolloutAck,
@@ -96,6 +97,10 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
         ]) as (trainer, validator):
             trainer.host.set_handler(VERDICTS_PROTOCOL, handle_verdicts)
             make_batches((await trainer.shards.publish(folder, 0)).root)
+            # Until the validator holds v0 it says "cannot judge yet" at once, as a trainer then retries.
+            first = await send_batch(trainer, validator.peer_id, honest[0].envelope)
+            assert first.accepted or first.reason == UNJUDGED_NO_CHECKPOINT
+            await wait_for(lambda: validator.shards.path_of(0) is not None, what="the validator fetching v0")
             for b in honest + cheats:
                 ack = await send_batch(trainer, validator.peer_id, b.envelope)
                 assert ack.accepted and ack.batch_id == b.batch_id
@@ -165,7 +170,7 @@ def test_full_queue_answers_busy_and_status_says_behind(tmp_path: Path) -> None:
     rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
     svc = ValidatorService(node, cfg, rules, _NoTasks(), ValidatorStore(tmp_path / "v.sqlite"),
-                           shards=_Versions(None, {}), ledger=FakeLedger())
+                           shards=_Versions(0, {}, held={0}), ledger=FakeLedger())
     worker = Identity.generate()
     batches = [T.sign_batch(worker, _tiny_batch(worker.peer_id, step)) for step in range(3)]
     answers = [svc.submit(trainer, b.envelope, 0.0) for b in batches]
@@ -189,14 +194,18 @@ def _tiny_batch(worker: str, step: int):
 class _Versions:
     """The shards service as far as the validator asks: what is known, and nothing newer ever comes."""
 
-    def __init__(self, latest: int | None, announced: dict) -> None:
-        self._latest, self.announced = latest, announced
+    def __init__(self, latest: int | None, announced: dict, held: set[int] = frozenset()) -> None:
+        self._latest, self.announced, self.held = latest, announced, set(held)
+        self.fetches: list[int] = []
 
     def latest(self) -> int | None:
         return self._latest
 
-    def path_of(self, version: int) -> None:
-        return None
+    def path_of(self, version: int) -> Path | None:
+        return Path(f"/nonexistent/v{version}") if version in self.held else None
+
+    def fetch(self, version: int, root: bytes, source: str) -> None:
+        self.fetches.append(version)
 
     async def wait_announced(self, version: int) -> int:
         await trio.sleep_forever()
@@ -233,8 +242,42 @@ async def test_a_batch_for_an_unknown_checkpoint_is_left_to_another_validator(tm
     worker = Identity.generate()
     job = SimpleNamespace(trainer=trainer, signed=T.sign_batch(worker, _tiny_batch(worker.peer_id, 0)), received_at=0.0)
     start = trio.current_time()
-    assert await svc.judge(job) is None
+    assert await svc.judge(job) == UNJUDGED_NO_CHECKPOINT
     assert 5.0 <= trio.current_time() - start < 6.0  # waited FUTURE_GRACE for an announcement, no longer
+
+
+def test_a_batch_whose_checkpoint_is_not_held_is_refused_at_once_and_its_fetch_started(tmp_path: Path) -> None:
+    """Issue 15: "cannot judge yet" at intake, not a place in the queue while a download runs (which
+    held the trainer's slot on us until its verify timeout). No quota is taken, nothing is recorded."""
+    trainer = Identity.generate().peer_id
+    shards = _Versions(1, {1: (b"r" * 32, "trainer-peer")}, held={0})
+    ledger = FakeLedger()
+    svc = _stub_service(tmp_path, trainer, ValidatorStore(tmp_path / "v.sqlite"), shards=shards)
+    svc.ledger = ledger
+    worker = Identity.generate()
+    v1 = T.sign_batch(worker, replace(_tiny_batch(worker.peer_id, 0), policy_version=1))
+    assert svc.submit(trainer, v1.envelope, 0.0)[1:] == (False, UNJUDGED_NO_CHECKPOINT)
+    assert shards.fetches == [1] and svc.status()["queue"] == 0 and ledger.entries == []
+    v0 = T.sign_batch(worker, _tiny_batch(worker.peer_id, 1))
+    assert svc.submit(trainer, v0.envelope, 0.0)[1:] == (True, "")  # a held version is queued as before
+    shards.held.add(1)  # the download finished: the same batch is taken when the trainer asks again
+    assert svc.submit(trainer, v1.envelope, 3.0)[1:] == (True, "")
+
+
+async def test_a_batch_that_cannot_be_judged_gets_a_signed_unjudged_verdict_at_once(tmp_path: Path, autojump_clock) -> None:
+    """Not silence until the trainer's verify timeout: a signed "cannot judge yet" the trainer can
+    act on, neither stored as a verdict nor in the ledger (no blame on the worker)."""
+    trainer = Identity.generate().peer_id
+    store = ValidatorStore(tmp_path / "v.sqlite")
+    svc = _stub_service(tmp_path, trainer, store, shards=_Versions(None, {}))
+    worker = Identity.generate()
+    signed = T.sign_batch(worker, _tiny_batch(worker.peer_id, 0))
+    await svc.check_one(SimpleNamespace(trainer=trainer, signed=signed, received_at=0.0))
+    [raw] = svc.pending[trainer].values()
+    verdict = open_verdict(raw, "test", {svc.node.peer_id})
+    assert verdict.unjudged == UNJUDGED_NO_CHECKPOINT and not verdict.accepted and verdict.reasons == []
+    assert verdict.batch_id == signed.batch_id and verdict.worker == worker.peer_id
+    assert store.verdict_of(signed.batch_id) is None and svc.ledger.entries == []
 
 
 async def test_a_batch_claiming_a_future_version_is_rejected_after_the_grace(tmp_path: Path, autojump_clock) -> None:
@@ -261,3 +304,18 @@ def test_a_validator_refuses_as_stale_only_what_the_trainer_could_no_longer_trai
     assert rules.async_level == 5
     assert check_policy_version(5, current_step=10, async_level=rules.async_level).ok  # 5 behind: still usable
     assert not check_policy_version(4, current_step=10, async_level=rules.async_level).ok
+
+
+def test_an_unjudged_verdict_that_also_judges_is_refused() -> None:
+    """"Cannot judge yet" carries no judgement: one that also accepts (or gives reasons) is garbage
+    from the validator, not a pass the trainer could be tricked into training on."""
+    import pytest
+    from node.rollouts.schema import DOMAIN_VERDICT, Verdict
+    from node.wire import RemoteProtocolError, encode, seal
+
+    v = Identity.generate()
+    for fields in ({"accepted": True, "reasons": []}, {"accepted": False, "reasons": ["ok"]}):
+        bad = Verdict(run="test", batch_id=b"\x01" * 32, worker="w", validator=v.peer_id, policy_version=0,
+                      created_ms=0, unjudged=UNJUDGED_NO_CHECKPOINT, **fields)
+        with pytest.raises(RemoteProtocolError, match="contradictory-verdict"):
+            open_verdict(encode(seal(v, DOMAIN_VERDICT, bad)), "test", {v.peer_id})

@@ -141,6 +141,13 @@ class Verdict(Message):
     reasons: list[str] = bounded(max_len=MAX_SAMPLES)  # one reason code per sample ("ok" if it passed)
     policy_version: int = bounded(min=0, max=2**62)
     created_ms: int = bounded(min=0, max=2**62)
+    # Non-empty: not a judgement but "cannot judge yet" (e.g. "no-checkpoint"): no reasons, not
+    # accepted, nothing recorded against the worker; the trainer moves the batch on (node/trainer/gate.py).
+    unjudged: str = bounded(max_len=64, default="")
+
+
+# Why a validator cannot judge a batch yet, in its ack or an ``unjudged`` verdict: "not now", no blame.
+UNJUDGED_NO_CHECKPOINT = "no-checkpoint"
 
 
 @dataclass(frozen=True)
@@ -180,4 +187,6 @@ def open_verdict(data: bytes, run: str, validators: set[str]) -> Verdict:
         raise RemoteProtocolError("forged", "verdict not signed by its validator")
     if signer not in validators:
         raise RemoteProtocolError("not-validator", signer[:16])
+    if verdict.unjudged and (verdict.accepted or verdict.reasons):
+        raise RemoteProtocolError("contradictory-verdict", "an unjudged verdict with a judgement")
     return verdict

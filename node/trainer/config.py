@@ -23,10 +23,11 @@ class TrainerConfig:
     max_intake_per_peer: int = 4  # rollout streams one peer may hold at once (below max_concurrent_intake); more are refused
     verify_timeout_s: float = 120.0  # a validator silent this long on a batch is skipped for it
     max_verify_in_flight: int = 64  # batches sent to validators and awaiting a verdict
-    # Of those, on one validator: the trainer, not a validator's FIFO, orders verification. More than
-    # two because a batch a validator could not judge (checkpoint not obtained) holds its slot until
-    # verify_timeout_s: the validator says nothing (measured: two slots stalled a loaded demo for 120 s).
+    # Of those, on one validator: the trainer, not a validator's FIFO, orders verification.
     max_verify_per_validator: int = 4
+    # A batch every live validator answered "cannot judge yet" (checkpoint not held) is offered again
+    # after this many seconds, while its slot serves batches they can judge (node/trainer/gate.py).
+    unjudged_retry_s: float = 2.0
     target_pending_batches: int = 0  # pending batches above which acks tell workers to wait (0 = max_pending_batches // 2)
     max_retry_after_s: float = 30.0  # longest wait an ack asks of a worker
     ban_after_strikes: int = 5  # invalid batches (forged, malformed, bad tokens...) that get a sender banned
@@ -51,6 +52,8 @@ class TrainerConfig:
             raise ValueError("ban_after_strikes >= 1, strike_window_s > 0, ban_seconds >= 0")
         if self.verify_timeout_s <= 0:
             raise ValueError("verify_timeout_s: > 0")
+        if not 0 < self.unjudged_retry_s <= self.verify_timeout_s:
+            raise ValueError("unjudged_retry_s: in (0, verify_timeout_s]")
         if self.max_verify_in_flight < 1 or self.max_verify_per_validator < 1:
             raise ValueError("max_verify_in_flight, max_verify_per_validator: at least 1")
         if not 0 <= self.target_pending_batches <= self.max_pending_batches:

@@ -34,8 +34,13 @@ Pure state machine, time passed in. Each gated batch is in one of these states:
   meant to save. Among batches with the same deadline, the fresher one is the better gradient.
   Overload (more batches than validators can check in time) is handled upstream: the trainer's
   acks tell workers to slow down (node/trainer/pacing.py).
-  Known limit: a validator that cannot judge a batch (its checkpoint not obtained in time) says
-  nothing, so that batch holds one of the validator's ``per_validator`` slots until its deadline.
+* **"Cannot judge yet"** (:meth:`not_now`): a validator that does not hold a batch's checkpoint says
+  so at once, in its ack (``no-checkpoint``) or in a signed verdict of the ``unjudged`` kind, instead
+  of sitting on the batch until ``timeout``. That is no verdict on the worker: the batch goes back to
+  UNASSIGNED with that validator skipped, so it moves to the next live validator at once; when every
+  live validator has said "not now", it waits ``retry`` seconds (``retry_at``) before starting over,
+  so a lone validator still fetching the checkpoint is not asked again in a loop, and its slot serves
+  a batch it can judge meanwhile.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class Gated:
     policy_version: int = 0
     expires: int | None = None  # last trainer step at which the batch can be trained (None: never expires)
     seq: int = 0  # arrival order
+    retry_at: float = 0.0  # after a "not now", the batch starts over no earlier than this
 
 
 @dataclass(frozen=True)
@@ -80,8 +86,10 @@ class VerdictOutcome:
 class ValidatorGate:
     """Routing of gated batches to validators (see the module docstring)."""
 
-    def __init__(self, timeout: float, max_in_flight: int, per_validator: int | None = None) -> None:
+    def __init__(self, timeout: float, max_in_flight: int, per_validator: int | None = None,
+                 retry: float = 2.0) -> None:
         self.timeout = timeout
+        self.retry = retry  # seconds a batch every validator said "not now" to waits before starting over
         self.max_in_flight = max_in_flight
         self.per_validator = max_in_flight if per_validator is None else per_validator
         self.batches: dict[bytes, Gated] = {}
@@ -89,6 +97,7 @@ class ValidatorGate:
         self.timeouts = 0
         self.reassignments = 0
         self.skipped = 0  # batches dropped as expired before any validator checked them
+        self.not_now_count = 0  # "cannot judge yet" answers (ack or unjudged verdict)
         self._seq = 0
 
     def add(self, batch_id: bytes, policy_version: int = 0, expires: int | None = None) -> None:
@@ -134,6 +143,8 @@ class ValidatorGate:
                 break  # every validator holds its share: the rest wait, in order
             v = assign_validator(g.batch_id, live_validators, exclude=g.failed | full)
             if v is None and assign_validator(g.batch_id, live_validators, exclude=g.failed) is None:
+                if now < g.retry_at:
+                    continue  # every live validator said "not now": wait, keep the slots for others
                 g.failed.clear()  # every live validator failed this batch: start over
                 v = assign_validator(g.batch_id, live_validators, exclude=full)
             if v is None:
@@ -158,6 +169,21 @@ class ValidatorGate:
             g.failed.add(g.validator)
             g.phase, g.validator = Phase.UNASSIGNED, None
 
+    def not_now(self, batch_id: bytes, validator: str, now: float) -> bool:
+        """``validator`` cannot judge the batch yet (its checkpoint not held): skip it for this batch
+        without waiting for the deadline. True if that freed a slot (the batch was with ``validator``);
+        an answer from a validator the batch already left only marks it skipped."""
+        g = self.batches.get(batch_id)
+        if g is None:
+            return False
+        self.not_now_count += 1
+        g.failed.add(validator)
+        g.retry_at = now + self.retry
+        if g.phase is Phase.UNASSIGNED or g.validator != validator:
+            return False
+        g.phase, g.validator = Phase.UNASSIGNED, None
+        return True
+
     def expire(self, now: float) -> list[bytes]:
         """Batches whose validator stayed silent past the deadline go back to UNASSIGNED."""
         out = []
@@ -169,8 +195,12 @@ class ValidatorGate:
                 out.append(g.batch_id)
         return out
 
-    def next_deadline(self) -> float | None:
+    def next_deadline(self, now: float | None = None) -> float | None:
+        """The next time something changes without a message: an AWAITING deadline, or (given
+        ``now``) the end of a "not now" wait."""
         ds = [g.deadline for g in self.batches.values() if g.phase is Phase.AWAITING]
+        if now is not None:
+            ds += [g.retry_at for g in self.batches.values() if g.phase is Phase.UNASSIGNED and g.retry_at > now]
         return min(ds) if ds else None
 
     def on_verdict(self, batch_id: bytes, accepted: bool, reasons: Iterable[str]) -> VerdictOutcome:
@@ -196,4 +226,4 @@ class ValidatorGate:
             if g.validator:
                 per_validator[g.validator] = per_validator.get(g.validator, 0) + 1
         return {"waiting": by_phase, "per_validator": per_validator, "timeouts": self.timeouts,
-                "reassignments": self.reassignments, "decided": len(self.decided), "skipped_expired": self.skipped}
+                "reassignments": self.reassignments, "not_now": self.not_now_count, "decided": len(self.decided), "skipped_expired": self.skipped}

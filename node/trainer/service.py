@@ -13,7 +13,9 @@ How this works
   (:mod:`node.trainer.gate`) picks a live validator by rendezvous hashing and we forward the signed
   batch over ``/swarm/verify/1.0.0``; the validator later opens ``/swarm/verdicts/1.0.0`` to us with
   a signed Verdict (:meth:`Trainer.verdicts_handler`). A pass makes the batch READY, a failure
-  REJECTED; a silent validator is skipped for that batch after ``verify_timeout_s``. The gate sends
+  REJECTED; a silent validator is skipped for that batch after ``verify_timeout_s``, and one that
+  cannot judge it yet (no checkpoint: its ack says ``no-checkpoint``, or a signed ``unjudged``
+  verdict) at once, with no blame on the worker (gate.py ``not_now``). The gate sends
   the nearest deadline first and drops, before any prefill, batches the trainer can no longer use.
   With no validators the gate is off (shown in status) and batches are READY at once.
 * **Staleness** is judged once, at intake (node/trainer/intake.py ``trainable_until``): a batch
@@ -56,6 +58,7 @@ from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import (
     MAX_BATCH_BYTES,
     ROLLOUTS_PROTOCOL,
+    UNJUDGED_NO_CHECKPOINT,
     VERDICTS_PROTOCOL,
     VERIFY_PROTOCOL,
     RolloutAck,
@@ -123,7 +126,8 @@ class Trainer:
         run = node.config.run
         self.run_name = run.name
         self.validators = set(run.validators)
-        self.gate = (ValidatorGate(tcfg.verify_timeout_s, tcfg.max_verify_in_flight, tcfg.max_verify_per_validator)
+        self.gate = (ValidatorGate(tcfg.verify_timeout_s, tcfg.max_verify_in_flight, tcfg.max_verify_per_validator,
+                                    tcfg.unjudged_retry_s)
                      if self.validators else None)
         self.pacer = Pacer(tcfg.pacing_target(), tcfg.max_pending_batches, tcfg.max_retry_after_s)
         self.wall_clock = time.time  # the sample-life figures compare with workers' created_ms stamps
@@ -357,6 +361,11 @@ class Trainer:
                 reason = "wrong-worker"
             elif row.state is not BatchState.GATED or self.gate is None:
                 reason = "already-decided"
+            elif verdict.unjudged:  # "cannot judge yet": no verdict, no blame; the batch moves on
+                self.gate.not_now(verdict.batch_id, verdict.validator, trio.current_time())
+                self.verdicts[f"unjudged:{verdict.unjudged}"] += 1
+                self._wake("gate")
+                return verdict.batch_id, True, ""
             else:
                 outcome = self.gate.on_verdict(verdict.batch_id, verdict.accepted, verdict.reasons)
                 if not outcome.decided:
@@ -389,7 +398,7 @@ class Trainer:
                     await self._expire(skipped)
                 for batch_id, validator in self.gate.due(self.live_validators(), now):
                     nursery.start_soon(self._send_to_validator, batch_id, validator)
-                nxt = self.gate.next_deadline()
+                nxt = self.gate.next_deadline(now)
                 await self._wait("gate", GATE_TICK if nxt is None else max(0.0, min(GATE_TICK, nxt - now)))
 
     async def _send_to_validator(self, batch_id: bytes, validator: str) -> None:
@@ -402,6 +411,11 @@ class Trainer:
             ack = await call(self.node.host, validator, VERIFY_PROTOCOL, envelope, SEND_TIMEOUT, reply=_ACK,
                              peers=self.node.peers)
             ok = ack.accepted and ack.batch_id == batch_id
+            if not ok and ack.reason == UNJUDGED_NO_CHECKPOINT and ack.batch_id == batch_id:
+                self.gate.not_now(batch_id, validator, trio.current_time())  # "cannot judge yet": no blame
+                self.verdicts[f"unjudged:{ack.reason}"] += 1
+                self._wake("gate")
+                return
         except CallFailure as e:
             if e.kind is FailureKind.GARBAGE:
                 self.node.metrics.reject(VERIFY_PROTOCOL, e.reason)

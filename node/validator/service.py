@@ -9,11 +9,17 @@ How this works (DESIGN.md "The loop" step 4; the trainer side is node/trainer/ga
   (node/validator/assign.py) instead of waiting on us. Batches come from trainers, not straight
   from workers, because the trainer already spooled them durably: a validator that dies loses
   nothing, the trainer re-assigns after its timeout, and workers need not know the validators.
+  A batch whose checkpoint we do not hold is refused at once with ``reason="no-checkpoint"`` (and
+  its fetch started): "cannot judge yet", no blame on anyone, so it does not wait in our queue for
+  a download while the trainer's slot on us is held (issue 15).
 * **Checking** (one batch at a time, in a worker thread so the node keeps answering probes): the
   batch's checkpoint is fetched through the shard swarm if needed (the last ``keep_models``
   versions stay loaded), then node/validator/pipeline.py judges it against the replay store, the
   worker's step window (node/rollouts/steps.py: no grinding step numbers for easy draws) and the
   manifest root announced for the batch's version (the draw is keyed by it).
+* **Cannot judge** (the checkpoint was evicted or never came): a signed verdict of the ``unjudged``
+  kind goes to the trainer at once, not silence until its verify timeout; it is neither stored nor
+  in the ledger (it judges nothing, and the batch may be judged later, here or elsewhere).
 * **Verdict**: signed (domain ``verdict``), stored with the batch's task slots in one SQLite
   transaction (node/validator/store.py), appended to the ledger as a ``verdict`` entry, and, for a
   rejected batch, a ``penalty`` entry (and a ban past the threshold, node/validator/policy.py).
@@ -49,6 +55,7 @@ from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import (
     DOMAIN_VERDICT,
+    UNJUDGED_NO_CHECKPOINT,
     VERDICTS_PROTOCOL,
     VERIFY_PROTOCOL,
     RolloutAck,
@@ -216,6 +223,13 @@ class ValidatorService:
             return batch_id, True, ""
         if batch_id in self.queued or batch_id == self.checking:
             return batch_id, True, ""
+        if not self.holds_checkpoint(parsed.batch.policy_version):
+            # "Cannot judge yet", said at once: the batch would otherwise wait in our queue for a
+            # download and hold the trainer's slot on us until its verify timeout (issue 15). No
+            # blame on anyone; the trainer tries another validator, or us again a little later.
+            self.want_checkpoint(parsed.batch.policy_version)
+            self.results[UNJUDGED_NO_CHECKPOINT] += 1
+            return batch_id, False, UNJUDGED_NO_CHECKPOINT
         worker = parsed.batch.worker
         history = accepted_batches(self.ledger.accepted_samples(worker), self.samples_per_batch)
         refusal = self.quota.check(worker, history, now)
@@ -238,6 +252,15 @@ class ValidatorService:
 
     # ------------------------------------------------------------------ checking
 
+    def holds_checkpoint(self, version: int) -> bool:
+        """True if ``version``'s checkpoint is loaded or on our disk (a check needs no download)."""
+        return version in self.models or self.shards.path_of(version) is not None
+
+    def want_checkpoint(self, version: int) -> None:
+        """Start fetching ``version`` if it was announced (a validator needs old versions too)."""
+        if version in self.shards.announced and self.shards.path_of(version) is None:
+            self.shards.fetch(version, *self.shards.announced[version])
+
     def current_version(self) -> int | None:
         """The newest checkpoint version this node knows of (held or announced)."""
         shards = self.shards
@@ -259,8 +282,15 @@ class ValidatorService:
         batch = job.signed.batch
         started = trio.current_time()
         judgement = await self.judge(job)
-        if judgement is None:
-            self.results["dropped"] += 1
+        if isinstance(judgement, str):  # cannot judge it here and now: say so, signed, no blame
+            self.results[f"unjudged:{judgement}"] += 1
+            unjudged = Verdict(
+                run=self.rules.run, batch_id=job.signed.batch_id, worker=batch.worker, validator=self.node.peer_id,
+                accepted=False, reasons=[], policy_version=batch.policy_version,
+                created_ms=int(self.wall_clock() * 1000), unjudged=judgement,
+            )
+            # Not stored and not in the ledger: it judges nothing, and a later ask may get a verdict.
+            self._queue_delivery(job.trainer, job.signed.batch_id, encode(seal(self.node.identity, DOMAIN_VERDICT, unjudged)))
             return
         elapsed = trio.current_time() - started
         self.check_seconds += elapsed
@@ -292,9 +322,9 @@ class ValidatorService:
                  judgement.main_reason())
         await self.record_in_ledger(job.signed, judgement)
 
-    async def judge(self, job: Job) -> Judgement | None:
-        """The batch's judgement, or None when it cannot be judged here (no checkpoint): the trainer
-        re-assigns it after its timeout."""
+    async def judge(self, job: Job) -> Judgement | str:
+        """The batch's judgement, or why it cannot be judged here yet (no checkpoint): the trainer is
+        told at once with an ``unjudged`` verdict and moves the batch on (node/trainer/gate.py)."""
         batch = job.signed.batch
         n = len(batch.samples)
         if self.book.is_banned(batch.worker, self.wall_clock()) or self.ledger.ban_of(batch.worker):
@@ -315,7 +345,7 @@ class ValidatorService:
             if current is None:
                 log.info("validator: no checkpoint known yet; batch %s left to another validator",
                          job.signed.batch_id.hex()[:12])
-                return None
+                return UNJUDGED_NO_CHECKPOINT
         announced = self.shards.announced.get(batch.policy_version)
         root = announced[0] if announced is not None else None
         rule = check_batch_rules(batch, self.rules, current, root)
@@ -324,12 +354,12 @@ class ValidatorService:
         if root is None:  # a version we cannot know the draw of: we could not fetch it either
             log.info("validator: no manifest root for v%d; batch %s left to another validator",
                      batch.policy_version, job.signed.batch_id.hex()[:12])
-            return None
+            return UNJUDGED_NO_CHECKPOINT
         model = await self.model_for(batch.policy_version)
         if model is None:
             log.info("validator: checkpoint v%d not obtained; batch %s left to another validator",
                      batch.policy_version, job.signed.batch_id.hex()[:12])
-            return None
+            return UNJUDGED_NO_CHECKPOINT
         replayed = self.store.replayed_slots(batch.worker, batch.step, [s.prompt_index for s in batch.samples],
                                              job.signed.batch_id)
         return await trio.to_thread.run_sync(
