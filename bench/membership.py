@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from node.gossip.membership import MembershipConfig, load_model  # noqa: E402
 from node.app.localswarm import LocalSwarm  # noqa: E402
+from procstat import cpu_seconds  # noqa: E402  (bench/, the script's own folder)
 
 OURS = "[run]\nname = \"bench\"\n"
 NAIVE = OURS + "[membership]\nmin_refresh = 1.0\nmax_refresh = 1.0\n"
@@ -49,17 +50,6 @@ def peak_rss_mb(pid: int) -> float:
     except OSError:
         pass
     return float("nan")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (/proc/<pid>/stat fields 14 and 15)."""
-    import os
-
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
 def traffic(swarm: LocalSwarm, names) -> dict[str, dict]:

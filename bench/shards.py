@@ -61,6 +61,7 @@ sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(REPO / "tests"))
 from netns import Namespaces  # noqa: E402  (shared with the NAT test)
+from procstat import cpu_seconds  # noqa: E402  (bench/, the script's own folder)
 from node.net.host import open_swarm_host  # noqa: E402
 from node.identity import Identity  # noqa: E402
 from node.shards.testing import open_shards_swarm, same_files, write_checkpoint  # noqa: E402
@@ -69,15 +70,6 @@ from node.wire import read_frame, write_frame  # noqa: E402
 MiB = 1 << 20
 PROTO = "/bench/stream/1"
 CAPPED_STREAM_MIB = 8  # the plain stream through a capped link: 6.7 s at 10 Mbit/s
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (/proc/<pid>/stat fields 14 and 15); nan once gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
 def stream_cpu_per_mib(total: int) -> tuple[float, float]:
