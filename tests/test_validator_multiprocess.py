@@ -87,10 +87,18 @@ def test_validator_killed_mid_run_the_other_takes_over(tmp_path, cheat):
 
         # Both validators get a share (rendezvous hashing over the live ones).
         swarm.wait_until(lambda: judged(swarm, "v1") >= 1 and judged(swarm, "v2") >= 1, timeout=300)
+        # Kill it while it holds batches (validators judge in well under a second now, so a kill at
+        # a random moment mostly finds it idle and the takeover of its share goes untested).
+        swarm.wait_until(lambda: section(swarm, "trainer", "trainer").get("gate", {}).get("per_validator", {})
+                         .get(ids["v1"], 0) >= 2, timeout=300)
         swarm.kill("v1", signal.SIGKILL)
-        killed_at = time.monotonic()
+        killed_at, killed_wall = time.monotonic(), time.time()
+        # What the dead one still holds, from a trainer status written after the kill (and after any
+        # verdict it sent just before dying has landed): a status from before the kill may list batches
+        # it judged in its last second. Those it holds now can only come back by the trainer's timeout.
+        swarm.wait_until(lambda: swarm.status("trainer").get("time", 0) > killed_wall + 2, timeout=60)
         gate = section(swarm, "trainer", "trainer").get("gate", {})
-        held_by_dead = gate.get("per_validator", {}).get(ids["v1"], 0)  # as of the trainer's last status write
+        held_by_dead = gate.get("per_validator", {}).get(ids["v1"], 0) + gate.get("timeouts", 0)
         before = judged(swarm, "v2")
         # The survivor keeps judging: new batches, and those the dead one held once the trainer times out.
         swarm.wait_until(lambda: judged(swarm, "v2") >= before + 4, timeout=300)
