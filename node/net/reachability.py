@@ -96,15 +96,19 @@ class Reachability:
 # The dialer's side
 
 
-def ip_of(addr: str) -> str | None:
-    """The IPv4/IPv6 address of a direct multiaddr (None for circuit or DNS addresses)."""
+def _direct(addr: str) -> multiaddr.Multiaddr | None:
+    """``addr`` parsed, or None when it does not parse or goes through a relay circuit."""
     try:
         ma = multiaddr.Multiaddr(addr)
     except Exception:
         return None
-    if "/p2p-circuit" in str(ma):
-        return None
-    for proto in ("ip4", "ip6"):
+    return None if "/p2p-circuit" in str(ma) else ma
+
+
+def ip_of(addr: str) -> str | None:
+    """The IPv4/IPv6 address of a direct multiaddr (None for circuit or DNS addresses)."""
+    ma = _direct(addr)
+    for proto in ("ip4", "ip6") if ma is not None else ():
         try:
             return ma.value_for_protocol(proto)
         except Exception:
@@ -113,11 +117,8 @@ def ip_of(addr: str) -> str | None:
 
 
 def tcp_port_of(addr: str) -> int | None:
-    try:
-        ma = multiaddr.Multiaddr(addr)
-    except Exception:
-        return None
-    if "/p2p-circuit" in str(ma):
+    ma = _direct(addr)
+    if ma is None:
         return None
     try:
         port = int(ma.value_for_protocol("tcp"))
