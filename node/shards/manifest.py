@@ -186,16 +186,23 @@ class SignedManifest:
 
 def open_manifest(envelope: Envelope, run: str, trainers: list[str]) -> SignedManifest:
     """Verify a sealed manifest for run ``run``. RemoteProtocolError names what is wrong."""
-    payload = envelope.open(DOMAIN)  # bad-signature / wrong-domain
+    manifest, signer = _open_signed(envelope, DOMAIN, Manifest, run, trainers, "manifest")
+    return SignedManifest(manifest, envelope, root_id(envelope.payload), signer)
+
+
+def _open_signed(envelope: Envelope, domain: str, cls, run: str, trainers: list[str], what: str):
+    """(message, signer) of a sealed ``cls`` signed under ``domain`` by a trainer of ``run``: the
+    signature first, then the signer, then the bounded decode, then run and canonical bytes."""
+    payload = envelope.open(domain)  # bad-signature / wrong-domain
     signer = peer_id_of(envelope.public_key)
     if signer not in trainers:
         raise RemoteProtocolError("not-trainer", signer)
-    manifest = decode_as(Manifest, payload, max_size=MAX_MANIFEST_BYTES)
-    if manifest.run != run:
-        raise RemoteProtocolError("wrong-run", manifest.run[:64])
-    if encode(manifest) != payload:
-        raise RemoteProtocolError("non-canonical", "manifest does not re-encode to its own bytes")
-    return SignedManifest(manifest, envelope, root_id(payload), signer)
+    msg = decode_as(cls, payload, max_size=MAX_MANIFEST_BYTES)
+    if msg.run != run:
+        raise RemoteProtocolError("wrong-run", msg.run[:64])
+    if encode(msg) != payload:
+        raise RemoteProtocolError("non-canonical", f"{what} does not re-encode to its own bytes")
+    return msg, signer
 
 
 def sign_manifest(identity, manifest: Manifest) -> SignedManifest:
@@ -326,16 +333,8 @@ class SignedDelta:
 
 def open_delta_manifest(envelope: Envelope, run: str, trainers: list[str]) -> SignedDelta:
     """Verify a sealed delta manifest for run ``run``. RemoteProtocolError names what is wrong."""
-    payload = envelope.open(DELTA_DOMAIN)
-    signer = peer_id_of(envelope.public_key)
-    if signer not in trainers:
-        raise RemoteProtocolError("not-trainer", signer)
-    delta = decode_as(DeltaManifest, payload, max_size=MAX_MANIFEST_BYTES)
-    if delta.run != run:
-        raise RemoteProtocolError("wrong-run", delta.run[:64])
-    if encode(delta) != payload:
-        raise RemoteProtocolError("non-canonical", "delta manifest does not re-encode to its own bytes")
-    return SignedDelta(delta, envelope, root_id(payload), signer)
+    delta, signer = _open_signed(envelope, DELTA_DOMAIN, DeltaManifest, run, trainers, "delta manifest")
+    return SignedDelta(delta, envelope, root_id(envelope.payload), signer)
 
 
 def sign_delta_manifest(identity, delta: DeltaManifest) -> SignedDelta:
