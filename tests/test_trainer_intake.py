@@ -273,6 +273,29 @@ def test_a_step_lost_in_a_crash_gives_its_batches_back(tmp_path):
         assert all(spool.envelope(i) for i in ids)
 
 
+def test_pruned_batches_still_count_in_the_totals(tmp_path):
+    """Pruning bounds the table; the status's totals (trained, rejected by reason) must not shrink
+    with it, or accepted == gated + ready + trained + rejected stops holding mid-run."""
+    with open_spool(tmp_path / "s.sqlite") as spool:
+        ids = []
+        for step in range(5):
+            signed = open_batch(sign_batch(WORKER, batch(step=step, version=1 + step // 3)), RUN)
+            spool.add(signed, BatchState.READY, ledger_due=False)
+            ids.append(signed.batch_id)
+        spool.take(ids[:2], 6)
+        spool.reject(ids[2:4], "expired", ledger_due=False)
+        before = spool.counts(), spool.rejected_by_reason()
+        assert before == ({"trained": 2, "rejected": 2, "ready": 1}, {"expired": 2})
+        assert spool.prune(2) == 3  # versions 1 (steps 0..2) go; step 3 (version 2) stays a row
+        assert not spool.knows(ids[0]) and spool.knows(ids[3])
+        assert (spool.counts(), spool.rejected_by_reason()) == before
+        spool.reject([ids[4]], "expired", ledger_due=False)
+        assert spool.prune(3) == 2
+    with open_spool(tmp_path / "s.sqlite") as spool:  # the tally is on disk, not in memory
+        assert spool.counts() == {"trained": 2, "rejected": 3}
+        assert spool.rejected_by_reason() == {"expired": 3}
+
+
 KILL_AFTER_ACK = textwrap.dedent("""
     import os, signal, sys
     import trio

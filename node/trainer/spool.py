@@ -11,6 +11,9 @@ with a row per batch id the trainer has judged. A batch moves through named stat
 
 (with no validators configured a batch is spooled straight into READY). Rows are never deleted
 while a replay of them could still be accepted, so the primary key doubles as the replay filter.
+Finished rows older than that are pruned (the table stays bounded); the ``forgotten`` table keeps
+how many were removed per state and reason, so :meth:`Spool.counts` and
+:meth:`Spool.rejected_by_reason` count every batch ever judged, not only those still on disk.
 
 Exactly-once training across ``kill -9``: batches are marked TRAINED(s+1) *before* step s+1 runs,
 and the training state of step s+1 is saved after it. On restart with saved step ``k``,
@@ -81,6 +84,12 @@ CREATE TABLE IF NOT EXISTS steps (
     loss REAL NOT NULL,
     seconds REAL NOT NULL             -- wall time of the update
 );
+CREATE TABLE IF NOT EXISTS forgotten (
+    state TEXT NOT NULL,              -- finished batches removed by prune(), so counts stay whole
+    reason TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    PRIMARY KEY (state, reason)
+) WITHOUT ROWID;
 """
 
 
@@ -186,10 +195,15 @@ class Spool:
         return self.reader.execute(q, (BatchState.GATED.value, BatchState.READY.value)).fetchone()[0]
 
     def counts(self) -> dict[str, int]:
-        return dict(self.reader.execute("SELECT state, COUNT(*) FROM batches GROUP BY state").fetchall())
+        """Batches per state, pruned ones included."""
+        q = ("SELECT state, SUM(n) FROM (SELECT state, COUNT(*) AS n FROM batches GROUP BY state "
+             "UNION ALL SELECT state, n FROM forgotten) GROUP BY state")
+        return dict(self.reader.execute(q).fetchall())
 
     def rejected_by_reason(self) -> dict[str, int]:
-        q = "SELECT reason, COUNT(*) FROM batches WHERE state = ? GROUP BY reason"
+        """Rejected batches per reason, pruned ones included."""
+        q = ("SELECT reason, SUM(n) FROM (SELECT reason, COUNT(*) AS n FROM batches WHERE state = ?1 GROUP BY reason "
+             "UNION ALL SELECT reason, n FROM forgotten WHERE state = ?1) GROUP BY reason")
         return dict(self.reader.execute(q, (BatchState.REJECTED.value,)).fetchall())
 
     def ledger_due(self, limit: int) -> list[SpooledBatch]:
@@ -290,10 +304,13 @@ class Spool:
 
     def prune(self, oldest_useful_version: int) -> int:
         """Forget finished batches whose replay would be refused as stale anyway (bounds the table)."""
-        with self.db:
-            cur = self.db.execute(
-                "DELETE FROM batches WHERE state IN (?, ?) AND policy_version < ? AND (ledger_due = 0 OR ledger_done = 1)",
-                (BatchState.TRAINED.value, BatchState.REJECTED.value, oldest_useful_version))
+        where = "state IN (?, ?) AND policy_version < ? AND (ledger_due = 0 OR ledger_done = 1)"
+        args = (BatchState.TRAINED.value, BatchState.REJECTED.value, oldest_useful_version)
+        with self.db:  # one transaction: a batch is either still a row or already in the tally
+            self.db.execute(f"INSERT INTO forgotten (state, reason, n) SELECT state, reason, COUNT(*) FROM batches "
+                            f"WHERE {where} GROUP BY state, reason ON CONFLICT (state, reason) DO UPDATE SET n = n + excluded.n",
+                            args)
+            cur = self.db.execute(f"DELETE FROM batches WHERE {where}", args)
         return cur.rowcount
 
 
