@@ -178,6 +178,8 @@ async def test_pings_are_answered_under_the_budget(tmp_path):
         budget = a.host.inbound[PING_PROTOCOL].budget
         for _ in range(3 * budget.limits.streams_per_peer):  # more than its share, one after another
             assert await b.host.ping(a.peer_id) >= 0
+        assert budget.held_by(b.peer_id) == (1, 0)  # they share the one stream b keeps
+        await b.host._ping_streams.pop(a.peer_id).reset()
         await wait_for(lambda: budget.held_by(b.peer_id) == (0, 0), what="ping streams given back")
         assert budget.stalled == 0
 

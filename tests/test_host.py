@@ -56,7 +56,6 @@ async def test_a_ping_cut_short_does_not_break_the_next_one():
     async with open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as a, \
             open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as b:
         await a.connect(b.listen_addrs()[0])
-        assert await a.ping(b.peer_id) >= 0
         answered = b.host.get_mux().handlers[PING_PROTOCOL]
         read = trio.Event()
 
@@ -76,8 +75,48 @@ async def test_a_ping_cut_short_does_not_break_the_next_one():
             nursery.start_soon(cut_short)
             await read.wait()  # the ping is in flight: cancel it there, as a probe timeout does
             cancel_scopes[0].cancel()
+        assert b.peer_id not in a._ping_streams  # the cut stream, with its echo still due, is not kept
         b.set_handler(PING_PROTOCOL, answered)
         assert await a.ping(b.peer_id) >= 0
+
+
+async def test_pings_to_a_peer_share_one_stream_and_survive_its_close():
+    """An idle node's SWIM probe is one ping a second: each on a fresh stream cost a stream open, a
+    protocol negotiation and a handler task on both sides. The kept stream carries the next ping;
+    one the peer closed meanwhile (its idle limit) costs one failed try and a fresh stream, not a
+    failed ping (a missed probe would start a suspicion of a live peer)."""
+    from libp2p.host.ping import ID as PING_PROTOCOL
+
+    async with open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as a, \
+            open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as b:
+        await a.connect(b.listen_addrs()[0])
+        opened: list[object] = []
+        close_now = trio.Event()
+
+        async def echo_pings(stream) -> None:  # the protocol: echo 32 bytes until closed
+            opened.append(stream)
+            while True:
+                try:
+                    data = await stream.read(32)
+                except Exception:  # noqa: BLE001 — py-libp2p reports the other side's close as StreamEOF
+                    return
+                if not data:
+                    break
+                await stream.write(data)
+                if close_now.is_set():  # the peer's idle limit, right after answering
+                    break
+            await stream.close()
+
+        b.set_handler(PING_PROTOCOL, echo_pings)
+        for _ in range(5):
+            assert await a.ping(b.peer_id) >= 0
+        assert len(opened) == 1
+        close_now.set()
+        assert await a.ping(b.peer_id) >= 0  # answered, then the handler closes the kept stream
+        assert await a.ping(b.peer_id) >= 0  # the kept one fails at once; a fresh stream answers
+        assert len(opened) == 2
+        a.forget_ping_streams(set())  # disconnected peers' streams are dropped
+        assert a._ping_streams == {}
 
 
 async def test_window_credit_is_sent_once_per_half_window_not_per_read(monkeypatch):

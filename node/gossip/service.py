@@ -457,7 +457,9 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                 # Not one whose connection is closing on purpose: it may still be listed as connected.
                 now = trio.current_time()
                 closing = {p for p, at in svc.deliberate.items() if now - at < CLOSING_S}
-                target = table.next_probe_target(set(node.host.connected_peers()) - closing)
+                connected = set(node.host.connected_peers())
+                node.host.forget_ping_streams(connected)
+                target = table.next_probe_target(connected - closing)
                 if target is not None:
                     await probe(target, svc.health.scale())
 

@@ -73,6 +73,7 @@ OPEN_STREAM_TIMEOUT = 10.0
 
 # What opening or using a stream raises when the other side is gone, unreachable or too slow.
 STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError)
+MAX_KEPT_PING_STREAMS = 64  # one per peer we ping; SWIM probes only connected members (<= conn_high)
 
 StreamHandler = Callable[[object], Awaitable[None]]
 
@@ -134,6 +135,7 @@ class SwarmHost:
     app_score: Callable[[str], float] = field(default=lambda peer_id: 0.0)
     # protocol -> the inbound budget of its handler (node/net/reqres.py Inbound), for status
     inbound: dict[str, object] = field(default_factory=dict)
+    _ping_streams: dict[str, object] = field(default_factory=dict)  # peer -> stream of its last good ping
 
     @property
     def peer_id(self) -> str:
@@ -168,15 +170,28 @@ class SwarmHost:
         await self.host.disconnect(ID.from_base58(peer_id))
 
     async def ping(self, peer_id: str) -> float:
-        """One round trip of the libp2p ping protocol on a fresh stream, in seconds (raises on failure).
+        """One round trip of the libp2p ping protocol, in seconds (raises on failure).
 
-        Not py-libp2p's ``PingService.ping``: it caches its stream per peer, and a ping cancelled
-        mid-flight (every probe timeout) leaves the stream cached; the next ping then calls the
-        stream's boolean ``is_closed`` and raises TypeError, for that peer, for good. SWIM saw a
-        peer that merely answered one ping late as unreachable ever after.
+        The stream of the last good ping to the peer is kept and used again (the protocol allows
+        any number of round trips on one stream): opening a stream costs a Yamux SYN, a multistream
+        negotiation and a handler task on both sides, most of what an idle node's once-a-second SWIM
+        probe cost. A kept stream the peer has closed meanwhile (its idle limit, a restart) fails at
+        once and the ping is tried again on a fresh stream; a cancelled or failed ping resets its
+        stream and keeps nothing. Not py-libp2p's ``PingService.ping``: it caches its stream per
+        peer too, but a ping cancelled mid-flight (every probe timeout) leaves that stream cached
+        with an echo still due, and the next ping raises TypeError, for that peer, for good.
         """
+        kept = self._ping_streams.pop(peer_id, None)
+        if kept is not None:
+            try:
+                return await self._ping_on(peer_id, kept)
+            except STREAM_ERRORS:  # MuxedStreamEOF is a BaseLibp2pError, our ConnectionError an OSError
+                pass  # closed by the peer while idle: a fresh stream says whether it is alive
+        return await self._ping_on(peer_id, await self.open_stream(peer_id, PING_PROTOCOL))
+
+    async def _ping_on(self, peer_id: str, stream) -> float:
         payload = secrets.token_bytes(PING_LENGTH)
-        stream = await self.open_stream(peer_id, PING_PROTOCOL)
+        ok = False
         try:
             start = trio.current_time()
             await stream.write(payload)
@@ -188,10 +203,19 @@ class SwarmHost:
                 echoed += chunk
             if echoed != payload:
                 raise ConnectionError("ping echo differs from what was sent")
+            ok = True
             return trio.current_time() - start
-        finally:  # a ping stream carries one round trip; even a cancelled ping closes its stream
-            with trio.move_on_after(1, shield=True), contextlib.suppress(*STREAM_ERRORS):
-                await stream.reset()
+        finally:
+            if ok and peer_id not in self._ping_streams and len(self._ping_streams) < MAX_KEPT_PING_STREAMS:
+                self._ping_streams[peer_id] = stream
+            else:  # even a cancelled ping closes its stream: an echo may still be on its way
+                with trio.move_on_after(1, shield=True), contextlib.suppress(*STREAM_ERRORS):
+                    await stream.reset()
+
+    def forget_ping_streams(self, connected: set[str]) -> None:
+        """Drop kept ping streams of peers we are no longer connected to (their streams are dead)."""
+        for peer in [p for p in self._ping_streams if p not in connected]:
+            del self._ping_streams[peer]
 
     def set_handler(self, protocol: str, handler: StreamHandler) -> None:
         inbound = getattr(handler, "inbound", None)
