@@ -448,8 +448,13 @@ async def read_message(stream: _Reader, max_size: int = MAX_FRAME) -> Message | 
     return None if data is None else decode(data, max_size)
 
 
-async def write_frame(stream: _Writer, data: bytes | Message) -> None:
+def frame_of(data: bytes | Message) -> bytes:
+    """One length-prefixed frame, to write alone or joined with others in one stream write."""
     body = encode(data) if isinstance(data, Message) else data
     if len(body) > MAX_FRAME:
         raise LocalProtocolError(f"frame of {len(body)} bytes exceeds MAX_FRAME")
-    await stream.write(_LEN.pack(len(body)) + body)
+    return _LEN.pack(len(body)) + body
+
+
+async def write_frame(stream: _Writer, data: bytes | Message) -> None:
+    await stream.write(frame_of(data))

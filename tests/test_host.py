@@ -201,3 +201,84 @@ async def test_a_noise_message_arriving_a_segment_at_a_time_wakes_the_reader_a_f
     assert got == [bytes([k]) * size for k in range(frames)]
     receiver = max(reads.values())  # the connection that took in the ~1 MiB
     assert receiver <= 6 * frames + 20, f"{receiver} reads for {frames} messages of {size} bytes"
+
+
+async def test_each_yamux_data_frame_is_one_noise_message(monkeypatch):
+    """py-libp2p's full Yamux frame (64 KiB) was 17 bytes over a Noise message's plaintext limit, so
+    bulk data went out as two Noise messages per frame (twice the encryptions, sends and wake-ups at
+    the reader). Every frame must fit one message, and every byte still arrive in order."""
+    from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoiseTransportReadWriter
+
+    sizes = []
+    write_msg = NoiseTransportReadWriter.write_msg
+
+    async def recorded(self, msg: bytes, prefix_encoded: bool = False) -> None:
+        sizes.append(len(msg))
+        await write_msg(self, msg, prefix_encoded)
+
+    monkeypatch.setattr(NoiseTransportReadWriter, "write_msg", recorded)
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    got = bytearray()
+
+    async def sink(stream) -> None:
+        while len(got) < len(payload):
+            got.extend(await stream.read(len(payload)))
+        await stream.write(b"k")
+
+    async with open_swarm_host(Identity.generate(), LOOPBACK) as a, open_swarm_host(Identity.generate(), LOOPBACK) as b:
+        b.set_handler("/test/sink/1", sink)
+        await a.connect(b.listen_addrs()[0])
+        stream = await a.open_stream(b.peer_id, "/test/sink/1")
+        sizes.clear()
+        with trio.fail_after(30):
+            await stream.write(payload)
+            assert await stream.read(1) == b"k"
+    assert bytes(got) == payload
+    assert max(sizes) <= MAX_PLAINTEXT_LENGTH, f"a frame of {max(sizes)} bytes was split into two Noise messages"
+    assert sum(s > 60_000 for s in sizes) >= len(payload) // MAX_PLAINTEXT_LENGTH  # and frames stay large
+
+
+async def test_a_writer_waiting_for_send_window_sleeps_until_the_window_grows():
+    """With the peer's window used up, py-libp2p's write polled the window every 10 ms (100 wake-ups
+    a second per blocked stream: every upload through a slow link). The writer must stay asleep,
+    whatever the wait, and go on when the reader reads."""
+    read_now = trio.Event()
+    got = bytearray()
+    payload = b"x" * (1 << 20)  # four windows' worth
+
+    async def lazy(stream) -> None:
+        await read_now.wait()
+        while len(got) < len(payload):
+            got.extend(await stream.read(1 << 20))
+        await stream.write(b"k")
+
+    async with open_swarm_host(Identity.generate(), LOOPBACK) as a, open_swarm_host(Identity.generate(), LOOPBACK) as b:
+        b.set_handler("/test/lazy/1", lazy)
+        await a.connect(b.listen_addrs()[0])
+        stream = await a.open_stream(b.peer_id, "/test/lazy/1")
+        steps = {"writer": 0}
+
+        class CountWriter(trio.abc.Instrument):
+            def before_task_step(self, task) -> None:
+                if task is writer_task:
+                    steps["writer"] += 1
+
+        async def writer() -> None:
+            await stream.write(payload)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            writer_task = next(t for t in nursery.child_tasks)
+            with trio.fail_after(30):
+                while stream.muxed_stream.send_window > 0:  # until the window is used up and the writer waits
+                    await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()
+            counter = CountWriter()
+            trio.lowlevel.add_instrument(counter)
+            await trio.sleep(0.2)  # any time at all: a polling writer wakes ~20 times in this one
+            trio.lowlevel.remove_instrument(counter)
+            assert steps["writer"] == 0, f"the blocked writer woke {steps['writer']} times"
+            read_now.set()
+            with trio.fail_after(30):
+                assert await stream.read(1) == b"k"
+    assert len(got) == len(payload)

@@ -57,6 +57,7 @@ from .workarounds import (
     StreamBytes,
     TcpBytes,
     WholeNoiseMessages,
+    YamuxSends,
     disable_auto_connect,
     guard_handlers,
 )
@@ -258,6 +259,7 @@ async def open_swarm_host(
     CancelSafeFrames.install()
     BatchedWindowCredit.install()
     WholeNoiseMessages.install()
+    YamuxSends.install()
     keypair = to_libp2p_keypair(identity)
     noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
     addrs = [parse_multiaddr(a) for a in listen]

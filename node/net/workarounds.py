@@ -8,6 +8,9 @@
   sender once half the window is consumed, as go-yamux does.
 * :class:`WholeNoiseMessages`: wake the connection's reader once a Noise message is all there
   (``SO_RCVLOWAT``), not for every TCP segment of it.
+* :class:`YamuxSends`: size Yamux data frames to one Noise message each (py-libp2p's are 17 bytes
+  too large, so every full frame went out as two), and wait for send window on an event instead
+  of polling it every 10 ms.
 * :func:`disable_auto_connect`: the swarm's own auto-connector fights our connection manager.
 * :func:`guard_handlers`: an exception escaping any stream handler tears down the whole host.
 
@@ -168,6 +171,87 @@ class BatchedWindowCredit:
                 await self.send_window_update(increment, skip_lock=True)
 
         YamuxStream._auto_tune_and_send_window_update = credit
+        cls._installed = True
+
+
+class YamuxSends:
+    """Two costs of ``YamuxStream.write`` in py-libp2p 0.8.1, per byte and per wake-up.
+
+    * A data frame carries up to 65,524 bytes (64 KiB with its 12-byte header), but a Noise
+      message's plaintext is at most 65,519 bytes, so Noise split every full frame into a message
+      of 65,519 bytes and one of 17: twice the encryptions, sends, and reads and wake-ups at the
+      peer for bulk data. Here a frame's body is at most 65,507 bytes (header included, one Noise
+      message).
+    * While the peer's window is used up (the normal state of a sender whose peer reads slower than
+      it writes, i.e. every upload through a slow link), the write looped on ``trio.sleep(0.01)``:
+      100 wake-ups a second per blocked stream, doing nothing. Here ``send_window`` and ``closed``
+      are watched attributes and the write waits on an event they set when the window grows or the
+      stream closes. py-libp2p's error after 5 s without a window update is kept.
+    """
+
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        import struct
+
+        from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
+        from libp2p.stream_muxer.exceptions import MuxedStreamError
+        from libp2p.stream_muxer.yamux import yamux as Y
+
+        frame_body = MAX_PLAINTEXT_LENGTH - Y.HEADER_SIZE
+
+        def watched(name: str) -> property:
+            key = "_watched_" + name
+
+            def get(self):
+                return self.__dict__[key]
+
+            def set_(self, value) -> None:
+                old = self.__dict__.get(key)
+                self.__dict__[key] = value
+                if old is not None and value > old:  # the window grew, or closed went True
+                    grew = self.__dict__.get("_window_grew")
+                    if grew is not None:
+                        grew.set()
+
+            return property(get, set_)
+
+        Y.YamuxStream.send_window = watched("send_window")
+        Y.YamuxStream.closed = watched("closed")
+
+        async def write(self, data: bytes) -> None:
+            if self.send_closed:
+                raise MuxedStreamError("Stream is closed for sending")
+            total, sent = len(data), 0
+            while sent < total:
+                frame = None
+                while frame is None:
+                    async with self.rw_lock.write_lock():
+                        if self.send_closed:
+                            raise MuxedStreamError("Stream is closed for sending")
+                        async with self.window_lock:
+                            if self.closed:
+                                raise MuxedStreamError("Stream is closed")
+                            if self.send_window > 0:
+                                n = min(self.send_window, frame_body, total - sent)
+                                self.send_window -= n
+                                frame = struct.pack(Y.YAMUX_HEADER_FORMAT, 0, Y.TYPE_DATA, 0, self.stream_id, n) \
+                                    + data[sent:sent + n]
+                    if frame is None:
+                        grew = self.__dict__["_window_grew"] = trio.Event()
+                        if self.send_window > 0 or self.closed:  # changed before the event was in place
+                            continue
+                        with trio.move_on_after(5.0) as waited:
+                            await grew.wait()
+                        if waited.cancelled_caught:
+                            raise MuxedStreamError("Timed out waiting for window update after 5 seconds.")
+                await self.conn._write_frame(frame)
+                sent += n
+
+        Y.YamuxStream.write = write
         cls._installed = True
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..hashes import digest
-from ..wire import TRANSPORT_FAILURES, LocalProtocolError, Message, RemoteProtocolError, write_frame
+from ..wire import TRANSPORT_FAILURES, LocalProtocolError, Message, RemoteProtocolError, frame_of, write_frame
 from .config import ShardsConfig
 from .picker import Actions, Picker, PickerParams
 from .protocol import (
@@ -67,8 +67,16 @@ class ClientSession:
             pass  # a peer that does not read its stream loses messages; its requests time out
 
     async def write_loop(self) -> None:
+        """Write what is queued, every message waiting at the time in one stream write (the picker
+        asks for blocks in bursts: one Yamux frame and Noise message for the burst, not each)."""
         async for msg in self.outbox_recv:
-            await write_frame(self.stream, msg)
+            frames = [frame_of(msg)]
+            while True:
+                try:
+                    frames.append(frame_of(self.outbox_recv.receive_nowait()))
+                except trio.WouldBlock:
+                    break
+            await self.stream.write(b"".join(frames))
 
 
 class Download:
@@ -227,10 +235,15 @@ class Download:
         parts = self.buffers.pop(piece, {})
         data = b"".join(parts[o] for o in sorted(parts))
         contributors = self.picker.contributors(piece)
-        blocks = {o: digest(b) for o, b in parts.items()} if self.picker.has_suspects(piece) or len(contributors) > 1 else None
+        # Block digests convict a liar among several contributors (picker.on_piece_failed): they are
+        # needed from a failed piece, and from the good copy of one that failed before. Not from
+        # every good piece: that was a second SHA-256 pass over nearly every byte downloaded.
+        def blocks() -> dict[int, bytes]:
+            return {o: digest(b) for o, b in parts.items()}
+
         if self.vs.put_piece(piece, data):
             self.verified_at[piece] = (now, max(contributors, key=contributors.get, default=""))
-            self._apply(self.picker.on_piece_verified(piece, now, blocks))
+            self._apply(self.picker.on_piece_verified(piece, now, blocks() if self.picker.has_suspects(piece) else None))
             for peer, nbytes in contributors.items():
                 self.svc.credit(peer, self.root, nbytes)
             self.svc.on_piece_verified(self.vs, piece)
@@ -243,7 +256,7 @@ class Download:
             self.svc.node.metrics.reject(SOURCE, "bad-piece")
             log.warning("shards: piece %d of v%d failed its hash (from %s)", piece, self.vs.version,
                         ",".join(p[-8:] for p in contributors))
-            self._apply(self.picker.on_piece_failed(piece, now, blocks))
+            self._apply(self.picker.on_piece_failed(piece, now, blocks() if len(contributors) > 1 else None))
 
     def _drop_stale_buffers(self) -> None:
         """Forget received blocks the picker no longer counts (their piece was reset)."""

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 from ..hashes import DIGEST_SIZE
 from ..identity import peer_id_of
-from ..wire import Envelope, Message, RemoteProtocolError, bounded, decode, decode_as, read_frame, register, write_frame
+from ..wire import Envelope, Message, RemoteProtocolError, bounded, decode, decode_as, read_frame, register
 from .manifest import MAX_FILE_NAME, MAX_MANIFEST_BYTES, MAX_PIECE_SIZE, MAX_PIECES, MAX_TOTAL_SIZE, MAX_VERSION
 
 PROTOCOL = "/swarm/shards/1.0.0"
@@ -178,12 +178,6 @@ def open_announce(data: bytes, run: str, trainers: list[str]) -> SignedAnnounce:
     if msg.run != run:
         raise RemoteProtocolError("wrong-run", msg.run)
     return SignedAnnounce(msg, signer)
-
-
-async def write_locked(stream, lock, msg: Message) -> None:
-    """Write one frame under ``lock`` (a ``trio.Lock``): concurrent writers would interleave bytes."""
-    async with lock:
-        await write_frame(stream, msg)
 
 
 async def read_shards_message(stream) -> Message | None:

@@ -280,7 +280,7 @@ class ShardsService:
         known = dl.picker if dl is not None and dl.root == vs.signed.root else None
         for sess in list(self.server_sessions.get(vs.signed.root, ())):
             if known is None or not known.peer_has(sess.peer, piece):
-                self._nursery.start_soon(_quietly, sess.push_have, piece)
+                sess.push_have(piece)
 
     def route_reveals(self, root: bytes, reveals: list[tuple[str, int]]) -> None:
         """Send super-seeding reveals to the sessions of the peers they are for."""
