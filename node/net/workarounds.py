@@ -15,7 +15,8 @@
 * :func:`guard_handlers`: an exception escaping any stream handler tears down the whole host.
 
 :func:`node.net.host.open_swarm_host` installs all of them; nothing else should need to.
-(The ping on a fresh stream per round trip lives in :meth:`node.net.host.SwarmHost.ping`.)
+(The ping that reuses one stream per peer and survives a cut round trip lives in
+:meth:`node.net.host.SwarmHost.ping`.)
 """
 
 from __future__ import annotations
