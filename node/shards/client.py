@@ -134,8 +134,16 @@ class Download:
             self.done.set()
 
     def _connect_new(self, now: float) -> None:
-        host = self.svc.node.host
-        for peer in host.connected_peers():
+        # With more connected peers than max_peers, the first ones in py-libp2p's order got every
+        # session: at N = 24 most downloaders had none with the seed, whose every piece then went
+        # to the 3-5 that did. The announcer (the trainer, for a fresh version) comes first, the
+        # rest in a random order so that downloaders spread over different peers.
+        announced = self.svc.announced.get(self.vs.version)
+        source = announced[1] if announced is not None and announced[0] == self.root else None
+        peers = self.svc.node.host.connected_peers()
+        self.svc.rng.shuffle(peers)
+        peers.sort(key=lambda p: p != source)  # stable: the shuffle stands behind the announcer
+        for peer in peers:
             if len(self.sessions) >= self.svc.cfg.max_peers:
                 return
             if peer in self.sessions or self.svc.is_banned(peer, now):

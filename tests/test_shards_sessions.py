@@ -1,0 +1,77 @@
+"""Session-level choices of the shards protocol, on fakes (no network): when Haves go out, and
+which peers a download opens sessions to."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import trio
+
+from node.shards.client import Download
+from node.shards.protocol import MAX_SHARDS_FRAME, Have
+from node.shards.server import HAVE_DELAY, ServerSession
+from node.wire import _LEN, decode
+
+
+def frames_in(data: bytes) -> list:
+    out = []
+    while data:
+        (n,) = _LEN.unpack(data[:_LEN.size])
+        out.append(decode(data[_LEN.size:_LEN.size + n], MAX_SHARDS_FRAME))
+        data = data[_LEN.size + n:]
+    return out
+
+
+async def test_lone_haves_go_out_together_within_the_delay(autojump_clock):
+    """At N peers every verified piece is a Have to each; alone, each is a Yamux frame, a Noise
+    message and a wake-up at the receiver. Haves with no block to ride with wait up to HAVE_DELAY
+    for company, and none waits longer."""
+    writes: list[tuple[float, bytes]] = []
+
+    class Stream:
+        async def write(self, data: bytes) -> None:
+            writes.append((trio.current_time(), data))
+
+    vs = SimpleNamespace(signed=SimpleNamespace(root=b"r" * 32), verified=set())
+    sess = ServerSession(SimpleNamespace(superseeders={}), Stream(), "peer", vs)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sess._serve_queue)
+        t0 = trio.current_time()
+        sess.push_have(1)
+        sess.push_have(2)
+        await trio.sleep(HAVE_DELAY / 2)
+        sess.push_have(3)
+        await trio.sleep(HAVE_DELAY)  # past the first Have's deadline
+        sess.push_have(4)
+        await trio.sleep(5 * HAVE_DELAY)
+        nursery.cancel_scope.cancel()
+    assert [round(t - t0, 6) for t, _ in writes] == [HAVE_DELAY, round(2.5 * HAVE_DELAY, 6)]
+    assert [[m.piece for m in frames_in(d)] for _, d in writes] == [[1, 2, 3], [4]]
+    assert all(isinstance(m, Have) for _, d in writes for m in frames_in(d))
+
+
+def test_a_download_opens_a_session_to_the_announcer_and_spreads_over_the_rest():
+    """With more connected peers than max_peers the first ones in py-libp2p's order got every
+    session: at N = 24 most downloaders had none with the seed. The announcer comes first; the
+    rest are drawn at random, so downloaders do not all pick the same peers."""
+    peers = [f"p{i:02d}" for i in range(30)]
+    seed = peers[-1]  # last in the host's order
+    started: list[str] = []
+
+    def download(rng_seed: int) -> Download:
+        dl = object.__new__(Download)
+        dl.svc = SimpleNamespace(
+            node=SimpleNamespace(host=SimpleNamespace(connected_peers=lambda: list(peers))),
+            cfg=SimpleNamespace(max_peers=4), rng=random.Random(rng_seed),
+            announced={7: (b"r" * 32, seed)}, is_banned=lambda peer, now: False)
+        dl.vs = SimpleNamespace(version=7, signed=SimpleNamespace(root=b"r" * 32))
+        dl.sessions, dl.refused, dl.backoff = {}, {}, {}
+        dl._nursery = SimpleNamespace(start_soon=lambda fn, peer: started.append(peer))
+        dl._connect_new(0.0)
+        return dl
+
+    chosen = [set(download(k).sessions) for k in range(8)]
+    assert all(len(c) == 4 and seed in c for c in chosen)
+    assert len(set().union(*chosen) - {seed}) > 3, "every download picked the same peers"
+    assert sorted(started) == sorted(p for c in chosen for p in c)
