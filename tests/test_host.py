@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from contextlib import asynccontextmanager
 
 import trio
 import trio.testing
@@ -23,12 +24,30 @@ async def echo(stream) -> None:
     await stream.close()
 
 
+@asynccontextmanager
+async def connected_hosts(protocol: str | None = None, handler=None):
+    """Two hosts on loopback, ``a`` connected to ``b`` (``b`` serving ``handler`` on ``protocol``)."""
+    async with open_swarm_host(Identity.generate(), LOOPBACK) as a, open_swarm_host(Identity.generate(), LOOPBACK) as b:
+        if handler is not None:
+            b.set_handler(protocol, handler)
+        await a.connect(b.listen_addrs()[0])
+        yield a, b
+
+
+def frame_sink(frames: int, got: list):
+    """A handler that reads ``frames`` frames into ``got``, then answers b"k" and closes."""
+    async def sink(stream) -> None:
+        for _ in range(frames):
+            got.append(await read_frame(stream))
+        await stream.write(b"k")
+        await stream.close()
+    return sink
+
+
 async def test_a_write_cancelled_after_encryption_leaves_the_connection_usable(monkeypatch):
     """A deadline that expires between Noise's encrypt and the send used to burn a nonce the peer
     never saw: every later frame on the connection failed to decrypt and no stream could open."""
-    async with open_swarm_host(Identity.generate(), LOOPBACK) as a, open_swarm_host(Identity.generate(), LOOPBACK) as b:
-        b.set_handler(ECHO, echo)
-        await a.connect(b.listen_addrs()[0])
+    async with connected_hosts(ECHO, echo) as (a, b):
         muxer = a.host.get_network().connections[ID.from_base58(b.peer_id)][0].muxed_conn
         scope = trio.CancelScope()
         encrypt = NoiseTransportReadWriter.encrypt
@@ -53,9 +72,7 @@ async def test_a_ping_cut_short_does_not_break_the_next_one():
     (py-libp2p's PingService kept the cut stream and raised TypeError on every later ping)."""
     from libp2p.host.ping import ID as PING_PROTOCOL
 
-    async with open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as a, \
-            open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as b:
-        await a.connect(b.listen_addrs()[0])
+    async with connected_hosts() as (a, b):
         answered = b.host.get_mux().handlers[PING_PROTOCOL]
         read = trio.Event()
 
@@ -87,9 +104,7 @@ async def test_pings_to_a_peer_share_one_stream_and_survive_its_close():
     failed ping (a missed probe would start a suspicion of a live peer)."""
     from libp2p.host.ping import ID as PING_PROTOCOL
 
-    async with open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as a, \
-            open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as b:
-        await a.connect(b.listen_addrs()[0])
+    async with connected_hosts() as (a, b):
         opened: list[object] = []
         close_now = trio.Event()
 
@@ -135,16 +150,7 @@ async def test_window_credit_is_sent_once_per_half_window_not_per_read(monkeypat
     monkeypatch.setattr(YamuxStream, "send_window_update", counted)
     frames, size = 2048, 4096  # 8 MiB in 4 KiB frames
     got = []
-
-    async def sink(stream) -> None:
-        for _ in range(frames):
-            got.append(await read_frame(stream))
-        await stream.write(b"k")
-        await stream.close()
-
-    async with open_swarm_host(Identity.generate(), LOOPBACK) as a, open_swarm_host(Identity.generate(), LOOPBACK) as b:
-        b.set_handler("/test/sink/1", sink)
-        await a.connect(b.listen_addrs()[0])
+    async with connected_hosts("/test/sink/1", frame_sink(frames, got)) as (a, b):
         stream = await a.open_stream(b.peer_id, "/test/sink/1")
         with trio.fail_after(30):
             for k in range(frames):
@@ -180,16 +186,7 @@ async def test_a_noise_message_arriving_a_segment_at_a_time_wakes_the_reader_a_f
     monkeypatch.setattr(TrioTCPStream, "read", counted)
     frames, size = 16, 60 * 1024
     got = []
-
-    async def sink(stream) -> None:
-        for _ in range(frames):
-            got.append(await read_frame(stream))
-        await stream.write(b"k")
-        await stream.close()
-
-    async with open_swarm_host(Identity.generate(), LOOPBACK) as a, open_swarm_host(Identity.generate(), LOOPBACK) as b:
-        b.set_handler("/test/sink/1", sink)
-        await a.connect(b.listen_addrs()[0])
+    async with connected_hosts("/test/sink/1", frame_sink(frames, got)) as (a, b):
         stream = await a.open_stream(b.peer_id, "/test/sink/1")
         await trio.testing.wait_all_tasks_blocked()
         reads.clear()
@@ -225,9 +222,7 @@ async def test_each_yamux_data_frame_is_one_noise_message(monkeypatch):
             got.extend(await stream.read(len(payload)))
         await stream.write(b"k")
 
-    async with open_swarm_host(Identity.generate(), LOOPBACK) as a, open_swarm_host(Identity.generate(), LOOPBACK) as b:
-        b.set_handler("/test/sink/1", sink)
-        await a.connect(b.listen_addrs()[0])
+    async with connected_hosts("/test/sink/1", sink) as (a, b):
         stream = await a.open_stream(b.peer_id, "/test/sink/1")
         sizes.clear()
         with trio.fail_after(30):
@@ -252,9 +247,7 @@ async def test_a_writer_waiting_for_send_window_sleeps_until_the_window_grows():
             got.extend(await stream.read(1 << 20))
         await stream.write(b"k")
 
-    async with open_swarm_host(Identity.generate(), LOOPBACK) as a, open_swarm_host(Identity.generate(), LOOPBACK) as b:
-        b.set_handler("/test/lazy/1", lazy)
-        await a.connect(b.listen_addrs()[0])
+    async with connected_hosts("/test/lazy/1", lazy) as (a, b):
         stream = await a.open_stream(b.peer_id, "/test/lazy/1")
         steps = {"writer": 0}
 
