@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
@@ -80,78 +81,72 @@ async def ask_for_piece(identity: Identity, addr: str, root: bytes, piece: int) 
         return pieces_of(first.bitfield, 1 << 14), answer
 
 
-async def test_damaged_piece_is_not_served_and_is_fetched_again(tmp_path: Path, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="node.shards")
+@asynccontextmanager
+async def published_copy(tmp_path: Path, size: int, seed: int, version: int):
+    """A trainer that published ``version`` of a fresh checkpoint, and a copy of its store at
+    ``tmp_path / "r"`` (to damage before a relay opens it): (swarm, trainer node, trainers, source,
+    signed manifest, copied store)."""
     trainer = Identity.generate()
     tr = [trainer.peer_id]
-    src = write_checkpoint(tmp_path / "ckpt", 2 * MiB, seed=11)
+    src = write_checkpoint(tmp_path / "ckpt", size, seed=seed)
     with trio.fail_after(120):
         async with open_shards_swarm() as swarm:
             t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **SMALL)
-            signed = await t.shards.publish(src, 1)
-            store = copy_store(tmp_path / "t", tmp_path / "r")
-            flip(store / "1" / "model-00000.safetensors", 300_000)
-            damaged = piece_at(signed.manifest, "model-00000.safetensors", 300_000)
-            Held = held_recheck()
-            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", service_class=Held, **SMALL)
-            svc = r.shards
-            # Started while nothing is re-verified yet: nothing of the version is held or served.
-            vs = svc.serving[signed.root]
-            assert svc.versions_held() == [] and svc.path_of(1) is None and svc.latest() is None
-            assert svc.status()["rechecking"] == [1] and vs.verified == set()
-            advertised, answer = await ask_for_piece(Identity.generate(), r.host.listen_addrs()[0], signed.root, 0)
-            assert advertised == set() and isinstance(answer, Reject) and answer.reason == NOT_HELD
-            Held.release.set()
-            await wait_for(lambda: svc.downloads.get(1) is not None, what="re-fetch of the damaged piece started")
-            assert vs.verified == set(range(signed.manifest.num_pieces)) - {damaged}
-            assert svc.versions_held() == [] and svc.path_of(1) is None
-            assert "1 of 32 pieces on disk failed their re-check" in caplog.text
-            advertised, answer = await ask_for_piece(Identity.generate(), r.host.listen_addrs()[0], signed.root, damaged)
-            assert damaged not in advertised and damaged + 1 in advertised
-            assert isinstance(answer, Reject) and answer.reason == NOT_HELD
-            await r.host.connect(t.host.listen_addrs()[0])
-            path = await svc.wait_version(1)
-            assert same_files(src, path)  # byte-identical to what the trainer published
-            assert svc.receipts() == {(t.peer_id, signed.root.hex()): signed.manifest.piece_length(damaged)}
-            assert svc.versions_held() == [1] and svc.status()["rechecking"] == []
+            signed = await t.shards.publish(src, version)
+            yield swarm, t, tr, src, signed, copy_store(tmp_path / "t", tmp_path / "r")
+
+
+async def test_damaged_piece_is_not_served_and_is_fetched_again(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="node.shards")
+    async with published_copy(tmp_path, 2 * MiB, 11, 1) as (swarm, t, tr, src, signed, store):
+        flip(store / "1" / "model-00000.safetensors", 300_000)
+        damaged = piece_at(signed.manifest, "model-00000.safetensors", 300_000)
+        Held = held_recheck()
+        r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", service_class=Held, **SMALL)
+        svc = r.shards
+        # Started while nothing is re-verified yet: nothing of the version is held or served.
+        vs = svc.serving[signed.root]
+        assert svc.versions_held() == [] and svc.path_of(1) is None and svc.latest() is None
+        assert svc.status()["rechecking"] == [1] and vs.verified == set()
+        advertised, answer = await ask_for_piece(Identity.generate(), r.host.listen_addrs()[0], signed.root, 0)
+        assert advertised == set() and isinstance(answer, Reject) and answer.reason == NOT_HELD
+        Held.release.set()
+        await wait_for(lambda: svc.downloads.get(1) is not None, what="re-fetch of the damaged piece started")
+        assert vs.verified == set(range(signed.manifest.num_pieces)) - {damaged}
+        assert svc.versions_held() == [] and svc.path_of(1) is None
+        assert "1 of 32 pieces on disk failed their re-check" in caplog.text
+        advertised, answer = await ask_for_piece(Identity.generate(), r.host.listen_addrs()[0], signed.root, damaged)
+        assert damaged not in advertised and damaged + 1 in advertised
+        assert isinstance(answer, Reject) and answer.reason == NOT_HELD
+        await r.host.connect(t.host.listen_addrs()[0])
+        path = await svc.wait_version(1)
+        assert same_files(src, path)  # byte-identical to what the trainer published
+        assert svc.receipts() == {(t.peer_id, signed.root.hex()): signed.manifest.piece_length(damaged)}
+        assert svc.versions_held() == [1] and svc.status()["rechecking"] == []
 
 
 async def test_intact_version_is_held_once_rechecked(tmp_path: Path) -> None:
-    trainer = Identity.generate()
-    tr = [trainer.peer_id]
-    src = write_checkpoint(tmp_path / "ckpt", 1 * MiB, seed=12)
-    with trio.fail_after(120):
-        async with open_shards_swarm() as swarm:
-            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **SMALL)
-            await t.shards.publish(src, 4)
-            copy_store(tmp_path / "t", tmp_path / "r")
-            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", recheck_rate=4 * MiB, **SMALL)
-            assert await r.shards.wait_newer(None) == 4  # no peer needed: nothing was damaged
-            assert same_files(src, r.shards.path_of(4)) and r.shards.receipts() == {}
+    async with published_copy(tmp_path, 1 * MiB, 12, 4) as (swarm, t, tr, src, signed, store):
+        r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", recheck_rate=4 * MiB, **SMALL)
+        assert await r.shards.wait_newer(None) == 4  # no peer needed: nothing was damaged
+        assert same_files(src, r.shards.path_of(4)) and r.shards.receipts() == {}
 
 
 async def test_flipped_manifest_is_dropped_and_fetched_again(tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO, logger="node.shards")
-    trainer = Identity.generate()
-    tr = [trainer.peer_id]
-    src = write_checkpoint(tmp_path / "ckpt", 1 * MiB, seed=13)
-    with trio.fail_after(120):
-        async with open_shards_swarm() as swarm:
-            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **SMALL)
-            signed = await t.shards.publish(src, 2)
-            store = copy_store(tmp_path / "t", tmp_path / "r")
-            manifest = store / "2" / ".shards" / "manifest"
-            flip(manifest, manifest.stat().st_size // 2)
-            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **SMALL)
-            svc = r.shards
-            assert svc.versions_held() == [] and svc.status()["held"] == [] and svc.path_of(2) is None
-            assert signed.root not in svc.serving
-            lines = [m for m in caplog.messages if "dropped from the versions held" in m]
-            assert len(lines) == 1 and "v2" in lines[0] and "fetching it again" in lines[0]
-            await r.host.connect(t.host.listen_addrs()[0])
-            path = await svc.wait_version(2)
-            assert same_files(src, path) and svc.versions_held() == [2]
-            assert svc.store.saved_manifest(2).root == signed.root
+    async with published_copy(tmp_path, 1 * MiB, 13, 2) as (swarm, t, tr, src, signed, store):
+        manifest = store / "2" / ".shards" / "manifest"
+        flip(manifest, manifest.stat().st_size // 2)
+        r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **SMALL)
+        svc = r.shards
+        assert svc.versions_held() == [] and svc.status()["held"] == [] and svc.path_of(2) is None
+        assert signed.root not in svc.serving
+        lines = [m for m in caplog.messages if "dropped from the versions held" in m]
+        assert len(lines) == 1 and "v2" in lines[0] and "fetching it again" in lines[0]
+        await r.host.connect(t.host.listen_addrs()[0])
+        path = await svc.wait_version(2)
+        assert same_files(src, path) and svc.versions_held() == [2]
+        assert svc.store.saved_manifest(2).root == signed.root
 
 
 def nan_checkpoint(folder: Path, seed: int = 0) -> Path:
