@@ -159,14 +159,7 @@ class DeltaStore:
         """Store a delta whose ``delta.bin`` is already in its folder (the publisher), checking hashes."""
         d = sd.delta
         vs = VersionStore(self.folder_of(d.version, d.base_version), sd.as_signed_manifest)
-        vs._open(create=False)
-        write_atomic(vs.state / "manifest", encode(sd.envelope), durable=True)
-        for i in range(vs.manifest.num_pieces):
-            if not vs.manifest.check_piece(i, vs.read_piece(i)):
-                vs.close()
-                raise RuntimeError(f"delta piece {i} changed while publishing")
-            vs.verified.add(i)
-        vs.finish()
+        vs.adopt_written(encode(sd.envelope), what="delta piece")
         return vs
 
     def remove(self, version: int, base: int) -> None:

@@ -192,6 +192,19 @@ class VersionStore:
         os.fsync(self._log)
         write_atomic(self.state / "COMPLETE", self.signed.root, durable=True)
 
+    def adopt_written(self, envelope: bytes, what: str = "piece") -> None:
+        """Take the files already in the folder as this version, complete (the publisher's side):
+        save the signed manifest ``envelope``, hash-check every piece, finish. RuntimeError (and
+        the store closed) when a piece no longer matches: the files changed while publishing."""
+        self._open(create=False)
+        write_atomic(self.state / "manifest", envelope, durable=True)
+        for i in range(self.manifest.num_pieces):
+            if not self.manifest.check_piece(i, self.read_piece(i)):
+                self.close()
+                raise RuntimeError(f"{what} {i} changed while publishing")
+            self.verified.add(i)
+        self.finish()
+
 
 class PieceStore:
     """All versions under ``<data_dir>/checkpoints``."""
@@ -280,14 +293,7 @@ class PieceStore:
                 self._remove(signed.version)
             os.replace(staging, folder)
         vs = VersionStore(folder, signed)
-        vs._open(create=False)
-        write_atomic(vs.state / "manifest", encode(signed.envelope), durable=True)
-        for i in range(signed.manifest.num_pieces):
-            if not signed.manifest.check_piece(i, vs.read_piece(i)):
-                vs.close()
-                raise RuntimeError(f"piece {i} changed while publishing")
-            vs.verified.add(i)
-        vs.finish()
+        vs.adopt_written(encode(signed.envelope))
         return vs
 
     def prune(self, protect: set[int] = frozenset()) -> list[int]:
