@@ -22,6 +22,13 @@ def weights(seed: int):
     return bf16_values(N, seed)
 
 
+def two_versions(tmp_path: Path, seed: int) -> tuple[Path, Path]:
+    """v1 from ``seed`` and v2 one training step after it (a few values one ulp off)."""
+    w1 = weights(seed)
+    return (write_bf16_checkpoint(tmp_path / "v1", w1, 1),
+            write_bf16_checkpoint(tmp_path / "v2", next_step(w1, seed + 1), 2))
+
+
 def received(node, root: bytes) -> int:
     return sum(n for (_, r), n in node.shards.receipts().items() if r == root.hex())
 
@@ -29,9 +36,7 @@ def received(node, root: bytes) -> int:
 async def test_holder_of_v1_gets_v2_as_a_delta_newcomer_gets_it_whole(tmp_path: Path) -> None:
     trainer = Identity.generate()
     tr = [trainer.peer_id]
-    w1 = weights(1)
-    v1 = write_bf16_checkpoint(tmp_path / "v1", w1, 1)
-    v2 = write_bf16_checkpoint(tmp_path / "v2", next_step(w1, 2), 2)
+    v1, v2 = two_versions(tmp_path, 1)
     with trio.fail_after(90):
         async with open_shards_swarm() as swarm:
             t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **FAST)
@@ -76,9 +81,7 @@ class CorruptDeltas(DeltaSync):
 async def test_corrupt_delta_is_caught_and_costs_only_the_bad_pieces(tmp_path: Path) -> None:
     trainer = Identity.generate()
     tr = [trainer.peer_id]
-    w1 = weights(3)
-    v1 = write_bf16_checkpoint(tmp_path / "v1", w1, 1)
-    v2 = write_bf16_checkpoint(tmp_path / "v2", next_step(w1, 4), 2)
+    v1, v2 = two_versions(tmp_path, 3)
     corrupt = type("CorruptTrainer", (ShardsService,), {"deltas_class": CorruptDeltas})
     with trio.fail_after(90):
         async with open_shards_swarm() as swarm:
