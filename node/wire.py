@@ -91,6 +91,7 @@ class Bounds:
     exact_len: int | None = None  # bytes that must have a fixed length (keys, hashes, signatures)
     item_min: float | None = None  # bounds of each number in a list
     item_max: float | None = None
+    item_max_len: int | None = None  # length bound of each str/bytes in a list (else the frame cap)
 
 
 def bounded(
@@ -101,11 +102,13 @@ def bounded(
     exact_len: int | None = None,
     item_min: float | None = None,
     item_max: float | None = None,
+    item_max_len: int | None = None,
     default: Any = dataclasses.MISSING,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A dataclass field with wire bounds. Every str/bytes/list field must declare a max length."""
-    meta = {"bounds": Bounds(max_len=max_len, min=min, max=max, exact_len=exact_len, item_min=item_min, item_max=item_max)}
+    meta = {"bounds": Bounds(max_len=max_len, min=min, max=max, exact_len=exact_len, item_min=item_min, item_max=item_max,
+                             item_max_len=item_max_len)}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -216,7 +219,7 @@ def _check(name: str, hint: Any, value: Any, b: Bounds) -> Any:
             raise RemoteProtocolError("bad-field", f"{name}: expected list")
         _check_len(name, len(value), b)
         item_hint = args[0] if args else Any
-        inner_b = Bounds(max_len=MAX_FRAME, min=b.item_min, max=b.item_max)  # lengths: the frame cap
+        inner_b = Bounds(max_len=b.item_max_len or MAX_FRAME, min=b.item_min, max=b.item_max)
         items = [_check(f"{name}[]", item_hint, v, inner_b) for v in value]
         return tuple(items) if origin is tuple else items
     if origin is dict:

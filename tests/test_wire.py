@@ -38,7 +38,7 @@ class Sample(Message):
     name: str = bounded(max_len=8)
     count: int = bounded(min=0, max=100)
     blob: bytes = bounded(max_len=16, default=b"")
-    tags: list[str] = bounded(max_len=3, default_factory=list)
+    tags: list[str] = bounded(max_len=3, item_max_len=5, default_factory=list)
     ratio: float = bounded(min=0.0, max=1.0, default=0.5)
     logps: list[float] = bounded(max_len=4, item_min=-10.0, item_max=0.0, default_factory=list)
     free: float = bounded(default=0.0)  # no range: still finite
@@ -67,6 +67,7 @@ def test_round_trip():
         ({"name": "x", "count": 1, "free": float("-inf")}, "bad-field"),
         ({"name": "x", "count": 1, "logps": [-1.0, -1e30]}, "out-of-bounds"),
         ({"name": "x", "count": 1, "logps": [0.5]}, "out-of-bounds"),
+        ({"name": "x", "count": 1, "tags": ["p", "x" * 6]}, "oversized"),  # each item's length too
         ({"name": "x", "count": 1, "logps": [float("-inf")]}, "bad-field"),
         ({"name": "x", "count": 1, "logps": [float("nan")]}, "bad-field"),
     ],

@@ -35,7 +35,7 @@ class PeerRecord(Message):
     run: str = bounded(max_len=64)
     peer_id: str = bounded(max_len=MAX_PEER_ID)
     role: str = bounded(max_len=16)
-    addrs: list[str] = bounded(max_len=MAX_ADDRS)
+    addrs: list[str] = bounded(max_len=MAX_ADDRS, item_max_len=MAX_ADDR_LEN)
     software: str = bounded(max_len=32)
     seq: int = bounded(min=0, max=2**63 - 1)
     capabilities: list[str] = bounded(max_len=16, default_factory=list)
@@ -47,8 +47,6 @@ class PeerRecord(Message):
     reachability: str = bounded(max_len=16, default="unknown")
 
     def __post_init__(self) -> None:
-        if any(len(a) > MAX_ADDR_LEN for a in self.addrs):
-            raise ValueError("address too long")
         if self.reachability not in REACHABILITY:
             raise ValueError(f"reachability {self.reachability!r} is not one of {', '.join(REACHABILITY)}")
 

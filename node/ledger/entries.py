@@ -187,12 +187,10 @@ class Verdict(Body):
     step: int = bounded(min=0, max=2**32)
     batch_hash: bytes = bounded(exact_len=32)
     ok: bool
-    reasons: tuple[str, ...] = bounded(max_len=MAX_VERDICT_REASONS, default=())
+    reasons: tuple[str, ...] = bounded(max_len=MAX_VERDICT_REASONS, item_max_len=MAX_REASON, default=())
 
     def __post_init__(self) -> None:
         _check_peer_id("worker", self.worker)
-        if any(len(r) > MAX_REASON for r in self.reasons):
-            raise ValueError(f"a verdict reason is longer than {MAX_REASON}")
 
     def credits(self, author: str) -> list[Credit]:
         out = [Credit(author, "verdicts", 1)]

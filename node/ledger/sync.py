@@ -131,11 +131,7 @@ class RangeRequest(Message):
 class RangeReply(Message):
     TYPE: ClassVar[str] = "ledger-range"
     id: int = bounded(min=0, max=2**32)
-    entries: tuple[bytes, ...] = bounded(max_len=MAX_REPLY_ENTRIES)
-
-    def __post_init__(self) -> None:
-        if any(len(e) > MAX_ENTRY for e in self.entries):
-            raise ValueError("an entry exceeds MAX_ENTRY")
+    entries: tuple[bytes, ...] = bounded(max_len=MAX_REPLY_ENTRIES, item_max_len=MAX_ENTRY)
 
 
 @register

@@ -79,11 +79,7 @@ class DialBackRequest(Message):
     """Please dial me back on these addresses (only their TCP ports are used)."""
 
     TYPE: ClassVar[str] = "net.dialback-req"
-    addrs: list[str] = bounded(max_len=MAX_REQUEST_ADDRS)
-
-    def __post_init__(self) -> None:
-        if any(len(a) > MAX_ADDR_LEN for a in self.addrs):
-            raise ValueError("address too long")
+    addrs: list[str] = bounded(max_len=MAX_REQUEST_ADDRS, item_max_len=MAX_ADDR_LEN)
 
 
 @register
