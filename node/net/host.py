@@ -54,6 +54,7 @@ from .workarounds import (
     BatchedWindowCredit,
     CancelSafeFrames,
     HandlerErrors,
+    QuickLocks,
     StreamBytes,
     TcpBytes,
     WholeNoiseMessages,
@@ -257,6 +258,7 @@ async def open_swarm_host(
     TcpBytes.install()
     StreamBytes.install()
     CancelSafeFrames.install()
+    QuickLocks.install()
     BatchedWindowCredit.install()
     WholeNoiseMessages.install()
     YamuxSends.install()

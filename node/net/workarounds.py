@@ -8,6 +8,8 @@
   sender once half the window is consumed, as go-yamux does.
 * :class:`WholeNoiseMessages`: wake the connection's reader once a Noise message is all there
   (``SO_RCVLOWAT``), not for every TCP segment of it.
+* :class:`QuickLocks`: the locks py-libp2p takes for every read and write (TCP stream, Yamux
+  connection and stream, net stream) yield to the scheduler even when free; make a free one not.
 * :class:`YamuxSends`: size Yamux data frames to one Noise message each (py-libp2p's are 17 bytes
   too large, so every full frame went out as two), and wait for send window on an event instead
   of polling it every 10 ms.
@@ -132,7 +134,8 @@ class CancelSafeFrames:
                         with trio.move_on_after(5):
                             await self.secured_conn.close()
                         raise trio.BrokenResourceError(f"frame write stalled for {FRAME_WRITE_LIMIT:.0f} s")
-            await trio.lowlevel.checkpoint()
+            # The send itself yielded; only a cancellation that arrived meanwhile is still owed.
+            await trio.lowlevel.checkpoint_if_cancelled()
 
         Yamux._write_frame = write_frame
         cls._installed = True
@@ -173,6 +176,88 @@ class BatchedWindowCredit:
 
         YamuxStream._auto_tune_and_send_window_update = credit
         cls._installed = True
+
+
+class QuickLock:
+    """A ``trio.Lock`` whose acquire does not yield when the lock is free.
+
+    trio's ``acquire`` is a full checkpoint: a free lock still costs one pass through the scheduler
+    (``cancel_shielded_checkpoint``). py-libp2p takes about eleven of them per Noise message moved
+    (``bench/shards.py overhead``: 75,800 acquisitions for 7,060 messages), and each pass is one
+    more wake-up of the task. A held lock, or one with waiters, is waited for exactly as trio does,
+    first come first served (``acquire_nowait`` refuses while anyone waits). What is lost is only
+    the checkpoint's promise that the caller yields; every path that takes these locks then sends,
+    receives or waits, and that yields. Duck-typed: trio's locks cannot be subclassed.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock=None) -> None:
+        self._lock = lock if lock is not None else trio.Lock()
+
+    async def acquire(self) -> None:
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    def acquire_nowait(self) -> None:
+        self._lock.acquire_nowait()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def statistics(self):
+        return self._lock.statistics()
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc) -> None:
+        self._lock.release()
+
+
+class QuickLocks:
+    """Swap the per-message locks of py-libp2p 0.8.1 for :class:`QuickLock` (or a semaphore of one
+    wrapped the same way), by wrapping the constructors that make them.
+
+    Counted per Noise message in ``bench/shards.py overhead``: the TCP stream's read and write
+    locks, the Yamux connection's write lock and stream table lock, each stream's window lock and
+    the read-write lock its writers take, and the net stream's state lock. Taken ~75,800 times to
+    move 256 MiB; every other lock py-libp2p has is left as it is.
+    """
+
+    _installed = False
+    LOCKS = {
+        ("libp2p.io.trio", "TrioTCPStream"): ("read_lock", "write_lock"),
+        ("libp2p.stream_muxer.yamux.yamux", "Yamux"): ("_write_lock", "streams_lock"),
+        ("libp2p.stream_muxer.yamux.yamux", "YamuxStream"): ("window_lock",),
+        ("libp2p.network.stream.net_stream", "NetStream"): ("_state_lock",),
+        ("libp2p.stream_muxer.rw_lock", "ReadWriteLock"): ("_readers_lock", "_writer_lock"),
+    }
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        import importlib
+
+        for (module, name), attrs in cls.LOCKS.items():
+            klass = getattr(importlib.import_module(module), name)
+            klass.__init__ = cls._wrap(klass.__init__, attrs)
+        cls._installed = True
+
+    @staticmethod
+    def _wrap(init, attrs: tuple[str, ...]):
+        def quick_init(self, *args, **kwargs) -> None:
+            init(self, *args, **kwargs)
+            for attr in attrs:
+                setattr(self, attr, QuickLock(getattr(self, attr)))
+
+        return quick_init
 
 
 class YamuxSends:
@@ -230,7 +315,8 @@ class YamuxSends:
             while sent < total:
                 frame = None
                 while frame is None:
-                    async with self.rw_lock.write_lock():
+                    await self.rw_lock.acquire_write()  # writers of this stream, one frame each in turn
+                    try:
                         if self.send_closed:
                             raise MuxedStreamError("Stream is closed for sending")
                         async with self.window_lock:
@@ -241,6 +327,8 @@ class YamuxSends:
                                 self.send_window -= n
                                 frame = struct.pack(Y.YAMUX_HEADER_FORMAT, 0, Y.TYPE_DATA, 0, self.stream_id, n) \
                                     + data[sent:sent + n]
+                    finally:
+                        self.rw_lock.release_write()
                     if frame is None:
                         grew = self.__dict__["_window_grew"] = trio.Event()
                         if self.send_window > 0 or self.closed:  # changed before the event was in place
@@ -259,6 +347,9 @@ class YamuxSends:
 # The largest SO_RCVLOWAT asked for: a whole Noise message (2-byte length, so at most 65535 bytes).
 # Linux grows the socket's receive buffer to twice the low-water mark when needed (tcp_set_rcvlowat).
 MAX_RCVLOWAT = 65535
+# Bytes asked of the socket per read: whatever is there, up to four full Noise messages, so one
+# recv (and one trio wake-up) can bring in several messages on a fast link.
+READ_AHEAD = 4 * 65537
 
 
 def _tcp_socket(conn):
@@ -305,28 +396,39 @@ class WholeNoiseMessages:
             except OSError:  # closed meanwhile: the read below fails or ends as before
                 return False
 
-        async def read_msg(self) -> bytes:
-            length = await self.next_msg_len()
-            conn = self.read_write_closer
-            sock = _tcp_socket(conn) if option is not None else None
-            if sock is None:
-                return await read_exactly(conn, length)
-            body = bytearray(await conn.read(length))  # what is there already: no wait, no mark
+        async def fill(conn, sock, ahead: bytearray, need: int) -> None:
+            """Read until ``ahead`` holds ``need`` bytes: first what is there, then with the mark."""
             mark = 1
             try:
-                while len(body) < length:
-                    want = min(length - len(body), MAX_RCVLOWAT)
-                    if want != mark and set_mark(sock, want):
-                        mark = want
-                    chunk = await conn.read(length - len(body))
+                while len(ahead) < need:
+                    chunk = await conn.read(max(READ_AHEAD, need - len(ahead)))
                     if not chunk:
-                        raise IncompleteReadError(f"connection closed with {length - len(body)} of a "
-                                                  f"{length}-byte Noise message missing")
-                    body += chunk
+                        raise IncompleteReadError(f"connection closed with {need - len(ahead)} bytes of a "
+                                                  "Noise message missing")
+                    ahead += chunk
+                    want = min(need - len(ahead), MAX_RCVLOWAT)
+                    if want > 1 and want != mark and set_mark(sock, want):
+                        mark = want
             finally:
                 if mark != 1:
                     set_mark(sock, 1)
-            return bytes(body)
+
+        async def read_msg(self) -> bytes:
+            conn = self.read_write_closer
+            sock = _tcp_socket(conn) if option is not None else None
+            if sock is None:
+                return await read_exactly(conn, await self.next_msg_len())
+            # On the connection, not on this reader: the handshake's reader and the transport's
+            # are two objects over one connection, and bytes read ahead by one belong to the other.
+            ahead = conn.__dict__.setdefault("_noise_read_ahead", bytearray())
+            if len(ahead) < 2:
+                await fill(conn, sock, ahead, 2)
+            end = 2 + int.from_bytes(ahead[:2], "big")
+            if len(ahead) < end:
+                await fill(conn, sock, ahead, end)
+            msg = bytes(ahead[2:end])
+            del ahead[:end]
+            return msg
 
         NoisePacketReadWriter.read_msg = read_msg
         cls._installed = True
