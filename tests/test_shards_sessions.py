@@ -7,10 +7,12 @@ import random
 from types import SimpleNamespace
 
 import trio
+import trio.testing
 
 from node.shards.client import Download
-from node.shards.protocol import MAX_SHARDS_FRAME, Have
-from node.shards.server import HAVE_DELAY, ServerSession
+from node.shards.protocol import MAX_SHARDS_FRAME, Data, Have, Reject, Request
+from node.shards.server import HAVE_DELAY, SEND_BATCH, ServerSession
+from node.shards.throttle import TokenBucket
 from node.wire import _LEN, decode
 
 
@@ -49,6 +51,37 @@ async def test_lone_haves_go_out_together_within_the_delay(autojump_clock):
     assert [round(t - t0, 6) for t, _ in writes] == [HAVE_DELAY, round(2.5 * HAVE_DELAY, 6)]
     assert [[m.piece for m in frames_in(d)] for _, d in writes] == [[1, 2, 3], [4]]
     assert all(isinstance(m, Have) for _, d in writes for m in frames_in(d))
+
+
+async def test_queued_blocks_go_out_together_up_to_the_batch():
+    """A block alone ends in a Noise message of a few bytes; the blocks a peer has queued go out in
+    one write, up to SEND_BATCH bytes of them, in the order asked, a refusal among them in its place."""
+    writes: list[bytes] = []
+    block = 128 * 1024
+
+    class Stream:
+        async def write(self, data: bytes) -> None:
+            writes.append(data)
+
+    vs = SimpleNamespace(signed=SimpleNamespace(root=b"r" * 32), verified={0, 1},
+                         read_block=lambda piece, offset, length: bytes([piece]) * length)
+    served = []
+    svc = SimpleNamespace(superseeders={}, serve_slots=trio.Semaphore(1), bucket=TokenBucket(0, 0, 0),
+                          m_served=SimpleNamespace(inc=served.append))
+    sess = ServerSession(svc, Stream(), "peer", vs)
+    asked = [Request(piece=p, offset=o, length=block) for p in (0, 1) for o in (0, block, 2 * block)]
+    asked.insert(2, Request(piece=7, offset=0, length=block))  # not held
+    sess.queue.extend(asked)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sess._serve_queue)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    per_write = [frames_in(w) for w in writes]
+    assert [len(f) for f in per_write] == [SEND_BATCH // block + 1, 2]  # the refusal is no block
+    got = [m for f in per_write for m in f]
+    assert [(m.piece, m.offset) for m in got] == [(r.piece, r.offset) for r in asked]
+    assert isinstance(got[2], Reject) and all(isinstance(m, Data) for i, m in enumerate(got) if i != 2)
+    assert served == [block] * 6
 
 
 def test_a_download_opens_a_session_to_the_announcer_and_spreads_over_the_rest():

@@ -51,6 +51,10 @@ log = logging.getLogger("node.shards.service")  # the sessions log as part of th
 # wake-up at the receiver. At ~8 pieces a second per downloader (32 MiB, 128 KiB pieces, 10 Mbit/s)
 # that halves them; a piece is shown at most this much later.
 HAVE_DELAY = 0.2
+# Blocks queued by one peer go out together, up to this many bytes per write: a block alone ends in
+# a Noise message of a few bytes (a 128 KiB block and its framing are 60 bytes more than two full
+# messages), and each message costs an encryption, a send, and a read and wake-up at the peer.
+SEND_BATCH = 512 * 1024
 MAX_QUEUED_REQUESTS = 128  # per session; more is a flood (our own picker asks for <= 32)
 # What a downloader sends us is small: the largest is a Hello with a whole bitfield.
 MAX_INBOUND_FRAME = MAX_BITFIELD + 1024
@@ -176,15 +180,27 @@ class ServerSession:
                 self.wakeup.set()  # the writer starts the clock
             self.haves.append(piece)
 
-    async def _send(self, msg: Message | None) -> None:
-        """Write the queued Haves and then ``msg`` (if any) in one stream write."""
+    async def _send(self, *msgs: Message) -> None:
+        """Write the queued Haves and then ``msgs`` in one stream write."""
         frames = [frame_of(Have(piece=p)) for p in self.haves]
         self.haves.clear()
-        if msg is not None:
-            frames.append(frame_of(msg))
+        frames.extend(frame_of(m) for m in msgs)
         if frames:
             async with self.lock:
                 await self.stream.write(b"".join(frames))
+
+    def _replies(self) -> list[Message]:
+        """Answers to the requests at the head of the queue, up to SEND_BATCH bytes of blocks."""
+        replies: list[Message] = []
+        size = 0
+        while self.queue and size < SEND_BATCH:
+            req = self.queue.popleft()
+            reply = self.reply_to(req) if self.may_serve(req.piece) else \
+                Reject(piece=req.piece, offset=req.offset, reason=NOT_HELD)
+            if reply is not None:
+                replies.append(reply)
+                size += len(reply.data) if isinstance(reply, Data) else 0
+        return replies
 
     async def _serve_queue(self) -> None:
         svc = self.svc
@@ -194,26 +210,20 @@ class ServerSession:
                 if not self.haves:
                     await self.wakeup.wait()
                 elif trio.current_time() >= self.haves_due:
-                    await self._send(None)
+                    await self._send()
                 else:
                     with trio.move_on_at(self.haves_due):
                         await self.wakeup.wait()
-            req = self.queue.popleft()
-            if not self.may_serve(req.piece):
-                await self._send(Reject(piece=req.piece, offset=req.offset, reason=NOT_HELD))
-                continue
             async with svc.serve_slots:
-                reply = self.reply_to(req)
-                if reply is None:
-                    continue
-                if isinstance(reply, Data):
-                    wait = svc.bucket.delay(len(reply.data), trio.current_time())
-                    if wait > 0:
-                        await trio.sleep(wait)
-                await self._send(reply)
-            if isinstance(reply, Data):
-                svc.m_served.inc(len(reply.data))
-                self._note_written(reply)
+                replies = self._replies()
+                blocks = [r for r in replies if isinstance(r, Data)]
+                wait = svc.bucket.delay(sum(len(b.data) for b in blocks), trio.current_time())
+                if wait > 0:
+                    await trio.sleep(wait)
+                await self._send(*replies)
+            for block in blocks:
+                svc.m_served.inc(len(block.data))
+                self._note_written(block)
 
     def reply_to(self, req: Request) -> Message | None:
         """The answer to one request (tests subclass this to play a lying or silent peer)."""
