@@ -186,8 +186,10 @@ class QuickLock:
     (``bench/shards.py overhead``: 75,800 acquisitions for 7,060 messages), and each pass is one
     more wake-up of the task. A held lock, or one with waiters, is waited for exactly as trio does,
     first come first served (``acquire_nowait`` refuses while anyone waits). What is lost is only
-    the checkpoint's promise that the caller yields; every path that takes these locks then sends,
-    receives or waits, and that yields. Duck-typed: trio's locks cannot be subclassed.
+    the checkpoint's promise that the caller yields: every path that takes these locks goes on to
+    a send, a receive or a wait, which yields unless its data is already there (a reader draining a
+    stream's buffer then runs until the buffer is empty, as with any buffered read). Duck-typed:
+    trio's locks cannot be subclassed.
     """
 
     __slots__ = ("_lock",)
