@@ -203,9 +203,6 @@ class QuickLock:
         except trio.WouldBlock:
             await self._lock.acquire()
 
-    def acquire_nowait(self) -> None:
-        self._lock.acquire_nowait()
-
     def release(self) -> None:
         self._lock.release()
 
