@@ -10,6 +10,10 @@
   (``SO_RCVLOWAT``), not for every TCP segment of it.
 * :class:`QuickLocks`: the locks py-libp2p takes for every read and write (TCP stream, Yamux
   connection and stream, net stream) yield to the scheduler even when free; make a free one not.
+* :class:`PeerRecordReuse`: pubsub signs our peer record for every RPC it sends and verifies the
+  sender's for every one it receives; reuse both while they are unchanged.
+* :class:`SeenMessagesSpawnNothing`: pubsub starts a task for every gossip message it receives,
+  duplicates included; check its seen cache first.
 * :class:`YamuxSends`: size Yamux data frames to one Noise message each (py-libp2p's are 17 bytes
   too large, so every full frame went out as two), and wait for send window on an event instead
   of polling it every 10 ms.
@@ -257,6 +261,101 @@ class QuickLocks:
                 setattr(self, attr, QuickLock(getattr(self, attr)))
 
         return quick_init
+
+
+class PeerRecordReuse:
+    """Sign our peer record once per few seconds and verify each peer's once per minute in pubsub.
+
+    py-libp2p 0.8.1 attaches our signed peer record to every pubsub RPC it sends and re-verifies the
+    sender's on every RPC it receives (twice for gossipsub control messages). Building ours parses
+    every listen address into a multiaddr (``host.get_addrs()``); checking theirs is one Ed25519
+    verification and a peerstore update. For an idle relay at N=25 (``py-spy --gil``) that was 14 %
+    of its CPU, for about twelve small RPCs a second. Now the record we send is rebuilt at most every
+    :attr:`SEND_TTL` seconds (a peer's py-libp2p may learn of a change of our addresses that much
+    later; our own membership records carry the addresses we dial by, and are republished at once), and a record received again byte for byte
+    from the same peer within :attr:`VERIFY_TTL` seconds of verifying it is accepted without a
+    second verification. Different bytes, or a record whose verification failed, go through
+    py-libp2p's check as before, so a forged record is refused as it was. Re-consumed once per
+    :attr:`VERIFY_TTL`, far inside the peerstore's 2 h TTL for it.
+    """
+
+    SEND_TTL = 30.0
+    VERIFY_TTL = 60.0
+    MAX_VERIFIED = 4096  # peers remembered per host; the oldest is forgotten first
+    MODULES = ("libp2p.pubsub.pubsub", "libp2p.pubsub.gossipsub", "libp2p.pubsub.floodsub")
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        import importlib
+
+        from libp2p.peer import peerstore
+        from libp2p.pubsub import utils
+
+        build, consume = peerstore.env_to_send_in_RPC, utils.maybe_consume_signed_record
+
+        def env_to_send_in_RPC(host):
+            now = trio.current_time()
+            cached = host.__dict__.get("_record_to_send")
+            if cached is None or now >= cached[1]:
+                cached = (build(host), now + cls.SEND_TTL)
+                host.__dict__["_record_to_send"] = cached
+            return cached[0]
+
+        def maybe_consume_signed_record(msg, host, peer_id) -> bool:
+            if not msg.HasField("senderRecord"):
+                return True
+            record, now = msg.senderRecord, trio.current_time()
+            verified = host.__dict__.setdefault("_records_verified", {})
+            seen = verified.get(peer_id)
+            if seen is not None and seen[0] == record and now < seen[1]:
+                return True
+            if not consume(msg, host, peer_id):
+                return False
+            verified.pop(peer_id, None)
+            if len(verified) >= cls.MAX_VERIFIED:
+                verified.pop(next(iter(verified)))
+            verified[peer_id] = (record, now + cls.VERIFY_TTL)
+            return True
+
+        for name in cls.MODULES:
+            module = importlib.import_module(name)
+            module.env_to_send_in_RPC = env_to_send_in_RPC
+            module.maybe_consume_signed_record = maybe_consume_signed_record
+        cls._installed = True
+
+
+class SeenMessagesSpawnNothing:
+    """Drop a gossip message already seen before a task is made for it (py-libp2p 0.8.1).
+
+    ``Pubsub.continuously_read_stream`` starts one service task per message received
+    (``manager.run_task(self.push_msg, ...)``), and ``run_task`` finds the new task's parent by
+    walking the whole task tree of the pubsub service. With a mesh of 9, eight of every nine
+    copies of a message are duplicates that ``push_msg`` then drops at its seen-cache check. That
+    check now runs before the task is made; what happens to each message is unchanged
+    (``push_msg``'s earlier checks, the blacklists, also only drop it).
+    """
+
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        from libp2p.pubsub.pubsub import Pubsub
+        from libp2p.tools.anyio_service.trio_manager import TrioManager
+
+        run_task, push_msg = TrioManager.run_task, Pubsub.push_msg
+
+        def run_task_unless_seen(self, async_fn, *args, **kwargs) -> None:
+            if getattr(async_fn, "__func__", None) is push_msg and async_fn.__self__._is_msg_seen(args[1]):
+                return
+            run_task(self, async_fn, *args, **kwargs)
+
+        TrioManager.run_task = run_task_unless_seen
+        cls._installed = True
 
 
 class YamuxSends:
