@@ -26,6 +26,7 @@ checkpoints, ledger) *before* py-libp2p forwards them, so garbage is neither sto
 from __future__ import annotations
 
 import contextlib
+import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -54,7 +55,9 @@ from .workarounds import (
     BatchedWindowCredit,
     CancelSafeFrames,
     HandlerErrors,
+    PeerRecordReuse,
     QuickLocks,
+    SeenMessagesSpawnNothing,
     StreamBytes,
     TcpBytes,
     WholeNoiseMessages,
@@ -76,6 +79,7 @@ OPEN_STREAM_TIMEOUT = 10.0
 # What opening or using a stream raises when the other side is gone, unreachable or too slow.
 STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError)
 MAX_KEPT_PING_STREAMS = 64  # one per peer we ping; SWIM probes only connected members (<= conn_high)
+ADDRS_TTL = 10.0  # seconds our own addresses are reused for (SwarmHost._addrs_of)
 
 StreamHandler = Callable[[object], Awaitable[None]]
 
@@ -138,6 +142,7 @@ class SwarmHost:
     # protocol -> the inbound budget of its handler (node/net/reqres.py Inbound), for status
     inbound: dict[str, object] = field(default_factory=dict)
     _ping_streams: dict[str, object] = field(default_factory=dict)  # peer -> stream of its last good ping
+    _addrs: dict[str, tuple[float, list[str]]] = field(default_factory=dict)  # kind -> (until, addrs)
 
     @property
     def peer_id(self) -> str:
@@ -145,11 +150,30 @@ class SwarmHost:
 
     def listen_addrs(self) -> list[str]:
         """Full multiaddrs (with /p2p/<id>) we are listening on."""
-        return [str(a) for a in self.host.get_addrs()]
+        return self._addrs_of("listen", self.host.get_addrs)
 
     def transport_addrs(self) -> list[str]:
         """Listen addresses without the /p2p suffix (what a peer record advertises)."""
-        return [str(a) for a in self.host.get_transport_addrs()]
+        return self._addrs_of("transport", self.host.get_transport_addrs)
+
+    def _addrs_of(self, kind: str, addrs: Callable[[], list]) -> list[str]:
+        """``addrs()`` as text, computed at most once per :data:`ADDRS_TTL` of trio time.
+
+        py-libp2p rebuilds every multiaddr from the listening sockets on each call: 0.4 ms in an
+        idle node (its code cold in the CPU's caches), and status, the membership tick and pubsub
+        asked ~8 times a second. Listen addresses are fixed once the host listens; an address observed
+        by peers (identify) is shown at most that much later. Peer records add relayed addresses
+        to these uncached (``advertised_addrs``).
+        """
+        try:
+            now = trio.current_time()
+        except RuntimeError:  # outside trio: nothing to save
+            return [str(a) for a in addrs()]
+        until, text = self._addrs.get(kind, (-math.inf, []))
+        if now >= until:
+            text = [str(a) for a in addrs()]
+            self._addrs[kind] = (now + ADDRS_TTL, text)
+        return list(text)
 
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self.host.get_connected_peers()]
@@ -262,6 +286,8 @@ async def open_swarm_host(
     BatchedWindowCredit.install()
     WholeNoiseMessages.install()
     YamuxSends.install()
+    PeerRecordReuse.install()
+    SeenMessagesSpawnNothing.install()
     keypair = to_libp2p_keypair(identity)
     noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
     addrs = [parse_multiaddr(a) for a in listen]
