@@ -93,7 +93,8 @@ SYNC_LIMITS = StreamLimits(streams=32, streams_per_peer=2, frame_cap=MAX_FRAME,
                            buffer_bytes=8 * MAX_FRAME, buffer_per_peer=MAX_FRAME)
 MAX_PROBE_REQS = 8  # ping-reqs we serve at once for others
 DIAL_TIMEOUT = 3.0
-TICK = 0.25
+TICK = 0.25  # membership timers (suspicion, expiry) and lost connections
+HOUSEKEEPING = 1.0  # seconds between refreshes of our record's fields and the member gauges
 CLOSING_S = 5.0  # seconds after a deliberate close during which the connection may still be listed
 PRUNE_MEMORY = 30.0  # seconds a deliberate close (ours or theirs) keeps a lost connection from looking like a failure
 # How far ahead of our own seq an accusation about us may be and still be answered: members accept
@@ -482,20 +483,23 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
             return lost
 
         async def tick_loop() -> None:
+            housekeeping_at = -math.inf
             while True:
                 await trio.sleep(TICK)
                 now = trio.current_time()
-                held = shards.versions_held()[-MAX_VERSIONS:]
-                # A relay reservation adds an address; a new checkpoint version changes what we hold.
-                svc.update(addrs=advertised_addrs(node, relay), checkpoints=held)
+                if now >= housekeeping_at:  # nothing here needs the tick's precision
+                    housekeeping_at = now + HOUSEKEEPING
+                    held = shards.versions_held()[-MAX_VERSIONS:]  # reads the data dir
+                    # A relay reservation adds an address; a new checkpoint version changes what we hold.
+                    svc.update(addrs=advertised_addrs(node, relay), checkpoints=held)
+                    for state, count in table.counts().items():
+                        members_gauge.labels(state=state).set(count)
                 for acc in table.tick(now):
                     log.info("dead %s", acc.target[:16])
                     await publish(DOMAIN_DEAD, acc)
                 if len(svc.envelopes) > len(table.members):  # entries expired, evicted or forgotten
                     for pid in [p for p in svc.envelopes if p not in table.members]:
                         del svc.envelopes[pid]
-                for state, count in table.counts().items():
-                    members_gauge.labels(state=state).set(count)
                 connected = set(node.host.connected_peers())
                 for p in connected:
                     table.on_reached(p, now)  # an authenticated connection: first-hand evidence

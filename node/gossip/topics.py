@@ -19,6 +19,8 @@ from ..wire import RemoteProtocolError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_CHECKED = 256  # validated messages awaiting delivery, per topic
+_UNCHECKED = object()
 
 
 @dataclass
@@ -31,11 +33,13 @@ class Delivery(Generic[T]):
 
 
 class CheckedTopic(Generic[T]):
-    def __init__(self, node: NodeContext, topic: str, check: Callable[[bytes], T], subscription) -> None:
+    def __init__(self, node: NodeContext, topic: str, check: Callable[[bytes], T], subscription,
+                 checked: dict[bytes, T] | None = None) -> None:
         self.node = node
         self.topic = topic
         self._check = check
         self._subscription = subscription
+        self._checked = checked if checked is not None else {}
 
     async def publish(self, data: bytes) -> None:
         await self.node.host.pubsub.publish(self.topic, data)
@@ -45,12 +49,14 @@ class CheckedTopic(Generic[T]):
     async def __aiter__(self) -> AsyncIterator[Delivery[T]]:
         while True:
             msg = await self._subscription.get()
-            try:
-                # Re-checking is cheap (one Ed25519 verify) and keeps this independent of how
-                # py-libp2p caches validation results.
-                value = self._check(msg.data)
-            except RemoteProtocolError:
-                continue  # counted by the validator already
+            # The validator's result for these exact bytes, else a check of our own: what is
+            # delivered never depends on py-libp2p having run the validator first.
+            value = self._checked.pop(msg.data, _UNCHECKED)
+            if value is _UNCHECKED:
+                try:
+                    value = self._check(msg.data)
+                except RemoteProtocolError:
+                    continue  # counted by the validator already
             forwarder = _peer_str(msg.from_id)
             self.node.metrics.messages_in.labels(topic=self.topic).inc()
             self.node.metrics.bytes_in.labels(topic=self.topic).inc(len(msg.data))
@@ -72,9 +78,14 @@ async def open_checked_topic(
 ) -> AsyncIterator[CheckedTopic[T]]:
     """Subscribe to ``topic`` with ``check`` as its validator; unsubscribe on exit."""
 
+    checked: dict[bytes, object] = {}  # validated, not yet delivered (delivery pops it)
+
     def validator(forwarder, msg) -> bool:
         try:
-            check(msg.data)
+            value = check(msg.data)
+            if len(checked) >= MAX_CHECKED:  # deliveries dropped by a full subscription queue
+                checked.pop(next(iter(checked)))
+            checked[msg.data] = value
             return True
         except RemoteProtocolError as e:
             node.metrics.reject(topic, e.reason)
@@ -85,6 +96,6 @@ async def open_checked_topic(
     pubsub.set_topic_validator(topic, validator, False)
     subscription = await pubsub.subscribe(topic)
     try:
-        yield CheckedTopic(node, topic, check, subscription)
+        yield CheckedTopic(node, topic, check, subscription, checked)
     finally:
         pubsub.remove_topic_validator(topic)
