@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import trio
 
+from libp2p.peer.id import ID
+
 from node.gossip.membership import MemberState
 from node.gossip.records import DOMAIN_RECORD, PeerRecord
 from node.net.host import open_swarm_host
@@ -300,3 +302,30 @@ async def test_a_trainer_role_not_in_the_run_file_is_shown_as_unlisted(tmp_path,
         lines = console.export_text().splitlines()
         assert any(pretender.peer_id[:20] in ln and "trainer (unlisted)" in ln for ln in lines)
         assert any(listed.peer_id[:20] in ln and "trainer" in ln and "unlisted" not in ln for ln in lines)
+
+
+async def test_a_delivered_message_is_checked_once_by_its_validator_not_again(tmp_path, fast_membership):
+    """The topic validator's result for these bytes is what the subscriber gets, without a second
+    check at delivery (one more Ed25519 verification per membership record)."""
+    from node.gossip.topics import open_checked_topic
+
+    configs = [node_config(tmp_path, f"n{i}", membership=fast_membership) for i in range(2)]
+    async with open_nodes(configs) as (a, b):
+        await wait_for(lambda: sees_all([a, b]), what="both nodes see each other")
+        checked: list[bytes] = []
+
+        def check(data: bytes) -> str:
+            checked.append(data)
+            return data.decode()
+
+        name = a.topic("checked-once")
+        async with open_checked_topic(b, name, check) as topic, open_checked_topic(a, name, lambda d: d) as out:
+            await wait_for(lambda: ID.from_base58(a.peer_id) in b.host.pubsub.peer_topics.get(name, ()),
+                           what="b knows a subscribes")
+            await wait_for(lambda: ID.from_base58(b.peer_id) in a.host.pubsub.peer_topics.get(name, ()),
+                           what="a knows b subscribes")
+            await out.publish(b"hello")
+            async for delivery in topic:
+                assert delivery.value == "hello"
+                break
+        assert checked == [b"hello"]  # twice before: validator, then delivery

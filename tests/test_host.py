@@ -346,3 +346,94 @@ async def test_the_locks_of_each_message_are_quick_and_noise_reads_take_several_
     assert got == [bytes([k % 256]) * 100 for k in range(frames)]
     receiver = max(reads.values())
     assert receiver < frames, f"{receiver} reads for {frames} Noise messages"
+
+
+async def test_a_peer_record_is_verified_once_while_unchanged_and_a_forged_one_is_still_refused(monkeypatch):
+    """py-libp2p re-verified the sender's signed peer record on every pubsub RPC (one Ed25519 check
+    and a peerstore update each). The same bytes from the same peer are now checked once per
+    VERIFY_TTL; a record with one byte changed, or one sent by another peer, goes through the check."""
+    from libp2p.peer import peerstore
+    from libp2p.pubsub import pubsub as pubsub_module
+    from libp2p.pubsub.pb import rpc_pb2
+
+    async with connected_hosts() as (a, b):
+        record, _ = peerstore.env_to_send_in_RPC(b.host)
+        assert peerstore.env_to_send_in_RPC is not pubsub_module.env_to_send_in_RPC  # ours is installed
+        store = a.host.get_peerstore()
+        consumed = []
+        consume_peer_record = store.consume_peer_record
+        monkeypatch.setattr(store, "consume_peer_record", lambda env, ttl: consumed.append(1) or consume_peer_record(env, ttl))
+        check = pubsub_module.maybe_consume_signed_record
+        sender = ID.from_base58(b.peer_id)
+        a.host.__dict__.pop("_records_verified", None)  # forget what b's first RPCs brought
+
+        def rpc(raw: bytes):
+            msg = rpc_pb2.RPC()
+            msg.senderRecord = raw
+            return msg
+
+        assert all(check(rpc(record), a.host, sender) for _ in range(20))
+        assert len(consumed) == 1
+        forged = bytearray(record)
+        forged[-1] ^= 1  # inside the signature
+        assert not check(rpc(bytes(forged)), a.host, sender)
+        assert not check(rpc(record), a.host, ID.from_base58(a.peer_id))  # b's record, claimed by another peer
+        assert check(rpc_pb2.RPC(), a.host, sender)  # none sent: nothing to check
+        assert len(consumed) == 1
+
+
+async def test_our_peer_record_is_built_once_per_ttl_not_per_rpc(autojump_clock, monkeypatch):
+    from libp2p.pubsub import gossipsub
+
+    from node.net.workarounds import PeerRecordReuse
+
+    async with open_swarm_host(Identity.generate(), LOOPBACK) as a:
+        calls = []
+        get_addrs = a.host.get_addrs
+        monkeypatch.setattr(a.host, "get_addrs", lambda: calls.append(1) or get_addrs())
+        await trio.sleep(PeerRecordReuse.SEND_TTL)  # what start-up built has expired
+        first = gossipsub.env_to_send_in_RPC(a.host)
+        built = len(calls)
+        assert built >= 1
+        assert all(gossipsub.env_to_send_in_RPC(a.host) == first for _ in range(50))
+        assert len(calls) == built
+        await trio.sleep(PeerRecordReuse.SEND_TTL)
+        gossipsub.env_to_send_in_RPC(a.host)
+        assert len(calls) > built
+
+
+async def test_our_addresses_are_read_from_the_sockets_once_per_ttl(autojump_clock, monkeypatch):
+    from node.net.host import ADDRS_TTL
+
+    async with open_swarm_host(Identity.generate(), LOOPBACK) as a:
+        await trio.sleep(ADDRS_TTL)  # what start-up cached has expired
+        calls = []
+        for name in ("get_addrs", "get_transport_addrs"):
+            real = getattr(a.host, name)
+            monkeypatch.setattr(a.host, name, lambda real=real, name=name: calls.append(name) or real())
+        listen, transport = a.listen_addrs(), a.transport_addrs()
+        for _ in range(20):
+            assert a.listen_addrs() == listen and a.transport_addrs() == transport
+        assert calls.count("get_addrs") == 1 and calls.count("get_transport_addrs") == 2  # one inside get_addrs
+        assert listen == [f"{t}/p2p/{a.peer_id}" for t in transport]
+        await trio.sleep(ADDRS_TTL)
+        a.listen_addrs()
+        assert calls.count("get_addrs") == 2
+
+
+async def test_a_gossip_message_already_seen_starts_no_task():
+    """pubsub started one service task per message received, duplicates included (eight of nine
+    copies with a mesh of 9), walking its whole task tree for each; a seen one now starts none."""
+    from libp2p.pubsub.pb import rpc_pb2
+
+    async with open_swarm_host(Identity.generate(), LOOPBACK) as a:
+        pubsub, manager = a.pubsub, a.pubsub.manager
+        msg = rpc_pb2.Message(from_id=ID.from_base58(a.peer_id).to_bytes(), seqno=b"\x00" * 7 + b"\x01",
+                              data=b"x", topicIDs=["/test/none"])
+        peer = ID.from_base58(Identity.generate().peer_id)
+        before = manager._total_task_count
+        manager.run_task(pubsub.push_msg, peer, msg)  # unseen: a task, as before
+        assert manager._total_task_count == before + 1
+        pubsub._mark_msg_seen(msg)
+        manager.run_task(pubsub.push_msg, peer, msg)
+        assert manager._total_task_count == before + 1
