@@ -437,3 +437,21 @@ async def test_a_gossip_message_already_seen_starts_no_task():
         pubsub._mark_msg_seen(msg)
         manager.run_task(pubsub.push_msg, peer, msg)
         assert manager._total_task_count == before + 1
+
+
+async def test_an_idle_connection_pings_for_its_round_trip_every_two_minutes_not_every_30_s(autojump_clock, monkeypatch):
+    from libp2p.stream_muxer.yamux.yamux import Yamux
+
+    pings = []
+
+    async with connected_hosts():
+        write_frame = Yamux._write_frame  # the hosts' own (CancelSafeFrames)
+
+        async def counted(self, data: bytes, *args, **kwargs):
+            if len(data) >= 12 and struct.unpack(YAMUX_HEADER_FORMAT, data[:12])[1] == TYPE_PING and data[3] & FLAG_SYN:
+                pings.append(trio.current_time())
+            return await write_frame(self, data, *args, **kwargs)
+
+        monkeypatch.setattr(Yamux, "_write_frame", counted)
+        await trio.sleep(600)
+    assert 2 * 5 <= len(pings) <= 2 * 6  # each end: one after 0.5 s, then one per 120 s (21 per 600 s before)

@@ -54,6 +54,7 @@ from ..identity import Identity
 from .workarounds import (
     BatchedWindowCredit,
     CancelSafeFrames,
+    FewerYamuxPings,
     HandlerErrors,
     PeerRecordReuse,
     QuickLocks,
@@ -288,6 +289,7 @@ async def open_swarm_host(
     YamuxSends.install()
     PeerRecordReuse.install()
     SeenMessagesSpawnNothing.install()
+    FewerYamuxPings.install()
     keypair = to_libp2p_keypair(identity)
     noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
     addrs = [parse_multiaddr(a) for a in listen]

@@ -14,6 +14,8 @@
   sender's for every one it receives; reuse both while they are unchanged.
 * :class:`SeenMessagesSpawnNothing`: pubsub starts a task for every gossip message it receives,
   duplicates included; check its seen cache first.
+* :class:`FewerYamuxPings`: every connection pings from both ends every 30 s to tune its window;
+  every 2 minutes is enough.
 * :class:`YamuxSends`: size Yamux data frames to one Noise message each (py-libp2p's are 17 bytes
   too large, so every full frame went out as two), and wait for send window on an event instead
   of polling it every 10 ms.
@@ -355,6 +357,30 @@ class SeenMessagesSpawnNothing:
             run_task(self, async_fn, *args, **kwargs)
 
         TrioManager.run_task = run_task_unless_seen
+        cls._installed = True
+
+
+class FewerYamuxPings:
+    """Measure a Yamux connection's round trip every 2 minutes instead of every 30 s.
+
+    py-libp2p 0.8.1 pings every connection every ``RTT_MEASURE_INTERVAL`` seconds from each end,
+    for its window auto-tuning: with ~20 connections, a ping and a pong sent and received every
+    second or so by an idle node, each a Noise message and a wake-up. The first measurement, half a
+    second after a connection opens, is kept, so a new connection's window tunes as before. The
+    pings are not needed to keep idle connections alive: membership probes each connected member
+    (one per second, round robin) and gossipsub's mesh carries records.
+    """
+
+    INTERVAL = 120.0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        from libp2p.stream_muxer.yamux import yamux
+
+        yamux.RTT_MEASURE_INTERVAL = cls.INTERVAL  # read by _measure_rtt_loop on every round
         cls._installed = True
 
 
