@@ -38,7 +38,21 @@ from .budget import Budget, StreamLimits
 log = logging.getLogger(__name__)
 
 
-class TcpBytes:
+class Patch:
+    """A change to py-libp2p's classes or modules, made once per process (all its hosts share them)."""
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls.__dict__.get("_installed", False):
+            cls._patch()
+            cls._installed = True
+
+    @classmethod
+    def _patch(cls) -> None:
+        raise NotImplementedError
+
+
+class TcpBytes(Patch):
     """Bytes this process moved over libp2p TCP connections (after Noise and Yamux framing).
 
     py-libp2p keeps no such count, so the first host wraps ``TrioTCPStream.read/write`` once.
@@ -47,19 +61,15 @@ class TcpBytes:
 
     sent = 0
     received = 0
-    _installed = False
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
+    def _patch(cls) -> None:
         from libp2p.io.trio import TrioTCPStream
 
         def count(stream, direction: str, n: int) -> None:
             setattr(cls, direction, getattr(cls, direction) + n)
 
         _count_io(TrioTCPStream, count)
-        cls._installed = True
 
 
 def _count_io(stream_cls, count) -> None:
@@ -78,7 +88,7 @@ def _count_io(stream_cls, count) -> None:
     stream_cls.write, stream_cls.read = counted_write, counted_read
 
 
-class StreamBytes:
+class StreamBytes(Patch):
     """Payload bytes this process moved on libp2p streams, by protocol (before Yamux and Noise).
 
     The figure that says *which* protocol costs what (membership, gossipsub, ping, shards...);
@@ -87,12 +97,9 @@ class StreamBytes:
 
     sent: dict[str, int] = {}
     received: dict[str, int] = {}
-    _installed = False
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
+    def _patch(cls) -> None:
         from libp2p.network.stream.net_stream import NetStream
 
         def count(stream, direction: str, n: int) -> None:
@@ -101,7 +108,6 @@ class StreamBytes:
             by_protocol[key] = by_protocol.get(key, 0) + n
 
         _count_io(NetStream, count)
-        cls._installed = True
 
 
 # A Yamux frame write that has not finished after this long means the peer stopped reading; the
@@ -111,7 +117,7 @@ class StreamBytes:
 FRAME_WRITE_LIMIT = 15.0
 
 
-class CancelSafeFrames:
+class CancelSafeFrames(Patch):
     """Make each Yamux frame write all-or-nothing under cancellation (py-libp2p 0.8.1).
 
     py-libp2p writes a frame in the caller's task: Noise encrypts it (using up the next nonce), then
@@ -123,12 +129,9 @@ class CancelSafeFrames:
     and a send that stalls past FRAME_WRITE_LIMIT closes the connection instead of corrupting it.
     """
 
-    _installed = False
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
+    def _patch(cls) -> None:
         from libp2p.stream_muxer.yamux.yamux import Yamux
 
         async def write_frame(self, data: bytes) -> None:
@@ -144,10 +147,9 @@ class CancelSafeFrames:
             await trio.lowlevel.checkpoint_if_cancelled()
 
         Yamux._write_frame = write_frame
-        cls._installed = True
 
 
-class BatchedWindowCredit:
+class BatchedWindowCredit(Patch):
     """Send a Yamux window update once half the receive window is consumed (py-libp2p 0.8.1).
 
     py-libp2p's ``YamuxStream._auto_tune_and_send_window_update`` runs after every read and, unless
@@ -161,12 +163,9 @@ class BatchedWindowCredit:
     the window (doubling within 4 RTTs, up to 16 MiB) is py-libp2p's, unchanged.
     """
 
-    _installed = False
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
+    def _patch(cls) -> None:
         from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
         async def credit(self, *, bytes_read: int = 0) -> None:
@@ -181,7 +180,6 @@ class BatchedWindowCredit:
                 await self.send_window_update(increment, skip_lock=True)
 
         YamuxStream._auto_tune_and_send_window_update = credit
-        cls._installed = True
 
 
 class QuickLock:
@@ -225,7 +223,7 @@ class QuickLock:
         self._lock.release()
 
 
-class QuickLocks:
+class QuickLocks(Patch):
     """Swap the per-message locks of py-libp2p 0.8.1 for :class:`QuickLock` (or a semaphore of one
     wrapped the same way), by wrapping the constructors that make them.
 
@@ -235,7 +233,6 @@ class QuickLocks:
     move 256 MiB; every other lock py-libp2p has is left as it is.
     """
 
-    _installed = False
     LOCKS = {
         ("libp2p.io.trio", "TrioTCPStream"): ("read_lock", "write_lock"),
         ("libp2p.stream_muxer.yamux.yamux", "Yamux"): ("_write_lock", "streams_lock"),
@@ -245,15 +242,12 @@ class QuickLocks:
     }
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
+    def _patch(cls) -> None:
         import importlib
 
         for (module, name), attrs in cls.LOCKS.items():
             klass = getattr(importlib.import_module(module), name)
             klass.__init__ = cls._wrap(klass.__init__, attrs)
-        cls._installed = True
 
     @staticmethod
     def _wrap(init, attrs: tuple[str, ...]):
@@ -265,7 +259,7 @@ class QuickLocks:
         return quick_init
 
 
-class PeerRecordReuse:
+class PeerRecordReuse(Patch):
     """Sign our peer record once per few seconds and verify each peer's once per minute in pubsub.
 
     py-libp2p 0.8.1 attaches our signed peer record to every pubsub RPC it sends and re-verifies the
@@ -285,12 +279,9 @@ class PeerRecordReuse:
     VERIFY_TTL = 60.0
     MAX_VERIFIED = 4096  # peers remembered per host; the oldest is forgotten first
     MODULES = ("libp2p.pubsub.pubsub", "libp2p.pubsub.gossipsub", "libp2p.pubsub.floodsub")
-    _installed = False
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
+    def _patch(cls) -> None:
         import importlib
 
         from libp2p.peer import peerstore
@@ -326,10 +317,9 @@ class PeerRecordReuse:
             module = importlib.import_module(name)
             module.env_to_send_in_RPC = env_to_send_in_RPC
             module.maybe_consume_signed_record = maybe_consume_signed_record
-        cls._installed = True
 
 
-class SeenMessagesSpawnNothing:
+class SeenMessagesSpawnNothing(Patch):
     """Drop a gossip message already seen before a task is made for it (py-libp2p 0.8.1).
 
     ``Pubsub.continuously_read_stream`` starts one service task per message received
@@ -340,12 +330,9 @@ class SeenMessagesSpawnNothing:
     (``push_msg``'s earlier checks, the blacklists, also only drop it).
     """
 
-    _installed = False
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
+    def _patch(cls) -> None:
         from libp2p.pubsub.pubsub import Pubsub
         from libp2p.tools.anyio_service.trio_manager import TrioManager
 
@@ -357,10 +344,9 @@ class SeenMessagesSpawnNothing:
             run_task(self, async_fn, *args, **kwargs)
 
         TrioManager.run_task = run_task_unless_seen
-        cls._installed = True
 
 
-class FewerYamuxPings:
+class FewerYamuxPings(Patch):
     """Measure a Yamux connection's round trip every 2 minutes instead of every 30 s.
 
     py-libp2p 0.8.1 pings every connection every ``RTT_MEASURE_INTERVAL`` seconds from each end,
@@ -372,19 +358,15 @@ class FewerYamuxPings:
     """
 
     INTERVAL = 120.0
-    _installed = False
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
+    def _patch(cls) -> None:
         from libp2p.stream_muxer.yamux import yamux
 
         yamux.RTT_MEASURE_INTERVAL = cls.INTERVAL  # read by _measure_rtt_loop on every round
-        cls._installed = True
 
 
-class YamuxSends:
+class YamuxSends(Patch):
     """Two costs of ``YamuxStream.write`` in py-libp2p 0.8.1, per byte and per wake-up.
 
     * A data frame carries up to 65,524 bytes (64 KiB with its 12-byte header), but a Noise
@@ -399,12 +381,9 @@ class YamuxSends:
       stream closes. py-libp2p's error after 5 s without a window update is kept.
     """
 
-    _installed = False
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
+    def _patch(cls) -> None:
         import struct
 
         from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
@@ -465,7 +444,6 @@ class YamuxSends:
                 sent += n
 
         Y.YamuxStream.write = write
-        cls._installed = True
 
 
 # The largest SO_RCVLOWAT asked for: a whole Noise message (2-byte length, so at most 65535 bytes).
@@ -483,7 +461,7 @@ def _tcp_socket(conn):
     return inner.socket if isinstance(inner, trio.SocketStream) else None
 
 
-class WholeNoiseMessages:
+class WholeNoiseMessages(Patch):
     """Read each Noise message's body with ``SO_RCVLOWAT`` set to its length (py-libp2p 0.8.1).
 
     py-libp2p reads a Noise message (up to 64 KiB, one Yamux frame) with ``read_exactly``: one
@@ -499,12 +477,9 @@ class WholeNoiseMessages:
     Linux only (elsewhere the option is missing and reads go as before).
     """
 
-    _installed = False
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
+    def _patch(cls) -> None:
         import socket
 
         from libp2p.io.exceptions import IncompleteReadError
@@ -555,7 +530,6 @@ class WholeNoiseMessages:
             return msg
 
         NoisePacketReadWriter.read_msg = read_msg
-        cls._installed = True
 
 
 def disable_auto_connect(host) -> None:
