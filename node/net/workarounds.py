@@ -260,7 +260,7 @@ class QuickLocks(Patch):
 
 
 class PeerRecordReuse(Patch):
-    """Sign our peer record once per few seconds and verify each peer's once per minute in pubsub.
+    """Build our pubsub peer record once per 30 s, and verify each peer's once a minute while unchanged.
 
     py-libp2p 0.8.1 attaches our signed peer record to every pubsub RPC it sends and re-verifies the
     sender's on every RPC it receives (twice for gossipsub control messages). Building ours parses
@@ -268,9 +268,9 @@ class PeerRecordReuse(Patch):
     verification and a peerstore update. For an idle relay at N=25 (``py-spy --gil``) that was 14 %
     of its CPU, for about twelve small RPCs a second. Now the record we send is rebuilt at most every
     :attr:`SEND_TTL` seconds (a peer's py-libp2p may learn of a change of our addresses that much
-    later; our own membership records carry the addresses we dial by, and are republished at once), and a record received again byte for byte
-    from the same peer within :attr:`VERIFY_TTL` seconds of verifying it is accepted without a
-    second verification. Different bytes, or a record whose verification failed, go through
+    later; our own membership records carry the addresses we dial by, and are republished at once),
+    and a record received again byte for byte from the same peer within :attr:`VERIFY_TTL` seconds
+    of verifying it is accepted without a second verification. Different bytes, or a record whose verification failed, go through
     py-libp2p's check as before, so a forged record is refused as it was. Re-consumed once per
     :attr:`VERIFY_TTL`, far inside the peerstore's 2 h TTL for it.
     """
