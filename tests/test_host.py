@@ -453,5 +453,5 @@ async def test_an_idle_connection_pings_for_its_round_trip_every_two_minutes_not
             return await write_frame(self, data, *args, **kwargs)
 
         monkeypatch.setattr(Yamux, "_write_frame", counted)
-        await trio.sleep(600)
+        await trio.sleep(600)  # ten minutes of trio's MockClock (autojump_clock), not of the wall
     assert 2 * 5 <= len(pings) <= 2 * 6  # each end: one after 0.5 s, then one per 120 s (21 per 600 s before)

@@ -162,9 +162,9 @@ class SwarmHost:
 
         py-libp2p rebuilds every multiaddr from the listening sockets on each call: 0.4 ms in an
         idle node (its code cold in the CPU's caches), and status, the membership tick and pubsub
-        asked ~8 times a second. Listen addresses are fixed once the host listens; an address observed
-        by peers (identify) is shown at most that much later. Peer records add relayed addresses
-        to these uncached (``advertised_addrs``).
+        asked ~8 times a second. Listen addresses are fixed once the host listens; an address
+        observed by peers (identify) is shown at most that much later. Peer records add relayed
+        addresses to these uncached (``advertised_addrs``).
         """
         try:
             now = trio.current_time()

@@ -129,7 +129,6 @@ class CancelSafeFrames(Patch):
     and a send that stalls past FRAME_WRITE_LIMIT closes the connection instead of corrupting it.
     """
 
-
     @classmethod
     def _patch(cls) -> None:
         from libp2p.stream_muxer.yamux.yamux import Yamux
@@ -162,7 +161,6 @@ class BatchedWindowCredit(Patch):
     once the owed delta reaches half the window (its hysteresis) and so do we; the auto-tuning of
     the window (doubling within 4 RTTs, up to 16 MiB) is py-libp2p's, unchanged.
     """
-
 
     @classmethod
     def _patch(cls) -> None:
@@ -270,9 +268,9 @@ class PeerRecordReuse(Patch):
     :attr:`SEND_TTL` seconds (a peer's py-libp2p may learn of a change of our addresses that much
     later; our own membership records carry the addresses we dial by, and are republished at once),
     and a record received again byte for byte from the same peer within :attr:`VERIFY_TTL` seconds
-    of verifying it is accepted without a second verification. Different bytes, or a record whose verification failed, go through
-    py-libp2p's check as before, so a forged record is refused as it was. Re-consumed once per
-    :attr:`VERIFY_TTL`, far inside the peerstore's 2 h TTL for it.
+    of verifying it is accepted without a second verification. Different bytes, or a record whose
+    verification failed, go through py-libp2p's check as before, so a forged record is refused as it
+    was. Re-consumed once per :attr:`VERIFY_TTL`, far inside the peerstore's 2 h TTL for it.
     """
 
     SEND_TTL = 30.0
@@ -307,7 +305,7 @@ class PeerRecordReuse(Patch):
                 return True
             if not consume(msg, host, peer_id):
                 return False
-            verified.pop(peer_id, None)
+            verified.pop(peer_id, None)  # re-inserted last: the dict's order is oldest first
             if len(verified) >= cls.MAX_VERIFIED:
                 verified.pop(next(iter(verified)))
             verified[peer_id] = (record, now + cls.VERIFY_TTL)
@@ -330,7 +328,6 @@ class SeenMessagesSpawnNothing(Patch):
     (``push_msg``'s earlier checks, the blacklists, also only drop it).
     """
 
-
     @classmethod
     def _patch(cls) -> None:
         from libp2p.pubsub.pubsub import Pubsub
@@ -339,6 +336,7 @@ class SeenMessagesSpawnNothing(Patch):
         run_task, push_msg = TrioManager.run_task, Pubsub.push_msg
 
         def run_task_unless_seen(self, async_fn, *args, **kwargs) -> None:
+            # pubsub calls run_task(self.push_msg, forwarder, msg)
             if getattr(async_fn, "__func__", None) is push_msg and async_fn.__self__._is_msg_seen(args[1]):
                 return
             run_task(self, async_fn, *args, **kwargs)
@@ -380,7 +378,6 @@ class YamuxSends(Patch):
       are watched attributes and the write waits on an event they set when the window grows or the
       stream closes. py-libp2p's error after 5 s without a window update is kept.
     """
-
 
     @classmethod
     def _patch(cls) -> None:
@@ -476,7 +473,6 @@ class WholeNoiseMessages(Patch):
     send before it waits for us would never fire), and goes back to 1 before the next prefix.
     Linux only (elsewhere the option is missing and reads go as before).
     """
-
 
     @classmethod
     def _patch(cls) -> None:
