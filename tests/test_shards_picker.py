@@ -244,6 +244,22 @@ def test_a_banned_peers_delivered_blocks_are_fetched_again() -> None:
     assert p.poll(0.3).requests == [Request("honest", r.piece, 0, B)]  # the liar's block is asked again
 
 
+
+def test_a_ban_leaves_a_complete_piece_to_its_hash_check() -> None:
+    """A piece whose blocks have all arrived waits for the writer thread's hash check: a ban of one
+    of its senders meanwhile does not reset it (the check settles who lied, on_piece_failed)."""
+    p = picker(1, blocks_per_piece=2, initial_depth=2, max_depth=2, min_depth=2, random_first=0)
+    p.on_bitfield("a", {0})
+    reqs = p.poll(0.0).requests
+    assert len(reqs) == 2
+    for r in reqs:
+        p.on_block("a", r.piece, r.offset, r.length, 0.1)
+    assert p.piece_ready(0)
+    p.on_misbehaved("a", 0.2, "test")
+    assert p.piece_ready(0) and p.contributors(0) == {"a": 2 * B}
+    p.on_piece_verified(0, 0.3)
+    assert p.complete
+
 def test_super_seeder_frees_a_slot_when_a_piece_is_written_not_when_it_is_reported() -> None:
     s = SuperSeeder(10, in_transit=2, max_unreported=4, rng=random.Random(3))
     shown = [x for p in "abcdef" for x in s.on_bitfield(p, set(), 0.0)]

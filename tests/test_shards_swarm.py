@@ -345,3 +345,70 @@ async def test_a_verified_piece_is_not_announced_to_peers_known_to_hold_it(tmp_p
         svc.on_piece_verified(vs, 1)
         del svc.downloads[3], svc.server_sessions[root]
     assert sorted(told) == [("holder", 1), ("other", 1), ("other", 2)]
+
+
+async def test_a_write_the_kernel_holds_up_does_not_stop_the_event_loop(tmp_path: Path, monkeypatch) -> None:
+    """A ``pwrite`` that waits in the kernel (dirty-page throttling, a slow disk) waits in the writer
+    thread: the downloader's event loop goes on meanwhile. Before, the write ran in the event loop,
+    so nothing in the node (nor this test) ran until it returned: the write below timed out."""
+    import threading
+
+    from node.shards.store import VersionStore
+
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    src = write_checkpoint(tmp_path / "ckpt", 2 * MiB, seed=5)
+    entered, release, released = threading.Event(), threading.Event(), []
+    real = VersionStore._pwrite
+
+    def held_up(self, start, data):
+        if (tmp_path / "r") in self.folder.parents and not entered.is_set():
+            entered.set()
+            released.append(release.wait(timeout=20))  # False: nobody in the event loop ran to release it
+        real(self, start, data)
+
+    monkeypatch.setattr(VersionStore, "_pwrite", held_up)
+    with trio.fail_after(90):
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **SMALL)
+            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **SMALL)
+            await connect_all([t, r])
+            await t.shards.publish(src, 1)
+            await wait_for(entered.is_set, what="the first piece write")
+            release.set()
+            assert same_files(src, await r.shards.wait_version(1))
+    assert released == [True]
+
+
+async def test_a_failing_disk_stops_the_download_not_the_node(tmp_path: Path, monkeypatch) -> None:
+    """Disk full mid-download: an error saying so, no piece counted as held, the node stays up, and
+    the version is fetched again (resumed) at a later announcement once writes succeed."""
+    import errno
+
+    from node.shards.store import VersionStore
+
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    src = write_checkpoint(tmp_path / "ckpt", 2 * MiB, seed=6)
+    real = VersionStore._pwrite
+    full = [True]
+
+    def disk_full(self, start, data):
+        if (tmp_path / "r") in self.folder.parents and full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, start, data)
+
+    monkeypatch.setattr(VersionStore, "_pwrite", disk_full)
+    with trio.fail_after(90):
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **SMALL)
+            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **SMALL)
+            await connect_all([t, r])
+            logged = []
+            monkeypatch.setattr("node.shards.service.log.error", lambda msg, *a: logged.append(msg % a))
+            await t.shards.publish(src, 1)
+            await wait_for(lambda: logged, what="the write error logged")
+            assert "No space left on device" in logged[0] and "download stopped" in logged[0]
+            assert r.shards.path_of(1) is None and r.shards.status()["held"] == []
+            full[0] = False
+            assert same_files(src, await r.shards.wait_version(1))

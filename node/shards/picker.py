@@ -113,6 +113,9 @@ class _Piece:
     def missing(self) -> int:
         return sum(s is BlockState.MISSING for s in self.states)
 
+    def received_all(self) -> bool:
+        return all(s is BlockState.RECEIVED for s in self.states)
+
 
 @dataclass
 class _Peer:
@@ -301,7 +304,7 @@ class Picker:
     def piece_ready(self, piece: int) -> bool:
         """Every block of an active piece has been received: hash-check it now."""
         ap = self.active.get(piece)
-        return ap is not None and all(s is BlockState.RECEIVED for s in ap.states)
+        return ap is not None and ap.received_all()
 
     def contributors(self, piece: int) -> dict[str, int]:
         """Bytes each peer supplied to an active piece (for receipts and blame)."""
@@ -493,7 +496,10 @@ class Picker:
             st.in_flight.clear()
         # Blocks it already delivered to unfinished pieces are suspect too: fetch them again, or
         # they would fail those pieces later and the blame would fall on the honest co-authors.
+        # Not those of a complete piece: it is being hash-checked, and its hash settles the blame.
         for ap in self.active.values():
+            if ap.received_all():
+                continue
             for idx, who in enumerate(ap.received_from):
                 if who == peer:
                     ap.received_from[idx] = None

@@ -435,6 +435,10 @@ class ShardsService:
                     if bar is not None:
                         self._nursery.start_soon(bar.follow, dl)
                     await dl.run()
+                if dl.failed is not None:
+                    log.error("shards: v%d: %s; the download stopped (it resumes at the next announcement or start)",
+                              version, dl.failed)
+                    return
                 problems = await trio.to_thread.run_sync(non_finite_in_folder, vs.folder, _files(vs))
                 if problems:
                     await self._refuse(vs, problems)

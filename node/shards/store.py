@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import threading
 from pathlib import Path
 
 from ..atomic import fsync_dir, write_atomic
@@ -84,6 +85,9 @@ class VersionStore:
         self.state = folder / STATE
         self.verified: set[int] = set()
         self._fds: list[int] = []
+        # Held by worker threads while they use the fds (a download's writer, the re-check) and by
+        # close(), so that a closed fd (whose number the OS hands out again) is never written to.
+        self._io = threading.Lock()
         self._log = -1  # fd of .shards/verified, opened for appending
 
     @property
@@ -116,9 +120,10 @@ class VersionStore:
             self._fds.append(fd)
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        with self._io:
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []
         if self._log >= 0:
             os.close(self._log)
             self._log = -1
@@ -137,12 +142,27 @@ class VersionStore:
         """Hash-check and write piece ``index``. False (nothing written) if it does not match."""
         if index in self.verified:
             return True
+        if not self.check_and_write(index, data):
+            return False
+        self.mark_verified(index)
+        return True
+
+    def check_and_write(self, index: int, data: bytes) -> bool:
+        """Hash-check piece ``index`` and write it in place, changing no state (a worker thread may
+        run it; :meth:`mark_verified` then, in the event loop). False (nothing written) on a mismatch;
+        OSError if the write fails or the store was closed."""
         if not self.manifest.check_piece(index, data):
             return False
-        self._pwrite(index * self.manifest.piece_size, data)
+        with self._io:
+            if not self._fds:
+                raise OSError(f"v{self.version}: store closed")
+            self._pwrite(index * self.manifest.piece_size, data)
+        return True
+
+    def mark_verified(self, index: int) -> None:
+        """Piece ``index`` is written and matched its hash: serve it, and log it for a resume."""
         self.verified.add(index)
         os.write(self._log, _INDEX.pack(index))
-        return True
 
     def read_block(self, piece: int, offset: int, length: int) -> bytes:
         """Bytes of a verified piece. ValueError for pieces we do not hold or ranges outside it."""
@@ -157,7 +177,8 @@ class VersionStore:
 
     def check_pieces(self, pieces: list[int]) -> list[int]:
         """Those of ``pieces`` whose bytes on disk match the manifest (reads only: a worker thread may run it)."""
-        return [i for i in pieces if self.manifest.check_piece(i, self.read_piece(i))]
+        with self._io:
+            return [i for i in pieces if self.manifest.check_piece(i, self.read_piece(i))]
 
     def mark_incomplete(self) -> None:
         """A complete version found damaged: drop COMPLETE, log only the pieces verified now, so the
