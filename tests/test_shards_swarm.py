@@ -6,6 +6,7 @@ import struct
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 import trio
 
 from node.identity import Identity
@@ -348,11 +349,13 @@ async def test_a_verified_piece_is_not_announced_to_peers_known_to_hold_it(tmp_p
 
 
 async def test_a_write_the_kernel_holds_up_does_not_stop_the_event_loop(tmp_path: Path, monkeypatch) -> None:
-    """A ``pwrite`` that waits in the kernel (dirty-page throttling, a slow disk) waits in the writer
-    thread: the downloader's event loop goes on meanwhile. Before, the write ran in the event loop,
-    so nothing in the node (nor this test) ran until it returned: the write below timed out."""
+    """A ``pwrite`` of a large piece that waits in the kernel (dirty-page throttling, a slow disk)
+    waits in the writer thread: the downloader's event loop goes on meanwhile. Before, the write ran
+    in the event loop, so nothing in the node (nor this test) ran until it returned: the write below
+    timed out."""
     import threading
 
+    from node.shards.client import THREAD_WRITE_BYTES
     from node.shards.store import VersionStore
 
     trainer = Identity.generate()
@@ -370,8 +373,9 @@ async def test_a_write_the_kernel_holds_up_does_not_stop_the_event_loop(tmp_path
     monkeypatch.setattr(VersionStore, "_pwrite", held_up)
     with trio.fail_after(90):
         async with open_shards_swarm() as swarm:
-            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **SMALL)
-            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **SMALL)
+            large = dict(FAST, piece_size=THREAD_WRITE_BYTES)
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **large)
+            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **large)
             await connect_all([t, r])
             await t.shards.publish(src, 1)
             await wait_for(entered.is_set, what="the first piece write")
@@ -380,12 +384,17 @@ async def test_a_write_the_kernel_holds_up_does_not_stop_the_event_loop(tmp_path
     assert released == [True]
 
 
-async def test_a_failing_disk_stops_the_download_not_the_node(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("piece_kib", [64, 512])  # written in the event loop / in the writer thread
+async def test_a_failing_disk_stops_the_download_not_the_node(tmp_path: Path, monkeypatch, piece_kib) -> None:
     """Disk full mid-download: an error saying so, no piece counted as held, the node stays up, and
     the version is fetched again (resumed) at a later announcement once writes succeed."""
     import errno
 
+    from node.shards.client import THREAD_WRITE_BYTES
     from node.shards.store import VersionStore
+
+    cfg = dict(FAST, piece_size=piece_kib << 10, block_size=16 << 10)
+    assert (cfg["piece_size"] >= THREAD_WRITE_BYTES) == (piece_kib == 512)
 
     trainer = Identity.generate()
     tr = [trainer.peer_id]
@@ -401,8 +410,8 @@ async def test_a_failing_disk_stops_the_download_not_the_node(tmp_path: Path, mo
     monkeypatch.setattr(VersionStore, "_pwrite", disk_full)
     with trio.fail_after(90):
         async with open_shards_swarm() as swarm:
-            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **SMALL)
-            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **SMALL)
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **cfg)
+            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **cfg)
             await connect_all([t, r])
             logged = []
             monkeypatch.setattr("node.shards.service.log.error", lambda msg, *a: logged.append(msg % a))

@@ -8,13 +8,15 @@ and cancels the picker decides, assembles blocks in memory, hash-checks each pie
 the :class:`VersionStore` and tells everyone ``Have`` through the shards service (which serves it
 onward at once). Peers the picker convicts of bad data are banned through the service.
 
-A complete piece is joined, hashed and written in a worker thread, one piece at a time, while the
-event loop goes on reading and serving: SHA-256 and ``pwrite`` release the GIL, and a ``pwrite``
-the kernel makes wait (dirty-page throttling, a slow disk, memory touched for the first time: 3 ms
-per MiB measured on this project's VMs, 25 times the usual) no longer stops every transfer of the
-node. At most ``WRITE_QUEUE`` complete pieces wait for the thread; a session whose piece would be
-one more stops reading until there is room, so a slow disk slows the senders instead of filling
-memory.
+A complete piece of ``THREAD_WRITE_BYTES`` or more is joined, hashed and written in a worker
+thread, one piece at a time, while the event loop goes on reading and serving: SHA-256 and
+``pwrite`` release the GIL, and a ``pwrite`` the kernel makes wait (dirty-page throttling, a slow
+disk, memory touched for the first time: 3 ms per MiB measured on this project's VMs, 25 times the
+usual) no longer stops every transfer of the node. Smaller pieces are written in the event loop: a
+hand-off to a thread and back costs 130-200 us of CPU here, more than hashing and writing a 128 KiB
+piece (~90 us), and a stall grows with the bytes written. At most ``WRITE_QUEUE`` complete pieces
+wait; a session whose piece would be one more stops reading until there is room, so a slow disk
+slows the senders instead of filling memory.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ if TYPE_CHECKING:  # the service starts downloads and passes itself in
 log = logging.getLogger("node.shards.service")  # the sessions log as part of the service
 
 MAX_OUTBOX = 512  # messages waiting to be written on one download session
-WRITE_QUEUE = 4  # complete pieces waiting for the writer thread (memory: 4 pieces, 4 MiB by default)
+WRITE_QUEUE = 4  # complete pieces waiting to be written (memory: 4 pieces, 4 MiB by default)
+THREAD_WRITE_BYTES = 512 << 10  # pieces this large are hashed and written in a worker thread
 RESCAN_INTERVAL = 1.0  # seconds between looks for new peers to download from
 RETRY_PEER_AFTER = 5.0  # seconds before a peer that refused a session is asked again
 # An unresponsive peer is asked again after RETRY_PEER_AFTER, doubled at each drop up to ban_seconds:
@@ -229,7 +232,7 @@ class Download:
             now = trio.current_time()
             if isinstance(msg, Data):
                 if self._on_data(sess.peer, msg, now):
-                    await self._queue_write(msg.piece)
+                    await self._write(msg.piece)
             elif isinstance(msg, Have):
                 if msg.piece >= n:
                     raise RemoteProtocolError("bad-piece-index", str(msg.piece))
@@ -254,22 +257,33 @@ class Download:
         self.buffers.setdefault(msg.piece, {})[msg.offset] = msg.data
         return self.picker.piece_ready(msg.piece)
 
-    async def _queue_write(self, piece: int) -> None:
-        # Waits while WRITE_QUEUE pieces are ahead of this one: this session stops reading meanwhile.
-        await self._writes_send.send((piece, self.buffers.pop(piece, {}), self.picker.contributors(piece)))
+    async def _write(self, piece: int) -> None:
+        job = (piece, self.buffers.pop(piece, {}), self.picker.contributors(piece))
+        if self.vs.manifest.piece_length(piece) >= THREAD_WRITE_BYTES:
+            # Waits while WRITE_QUEUE pieces are ahead of this one: this session stops reading meanwhile.
+            await self._writes_send.send(job)
+        else:
+            await self._write_piece(*job, in_thread=False)  # no checkpoint on this path
 
     async def _writer(self) -> None:
-        """Hash-check and write complete pieces in a worker thread, one at a time, in arrival order."""
-        async for piece, parts, contributors in self._writes_recv:
-            try:
-                ok = await trio.to_thread.run_sync(self._check_and_write, piece, parts)
-            except OSError as e:
-                self.failed = f"writing piece {piece} to {self.vs.folder} failed: {e}"
-                self._poke()
-                return
-            self._piece_checked(piece, parts, contributors, ok)
+        """Hash-check and write large pieces in a worker thread, one at a time, in arrival order."""
+        async for job in self._writes_recv:
+            await self._write_piece(*job, in_thread=True)
 
-    def _check_and_write(self, piece: int, parts: dict[int, bytes]) -> bool:  # in a worker thread
+    async def _write_piece(self, piece: int, parts: dict[int, bytes], contributors: dict[str, int],
+                           in_thread: bool) -> None:
+        try:
+            if in_thread:
+                ok = await trio.to_thread.run_sync(self._check_and_write, piece, parts)
+            else:
+                ok = self._check_and_write(piece, parts)
+        except OSError as e:
+            self.failed = f"writing piece {piece} to {self.vs.folder} failed: {e}"
+            self._poke()
+            return
+        self._piece_checked(piece, parts, contributors, ok)
+
+    def _check_and_write(self, piece: int, parts: dict[int, bytes]) -> bool:  # may run in a worker thread
         return self.vs.check_and_write(piece, b"".join(parts[o] for o in sorted(parts)))
 
     def _piece_checked(self, piece: int, parts: dict[int, bytes], contributors: dict[str, int], ok: bool) -> None:
