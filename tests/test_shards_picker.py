@@ -193,6 +193,98 @@ def test_resume_never_requests_verified_pieces() -> None:
     assert p.complete and p.poll(0.2).requests == []
 
 
+def fast(p: Picker, peer: str, rate: float = 64 * B) -> None:
+    """Give ``peer`` a measured rate: 64 blocks/s keeps 192 blocks (max_depth) in flight."""
+    p.peers[peer].rate = rate
+
+
+def test_a_fast_peer_gets_a_new_piece_in_one_request_once_it_has_room_for_all_of_it() -> None:
+    p = picker(8, blocks_per_piece=4, initial_depth=3, max_depth=8, random_first=0)
+    p.on_bitfield("A", set(range(8)))
+    first = p.poll(0.0).requests  # not measured yet: one block per request
+    assert [r.length for r in first] == [B, B, B]
+    fast(p, "A")
+    kept, _ = p.on_block("A", first[0].piece, first[0].offset, B, 0.1)
+    assert kept == [(first[0].offset, B)]
+    reqs = p.poll(0.1).requests
+    # The started piece's last block first (one block), then new pieces whole: 4 + 1 + 2 in flight
+    # leaves one slot, too few for a piece, so nothing more is asked until 4 are free.
+    assert [r.length for r in reqs] == [B, 4 * B]
+    assert reqs[1].offset == 0 and p.in_flight("A") == 7
+    whole = reqs[1].piece
+    assert p.poll(0.2).requests == []
+    kept, _ = p.on_block("A", whole, 0, 4 * B, 0.3)
+    assert kept == [(0, B), (B, B), (2 * B, B), (3 * B, B)] and p.piece_ready(whole)
+    assert p.contributors(whole) == {"A": 4 * B}
+    # One rate sample for the piece: 4 blocks over the 0.2 s A was busy with them, not 1 ms per block.
+    assert p.rate_of("A") < 64 * B
+
+
+def test_whole_piece_data_of_the_wrong_length_bans() -> None:
+    for length in (B, 4 * B - 1, 4 * B + 1):
+        p = picker(2, blocks_per_piece=4, initial_depth=8, max_depth=8)
+        p.on_bitfield("liar", {0, 1})
+        fast(p, "liar")
+        (r, *_) = p.poll(0.0).requests
+        assert r.length == 4 * B
+        kept, acts = p.on_block("liar", r.piece, 0, length, 0.1)
+        assert kept == [] and acts.banned == [("liar", "wrong-length")]
+        assert p.peers["liar"].in_flight == {}  # its blocks are free for others
+    # A whole piece's bytes in answer to a one-block request are malformed too.
+    p = picker(2, blocks_per_piece=4, initial_depth=1)
+    p.on_bitfield("liar", {0, 1})
+    (r,) = p.poll(0.0).requests
+    kept, acts = p.on_block("liar", r.piece, 0, 4 * B, 0.1)
+    assert kept == [] and acts.banned == [("liar", "wrong-length")]
+
+
+def test_a_rejected_whole_piece_request_frees_every_block() -> None:
+    p = picker(1, blocks_per_piece=4, initial_depth=8, max_depth=8)
+    p.on_bitfield("A", {0})
+    fast(p, "A")
+    (r,) = p.poll(0.0).requests
+    p.on_reject("A", 0, 0)
+    assert p.in_flight("A") == 0 and not p.peer_has("A", 0)
+    p.on_bitfield("B", {0})
+    assert sorted(q.offset for q in p.poll(0.1).requests) == [0, B, 2 * B, 3 * B]
+
+
+def test_a_timed_out_whole_piece_request_is_cancelled_once() -> None:
+    p = picker(2, blocks_per_piece=4, initial_depth=8, max_depth=8, request_timeout=5.0)
+    p.on_bitfield("A", {0, 1})
+    fast(p, "A")
+    reqs = p.poll(0.0).requests
+    assert [r.length for r in reqs] == [4 * B, 4 * B]
+    acts = p.poll(5.0)
+    assert sorted((c.piece, c.offset, c.length) for c in acts.cancels) == [(0, 0, 4 * B), (1, 0, 4 * B)]
+    # The data a cancel raced arrives after all: dropped, nobody banned, even though block 0
+    # of that piece is now asked of A again (snubbed: one block at a time).
+    again = acts.requests[0]
+    assert (again.peer, again.offset, again.length) == ("A", 0, B)
+    kept, acts = p.on_block("A", again.piece, 0, 4 * B, 5.2)
+    assert kept == [] and acts.banned == [] and not p.is_banned("A", 5.2)
+    kept, _ = p.on_block("A", again.piece, 0, B, 5.3)  # the block asked for since is taken as usual
+    assert kept == [(0, B)]
+
+
+def test_endgame_takes_each_block_of_a_whole_piece_once() -> None:
+    p = picker(1, blocks_per_piece=4, initial_depth=8, max_depth=8)
+    p.on_bitfield("A", {0})
+    fast(p, "A")
+    (r,) = p.poll(0.0).requests
+    assert r.length == 4 * B and p.in_endgame
+    p.on_bitfield("B", {0})
+    dup = p.poll(0.1).requests
+    assert sorted(q.offset for q in dup) == [0, B, 2 * B, 3 * B] and {q.peer for q in dup} == {"B"}
+    kept, acts = p.on_block("B", 0, 2 * B, B, 0.2)
+    # A still owes the other three blocks: its one request cannot be cut, so no cancel goes to it.
+    assert kept == [(2 * B, B)] and acts.cancels == []
+    kept, acts = p.on_block("A", 0, 0, 4 * B, 0.3)
+    assert kept == [(0, B), (B, B), (3 * B, B)]
+    assert sorted(c.offset for c in acts.cancels) == [0, B, 3 * B] and {c.peer for c in acts.cancels} == {"B"}
+    assert p.contributors(0) == {"A": 3 * B, "B": B} and p.piece_ready(0)
+
+
 def test_super_seeder_sends_each_piece_once_two_at_a_time() -> None:
     s = SuperSeeder(12, in_transit=2, stall_seconds=10.0, rng=random.Random(1))
     shown: list[tuple[str, int]] = []

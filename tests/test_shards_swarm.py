@@ -68,7 +68,10 @@ async def test_followers_are_told_of_newer_versions(tmp_path: Path) -> None:
 
 
 class FlipBytes(ServerSession):
+    asked: set[int] = set()  # request lengths seen: whole pieces (picker) as well as blocks
+
     def reply_to(self, req):
+        FlipBytes.asked.add(req.length)
         reply = super().reply_to(req)
         if isinstance(reply, Data):
             return Data(piece=reply.piece, offset=reply.offset, data=bytes([reply.data[0] ^ 0xFF]) + reply.data[1:])
@@ -111,6 +114,7 @@ async def test_liars_are_banned_and_download_is_correct(tmp_path: Path) -> None:
     trainer = Identity.generate()
     tr = [trainer.peer_id]
     src = write_checkpoint(tmp_path / "ckpt", 8 * MiB, seed=2)
+    FlipBytes.asked.clear()
     with trio.fail_after(90):
         async with open_shards_swarm() as swarm:
             async def node(name, **kw):
@@ -138,6 +142,8 @@ async def test_liars_are_banned_and_download_is_correct(tmp_path: Path) -> None:
             assert sum(svc.receipts().values()) == signed.manifest.total_size
             rejected = d.metrics.rejections()
             assert rejected.get("shards/bad-piece", 0) >= 1 and rejected.get("shards/wrong-length", 0) == 1
+            # The fast liar was asked for whole pieces too (one request for a piece's 4 blocks).
+            assert SMALL["piece_size"] in FlipBytes.asked
 
 
 @asynccontextmanager

@@ -53,6 +53,8 @@ if TYPE_CHECKING:  # the service starts downloads and passes itself in
 
 log = logging.getLogger("node.shards.service")  # the sessions log as part of the service
 
+Parts = dict[int, bytes | memoryview]  # the blocks of one piece received so far, by offset
+
 MAX_OUTBOX = 512  # messages waiting to be written on one download session
 WRITE_QUEUE = 4  # complete pieces waiting to be written (memory: 4 pieces, 4 MiB by default)
 THREAD_WRITE_BYTES = 512 << 10  # pieces this large are hashed and written in a worker thread
@@ -111,9 +113,9 @@ class Download:
         self.sessions: dict[str, ClientSession] = {}
         self.refused: dict[str, float] = {}  # peer -> time it refused a session
         self.backoff: dict[str, float] = {}  # peer -> seconds before asking it again after a drop
-        self.buffers: dict[int, dict[int, bytes]] = {}
+        self.buffers: dict[int, Parts] = {}
         # (piece, its blocks by offset, bytes each peer supplied) for the writer thread
-        self._writes_send, self._writes_recv = trio.open_memory_channel[tuple[int, dict[int, bytes], dict[str, int]]](
+        self._writes_send, self._writes_recv = trio.open_memory_channel[tuple[int, Parts, dict[str, int]]](
             WRITE_QUEUE)
         self.changed = trio.Event()
         self.done = trio.Event()
@@ -250,11 +252,17 @@ class Download:
         if not 0 <= msg.piece < self.vs.manifest.num_pieces:
             self._apply(self.picker.on_misbehaved(peer, now, "bad-piece-index"))
             return False
-        keep, acts = self.picker.on_block(peer, msg.piece, msg.offset, len(msg.data), now)
+        kept, acts = self.picker.on_block(peer, msg.piece, msg.offset, len(msg.data), now)
         self._apply(acts)
-        if not keep:
+        if not kept:
             return False
-        self.buffers.setdefault(msg.piece, {})[msg.offset] = msg.data
+        parts = self.buffers.setdefault(msg.piece, {})
+        if len(kept) == 1 and kept[0][1] == len(msg.data):
+            parts[msg.offset] = msg.data
+        else:  # a whole piece in one message: its blocks, as views of it (joined once, when written)
+            view = memoryview(msg.data)
+            for offset, n in kept:
+                parts[offset] = view[offset - msg.offset:offset - msg.offset + n]
         return self.picker.piece_ready(msg.piece)
 
     async def _write(self, piece: int) -> None:
@@ -270,7 +278,7 @@ class Download:
         async for job in self._writes_recv:
             await self._write_piece(*job, in_thread=True)
 
-    async def _write_piece(self, piece: int, parts: dict[int, bytes], contributors: dict[str, int],
+    async def _write_piece(self, piece: int, parts: Parts, contributors: dict[str, int],
                            in_thread: bool) -> None:
         try:
             if in_thread:
@@ -283,10 +291,10 @@ class Download:
             return
         self._piece_checked(piece, parts, contributors, ok)
 
-    def _check_and_write(self, piece: int, parts: dict[int, bytes]) -> bool:  # may run in a worker thread
+    def _check_and_write(self, piece: int, parts: Parts) -> bool:  # may run in a worker thread
         return self.vs.check_and_write(piece, b"".join(parts[o] for o in sorted(parts)))
 
-    def _piece_checked(self, piece: int, parts: dict[int, bytes], contributors: dict[str, int], ok: bool) -> None:
+    def _piece_checked(self, piece: int, parts: Parts, contributors: dict[str, int], ok: bool) -> None:
         now = trio.current_time()
         # Block digests convict a liar among several contributors (picker.on_piece_failed): they are
         # needed from a failed piece, and from the good copy of one that failed before. Not from

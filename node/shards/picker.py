@@ -31,6 +31,12 @@ Policies, with their sources:
   a piece with a liar are never blamed. Reaching ``ban_threshold`` strikes, a peer is banned for
   ``ban_seconds``. Malformed data (wrong length,
   unrequested pieces) bans at once: that is never an accident.
+* **Whole pieces for fast peers** (libtorrent's ``prefer_whole_pieces``): a new piece goes to a
+  peer in one request for all its blocks (up to ``max_request`` bytes) when the peer's measured
+  rate already keeps that many blocks in flight, so a fast link costs one request and one data
+  message per piece instead of one per block. The bytes in flight are the same; the blocks are
+  still tracked one by one (endgame, smart ban), and the cancel of a whole-piece request goes out
+  once none of its blocks is still wanted from that peer.
 * **Timeouts**: a request unanswered after ``request_timeout`` goes back to MISSING (re-requested
   elsewhere) and the peer's queue is cut to the minimum; ``max_timeouts`` in a row and the peer is
   *dropped* as unresponsive, not banned: a silent liar and an honest peer on a starved machine look
@@ -92,6 +98,7 @@ class PickerParams:
     ban_seconds: float = 600.0
     max_timeouts: int = 3  # timeouts in a row before an unresponsive peer is dropped
     rate_alpha: float = 0.25  # EWMA weight of a new rate sample
+    max_request: int = 1 << 20  # largest whole-piece request (protocol.MAX_BLOCK)
 
 
 class BlockState(enum.Enum):
@@ -126,6 +133,10 @@ class _Peer:
     timeouts_in_row: int = 0
     snubbed: bool = False  # a request timed out: keep min_depth in flight until a block arrives
     received_bytes: int = 0  # bytes in blocks accepted from this peer (verified or not)
+    whole: set[int] = field(default_factory=set)  # pieces asked of this peer in one request
+    # Whole-piece requests we cancelled: their data may still come (the cancel raced it), and
+    # must be dropped, not taken for a wrong-length block. At most one per piece.
+    whole_cancelled: set[int] = field(default_factory=set)
 
 
 class Picker:
@@ -251,35 +262,51 @@ class Picker:
         """``peer`` refused a request: ask someone else. Unless it was only busy
         (``still_holds``), it does not serve that piece now: forget that it has it."""
         st = self.peers.get(peer)
-        if st is None or (piece, offset) not in st.in_flight:
+        if st is None:
             return
-        del st.in_flight[(piece, offset)]
-        self._release(peer, piece, offset)
+        blocks = self._requested(st, piece, offset)
+        held = [o for o, _ in blocks if (piece, o) in st.in_flight]
+        if not held:
+            return
+        if len(blocks) > 1:
+            st.whole.discard(piece)
+        for o in held:
+            del st.in_flight[(piece, o)]
+            self._release(peer, piece, o)
         if piece in st.pieces and not still_holds:
             st.pieces.discard(piece)
             self.availability[piece] -= 1
 
-    def on_block(self, peer: str, piece: int, offset: int, length: int, now: float) -> tuple[bool, Actions]:
-        """A block arrived. Returns (keep it, actions): keep=False for duplicates and strays.
+    def on_block(self, peer: str, piece: int, offset: int, length: int,
+                 now: float) -> tuple[list[tuple[int, int]], Actions]:
+        """Data arrived: one block, or a whole piece asked for in one request. Returns (the
+        ``(offset, length)`` of each block in it to keep, actions): none for duplicates and strays.
 
-        A block that does not match a request we made to this peer at this exact offset and
-        length is malformed: the peer is banned (a cancel race only ever drops the block).
+        Data that does not match a request we made to this peer at this exact offset and
+        length is malformed: the peer is banned (a cancel race only ever drops the data).
         """
         acts = Actions()
         st = self.peers.get(peer)
         if st is None:
-            return False, acts
-        sent = st.in_flight.pop((piece, offset), None)
-        if sent is None:
-            return False, acts  # cancelled, timed out or never asked: drop silently
-        expected = self._block_length(piece, offset)
-        if length != expected:
-            self._release(peer, piece, offset)
+            return [], acts
+        if offset == 0 and piece in st.whole_cancelled and length == self.piece_lengths[piece] \
+                and piece not in st.whole:
+            st.whole_cancelled.discard(piece)
+            return [], acts  # the cancel of a whole-piece request raced its data
+        blocks = self._requested(st, piece, offset)
+        if len(blocks) > 1:
+            st.whole.discard(piece)
+        sent = {o: st.in_flight.pop((piece, o)) for o, _ in blocks if (piece, o) in st.in_flight}
+        if not sent:
+            return [], acts  # cancelled, timed out or never asked: drop silently
+        if length != sum(n for _, n in blocks):
+            for o in sent:
+                self._release(peer, piece, o)
             acts.banned += self._ban(peer, now, "wrong-length")
-            return False, acts
-        # Rate sample: bytes over the time this peer was busy with this block (pipelining keeps
-        # the link full, so inter-arrival time of back-to-back blocks is the link rate).
-        busy_from = max(st.last_arrival, sent)
+            return [], acts
+        # Rate sample: bytes over the time this peer was busy with them (pipelining keeps the
+        # link full, so inter-arrival time of back-to-back requests is the link rate).
+        busy_from = max(st.last_arrival, min(sent.values()))
         sample = length / max(now - busy_from, 1e-3)
         a = self.params.rate_alpha
         st.rate = sample if st.rate <= 0 else (1 - a) * st.rate + a * sample
@@ -287,19 +314,41 @@ class Picker:
         st.timeouts_in_row = 0
         st.snubbed = False
         ap = self.active.get(piece)
-        idx = offset // self.params.block_size
-        if ap is None or ap.states[idx] is BlockState.RECEIVED:
-            return False, acts  # endgame duplicate, or piece already done
-        others = ap.requested_from[idx] - {peer}
-        for other in others:
-            ost = self.peers.get(other)
-            if ost is not None and ost.in_flight.pop((piece, offset), None) is not None:
-                acts.cancels.append(Cancel(other, piece, offset, length))
-        ap.requested_from[idx] = set()
-        ap.states[idx] = BlockState.RECEIVED
-        ap.received_from[idx] = peer
-        st.received_bytes += length
-        return True, acts
+        kept: list[tuple[int, int]] = []
+        for o, n in blocks:
+            idx = o // self.params.block_size
+            if o not in sent or ap is None or ap.states[idx] is BlockState.RECEIVED:
+                continue  # endgame duplicate, or piece already done
+            for other in ap.requested_from[idx] - {peer}:
+                ost = self.peers.get(other)
+                if ost is not None:
+                    self._cancel(other, ost, piece, o, acts)
+            ap.requested_from[idx] = set()
+            ap.states[idx] = BlockState.RECEIVED
+            ap.received_from[idx] = peer
+            st.received_bytes += n
+            kept.append((o, n))
+        return kept, acts
+
+    def _requested(self, st: _Peer, piece: int, offset: int) -> list[tuple[int, int]]:
+        """The blocks a request to ``st`` for ``piece`` at ``offset`` covers: all of the piece's for
+        a whole-piece request, else the one block there."""
+        if offset == 0 and piece in st.whole:
+            return self.blocks_of(piece)
+        return [(offset, self._block_length(piece, offset))]
+
+    def _cancel(self, peer: str, st: _Peer, piece: int, offset: int, acts: Actions) -> bool:
+        """Stop wanting one block from ``peer``: forget its request and tell the peer, with one
+        cancel for a whole-piece request once none of its blocks is wanted. False if not in flight."""
+        if st.in_flight.pop((piece, offset), None) is None:
+            return False
+        if piece not in st.whole:
+            acts.cancels.append(Cancel(peer, piece, offset, self._block_length(piece, offset)))
+        elif not any((piece, o) in st.in_flight for o, _ in self.blocks_of(piece)):
+            st.whole.discard(piece)
+            st.whole_cancelled.add(piece)
+            acts.cancels.append(Cancel(peer, piece, 0, self.piece_lengths[piece]))
+        return True
 
     def piece_ready(self, piece: int) -> bool:
         """Every block of an active piece has been received: hash-check it now."""
@@ -358,8 +407,7 @@ class Picker:
         # Requests still in flight for this piece are void (their blocks were reset).
         for peer, st in self.peers.items():
             for key in [k for k in st.in_flight if k[0] == piece]:
-                del st.in_flight[key]
-                acts.cancels.append(Cancel(peer, piece, key[1], self._block_length(piece, key[1])))
+                self._cancel(peer, st, piece, key[1], acts)
         return acts
 
     def _strike(self, peer: str, now: float) -> list[tuple[str, str]]:
@@ -395,19 +443,22 @@ class Picker:
             names = list(free)
             weights = [self.peers[p].rate or default_rate for p in names]
             peer = self.rng.choices(names, weights)[0]
-            block = self._pick_block(peer)
+            block = self._pick_block(peer, free[peer])
             if block is None:
                 del free[peer]
                 continue
             piece, offset, length = block
-            self.peers[peer].in_flight[(piece, offset)] = now
+            offsets = range(offset, offset + length, self.params.block_size)
+            for o in offsets:
+                self.peers[peer].in_flight[(piece, o)] = now
             acts.requests.append(Request(peer, piece, offset, length))
-            free[peer] -= 1
-            if free[peer] == 0:
+            free[peer] -= len(offsets)
+            if free[peer] <= 0:
                 del free[peer]
         return acts
 
-    def _pick_block(self, peer: str) -> tuple[int, int, int] | None:
+    def _pick_block(self, peer: str, slots: int) -> tuple[int, int, int] | None:
+        """(piece, offset, length) of the next request to ``peer``, which has ``slots`` free."""
         st = self.peers[peer]
         # 1. Unrequested blocks of pieces already started (finish pieces first).
         for piece, ap in self.active.items():
@@ -427,8 +478,18 @@ class Picker:
                 least = min(self.availability[i] for i in candidates)
                 piece = self.rng.choice([i for i in candidates if self.availability[i] == least])
             n = len(self.blocks_of(piece))
+            whole = 1 < n and self.piece_lengths[piece] <= self.params.max_request and st.rate > 0 \
+                and not st.snubbed and self.depth_of(peer) >= 2 * n
+            if whole and slots < n:
+                return None  # depth - n blocks are still in flight: ask for all n once they are free
             self.active[piece] = _Piece([BlockState.MISSING] * n, [set() for _ in range(n)], [None] * n)
             self._unstarted.discard(piece)
+            if whole:
+                for idx in range(n):
+                    self._assign(peer, piece, idx)
+                st.whole.add(piece)
+                st.whole_cancelled.discard(piece)
+                return piece, 0, self.piece_lengths[piece]
             return self._assign(peer, piece, 0)
         # 3. Endgame: duplicate an in-flight block this peer has not been asked for.
         if not self.in_endgame:
@@ -476,9 +537,8 @@ class Picker:
             if not late:
                 continue
             for piece, offset in late:
-                del st.in_flight[(piece, offset)]
+                self._cancel(peer, st, piece, offset, acts)
                 self._release(peer, piece, offset)
-                acts.cancels.append(Cancel(peer, piece, offset, self._block_length(piece, offset)))
             st.timeouts_in_row += 1
             st.snubbed = True
             if st.timeouts_in_row >= self.params.max_timeouts:
@@ -494,6 +554,7 @@ class Picker:
             for piece, offset in list(st.in_flight):
                 self._release(peer, piece, offset)
             st.in_flight.clear()
+            st.whole.clear()
         # Blocks it already delivered to unfinished pieces are suspect too: fetch them again, or
         # they would fail those pieces later and the blame would fall on the honest co-authors.
         # Not those of a complete piece: it is being hash-checked, and its hash settles the blame.
