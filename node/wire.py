@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -123,13 +124,15 @@ class Message:
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"t": self.TYPE, "v": self.VERSION}
-        for f in dataclasses.fields(self):
+        for f in _schema(type(self))[0]:
             out[f.name] = _to_plain(getattr(self, f.name))
         return out
 
 
 _REGISTRY: dict[str, type[Message]] = {}
-_HINTS: dict[type, dict[str, Any]] = {}
+_SCHEMAS: dict[type, tuple[tuple["_Field", ...], frozenset[str]]] = {}
+_SHAPES: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
+_UNIONS = (typing.Union, types.UnionType)
 M = TypeVar("M", bound=Message)
 
 
@@ -149,7 +152,7 @@ def register(cls: type[M]) -> type[M]:
 
 def _needs_len(hint: Any) -> bool:
     origin = typing.get_origin(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if origin in _UNIONS:
         return any(_needs_len(a) for a in typing.get_args(hint) if a is not type(None))
     return hint in (str, bytes) or origin in (list, tuple, dict)
 
@@ -158,10 +161,30 @@ def _bounds(f: dataclasses.Field) -> Bounds:
     return f.metadata.get("bounds", Bounds())
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+@dataclass(frozen=True)
+class _Field:
+    """One field of a message type, as its wire check needs it."""
+
+    name: str
+    label: str  # "type.field", in errors
+    hint: Any
+    bounds: Bounds
+    required: bool
+
+
+def _schema(cls: type) -> tuple[tuple[_Field, ...], frozenset[str]]:
+    """(fields, every key a wire map of ``cls`` may hold), worked out once per message type: every
+    message sent or received is checked against it (type hints and ``dataclasses.fields`` cost
+    more than the check itself)."""
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        hints = typing.get_type_hints(cls)
+        fields = tuple(
+            _Field(f.name, f"{cls.TYPE}.{f.name}", hints[f.name], _bounds(f),
+                   f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls))
+        schema = _SCHEMAS[cls] = (fields, frozenset(f.name for f in fields) | {"t", "v"})
+    return schema
 
 
 def _to_plain(value: Any) -> Any:
@@ -179,9 +202,11 @@ def _to_plain(value: Any) -> Any:
 
 def _check(name: str, hint: Any, value: Any, b: Bounds) -> Any:
     """Validate ``value`` against a type hint and bounds; return the value to store."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    shape = _SHAPES.get(hint)
+    if shape is None:  # the hints of registered message types: a few dozen
+        shape = _SHAPES[hint] = (typing.get_origin(hint), typing.get_args(hint))
+    origin, args = shape
+    if origin in _UNIONS:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
@@ -260,18 +285,16 @@ def _from_wire(cls: type[M], data: dict[str, Any]) -> M:
         raise RemoteProtocolError("wrong-type", f"expected {cls.TYPE!r}, got {data.get('t')!r}")
     if data.get("v") != cls.VERSION:
         raise RemoteProtocolError("bad-version", f"{cls.TYPE} v{data.get('v')!r}")
-    hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - names - {"t", "v"}
-    if unknown:
+    fields, known = _schema(cls)
+    if not known.issuperset(data):
+        unknown = set(data) - known
         raise RemoteProtocolError("unknown-field", f"{cls.TYPE}: {sorted(map(str, unknown))[:3]}")
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise RemoteProtocolError("missing-field", f"{cls.TYPE}.{f.name}")
-            continue
-        kwargs[f.name] = _check(f"{cls.TYPE}.{f.name}", hints[f.name], data[f.name], _bounds(f))
+    for f in fields:
+        if f.name in data:
+            kwargs[f.name] = _check(f.label, f.hint, data[f.name], f.bounds)
+        elif f.required:
+            raise RemoteProtocolError("missing-field", f.label)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:  # __post_init__ checks of cross-field rules
