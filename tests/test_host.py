@@ -233,6 +233,44 @@ async def test_each_yamux_data_frame_is_one_noise_message(monkeypatch):
     assert sum(s > 60_000 for s in sizes) >= len(payload) // MAX_PLAINTEXT_LENGTH  # and frames stay large
 
 
+async def test_yamux_reads_its_tuning_from_the_environment_once_not_per_frame(monkeypatch):
+    """py-libp2p looked up its PY_YAMUX_* variables in os.environ for every frame and read (~19,000
+    times for 256 MiB). Moving 1 MiB must not look up any, and the values are still its defaults."""
+    import os
+
+    from libp2p.stream_muxer.yamux import yamux
+
+    lookups = []
+    getenv = os.getenv
+
+    def counted(name, default=None):
+        if name.startswith("PY_YAMUX_"):
+            lookups.append(name)
+        return getenv(name, default)
+
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    got = bytearray()
+
+    async def sink(stream) -> None:
+        while len(got) < len(payload):
+            got.extend(await stream.read(len(payload)))
+        await stream.write(b"k")
+
+    async with connected_hosts("/test/sink/1", sink) as (a, b):
+        stream = await a.open_stream(b.peer_id, "/test/sink/1")
+        await stream.write(b"x" * 10)  # every setting in use has been read once
+        while len(got) < 10:
+            await trio.sleep(0.01)
+        got.clear()
+        monkeypatch.setattr(os, "getenv", counted)
+        with trio.fail_after(30):
+            await stream.write(payload)
+            assert await stream.read(1) == b"k"
+    assert bytes(got) == payload
+    assert lookups == []
+    assert yamux._yamux_data_read_timeout() == 60.0 and yamux._yamux_batch_threshold_divisor() == 2
+
+
 async def test_a_writer_waiting_for_send_window_sleeps_until_the_window_grows():
     """With the peer's window used up, py-libp2p's write polled the window every 10 ms (100 wake-ups
     a second per blocked stream: every upload through a slow link). The writer must stay asleep,

@@ -63,6 +63,7 @@ from .workarounds import (
     TcpBytes,
     WholeNoiseMessages,
     YamuxSends,
+    YamuxSettingsOnce,
     disable_auto_connect,
     guard_handlers,
 )
@@ -290,6 +291,7 @@ async def open_swarm_host(
     PeerRecordReuse.install()
     SeenMessagesSpawnNothing.install()
     FewerYamuxPings.install()
+    YamuxSettingsOnce.install()
     keypair = to_libp2p_keypair(identity)
     noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
     addrs = [parse_multiaddr(a) for a in listen]

@@ -16,6 +16,8 @@
   duplicates included; check its seen cache first.
 * :class:`FewerYamuxPings`: every connection pings from both ends every 30 s to tune its window;
   every 2 minutes is enough.
+* :class:`YamuxSettingsOnce`: py-libp2p reads its Yamux tuning from the environment on every
+  frame; read it once.
 * :class:`YamuxSends`: size Yamux data frames to one Noise message each (py-libp2p's are 17 bytes
   too large, so every full frame went out as two), and wait for send window on an event instead
   of polling it every 10 ms.
@@ -362,6 +364,29 @@ class FewerYamuxPings(Patch):
         from libp2p.stream_muxer.yamux import yamux
 
         yamux.RTT_MEASURE_INTERVAL = cls.INTERVAL  # read by _measure_rtt_loop on every round
+
+
+class YamuxSettingsOnce(Patch):
+    """Read py-libp2p's ``PY_YAMUX_*`` tuning variables once per process, not on every frame.
+
+    py-libp2p 0.8.1 looks up its Yamux tuning in ``os.environ`` each time it needs one: the data
+    read timeout for every DATA frame received, the window-credit threshold for every read, the
+    debug switch on every write (~19,000 look-ups, each a str encode and a dict probe, to move
+    256 MiB). The variables are for its own perf harness; we never change them while running, so
+    each function's first answer is kept.
+    """
+
+    FUNCTIONS = ("_py_yamux_env", "_py_yamux_env_set", "_perf_yamux_debug_enabled", "_yamux_disable_hysteresis",
+                 "_yamux_release_on_read", "_yamux_batch_threshold_divisor", "_yamux_data_read_timeout")
+
+    @classmethod
+    def _patch(cls) -> None:
+        import functools
+
+        from libp2p.stream_muxer.yamux import yamux
+
+        for name in cls.FUNCTIONS:  # each is looked up as a module global at every call
+            setattr(yamux, name, functools.cache(getattr(yamux, name)))
 
 
 class YamuxSends(Patch):
