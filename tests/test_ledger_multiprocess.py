@@ -351,9 +351,10 @@ def test_swarm_node_processes_replicate_the_ledger(tmp_path):
     with LocalSwarm(tmp_path / "swarm", log_level="warning") as swarm:
         holder_id = load_or_create_identity(swarm.root / "holder")[0]
         swarm.write_run_file(
-            # Small batches: a newcomer takes ~60 round trips, so it is seen part-way through.
+            # Small batches: a newcomer takes ~240 round trips, so a status file (written each
+            # second) shows it part-way through. With 100 a sync could finish between two writes.
             f'[run]\nname = "{RUN}"\ntrainers = ["{holder_id.peer_id}"]\n\n[ledger]\nsync_interval = 0.5\n'
-            "sync_batch = 100\n"
+            "sync_batch = 25\n"
         )
         history = []
         prev = GENESIS
