@@ -17,7 +17,7 @@ class ShardsConfig:
     # 128 KiB while a checkpoint has fewer than 256 pieces, doubled until it has at most MAX_PIECES).
     # See node/shards/manifest.py for the measurements.
     piece_size: int = 0
-    # Bytes asked for by one request (a block). 256 KiB: see node/shards/manifest.py.
+    # Bytes asked for by one request (a block; a fast peer is asked for a new piece whole, up to 1 MiB). 256 KiB: see node/shards/manifest.py.
     block_size: int = 256 * 1024
     # Complete versions kept on disk; older ones are deleted (INTELLECT-2 keeps async_level + 1).
     keep_versions: int = 3
