@@ -44,6 +44,19 @@ def frame_sink(frames: int, got: list):
     return sink
 
 
+def mib_sink():
+    """(1 MiB payload, the bytearray it is read into, a handler reading it then answering b"k")."""
+    payload = bytes(range(256)) * 4096
+    got = bytearray()
+
+    async def sink(stream) -> None:
+        while len(got) < len(payload):
+            got.extend(await stream.read(len(payload)))
+        await stream.write(b"k")
+
+    return payload, got, sink
+
+
 async def test_a_write_cancelled_after_encryption_leaves_the_connection_usable(monkeypatch):
     """A deadline that expires between Noise's encrypt and the send used to burn a nonce the peer
     never saw: every later frame on the connection failed to decrypt and no stream could open."""
@@ -214,14 +227,7 @@ async def test_each_yamux_data_frame_is_one_noise_message(monkeypatch):
         await write_msg(self, msg, prefix_encoded)
 
     monkeypatch.setattr(NoiseTransportReadWriter, "write_msg", recorded)
-    payload = bytes(range(256)) * 4096  # 1 MiB
-    got = bytearray()
-
-    async def sink(stream) -> None:
-        while len(got) < len(payload):
-            got.extend(await stream.read(len(payload)))
-        await stream.write(b"k")
-
+    payload, got, sink = mib_sink()
     async with connected_hosts("/test/sink/1", sink) as (a, b):
         stream = await a.open_stream(b.peer_id, "/test/sink/1")
         sizes.clear()
@@ -248,14 +254,7 @@ async def test_yamux_reads_its_tuning_from_the_environment_once_not_per_frame(mo
             lookups.append(name)
         return getenv(name, default)
 
-    payload = bytes(range(256)) * 4096  # 1 MiB
-    got = bytearray()
-
-    async def sink(stream) -> None:
-        while len(got) < len(payload):
-            got.extend(await stream.read(len(payload)))
-        await stream.write(b"k")
-
+    payload, got, sink = mib_sink()
     async with connected_hosts("/test/sink/1", sink) as (a, b):
         stream = await a.open_stream(b.peer_id, "/test/sink/1")
         await stream.write(b"x" * 10)  # every setting in use has been read once
