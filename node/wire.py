@@ -142,9 +142,8 @@ def register(cls: type[M]) -> type[M]:
         raise LocalProtocolError(f"{cls.__name__} has no TYPE")
     if cls.TYPE in _REGISTRY and _REGISTRY[cls.TYPE] is not cls:
         raise LocalProtocolError(f"duplicate message type {cls.TYPE!r}")
-    for f in dataclasses.fields(cls):
-        hint = typing.get_type_hints(cls)[f.name]
-        if _needs_len(hint) and _bounds(f).max_len is None and _bounds(f).exact_len is None:
+    for f in _schema(cls)[0]:
+        if _needs_len(f.hint) and f.bounds.max_len is None and f.bounds.exact_len is None:
             raise LocalProtocolError(f"{cls.__name__}.{f.name} needs a max_len bound")
     _REGISTRY[cls.TYPE] = cls
     return cls

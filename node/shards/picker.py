@@ -135,7 +135,8 @@ class _Peer:
     received_bytes: int = 0  # bytes in blocks accepted from this peer (verified or not)
     whole: set[int] = field(default_factory=set)  # pieces asked of this peer in one request
     # Whole-piece requests we cancelled: their data may still come (the cancel raced it), and
-    # must be dropped, not taken for a wrong-length block. At most one per piece.
+    # must be dropped, not taken for a wrong-length block. At most one per piece; never also in
+    # ``whole`` (asking for the piece whole again takes it out).
     whole_cancelled: set[int] = field(default_factory=set)
 
 
@@ -289,8 +290,7 @@ class Picker:
         st = self.peers.get(peer)
         if st is None:
             return [], acts
-        if offset == 0 and piece in st.whole_cancelled and length == self.piece_lengths[piece] \
-                and piece not in st.whole:
+        if offset == 0 and piece in st.whole_cancelled and length == self.piece_lengths[piece]:
             st.whole_cancelled.discard(piece)
             return [], acts  # the cancel of a whole-piece request raced its data
         blocks = self._requested(st, piece, offset)
@@ -337,18 +337,17 @@ class Picker:
             return self.blocks_of(piece)
         return [(offset, self._block_length(piece, offset))]
 
-    def _cancel(self, peer: str, st: _Peer, piece: int, offset: int, acts: Actions) -> bool:
-        """Stop wanting one block from ``peer``: forget its request and tell the peer, with one
-        cancel for a whole-piece request once none of its blocks is wanted. False if not in flight."""
+    def _cancel(self, peer: str, st: _Peer, piece: int, offset: int, acts: Actions) -> None:
+        """Stop wanting one block from ``peer`` (if it is in flight): forget its request and tell
+        the peer, with one cancel for a whole-piece request once none of its blocks is wanted."""
         if st.in_flight.pop((piece, offset), None) is None:
-            return False
+            return
         if piece not in st.whole:
             acts.cancels.append(Cancel(peer, piece, offset, self._block_length(piece, offset)))
         elif not any((piece, o) in st.in_flight for o, _ in self.blocks_of(piece)):
             st.whole.discard(piece)
             st.whole_cancelled.add(piece)
             acts.cancels.append(Cancel(peer, piece, 0, self.piece_lengths[piece]))
-        return True
 
     def piece_ready(self, piece: int) -> bool:
         """Every block of an active piece has been received: hash-check it now."""
