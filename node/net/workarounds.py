@@ -494,8 +494,10 @@ class WholeNoiseMessages(Patch):
     loopback (``bench/shards.py swarm`` prints both). The body's length is known once its 2-byte
     prefix is read, and nothing can be done with part of it (it is decrypted whole), so asking
     the kernel to wake us only when it has the rest (or EOF, or an error) loses nothing. The mark
-    is the bytes still missing, set again after each partial read (a mark above what the peer will
-    send before it waits for us would never fire), and goes back to 1 before the next prefix.
+    is the bytes still missing, set before each read of the body (a mark above what the peer will
+    send before it waits for us would never fire), and goes back to 1 before the next prefix. Set
+    only after a first read, it let that read wake at the body's first segment: three wake-ups a
+    message, not two (a plain stream through a 10 Mbit/s link: 0.031 -> 0.023 CPU-s per MiB).
     Linux only (elsewhere the option is missing and reads go as before).
     """
 
@@ -517,18 +519,18 @@ class WholeNoiseMessages(Patch):
                 return False
 
         async def fill(conn, sock, ahead: bytearray, need: int) -> None:
-            """Read until ``ahead`` holds ``need`` bytes: first what is there, then with the mark."""
+            """Read until ``ahead`` holds ``need`` bytes, the mark set to what is missing first."""
             mark = 1
             try:
                 while len(ahead) < need:
+                    want = min(need - len(ahead), MAX_RCVLOWAT)
+                    if want > 2 and want != mark and set_mark(sock, want):  # a prefix comes in one segment
+                        mark = want
                     chunk = await conn.read(max(READ_AHEAD, need - len(ahead)))
                     if not chunk:
                         raise IncompleteReadError(f"connection closed with {need - len(ahead)} bytes of a "
                                                   "Noise message missing")
                     ahead += chunk
-                    want = min(need - len(ahead), MAX_RCVLOWAT)
-                    if want > 1 and want != mark and set_mark(sock, want):
-                        mark = want
             finally:
                 if mark != 1:
                     set_mark(sock, 1)
