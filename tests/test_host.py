@@ -216,6 +216,43 @@ async def test_a_noise_message_arriving_a_segment_at_a_time_wakes_the_reader_a_f
     assert receiver <= 2 * frames + 8, f"{receiver} reads for {frames} messages of {size} bytes"
 
 
+class ScriptedSocket:
+    """A connection and its socket for ``fill_noise_message``: each read returns the next scripted
+    number of bytes, and records the low-water mark the socket had when it was made."""
+
+    def __init__(self, chunks: list[int]) -> None:
+        self.chunks = chunks
+        self.mark = 1
+        self.reads: list[tuple[int, int]] = []  # (mark at the read, bytes it returned)
+
+    def setsockopt(self, level, option, value) -> None:
+        self.mark = value
+
+    async def read(self, n: int) -> bytes:
+        size = self.chunks.pop(0)
+        self.reads.append((self.mark, size))
+        return b"x" * size
+
+
+async def test_the_mark_never_exceeds_what_a_noise_message_still_lacks():
+    """A body read in parts left the mark of an earlier part in place once only a byte or two were
+    missing: the read then waited for a 32 KiB mark that the peer would never reach before we
+    answered (a liar test's honest-looking seeder whose every block arrived 2 s late, as timeouts)."""
+    from node.net.workarounds import fill_noise_message
+
+    need = 2 + 65535  # a whole Noise message: prefix and the largest body
+    for chunks in ([32766, 32768, 1], [65534, 1], [60000, 5533, 2], [40000, 25534, 1]):
+        conn = ScriptedSocket(list(chunks))
+        ahead = bytearray(b"\xff\xff")  # its prefix was read
+        await fill_noise_message(conn, conn, ahead, need)
+        assert len(ahead) == 2 + sum(chunks)
+        missing = need - 2
+        for mark, size in conn.reads:
+            assert mark <= max(missing, 1), f"a read with mark {mark} while {missing} bytes were due ({chunks})"
+            missing -= size
+        assert conn.mark == 1  # left for the next prefix
+
+
 async def test_each_yamux_data_frame_is_one_noise_message(monkeypatch):
     """py-libp2p's full Yamux frame (64 KiB) was 17 bytes over a Noise message's plaintext limit, so
     bulk data went out as two Noise messages per frame (twice the encryptions, sends and wake-ups at

@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 
 import trio
 
@@ -483,6 +484,39 @@ def _tcp_socket(conn):
     return inner.socket if isinstance(inner, trio.SocketStream) else None
 
 
+def _set_mark(sock, n: int) -> bool:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+        return True
+    except OSError:  # closed meanwhile: the read that follows fails or ends as before
+        return False
+
+
+async def fill_noise_message(conn, sock, ahead: bytearray, need: int) -> None:
+    """Read from ``conn`` until ``ahead`` holds ``need`` bytes (a Noise message's prefix, or all of
+    it), with ``sock``'s SO_RCVLOWAT set before each read to what is still missing: never more,
+    or the read waits for bytes the peer will not send before we answer (WholeNoiseMessages)."""
+    mark = 1
+    try:
+        while len(ahead) < need:
+            want = min(need - len(ahead), MAX_RCVLOWAT)
+            # A prefix, or the last byte or two of a body, come in one segment: no mark for them,
+            # but one left from a partial read of this body must come down to 1.
+            target = want if want > 2 else 1
+            if target != mark and _set_mark(sock, target):
+                mark = target
+            chunk = await conn.read(max(READ_AHEAD, need - len(ahead)))
+            if not chunk:
+                from libp2p.io.exceptions import IncompleteReadError
+
+                raise IncompleteReadError(f"connection closed with {need - len(ahead)} bytes of a "
+                                          "Noise message missing")
+            ahead += chunk
+    finally:
+        if mark != 1:
+            _set_mark(sock, 1)
+
+
 class WholeNoiseMessages(Patch):
     """Read each Noise message's body with ``SO_RCVLOWAT`` set to its length (py-libp2p 0.8.1).
 
@@ -503,37 +537,10 @@ class WholeNoiseMessages(Patch):
 
     @classmethod
     def _patch(cls) -> None:
-        import socket
-
-        from libp2p.io.exceptions import IncompleteReadError
         from libp2p.io.utils import read_exactly
         from libp2p.security.noise.io import NoisePacketReadWriter
 
         option = getattr(socket, "SO_RCVLOWAT", None)
-
-        def set_mark(sock, n: int) -> bool:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, option, n)
-                return True
-            except OSError:  # closed meanwhile: the read below fails or ends as before
-                return False
-
-        async def fill(conn, sock, ahead: bytearray, need: int) -> None:
-            """Read until ``ahead`` holds ``need`` bytes, the mark set to what is missing first."""
-            mark = 1
-            try:
-                while len(ahead) < need:
-                    want = min(need - len(ahead), MAX_RCVLOWAT)
-                    if want > 2 and want != mark and set_mark(sock, want):  # a prefix comes in one segment
-                        mark = want
-                    chunk = await conn.read(max(READ_AHEAD, need - len(ahead)))
-                    if not chunk:
-                        raise IncompleteReadError(f"connection closed with {need - len(ahead)} bytes of a "
-                                                  "Noise message missing")
-                    ahead += chunk
-            finally:
-                if mark != 1:
-                    set_mark(sock, 1)
 
         async def read_msg(self) -> bytes:
             conn = self.read_write_closer
@@ -544,10 +551,10 @@ class WholeNoiseMessages(Patch):
             # are two objects over one connection, and bytes read ahead by one belong to the other.
             ahead = conn.__dict__.setdefault("_noise_read_ahead", bytearray())
             if len(ahead) < 2:
-                await fill(conn, sock, ahead, 2)
+                await fill_noise_message(conn, sock, ahead, 2)
             end = 2 + int.from_bytes(ahead[:2], "big")
             if len(ahead) < end:
-                await fill(conn, sock, ahead, end)
+                await fill_noise_message(conn, sock, ahead, end)
             msg = bytes(ahead[2:end])
             del ahead[:end]
             return msg
