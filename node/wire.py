@@ -329,12 +329,16 @@ def unpack(data: bytes, max_size: int = MAX_FRAME) -> Any:
 
 def encode(msg: Message) -> bytes:
     """Serialize a message after checking it against its own schema (a bug if it fails)."""
+    return pack(_checked_wire(msg))
+
+
+def _checked_wire(msg: Message) -> dict[str, Any]:
     wire = msg.to_wire()
     try:
         _from_wire(type(msg), wire)
     except RemoteProtocolError as e:
         raise LocalProtocolError(f"refusing to send invalid {msg.TYPE}: {e}") from None
-    return pack(wire)
+    return wire
 
 
 def decode(data: bytes, max_size: int = MAX_FRAME) -> Message:
@@ -475,10 +479,38 @@ async def read_message(stream: _Reader, max_size: int = MAX_FRAME) -> Message | 
 
 def frame_of(data: bytes | Message) -> bytes:
     """One length-prefixed frame, to write alone or joined with others in one stream write."""
-    body = encode(data) if isinstance(data, Message) else data
-    if len(body) > MAX_FRAME:
-        raise LocalProtocolError(f"frame of {len(body)} bytes exceeds MAX_FRAME")
-    return _LEN.pack(len(body)) + body
+    return b"".join(frame_parts(data))
+
+
+def frame_parts(data: bytes | Message) -> list[bytes]:
+    """One length-prefixed frame as parts whose join is :func:`frame_of`'s bytes. A message whose
+    last field holds ``SPLIT_BYTES`` or more (a block of ``shards.data``) keeps that value as a part
+    of its own: the writer joins it once with the rest of its batch, where packing copied it into
+    the map and the length prefix copied it again (two copies of every byte a seeder sends)."""
+    if not isinstance(data, Message):
+        return [_prefixed(len(data), data)]
+    wire = _checked_wire(data)
+    last = next(reversed(wire))
+    value = wire[last]
+    if not isinstance(value, bytes) or len(value) < SPLIT_BYTES:
+        body = pack(wire)
+        return [_prefixed(len(body), body)]
+    wire[last] = b""
+    head = pack(wire)
+    assert head.endswith(_EMPTY_BIN), "msgpack packs b'' as bin 8 of length 0"
+    n = len(value)
+    head = head[: -len(_EMPTY_BIN)] + (b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big"))
+    return [_prefixed(len(head) + n, head), value]
+
+
+SPLIT_BYTES = 4096  # (frame_parts) below this, copying the value costs less than a part of its own
+_EMPTY_BIN = b"\xc4\x00"  # msgpack's bin 8 of length 0; bin 16/32 carry longer values, as msgpack would
+
+
+def _prefixed(length: int, head: bytes) -> bytes:
+    if length > MAX_FRAME:
+        raise LocalProtocolError(f"frame of {length} bytes exceeds MAX_FRAME")
+    return _LEN.pack(length) + head
 
 
 async def write_frame(stream: _Writer, data: bytes | Message) -> None:

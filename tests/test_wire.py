@@ -22,6 +22,8 @@ from node.wire import (
     decode,
     decode_as,
     encode,
+    frame_of,
+    frame_parts,
     pack,
     read_frame,
     read_message,
@@ -115,6 +117,34 @@ def test_oversized_input_refused_before_parsing():
 def test_encoding_an_invalid_message_is_a_local_bug():
     with pytest.raises(LocalProtocolError):
         encode(Sample(name="too long a name", count=1))
+
+
+@register
+@dataclass(frozen=True)
+class Bulk(Message):
+    TYPE: ClassVar[str] = "test.bulk"
+    n: int = bounded(min=0, max=10)
+    data: bytes = bounded(max_len=1 << 20)
+
+
+@pytest.mark.parametrize("size", [0, 1, 255, 256, 4095, 4096, 65535, 65536, 1 << 20])
+def test_a_long_trailing_bytes_field_is_framed_as_a_part_of_its_own(size):
+    """The parts join to exactly the frame msgpack would give (so a peer cannot tell), and a value
+    of SPLIT_BYTES or more is the very object passed in, not a copy."""
+    blob = random.Random(size).randbytes(size)
+    msg = Bulk(n=3, data=blob)
+    parts = frame_parts(msg)
+    body = pack(msg.to_wire())
+    assert b"".join(parts) == len(body).to_bytes(4, "big") + body == frame_of(msg)
+    assert decode(b"".join(parts)[4:]) == msg
+    assert (parts[-1] is blob) == (size >= 4096) and len(parts) == (2 if size >= 4096 else 1)
+
+
+def test_framing_parts_still_checks_the_message():
+    with pytest.raises(LocalProtocolError):
+        frame_parts(Bulk(n=11, data=b"x" * 5000))
+    with pytest.raises(LocalProtocolError):
+        frame_parts(Bulk(n=1, data=b"x" * ((1 << 20) + 1)))
 
 
 def test_envelope_signature_and_domain():

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..net.budget import StreamLimits
-from ..wire import Message, RemoteProtocolError, decode, frame_of, write_frame
+from ..wire import Message, RemoteProtocolError, decode, frame_of, frame_parts, write_frame
 from .protocol import (
     BAD_RANGE,
     BUSY,
@@ -184,7 +184,8 @@ class ServerSession:
         """Write the queued Haves and then ``msgs`` in one stream write."""
         frames = [frame_of(Have(piece=p)) for p in self.haves]
         self.haves.clear()
-        frames.extend(frame_of(m) for m in msgs)
+        for m in msgs:
+            frames += frame_parts(m)
         if frames:
             async with self.lock:
                 await self.stream.write(b"".join(frames))
