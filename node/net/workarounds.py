@@ -403,6 +403,8 @@ class YamuxSends(Patch):
       100 wake-ups a second per blocked stream, doing nothing. Here ``send_window`` and ``closed``
       are watched attributes and the write waits on an event they set when the window grows or the
       stream closes. py-libp2p's error after 5 s without a window update is kept.
+    * Each frame's body was sliced from the written bytes (a copy) and then joined to its header (a
+      second copy); it is sliced from a memoryview here, so only the join copies it.
     """
 
     @classmethod
@@ -438,6 +440,7 @@ class YamuxSends(Patch):
             if self.send_closed:
                 raise MuxedStreamError("Stream is closed for sending")
             total, sent = len(data), 0
+            view = memoryview(data)  # a frame's body is sliced from it without a copy (the header's join copies it)
             while sent < total:
                 frame = None
                 while frame is None:
@@ -452,7 +455,7 @@ class YamuxSends(Patch):
                                 n = min(self.send_window, frame_body, total - sent)
                                 self.send_window -= n
                                 frame = struct.pack(Y.YAMUX_HEADER_FORMAT, 0, Y.TYPE_DATA, 0, self.stream_id, n) \
-                                    + data[sent:sent + n]
+                                    + view[sent:sent + n]
                     finally:
                         self.rw_lock.release_write()
                     if frame is None:
