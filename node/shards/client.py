@@ -292,7 +292,10 @@ class Download:
         self._piece_checked(piece, parts, contributors, ok)
 
     def _check_and_write(self, piece: int, parts: Parts) -> bool:  # may run in a worker thread
-        return self.vs.check_and_write(piece, b"".join(parts[o] for o in sorted(parts)))
+        # A piece that came whole in one message is one part: hashed and written as it is. Joined,
+        # it was one more copy of the piece, made holding the GIL that the event loop waits for.
+        data = next(iter(parts.values())) if len(parts) == 1 else b"".join(parts[o] for o in sorted(parts))
+        return self.vs.check_and_write(piece, data)
 
     def _piece_checked(self, piece: int, parts: Parts, contributors: dict[str, int], ok: bool) -> None:
         now = trio.current_time()

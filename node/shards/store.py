@@ -147,7 +147,7 @@ class VersionStore:
         self.mark_verified(index)
         return True
 
-    def check_and_write(self, index: int, data: bytes) -> bool:
+    def check_and_write(self, index: int, data: bytes | memoryview) -> bool:
         """Hash-check piece ``index`` and write it in place, changing no state (a worker thread may
         run it; :meth:`mark_verified` then, in the event loop). False (nothing written) on a mismatch;
         OSError if the write fails or the store was closed."""
