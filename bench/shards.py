@@ -209,7 +209,9 @@ def calibrate() -> None:
 # 2. overhead
 
 
-async def _overhead(size: int, seeders: int, tmp: Path) -> tuple[float, float]:
+async def _overhead(size: int, seeders: int, tmp: Path) -> tuple[float, float, float, float]:
+    """(MiB/s, seconds, event-loop CPU-s, process CPU-s) of the download alone: its CPU varies
+    less between runs than its goodput does on a shared machine, so A/B pairs compare it too."""
     src = write_checkpoint(tmp / "src", size, seed=1)
     trainer = Identity.generate()
     tr = [trainer.peer_id]
@@ -224,26 +226,29 @@ async def _overhead(size: int, seeders: int, tmp: Path) -> tuple[float, float]:
         for s in seeds:
             await d.host.connect(s.host.listen_addrs()[0])
         svc = d.shards
-        t0 = time.perf_counter()
+        t0, loop0, proc0 = time.perf_counter(), time.thread_time(), time.process_time()
         svc.fetch(1, signed.root, seeds[0].peer_id)
         path = await svc.wait_version(1)
-        dt = time.perf_counter() - t0
+        dt, loop, proc = time.perf_counter() - t0, time.thread_time() - loop0, time.process_time() - proc0
         assert same_files(src, path), "downloaded bytes differ"
         per_peer = {p[-6:]: round(n / MiB) for (p, _), n in svc.receipts().items()}
         print(f"  per seeder (MiB): {per_peer}")
-    return size / dt / MiB, dt
+    return size / dt / MiB, dt, loop, proc
 
 
 def overhead(size_mib: int, seeders: int) -> float:
     size = size_mib * MiB
     print(f"== overhead: 1 downloader, {seeders} seeders, {size_mib} MiB, one process on loopback")
-    base1 = trio.run(stream_goodput, size, None)
+    cpu1, cpu2 = {}, {}
+    base1 = trio.run(stream_goodput, size, None, cpu1)
     with tempfile.TemporaryDirectory(prefix="bench-shards-") as tmp:
-        swarm, dt = trio.run(_overhead, size, seeders, Path(tmp))
-    base2 = trio.run(stream_goodput, size, None)
+        swarm, dt, loop, proc = trio.run(_overhead, size, seeders, Path(tmp))
+    base2 = trio.run(stream_goodput, size, None, cpu2)
     base = (base1 + base2) / 2
-    print(f"  plain libp2p stream (1 MiB writes), mean of before/after: {base:.1f} MiB/s ({base1:.1f}, {base2:.1f})")
-    print(f"  shards download from {seeders} seeders: {swarm:.1f} MiB/s ({dt:.2f} s)")
+    print(f"  plain libp2p stream (1 MiB writes), mean of before/after: {base:.1f} MiB/s ({base1:.1f}, {base2:.1f}); "
+          f"CPU {(cpu1['cpu'] + cpu2['cpu']) / 2:.2f} s (both ends, one thread)")
+    print(f"  shards download from {seeders} seeders: {swarm:.1f} MiB/s ({dt:.2f} s); CPU: event loop {loop:.2f} s "
+          f"(seeders and downloader), whole process {proc:.2f} s (with the hash-and-write thread)")
     ratio = swarm / base
     print(f"  ratio (shards goodput / plain stream goodput): {ratio:.2f}")
     return ratio
