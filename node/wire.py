@@ -477,6 +477,10 @@ async def read_message(stream: _Reader, max_size: int = MAX_FRAME) -> Message | 
     return None if data is None else decode(data, max_size)
 
 
+SPLIT_BYTES = 4096  # (frame_parts) below this, copying the value costs less than a part of its own
+_EMPTY_BIN = b"\xc4\x00"  # msgpack's bin 8 of length 0; bin 16/32 carry longer values, as msgpack would
+
+
 def frame_of(data: bytes | Message) -> bytes:
     """One length-prefixed frame, to write alone or joined with others in one stream write."""
     return b"".join(frame_parts(data))
@@ -499,12 +503,9 @@ def frame_parts(data: bytes | Message) -> list[bytes]:
     head = pack(wire)
     assert head.endswith(_EMPTY_BIN), "msgpack packs b'' as bin 8 of length 0"
     n = len(value)
-    head = head[: -len(_EMPTY_BIN)] + (b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big"))
+    bin_header = b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big")
+    head = head[: -len(_EMPTY_BIN)] + bin_header
     return [_prefixed(len(head) + n, head), value]
-
-
-SPLIT_BYTES = 4096  # (frame_parts) below this, copying the value costs less than a part of its own
-_EMPTY_BIN = b"\xc4\x00"  # msgpack's bin 8 of length 0; bin 16/32 carry longer values, as msgpack would
 
 
 def _prefixed(length: int, head: bytes) -> bytes:

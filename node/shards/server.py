@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..net.budget import StreamLimits
-from ..wire import Message, RemoteProtocolError, decode, frame_of, frame_parts, write_frame
+from ..wire import Message, RemoteProtocolError, decode, frame_parts, write_frame
 from .protocol import (
     BAD_RANGE,
     BUSY,
@@ -182,10 +182,9 @@ class ServerSession:
 
     async def _send(self, *msgs: Message) -> None:
         """Write the queued Haves and then ``msgs`` in one stream write."""
-        frames = [frame_of(Have(piece=p)) for p in self.haves]
+        queued = [Have(piece=p) for p in self.haves]
         self.haves.clear()
-        for m in msgs:
-            frames += frame_parts(m)
+        frames = [part for m in (*queued, *msgs) for part in frame_parts(m)]
         if frames:
             async with self.lock:
                 await self.stream.write(b"".join(frames))
