@@ -182,6 +182,51 @@ def test_store_writes_verified_pieces_and_resumes(tmp_path: Path, folder: Path) 
     vs.close()
 
 
+def test_a_piece_written_with_writeback_asks_the_kernel_for_exactly_its_spans(tmp_path: Path, folder: Path,
+                                                                           monkeypatch) -> None:
+    """The worker thread's writes start their own writeback (so the final fsync waits for little):
+    one request per file span the piece covers, none for the event loop's writes, bytes unchanged."""
+    import node.shards.store as store_mod
+    from node.atomic import start_writeback
+
+    signed = sign_manifest(TRAINER, build_manifest(folder, "run", 1, piece_size=64 * KiB))
+    m = signed.manifest
+    blob = b"".join((folder / f.name).read_bytes() for f in m.files)
+    piece = lambda i: blob[i * m.piece_size : i * m.piece_size + m.piece_length(i)]  # noqa: E731
+    asked: list[tuple[int, int, int, bool]] = []
+
+    def recorded(fd: int, offset: int, length: int) -> bool:
+        ok = start_writeback(fd, offset, length)
+        asked.append((fd, offset, length, ok))
+        return ok
+
+    monkeypatch.setattr(store_mod, "start_writeback", recorded)
+    vs = _store(tmp_path).open_version(signed)
+    spanning = next(i for i in range(m.num_pieces) if len(m.spans(i * m.piece_size, m.piece_length(i))) > 1)
+    assert vs.check_and_write(0, piece(0)) and asked == []  # the event loop's write: no writeback
+    assert vs.check_and_write(spanning, piece(spanning), writeback=True)
+    spans = m.spans(spanning * m.piece_size, m.piece_length(spanning))
+    assert [(fd, off, n) for fd, off, n, _ in asked] == [(vs._fds[i], off, n) for i, off, n in spans]
+    if os.uname().sysname == "Linux":
+        assert all(ok for *_, ok in asked)  # the kernel took the requests (not a silent no-op)
+    for i in range(m.num_pieces):
+        vs.put_piece(i, piece(i))
+    vs.finish()
+    assert all((vs.folder / f.name).read_bytes() == (folder / f.name).read_bytes() for f in m.files)
+    vs.close()
+
+
+def test_writeback_is_advisory_a_descriptor_it_cannot_apply_to_is_refused_quietly() -> None:
+    from node.atomic import start_writeback
+
+    r, w = os.pipe()
+    try:
+        assert start_writeback(w, 0, 4096) is False  # a pipe has no pages to write: refused, no error
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_store_keeps_last_k_and_refuses_a_second_root(tmp_path: Path, folder: Path) -> None:
     store = _store(tmp_path, keep=2)
     for v in (1, 2, 3):

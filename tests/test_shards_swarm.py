@@ -374,11 +374,11 @@ async def test_a_write_the_kernel_holds_up_does_not_stop_the_event_loop(tmp_path
     entered, release, released = threading.Event(), threading.Event(), []
     real = VersionStore._pwrite
 
-    def held_up(self, start, data):
+    def held_up(self, start, data, writeback):
         if (tmp_path / "r") in self.folder.parents and not entered.is_set():
             entered.set()
             released.append(release.wait(timeout=20))  # False: nobody in the event loop ran to release it
-        real(self, start, data)
+        real(self, start, data, writeback)
 
     monkeypatch.setattr(VersionStore, "_pwrite", held_up)
     with trio.fail_after(90):
@@ -412,10 +412,10 @@ async def test_a_failing_disk_stops_the_download_not_the_node(tmp_path: Path, mo
     real = VersionStore._pwrite
     full = [True]
 
-    def disk_full(self, start, data):
+    def disk_full(self, start, data, writeback):
         if (tmp_path / "r") in self.folder.parents and full[0]:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(self, start, data)
+        real(self, start, data, writeback)
 
     monkeypatch.setattr(VersionStore, "_pwrite", disk_full)
     with trio.fail_after(90):

@@ -282,20 +282,20 @@ class Download:
                            in_thread: bool) -> None:
         try:
             if in_thread:
-                ok = await trio.to_thread.run_sync(self._check_and_write, piece, parts)
+                ok = await trio.to_thread.run_sync(self._check_and_write, piece, parts, True)
             else:
-                ok = self._check_and_write(piece, parts)
+                ok = self._check_and_write(piece, parts, False)
         except OSError as e:
             self.failed = f"writing piece {piece} to {self.vs.folder} failed: {e}"
             self._poke()
             return
         self._piece_checked(piece, parts, contributors, ok)
 
-    def _check_and_write(self, piece: int, parts: Parts) -> bool:  # may run in a worker thread
+    def _check_and_write(self, piece: int, parts: Parts, in_thread: bool) -> bool:  # may run in a worker thread
         # A piece that came whole in one message is one part: hashed and written as it is. Joined,
         # it was one more copy of the piece, made holding the GIL that the event loop waits for.
         data = next(iter(parts.values())) if len(parts) == 1 else b"".join(parts[o] for o in sorted(parts))
-        return self.vs.check_and_write(piece, data)
+        return self.vs.check_and_write(piece, data, writeback=in_thread)
 
     def _piece_checked(self, piece: int, parts: Parts, contributors: dict[str, int], ok: bool) -> None:
         now = trio.current_time()

@@ -11,6 +11,9 @@ Layout under ``<data_dir>/checkpoints/``::
 
 * Files are preallocated to their final size and each verified piece is written in place with
   ``pwrite``; unverified bytes never reach the disk (the downloader hashes a piece in memory first).
+* A large piece, written in a worker thread, has its writeback to disk started at once
+  (``sync_file_range``), so the fsync at the end of a download waits for little: it overlapped
+  the network instead of following it.
 * After each verified piece its index is appended to ``verified`` (one ``write`` of 4 bytes, after
   the piece's ``pwrite``), so a process killed with SIGKILL loses nothing it had verified. It is not
   fsync'd per piece (replacing a bitmap by rename per piece cost ~3.6 ms here, a third of the event
@@ -35,7 +38,7 @@ import struct
 import threading
 from pathlib import Path
 
-from ..atomic import fsync_dir, write_atomic
+from ..atomic import fsync_dir, start_writeback, write_atomic
 from ..wire import Envelope, RemoteProtocolError, decode_as, encode
 from .manifest import Manifest, SignedManifest, open_manifest
 
@@ -128,11 +131,13 @@ class VersionStore:
             os.close(self._log)
             self._log = -1
 
-    def _pwrite(self, start: int, data: bytes | memoryview) -> None:
+    def _pwrite(self, start: int, data: bytes | memoryview, writeback: bool) -> None:
         view = memoryview(data)
         pos = 0
         for i, off, n in self.manifest.spans(start, len(view)):
             os.pwrite(self._fds[i], view[pos : pos + n], off)
+            if writeback:
+                start_writeback(self._fds[i], off, n)
             pos += n
 
     def _pread(self, start: int, length: int) -> bytes:
@@ -147,16 +152,18 @@ class VersionStore:
         self.mark_verified(index)
         return True
 
-    def check_and_write(self, index: int, data: bytes | memoryview) -> bool:
+    def check_and_write(self, index: int, data: bytes | memoryview, *, writeback: bool = False) -> bool:
         """Hash-check piece ``index`` and write it in place, changing no state (a worker thread may
         run it; :meth:`mark_verified` then, in the event loop). False (nothing written) on a mismatch;
-        OSError if the write fails or the store was closed."""
+        OSError if the write fails or the store was closed. ``writeback``: start writing the piece
+        to disk now, so that :meth:`finish`'s fsync has little left to wait for: a worker thread's
+        choice (it costs ~0.07 ms a piece, and slows the ``pwrite`` of pages written meanwhile)."""
         if not self.manifest.check_piece(index, data):
             return False
         with self._io:
             if not self._fds:
                 raise OSError(f"v{self.version}: store closed")
-            self._pwrite(index * self.manifest.piece_size, data)
+            self._pwrite(index * self.manifest.piece_size, data, writeback)
         return True
 
     def mark_verified(self, index: int) -> None:
