@@ -174,6 +174,17 @@ def test_timeouts_reissue_elsewhere_then_drop_unresponsive() -> None:
     assert p.poll(22.0).requests  # a new session starts it afresh
 
 
+def test_a_later_request_times_out_on_its_own_clock_once_the_older_ones_are_answered() -> None:
+    p = picker(20, initial_depth=1, request_timeout=5.0)
+    p.on_bitfield("A", set(range(20)))
+    first = p.poll(0.0).requests[0]
+    p.on_block("A", first.piece, first.offset, first.length, 3.0)
+    second = p.poll(3.0).requests  # sent at 3.0, after the first was answered
+    assert second and p.next_deadline() == 8.0
+    assert p.poll(7.9).cancels == []  # (what it sends at 7.9 is not late at 8.0)
+    assert {(c.piece, c.offset) for c in p.poll(8.0).cancels} == {(r.piece, r.offset) for r in second}
+
+
 def test_peer_gone_returns_its_blocks() -> None:
     p = picker(1, blocks_per_piece=1, initial_depth=1)
     p.on_bitfield("A", {0})
@@ -390,3 +401,77 @@ def test_super_seeder_gives_the_next_piece_to_the_downloader_with_least_forwardi
     assert s.backlog("a") == 0
     ((nxt, _),) = s.on_have(r, z, 4.0)
     assert nxt == "a"
+
+
+def _counting_picks(p: Picker) -> list[str]:
+    """The peers ``p._pick_block`` is tried for, in order (wraps the instance's method)."""
+    tried: list[str] = []
+    real = p._pick_block
+
+    def counted(peer: str, slots: int):
+        tried.append(peer)
+        return real(peer, slots)
+
+    p._pick_block = counted
+    return tried
+
+
+def test_a_poll_does_not_try_peers_that_hold_only_pieces_already_being_fetched() -> None:
+    """A swarm's usual state: most peers hold a few pieces, all already asked of someone else.
+    Each poll (one per wake-up) tried every one of them for a block first."""
+    p = picker(20, initial_depth=4)
+    p.on_bitfield("A", set(range(20)))
+    asked = {r.piece for r in p.poll(0.0).requests}
+    assert len(asked) == 4
+    for k in range(15):
+        p.on_bitfield(f"P{k}", set(asked))  # only what A is already fetching; not endgame yet
+    tried = _counting_picks(p)
+    assert p.poll(0.1).requests == [] and tried == []
+
+
+def test_peers_ruled_out_of_a_poll_still_duplicate_once_it_starts_the_endgame() -> None:
+    p = picker(2, initial_depth=1)
+    p.on_bitfield("A", {0})
+    assert [(r.peer, r.piece) for r in p.poll(0.0).requests] == [("A", 0)]
+    p.on_bitfield("B", {1})
+    p.on_bitfield("C", {0})  # only a piece in flight from A: nothing for C until B takes piece 1
+    got = sorted((r.peer, r.piece) for r in p.poll(0.1).requests)
+    assert got == [("B", 1), ("C", 0)]  # B's pick began the endgame; C duplicates in the same poll
+
+
+def test_a_peer_is_ruled_out_of_a_poll_only_when_no_block_could_be_picked_for_it() -> None:
+    """The cheap test that skips a peer must never skip one the full pick would have served:
+    random swarms (partial holdings, started, failed and verified pieces, parole, endgame)."""
+    import copy
+
+    checked = skipped = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        p = picker(12, blocks_per_piece=rng.choice([1, 3]), seed=seed, initial_depth=rng.choice([1, 2, 4]))
+        peers = [f"P{k}" for k in range(5)]
+        for peer in peers:
+            p.on_bitfield(peer, {i for i in range(12) if rng.random() < 0.5})
+        t = 0.0
+        for _ in range(25):
+            t += 0.1
+            endgame = p.in_endgame
+            open_pieces = {i for i, ap in p.active.items() if any(s.value == "missing" for s in ap.states)}
+            for peer, st in p.peers.items():
+                slots = p.depth_of(peer) - len(st.in_flight)
+                if slots <= 0 or p.is_banned(peer, t):
+                    continue
+                checked += 1
+                if not p._could_offer(st, open_pieces, endgame):
+                    skipped += 1
+                    assert copy.deepcopy(p)._pick_block(peer, slots) is None, (seed, peer)
+            reqs = p.poll(t).requests
+            for r in rng.sample(reqs, k=len(reqs) // 2):  # some answered, the rest stay in flight
+                kept, _ = p.on_block(r.peer, r.piece, r.offset, r.length, t)
+                if kept and p.piece_ready(r.piece):
+                    if rng.random() < 0.15:
+                        p.on_piece_failed(r.piece, t)  # on parole from now on
+                    else:
+                        p.on_piece_verified(r.piece, t)
+            if rng.random() < 0.3:
+                p.on_have(rng.choice(peers), rng.randrange(12))
+    assert skipped > 100 and checked > skipped  # the claim was exercised, both ways

@@ -2,9 +2,9 @@
 
 How this works
 --------------
-Pure logic, no I/O, time passed in (``now``, seconds). The download service feeds it what peers
-say (``on_bitfield``, ``on_have``, ``on_block``, ``on_reject``, ``on_peer_gone``) and the outcome of
-hash checks (``on_piece_verified``, ``on_piece_failed``); ``poll(now)`` returns :class:`Actions`:
+Pure logic, no I/O, time passed in (``now``, seconds, never decreasing). The download service
+feeds it what peers say (``on_bitfield``, ``on_have``, ``on_block``, ``on_reject``,
+``on_peer_gone``) and the outcome of hash checks (``on_piece_verified``, ``on_piece_failed``); ``poll(now)`` returns :class:`Actions`:
 requests to send, cancels to send and peers newly banned (to disconnect).
 
 Each piece is cut into blocks (the request unit). A block is MISSING, REQUESTED (from one peer, or
@@ -127,7 +127,8 @@ class _Piece:
 @dataclass
 class _Peer:
     pieces: set[int] = field(default_factory=set)
-    in_flight: dict[tuple[int, int], float] = field(default_factory=dict)  # (piece, offset) -> sent
+    # (piece, offset) -> when sent; in the order sent, as ``now`` never decreases (see _oldest)
+    in_flight: dict[tuple[int, int], float] = field(default_factory=dict)
     rate: float = 0.0  # bytes/s, EWMA; 0 = not measured yet
     last_arrival: float = -math.inf
     timeouts_in_row: int = 0
@@ -138,6 +139,12 @@ class _Peer:
     # must be dropped, not taken for a wrong-length block. At most one per piece; never also in
     # ``whole`` (asking for the piece whole again takes it out).
     whole_cancelled: set[int] = field(default_factory=set)
+
+
+def _oldest(st: _Peer) -> float:
+    """When the oldest request in flight to ``st`` was sent: the first one in its dict, which
+    keeps insertion order and gets requests only in time order."""
+    return next(iter(st.in_flight.values()))
 
 
 class Picker:
@@ -201,7 +208,7 @@ class Picker:
 
     def next_deadline(self) -> float:
         """The earliest time a request times out (inf when none is in flight)."""
-        times = [t for st in self.peers.values() for t in st.in_flight.values()]
+        times = [_oldest(st) for st in self.peers.values() if st.in_flight]
         return min(times) + self.params.request_timeout if times else math.inf
 
     def blocks_of(self, piece: int) -> list[tuple[int, int]]:
@@ -212,11 +219,6 @@ class Picker:
     def has_suspects(self, piece: int) -> bool:
         """Did ``piece`` fail before with several contributors (block digests wanted)?"""
         return piece in self._suspects
-
-    def interesting(self, peer: str) -> bool:
-        """Does ``peer`` have a piece we still need?"""
-        st = self.peers.get(peer)
-        return st is not None and not st.pieces <= self.verified  # set ops: poll asks per peer per wake-up
 
     def peer_has(self, peer: str, piece: int) -> bool:
         """Has ``peer`` told us it holds ``piece`` (bitfield or Have)?"""
@@ -427,12 +429,33 @@ class Picker:
     def poll(self, now: float) -> Actions:
         """Expire timed-out requests, then fill every peer's free request slots."""
         acts = self._expire(now)
+        endgame = self.in_endgame
+        acts.extend(self._fill(now))
+        if not endgame and self.in_endgame:  # the last blocks went out just now: duplicates may go too
+            acts.extend(self._fill(now))
+        return acts
+
+    def _could_offer(self, st: _Peer, open_pieces: set[int], endgame: bool) -> bool:
+        """Might ``_pick_block`` find a block for this peer? False only when it surely would not: it
+        holds no unstarted piece, no started one with a block nobody was asked for, and (outside the
+        endgame) duplicates are not wanted. Picks only shrink what is unstarted or open, so a peer
+        ruled out stays out until the endgame begins. In a swarm most peers hold only pieces already
+        being fetched from others: trying each of them on every wake-up was most of poll's cost."""
+        if not st.pieces.isdisjoint(self._unstarted) or not st.pieces.isdisjoint(open_pieces):
+            return True
+        return endgame and not st.pieces.isdisjoint(self.active)
+
+    def _fill(self, now: float) -> Actions:
+        """Fill the free request slots of every peer that could be asked for something."""
+        acts = Actions()
+        endgame = self.in_endgame
+        open_pieces = {i for i, ap in self.active.items() if BlockState.MISSING in ap.states}
         free: dict[str, int] = {}
         for peer, st in self.peers.items():
             if self.is_banned(peer, now):
                 continue
             slots = self.depth_of(peer) - len(st.in_flight)
-            if slots > 0 and self.interesting(peer):
+            if slots > 0 and self._could_offer(st, open_pieces, endgame):
                 free[peer] = slots
         if not free:
             return acts
@@ -448,8 +471,10 @@ class Picker:
                 continue
             piece, offset, length = block
             offsets = range(offset, offset + length, self.params.block_size)
+            in_flight = self.peers[peer].in_flight
             for o in offsets:
-                self.peers[peer].in_flight[(piece, o)] = now
+                in_flight.pop((piece, o), None)  # (never there) re-inserted, so the dict stays in time order
+                in_flight[(piece, o)] = now
             acts.requests.append(Request(peer, piece, offset, length))
             free[peer] -= len(offsets)
             if free[peer] <= 0:
@@ -532,9 +557,9 @@ class Picker:
         acts = Actions()
         limit = self.params.request_timeout
         for peer, st in list(self.peers.items()):
+            if not st.in_flight or now - _oldest(st) < limit:
+                continue  # polled on every wake-up: most peers have nothing late, and this says so in O(1)
             late = [k for k, sent in st.in_flight.items() if now - sent >= limit]
-            if not late:
-                continue
             for piece, offset in late:
                 self._cancel(peer, st, piece, offset, acts)
                 self._release(peer, piece, offset)
