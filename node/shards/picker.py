@@ -4,8 +4,9 @@ How this works
 --------------
 Pure logic, no I/O, time passed in (``now``, seconds, never decreasing). The download service
 feeds it what peers say (``on_bitfield``, ``on_have``, ``on_block``, ``on_reject``,
-``on_peer_gone``) and the outcome of hash checks (``on_piece_verified``, ``on_piece_failed``); ``poll(now)`` returns :class:`Actions`:
-requests to send, cancels to send and peers newly banned (to disconnect).
+``on_peer_gone``) and the outcome of hash checks (``on_piece_verified``, ``on_piece_failed``);
+``poll(now)`` returns :class:`Actions`: requests to send, cancels to send and peers newly banned
+(to disconnect).
 
 Each piece is cut into blocks (the request unit). A block is MISSING, REQUESTED (from one peer, or
 from several in endgame) or RECEIVED (from one peer); a piece whose blocks are all received is handed
@@ -473,7 +474,7 @@ class Picker:
             offsets = range(offset, offset + length, self.params.block_size)
             in_flight = self.peers[peer].in_flight
             for o in offsets:
-                in_flight.pop((piece, o), None)  # (never there) re-inserted, so the dict stays in time order
+                in_flight.pop((piece, o), None)  # never there; were it, its place would break the time order
                 in_flight[(piece, o)] = now
             acts.requests.append(Request(peer, piece, offset, length))
             free[peer] -= len(offsets)
