@@ -475,3 +475,56 @@ def test_a_peer_is_ruled_out_of_a_poll_only_when_no_block_could_be_picked_for_it
             if rng.random() < 0.3:
                 p.on_have(rng.choice(peers), rng.randrange(12))
     assert skipped > 100 and checked > skipped  # the claim was exercised, both ways
+
+
+def _bags_match(p: Picker) -> None:
+    """The picker's bags hold exactly the unstarted pieces, each under its availability."""
+    by_level: dict[int, set[int]] = {}
+    for i in p._unstarted:
+        by_level.setdefault(p.availability[i], set()).add(i)
+    assert {lvl: set(bag.items) for lvl, bag in p._rarest.items()} == by_level
+    for bag in p._rarest.values():
+        assert all(bag.items[k] == x for x, k in bag.index.items()) and len(bag.index) == len(bag.items)
+
+
+def test_the_new_piece_is_one_of_the_rarest_a_peer_holds_drawn_evenly_among_them() -> None:
+    """Rarest first with random ties, kept in bags by availability instead of a scan per pick:
+    random swarms (seeds, sparse peers, peers leaving, rejects, pieces started and verified)."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        p = picker(64, seed=seed, initial_depth=rng.choice([1, 3]), random_first=0)
+        peers = [f"P{k}" for k in range(6)]
+        for k, peer in enumerate(peers):
+            share = 1.0 if k == 0 else rng.random()
+            p.on_bitfield(peer, {i for i in range(64) if rng.random() < share})
+        t = 0.0
+        for _ in range(12):
+            t += 0.1
+            _bags_match(p)
+            for peer, st in p.peers.items():
+                held = p._unstarted & st.pieces
+                if held:
+                    x = p._rarest_held(st.pieces)
+                    assert x in held and p.availability[x] == min(p.availability[i] for i in held), seed
+            reqs = p.poll(t).requests
+            for r in rng.sample(reqs, k=len(reqs) // 2):
+                kept, _ = p.on_block(r.peer, r.piece, r.offset, r.length, t)
+                if kept and p.piece_ready(r.piece):
+                    p.on_piece_verified(r.piece, t)
+            event = rng.random()
+            if event < 0.3:
+                p.on_have(rng.choice(peers), rng.randrange(64))
+            elif event < 0.4 and reqs:
+                r = reqs[-1]
+                p.on_reject(r.peer, r.piece, r.offset)
+            elif event < 0.5 and len(p.peers) > 1:
+                p.on_peer_gone(rng.choice(list(p.peers)))
+        _bags_match(p)
+    # Ties are drawn evenly: four pieces on one peer each, every one of them comes up.
+    counts = Counter()
+    for seed in range(200):
+        p = picker(8, seed=seed, random_first=0)
+        p.on_bitfield("A", set(range(8)))
+        p.on_bitfield("B", {4, 5, 6, 7})
+        counts[p._rarest_held(p.peers["A"].pieces)] += 1
+    assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 25
