@@ -17,8 +17,8 @@ Policies, with their sources:
 * **Rarest first** with random ties, and **random first pieces** until a few are verified so a new
   peer quickly has something to trade (BEP 3; Legout et al., "Rarest First and Choke Algorithms Are
   Enough", IMC 2006). Blocks of already started pieces come first ("strict priority"), so pieces
-  complete — and become servable — as early as possible. Unstarted pieces sit in bags by availability, so
-  finding the rarest a peer holds does not scan the checkpoint's every piece per request.
+  complete — and become servable — as early as possible. Unstarted pieces sit in bags by
+  availability, so finding the rarest a peer holds does not scan every piece per request.
 * **Pipelining** with a per-peer queue depth sized to ``queue_seconds`` of the peer's measured rate
   (libtorrent's ``request_queue_time`` = 3 s), clamped to [min_depth, max_depth].
 * **Throughput-weighted peer choice**: when the free request slots of several peers compete for the
@@ -144,7 +144,7 @@ class _Peer:
 
 
 class _Bag:
-    """A set of ints with O(1) add, remove and uniform random draw: a list, and each item's place in it."""
+    """A set of ints with O(1) add, remove and uniform random draw (a list, and each one's place)."""
 
     __slots__ = ("items", "index")
 
