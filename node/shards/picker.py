@@ -155,6 +155,9 @@ class _Bag:
     def __len__(self) -> int:
         return len(self.items)
 
+    def __contains__(self, x: int) -> bool:
+        return x in self.index
+
     def add(self, x: int) -> None:
         if x not in self.index:
             self.index[x] = len(self.items)
@@ -465,9 +468,9 @@ class Picker:
         """Expire timed-out requests, then fill every peer's free request slots."""
         acts = self._expire(now)
         endgame = self.in_endgame
-        acts.extend(self._fill(now))
+        acts.extend(self._fill(now, endgame))
         if not endgame and self.in_endgame:  # the last blocks went out just now: duplicates may go too
-            acts.extend(self._fill(now))
+            acts.extend(self._fill(now, True))
         return acts
 
     def _could_offer(self, st: _Peer, open_pieces: set[int], endgame: bool) -> bool:
@@ -480,10 +483,10 @@ class Picker:
             return True
         return endgame and not st.pieces.isdisjoint(self.active)
 
-    def _fill(self, now: float) -> Actions:
-        """Fill the free request slots of every peer that could be asked for something."""
+    def _fill(self, now: float, endgame: bool) -> Actions:
+        """Fill the free request slots of every peer that could be asked for something (``endgame``:
+        whether the endgame was on as the fill began)."""
         acts = Actions()
-        endgame = self.in_endgame
         open_pieces = {i for i, ap in self.active.items() if BlockState.MISSING in ap.states}
         free: dict[str, int] = {}
         for peer, st in self.peers.items():
@@ -582,7 +585,7 @@ class Picker:
                 x = bag.items[self.rng.randrange(len(bag))]
                 if x in pieces:
                     return x
-            held = [x for x in pieces if x in bag.index] if len(pieces) < len(bag) else \
+            held = [x for x in pieces if x in bag] if len(pieces) < len(bag) else \
                 [x for x in bag.items if x in pieces]
             if held:
                 return self.rng.choice(sorted(held))  # sorted: a seeded rng picks the same
