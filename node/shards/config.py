@@ -24,8 +24,10 @@ class ShardsConfig:
     # Which announced versions to download: "all" (relays), "newest" (inference/validator),
     # "none" (trainer), or "auto" = by role.
     fetch: str = "auto"
-    # Peers downloaded from at once, per version.
-    max_peers: int = 16
+    # Peers downloaded from at once, per version. Each one's queue holds 3 s of its measured rate, so
+    # a few fill a downlink; each more costs a session each way and its Haves (16 peers: 7-25 % more
+    # CPU per MiB at N=16-24 than 8, README "Measured figures", tenth round).
+    max_peers: int = 8
     # Requests served at once by this node over all peers (the rest wait in per-peer queues).
     max_serving: int = 16
     # Upload cap in bytes per second over all peers; 0 = unlimited.
