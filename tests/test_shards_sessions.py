@@ -84,27 +84,69 @@ async def test_queued_blocks_go_out_together_up_to_the_batch():
     assert served == [block] * 6
 
 
+def fake_download(peers: list[str], announcer: str, *, max_peers: int, rng_seed: int = 0,
+                  served: set[str] = frozenset()) -> Download:
+    """A Download with everything but its choice of peers faked: ``served`` download from us;
+    ``started`` lists the sessions it began, ``ended`` those it ended."""
+    dl = object.__new__(Download)
+    dl.svc = SimpleNamespace(
+        node=SimpleNamespace(host=SimpleNamespace(connected_peers=lambda: list(peers))),
+        cfg=SimpleNamespace(max_peers=max_peers), rng=random.Random(rng_seed),
+        announced={7: (b"r" * 32, announcer)}, is_banned=lambda peer, now: False,
+        downloaders_of=lambda root: set(served))
+    dl.vs = SimpleNamespace(version=7, signed=SimpleNamespace(root=b"r" * 32))
+    dl.picker = SimpleNamespace(holds_all=lambda peer: False, in_flight=lambda peer: 0)
+    dl.sessions, dl.refused, dl.backoff = {}, {}, {}
+    dl.started, dl.ended = [], []
+    dl._nursery = SimpleNamespace(start_soon=lambda fn, peer: dl.started.append(peer))
+    dl._end_session = dl.ended.append
+    return dl
+
+
 def test_a_download_opens_a_session_to_the_announcer_and_spreads_over_the_rest():
     """With more connected peers than max_peers the first ones in py-libp2p's order got every
     session: at N = 24 most downloaders had none with the seed. The announcer comes first; the
     rest are drawn at random, so downloaders do not all pick the same peers."""
     peers = [f"p{i:02d}" for i in range(30)]
     seed = peers[-1]  # last in the host's order
-    started: list[str] = []
-
-    def download(rng_seed: int) -> Download:
-        dl = object.__new__(Download)
-        dl.svc = SimpleNamespace(
-            node=SimpleNamespace(host=SimpleNamespace(connected_peers=lambda: list(peers))),
-            cfg=SimpleNamespace(max_peers=4), rng=random.Random(rng_seed),
-            announced={7: (b"r" * 32, seed)}, is_banned=lambda peer, now: False)
-        dl.vs = SimpleNamespace(version=7, signed=SimpleNamespace(root=b"r" * 32))
-        dl.sessions, dl.refused, dl.backoff = {}, {}, {}
-        dl._nursery = SimpleNamespace(start_soon=lambda fn, peer: started.append(peer))
+    downloads = [fake_download(peers, seed, max_peers=4, rng_seed=k) for k in range(8)]
+    for dl in downloads:
         dl._connect_new(0.0)
-        return dl
-
-    chosen = [set(download(k).sessions) for k in range(8)]
+    chosen = [set(dl.sessions) for dl in downloads]
     assert all(len(c) == 4 and seed in c for c in chosen)
     assert len(set().union(*chosen) - {seed}) > 3, "every download picked the same peers"
-    assert sorted(started) == sorted(p for c in chosen for p in c)
+    assert all(sorted(dl.started) == sorted(dl.sessions) for dl in downloads)
+
+
+def test_peers_downloading_from_us_are_chosen_after_the_announcer():
+    """Sessions carry blocks one way: drawn at random, a few downloaders at N = 24 were chosen by
+    1-5 others and their upload idled. Peers that download from us come first, so sessions pair up."""
+    peers = [f"p{i:02d}" for i in range(30)]
+    served = {"p03", "p17", "p22"}
+    for k in range(8):
+        dl = fake_download(peers, "p29", max_peers=4, rng_seed=k, served=served)
+        dl._connect_new(0.0)
+        assert set(dl.sessions) == served | {"p29"}
+        assert dl.ended == []
+
+
+def test_a_peer_downloading_from_us_takes_the_slot_of_one_that_does_not():
+    """All slots taken, a peer downloading from us waits: the session to a one-way peer with the
+    fewest requests in flight ends (one per rescan), never the announcer's or a complete peer's."""
+    peers = ["seed", "full", "busy", "idle", "mutual", "new"]
+    dl = fake_download(peers, "seed", max_peers=5, served={"mutual"})
+    for p in peers[:5]:
+        dl.sessions[p] = object()
+    in_flight = {"seed": 0, "full": 0, "busy": 3, "idle": 1, "mutual": 0}
+    dl.picker = SimpleNamespace(holds_all=lambda peer: peer == "full", in_flight=in_flight.get)
+    dl._connect_new(0.0)
+    assert dl.ended == [], "nobody waits: the one peer downloading from us has its session"
+    dl.svc.downloaders_of = lambda root: {"mutual", "new"}
+    dl._connect_new(0.0)
+    assert dl.ended == ["idle"] and dl.started == []
+    del dl.sessions["idle"]  # its session ends
+    dl._connect_new(1.0)
+    assert dl.started == ["new"]
+    dl.svc.downloaders_of = lambda root: {"mutual", "new", "idle", "busy"}
+    dl._connect_new(2.0)  # "idle" waits, but every session is kept or pairs already
+    assert dl.ended == ["idle"] and dl.started == ["new"]

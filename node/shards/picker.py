@@ -258,6 +258,11 @@ class Picker:
         """Did ``piece`` fail before with several contributors (block digests wanted)?"""
         return piece in self._suspects
 
+    def holds_all(self, peer: str) -> bool:
+        """Has ``peer`` told us it holds every piece?"""
+        st = self.peers.get(peer)
+        return st is not None and len(st.pieces) == self.num_pieces
+
     def peer_has(self, peer: str, piece: int) -> bool:
         """Has ``peer`` told us it holds ``piece`` (bitfield or Have)?"""
         st = self.peers.get(peer)

@@ -272,6 +272,10 @@ class ShardsService:
         except ValueError as e:  # a bad receipt is our bug, but must not stop a download
             log.error("shards: receipt refused by the ledger: %s", e)
 
+    def downloaders_of(self, root: bytes) -> set[str]:
+        """The peers downloading version ``root`` from us."""
+        return {sess.peer for sess in self.server_sessions.get(root, ())}
+
     def on_piece_verified(self, vs: VersionStore, piece: int) -> None:
         """Tell every peer downloading ``vs`` from us that we now serve ``piece``, but those that
         told us they hold it already (BitTorrent's have suppression): with rarest first about half
