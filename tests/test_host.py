@@ -12,6 +12,7 @@ from libp2p.security.noise.io import NoiseTransportReadWriter
 from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_PING, YAMUX_HEADER_FORMAT
 
 from node.net.host import open_swarm_host
+from node.net.workarounds import widen_receive_window
 from node.identity import Identity
 from node.wire import read_frame, write_frame
 
@@ -308,6 +309,30 @@ async def test_yamux_reads_its_tuning_from_the_environment_once_not_per_frame(mo
     assert bytes(got) == payload
     assert lookups == []
     assert yamux._yamux_data_read_timeout() == 60.0 and yamux._yamux_batch_threshold_divisor() == 2
+
+
+async def test_a_widened_window_lets_the_peer_send_that_much_before_it_waits_for_credit():
+    """A Yamux stream's window stays at 256 KiB on a slow link, so a downloader credited its peer
+    for every 128 KiB block it read. Widened once, the peer writes up to the new window while we
+    read nothing, and every byte arrives."""
+    payload = bytes(range(256)) * (3 << 12)  # 3 MiB: twelve of the default windows
+    written = trio.Event()
+
+    async def sender(stream) -> None:
+        await stream.write(payload)
+        written.set()
+        await stream.read(1)  # until the reader is done
+
+    async with connected_hosts("/test/sender/1", sender) as (a, b):
+        stream = await a.open_stream(b.peer_id, "/test/sender/1")
+        await widen_receive_window(stream, 4 << 20)
+        with trio.fail_after(30):  # a guard only: without the grant the write never completes
+            await written.wait()
+            got = bytearray()
+            while len(got) < len(payload):
+                got.extend(await stream.read(1 << 20))
+        await stream.write(b"k")
+    assert got == payload
 
 
 async def test_a_writer_waiting_for_send_window_sleeps_until_the_window_grows():

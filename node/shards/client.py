@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..hashes import digest
+from ..net.workarounds import widen_receive_window
 from ..wire import TRANSPORT_FAILURES, LocalProtocolError, Message, RemoteProtocolError, frame_of, write_frame
 from .config import ShardsConfig
 from .picker import Actions, Picker, PickerParams
@@ -207,6 +208,9 @@ class Download:
         self.sessions[peer] = sess
         try:
             with sess.cancel_scope:
+                # What the peer sends us is what we asked for: at most max_depth blocks.
+                params = self.picker.params
+                await widen_receive_window(stream, params.max_depth * params.block_size)
                 await write_frame(stream, Hello(root=self.root, bitfield=self.vs.bitfield()))
                 with trio.fail_after(FIRST_MESSAGE_TIMEOUT):
                     first = await read_shards_message(stream)
