@@ -54,6 +54,7 @@ from ..identity import Identity
 from .workarounds import (
     BatchedWindowCredit,
     CancelSafeFrames,
+    ChunkedStreamBuffers,
     FewerYamuxPings,
     HandlerErrors,
     PeerRecordReuse,
@@ -288,6 +289,7 @@ async def open_swarm_host(
     BatchedWindowCredit.install()
     WholeNoiseMessages.install()
     YamuxSends.install()
+    ChunkedStreamBuffers.install()
     PeerRecordReuse.install()
     SeenMessagesSpawnNothing.install()
     FewerYamuxPings.install()

@@ -21,6 +21,8 @@
 * :class:`YamuxSends`: size Yamux data frames to one Noise message each (py-libp2p's are 17 bytes
   too large, so every full frame went out as two), and wait for send window on an event instead
   of polling it every 10 ms.
+* :class:`ChunkedStreamBuffers`: a Yamux stream's received bytes were copied into a ``bytearray``
+  and out of it twice; keep the frames as they came and join a read's bytes once.
 * :func:`disable_auto_connect`: the swarm's own auto-connector fights our connection manager.
 * :func:`widen_receive_window`: a Yamux stream's receive window stays at 256 KiB on slow links,
   so the receiver sends a window update for every 128 KiB.
@@ -33,6 +35,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 
@@ -472,6 +475,128 @@ class YamuxSends(Patch):
                 sent += n
 
         Y.YamuxStream.write = write
+
+
+class StreamChunks:
+    """A Yamux stream's received bytes, kept as the frame bodies they came in (``ChunkedStreamBuffers``).
+
+    Stands in for the ``bytearray`` py-libp2p 0.8.1 keeps per stream, with the few operations its
+    Yamux code uses on it: ``extend``, ``len``, ``clear``, ``bytes(b)`` and ``bytes(b[:n])`` followed by
+    ``del b[:n]``. A read's bytes are joined from the chunks once; a chunk taken in part stays
+    behind as a view of its rest, not a copy.
+    """
+
+    __slots__ = ("_chunks", "_size")
+
+    def __init__(self, data: bytes | bytearray = b"") -> None:
+        self._chunks: collections.deque[bytes | memoryview] = collections.deque()
+        self._size = 0
+        self.extend(data)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def extend(self, data: bytes | bytearray | memoryview) -> None:
+        if len(data):
+            # Only an immutable bytes object is kept as it is: a view or bytearray may be reused.
+            self._chunks.append(data if type(data) is bytes else bytes(data))
+            self._size += len(data)
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self._size = 0
+
+    def __bytes__(self) -> bytes:
+        return self._front(self._size)
+
+    def __getitem__(self, key: slice) -> bytes:
+        """``b[:n]``: the first ``n`` bytes (left in place, as one chunk, for the ``del b[:n]`` that follows)."""
+        return self._front(self._prefix(key))
+
+    def __delitem__(self, key: slice) -> None:
+        n = min(self._prefix(key), self._size)
+        self._size -= n
+        chunks = self._chunks
+        while n:
+            first = chunks[0]
+            if len(first) <= n:
+                chunks.popleft()
+                n -= len(first)
+            else:
+                chunks[0] = memoryview(first)[n:]
+                n = 0
+
+    @staticmethod
+    def _prefix(key: slice) -> int:
+        if not (isinstance(key, slice) and key.start in (None, 0) and key.step is None and isinstance(key.stop, int)
+                and key.stop >= 0):
+            raise TypeError(f"StreamChunks supports b[:n] only, not {key!r}")  # a new py-libp2p use: our bug
+        return key.stop
+
+    def _front(self, n: int) -> bytes:
+        """Make the first chunk hold exactly the first ``n`` bytes (at most all of them); return it."""
+        n = min(n, self._size)
+        chunks = self._chunks
+        if not n:
+            return b""
+        first = chunks[0]
+        if len(first) >= n:
+            if len(first) == n and type(first) is bytes:
+                return first
+            view = memoryview(first)
+            head = bytes(view[:n])
+            if len(first) == n:
+                chunks[0] = head
+            else:
+                chunks[0] = view[n:]
+                chunks.appendleft(head)
+            return head
+        parts, got = [], 0
+        while got < n:
+            chunk = chunks.popleft()
+            if got + len(chunk) > n:
+                view, k = memoryview(chunk), n - got
+                parts.append(view[:k])
+                chunks.appendleft(view[k:])
+                got = n
+            else:
+                parts.append(chunk)
+                got += len(chunk)
+        head = b"".join(parts)
+        chunks.appendleft(head)
+        return head
+
+
+class _StreamChunksTable(dict):
+    """``Yamux.stream_buffers``: every buffer stored in it becomes a :class:`StreamChunks`."""
+
+    def __setitem__(self, stream_id: int, buffer) -> None:
+        super().__setitem__(stream_id, buffer if isinstance(buffer, StreamChunks) else StreamChunks(buffer))
+
+
+class ChunkedStreamBuffers(Patch):
+    """Keep each Yamux stream's received bytes as the frames they came in (py-libp2p 0.8.1).
+
+    py-libp2p appends every DATA frame's body to a per-stream ``bytearray`` (a copy) and serves a
+    read of ``n`` bytes as ``bytes(buffer[:n])`` (two more: the slice, then the bytes) before
+    ``del buffer[:n]``. Worse, a ``bytearray`` read from its front is copied whole whenever it must
+    grow, and again when it falls below half its allocation: a downloader whose widened window
+    (``widen_receive_window``) holds several MiB unread paid a copy of all of it every few frames
+    (``bench/shards.py overhead``: ~10 % of the event loop's samples on the ``extend`` line alone).
+    Here the frames stay as received and a read joins its bytes once (:class:`StreamChunks`).
+    """
+
+    @classmethod
+    def _patch(cls) -> None:
+        from libp2p.stream_muxer.yamux.yamux import Yamux
+
+        init = Yamux.__init__
+
+        def chunked_init(self, *args, **kwargs) -> None:
+            init(self, *args, **kwargs)
+            self.stream_buffers = _StreamChunksTable(self.stream_buffers)
+
+        Yamux.__init__ = chunked_init
 
 
 # The largest SO_RCVLOWAT asked for: a whole Noise message (2-byte length, so at most 65535 bytes).
