@@ -63,6 +63,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from netns import Namespaces  # noqa: E402  (shared with the NAT test)
 from procstat import cpu_seconds  # noqa: E402  (bench/, the script's own folder)
 from node.net.host import open_swarm_host  # noqa: E402
+from node.net.workarounds import TcpBytes  # noqa: E402
 from node.identity import Identity  # noqa: E402
 from node.shards.testing import open_shards_swarm, same_files, write_checkpoint  # noqa: E402
 from node.wire import read_frame, write_frame  # noqa: E402
@@ -133,6 +134,10 @@ async def stream_goodput(total: int, frame: int | None, cpu: dict | None = None)
         return total / (time.perf_counter() - t0) / MiB
 
 
+def _tcp_calls() -> int:
+    return sum(TcpBytes.calls.values())
+
+
 async def _stream_end(args: argparse.Namespace) -> None:
     """One end of the plain stream across the capped namespaces (``_stream-end`` subcommand): it
     prints its address (receiver) and then its own CPU-seconds from the first byte to the last."""
@@ -142,14 +147,15 @@ async def _stream_end(args: argparse.Namespace) -> None:
             done = trio.Event()
 
             async def handler(stream):
-                got, c0 = 0, None
+                got, c0, n0 = 0, None, 0
                 while got < total:
                     chunk = await stream.read(MiB)
                     if not chunk:
                         break
-                    c0 = time.process_time() if c0 is None else c0
+                    if c0 is None:
+                        c0, n0 = time.process_time(), _tcp_calls()
                     got += len(chunk)
-                print(json.dumps({"cpu": time.process_time() - c0, "bytes": got}), flush=True)
+                print(json.dumps({"cpu": time.process_time() - c0, "bytes": got, "calls": _tcp_calls() - n0}), flush=True)
                 await stream.write(b"k")
                 done.set()
 
@@ -161,17 +167,19 @@ async def _stream_end(args: argparse.Namespace) -> None:
             peer = await h.connect(args.dial)
             s = await h.open_stream(peer, PROTO)
             block = os.urandom(MiB)
-            c0, t0 = time.process_time(), time.time()
+            c0, t0, n0 = time.process_time(), time.time(), _tcp_calls()
             for _ in range(total // MiB):
                 await s.write(block)
             await s.read(1)
-            print(json.dumps({"cpu": time.process_time() - c0, "seconds": time.time() - t0}), flush=True)
+            print(json.dumps({"cpu": time.process_time() - c0, "seconds": time.time() - t0,
+                              "calls": _tcp_calls() - n0}), flush=True)
 
 
-def capped_stream_cpu_per_mib(nets: Namespaces, size_mib: int) -> tuple[float, float]:
-    """(CPU-seconds per MiB, both ends; MiB/s) of one plain libp2p stream from host 0 to host 1 of
-    ``nets`` through the same upload cap as the swarm: what py-libp2p itself costs per byte when
-    bytes trickle in at the link's rate (more, smaller reads than on loopback)."""
+def capped_stream_cpu_per_mib(nets: Namespaces, size_mib: int) -> tuple[float, float, float]:
+    """(CPU-seconds per MiB, both ends; MiB/s; TCP writes + reads per MiB, both ends) of one plain
+    libp2p stream from host 0 to host 1 of ``nets`` through the same upload cap as the swarm: what
+    py-libp2p itself costs per byte when bytes trickle in at the link's rate (more, smaller reads
+    than on loopback)."""
     me = [sys.executable, str(Path(__file__).resolve()), "_stream-end", "--size-mib", str(size_mib)]
     rx = subprocess.Popen(["ip", "netns", "exec", nets.names[1], *me, "--listen", f"/ip4/{nets.ip(1)}/tcp/4002"],
                           cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -183,7 +191,7 @@ def capped_stream_cpu_per_mib(nets: Namespaces, size_mib: int) -> tuple[float, f
         got = _read_json(rx, 30)
     finally:
         _stop([rx])
-    return (sent["cpu"] + got["cpu"]) / size_mib, size_mib / sent["seconds"]
+    return (sent["cpu"] + got["cpu"]) / size_mib, size_mib / sent["seconds"], (sent["calls"] + got["calls"]) / size_mib
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +410,7 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
     with _scratch("bench-shards-ns-") as (tmp, procs), _hog(hog):
         try:
             with Namespaces(n + relays + 1, mbit) as nets:
-                capped_cpu, capped_rate = capped_stream_cpu_per_mib(nets, CAPPED_STREAM_MIB)
+                capped_cpu, capped_rate, capped_calls = capped_stream_cpu_per_mib(nets, CAPPED_STREAM_MIB)
                 src = write_checkpoint(tmp / "src", size, seed=3)
                 settings = {"progress": False}  # the shipped announce interval: its gossip is part of the cost
                 if piece_kib:
@@ -473,6 +481,13 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
     print(f"  CPU-s per MiB delivered ({delivered:.0f} MiB): seed {seed_cpu / delivered:.4f}, downloaders "
           f"{sum(dl_cpu) / delivered:.4f} (per MiB each received: {statistics.median(dl_cpu) / (size / MiB):.4f} median), "
           f"whole tree {sum(cpu) / delivered:.4f}")
+    # A write is one Noise message, a read one recv (nearly one wake-up): on a slow link a node's CPU
+    # follows these more than its bytes, and they vary less from run to run than CPU-seconds do.
+    calls = [r["tcp_calls"]["sent"] + r["tcp_calls"]["received"] for r in reports]
+    sent = statistics.median(r["tcp_calls"]["sent"] for r in reports)
+    print(f"  TCP writes + reads per downloader, from its download's start (median): {statistics.median(calls):.0f} "
+          f"({sent:.0f} writes, i.e. Noise messages sent), {statistics.median(calls) / (2 * size / MiB):.0f} per MiB "
+          f"moved (received and sent); plain stream through one capped link: {capped_calls:.0f} per MiB (both ends)")
     print(f"  plain libp2p stream, same bytes, both ends, same run: {base_cpu:.4f} CPU-s per MiB ({base_rate:.0f} MiB/s)")
     print(f"  plain libp2p stream through one capped link ({CAPPED_STREAM_MIB} MiB, host 0 -> 1, same run): "
           f"{capped_cpu:.4f} CPU-s per MiB ({capped_rate:.2f} MiB/s)")

@@ -42,6 +42,11 @@ class _ByteCounters:
         tcp.add_metric(["sent"], TcpBytes.sent)
         tcp.add_metric(["received"], TcpBytes.received)
         yield tcp
+        calls = CounterMetricFamily("swarm_tcp_calls", "Writes (one Noise message each) and reads of libp2p TCP "
+                                    "connections by this process", labels=["direction"])
+        for direction, n in TcpBytes.calls.items():
+            calls.add_metric([direction], n)
+        yield calls
 
 
 class Metrics:

@@ -61,14 +61,18 @@ class Patch:
 
 
 class TcpBytes(Patch):
-    """Bytes this process moved over libp2p TCP connections (after Noise and Yamux framing).
+    """Bytes this process moved over libp2p TCP connections (after Noise and Yamux framing), and
+    the calls that moved them: a write is one Noise message, a read one ``recv`` (the reads of
+    :class:`WholeNoiseMessages`), so nearly one wake-up of the node.
 
     py-libp2p keeps no such count, so the first host wraps ``TrioTCPStream.read/write`` once.
-    Process-wide: one node per process in normal runs (in-process tests share the count).
+    Process-wide: one node per process in normal runs (in-process tests share the count). Where
+    bytes trickle in through a slow link, a node's CPU follows its messages more than its bytes.
     """
 
     sent = 0
     received = 0
+    calls = {"sent": 0, "received": 0}  # writes (Noise messages sent) and reads
 
     @classmethod
     def _patch(cls) -> None:
@@ -76,6 +80,7 @@ class TcpBytes(Patch):
 
         def count(stream, direction: str, n: int) -> None:
             setattr(cls, direction, getattr(cls, direction) + n)
+            cls.calls[direction] += 1
 
         _count_io(TrioTCPStream, count)
 

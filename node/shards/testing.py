@@ -12,6 +12,7 @@ import trio
 from ..config import NodeConfig, RunConfig
 from ..context import NodeContext, RunningNode
 from ..net.host import GossipParams, open_swarm_host
+from ..net.workarounds import TcpBytes
 from ..identity import Identity
 from ..peers import serve_peers
 from .config import ShardsConfig
@@ -213,10 +214,12 @@ async def _report_complete(svc, version: int) -> None:
     start = trio.current_time()
     wall = time.time() - start  # trio time -> wall clock, to compare with other processes
     downloads = []
+    calls = dict(TcpBytes.calls)  # from the download's start: TCP writes (Noise messages) and reads
 
     async def watch() -> None:  # the Download object, once the manifest is in
         while (dl := svc.downloads.get(version)) is None:
             await trio.sleep(0.1)  # a download lasts seconds; a faster poll shows in the bench's CPU figures
+        calls.update(TcpBytes.calls)
         downloads.append(dl)
 
     async with trio.open_nursery() as nursery:
@@ -231,7 +234,8 @@ async def _report_complete(svc, version: int) -> None:
                     "last_piece_at": pieces[-1][0] if pieces else None, "pieces": pieces}
     print(json.dumps({"complete": version, "seconds": trio.current_time() - start, "at": time.time(),
                       "receipts": {f"{p}:{r[:8]}": n for (p, r), n in svc.receipts().items()},
-                      "rebuilt_from_delta": svc.deltas.rebuilt.get(version), "timeline": timeline}), flush=True)
+                      "rebuilt_from_delta": svc.deltas.rebuilt.get(version), "timeline": timeline,
+                      "tcp_calls": {k: n - calls[k] for k, n in TcpBytes.calls.items()}}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
