@@ -19,7 +19,8 @@
    not root or when ``ip netns`` fails. Also the CPU-seconds of each node process from publish to the
    last completion (``/proc/<pid>/stat``) per MiB delivered, by role and for the whole tree, beside
    one plain libp2p stream carrying the same bytes on loopback and one carrying 8 MiB through one
-   capped link (py-libp2p's own cost per byte when bytes trickle in), both in the same run.
+   capped link (py-libp2p's own cost per byte when bytes trickle in), both in the same run; and
+   each downloader's TCP writes (Noise messages) and reads per MiB beside that capped stream's.
    ``--hog`` keeps one core busy meanwhile; ``--profile DIR`` cProfiles the seed and one downloader.
 4. **shardcast**: the same namespaces and caps with SHARDCAST 0.3.2 (origin -> 2 middle nodes ->
    N clients, as INTELLECT-2 ran it), then this project's swarm on the same N+3 hosts (the 2 extra

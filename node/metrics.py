@@ -24,7 +24,8 @@ from .net.workarounds import StreamBytes, TcpBytes
 
 
 class _ByteCounters:
-    """``swarm_stream_bytes_total{protocol,direction}`` and ``swarm_tcp_bytes_total{direction}``:
+    """``swarm_stream_bytes_total{protocol,direction}``, ``swarm_tcp_bytes_total{direction}`` and
+    ``swarm_tcp_calls_total{direction}`` (writes, one Noise message each, and reads):
     counters read from ``StreamBytes`` / ``TcpBytes`` at scrape time (the protocols are only known
     as streams open, and the counts are kept by the py-libp2p patches, not by prometheus_client)."""
 

@@ -26,6 +26,7 @@ def test_byte_counts_are_counters_and_nothing_exports_created():
     fams = families(body)
     assert fams["swarm_tcp_bytes"].type == "counter" and fams["swarm_stream_bytes"].type == "counter"
     assert "swarm_tcp_bytes_total{direction=\"sent\"}" in body
+    assert fams["swarm_tcp_calls"].type == "counter" and 'swarm_tcp_calls_total{direction="received"}' in body
     assert 'swarm_stream_bytes_total{direction="sent",protocol="/swarm/test/1.0.0"}' in body
     assert "_created" not in body
     for fam in fams.values():  # every counter's samples end in _total
