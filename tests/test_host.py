@@ -563,9 +563,11 @@ async def test_an_idle_connection_pings_for_its_round_trip_every_two_minutes_not
 
 @hypothesis.settings(max_examples=300, deadline=None)
 @hypothesis.given(hypothesis.strategies.lists(hypothesis.strategies.one_of(
-    hypothesis.strategies.binary(max_size=40).map(lambda b: ("extend", b)),
-    hypothesis.strategies.integers(0, 60).map(lambda n: ("take", n)),
-    hypothesis.strategies.integers(0, 60).map(lambda n: ("drop", n)),
+    hypothesis.strategies.binary(max_size=40).map(lambda b: ("extend", b)),  # gathered (SMALL_CHUNK)
+    hypothesis.strategies.tuples(hypothesis.strategies.binary(min_size=1, max_size=8),
+                                 hypothesis.strategies.integers(1, 1200)).map(lambda t: ("extend", t[0] * t[1])),
+    hypothesis.strategies.integers(0, 10_000).map(lambda n: ("take", n)),
+    hypothesis.strategies.integers(0, 10_000).map(lambda n: ("drop", n)),
     hypothesis.strategies.just(("all", 0)),
 ), max_size=40))
 def test_stream_chunks_read_as_a_bytearray_does(ops):
@@ -594,13 +596,13 @@ def test_stream_chunks_keep_frames_uncopied_and_join_a_read_once():
     frame read in part stays behind as a view of its rest."""
     from node.net.workarounds import StreamChunks
 
-    first, second = bytes(range(100)), bytes(range(100, 200))
+    first, second = bytes(range(256)) * 20, bytes(range(255, -1, -1)) * 20  # frames of 5,120 bytes
     chunks = StreamChunks()
     chunks.extend(first)
     chunks.extend(second)
     assert chunks._chunks[0] is first and chunks._chunks[1] is second
-    assert chunks[:100] is first  # a read of exactly one frame is that frame
-    del chunks[:100]
+    assert chunks[:len(first)] is first  # a read of exactly one frame is that frame
+    del chunks[:len(first)]
     head = chunks[:4]
     del chunks[:4]
     assert head == second[:4] and isinstance(chunks._chunks[0], memoryview)
@@ -611,6 +613,25 @@ def test_stream_chunks_keep_frames_uncopied_and_join_a_read_once():
         pass
     else:
         raise AssertionError("a slice py-libp2p does not use must fail loudly")
+
+
+def test_tiny_frames_from_a_hostile_peer_are_gathered_not_kept_one_object_each():
+    """A peer may fill a widened window with 1-byte DATA frames: kept one bytes object each, 8 MiB
+    of them would hold ~40 times that in memory. Small bodies go into a few bytearrays instead."""
+    import sys
+
+    from node.net.workarounds import SMALL_CHUNK, StreamChunks
+
+    chunks = StreamChunks()
+    for k in range(100_000):
+        chunks.extend(bytes([k % 251]))
+    assert len(chunks) == 100_000 and len(chunks._chunks) <= 100_000 // SMALL_CHUNK + 1
+    held = sum(sys.getsizeof(c) for c in chunks._chunks)
+    assert held < 2 * 100_000, f"{held} bytes held for 100,000 bytes received"
+    chunks.extend(bytes(range(100)) * 700)  # a full frame after them is kept as it came
+    assert bytes(chunks[:100_001])[-2:] == bytes([99_999 % 251, 0])
+    del chunks[:100_001]
+    assert bytes(chunks) == (bytes(range(100)) * 700)[1:]
 
 
 async def test_yamux_stream_buffers_are_chunks_and_reads_of_any_size_get_every_byte():

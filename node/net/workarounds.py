@@ -482,13 +482,18 @@ class YamuxSends(Patch):
         Y.YamuxStream.write = write
 
 
+SMALL_CHUNK = 4096  # (StreamChunks) frame bodies below this are gathered, not kept one object each
+
+
 class StreamChunks:
     """A Yamux stream's received bytes, kept as the frame bodies they came in (``ChunkedStreamBuffers``).
 
     Stands in for the ``bytearray`` py-libp2p 0.8.1 keeps per stream, with the few operations its
     Yamux code uses on it: ``extend``, ``len``, ``clear``, ``bytes(b)`` and ``bytes(b[:n])`` followed by
     ``del b[:n]``. A read's bytes are joined from the chunks once; a chunk taken in part stays
-    behind as a view of its rest, not a copy.
+    behind as a view of its rest, not a copy. Bodies under ``SMALL_CHUNK`` are copied into a
+    trailing bytearray instead of kept one object each, so tiny frames cannot multiply the memory
+    a stream's window allows (a 1-byte ``bytes`` object costs 34 bytes, plus its slot).
     """
 
     __slots__ = ("_chunks", "_size")
@@ -502,10 +507,21 @@ class StreamChunks:
         return self._size
 
     def extend(self, data: bytes | bytearray | memoryview) -> None:
-        if len(data):
+        n = len(data)
+        if not n:
+            return
+        self._size += n
+        chunks = self._chunks
+        if n < SMALL_CHUNK:
+            # A peer may send 1-byte frames: kept one object each, the window's bytes would cost ~40
+            # times their size in memory. Small bodies are copied into a trailing bytearray of ours.
+            if chunks and type(chunks[-1]) is bytearray and len(chunks[-1]) < SMALL_CHUNK:
+                chunks[-1] += data
+            else:
+                chunks.append(bytearray(data))
+        else:
             # Only an immutable bytes object is kept as it is: a view or bytearray may be reused.
-            self._chunks.append(data if type(data) is bytes else bytes(data))
-            self._size += len(data)
+            chunks.append(data if type(data) is bytes else bytes(data))
 
     def clear(self) -> None:
         self._chunks.clear()
