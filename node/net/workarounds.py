@@ -499,7 +499,7 @@ class StreamChunks:
     __slots__ = ("_chunks", "_size")
 
     def __init__(self, data: bytes | bytearray = b"") -> None:
-        self._chunks: collections.deque[bytes | memoryview] = collections.deque()
+        self._chunks: collections.deque[bytes | bytearray | memoryview] = collections.deque()
         self._size = 0
         self.extend(data)
 
