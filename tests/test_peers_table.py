@@ -69,3 +69,19 @@ def test_the_table_is_bounded_and_evicts_the_least_relevant_peer():
     for i in range(10):
         table.on_fault(f"n{i}", "sync", "x", 3.0 + i)
     assert len(table.peers) == 3 and "banned" in table.peers
+
+
+def test_a_rule_whose_weight_would_raise_a_score_is_refused():
+    """A fault must never be worth points: the delta store's rule was written ``weight=-10``, so
+    every forged delta a signer sent *raised* its gossipsub score by 10 (its ban does not
+    disconnect, so the app score was the raised one)."""
+    with pytest.raises(ValueError, match="weight"):
+        FaultRule(weight=-10.0)
+
+
+def test_the_delta_stores_rule_lowers_the_signers_score():
+    from node.shards.deltasync import delta_rule
+
+    table = PeerTable({"deltas": delta_rule(600.0)})
+    table.on_fault("p", "deltas", "bad-delta", 0.0)
+    assert table.score("p", 0.0) < 0 and table.app_score("p", 0.0) < 0

@@ -283,6 +283,8 @@ async def test_a_peer_sending_garbage_to_the_server_is_banned_past_the_threshold
                     await send(struct.pack(">I", 3) + b"\xc1\xc1\xc1")  # not msgpack
                     await wait_for(lambda: strikes() == n, what=f"garbage {n} counted")
                 assert not svc.is_banned(mallory.peer_id, trio.current_time())  # below the threshold
+                # ...yet each piece of garbage already cost it gossip score (a weight of -10 once paid +10).
+                assert s.peers.app_score(mallory.peer_id) < 0
                 await send(struct.pack(">I", 3) + b"\xc1\xc1\xc1")
                 await wait_for(lambda: svc.is_banned(mallory.peer_id, trio.current_time()), what="ban")
                 assert mallory.peer_id in svc.status()["banned"]

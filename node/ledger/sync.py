@@ -89,7 +89,7 @@ MAX_TRACKED_PEERS = 4096  # peers remembered for penalties and last-sync times (
 # peer that restarted with the same key and try to open streams on it, which then hang; a short
 # bound keeps one such peer from stalling anti-entropy for a whole sync_timeout.
 STREAM_OPEN_TIMEOUT = 5.0
-SYNC_PENALTY = -20.0  # app score step for a peer that sends invalid entries over sync
+SYNC_WEIGHT = 20.0  # score points a peer loses per invalid entry it sends over sync (decaying)
 BAN_SOURCE = "ledger"  # bans from penalty entries, as the peer table lists them
 MAX_SYNC_SESSIONS = 32  # sync sessions answered at once; more wait
 # Inbound sync sessions (node/net/budget.py): one peer holds at most 4 sessions (honest peers hold
@@ -204,9 +204,9 @@ class LedgerService:
         self._receipts_full = trio.Event()
         self._own_head_confirmed = False
         self._request_id = 0
-        # Bad sync data costs a peer -SYNC_PENALTY app score per offence (decaying); ledger bans are
+        # Bad sync data costs a peer SYNC_WEIGHT points per offence (decaying); ledger bans are
         # listed in the peer table for status, enforced at intake by ban_of (no disconnect here).
-        node.peers.set_rule(PROTOCOL, FaultRule(weight=-SYNC_PENALTY))
+        node.peers.set_rule(PROTOCOL, FaultRule(weight=SYNC_WEIGHT))
         node.peers.set_rule(BAN_SOURCE, FaultRule(disconnect=False))
         self.syncs = collections.Counter()  # "ok" / "failed" sessions as caller
         self.last_sync: dict[str, float] = {}  # peer -> wall time of the last completed session

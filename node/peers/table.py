@@ -56,6 +56,10 @@ class FaultRule:
     ban_seconds: float = 0.0  # length of a ban this source gives
     disconnect: bool = True  # a ban from this source closes connections and sets BAN_SCORE
 
+    def __post_init__(self) -> None:
+        if self.weight < 0:  # a fault worth points would reward the peer that commits it
+            raise ValueError(f"a fault's weight is the points it takes, >= 0 (got {self.weight})")
+
 
 @dataclass
 class Ban:

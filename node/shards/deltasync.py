@@ -68,6 +68,13 @@ log = logging.getLogger("node.shards.service")  # deltas log as part of the serv
 
 DELTA_SOURCE = "shards-delta"  # fault source in the peer table: signers of deltas that rebuild wrong
 DELTA_FILE = "delta.bin"
+DELTA_WEIGHT = 10.0  # score points a signer loses for a delta that rebuilds wrong
+
+
+def delta_rule(ban_seconds: float) -> FaultRule:
+    """One delta that rebuilds wrong bans its signer's deltas; its connections stay (its full
+    checkpoints and gossip may still be good), but its gossip score drops."""
+    return FaultRule(weight=DELTA_WEIGHT, strikes=1, ban_seconds=ban_seconds, disconnect=False)
 MAX_OFFERS = 64  # announced deltas remembered (newest versions kept)
 MAX_BAD = 256  # delta roots known to rebuild wrong (never fetched again)
 # lzma and zlib shrink delta bodies by 1.6-2.5x (bench/deltas.py prints body/full beside delta/full:
@@ -224,8 +231,7 @@ class DeltaSync:
         self.rebuilt: dict[int, int] = {}  # version -> delta bytes downloaded to rebuild it (status, tests)
         mt = svc.node.metrics
         self.m_outcomes = mt.counter("shards_delta_total", "Versions tried through a delta, by outcome", ["outcome"])
-        svc.node.peers.set_rule(DELTA_SOURCE, FaultRule(weight=-10.0, strikes=1, ban_seconds=self.cfg.ban_seconds,
-                                                        disconnect=False))
+        svc.node.peers.set_rule(DELTA_SOURCE, delta_rule(self.cfg.ban_seconds))
 
     # -- announcements -----------------------------------------------------------------------
 

@@ -98,6 +98,7 @@ SUPER_SEED_REPORT_BYTES = 1 << 20
 # Fault source, in the peer table, of garbage sent to our serving side (the picker's convictions of
 # bad pieces are SOURCE, one report a ban; garbage counts strikes: [shards] garbage_strikes).
 GARBAGE_SOURCE = "shards-garbage"
+GARBAGE_WEIGHT = 10.0  # score points one piece of garbage costs its sender, before any ban
 MAX_RECEIPT_PAIRS = 4096  # (peer, manifest) pairs whose received bytes we remember
 MAX_REFUSED_ROOTS = 256  # manifest roots refused for non-finite values, remembered so they are not refetched
 RECHECK_CHUNK_BYTES = 8 << 20  # bytes of pieces hashed per worker-thread call when re-verifying at start
@@ -151,7 +152,7 @@ class ShardsService:
         self.m_bans = mt.counter("shards_bans_total", "Peers banned by the shards service", ["reason"])
         # The picker's smart ban has already counted the strikes: one report here is a ban.
         node.peers.set_rule(SOURCE, FaultRule(strikes=1, ban_seconds=cfg.ban_seconds))
-        node.peers.set_rule(GARBAGE_SOURCE, FaultRule(weight=-10.0, strikes=cfg.garbage_strikes,
+        node.peers.set_rule(GARBAGE_SOURCE, FaultRule(weight=GARBAGE_WEIGHT, strikes=cfg.garbage_strikes,
                                                       window=cfg.garbage_window, ban_seconds=cfg.ban_seconds))
         self.m_versions = mt.gauge("shards_versions_complete", "Complete checkpoint versions held")
         self.m_damaged = mt.counter("shards_damaged_pieces_total", "Pieces on disk that failed their re-check at start")
