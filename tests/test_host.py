@@ -657,3 +657,62 @@ async def test_yamux_stream_buffers_are_chunks_and_reads_of_any_size_get_every_b
         assert type(muxed.conn.stream_buffers[muxed.stream_id]) is StreamChunks
         done.set()
     assert got == payload
+
+
+async def test_a_peer_sending_past_the_receive_window_is_cut_off_and_banned():
+    """py-libp2p logged a peer that sent past a stream's receive window and buffered the bytes
+    anyway, so a peer ignoring windows could grow our memory while a handler was not reading.
+    Mallory writes raw DATA frames past the 256 KiB window of a stream whose handler never reads:
+    the victim closes the connection, bans it through its peer table, and keeps serving others."""
+    from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, TYPE_DATA
+
+    from node.metrics import Metrics
+    from node.peers import Peers
+    from node.peers.service import MUXER_SOURCE
+    from tests.waiting import wait_for
+
+    never = trio.Event()
+
+    async def hold(stream) -> None:  # reads nothing, so the window is never credited back
+        await never.wait()
+
+    async with connected_hosts("/test/hold/1", hold) as (mallory, victim):
+        peers = Peers(victim, Metrics())
+        victim.set_handler(ECHO, echo)
+        stream = await mallory.open_stream(victim.peer_id, "/test/hold/1")
+        muxed = stream.muxed_stream
+        body = b"\x00" * 60_000
+        for _ in range(DEFAULT_WINDOW_SIZE // len(body) + 1):  # one frame past the window
+            header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, muxed.stream_id, len(body))
+            await muxed.conn._write_frame(header + body)  # what YamuxStream.write would wait to send
+        await wait_for(lambda: mallory.peer_id not in victim.connected_peers(), what="mallory cut off")
+        assert peers.is_banned(mallory.peer_id, MUXER_SOURCE)
+        assert peers.app_score(mallory.peer_id) < 0
+        async with open_swarm_host(Identity.generate(), LOOPBACK) as carol:
+            await carol.connect(victim.listen_addrs()[0])
+            reply = await carol.open_stream(victim.peer_id, ECHO)
+            await write_frame(reply, b"still here")
+            assert await read_frame(reply) == b"still here"
+        never.set()
+
+
+async def test_a_peer_within_the_window_is_never_cut_off():
+    """The bound is the window itself: a peer sending exactly up to it, and on after each credit,
+    keeps its connection (the same raw frames, with the handler reading)."""
+    from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, TYPE_DATA
+
+    got = bytearray()
+
+    async def drain(stream) -> None:
+        while len(got) < 2 * DEFAULT_WINDOW_SIZE:
+            got.extend(await stream.read(1 << 20))
+        await stream.write(b"k")
+
+    async with connected_hosts("/test/drain/1", drain) as (a, b):
+        stream = await a.open_stream(b.peer_id, "/test/drain/1")
+        await stream.write(b"\x01" * DEFAULT_WINDOW_SIZE)  # all of the first window, honestly
+        await stream.write(b"\x02" * DEFAULT_WINDOW_SIZE)  # waits for credit as it must
+        with trio.fail_after(30):
+            assert await stream.read(1) == b"k"
+        assert a.peer_id in b.connected_peers()
+    assert bytes(got) == b"\x01" * DEFAULT_WINDOW_SIZE + b"\x02" * DEFAULT_WINDOW_SIZE

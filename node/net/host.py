@@ -55,6 +55,7 @@ from .workarounds import (
     BatchedWindowCredit,
     CancelSafeFrames,
     ChunkedStreamBuffers,
+    KeptReceiveWindow,
     FewerYamuxPings,
     HandlerErrors,
     PeerRecordReuse,
@@ -142,6 +143,9 @@ class SwarmHost:
     handler_errors: HandlerErrors = field(default_factory=lambda: HandlerErrors())
     # gossipsub's application-specific score of a peer; node/peers sets it to its table's view.
     app_score: Callable[[str], float] = field(default=lambda peer_id: 0.0)
+    # Told of a peer that broke the muxer's rules (``on_peer_fault(peer_id, reason)``) as its
+    # connection is closed; node/peers sets it to score the peer (KeptReceiveWindow).
+    on_peer_fault: Callable[[str, str], None] = field(default=lambda peer_id, reason: None)
     # protocol -> the inbound budget of its handler (node/net/reqres.py Inbound), for status
     inbound: dict[str, object] = field(default_factory=dict)
     _ping_streams: dict[str, object] = field(default_factory=dict)  # peer -> stream of its last good ping
@@ -290,6 +294,7 @@ async def open_swarm_host(
     WholeNoiseMessages.install()
     YamuxSends.install()
     ChunkedStreamBuffers.install()
+    KeptReceiveWindow.install()
     PeerRecordReuse.install()
     SeenMessagesSpawnNothing.install()
     FewerYamuxPings.install()
@@ -323,8 +328,12 @@ async def open_swarm_host(
     )
     pubsub = Pubsub(host, router, seen_ttl=gossip.seen_ttl, max_inbound_rpc_size=1024 * 1024)
     swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), handler_errors, inbound=inbound)
-    async with host.run(addrs):
-        async with background_trio_service(pubsub), background_trio_service(router):
-            await pubsub.wait_until_ready()
-            yield swarm_host
+    KeptReceiveWindow.reporters[swarm_host.peer_id] = lambda peer, reason: swarm_host.on_peer_fault(peer, reason)
+    try:
+        async with host.run(addrs):
+            async with background_trio_service(pubsub), background_trio_service(router):
+                await pubsub.wait_until_ready()
+                yield swarm_host
+    finally:
+        KeptReceiveWindow.reporters.pop(swarm_host.peer_id, None)
 

@@ -23,6 +23,8 @@
   of polling it every 10 ms.
 * :class:`ChunkedStreamBuffers`: a Yamux stream's received bytes were copied into a ``bytearray``
   and out of it twice; keep the frames as they came and join a read's bytes once.
+* :class:`KeptReceiveWindow`: a peer could send past a stream's receive window and have it
+  buffered anyway; close its connection and report it.
 * :func:`disable_auto_connect`: the swarm's own auto-connector fights our connection manager.
 * :func:`widen_receive_window`: a Yamux stream's receive window stays at 256 KiB on slow links,
   so the receiver sends a window update for every 128 KiB.
@@ -38,6 +40,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+from collections.abc import Callable
 
 import trio
 
@@ -622,6 +625,69 @@ class ChunkedStreamBuffers(Patch):
             self.stream_buffers = table
 
         Yamux.__init__ = chunked_init
+
+
+class ReceiveWindowExceeded(Exception):
+    """A peer sent a Yamux stream more than the receive window we granted it."""
+
+
+class KeptReceiveWindow(Patch):
+    """Close the connection of a peer that sends past a Yamux stream's receive window, and report
+    it (py-libp2p 0.8.1).
+
+    py-libp2p counts each DATA frame against the stream's ``recv_window`` and, when a peer overruns
+    it, logs "peer exceeded receive window", sets the window to 0 and keeps the bytes anyway: a
+    peer that ignores windows can grow a stream's buffer without bound while our handler is not
+    reading (a slow disk, a full queue), whatever the buffer is made of. The window is the memory
+    bound of every stream; no honest sender crosses it (go-yamux closes the session with a
+    protocol error when one does). Here ``recv_window`` refuses to go below 0: the host's
+    :attr:`~node.net.host.SwarmHost.on_peer_fault` hears of the peer (node/peers bans it), the
+    frame's handling stops with an error, the connection's read loop stops after that frame, and
+    the connection is closed with its buffers dropped. At most one frame (64 KiB) past the window
+    is ever held, until then.
+    """
+
+    # Local peer id -> the host's fault callback (one per open host; tests run several in one process).
+    reporters: dict[str, Callable[[str, str], None]] = {}
+
+    @classmethod
+    def _patch(cls) -> None:
+        from libp2p.network.connection.exceptions import RawConnError
+        from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
+
+        class Overrun(ReceiveWindowExceeded, RawConnError):
+            pass
+
+        def get(self) -> int:
+            return self._kept_recv_window
+
+        def set_window(self, value: int) -> None:
+            if value >= 0:
+                self._kept_recv_window = value
+                return
+            muxer = self.conn
+            peer = str(muxer.peer_id)
+            if not muxer.__dict__.get("_window_overrun"):
+                muxer._window_overrun = True
+                muxer.event_shutting_down.set()  # handle_incoming reads no frame after this one
+                report = cls.reporters.get(str(muxer.secured_conn.get_local_peer()))
+                if report is not None:
+                    report(peer, "receive-window-exceeded")
+            raise Overrun(f"peer {peer} sent {-value} bytes past stream {self.stream_id}'s receive window")
+
+        handle_incoming = Yamux.handle_incoming
+
+        async def handle_then_close(self) -> None:
+            try:
+                await handle_incoming(self)
+            finally:
+                # py-libp2p's handler of a DATA frame's errors only marks that stream closed.
+                if self.__dict__.get("_window_overrun") and not self.event_closed.is_set():
+                    with trio.CancelScope(shield=True):
+                        await self._cleanup_on_error()
+
+        YamuxStream.recv_window = property(get, set_window)
+        Yamux.handle_incoming = handle_then_close
 
 
 # The largest SO_RCVLOWAT asked for: a whole Noise message (2-byte length, so at most 65535 bytes).

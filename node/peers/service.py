@@ -21,6 +21,10 @@ DISCONNECT_TIMEOUT = 5.0
 # Peers that hold inbound stream slots without sending (node/net/budget.py) are struck under one
 # source, whatever the protocol: holding slots is the same fault everywhere.
 STALL_SOURCE = "streams"
+# A peer that breaks the muxer's rules (sends past a stream's receive window) is hostile or broken:
+# its connection is already closed (node/net/workarounds.py KeptReceiveWindow); one fault bans it.
+MUXER_SOURCE = "muxer"
+MUXER_RULE = FaultRule(weight=50.0, strikes=1, ban_seconds=3600.0)
 
 
 class Peers:
@@ -39,6 +43,8 @@ class Peers:
         metrics.gauge("peers_banned", "Peers under an active ban").set_function(self._count_banned)
         if host is not None:
             host.app_score = self.app_score
+            host.on_peer_fault = self.muxer_fault
+            self.set_rule(MUXER_SOURCE, MUXER_RULE)
 
     def _now(self) -> float:
         """trio's clock; outside trio (the metrics scrape thread) the last time read inside it."""
@@ -69,6 +75,10 @@ class Peers:
         caller): one strike under :data:`STALL_SOURCE`, whose rule (set by the stream layer from
         ``[streams]``) bans and disconnects a repeat offender."""
         return self.report(peer, STALL_SOURCE, f"stalled:{protocol}", now)
+
+    def muxer_fault(self, peer: str, reason: str) -> list[Action]:
+        """``peer`` broke the muxer's rules; the host has closed its connection (see MUXER_RULE)."""
+        return self.report(peer, MUXER_SOURCE, reason)
 
     def ban(self, peer: str, source: str, reason: str, seconds: float, now: float | None = None) -> list[Action]:
         """A ban decided outside the table (a ledger penalty entry) for ``seconds`` from now."""
