@@ -7,6 +7,7 @@ import struct
 from contextlib import asynccontextmanager
 
 import hypothesis
+import pytest
 import trio
 import trio.testing
 from libp2p.peer.id import ID
@@ -81,6 +82,33 @@ async def test_a_write_cancelled_after_encryption_leaves_the_connection_usable(m
             stream = await a.open_stream(b.peer_id, ECHO)
             await write_frame(stream, b"still in sync")
             assert await read_frame(stream) == b"still in sync"
+
+
+async def test_a_frame_write_that_stalls_closes_the_connection_and_no_caller_can_cut_it_short(autojump_clock):
+    """A frame's send is shielded from its caller's deadline (half a frame on the wire corrupts the
+    connection) but bounded by its own: a peer that stops reading gets its connection closed."""
+    from libp2p.stream_muxer.yamux.yamux import Yamux
+
+    from node.net.workarounds import FRAME_WRITE_LIMIT, CancelSafeFrames, QuickLock
+
+    CancelSafeFrames.install()
+
+    class Stuck:  # a secured connection whose peer never reads
+        closed = False
+
+        async def write(self, data: bytes) -> None:
+            await trio.sleep_forever()
+
+        async def close(self) -> None:
+            self.closed = True
+
+    muxer = Yamux.__new__(Yamux)
+    muxer._write_lock, muxer.secured_conn = QuickLock(), Stuck()
+    start = trio.current_time()
+    with pytest.raises(trio.BrokenResourceError), trio.move_on_after(1):  # the caller's deadline passes first
+        await muxer._write_frame(b"frame")
+    assert muxer.secured_conn.closed, "a stalled write must close the connection"
+    assert trio.current_time() - start >= FRAME_WRITE_LIMIT, "the caller's deadline cut the send short"
 
 
 async def test_a_ping_cut_short_does_not_break_the_next_one():
@@ -716,3 +744,68 @@ async def test_a_peer_within_the_window_is_never_cut_off():
             assert await stream.read(1) == b"k"
         assert a.peer_id in b.connected_peers()
     assert bytes(got) == b"\x01" * DEFAULT_WINDOW_SIZE + b"\x02" * DEFAULT_WINDOW_SIZE
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    hypothesis.strategies.lists(hypothesis.strategies.integers(1, 300), min_size=1, max_size=12),
+    hypothesis.strategies.lists(hypothesis.strategies.one_of(hypothesis.strategies.none(),
+                                                             hypothesis.strategies.integers(1, 700)), max_size=20),
+)
+def test_a_secured_connection_reads_its_messages_as_one_byte_stream(sizes, reads):
+    """MessageReads keeps the last Noise message and serves reads from it: ``read(n)`` gets the next
+    ``n`` bytes across messages (fewer only at the end), ``read()`` the rest of the message or the
+    next one, and nothing is lost or repeated."""
+    from libp2p.io.exceptions import ConnectionClosedError
+    from libp2p.security.secure_session import SecureSession
+
+    from node.net.workarounds import MessageReads
+
+    MessageReads.install()
+    counter = itertools.count()
+    messages = [bytes(next(counter) % 251 for _ in range(n)) for n in sizes]
+
+    class Conn:
+        def __init__(self) -> None:
+            self.left = list(messages)
+
+        async def read_msg(self) -> bytes:
+            return self.left.pop(0) if self.left else b""
+
+    async def run() -> None:
+        session = SecureSession.__new__(SecureSession)
+        session.conn = Conn()
+        session._reset_internal_buffer()
+        stream, at = b"".join(messages), 0
+        ends = list(itertools.accumulate(sizes))
+        for n in reads:
+            if at == len(stream):
+                with pytest.raises(ConnectionClosedError):
+                    await session.read(n)
+                return
+            got = await session.read(n)
+            # read(): the rest of the message being read, or the next whole one: up to the next end
+            assert got == (stream[at:next(e for e in ends if e > at)] if n is None else stream[at:at + n])
+            at += len(got)
+
+    trio.run(run)
+
+
+async def test_a_frame_whose_body_comes_in_later_noise_messages_still_arrives_whole():
+    """Our frames are one Noise message each, so a body is taken from the message its header came
+    in; another implementation may send the header and the body apart, and the body in pieces."""
+    from libp2p.stream_muxer.yamux.yamux import TYPE_DATA
+
+    got = []
+
+    async with connected_hosts("/test/sink/1", frame_sink(1, got)) as (a, b):
+        stream = await a.open_stream(b.peer_id, "/test/sink/1")
+        muxed = stream.muxed_stream
+        body = struct.pack(">I", 3000) + bytes(range(250)) * 12  # one length-prefixed frame (node.wire)
+        header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, muxed.stream_id, len(body))
+        async with muxed.conn._write_lock:
+            for part in (header, body[:1000], body[1000:2500], body[2500:]):
+                await muxed.conn.secured_conn.write(part)  # one Noise message each
+        with trio.fail_after(30):
+            assert await stream.read(1) == b"k"
+    assert got == [bytes(range(250)) * 12]

@@ -56,6 +56,7 @@ from .workarounds import (
     CancelSafeFrames,
     ChunkedStreamBuffers,
     KeptReceiveWindow,
+    MessageReads,
     FewerYamuxPings,
     HandlerErrors,
     PeerRecordReuse,
@@ -295,6 +296,7 @@ async def open_swarm_host(
     YamuxSends.install()
     ChunkedStreamBuffers.install()
     KeptReceiveWindow.install()
+    MessageReads.install()
     PeerRecordReuse.install()
     SeenMessagesSpawnNothing.install()
     FewerYamuxPings.install()

@@ -23,6 +23,9 @@
   of polling it every 10 ms.
 * :class:`ChunkedStreamBuffers`: a Yamux stream's received bytes were copied into a ``bytearray``
   and out of it twice; keep the frames as they came and join a read's bytes once.
+* :class:`MessageReads`: a secured connection copied each Noise message's rest three times through
+  a ``BytesIO``, and Yamux armed a timer for every frame body; keep the message, take a body
+  already decrypted at once.
 * :class:`KeptReceiveWindow`: a peer could send past a stream's receive window and have it
   buffered anyway; close its connection and report it.
 * :func:`disable_auto_connect`: the swarm's own auto-connector fights our connection manager.
@@ -41,6 +44,7 @@ import collections
 import logging
 import socket
 from collections.abc import Callable
+from typing import NamedTuple
 
 import trio
 
@@ -151,13 +155,14 @@ class CancelSafeFrames(Patch):
 
         async def write_frame(self, data: bytes) -> None:
             async with self._write_lock:
-                with trio.CancelScope(shield=True):
-                    with trio.move_on_after(FRAME_WRITE_LIMIT) as stalled:
-                        await self.secured_conn.write(data)
-                    if stalled.cancelled_caught:
-                        with trio.move_on_after(5):
-                            await self.secured_conn.close()
-                        raise trio.BrokenResourceError(f"frame write stalled for {FRAME_WRITE_LIMIT:.0f} s")
+                # One scope, shielded from outside and cancelled by its own deadline: two nested
+                # ones (shield, then move_on_after) cost ~4 % of the event loop in ``overhead``.
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + FRAME_WRITE_LIMIT) as stalled:
+                    await self.secured_conn.write(data)
+                if stalled.cancelled_caught:
+                    with trio.CancelScope(shield=True, deadline=trio.current_time() + 5):
+                        await self.secured_conn.close()
+                    raise trio.BrokenResourceError(f"frame write stalled for {FRAME_WRITE_LIMIT:.0f} s")
             # The send itself yielded; only a cancellation that arrived meanwhile is still owed.
             await trio.lowlevel.checkpoint_if_cancelled()
 
@@ -196,45 +201,61 @@ class BatchedWindowCredit(Patch):
         YamuxStream._auto_tune_and_send_window_update = credit
 
 
+class QuickLockStatistics(NamedTuple):
+    locked: bool
+    tasks_waiting: int
+
+
 class QuickLock:
-    """A ``trio.Lock`` whose acquire does not yield when the lock is free.
+    """A lock whose acquire does not yield when the lock is free, and costs a flag test.
 
     trio's ``acquire`` is a full checkpoint: a free lock still costs one pass through the scheduler
     (``cancel_shielded_checkpoint``). py-libp2p takes about eleven of them per Noise message moved
     (``bench/shards.py overhead``: 75,800 acquisitions for 7,060 messages), and each pass is one
-    more wake-up of the task. A held lock, or one with waiters, is waited for exactly as trio does,
-    first come first served (``acquire_nowait`` refuses while anyone waits). What is lost is only
-    the checkpoint's promise that the caller yields: every path that takes these locks goes on to
-    a send, a receive or a wait, which yields unless its data is already there (a reader draining a
-    stream's buffer then runs until the buffer is empty, as with any buffered read). Duck-typed:
-    trio's locks cannot be subclassed.
+    more wake-up of the task. Wrapping ``trio.Lock``'s ``acquire_nowait`` removed the passes but
+    still paid its owner bookkeeping (``current_task()``, a parking-lot breaker) on every take:
+    ~4 % of the event loop's samples in ``overhead``. Here a free lock is a flag; a held one, or one
+    with waiters, parks its caller in a ``ParkingLot`` and ``release`` hands the lock to the first
+    parked task, first come first served, as trio does. There is no owner: py-libp2p's
+    ``ReadWriteLock`` uses one of these as a semaphore of one that another task releases. What is
+    lost is only the checkpoint's promise that the caller yields: every path that takes these locks
+    goes on to a send, a receive or a wait, which yields unless its data is already there (a reader
+    draining a stream's buffer then runs until the buffer is empty, as with any buffered read).
     """
 
-    __slots__ = ("_lock",)
+    __slots__ = ("_held", "_lot")
 
-    def __init__(self, lock=None) -> None:
-        self._lock = lock if lock is not None else trio.Lock()
+    def __init__(self, lock=None) -> None:  # ``lock``: the trio lock or semaphore of one it replaces
+        if lock is not None and (lock.locked() if isinstance(lock, trio.Lock) else lock.value == 0):
+            raise RuntimeError("a QuickLock replaces a free lock only")
+        self._held = False
+        self._lot = trio.lowlevel.ParkingLot()
 
     async def acquire(self) -> None:
-        try:
-            self._lock.acquire_nowait()
-        except trio.WouldBlock:
-            await self._lock.acquire()
+        if self._held or self._lot:
+            await self._lot.park()  # woken holding it: release() hands it over
+        else:
+            self._held = True
 
     def release(self) -> None:
-        self._lock.release()
+        if not self._held:
+            raise RuntimeError("release of a QuickLock that is not held")
+        if self._lot:
+            self._lot.unpark()  # still held, now by the first waiter
+        else:
+            self._held = False
 
     def locked(self) -> bool:
-        return self._lock.locked()
+        return self._held
 
-    def statistics(self):
-        return self._lock.statistics()
+    def statistics(self) -> QuickLockStatistics:
+        return QuickLockStatistics(self._held, len(self._lot))
 
     async def __aenter__(self) -> None:
         await self.acquire()
 
     async def __aexit__(self, *exc) -> None:
-        self._lock.release()
+        self.release()
 
 
 class QuickLocks(Patch):
@@ -781,6 +802,87 @@ class WholeNoiseMessages(Patch):
             return msg
 
         NoisePacketReadWriter.read_msg = read_msg
+
+
+class MessageReads(Patch):
+    """Serve reads of a secured connection from the Noise message last decrypted, without copying it
+    into a ``BytesIO`` (py-libp2p 0.8.1), and read a Yamux frame's body from it without a timer.
+
+    ``SecureSession`` kept the rest of a message by slicing it (a copy), writing that into a fresh
+    ``BytesIO`` (a second) and serving reads with ``getbuffer()[..].tobytes()`` (a third). Yamux
+    reads a frame's 12-byte header, then its body: one frame is one Noise message
+    (:class:`YamuxSends`), so every data frame paid all three for its body. Here the message is
+    kept as it came and a read of the rest of it is one slice.
+
+    ``Yamux._read_data_body`` also armed a ``fail_after`` deadline around every body read (a cancel
+    scope and a deadline registered and removed: ~4 % of the event loop in ``bench/shards.py
+    overhead``). The deadline guards a peer that sends a header and then holds the body back; a
+    body already decrypted cannot be held back, so it is taken at once and only a body still to
+    come (a peer whose frames span Noise messages) goes through py-libp2p's read and its deadline.
+    """
+
+    @classmethod
+    def _patch(cls) -> None:
+        from libp2p.io.exceptions import ConnectionClosedError
+        from libp2p.security.secure_session import SecureSession
+        from libp2p.stream_muxer.yamux.yamux import Yamux
+
+        def reset(self) -> None:
+            self._msg, self._at = b"", 0
+
+        def drain(self, n: int | None) -> bytes:
+            msg, at = self._msg, self._at
+            left = len(msg) - at
+            if left <= 0:
+                return b""
+            take = left if n is None or n >= left else n
+            out = msg if take == len(msg) else msg[at:at + take]
+            if take == left:
+                self._msg, self._at = b"", 0
+            else:
+                self._at = at + take
+            return out
+
+        def fill(self, msg: bytes) -> None:
+            self._msg, self._at = msg, 0
+
+        async def read(self, n: int | None = None) -> bytes:
+            if n == 0:
+                return b""
+            out = drain(self, n)
+            if out and (n is None or len(out) == n):
+                return out
+            if n is None:
+                msg = await self.conn.read_msg()
+                if msg == b"":
+                    raise ConnectionClosedError("Connection closed")
+                return msg
+            parts, have = ([out] if out else []), len(out)
+            while have < n:
+                msg = await self.conn.read_msg()
+                if msg == b"":  # closed: what was assembled, as py-libp2p does
+                    if parts:
+                        return b"".join(parts)
+                    raise ConnectionClosedError("Connection closed")
+                fill(self, msg)
+                part = drain(self, n - have)
+                parts.append(part)
+                have += len(part)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+        read_body = Yamux._read_data_body
+
+        async def read_data_body(self, length: int) -> bytes:
+            conn = self.secured_conn
+            if isinstance(conn, SecureSession) and len(conn._msg) - conn._at >= length:
+                return drain(conn, length)
+            return await read_body(self, length)
+
+        SecureSession._reset_internal_buffer = reset
+        SecureSession._drain = drain
+        SecureSession._fill = fill
+        SecureSession.read = read
+        Yamux._read_data_body = read_data_body
 
 
 def disable_auto_connect(host) -> None:
