@@ -809,3 +809,31 @@ async def test_a_frame_whose_body_comes_in_later_noise_messages_still_arrives_wh
         with trio.fail_after(30):
             assert await stream.read(1) == b"k"
     assert got == [bytes(range(250)) * 12]
+
+
+async def test_a_frame_announcing_more_than_any_window_is_refused_before_its_body_is_read():
+    """py-libp2p refuses a DATA frame longer than 16 MiB (its largest window) but reads any shorter
+    one in full before the window is checked: on a stream granted 256 KiB a peer could have us
+    assemble 16 MiB per connection. A frame longer than every window granted on the connection now
+    closes it and bans the peer before its body is read (a timed-out body would close it too, but
+    ban no one)."""
+    from libp2p.stream_muxer.yamux.yamux import MAX_WINDOW_SIZE, TYPE_DATA
+
+    from node.metrics import Metrics
+    from node.peers import Peers
+    from node.peers.service import MUXER_SOURCE
+    from tests.waiting import wait_for
+
+    async with connected_hosts(ECHO, echo) as (mallory, victim):
+        peers = Peers(victim, Metrics())
+        stream = await mallory.open_stream(victim.peer_id, ECHO)
+        muxed = stream.muxed_stream
+        header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, muxed.stream_id, MAX_WINDOW_SIZE)
+        chunk = b"\x00" * 60_000
+        async with muxed.conn._write_lock:
+            await muxed.conn.secured_conn.write(header)
+            with trio.move_on_after(30):  # a guard only: the victim stops reading once it refuses
+                for _ in range(64):  # 3.7 MiB of the announced 16: far past the stream's 256 KiB window
+                    await muxed.conn.secured_conn.write(chunk)
+        await wait_for(lambda: mallory.peer_id not in victim.connected_peers(), what="mallory cut off")
+        assert peers.is_banned(mallory.peer_id, MUXER_SOURCE)

@@ -664,8 +664,13 @@ class KeptReceiveWindow(Patch):
     protocol error when one does). Here ``recv_window`` refuses to go below 0: the host's
     :attr:`~node.net.host.SwarmHost.on_peer_fault` hears of the peer (node/peers bans it), the
     frame's handling stops with an error, the connection's read loop stops after that frame, and
-    the connection is closed with its buffers dropped. At most one frame (64 KiB) past the window
-    is ever held, until then.
+    the connection is closed with its buffers dropped.
+
+    The window is charged only once a frame's body is in memory, and py-libp2p reads any body up to
+    16 MiB (its largest window) before that: on a stream granted 256 KiB a peer could have us
+    assemble 16 MiB per connection. So a body longer than every window granted on the connection
+    (a new stream's default included) is refused the same way before any of it is read. What one
+    frame can hold past a window is thus bounded by the largest window granted, as memory is.
     """
 
     # Local peer id -> the host's fault callback (one per open host; tests run several in one process).
@@ -674,19 +679,13 @@ class KeptReceiveWindow(Patch):
     @classmethod
     def _patch(cls) -> None:
         from libp2p.network.connection.exceptions import RawConnError
-        from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
+        from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, Yamux, YamuxStream
 
         class Overrun(ReceiveWindowExceeded, RawConnError):
             pass
 
-        def get(self) -> int:
-            return self._kept_recv_window
-
-        def set_window(self, value: int) -> None:
-            if value >= 0:
-                self._kept_recv_window = value
-                return
-            muxer = self.conn
+        def overrun(muxer, what: str) -> Overrun:
+            """Mark ``muxer`` for closing and report its peer once; the error to raise."""
             peer = str(muxer.peer_id)
             if not muxer.__dict__.get("_window_overrun"):
                 muxer._window_overrun = True
@@ -694,7 +693,22 @@ class KeptReceiveWindow(Patch):
                 report = cls.reporters.get(str(muxer.secured_conn.get_local_peer()))
                 if report is not None:
                     report(peer, "receive-window-exceeded")
-            raise Overrun(f"peer {peer} sent {-value} bytes past stream {self.stream_id}'s receive window")
+            return Overrun(f"peer {peer} {what}")
+
+        def get(self) -> int:
+            return self._kept_recv_window
+
+        def set_window(self, value: int) -> None:
+            if value < 0:
+                raise overrun(self.conn, f"sent {-value} bytes past stream {self.stream_id}'s receive window")
+            self._kept_recv_window = value
+
+        read_body = Yamux._read_data_body
+
+        async def read_bounded_body(self, length: int) -> bytes:
+            if length > DEFAULT_WINDOW_SIZE and length > max((s.recv_window for s in self.streams.values()), default=0):
+                raise overrun(self, f"announced a {length}-byte frame, more than any window granted")
+            return await read_body(self, length)
 
         handle_incoming = Yamux.handle_incoming
 
@@ -708,6 +722,7 @@ class KeptReceiveWindow(Patch):
                         await self._cleanup_on_error()
 
         YamuxStream.recv_window = property(get, set_window)
+        Yamux._read_data_body = read_bounded_body
         Yamux.handle_incoming = handle_then_close
 
 
