@@ -1,7 +1,8 @@
 """Status of a running node, for people: ``<data dir>/status.json`` and ``/swarm/status/1.0.0``.
 
-Every second the node writes its status (all ``node.status`` providers) to status.json by
-write-then-rename, so ``swarm-node status`` can read it without talking to the node, and answers
+The node writes its status (all ``node.status`` providers) to status.json by write-then-rename,
+each second while someone reads it and every ten seconds otherwise (node/status_files.py says
+how a reader asks), so ``swarm-node status`` can read it without talking to the node, and answers
 the status protocol so ``swarm-node status --connect ADDR`` can ask any reachable peer. Member
 tables are public information already (they travel on gossip); nothing secret is in status.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ import trio
 from .atomic import write_atomic
 from .context import NodeContext
 from .summary import NO_TRAINER_GRACE, SummaryClock
-from .status_files import NODE_FILE, STATUS_FILE  # noqa: F401  (re-exported)
+from .status_files import IDLE_EVERY, NODE_FILE, STATUS_FILE, watched  # noqa: F401  (NODE_FILE re-exported)
 from .net.budget import StreamLimits
 from .net.reqres import messages, request_handler
 from .wire import Message, RemoteProtocolError, bounded, read_message, register, write_frame
@@ -29,7 +31,7 @@ log = logging.getLogger(__name__)
 
 STATUS_PROTOCOL = "/swarm/status/1.0.0"
 MAX_STATUS = 2 * 1024 * 1024
-STATUS_EVERY = 1.0
+STATUS_EVERY = 1.0  # while watched (status_files.watched); IDLE_EVERY otherwise
 # A status this small is written in the event loop (no fsync: open, write, rename). Handing it to a
 # worker thread cost more than the write: 8 % of an idle relay's CPU at N=25 (py-spy --gil), for
 # the thread's wake-up and the result's way back into trio.
@@ -98,16 +100,21 @@ async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORE
     path = node.data_dir / STATUS_FILE
     interval = node.config.summary_interval
     summary = SummaryClock(interval, list(node.run.trainers), trio.current_time(), grace=min(NO_TRAINER_GRACE, interval))
+    next_write = -math.inf
     try:
         while True:
-            snap = snapshot(node)  # in the trio thread: providers read trio's clock
-            data = json.dumps(snap).encode()
-            if len(data) <= INLINE_WRITE:
-                write_atomic(path, data, durable=False)
-            else:
-                await trio.to_thread.run_sync(lambda: write_atomic(path, data, durable=False))
-            for level, line in summary.due(trio.current_time(), snap):
-                getattr(log, level)(line)
+            now = trio.current_time()
+            if now >= next_write or watched(node.data_dir, time.time()):
+                snap = snapshot(node)  # in the trio thread: providers read trio's clock
+                data = json.dumps(snap).encode()
+                if len(data) <= INLINE_WRITE:
+                    write_atomic(path, data, durable=False)
+                else:
+                    await trio.to_thread.run_sync(lambda: write_atomic(path, data, durable=False))
+                # The no-trainer warning rides on the snapshots: at most IDLE_EVERY late.
+                for level, line in summary.due(trio.current_time(), snap):
+                    getattr(log, level)(line)
+                next_write = min(now + IDLE_EVERY, summary.next_at())
             await trio.sleep(STATUS_EVERY)
     finally:
         with trio.CancelScope(shield=True):

@@ -9,6 +9,7 @@ services: peers, the version held, steps or batches, accepted/refused with reaso
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 NO_TRAINER_GRACE = 30.0  # seconds after start before a missing trainer is worth a warning (joining takes a few)
@@ -82,6 +83,13 @@ class SummaryClock:
     grace: float = NO_TRAINER_GRACE
     _next: float | None = None
     _warned: bool = False
+
+    def next_at(self) -> float:
+        """When the next summary is due (inf when summaries are off): the node takes a snapshot
+        then even if it writes status.json less often."""
+        if self.interval <= 0:
+            return math.inf
+        return self.started + self.interval if self._next is None else self._next
 
     def due(self, now: float, snapshot: dict) -> list[tuple[str, str]]:
         if self.interval <= 0:

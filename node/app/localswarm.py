@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..identity import load_or_create_identity
-from ..status_files import NODE_FILE, STATUS_FILE
+from ..status_files import NODE_FILE, STATUS_FILE, read_status, want_status
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -158,8 +158,16 @@ class LocalSwarm:
         return self.node_info(name)["addrs"][0]
 
     def status(self, name: str) -> dict:
+        """The node's status.json, at most a second or two old while the node runs ({} if none).
+
+        Asks every running node for fresh ones, not only ``name``: callers read the nodes one after
+        another (a condition over the whole swarm), and each would otherwise wait for its own."""
+        for other in self.procs.values():
+            if other.alive():
+                want_status(other.data_dir)
+        proc = self.procs[name]
         try:
-            return json.loads((self.procs[name].data_dir / STATUS_FILE).read_text())
+            return read_status(proc.data_dir, running=proc.alive())
         except (OSError, ValueError):
             return {}
 

@@ -7,7 +7,6 @@ remote node (``--connect``), so the common case starts in a fraction of a second
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..config import NodeConfig, check_connect_addr
-from ..status_files import STATUS_FILE
+from ..status_files import STATUS_FILE, read_status
 from .errors import RuntimeFailure, UsageError
 
 CONNECT_TIMEOUT = 15.0  # seconds for --connect: dial, open the stream, read the answer
@@ -30,9 +29,10 @@ NODE_KEYS = ("membership", "peer_id", "role", "run", "uptime_s", "time", "addrs"
 def fetch_status(config: NodeConfig, connect: str | None) -> dict:
     if connect:
         return _fetch_remote(config, connect)
-    path = Path(config.resolved_data_dir()) / STATUS_FILE
+    data_dir = Path(config.resolved_data_dir())
+    path = data_dir / STATUS_FILE
     try:
-        return json.loads(path.read_text())
+        return read_status(data_dir)  # a running node writes a fresh one within a second
     except FileNotFoundError:
         raise UsageError(f"no status at {path}: is a node running with this data dir? (or use --connect ADDR)") from None
     except (OSError, ValueError) as e:
