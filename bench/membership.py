@@ -196,7 +196,7 @@ def main() -> int:
         print(
             f"{n:>6} {ours['converge_s']:>11.1f} {ours['settle_s']:>9.0f} {ours['detect_s']:>9.1f} "
             f"{ours['bytes_per_node_s']:>9.0f} {payload:>9.0f} {model:>7.0f} {nb:>10} {ratio:>10} {ours['rss_mb']:>7.0f}"
-            f" {ours.get('cpu_pct', float('nan')):>6.1f}"
+            f" {ours.get('cpu_pct', float('nan')):>6.2f}"
         )
     for n in (1_000, 10_000):
         model = load_model(n, cfg, degree=big_degree)

@@ -167,7 +167,7 @@ def test_table_bound(table):
 def test_timers_scale_with_size():
     cfg = MembershipConfig()
     assert cfg.suspicion_timeout(10) == 4.0 and cfg.suspicion_timeout(1000) == 12.0
-    assert cfg.refresh_interval(10) == 30.0 and cfg.refresh_interval(1000) == 2000.0
+    assert cfg.refresh_interval(5) == 30.0 and cfg.refresh_interval(500) == 2000.0
     assert cfg.refresh_interval(100_000) == 3600.0
     assert cfg.sync_interval(10) == 30.0 and cfg.sync_interval(10_000) == 10_000.0
 

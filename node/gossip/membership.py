@@ -66,9 +66,14 @@ topic, signature, key); p = probe period; lambda = failures per node per second)
     records     N / refresh_interval(N) msgs/s received, each forwarded to D mesh peers and its
                 id (48 B) announced in IHAVE to D_lazy = 6 others on each of the 3 heartbeats of
                 the gossip window: D * (r + g) + 3 * 6 * 48 ~ 4.4 kB sent per record.
-                refresh_interval = clamp(N / record_rate, 30 s, 3600 s), record_rate = 0.5/s
-                -> received <= 0.5 msg/s (<= ~2.2 kB/s sent) for 15 <= N <= 1800, and
+                refresh_interval = clamp(N / record_rate, 30 s, 3600 s), record_rate = 0.25/s
+                -> received <= 0.25 msg/s (<= ~1.1 kB/s sent) for 7.5 <= N <= 900, and
                 N/3600 beyond (2.8 msg/s at 10,000: the hour cap keeps tables from going stale).
+                Refreshes only heal lost messages (changes are published at once, and push-pull
+                heals too): each costs every node ~10 ms of CPU at N=25 (its copies in and
+                out through py-libp2p), so 0.5/s was about a third of an idle relay's CPU
+                (issue 16). The price: a lost change, a push-pull surplus and an unreachable
+                member's expiry (``member_ttl``) wait twice as long.
     probes      1/p pings sent + ~1/p answered = 2 msgs/s at p = 1 s, ~100 B each: constant in N.
     indirect    3 ping-reqs per failed direct probe: only under loss or failure.
     sync        a node starts one push-pull every sync_interval = max(30 s, N * 1 s) and answers
@@ -110,7 +115,7 @@ class MembershipConfig:
     indirect_probes: int = 3  # peers asked to ping a member that missed a direct probe
     indirect_timeout: float = 1.5  # seconds to wait for indirect acks
     suspicion_mult: float = 4.0  # suspicion timeout = mult * max(1, log10 N) probe periods
-    record_rate: float = 0.5  # target record refreshes received per node per second
+    record_rate: float = 0.25  # target record refreshes received per node per second (see the load model)
     min_refresh: float = 30.0  # record refresh interval bounds, seconds
     max_refresh: float = 3600.0
     min_sync: float = 30.0  # push-pull interval = max(min_sync, N * sync_per_member) seconds
