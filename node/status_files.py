@@ -5,8 +5,9 @@ libp2p host) so that ``swarm-node status`` and ``swarm-node id`` read these file
 loading the network stack (issue 19: that import was 1.0 s of a 1.4 s command).
 
 A node rewrites status.json every second only while someone reads it: a reader touches
-``status.want`` and the node, which looks at that file's age each second, writes every second
-until it is ``WATCHED_FOR`` seconds old, and every ``IDLE_EVERY`` seconds otherwise. Building and
+``status.want`` and the node, which looks at that file's age every 0.25 s, writes at once and then
+every second until the touch is ``WATCHED_FOR`` seconds old, and every ``IDLE_EVERY`` seconds
+otherwise. Building and
 writing the status was the largest single cost of an idle relay (issue 16: ~2 ms a write on a
 cold cache, a fifth of its CPU at N=25), paid each second for a file nobody read.
 """

@@ -10,13 +10,14 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
 import trio
 import trio.testing
 
 from node.config import NodeConfig
 from node.context import NodeContext
 from node.identity import Identity
-from node.status import serve_status
+from node.status import WANT_CHECK_EVERY, serve_status
 from node.status_files import (IDLE_EVERY, NODE_FILE, STATUS_FILE, WANT_FILE, WATCHED_FOR, read_status,
                                want_status)
 
@@ -36,7 +37,7 @@ class FakeHost:
         return ["/ip4/127.0.0.1/tcp/1"]
 
 
-def written_at(tmp_path) -> float:
+def written_at_clock(tmp_path) -> float:
     """The node's (mock) clock when it last wrote status.json."""
     return json.loads((tmp_path / STATUS_FILE).read_text())["uptime_s"]
 
@@ -45,24 +46,28 @@ def test_unread_status_is_written_every_ten_seconds_and_every_second_while_read(
     async def main():
         node = NodeContext(NodeConfig(data_dir=str(tmp_path), summary_interval=0), Identity.generate(),
                            FakeHost(), tmp_path, started_at=trio.current_time())
+
+        def written_at(t: float) -> bool:  # uptime_s is rounded to 0.1 s
+            return written_at_clock(tmp_path) == pytest.approx(t, abs=0.06)
+
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_status, node)
-            await trio.sleep(0.5)
-            assert written_at(tmp_path) == 0.0
-            await trio.sleep(IDLE_EVERY - 1)  # nobody reads: no write for IDLE_EVERY seconds
-            assert written_at(tmp_path) == 0.0
-            await trio.sleep(1)
-            assert written_at(tmp_path) == IDLE_EVERY
-            want_status(tmp_path)  # a reader: each second from the next tick
+            await trio.sleep(0.6)
+            assert written_at(0.0)
+            await trio.sleep(IDLE_EVERY - 1.5)  # t=9.1: nobody reads, so nothing was written
+            assert written_at(0.0)
+            want_status(tmp_path)  # a reader: answered at the next look, then each second
+            await trio.sleep(0.3)
+            assert written_at(9.0 + WANT_CHECK_EVERY)
             for k in (1, 2, 3):
                 await trio.sleep(1)
-                assert written_at(tmp_path) == IDLE_EVERY + k
+                assert written_at(9.0 + WANT_CHECK_EVERY + k)
             past = time.time() - WATCHED_FOR - 1  # the reader went away
             os.utime(tmp_path / WANT_FILE, (past, past))
-            await trio.sleep(IDLE_EVERY - 1)
-            assert written_at(tmp_path) == IDLE_EVERY + 3
-            await trio.sleep(1)
-            assert written_at(tmp_path) == 2 * IDLE_EVERY + 3
+            await trio.sleep(IDLE_EVERY - 0.5)
+            assert written_at(12.0 + WANT_CHECK_EVERY)
+            await trio.sleep(0.5)
+            assert written_at(12.0 + WANT_CHECK_EVERY + IDLE_EVERY)
             nursery.cancel_scope.cancel()
         final = json.loads((tmp_path / STATUS_FILE).read_text())
         assert final["stopped"] is True and not (tmp_path / NODE_FILE).exists()
