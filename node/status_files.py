@@ -7,9 +7,9 @@ loading the network stack (issue 19: that import was 1.0 s of a 1.4 s command).
 A node rewrites status.json every second only while someone reads it: a reader touches
 ``status.want`` and the node, which looks at that file's age every 0.25 s, writes at once and then
 every second until the touch is ``WATCHED_FOR`` seconds old, and every ``IDLE_EVERY`` seconds
-otherwise. Building and
-writing the status was the largest single cost of an idle relay (issue 16: ~2 ms a write on a
-cold cache, a fifth of its CPU at N=25), paid each second for a file nobody read.
+otherwise. Building and writing the status was the largest single cost of an idle relay (issue
+16: ~2 ms a write on a cold cache, a fifth of its CPU at N=25), paid each second for a file
+nobody read.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def node_running(data_dir: Path) -> bool:
 
 def read_status(data_dir: Path, running: bool | None = None, wait: float = FRESH_WAIT) -> dict:
     """The node's status, at most ``FRESH`` seconds old when the node is running: asks for it and
-    waits up to ``wait`` seconds. Raises OSError / ValueError when there is no readable status.
-    ``running`` None: decided from node.json."""
+    waits up to ``wait`` seconds (blocking: async callers pass 0 and poll). Raises OSError /
+    ValueError when there is no readable status. ``running`` None: decided from node.json."""
     path = data_dir / STATUS_FILE
     want_status(data_dir)
     if running is None:
@@ -69,12 +69,15 @@ def read_status(data_dir: Path, running: bool | None = None, wait: float = FRESH
     while True:
         try:
             status = json.loads(path.read_text())
+            if not isinstance(status, dict):
+                raise ValueError("not a JSON object")
         except (OSError, ValueError):
             if not running or time.monotonic() >= deadline:
                 raise
             status = None  # mid-rename or not written yet
         if status is not None:
-            fresh = time.time() - float(status.get("time", 0)) <= FRESH
+            written = status.get("time")
+            fresh = isinstance(written, (int, float)) and time.time() - written <= FRESH
             if fresh or status.get("stopped") or not running or time.monotonic() >= deadline:
                 return status
         time.sleep(0.05)

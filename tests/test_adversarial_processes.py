@@ -102,7 +102,8 @@ async def assert_up(sw: LocalSwarm, observer: Hostile, since: float) -> None:
         assert sw.procs[name].alive(), f"{name} died:\n{sw.tail(name)}"
         status = await remote_status(observer, sw, name)
         assert status["peer_id"] == sw.peer_id(name)
-        await wait_for(lambda n=name: sw.status(n).get("time", 0) > since, what=f"{name}'s status.json fresh")
+        # wait=0: a blocking wait for freshness would stall this event loop; wait_for polls instead.
+        await wait_for(lambda n=name: sw.status(n, wait=0).get("time", 0) > since, what=f"{name}'s status.json fresh")
 
 
 async def remote_status(observer: Hostile, sw: LocalSwarm, name: str) -> dict:

@@ -81,19 +81,33 @@ def write_status(tmp_path, t: float) -> None:
 
 def test_a_reader_waits_for_a_fresh_status_from_a_running_node(tmp_path):
     write_status(tmp_path, time.time() - 60)  # last written a minute ago: nobody was reading
-    asked = threading.Event()
+    asked, done = threading.Event(), threading.Event()
 
     def node():  # the node's side, as serve_status does it: the touch brings a fresh write
-        while not (tmp_path / WANT_FILE).exists():
-            time.sleep(0.01)
-        asked.set()
-        write_status(tmp_path, time.time())
+        while not done.is_set():
+            if (tmp_path / WANT_FILE).exists():
+                asked.set()
+                write_status(tmp_path, time.time())
+                return
+            done.wait(0.01)
 
     writer = threading.Thread(target=node)
     writer.start()
-    status = read_status(tmp_path, running=True, wait=30)
-    writer.join()
+    try:
+        status = read_status(tmp_path, running=True, wait=30)
+    finally:
+        done.set()
+        writer.join()
     assert asked.is_set() and time.time() - status["time"] < 30
+
+
+def test_a_status_file_that_is_not_a_json_object_is_refused_with_a_clear_error(tmp_path):
+    for junk in ("[1, 2]", '{"time": "soon"', "7"):
+        (tmp_path / STATUS_FILE).write_text(junk)
+        with pytest.raises(ValueError):
+            read_status(tmp_path, running=False)
+    (tmp_path / STATUS_FILE).write_text('{"time": "soon"}')  # an object with a bad time: read, not fresh
+    assert read_status(tmp_path, running=True, wait=0)["time"] == "soon"
 
 
 def test_a_stopped_node_is_read_as_it_left_its_status(tmp_path):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..identity import load_or_create_identity
-from ..status_files import NODE_FILE, STATUS_FILE, read_status, want_status
+from ..status_files import FRESH_WAIT, NODE_FILE, STATUS_FILE, read_status, want_status
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -157,8 +157,9 @@ class LocalSwarm:
     def addr(self, name: str) -> str:
         return self.node_info(name)["addrs"][0]
 
-    def status(self, name: str) -> dict:
-        """The node's status.json, at most a second or two old while the node runs ({} if none).
+    def status(self, name: str, wait: float = FRESH_WAIT) -> dict:
+        """The node's status.json, at most a second or two old while the node runs ({} if none);
+        ``wait``: how long to block for a fresh one (0 from async code, which polls instead).
 
         Asks every running node for fresh ones, not only ``name``: callers read the nodes one after
         another (a condition over the whole swarm), and each would otherwise wait for its own."""
@@ -167,7 +168,7 @@ class LocalSwarm:
                 want_status(other.data_dir)
         proc = self.procs[name]
         try:
-            return read_status(proc.data_dir, running=proc.alive())
+            return read_status(proc.data_dir, running=proc.alive(), wait=wait)
         except (OSError, ValueError):
             return {}
 
