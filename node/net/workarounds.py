@@ -889,6 +889,9 @@ class MessageReads(Patch):
 
         async def read_data_body(self, length: int) -> bytes:
             conn = self.secured_conn
+            # A body taken here is at most one Noise message (< 64 KiB), below every window, so this
+            # skips no check of KeptReceiveWindow's bound (which wraps the same method) whichever
+            # patch is installed first; a longer body goes through it.
             if isinstance(conn, SecureSession) and len(conn._msg) - conn._at >= length:
                 return drain(conn, length)
             return await read_body(self, length)
