@@ -234,7 +234,7 @@ def _check(name: str, hint: Any, value: Any, b: Bounds) -> Any:
         _check_range(name, value, b)
         return value
     if hint in (str, bytes):
-        if not isinstance(value, hint):
+        if not isinstance(value, hint) and not (hint is bytes and type(value) is memoryview):  # decode's views
             raise RemoteProtocolError("bad-field", f"{name}: expected {hint.__name__}")
         _check_len(name, len(value), b)
         return value
@@ -309,22 +309,62 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def _limits(max_size: int) -> dict[str, Any]:
+    return dict(raw=False, strict_map_key=True, max_bin_len=max_size, max_str_len=max_size,
+                max_array_len=max_size, max_map_len=max_size // 2)
+
+
 def unpack(data: bytes, max_size: int = MAX_FRAME) -> Any:
     """Parse msgpack from an untrusted source. Raises RemoteProtocolError, nothing else."""
     if len(data) > max_size:
         raise RemoteProtocolError("oversized", f"{len(data)} bytes > {max_size}")
     try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_bin_len=max_size,
-            max_str_len=max_size,
-            max_array_len=max_size,
-            max_map_len=max_size // 2,
-        )
+        return msgpack.unpackb(data, **_limits(max_size))
     except Exception as e:  # msgpack raises many types; all mean "garbage"
         raise RemoteProtocolError("malformed", f"msgpack: {type(e).__name__}") from None
+
+
+VIEW_SCAN = 256  # (unpack_viewing_tail) bytes searched for the fields before a map's long last value
+_BIN_LENGTH_BYTES = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # msgpack bin 8, 16, 32
+
+
+def unpack_viewing_tail(data: bytes, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
+    """The map ``data`` holds, parsed as :func:`unpack` would, but with its last value a read-only
+    view of ``data`` instead of a copy, when that value is a bin of ``SPLIT_BYTES`` or more that
+    ends ``data`` (the layout :func:`frame_parts` writes) and every key is a str; otherwise None
+    (then :func:`unpack` parses it: this is a shortcut, never a second opinion). msgpack copies
+    every bin value it returns: for a 1 MiB block, a copy of each byte a downloader receives.
+
+    The fields before the last value are read by msgpack from the first ``VIEW_SCAN`` bytes, pair
+    by pair in order (a repeated key's last value wins, as in :func:`unpack`), so only the position
+    of the last value is ours to find, and its bin header says exactly where it must end."""
+    if len(data) > max_size:
+        return None
+    parser = msgpack.Unpacker(**_limits(max_size))
+    parser.feed(data[:VIEW_SCAN])
+    out: dict[str, Any] = {}
+    try:
+        pairs = parser.read_map_header()
+        if pairs < 1:
+            return None
+        for i in range(pairs):
+            key = parser.unpack()
+            if type(key) is not str:
+                return None
+            if i < pairs - 1:
+                out[key] = parser.unpack()
+        at = parser.tell()
+    except Exception:  # garbage, or fields longer than VIEW_SCAN: the whole parse says which
+        return None
+    width = _BIN_LENGTH_BYTES.get(data[at]) if at < len(data) else None
+    if width is None:
+        return None
+    start = at + 1 + width
+    length = int.from_bytes(data[at + 1:start], "big")
+    if length < SPLIT_BYTES or start + length != len(data):
+        return None
+    out[key] = memoryview(data)[start:]
+    return out
 
 
 def encode(msg: Message) -> bytes:
@@ -341,9 +381,15 @@ def _checked_wire(msg: Message) -> dict[str, Any]:
     return wire
 
 
-def decode(data: bytes, max_size: int = MAX_FRAME) -> Message:
-    """Decode any registered message type from untrusted bytes."""
-    obj = unpack(data, max_size)
+def decode(data: bytes, max_size: int = MAX_FRAME, views: tuple[type[Message], ...] = ()) -> Message:
+    """Decode any registered message type from untrusted bytes. A message of a type in ``views``
+    whose last field is a long bytes value (a block of ``shards.data``) gets that value as a
+    read-only view of ``data``, not a copy (:func:`unpack_viewing_tail`)."""
+    obj = unpack_viewing_tail(data, max_size) if views else None
+    if obj is not None and _REGISTRY.get(obj.get("t") if isinstance(obj.get("t"), str) else None) not in views:
+        obj = None
+    if obj is None:
+        obj = unpack(data, max_size)
     if not isinstance(obj, dict):
         raise RemoteProtocolError("malformed", "message is not a map")
     cls = _REGISTRY.get(obj.get("t")) if isinstance(obj.get("t"), str) else None
@@ -446,7 +492,16 @@ async def read_exactly(stream: _Reader, n: int) -> bytes:
             raise RemoteProtocolError("truncated", f"EOF with {remaining} of {n} bytes missing")
         chunks.append(chunk)
         remaining -= len(chunk)
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _until_buffered(stream: _Reader, n: int) -> None:
+    """Wait until ``stream`` holds ``n`` bytes unread, where it can say so (a libp2p stream over
+    Yamux: ``node.net.workarounds.WholeFrameReads``), so that a frame is read in one piece: one
+    join of its bytes and one wake-up of the reader, not a read and a copy per part that arrived."""
+    wait = getattr(getattr(stream, "muxed_stream", None), "until_buffered", None)
+    if wait is not None:
+        await wait(n)
 
 
 async def read_header(stream: _Reader, max_size: int = MAX_FRAME) -> int | None:
@@ -468,7 +523,10 @@ async def read_frame(stream: _Reader, max_size: int = MAX_FRAME) -> bytes | None
     n = await read_header(stream, max_size)
     if n is None:
         return None
-    return await read_exactly(stream, n) if n else b""
+    if not n:
+        return b""
+    await _until_buffered(stream, n)
+    return await read_exactly(stream, n)
 
 
 async def read_message(stream: _Reader, max_size: int = MAX_FRAME) -> Message | None:
@@ -516,3 +574,23 @@ def _prefixed(length: int, head: bytes) -> bytes:
 
 async def write_frame(stream: _Writer, data: bytes | Message) -> None:
     await stream.write(frame_of(data))
+
+
+class Gather(tuple):
+    """Buffers that one stream write sends as if joined (:func:`write_parts`)."""
+
+    __slots__ = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(part).nbytes for part in self)
+
+
+async def write_parts(stream: _Writer, parts: list[bytes | memoryview]) -> None:
+    """Write ``parts`` as one write. A libp2p stream over Yamux (``node.net.workarounds.YamuxSends``)
+    takes them as they are and copies each byte once, into its frames; anything else gets them
+    joined, a copy of every byte more (a seeder's 1 MiB block, for each time it is sent)."""
+    if getattr(getattr(stream, "muxed_stream", None), "writes_gather", False):
+        await stream.write(Gather(parts))
+    else:
+        await stream.write(b"".join(parts))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import struct
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_PING, YAMUX_HEADER_FO
 from node.net.host import STREAM_ERRORS, open_swarm_host
 from node.net.workarounds import widen_receive_window
 from node.identity import Identity
-from node.wire import read_frame, write_frame
+from node.wire import RemoteProtocolError, read_frame, write_frame
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 ECHO = "/test/echo/1"
@@ -840,3 +841,112 @@ async def test_a_frame_announcing_more_than_any_window_is_refused_before_its_bod
                     pass  # the victim closed the connection while we wrote: what is tested below
         await wait_for(lambda: mallory.peer_id not in victim.connected_peers(), what="mallory cut off")
         assert peers.is_banned(mallory.peer_id, MUXER_SOURCE)
+
+
+def count_body_reads(monkeypatch) -> dict[tuple[int, int], list[int]]:
+    """The sizes of each stream's Yamux reads that returned more than 4 bytes (bodies, not
+    4-byte headers), by (id of the connection, stream id)."""
+    from libp2p.stream_muxer.yamux.yamux import Yamux
+
+    sizes: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    read_stream = Yamux.read_stream
+
+    async def counted(self, stream_id: int, n: int = -1) -> bytes:
+        data = await read_stream(self, stream_id, n)
+        if len(data) > 4:
+            sizes[(id(self), stream_id)].append(len(data))
+        return data
+
+    monkeypatch.setattr(Yamux, "read_stream", counted)
+    return sizes
+
+
+async def test_a_frame_is_read_in_one_piece_once_all_of_it_is_buffered(monkeypatch):
+    """read_frame read a frame's body in as many reads as parts had arrived, and joined them again:
+    a 1 MiB block in 16 Noise messages, two copies and several wake-ups. Here the sender stops
+    half-way until the first half sits unread in our buffer: the body is still one read."""
+    from tests.waiting import wait_for
+
+    payload = bytes(range(256)) * 4096
+    frame = len(payload).to_bytes(4, "big") + payload
+    rest = trio.Event()
+
+    async def sender(stream) -> None:
+        await stream.write(frame[: 4 + len(payload) // 2])
+        await rest.wait()
+        await stream.write(frame[4 + len(payload) // 2:])
+        await stream.read(1)
+
+    reads = count_body_reads(monkeypatch)
+    async with connected_hosts("/test/sender/1", sender) as (a, b):
+        stream = await a.open_stream(b.peer_id, "/test/sender/1")
+        await widen_receive_window(stream, 4 << 20)
+        muxed = stream.muxed_stream
+        sizes = reads[(id(muxed.conn), muxed.stream_id)]
+        negotiation = len(sizes)  # multistream-select's lines on this stream
+        got: list[bytes] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: _append(got, read_frame(stream, 2 << 20)))
+            with trio.fail_after(30):  # a guard only
+                await wait_for(lambda: len(muxed.conn.stream_buffers.get(muxed.stream_id, b"")) >= len(payload) // 2,
+                               what="the first half buffered")
+            assert sizes[negotiation:] == [] and not got  # half a frame is there, and nobody read it
+            rest.set()
+        await stream.write(b"k")
+    assert got == [payload] and sizes[negotiation:] == [len(payload)]
+
+
+async def _append(out: list, read) -> None:
+    out.append(await read)
+
+
+async def test_a_frame_longer_than_half_the_window_or_cut_short_is_read_as_before():
+    """The wait is only for what the peer may send without credit, and for at most half a window
+    (the sender keeps sending meanwhile): a longer frame is read in parts as before and arrives
+    whole, and a frame cut off by the stream's end is the peer's truncation, not a hang."""
+    payload = bytes(range(256)) * 1024  # 256 KiB: all of a default window, more than its half
+    cut = trio.Event()
+
+    async def sender(stream) -> None:
+        await write_frame(stream, payload)
+        await stream.write((100_000).to_bytes(4, "big") + b"x" * 50_000)
+        await stream.close()
+        await cut.wait()
+
+    async with connected_hosts("/test/sender/1", sender) as (a, b):
+        stream = await a.open_stream(b.peer_id, "/test/sender/1")
+        with trio.fail_after(30):
+            assert await read_frame(stream, 1 << 20) == payload
+            with pytest.raises(RemoteProtocolError, match="truncated"):
+                await read_frame(stream, 1 << 20)
+        cut.set()
+
+
+async def test_parts_written_as_one_arrive_joined_in_whole_noise_messages(monkeypatch):
+    """write_parts hands a Yamux stream its parts without joining them first (a seeder's header
+    and 1 MiB block): the bytes arrive as the join would, each frame still one Noise message, and
+    the stream's byte count is the bytes, not the number of parts."""
+    from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
+
+    from node.net.workarounds import StreamBytes
+    from node.wire import write_parts
+
+    sizes = []
+    write_msg = NoiseTransportReadWriter.write_msg
+
+    async def recorded(self, msg: bytes, prefix_encoded: bool = False) -> None:
+        sizes.append(len(msg))
+        await write_msg(self, msg, prefix_encoded)
+
+    monkeypatch.setattr(NoiseTransportReadWriter, "write_msg", recorded)
+    payload, got, sink = mib_sink()
+    parts = [payload[:3], memoryview(payload)[3:70_000], bytearray(payload[70_000:70_001]), payload[70_001:]]
+    async with connected_hosts("/test/sink/1", sink) as (a, b):
+        stream = await a.open_stream(b.peer_id, "/test/sink/1")
+        sent = StreamBytes.sent.get("/test/sink/1", 0)
+        with trio.fail_after(30):
+            await write_parts(stream, parts)
+            assert await stream.read(1) == b"k"
+        assert StreamBytes.sent["/test/sink/1"] - sent == len(payload) + 1  # and the sink's b"k" (the count is per process)
+    assert bytes(got) == payload
+    assert max(sizes) <= MAX_PLAINTEXT_LENGTH and sum(s > 60_000 for s in sizes) >= len(payload) // MAX_PLAINTEXT_LENGTH

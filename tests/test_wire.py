@@ -6,6 +6,8 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
+import hypothesis
+import hypothesis.strategies as st
 import msgpack
 import pytest
 import trio
@@ -25,11 +27,13 @@ from node.wire import (
     frame_of,
     frame_parts,
     pack,
+    unpack_viewing_tail,
     read_frame,
     read_message,
     register,
     seal,
     write_frame,
+    write_parts,
 )
 
 
@@ -138,6 +142,109 @@ def test_a_long_trailing_bytes_field_is_framed_as_a_part_of_its_own(size):
     assert b"".join(parts) == len(body).to_bytes(4, "big") + body == frame_of(msg)
     assert decode(b"".join(parts)[4:]) == msg
     assert (parts[-1] is blob) == (size >= 4096) and len(parts) == (2 if size >= 4096 else 1)
+
+
+@pytest.mark.parametrize("size", [0, 4095, 4096, 65535, 65536, 1 << 20])
+def test_a_long_trailing_bytes_field_is_decoded_as_a_view_of_the_frame(size):
+    """Asked for views, decode returns the block as a window on the frame it came in (a downloader
+    copied each 1 MiB block out of its frame once more, in msgpack); short values and types not
+    asked for are bytes, as before, and every message is the one sent."""
+    msg = Bulk(n=3, data=random.Random(size).randbytes(size))
+    body = frame_of(msg)[4:]
+    viewed = decode(body, views=(Bulk,))
+    assert viewed == msg == decode(body) == decode(body, views=(Sample,))
+    assert type(decode(body).data) is bytes and type(decode(body, views=(Sample,)).data) is bytes
+    if size >= 4096:
+        assert type(viewed.data) is memoryview and viewed.data.obj is body and viewed.data.readonly
+    else:
+        assert type(viewed.data) is bytes
+
+
+def _mutations(body: bytes, rnd: random.Random) -> list[bytes]:
+    """Frames a peer could send instead of ``body``: cut, grown, or with bytes changed near the
+    fields or the bin header (where a shortcut could misread the layout)."""
+    out = [body[:-1], body + b"\x00", body[:len(body) // 2]]
+    for _ in range(8):
+        b = bytearray(body)
+        for _ in range(rnd.randint(1, 3)):
+            b[rnd.randrange(min(len(b), 80))] = rnd.randrange(256)
+        out.append(bytes(b))
+    return out
+
+
+_PLAIN = st.one_of(st.integers(-2**40, 2**40), st.text(max_size=6), st.binary(max_size=6), st.booleans(), st.none())
+_LONG = st.tuples(st.integers(4096, 20_000), st.binary(min_size=1, max_size=4)).map(lambda t: t[1] * t[0])
+_TAIL = st.one_of(_LONG, _LONG, st.integers(0, 4095).map(bytes), st.text(min_size=4096, max_size=4100), _PLAIN,
+                  st.lists(_PLAIN, max_size=3))
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    st.lists(st.tuples(st.sampled_from(["t", "v", "n", "data", "x", 7, b"k"]), _PLAIN), max_size=5),
+    st.sampled_from(["data", "n", "t", 3]),
+    _TAIL,
+    st.integers(0, 2**32),
+)
+def test_a_view_of_the_tail_is_only_a_shortcut_of_the_whole_parse(pairs, last_key, last_value, seed):
+    """Whatever a peer sends (repeated keys, keys that are not strings, the long value not last
+    or not bytes, a map that claims more pairs than it has, cut or grown frames, changed bytes):
+    decode with views gives the message decode gives, or the same refusal. A misread layout would
+    hand the picker and the hash check bytes the sender never framed as the block."""
+    rnd = random.Random(seed)
+    head = {"t": "test.bulk", "v": 1} if rnd.random() < 0.7 else {}
+    wire = {**head, **dict(pairs[:rnd.randint(0, len(pairs))]), last_key: last_value}
+    if rnd.random() < 0.3:
+        items = list(wire.items())
+        rnd.shuffle(items)
+        wire = dict(items)
+    try:
+        body = pack(wire)
+    except (TypeError, ValueError):
+        return
+    for frame in [body, *_mutations(body, rnd)]:
+        assert _outcome(frame, views=(Bulk,)) == _outcome(frame)
+        view = unpack_viewing_tail(frame)
+        if view is not None:
+            assert view == msgpack.unpackb(frame, raw=False)
+
+
+def _outcome(frame: bytes, **kwargs):
+    try:
+        msg = decode(frame, **kwargs)
+    except RemoteProtocolError as e:
+        return ("refused", e.reason)
+    return ("message", msg)
+
+
+def test_a_tail_view_needs_the_whole_layout_it_reads():
+    """The layouts the shortcut declines, each parsed whole instead: a str decoy where the bin
+    header would be, a repeated key whose first value was the long one, and fields longer than
+    what it reads ahead."""
+    big = b"z" * 5000
+    decoy = pack({"t": "test.bulk", "v": 1, "n": 1, "data": "\xc6" * 4096})
+    assert unpack_viewing_tail(decoy) is None
+    assert _outcome(decoy, views=(Bulk,)) == _outcome(decoy) == ("refused", "bad-field")
+    twice = msgpack.packb({"t": "test.bulk", "v": 1, "n": 1}, use_bin_type=True)
+    twice = bytes([0x85]) + twice[1:] + pack("data") + pack(big) + pack("data") + pack(b"short")
+    assert decode(twice, views=(Bulk,)).data == b"short" == decode(twice).data
+    long_fields = pack({"t": "test.bulk", "v": 1, "pad": "p" * 300, "data": big})
+    assert unpack_viewing_tail(long_fields) is None
+    empty_then_bin = pack({}) + pack(big)  # no pair to hold the value: garbage, whole or not
+    assert unpack_viewing_tail(empty_then_bin) is None
+    assert _outcome(empty_then_bin, views=(Bulk,)) == _outcome(empty_then_bin) == ("refused", "malformed")
+
+
+async def test_write_parts_joins_them_for_a_stream_that_cannot_take_parts():
+    class Collect:
+        def __init__(self):
+            self.writes = []
+
+        async def write(self, b):
+            self.writes.append(b)
+
+    sink = Collect()
+    await write_parts(sink, [b"ab", memoryview(b"cd"), bytearray(b"e")])
+    assert sink.writes == [b"abcde"] and type(sink.writes[0]) is bytes
 
 
 def test_framing_parts_still_checks_the_message():

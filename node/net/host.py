@@ -57,6 +57,7 @@ from .workarounds import (
     ChunkedStreamBuffers,
     KeptReceiveWindow,
     MessageReads,
+    WholeFrameReads,
     FewerYamuxPings,
     HandlerErrors,
     PeerRecordReuse,
@@ -297,6 +298,7 @@ async def open_swarm_host(
     ChunkedStreamBuffers.install()
     KeptReceiveWindow.install()
     MessageReads.install()
+    WholeFrameReads.install()
     PeerRecordReuse.install()
     SeenMessagesSpawnNothing.install()
     FewerYamuxPings.install()

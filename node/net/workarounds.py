@@ -26,6 +26,8 @@
 * :class:`MessageReads`: a secured connection copied each Noise message's rest three times through
   a ``BytesIO``, and Yamux armed a timer for every frame body; keep the message, take a body
   already decrypted at once.
+* :class:`WholeFrameReads`: a frame's body was read in as many pieces as had arrived, each copied
+  again; wait until it is all buffered and read it once.
 * :class:`KeptReceiveWindow`: a peer could send past a stream's receive window and have it
   buffered anyway; close its connection and report it.
 * :func:`disable_auto_connect`: the swarm's own auto-connector fights our connection manager.
@@ -48,6 +50,7 @@ from typing import NamedTuple
 
 import trio
 
+from ..wire import Gather
 from .budget import Budget, StreamLimits
 
 log = logging.getLogger(__name__)
@@ -96,9 +99,9 @@ def _count_io(stream_cls, count) -> None:
     """Wrap ``stream_cls.write`` and ``.read`` so each call reports ``count(stream, "sent"|"received", n)``."""
     write, read = stream_cls.write, stream_cls.read
 
-    async def counted_write(self, data: bytes) -> None:
+    async def counted_write(self, data: bytes | Gather) -> None:
         await write(self, data)
-        count(self, "sent", len(data))
+        count(self, "sent", data.nbytes if isinstance(data, Gather) else len(data))
 
     async def counted_read(self, n: int | None = None) -> bytes:
         data = await read(self, n)
@@ -470,11 +473,12 @@ class YamuxSends(Patch):
         Y.YamuxStream.send_window = watched("send_window")
         Y.YamuxStream.closed = watched("closed")
 
-        async def write(self, data: bytes) -> None:
+        async def write(self, data: bytes | Gather) -> None:
             if self.send_closed:
                 raise MuxedStreamError("Stream is closed for sending")
-            total, sent = len(data), 0
-            view = memoryview(data)  # a frame's body is sliced from it without a copy (the header's join copies it)
+            # Frame bodies are sliced from the parts as views (only the join with a header copies them).
+            body = _Slices(data if isinstance(data, Gather) else (data,))
+            total, sent = body.nbytes, 0
             while sent < total:
                 frame = None
                 while frame is None:
@@ -488,8 +492,8 @@ class YamuxSends(Patch):
                             if self.send_window > 0:
                                 n = min(self.send_window, frame_body, total - sent)
                                 self.send_window -= n
-                                frame = struct.pack(Y.YAMUX_HEADER_FORMAT, 0, Y.TYPE_DATA, 0, self.stream_id, n) \
-                                    + view[sent:sent + n]
+                                frame = b"".join((struct.pack(Y.YAMUX_HEADER_FORMAT, 0, Y.TYPE_DATA, 0,
+                                                              self.stream_id, n), *body.take(n)))
                     finally:
                         self.rw_lock.release_write()
                     if frame is None:
@@ -504,6 +508,32 @@ class YamuxSends(Patch):
                 sent += n
 
         Y.YamuxStream.write = write
+        Y.YamuxStream.writes_gather = True  # node.wire.write_parts
+
+
+class _Slices:
+    """Consecutive byte ranges of a sequence of buffers, taken front to back as views (no copy)."""
+
+    __slots__ = ("_parts", "_i", "_at", "nbytes")
+
+    def __init__(self, parts) -> None:
+        self._parts = [view for view in (memoryview(p).cast("B") for p in parts) if len(view)]
+        self._i = self._at = 0
+        self.nbytes = sum(len(view) for view in self._parts)
+
+    def take(self, n: int) -> list[memoryview]:
+        """The next ``n`` bytes (at most what is left), as views of the parts they lie in."""
+        out = []
+        while n and self._i < len(self._parts):
+            part, at = self._parts[self._i], self._at
+            k = min(n, len(part) - at)
+            out.append(part[at:at + k])
+            n -= k
+            if at + k == len(part):
+                self._i, self._at = self._i + 1, 0
+            else:
+                self._at = at + k
+        return out
 
 
 SMALL_CHUNK = 4096  # (StreamChunks) frame bodies below this are gathered, not kept one object each
@@ -646,6 +676,41 @@ class ChunkedStreamBuffers(Patch):
             self.stream_buffers = table
 
         Yamux.__init__ = chunked_init
+
+
+class WholeFrameReads(Patch):
+    """Let a reader wait until a whole length-prefixed frame is buffered (``YamuxStream.until_buffered``).
+
+    ``node.wire.read_frame`` read a frame's body with reads of whatever had arrived, each a join of
+    buffered Yamux frames and a wake-up of the reading task, then joined the parts again: a 1 MiB
+    block that came in 16 Noise messages was read in several pieces and copied twice. Waiting for
+    all of it first makes it one read and one join. The wait is only for bytes the peer may send
+    without a window update (that comes after a read), and for a frame of at most half the
+    stream's window, so the sender goes on sending the next frame meanwhile; a longer frame is
+    read as before.
+    """
+
+    @classmethod
+    def _patch(cls) -> None:
+        from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+        async def until_buffered(self, n: int) -> None:
+            conn, sid = self.conn, self.stream_id
+            if n > self.target_recv_window // 2:
+                return
+            while True:
+                buffer = conn.stream_buffers.get(sid)
+                if buffer is None or len(buffer) >= n or len(buffer) + self.recv_window < n:
+                    return
+                if self.recv_closed or self.reset_received or self.closed or conn.event_shutting_down.is_set():
+                    return  # the read that follows returns what is there or raises
+                event = conn.stream_events.get(sid)
+                if event is None:
+                    return
+                await event.wait()
+                conn.stream_events[sid] = trio.Event()  # as py-libp2p's own read does after a wake-up
+
+        YamuxStream.until_buffered = until_buffered
 
 
 class ReceiveWindowExceeded(Exception):

@@ -110,7 +110,7 @@ class Data(Message):
     TYPE: ClassVar[str] = "shards.data"
     piece: int = bounded(**_piece)
     offset: int = bounded(min=0, max=MAX_PIECE_SIZE - 1)
-    data: bytes = bounded(max_len=MAX_BLOCK)
+    data: bytes = bounded(max_len=MAX_BLOCK)  # as read by read_shards_message: a memoryview of the frame
 
 
 @register
@@ -181,6 +181,7 @@ def open_announce(data: bytes, run: str, trainers: list[str]) -> SignedAnnounce:
 
 
 async def read_shards_message(stream) -> Message | None:
-    """The next message on a shards stream (bounded by MAX_SHARDS_FRAME); None at end of stream."""
+    """The next message on a shards stream (bounded by MAX_SHARDS_FRAME); None at end of stream. A
+    ``Data`` block is a read-only view of the frame, not a copy of it."""
     data = await read_frame(stream, MAX_SHARDS_FRAME)
-    return None if data is None else decode(data, MAX_SHARDS_FRAME)
+    return None if data is None else decode(data, MAX_SHARDS_FRAME, views=(Data,))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..net.budget import StreamLimits
-from ..wire import Message, RemoteProtocolError, decode, frame_parts, write_frame
+from ..wire import Message, RemoteProtocolError, decode, frame_parts, write_frame, write_parts
 from .protocol import (
     BAD_RANGE,
     BUSY,
@@ -187,7 +187,7 @@ class ServerSession:
         frames = [part for m in (*queued, *msgs) for part in frame_parts(m)]
         if frames:
             async with self.lock:
-                await self.stream.write(b"".join(frames))
+                await write_parts(self.stream, frames)
 
     def _replies(self) -> list[Message]:
         """Answers to the requests at the head of the queue, up to SEND_BATCH bytes of blocks."""
