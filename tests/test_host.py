@@ -885,15 +885,31 @@ async def test_a_frame_is_read_in_one_piece_once_all_of_it_is_buffered(monkeypat
         sizes = reads[(id(muxed.conn), muxed.stream_id)]
         negotiation = len(sizes)  # multistream-select's lines on this stream
         got: list[bytes] = []
+        steps = StepCount("reader")
+        trio.lowlevel.add_instrument(steps)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: _append(got, read_frame(stream, 2 << 20)))
+            nursery.start_soon(lambda: _append(got, read_frame(stream, 2 << 20)), name="reader")
             with trio.fail_after(30):  # a guard only
                 await wait_for(lambda: len(muxed.conn.stream_buffers.get(muxed.stream_id, b"")) >= len(payload) // 2,
                                what="the first half buffered")
             assert sizes[negotiation:] == [] and not got  # half a frame is there, and nobody read it
             rest.set()
+        trio.lowlevel.remove_instrument(steps)
         await stream.write(b"k")
     assert got == [payload] and sizes[negotiation:] == [len(payload)]
+    # Woken once the frame was all there, not for each of its ~16 Noise messages: a step to start,
+    # the header's, the body's wait, and the wake that read it (the header may need a wait of its own).
+    assert steps.n <= 5, steps.n
+
+
+class StepCount(trio.abc.Instrument):
+    """Counts the scheduler steps of the tasks named ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.n = name, 0
+
+    def before_task_step(self, task) -> None:
+        self.n += task.name == self.name
 
 
 async def _append(out: list, read) -> None:
@@ -941,12 +957,12 @@ async def test_parts_written_as_one_arrive_joined_in_whole_noise_messages(monkey
     monkeypatch.setattr(NoiseTransportReadWriter, "write_msg", recorded)
     payload, got, sink = mib_sink()
     parts = [payload[:3], memoryview(payload)[3:70_000], bytearray(payload[70_000:70_001]), payload[70_001:]]
-    async with connected_hosts("/test/sink/1", sink) as (a, b):
-        stream = await a.open_stream(b.peer_id, "/test/sink/1")
-        sent = StreamBytes.sent.get("/test/sink/1", 0)
+    async with connected_hosts("/test/parts/1", sink) as (a, b):
+        stream = await a.open_stream(b.peer_id, "/test/parts/1")
+        sent = StreamBytes.sent.get("/test/parts/1", 0)
         with trio.fail_after(30):
             await write_parts(stream, parts)
             assert await stream.read(1) == b"k"
-        assert StreamBytes.sent["/test/sink/1"] - sent == len(payload) + 1  # and the sink's b"k" (the count is per process)
+        assert StreamBytes.sent["/test/parts/1"] - sent == len(payload) + 1  # and the sink's b"k" (counted per protocol, in the whole process: a name of this test's own)
     assert bytes(got) == payload
     assert max(sizes) <= MAX_PLAINTEXT_LENGTH and sum(s > 60_000 for s in sizes) >= len(payload) // MAX_PLAINTEXT_LENGTH

@@ -687,7 +687,8 @@ class WholeFrameReads(Patch):
     all of it first makes it one read and one join. The wait is only for bytes the peer may send
     without a window update (that comes after a read), and for a frame of at most half the
     stream's window, so the sender goes on sending the next frame meanwhile; a longer frame is
-    read as before.
+    read as before. Meanwhile the stream's event wakes the reader only once the frame is all
+    there or the stream can bring no more (:class:`_WakeWhenBuffered`), not for every Noise message.
     """
 
     @classmethod
@@ -696,21 +697,47 @@ class WholeFrameReads(Patch):
 
         async def until_buffered(self, n: int) -> None:
             conn, sid = self.conn, self.stream_id
-            if n > self.target_recv_window // 2:
+            if n > self.target_recv_window // 2 or _WakeWhenBuffered.reached(self, n) or sid not in conn.stream_events:
                 return
-            while True:
-                buffer = conn.stream_buffers.get(sid)
-                if buffer is None or len(buffer) >= n or len(buffer) + self.recv_window < n:
-                    return
-                if self.recv_closed or self.reset_received or self.closed or conn.event_shutting_down.is_set():
-                    return  # the read that follows returns what is there or raises
-                event = conn.stream_events.get(sid)
-                if event is None:
-                    return
-                await event.wait()
-                conn.stream_events[sid] = trio.Event()  # as py-libp2p's own read does after a wake-up
+            waiter = conn.stream_events[sid] = _WakeWhenBuffered(self, n)
+            try:
+                await waiter.wait()
+            finally:
+                if conn.stream_events.get(sid) is waiter:
+                    conn.stream_events[sid] = trio.Event()  # as py-libp2p's own read does after a wake-up
 
         YamuxStream.until_buffered = until_buffered
+
+
+class _WakeWhenBuffered:
+    """Stands in for a Yamux stream's ``trio.Event`` while :class:`WholeFrameReads` waits for ``n``
+    bytes: py-libp2p sets the event for every frame that arrives and after every change of the
+    stream's state (it changes the state first, in every path of 0.8.1), and the set is passed on
+    only once the bytes are there or can no longer all come."""
+
+    __slots__ = ("stream", "n", "event")
+
+    def __init__(self, stream, n: int) -> None:
+        self.stream, self.n, self.event = stream, n, trio.Event()
+
+    @staticmethod
+    def reached(stream, n: int) -> bool:
+        """Is the wait for ``n`` buffered bytes over: they are there, or they can no longer all come
+        without a read (a window update), or the stream or connection ended (the read says how)?"""
+        conn = stream.conn
+        buffer = conn.stream_buffers.get(stream.stream_id)
+        return (buffer is None or len(buffer) >= n or len(buffer) + stream.recv_window < n or stream.recv_closed
+                or stream.reset_received or stream.closed or conn.event_shutting_down.is_set())
+
+    def set(self) -> None:
+        if self.reached(self.stream, self.n):
+            self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
 
 
 class ReceiveWindowExceeded(Exception):

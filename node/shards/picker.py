@@ -119,8 +119,9 @@ class _Piece:
     parole_peer: str | None = None  # when set, only this peer may supply blocks
     on_parole: bool = False  # failed before: the next peer to take a block gets it exclusively
 
-    def missing(self) -> int:
-        return sum(s is BlockState.MISSING for s in self.states)
+    def is_open(self) -> bool:
+        """Has a block nobody was asked for (a list's ``in`` runs in C: polls ask it of every active piece)."""
+        return BlockState.MISSING in self.states
 
     def received_all(self) -> bool:
         return all(s is BlockState.RECEIVED for s in self.states)
@@ -223,7 +224,7 @@ class Picker:
 
     @property
     def in_endgame(self) -> bool:
-        return not self._unstarted and all(p.missing() == 0 for p in self.active.values())
+        return not self._unstarted and not any(p.is_open() for p in self.active.values())
 
     def is_banned(self, peer: str, now: float) -> bool:
         return self.banned_until.get(peer, -math.inf) > now
@@ -492,7 +493,7 @@ class Picker:
         """Fill the free request slots of every peer that could be asked for something (``endgame``:
         whether the endgame was on as the fill began)."""
         acts = Actions()
-        open_pieces = {i for i, ap in self.active.items() if BlockState.MISSING in ap.states}
+        open_pieces = {i for i, ap in self.active.items() if ap.is_open()}
         free: dict[str, int] = {}
         for peer, st in self.peers.items():
             if self.is_banned(peer, now):
@@ -529,13 +530,11 @@ class Picker:
         st = self.peers[peer]
         # 1. Unrequested blocks of pieces already started (finish pieces first).
         for piece, ap in self.active.items():
-            if piece not in st.pieces or (ap.parole_peer not in (None, peer)):
+            if not ap.is_open() or piece not in st.pieces or ap.parole_peer not in (None, peer):
                 continue
-            for idx, state in enumerate(ap.states):
-                if state is BlockState.MISSING:
-                    if ap.on_parole and ap.parole_peer is None:
-                        ap.parole_peer = peer
-                    return self._assign(peer, piece, idx)
+            if ap.on_parole and ap.parole_peer is None:
+                ap.parole_peer = peer
+            return self._assign(peer, piece, ap.states.index(BlockState.MISSING))
         # 2. A new piece: random while we have few, then rarest first with random ties.
         if not st.pieces.isdisjoint(self._unstarted):
             if len(self.verified) < self.params.random_first:
