@@ -338,7 +338,7 @@ def unpack_viewing_tail(data: bytes, max_size: int = MAX_FRAME) -> dict[str, Any
     The fields before the last value are read by msgpack from the first ``VIEW_SCAN`` bytes, pair
     by pair in order (a repeated key's last value wins, as in :func:`unpack`), so only the position
     of the last value is ours to find, and its bin header says exactly where it must end."""
-    if len(data) > max_size:
+    if not SPLIT_BYTES <= len(data) <= max_size:
         return None
     parser = msgpack.Unpacker(**_limits(max_size))
     parser.feed(data[:VIEW_SCAN])
