@@ -1,7 +1,7 @@
 """Checkpoint swarm benchmarks: each figure is printed beside a baseline measured in the same run.
 
     .venv/bin/python bench/shards.py calibrate                 # block size sweep (manifest.py's table)
-    .venv/bin/python bench/shards.py overhead [--size-mib 256] [--seeders 4]
+    .venv/bin/python bench/shards.py overhead [--size-mib 256] [--seeders 4] [--tasks]
     .venv/bin/python bench/shards.py swarm [--n 8] [--size-mib 32] [--mbit 10] [--hog] [--profile DIR]  # needs root
     .venv/bin/python bench/shards.py shardcast [--n 8] [--size-mib 32] [--mbit 10] [--shardcast-venv DIR]
     .venv/bin/python bench/shards.py deltas [--n 8] [--size-mib 32] [--mbit 10] [--changed 0.03]  # needs root
@@ -218,9 +218,35 @@ def calibrate() -> None:
 # 2. overhead
 
 
-async def _overhead(size: int, seeders: int, tmp: Path) -> tuple[float, float, float, float]:
+class TaskCpu(trio.abc.Instrument):
+    """The event loop's CPU-seconds by task (the coroutine's qualified name) and its steps: where a
+    download's loop goes, beside the plain stream's (which spends it all in the stack's tasks)."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self.steps: dict[str, int] = {}
+        self._task, self._t0 = None, 0.0  # the step under way (none for the step that added us)
+
+    def before_task_step(self, task) -> None:
+        self._task, self._t0 = task, time.thread_time()
+
+    def after_task_step(self, task) -> None:
+        if task is not self._task:
+            return
+        self._task = None
+        name = getattr(getattr(task.coro, "cr_code", None), "co_qualname", task.name)
+        self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - self._t0
+        self.steps[name] = self.steps.get(name, 0) + 1
+
+    def report(self, top: int = 9) -> str:
+        rows = sorted(self.cpu.items(), key=lambda kv: -kv[1])[:top]
+        return "\n".join(f"    {cpu * 1000:6.0f} ms {self.steps[name]:6d} steps  {name}" for name, cpu in rows)
+
+
+async def _overhead(size: int, seeders: int, tmp: Path, tasks: TaskCpu | None = None) -> tuple[float, float, float, float]:
     """(MiB/s, seconds, event-loop CPU-s, process CPU-s) of the download alone: its CPU varies
-    less between runs than its goodput does on a shared machine, so A/B pairs compare it too."""
+    less between runs than its goodput does on a shared machine, so A/B pairs compare it too.
+    ``tasks`` is added as an instrument for the download's time only."""
     src = write_checkpoint(tmp / "src", size, seed=1)
     trainer = Identity.generate()
     tr = [trainer.peer_id]
@@ -235,23 +261,28 @@ async def _overhead(size: int, seeders: int, tmp: Path) -> tuple[float, float, f
         for s in seeds:
             await d.host.connect(s.host.listen_addrs()[0])
         svc = d.shards
+        if tasks is not None:
+            trio.lowlevel.add_instrument(tasks)
         t0, loop0, proc0 = time.perf_counter(), time.thread_time(), time.process_time()
         svc.fetch(1, signed.root, seeds[0].peer_id)
         path = await svc.wait_version(1)
         dt, loop, proc = time.perf_counter() - t0, time.thread_time() - loop0, time.process_time() - proc0
+        if tasks is not None:
+            trio.lowlevel.remove_instrument(tasks)
         assert same_files(src, path), "downloaded bytes differ"
         per_peer = {p[-6:]: round(n / MiB) for (p, _), n in svc.receipts().items()}
         print(f"  per seeder (MiB): {per_peer}")
     return size / dt / MiB, dt, loop, proc
 
 
-def overhead(size_mib: int, seeders: int) -> float:
+def overhead(size_mib: int, seeders: int, by_task: bool = False) -> float:
     size = size_mib * MiB
     print(f"== overhead: 1 downloader, {seeders} seeders, {size_mib} MiB, one process on loopback")
     cpu1, cpu2 = {}, {}
     base1 = trio.run(stream_goodput, size, None, cpu1)
+    tasks = TaskCpu() if by_task else None
     with tempfile.TemporaryDirectory(prefix="bench-shards-") as tmp:
-        swarm, dt, loop, proc = trio.run(_overhead, size, seeders, Path(tmp))
+        swarm, dt, loop, proc = trio.run(_overhead, size, seeders, Path(tmp), tasks)
     base2 = trio.run(stream_goodput, size, None, cpu2)
     base = (base1 + base2) / 2
     print(f"  plain libp2p stream (1 MiB writes), mean of before/after: {base:.1f} MiB/s ({base1:.1f}, {base2:.1f}); "
@@ -260,6 +291,8 @@ def overhead(size_mib: int, seeders: int) -> float:
           f"(seeders and downloader), whole process {proc:.2f} s (with the hash-and-write thread)")
     ratio = swarm / base
     print(f"  ratio (shards goodput / plain stream goodput): {ratio:.2f}")
+    if tasks is not None:
+        print("  the download's event loop by task (instrumented, so a little slower):\n" + tasks.report())
     return ratio
 
 
@@ -668,6 +701,7 @@ def main() -> None:
                     help="virtualenv with shardcast installed (benchmark only)")
     ap.add_argument("--piece-kib", type=int, default=0, help="piece size for the swarm benchmark (default: automatic)")
     ap.add_argument("--profile", type=Path, help="swarm: cProfile the seed and one downloader into DIR/seed.prof, DIR/d1.prof")
+    ap.add_argument("--tasks", action="store_true", help="overhead: the download's event-loop CPU by task")
     ap.add_argument("--hog", action="store_true", help="swarm: keep one core busy with a spinning process meanwhile")
     ap.add_argument("--trace", type=Path, help="swarm: write per-piece times and every host's upload samples (JSON) here")
     if sys.argv[1:2] == ["_stream-end"]:  # one end of capped_stream_cpu_per_mib, in a namespace
@@ -682,7 +716,7 @@ def main() -> None:
     if args.what in ("calibrate", "all"):
         calibrate()
     if args.what in ("overhead", "all"):
-        overhead(args.size_mib or 256, args.seeders)
+        overhead(args.size_mib or 256, args.seeders, args.tasks)
     if args.what in ("swarm", "all"):
         swarm(args.n, args.size_mib or 32, args.mbit, args.piece_kib, trace=args.trace, hog=args.hog,
               profile=args.profile)
