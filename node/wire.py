@@ -381,18 +381,23 @@ def _checked_wire(msg: Message) -> dict[str, Any]:
     return wire
 
 
+def _registered_type(obj: dict) -> type[Message] | None:
+    t = obj.get("t")
+    return _REGISTRY.get(t) if isinstance(t, str) else None
+
+
 def decode(data: bytes, max_size: int = MAX_FRAME, views: tuple[type[Message], ...] = ()) -> Message:
     """Decode any registered message type from untrusted bytes. A message of a type in ``views``
     whose last field is a long bytes value (a block of ``shards.data``) gets that value as a
     read-only view of ``data``, not a copy (:func:`unpack_viewing_tail`)."""
     obj = unpack_viewing_tail(data, max_size) if views else None
-    if obj is not None and _REGISTRY.get(obj.get("t") if isinstance(obj.get("t"), str) else None) not in views:
+    if obj is not None and _registered_type(obj) not in views:
         obj = None
     if obj is None:
         obj = unpack(data, max_size)
     if not isinstance(obj, dict):
         raise RemoteProtocolError("malformed", "message is not a map")
-    cls = _REGISTRY.get(obj.get("t")) if isinstance(obj.get("t"), str) else None
+    cls = _registered_type(obj)
     if cls is None:
         raise RemoteProtocolError("unknown-type", repr(obj.get("t"))[:40])
     return _from_wire(cls, obj)
