@@ -49,6 +49,16 @@ def frame_sink(frames: int, got: list):
     return sink
 
 
+class StepCount(trio.abc.Instrument):
+    """Counts the scheduler steps of the tasks named ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.n = name, 0
+
+    def before_task_step(self, task) -> None:
+        self.n += task.name == self.name
+
+
 def mib_sink():
     """(1 MiB payload, the bytearray it is read into, a handler reading it then answering b"k")."""
     payload = bytes(range(256)) * 4096
@@ -392,28 +402,20 @@ async def test_a_writer_waiting_for_send_window_sleeps_until_the_window_grows():
 
     async with connected_hosts("/test/lazy/1", lazy) as (a, b):
         stream = await a.open_stream(b.peer_id, "/test/lazy/1")
-        steps = {"writer": 0}
-
-        class CountWriter(trio.abc.Instrument):
-            def before_task_step(self, task) -> None:
-                if task is writer_task:
-                    steps["writer"] += 1
-
         async def writer() -> None:
             await stream.write(payload)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(writer)
-            writer_task = next(t for t in nursery.child_tasks)
+            nursery.start_soon(writer, name="writer")
             with trio.fail_after(30):
                 while stream.muxed_stream.send_window > 0:  # until the window is used up and the writer waits
                     await trio.sleep(0.01)
             await trio.testing.wait_all_tasks_blocked()
-            counter = CountWriter()
+            counter = StepCount("writer")
             trio.lowlevel.add_instrument(counter)
             await trio.sleep(0.2)  # any time at all: a polling writer wakes ~20 times in this one
             trio.lowlevel.remove_instrument(counter)
-            assert steps["writer"] == 0, f"the blocked writer woke {steps['writer']} times"
+            assert counter.n == 0, f"the blocked writer woke {counter.n} times"
             read_now.set()
             with trio.fail_after(30):
                 assert await stream.read(1) == b"k"
@@ -910,16 +912,6 @@ async def test_a_frame_is_read_in_one_piece_once_all_of_it_is_buffered(monkeypat
     # Woken once the frame was all there, not for each of its ~16 Noise messages: a step to start,
     # the header's, the body's wait, and the wake that read it (the header may need a wait of its own).
     assert steps.n <= 5, steps.n
-
-
-class StepCount(trio.abc.Instrument):
-    """Counts the scheduler steps of the tasks named ``name``."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.n = name, 0
-
-    def before_task_step(self, task) -> None:
-        self.n += task.name == self.name
 
 
 async def _append(out: list, read) -> None:
