@@ -297,8 +297,8 @@ async def test_rounds_repeat_until_the_verdict_is_backed_then_only_rarely(monkey
     every RECHECK_ROUND_S."""
     from node.net import dialback
 
-    monkeypatch.setattr(dialback, "direct_peers", lambda host: ["p1", "p2"])
-    svc = ReachabilityService(type("N", (), {"host": None})(), None, None)
+    host = type("H", (), {"direct_peers": lambda self: ["p1", "p2"]})()
+    svc = ReachabilityService(type("N", (), {"host": host})(), None, None)
     times: list[float] = []
 
     async def fake_round() -> str:

@@ -69,7 +69,8 @@ from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.tools.anyio_service import background_trio_service
 from node.identity import Identity
 from node.net.host import open_swarm_host
-from node.net.relay import connect_addr, is_relayed
+from node.net.host import is_relayed
+from node.net.relay import connect_addr
 
 async def main(listen, addr, peer):
     async with open_swarm_host(Identity.generate(), [listen]) as host:

@@ -26,7 +26,7 @@ import multiaddr
 from node.net import relay
 from node.config import NodeConfig
 from node.context import NodeContext, RunningNode
-from node.net.host import open_swarm_host
+from node.net.host import is_relayed, open_swarm_host
 from node.identity import Identity
 from node.net.relay import (
     RelayClient,
@@ -37,7 +37,6 @@ from node.net.relay import (
     connect_addr,
     dial_via_relay,
     hop_limits,
-    is_relayed,
     parse_reservation,
     refresh_delay,
     retry_delay,

@@ -90,7 +90,7 @@ def fake_download(peers: list[str], announcer: str, *, max_peers: int, rng_seed:
     ``started`` lists the sessions it began, ``ended`` those it ended."""
     dl = object.__new__(Download)
     dl.svc = SimpleNamespace(
-        node=SimpleNamespace(host=SimpleNamespace(connected_peers=lambda: list(peers))),
+        node=SimpleNamespace(host=SimpleNamespace(direct_peers=lambda: list(peers))),
         cfg=SimpleNamespace(max_peers=max_peers), rng=random.Random(rng_seed),
         announced={7: (b"r" * 32, announcer)}, is_banned=lambda peer, now: False,
         downloaders_of=lambda root: set(served))

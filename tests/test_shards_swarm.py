@@ -10,10 +10,12 @@ import pytest
 import trio
 
 from node.identity import Identity
-from node.shards.protocol import Data, Have
+from node.net.host import is_relayed
+from node.net.relay import circuit_addr, connect_addr, serve_relay_client, serve_relay_hop
+from node.shards.protocol import PROTOCOL, RELAYED, Data, Have, Hello, Reject, read_shards_message
 from node.shards.server import ServerSession
 from node.shards.service import ShardsService
-from node.wire import encode
+from node.wire import encode, write_frame
 from node.shards.testing import open_shards_swarm, same_files, write_checkpoint
 from waiting import wait_for
 
@@ -433,3 +435,43 @@ async def test_a_failing_disk_stops_the_download_not_the_node(tmp_path: Path, mo
             assert r.shards.path_of(1) is None and r.shards.status()["held"] == []
             full[0] = False
             assert same_files(src, await r.shards.wait_version(1))
+
+
+async def test_pieces_never_ride_a_relay_circuit(tmp_path: Path) -> None:
+    """A private trainer reachable only through a relay circuit (its reservation on the relay) and a
+    downloader connected to it over that circuit: the downloader opens no transfer session over the
+    circuit, which would spend the relay's bandwidth and its per-circuit byte limit; it gets every
+    byte from the relay, directly. A session asked over a circuit anyway is refused (the NAT test
+    once saw a home node fetch 3 MB of pieces from another through the relay)."""
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    src = write_checkpoint(tmp_path / "ckpt", 6 * MiB, seed=5)
+    with trio.fail_after(90):
+        async with open_shards_swarm() as swarm, trio.open_nursery() as services:
+            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **FAST)
+            hop = await services.start(lambda task_status: serve_relay_hop(r.context, task_status=task_status))
+            r_addr = r.host.listen_addrs()[0]
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **FAST)
+            d = await swarm.add(tmp_path / "d", trainers=tr, role="inference", **FAST)
+            await t.host.connect(r_addr)
+            await services.start(lambda task_status: serve_relay_client(t.context, relays=[r_addr], hole_punch=False,
+                                                                        task_status=task_status))
+            await d.host.connect(r_addr)
+            assert await connect_addr(d.host, circuit_addr(r_addr, t.peer_id)) == t.peer_id
+            assert t.peer_id not in d.host.direct_peers() and d.host.is_connected(t.peer_id)
+
+            signed = await t.shards.publish(src, 3)
+            path = await d.shards.wait_version(3)
+            assert same_files(src, path)
+            assert {p for p, _ in d.shards.receipts()} == {r.peer_id}
+            assert sum(d.shards.receipts().values()) == signed.manifest.total_size
+            # The circuit carried handshakes, gossip and membership only: less than one piece.
+            assert hop.status()["circuit_bytes"] < signed.manifest.piece_size
+
+            # Asked over the circuit, the trainer refuses to start a transfer session.
+            stream = await d.host.open_stream(t.peer_id, PROTOCOL)
+            assert is_relayed(stream.muxed_conn)
+            await write_frame(stream, Hello(root=signed.root, bitfield=d.shards.serving[signed.root].bitfield()))
+            reply = await read_shards_message(stream)
+            assert isinstance(reply, Reject) and reply.reason == RELAYED
+            services.cancel_scope.cancel()

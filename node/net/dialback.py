@@ -31,8 +31,8 @@ from libp2p.peer.id import ID
 
 from ..peers.table import FaultRule
 from ..wire import Message, RemoteProtocolError, bounded, decode_as, register, write_frame
-from .host import STREAM_ERRORS, SwarmHost, parse_multiaddr
-from .relay import RelayClient, RelayError, is_relayed, relay_peer_id_of
+from .host import STREAM_ERRORS, SwarmHost, is_relayed, parse_multiaddr
+from .relay import RelayClient, RelayError, relay_peer_id_of
 from .reachability import (
     ASK_PEERS,
     MAX_DIAL_PORTS,
@@ -253,16 +253,6 @@ async def write_busy(stream, reply: DialBackReply) -> None:
 # Asker side
 
 
-def direct_peers(host: SwarmHost) -> list[str]:
-    """Peers we hold at least one non-relayed connection to (only they see our real IP)."""
-    out = []
-    for pid, conns in host.host.get_network().connections.items():
-        conns = conns if isinstance(conns, (list, tuple, set)) else [conns]
-        if any(not is_relayed(c) for c in conns):
-            out.append(pid.to_base58())
-    return out
-
-
 class _DialBackNoise(logging.Filter):
     """Drop py-libp2p's ERROR line for the dial-backs we asked for: the dialer stops after the
     Noise handshake (that is the proof), so our side's muxer negotiation fails on purpose
@@ -334,7 +324,7 @@ class ReachabilityService:
 
     async def round(self) -> str:
         """Ask up to ASK_PEERS direct peers at once; returns the verdict after their answers."""
-        peers = direct_peers(self.node.host)
+        peers = self.node.host.direct_peers()
         self.rng.shuffle(peers)
         votes: list[tuple[str, Vote]] = []
 
@@ -419,7 +409,7 @@ class ReachabilityService:
         RETRY_ROUND_S (relays join later) without asking anyone to dial it again."""
         next_round = 0.0
         while True:
-            if not direct_peers(self.node.host):
+            if not self.node.host.direct_peers():
                 await trio.sleep(FIRST_ROUND_S)
                 continue
             now = trio.current_time()

@@ -123,6 +123,16 @@ def parse_multiaddr(text: str) -> multiaddr.Multiaddr:
         raise ValueError(f"not a multiaddr: {text!r} ({e})") from None
 
 
+def is_relayed(conn) -> bool:
+    """True when a py-libp2p connection (or a stream's muxed connection) runs over a relay circuit
+    (its address says p2p-circuit)."""
+    try:
+        addrs = conn.get_transport_addresses() or []
+    except Exception:
+        return False
+    return any("/p2p-circuit" in str(a) for a in addrs)
+
+
 def peer_info_of(addr: str) -> PeerInfo:
     """PeerInfo from ``/ip4/.../tcp/.../p2p/<id>``; ValueError if the /p2p part is missing."""
     try:
@@ -186,6 +196,17 @@ class SwarmHost:
 
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self.host.get_connected_peers()]
+
+    def direct_peers(self) -> list[str]:
+        """Peers we hold at least one connection to that does not run over a relay circuit: only
+        they see our real IP, and only they may carry bulk data (a circuit spends a relay's
+        bandwidth and its per-circuit byte limit)."""
+        out = []
+        for pid, conns in self.host.get_network().connections.items():
+            conns = conns if isinstance(conns, (list, tuple, set)) else [conns]
+            if any(not is_relayed(c) for c in conns):
+                out.append(pid.to_base58())
+        return out
 
     def is_connected(self, peer_id: str) -> bool:
         return ID.from_base58(peer_id) in self.host.get_network().connections

@@ -170,15 +170,6 @@ def split_circuit_addr(addr: str) -> tuple[str, str] | None:
     return relay_part, str(target)
 
 
-def is_relayed(conn) -> bool:
-    """True when a py-libp2p connection runs over a relay circuit (its address says p2p-circuit)."""
-    try:
-        addrs = conn.get_transport_addresses() or []
-    except Exception:
-        return False
-    return any("/p2p-circuit" in str(a) for a in addrs)
-
-
 @dataclass(frozen=True)
 class Reservation:
     """A reservation a relay granted us (checked by :func:`parse_reservation`)."""

@@ -2,7 +2,8 @@
 
 How this works
 --------------
-A download opens a :class:`ClientSession` to every connected peer (up to ``max_peers``), feeds
+A download opens a :class:`ClientSession` to every directly connected peer (up to ``max_peers``;
+never over a relay circuit, whose bandwidth is the relay's and whose bytes it caps), feeds
 what they say (bitfields, haves, data, rejects) into the pure :class:`Picker`, sends the requests
 and cancels the picker decides, assembles blocks in memory, hash-checks each piece, writes it to
 the :class:`VersionStore` and tells everyone ``Have`` through the shards service (which serves it
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..hashes import digest
+from ..net.host import is_relayed
+from ..net.reqres import reset
 from ..net.workarounds import widen_receive_window
 from ..wire import TRANSPORT_FAILURES, LocalProtocolError, Message, RemoteProtocolError, frame_of, write_frame
 from .config import ShardsConfig
@@ -162,7 +165,7 @@ class Download:
         announced = self.svc.announced.get(self.vs.version)
         source = announced[1] if announced is not None and announced[0] == self.root else None
         served = self.svc.downloaders_of(self.root)
-        peers = self.svc.node.host.connected_peers()
+        peers = self.svc.node.host.direct_peers()
         self.svc.rng.shuffle(peers)
         peers.sort(key=lambda p: (p != source, p not in served))  # stable: the shuffle stands behind
         for peer in peers:
@@ -203,6 +206,10 @@ class Download:
         except Exception as e:  # libp2p raises many types for "could not open a stream"
             log.debug("shards: no stream to %s: %s", peer[-8:], e)
             self.sessions.pop(peer, None)
+            return
+        if is_relayed(stream.muxed_conn):  # the direct connection closed while we dialled
+            self.sessions.pop(peer, None)
+            await reset(stream, shielded=True)
             return
         sess = ClientSession(peer, stream)
         self.sessions[peer] = sess

@@ -130,6 +130,7 @@ NOT_HELD = "not-held"
 BAD_RANGE = "bad-range"
 BUSY = "busy"
 BANNED = "banned"
+RELAYED = "relayed"  # a transfer session asked over a relay circuit: bulk data goes direct only
 
 
 @register

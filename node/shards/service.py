@@ -60,6 +60,7 @@ import trio
 
 from ..ledger.api import LedgerAPI
 from ..net.budget import STALLED
+from ..net.host import is_relayed
 from ..net.reqres import Inbound, Refused, peer_of, reset
 from ..peers import FaultRule
 from ..wire import TRANSPORT_FAILURES, LocalProtocolError, RemoteProtocolError, decode, write_frame
@@ -72,6 +73,7 @@ from .manifest import SignedManifest, build_manifest, sign_manifest
 from .protocol import (
     BANNED,
     PROTOCOL,
+    RELAYED,
     SOURCE,
     UNKNOWN_ROOT,
     Hello,
@@ -371,8 +373,11 @@ class ShardsService:
             await stream.close()
         elif isinstance(first, Hello):
             vs = self.serving.get(first.root)
-            if vs is None:
-                await write_frame(stream, Reject(piece=-1, offset=0, reason=UNKNOWN_ROOT))
+            # Pieces never ride a relay circuit: it spends the relay's bandwidth and its per-circuit
+            # byte limit, which the circuit's membership traffic needs. Manifests (a few KB) may.
+            refusal = RELAYED if is_relayed(stream.muxed_conn) else UNKNOWN_ROOT if vs is None else None
+            if refusal is not None:
+                await write_frame(stream, Reject(piece=-1, offset=0, reason=refusal))
                 await stream.close()
                 return
             frames.answered()
