@@ -216,6 +216,36 @@ def test_a_piece_written_with_writeback_asks_the_kernel_for_exactly_its_spans(tm
     vs.close()
 
 
+def test_a_write_that_comes_up_short_is_finished_or_refused(tmp_path: Path, folder: Path, monkeypatch) -> None:
+    """A write may take fewer bytes than asked (a disk filling up, a signal). Ignored, the rest of
+    the piece was never written, yet the piece counted as held and was served, corrupt, to every
+    peer (who banned us for it). Now the rest is written after it, and a write that makes no
+    progress is an error: the piece is not counted."""
+    import node.shards.store as store_mod
+
+    signed = sign_manifest(TRAINER, build_manifest(folder, "run", 1, piece_size=64 * KiB))
+    m = signed.manifest
+    blob = b"".join((folder / f.name).read_bytes() for f in m.files)
+    piece = lambda i: blob[i * m.piece_size : i * m.piece_size + m.piece_length(i)]  # noqa: E731
+    real_pwrite, asked = os.pwrite, []
+
+    def short(fd: int, data, offset: int) -> int:  # at most 1000 bytes a call, as a full disk might
+        asked.append(len(data))
+        return real_pwrite(fd, bytes(data[:1000]), offset)
+
+    monkeypatch.setattr(store_mod.os, "pwrite", short)
+    vs = _store(tmp_path).open_version(signed)
+    for i in range(m.num_pieces):
+        assert vs.check_and_write(i, piece(i))
+        vs.mark_verified(i)
+    assert max(asked) > 1000  # the writes did come up short
+    assert all((vs.folder / f.name).read_bytes() == (folder / f.name).read_bytes() for f in m.files)
+    monkeypatch.setattr(store_mod.os, "pwrite", lambda fd, data, offset: 0)
+    with pytest.raises(OSError, match="wrote nothing"):
+        vs.check_and_write(0, piece(0))
+    vs.close()
+
+
 def test_writeback_is_advisory_a_descriptor_it_cannot_apply_to_is_refused_quietly() -> None:
     from node.atomic import start_writeback
 

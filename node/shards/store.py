@@ -135,7 +135,7 @@ class VersionStore:
         view = memoryview(data)
         pos = 0
         for i, off, n in self.manifest.spans(start, len(view)):
-            os.pwrite(self._fds[i], view[pos : pos + n], off)
+            pwrite_all(self._fds[i], view[pos : pos + n], off)
             if writeback:
                 start_writeback(self._fds[i], off, n)
             pos += n
@@ -348,3 +348,15 @@ class PieceStore:
         for p in self.root.iterdir():
             if p.name.startswith(TRASH_PREFIX):
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write every byte of ``view`` at ``offset``. A write may take fewer bytes than asked (a disk
+    filling up, a signal): the rest is written after it, so that the next attempt raises the real
+    error (ENOSPC). Ignored, the piece was counted as held with its tail never written, and served,
+    corrupt, to every peer (who then banned us)."""
+    while view:
+        done = os.pwrite(fd, view, offset)
+        if done <= 0:
+            raise OSError(f"a write of {len(view)} bytes at offset {offset} wrote nothing")
+        view, offset = view[done:], offset + done
