@@ -435,6 +435,8 @@ def swarm(n: int, size_mib: int, mbit: float, piece_kib: int = 0, relays: int = 
     if os.geteuid() != 0:
         print("  skipped: needs root (ip netns, tc)")
         return None
+    if profile:
+        profile.mkdir(parents=True, exist_ok=True)  # the children's first dump would fail and end them
     size = size_mib * MiB
     u = mbit * 1e6 / 8  # bytes/s
     t_min = max(size / u, n * size / (u + (n + relays) * u))  # no download cap: F/d_min = 0
