@@ -30,8 +30,6 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..hashes import digest
-from ..net.host import is_relayed
-from ..net.reqres import reset
 from ..net.workarounds import widen_receive_window
 from ..wire import TRANSPORT_FAILURES, LocalProtocolError, Message, RemoteProtocolError, frame_of, write_frame
 from .config import ShardsConfig
@@ -206,10 +204,6 @@ class Download:
         except Exception as e:  # libp2p raises many types for "could not open a stream"
             log.debug("shards: no stream to %s: %s", peer[-8:], e)
             self.sessions.pop(peer, None)
-            return
-        if is_relayed(stream.muxed_conn):  # the direct connection closed while we dialled
-            self.sessions.pop(peer, None)
-            await reset(stream, shielded=True)
             return
         sess = ClientSession(peer, stream)
         self.sessions[peer] = sess
