@@ -21,6 +21,7 @@ from node.net.budget import (
     StreamsConfig,
     limits,
 )
+from node.dbthread import StoreClosed
 from node.net.reqres import Inbound, Refused, raw, request_handler
 from node.peers import Peers
 from node.peers.service import STALL_SOURCE
@@ -268,3 +269,23 @@ async def test_a_frame_announced_over_the_cap_is_garbage_before_its_body(autojum
             await frames.read()
     assert e.value.reason == "oversized"
     assert inbound.budget.peak_reserved == 0 and inbound.budget.stalled == 0
+
+
+async def test_a_request_met_by_a_closing_store_resets_the_stream_and_blames_no_one(autojump_clock):
+    """A node stopping while a handler writes (a batch spooled, a verdict stored) must not raise
+    into libp2p's connection task nor strike the honest sender: the stream is reset, and the
+    sender tries again later or elsewhere."""
+    peers, metrics = peers_table(), Metrics()
+
+    async def answer(peer: str, data: bytes) -> bytes:
+        raise StoreClosed("the store is closing: the node is stopping")
+
+    handle = request_handler("/p", raw(100), answer, max_inflight=4, timeout=5.0, peers=peers, limits=lim(),
+                             metrics=metrics, source="p")
+    client, server = pair("w")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(handle, _Named(server, "w"))
+        await client.write(frame(b"batch"))
+        assert await client.read(100) == b""  # reset, no reply
+    assert server.closed and metrics.rejections() == {"p/stopping": 1}
+    assert "w" not in peers.table.peers or not any(peers.table.peers["w"].strikes.values())

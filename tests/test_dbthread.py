@@ -3,6 +3,7 @@
 Each test holds one store write inside its SQLite transaction, where a slow fsync would hold it,
 and checks that meanwhile another trio task keeps ticking and queries on the trio thread answer
 (from the WAL reader, without the pending write); released, the write completes as before.
+And a store is closed only once no write of it is running (``DbThread.stop``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 import trio
+import trio.testing
 from waiting import HANG_GUARD_S
 
 from node.config import NodeConfig, RunConfig
 from node.context import NodeContext
-from node.dbthread import DbThread
+from node.dbthread import DbThread, StoreClosed
 from node.identity import Identity
 from node.ledger.config import LedgerConfig
 from node.ledger.entries import RolloutsJudged
@@ -153,3 +155,48 @@ async def test_writes_run_one_at_a_time_in_call_order():
 
     with pytest.raises(ValueError, match="from the thread"):
         await db.run(fail)
+
+
+async def test_stop_waits_for_the_write_running_and_refuses_the_rest():
+    """Closing a SQLite connection while a worker thread is inside one of its statements crashes
+    the process (CPython's sqlite3 frees what the thread is using): a store may only close once
+    :meth:`DbThread.stop` has returned, and stop must not return while a write runs."""
+    db = DbThread()
+    inside, release = threading.Event(), threading.Event()
+    ran, stopped = [], trio.Event()
+
+    def held() -> str:
+        inside.set()
+        assert release.wait(HANG_GUARD_S), "never released"
+        ran.append("held")
+        return "done"
+
+    async def stop() -> None:
+        with trio.CancelScope() as scope:
+            scope.cancel()  # the node is stopping; stop must wait for the write all the same
+            await db.stop()
+        stopped.set()
+
+    async with trio.open_nursery() as nursery:
+        results = []
+
+        async def first() -> None:
+            results.append(await db.run(held))
+
+        async def queued() -> None:  # asked for before the stop began, not started yet
+            with pytest.raises(StoreClosed):
+                await db.run(ran.append, "queued")
+            results.append("refused")
+
+        nursery.start_soon(first)
+        assert await trio.to_thread.run_sync(inside.wait, HANG_GUARD_S), "the write never started"
+        nursery.start_soon(queued)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(stop)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not stopped.is_set() and ran == []
+        release.set()
+    assert stopped.is_set() and ran == ["held"] and sorted(results) == ["done", "refused"]
+    with pytest.raises(StoreClosed):
+        await db.run(ran.append, "late")
+    assert ran == ["held"]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
 import trio
+import trio.testing
 
 from node.config import NodeConfig, RunConfig
 from node.context import NodeContext, RunningNode
@@ -21,7 +23,8 @@ from node.ledger.entries import (
     make_entry,
     parse_entry,
 )
-from node.ledger.store import open_ledger_store
+from node.dbthread import StoreClosed
+from node.ledger.store import LedgerStore, open_ledger_store
 from node.ledger.sync import (
     PROTOCOL,
     LedgerError,
@@ -32,7 +35,7 @@ from node.ledger.sync import (
     serve_ledger,
 )
 from node.wire import read_message, write_frame
-from waiting import wait_for
+from waiting import HANG_GUARD_S, wait_for
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 RUN = "ledger-test"
@@ -329,3 +332,51 @@ def test_note_received_refuses_impossible_receipts(tmp_path):
         svc.note_received(TRAINER.peer_id, b"m" * 32, 100)
         svc.note_received(TRAINER.peer_id, b"m" * 32, 50, pieces=2)
         assert svc.status()["pending_receipts"] == 1
+
+
+async def test_the_store_stays_open_until_an_append_in_flight_has_committed(tmp_path, monkeypatch):
+    """The trainer and the validator call ``append`` from their own tasks, outside the ledger's
+    nursery. CI once died of SIGSEGV when serve_ledger, stopping, closed its store while such an
+    append was committing in a worker thread (closing a SQLite connection under a running statement
+    frees what that thread is using). Stopping must wait for the commit, then refuse later appends."""
+    inside, release = threading.Event(), threading.Event()
+    closes = []  # per close: was a commit held inside its transaction at that moment?
+    real_close = LedgerStore.close
+
+    def close(store: LedgerStore) -> None:
+        closes.append(inside.is_set() and not release.is_set())
+        if not closes[-1]:  # closing under the held commit would crash this test run, not fail it
+            real_close(store)
+
+    monkeypatch.setattr(LedgerStore, "close", close)
+    config = NodeConfig(listen=LOOPBACK, data_dir=str(tmp_path / "t"), run=run_config())
+    async with open_swarm_host(TRAINER, LOOPBACK) as host:
+        node = NodeContext(config, TRAINER, host, tmp_path / "t")
+        async with trio.open_nursery() as outer:
+            async with trio.open_nursery() as services:
+                svc = await services.start(serve_ledger, node)
+
+                def stall() -> int:  # SQLite's progress handler, in the committing thread
+                    if svc.store._db.in_transaction and not inside.is_set():
+                        inside.set()
+                        release.wait(HANG_GUARD_S)
+                    return 0
+
+                svc.store._db.set_progress_handler(stall, 1)
+                outer.start_soon(svc.append, rollouts(8))  # as the trainer does, from its own task
+                assert await trio.to_thread.run_sync(inside.wait, HANG_GUARD_S), "the append never committed"
+
+                async def check_then_release() -> None:
+                    try:
+                        await trio.testing.wait_all_tasks_blocked()  # serve_ledger has gone as far as it will
+                        assert closes == []
+                    finally:
+                        release.set()
+
+                outer.start_soon(check_then_release)
+                services.cancel_scope.cancel()
+        assert closes == [False]
+        with pytest.raises(StoreClosed):
+            await svc.append(rollouts(1))
+    with open_ledger_store(tmp_path / "t") as store:
+        assert store.count() == 1

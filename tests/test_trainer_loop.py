@@ -7,8 +7,15 @@ with a fake validator, and a restart that resumes at the saved step with the sam
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from contextlib import contextmanager
+
+import trio
+import trio.testing
+
 from swarmtest import node_config, open_nodes
-from waiting import wait_for
+from waiting import HANG_GUARD_S, wait_for
 
 from node.config import RunConfig
 from node.hashes import digest
@@ -23,9 +30,12 @@ from node.rollouts.schema import (
     Verdict,
     open_batch,
 )
+from node.trainer import service
 from node.trainer.spool import BatchState
 from node.trainer.testing import reversal_batch, sign_batch
 from node.wire import decode_as, encode, read_frame, seal, write_frame
+
+NEVER_CLOSED = []  # spools that a failing stop test must leave open (test_a_node_stopping_waits_for_the_batch_being_spooled)
 
 GRPO = {"min_batch_samples": 16, "optimizer_steps": 2, "pack_length": 64, "kl_coef": 0.0, "lr": 1e-3}
 
@@ -236,3 +246,63 @@ async def test_a_validator_that_cannot_judge_yet_is_asked_again_without_waiting_
         gate = trainer.status()["gate"]
         assert gate["not_now"] == 2 and gate["timeouts"] == 0 and gate["verdicts"]["passed"] == 1
         assert trainer.spool.get(ack.batch_id).state is not BatchState.REJECTED
+
+
+async def test_a_node_stopping_waits_for_the_batch_being_spooled(tmp_path, monkeypatch):
+    """Rollouts arrive on handler tasks, outside the trainer's nursery, and are spooled in a worker
+    thread. Stopping the node while one is inside its SQLite transaction must not close the spool
+    under it (that is a SIGSEGV, not an exception): the batch is stored, then the spool closes."""
+    inside, release = threading.Event(), threading.Event()
+    closes, opened = [], []
+    real_open = service.open_spool
+
+    @contextmanager
+    def spied_open(path):
+        manager = real_open(path)
+        opened.append(manager.__enter__())
+        try:
+            yield opened[-1]
+        finally:
+            closes.append(inside.is_set() and not release.is_set())
+            if closes[-1]:  # closing under the held write would crash this test run, not fail it; kept
+                NEVER_CLOSED.append(manager)  # referenced, or collecting the generator would close it
+            else:
+                manager.__exit__(None, None, None)
+
+    monkeypatch.setattr(service, "open_spool", spied_open)
+    run = make_run(tmp_path)
+    cfgs = [node_config(tmp_path, "trainer", "trainer", run=run), node_config(tmp_path, "client", "relay", run=run)]
+    batch_id = None
+    async with trio.open_nursery() as outer:
+        async with open_nodes(cfgs) as (tnode, client):
+            spool = opened[0]
+
+            def stall() -> int:  # SQLite's progress handler, in the spooling thread
+                if spool.db.in_transaction and not inside.is_set():
+                    inside.set()
+                    release.wait(HANG_GUARD_S)
+                return 0
+
+            spool.db.set_progress_handler(stall, 1)
+            data = honest(client, tnode.trainer, step=0, seed=1)
+            batch_id = open_batch(data, "test").batch_id
+
+            async def send() -> None:  # the ack never comes back: the node stops first
+                with contextlib.suppress(Exception):
+                    await submit(client, tnode.peer_id, data)
+
+            outer.start_soon(send)
+            assert await trio.to_thread.run_sync(inside.wait, HANG_GUARD_S), "the batch was never spooled"
+
+            async def check_then_release() -> None:
+                try:
+                    await trio.testing.wait_all_tasks_blocked()  # the node has gone as far as it will
+                    assert closes == []
+                finally:
+                    release.set()
+
+            outer.start_soon(check_then_release)
+        outer.cancel_scope.cancel()  # the sender's read outlives its host: py-libp2p never fails it
+    assert closes == [False]
+    with real_open(tmp_path / "trainer" / "trainer" / "spool.sqlite") as spool:
+        assert spool.knows(batch_id)

@@ -197,7 +197,7 @@ class LedgerService:
         self._append_lock = trio.Lock()
         self._committing = 0  # entries of the ingest batch whose commit is in flight
         self._store_lock = trio.Lock()  # check -> commit -> apply (or a range read) without interleaving
-        self._db = DbThread()  # the store's writes, off the event loop
+        self.db = DbThread()  # the store's writes, off the event loop
         self._validated: collections.OrderedDict[bytes, SignedEntry] = collections.OrderedDict()
         self._hint_send, self._hint_recv = trio.open_memory_channel[str](SYNC_HINTS)
         self._receipts: dict[tuple[str, bytes], list[int]] = {}
@@ -224,14 +224,14 @@ class LedgerService:
         """Verify each author's stored tail, drop a broken one, and rebuild the replica."""
         problems = self.store.verify_tail(self.config.tail_verify)
         for author, (seq, reason) in problems.items():
-            dropped = await self._db.run(self.store.truncate, author, seq)
+            dropped = await self.db.run(self.store.truncate, author, seq)
             log.warning("ledger: %s's stored chain broken at seq %d (%s); dropped %d entries", author, seq, reason, dropped)
             self._reject("store", reason)
         for author, (seq, reason) in rebuild(self.store, self.ledger).items():
             log.warning("ledger: stored %s not loaded from seq %d (%s)", author, seq, reason)
             self._reject("store", reason)
             if not author.startswith("evidence:"):
-                await self._db.run(self.store.truncate, author, seq)  # peers re-supply it; a chain must stay contiguous
+                await self.db.run(self.store.truncate, author, seq)  # peers re-supply it; a chain must stay contiguous
                 problems[author] = (seq, reason)
         now = self.now_ms()
         for ban in self.ledger.bans(now).values():
@@ -256,7 +256,7 @@ class LedgerService:
                 if decision.outcome is not Outcome.ACCEPT:
                     raise LedgerError(f"cannot append {body.TYPE}: {decision.reason or decision.outcome.value}")
                 # Durable before anyone can see it.
-                await self._db.run(functools.partial(self.store.commit, [se], durable=True))
+                await self.db.run(functools.partial(self.store.commit, [se], durable=True))
                 self.ledger.apply(decision)
             self._list_bans([se], self.now_ms())
             self._m_accepted.labels(source="local").inc()
@@ -408,7 +408,7 @@ class LedgerService:
         # still hold them; anti-entropy brings them back). Status counts only stored entries.
         self._committing = len(pending)
         try:
-            await self._db.run(self.store.commit, pending, evidence)
+            await self.db.run(self.store.commit, pending, evidence)
         finally:
             self._committing = 0
         self._list_bans(pending, now)
@@ -443,7 +443,7 @@ class LedgerService:
         except RemoteProtocolError as e:
             self._reject(source, e.reason)
             return False
-        await self._db.run(self.store.commit, [], [ev])
+        await self.db.run(self.store.commit, [], [ev])
         log.warning("ledger: %s equivocated at seq %d (evidence from %s)", ev.author, ev.fork_seq, source)
         self._update_gauges()
         return True
@@ -707,3 +707,4 @@ async def serve_ledger(
                 except (LedgerError, BaseLibp2pError):
                     pass
             node.host.pubsub.remove_topic_validator(service.topic)
+            await service.db.stop()  # other services' appends may be committing: the store closes after

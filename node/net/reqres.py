@@ -35,6 +35,7 @@ import trio
 
 from .budget import REFUSALS, STALLED, Budget, StreamLimits, StreamsConfig, limits as default_limits
 from .host import OPEN_STREAM_TIMEOUT, STREAM_ERRORS
+from ..dbthread import StoreClosed
 from ..peers import FaultRule
 from ..peers.service import STALL_SOURCE
 from ..wire import (
@@ -317,6 +318,9 @@ def request_handler(
                     await exchange(frames, stream, peer)
         except Refused as e:
             count(e.reason)
+            await reset(stream)
+        except StoreClosed:  # we are stopping, the sender did nothing wrong: it retries later or elsewhere
+            count("stopping")
             await reset(stream)
         except RemoteProtocolError as e:
             if e.reason == STALLED:  # counted and struck by Inbound

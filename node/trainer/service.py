@@ -723,11 +723,14 @@ async def serve_trainer(node, shards: ShardsAPI, membership: MembershipAPI, ledg
         node.status["trainer"] = trainer.status
         log.info("trainer: %s at step %d on %s", "created the policy" if created else "resumed", policy.step,
                  policy.device)
-        async with trio.open_nursery() as nursery:
-            trainer._nursery = nursery
-            nursery.start_soon(trainer.train_loop)
-            nursery.start_soon(trainer.ledger_loop)
-            if trainer.gate is not None:
-                nursery.start_soon(trainer.gate_loop)
-            task_status.started(trainer)
+        try:
+            async with trio.open_nursery() as nursery:
+                trainer._nursery = nursery
+                nursery.start_soon(trainer.train_loop)
+                nursery.start_soon(trainer.ledger_loop)
+                if trainer.gate is not None:
+                    nursery.start_soon(trainer.gate_loop)
+                task_status.started(trainer)
+        finally:
+            await trainer.db.stop()  # handler tasks may be spooling a batch: the spool closes after
 
