@@ -367,8 +367,9 @@ async def test_the_store_stays_open_until_an_append_in_flight_has_committed(tmp_
                 assert await trio.to_thread.run_sync(inside.wait, HANG_GUARD_S), "the append never committed"
 
                 async def check_then_release() -> None:
-                    try:
-                        await trio.testing.wait_all_tasks_blocked()  # serve_ledger has gone as far as it will
+                    try:  # serve_ledger's last step before the store: then it has gone as far as it will
+                        await wait_for(lambda: svc.topic not in host.pubsub.topic_validators, what="ledger stopping")
+                        await trio.testing.wait_all_tasks_blocked()
                         assert closes == []
                     finally:
                         release.set()

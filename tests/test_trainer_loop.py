@@ -295,8 +295,9 @@ async def test_a_node_stopping_waits_for_the_batch_being_spooled(tmp_path, monke
             assert await trio.to_thread.run_sync(inside.wait, HANG_GUARD_S), "the batch was never spooled"
 
             async def check_then_release() -> None:
-                try:
-                    await trio.testing.wait_all_tasks_blocked()  # the node has gone as far as it will
+                try:  # the trainer's loops are gone: then serve_trainer has gone as far as it will
+                    await wait_for(lambda: not tnode.trainer._nursery.child_tasks, what="trainer stopping")
+                    await trio.testing.wait_all_tasks_blocked()
                     assert closes == []
                 finally:
                     release.set()
