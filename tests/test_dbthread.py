@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import trio
 import trio.testing
-from waiting import HANG_GUARD_S
+from waiting import HANG_GUARD_S, wait_for
 
 from node.config import NodeConfig, RunConfig
 from node.context import NodeContext
@@ -38,20 +38,49 @@ from test_trainer_intake import RUN, TOK, WORKER, batch, fake_node
 TICKS = 100  # checkpoints another task must get through while the write is held
 
 
+class HeldWrite:
+    """Holds the next write transaction on ``conn`` inside SQLite until :meth:`release` (SQLite's
+    progress handler runs in the writing thread); :meth:`entered` waits for it to get there."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.inside, self._released = threading.Event(), threading.Event()
+        conn.set_progress_handler(self._stall, 1)
+
+    def _stall(self) -> int:
+        if self.conn.in_transaction and not self.inside.is_set():
+            self.inside.set()
+            if not self._released.wait(HANG_GUARD_S):  # only reached when nothing ever releases it
+                return 1  # abort the statement: the test fails instead of hanging
+        return 0
+
+    @property
+    def held(self) -> bool:
+        return self.inside.is_set() and not self._released.is_set()
+
+    async def entered(self) -> bool:
+        return await trio.to_thread.run_sync(self.inside.wait, HANG_GUARD_S)
+
+    def release(self) -> None:
+        self._released.set()
+
+    async def release_once_stopped(self, stopped: Callable[[], bool], closes: list[bool], what: str) -> None:
+        """Wait until ``stopped()`` (the owner's last step before its store) and every task has gone
+        as far as it will, check that no close happened yet (``closes``: one ``held`` per close),
+        then release the write."""
+        try:
+            await wait_for(stopped, what=what)
+            await trio.testing.wait_all_tasks_blocked()
+            assert closes == []
+        finally:
+            self.release()
+
+
 async def while_write_is_held(conn: sqlite3.Connection, write: Callable[[], Awaitable], during: Callable[[], None]):
     """Run ``write()``; once it is inside its transaction on ``conn``, hold it there, let a ticker
     task run TICKS checkpoints and call ``during()`` on the trio thread; then release it.
     Returns what ``write()`` returned."""
-    inside, release = threading.Event(), threading.Event()
-
-    def stall() -> int:  # SQLite's progress handler: runs in the thread executing the statement
-        if conn.in_transaction and not inside.is_set():
-            inside.set()
-            if not release.wait(HANG_GUARD_S):  # only reached when the write blocks the event loop
-                return 1  # abort the statement: the test fails instead of hanging
-        return 0
-
-    conn.set_progress_handler(stall, 1)
+    held = HeldWrite(conn)
     result, done, ticks = [], trio.Event(), [0]
 
     async def writer() -> None:
@@ -66,15 +95,15 @@ async def while_write_is_held(conn: sqlite3.Connection, write: Callable[[], Awai
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(writer)
-            assert await trio.to_thread.run_sync(inside.wait, HANG_GUARD_S), "the write never started"
+            assert await held.entered(), "the write never started"
             async with trio.open_nursery() as inner:
                 inner.start_soon(ticker)
             assert ticks[0] == TICKS and not done.is_set()  # the loop ran; the write is still held
             during()
-            release.set()
+            held.release()
             await done.wait()
     finally:
-        release.set()
+        held.release()
         conn.set_progress_handler(None, 1)
     return result[0]
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
 import trio
-import trio.testing
 
 from node.config import NodeConfig, RunConfig
 from node.context import NodeContext, RunningNode
@@ -35,7 +33,8 @@ from node.ledger.sync import (
     serve_ledger,
 )
 from node.wire import read_message, write_frame
-from waiting import HANG_GUARD_S, wait_for
+from test_dbthread import HeldWrite
+from waiting import wait_for
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 RUN = "ledger-test"
@@ -339,12 +338,12 @@ async def test_the_store_stays_open_until_an_append_in_flight_has_committed(tmp_
     nursery. CI once died of SIGSEGV when serve_ledger, stopping, closed its store while such an
     append was committing in a worker thread (closing a SQLite connection under a running statement
     frees what that thread is using). Stopping must wait for the commit, then refuse later appends."""
-    inside, release = threading.Event(), threading.Event()
+    held: HeldWrite | None = None
     closes = []  # per close: was a commit held inside its transaction at that moment?
     real_close = LedgerStore.close
 
     def close(store: LedgerStore) -> None:
-        closes.append(inside.is_set() and not release.is_set())
+        closes.append(held is not None and held.held)
         if not closes[-1]:  # closing under the held commit would crash this test run, not fail it
             real_close(store)
 
@@ -355,26 +354,12 @@ async def test_the_store_stays_open_until_an_append_in_flight_has_committed(tmp_
         async with trio.open_nursery() as outer:
             async with trio.open_nursery() as services:
                 svc = await services.start(serve_ledger, node)
-
-                def stall() -> int:  # SQLite's progress handler, in the committing thread
-                    if svc.store._db.in_transaction and not inside.is_set():
-                        inside.set()
-                        release.wait(HANG_GUARD_S)
-                    return 0
-
-                svc.store._db.set_progress_handler(stall, 1)
+                held = HeldWrite(svc.store._db)
                 outer.start_soon(svc.append, rollouts(8))  # as the trainer does, from its own task
-                assert await trio.to_thread.run_sync(inside.wait, HANG_GUARD_S), "the append never committed"
-
-                async def check_then_release() -> None:
-                    try:  # serve_ledger's last step before the store: then it has gone as far as it will
-                        await wait_for(lambda: svc.topic not in host.pubsub.topic_validators, what="ledger stopping")
-                        await trio.testing.wait_all_tasks_blocked()
-                        assert closes == []
-                    finally:
-                        release.set()
-
-                outer.start_soon(check_then_release)
+                assert await held.entered(), "the append never committed"
+                # serve_ledger's last step before the store: then it has gone as far as it will
+                outer.start_soon(held.release_once_stopped, lambda: svc.topic not in host.pubsub.topic_validators,
+                                 closes, "ledger stopping")
                 services.cancel_scope.cancel()
         assert closes == [False]
         with pytest.raises(StoreClosed):

@@ -8,14 +8,13 @@ with a fake validator, and a restart that resumes at the saved step with the sam
 from __future__ import annotations
 
 import contextlib
-import threading
 from contextlib import contextmanager
 
 import trio
-import trio.testing
 
 from swarmtest import node_config, open_nodes
-from waiting import HANG_GUARD_S, wait_for
+from test_dbthread import HeldWrite
+from waiting import wait_for
 
 from node.config import RunConfig
 from node.hashes import digest
@@ -252,7 +251,7 @@ async def test_a_node_stopping_waits_for_the_batch_being_spooled(tmp_path, monke
     """Rollouts arrive on handler tasks, outside the trainer's nursery, and are spooled in a worker
     thread. Stopping the node while one is inside its SQLite transaction must not close the spool
     under it (that is a SIGSEGV, not an exception): the batch is stored, then the spool closes."""
-    inside, release = threading.Event(), threading.Event()
+    held: list[HeldWrite] = []
     closes, opened = [], []
     real_open = service.open_spool
 
@@ -263,7 +262,7 @@ async def test_a_node_stopping_waits_for_the_batch_being_spooled(tmp_path, monke
         try:
             yield opened[-1]
         finally:
-            closes.append(inside.is_set() and not release.is_set())
+            closes.append(bool(held) and held[0].held)
             if closes[-1]:  # closing under the held write would crash this test run, not fail it; kept
                 NEVER_CLOSED.append(manager)  # referenced, or collecting the generator would close it
             else:
@@ -275,15 +274,7 @@ async def test_a_node_stopping_waits_for_the_batch_being_spooled(tmp_path, monke
     batch_id = None
     async with trio.open_nursery() as outer:
         async with open_nodes(cfgs) as (tnode, client):
-            spool = opened[0]
-
-            def stall() -> int:  # SQLite's progress handler, in the spooling thread
-                if spool.db.in_transaction and not inside.is_set():
-                    inside.set()
-                    release.wait(HANG_GUARD_S)
-                return 0
-
-            spool.db.set_progress_handler(stall, 1)
+            held.append(HeldWrite(opened[0].db))
             data = honest(client, tnode.trainer, step=0, seed=1)
             batch_id = open_batch(data, "test").batch_id
 
@@ -292,17 +283,10 @@ async def test_a_node_stopping_waits_for_the_batch_being_spooled(tmp_path, monke
                     await submit(client, tnode.peer_id, data)
 
             outer.start_soon(send)
-            assert await trio.to_thread.run_sync(inside.wait, HANG_GUARD_S), "the batch was never spooled"
-
-            async def check_then_release() -> None:
-                try:  # the trainer's loops are gone: then serve_trainer has gone as far as it will
-                    await wait_for(lambda: not tnode.trainer._nursery.child_tasks, what="trainer stopping")
-                    await trio.testing.wait_all_tasks_blocked()
-                    assert closes == []
-                finally:
-                    release.set()
-
-            outer.start_soon(check_then_release)
+            assert await held[0].entered(), "the batch was never spooled"
+            # the trainer's loops are gone: then serve_trainer has gone as far as it will
+            outer.start_soon(held[0].release_once_stopped, lambda: not tnode.trainer._nursery.child_tasks, closes,
+                             "trainer stopping")
         outer.cancel_scope.cancel()  # the sender's read outlives its host: py-libp2p never fails it
     assert closes == [False]
     with real_open(tmp_path / "trainer" / "trainer" / "spool.sqlite") as spool:
