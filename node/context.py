@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import NodeConfig
+from .health import ProgressWatch
 from .net.host import SwarmHost
 from .identity import Identity
 from .metrics import Metrics
@@ -33,6 +34,8 @@ class NodeContext:
     started_at: float = 0.0  # trio.current_time() when the node started
     # The one owner of peer penalties: components report remote faults here (node/peers/).
     peers: Peers | None = None
+    # Progress seen in this node's status snapshots, judged into its "health" section (node/health.py).
+    health: ProgressWatch = field(default_factory=ProgressWatch)
 
     def __post_init__(self) -> None:
         if self.peers is None:

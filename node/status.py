@@ -21,6 +21,7 @@ import trio
 
 from .atomic import write_atomic
 from .context import NodeContext
+from .health import ProgressWatch, State
 from .summary import NO_TRAINER_GRACE, SummaryClock
 from .status_files import IDLE_EVERY, NODE_FILE, STATUS_FILE, watched  # noqa: F401  (NODE_FILE re-exported)
 from .net.budget import StreamLimits
@@ -60,7 +61,7 @@ class StatusResponse(Message):
     json: str = bounded(max_len=MAX_STATUS)
 
 
-def snapshot(node: NodeContext) -> dict:
+def snapshot(node: NodeContext, *, stopped: bool = False) -> dict:
     out = {
         "peer_id": node.peer_id,
         "role": node.config.role,
@@ -71,13 +72,29 @@ def snapshot(node: NodeContext) -> dict:
         "traffic": node.metrics.totals(),
         "handler_errors": {f"{p}/{e}": n for (p, e), n in node.host.handler_errors.counts.items()},
         "streams": {p: inbound.budget.snapshot() for p, inbound in node.host.inbound.items()},
+        # Who the run file names, so a page can say "trainer 12D3…" instead of a bare peer id.
+        "run_roles": {**{p: "validator" for p in node.run.validators}, **{p: "trainer" for p in node.run.trainers}},
     }
+    if stopped:
+        out["stopped"] = True
     for name, provider in node.status.items():
         try:
             out[name] = provider()
         except Exception as e:  # a broken provider must not take status down
             out[name] = {"error": f"{type(e).__name__}: {e}"}
-    return out
+    return with_health(node.health, out, trio.current_time())
+
+
+def with_health(watch: ProgressWatch, snap: dict, now: float) -> dict:
+    """``snap`` with its judged ``health`` first among the sections (node/health.py); a change of
+    state is logged once, so a stall is in the log as well as on the page."""
+    before = watch.state
+    health = watch.observe(snap, now)
+    if health.state is not before and before is not None:
+        level = logging.WARNING if health.state is State.STALLED else logging.INFO
+        log.log(level, "health: %s: %s", health.state.value, health.cause)
+    head = {k: snap[k] for k in ("peer_id", "role", "run") if k in snap}
+    return {**head, "health": health.as_dict(), **snap}
 
 
 def status_handler(node: NodeContext):
@@ -123,8 +140,7 @@ async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORE
     finally:
         with trio.CancelScope(shield=True):
             try:
-                final = snapshot(node)
-                final["stopped"] = True
+                final = snapshot(node, stopped=True)
                 write_atomic(path, json.dumps(final).encode(), durable=False)
                 (node.data_dir / NODE_FILE).unlink(missing_ok=True)
             except OSError:

@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..config import NodeConfig, check_connect_addr
+from ..health import health_line
 from ..status_files import STATUS_FILE, read_status
 from .errors import RuntimeFailure, UsageError
 
@@ -23,7 +24,7 @@ MAX_LIST_ITEMS = 8  # longer lists print their last items and how many there are
 MAX_MEMBERS_SHOWN = 200  # member table rows; the rest are counted
 # Keys of the snapshot shown in the node's own section (or the member table), not as services.
 NODE_KEYS = ("membership", "peer_id", "role", "run", "uptime_s", "time", "addrs", "stopped", "traffic",
-             "handler_errors")
+             "handler_errors", "health", "run_roles")
 
 
 def fetch_status(config: NodeConfig, connect: str | None) -> dict:
@@ -80,6 +81,7 @@ def render_status(status: dict, console: Console | None = None) -> None:
     console = console or Console()
     member = status.get("membership") or {}
     _node_section(status, member, console)
+    console.print(escape(health_line(status) or "health: -"), highlight=False)  # node/health.py's judgement
     counts = member.get("counts", {})
     if counts:
         console.print("members: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
