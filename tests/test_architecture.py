@@ -1,4 +1,4 @@
-"""The import rules that keep the layout honest (README "Layout", DESIGN.md "Layout and wiring").
+"""The import rules that keep the layout honest (docs/design.md "Source layout", DESIGN.md "Layout and wiring").
 
 Arrows run down: app -> roles -> services -> pure logic -> wire. Every module under node/ is parsed
 with ``ast`` (imports inside functions included, since a lazy import is still a dependency) and

@@ -1,4 +1,4 @@
-"""The configuration reference is generated from the code, parses as a run file, and the README has it."""
+"""The configuration reference is generated from the code, parses as a run file, and docs/configuration.md has it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from node.config import load_config
 from node.app.config_reference import reference
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+REFERENCE_DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def test_reference_is_a_valid_run_file(tmp_path):
@@ -17,12 +17,12 @@ def test_reference_is_a_valid_run_file(tmp_path):
     assert cfg.run.name == "demo" and cfg.run.section("grpo").epsilon == 0.2
 
 
-def test_readme_embeds_the_current_reference():
-    text = README.read_text()
+def test_docs_embed_the_current_reference():
+    text = REFERENCE_DOC.read_text()
     start, end = "<!-- config-reference:start -->\n```toml\n", "```\n<!-- config-reference:end -->"
-    assert start in text and end in text, "README lacks the generated configuration reference"
+    assert start in text and end in text, "docs/configuration.md lacks the generated configuration reference"
     embedded = text.split(start, 1)[1].split(end, 1)[0]
-    assert embedded == reference(), "README's reference is stale: paste `swarm-node config` into it"
+    assert embedded == reference(), "docs/configuration.md's reference is stale: paste `swarm-node config` into it"
 
 
 def test_swarm_run_names_the_run_file_and_run_wins(tmp_path):

@@ -140,7 +140,7 @@ def dir_bytes(path: Path) -> int:
 def test_home_nodes_behind_nat_take_part_fully(tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     # Routers that drop unsolicited inbound connection attempts (as most home routers do) rather
-    # than refuse them: with refusing routers hole punching cannot work (see the README).
+    # than refuse them: with refusing routers hole punching cannot work (see docs/design.md, "Hole punching").
     with NatTopology(PUBLIC, HOMES, silent_drop=True) as topo, NatSwarm(tmp_path, topo) as swarm:
         swarm.extra_env.update(env)
         ids = {n: swarm.peer_id(n) for n in ("trainer", "validator")}

@@ -29,7 +29,7 @@ from node.trainer.testing import FakeLedger, fake_wiring, reversal_batch, sign_b
 
 RUN = "test"
 TOK = build_tokenizer()
-CFG = QuotaConfig()  # the defaults are what the README's figure is computed from
+CFG = QuotaConfig()  # the defaults are what docs/security.md's figures are computed from
 
 
 # ---------------------------------------------------------------- the pure rule
@@ -114,7 +114,7 @@ def test_the_demo_pipeline_never_meets_the_quota(workers, stale):
 
 
 def test_fresh_gain_per_hour_under_the_defaults():
-    """The README's figure (32-sample batches: [rl] prompts_per_batch 4 x group_size 8, as the demo)."""
+    """The gain under the defaults for the demo's batches (32 samples: [rl] prompts_per_batch 4 x group_size 8)."""
     gain = fresh_gain_per_hour(CFG, 32)
     assert gain == {"batches": 960, "samples": 30720, "all_new_batches": 3840, "all_new_samples": 122880}
 
