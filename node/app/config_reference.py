@@ -1,8 +1,8 @@
 """``swarm-node config``: every run-file table with its defaults and the comment of each field.
 
 Generated from the dataclasses themselves (field defaults, and the ``# comment`` on or just above
-each field in the source), so the reference cannot drift from the code; the README embeds this
-output and a test checks that it is current.
+each field in the source), so the reference cannot drift from the code; docs/configuration.md embeds
+this output and a test checks that it is current.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ runs as (root on a dev box, ``swarm`` in the shipped container and systemd unit)
   tmpfs is capped at :data:`SCRATCH_BYTES`; the wall-clock limit kills the whole run.
 
 When bwrap is missing or cannot build its namespaces here (e.g. Docker's default seccomp/AppArmor
-profile forbids them; see README "Code sandbox"), :func:`isolation_mode` says so and
+profile forbids them; see docs/security.md, "Code sandbox"), :func:`isolation_mode` says so and
 :func:`run_python` raises :class:`SandboxUnavailable`: there is no weaker fallback. Nodes that would
 run code call :func:`require_isolation` at start and refuse to start instead.
 
@@ -58,7 +58,7 @@ BWRAP = "bwrap"  # looked up on PATH
 SYSTEM_LIBS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32")
 GUEST_MAIN = "/tmp/main.py"
 INSTALL_HINT = ("install bubblewrap (Debian: apt-get install bubblewrap) and allow it to create namespaces "
-                "(in a container: see README 'Code sandbox')")
+                "(in a container: see docs/security.md)")
 
 
 class SandboxUnavailable(RuntimeError):

@@ -26,7 +26,7 @@ class ShardsConfig:
     fetch: str = "auto"
     # Peers downloaded from at once, per version. Each one's queue holds 3 s of its measured rate, so
     # a few fill a downlink; each more costs a session each way and its Haves (16 peers: 7-25 % more
-    # CPU per MiB at N=16-24 than 8, README "Measured figures", tenth round).
+    # CPU per MiB at N=16-24 than 8 in bench/shards.py swarm).
     max_peers: int = 8
     # Requests served at once by this node over all peers (the rest wait in per-peer queues).
     max_serving: int = 16
