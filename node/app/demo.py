@@ -59,7 +59,7 @@ max_pending_batches = 2
 [grpo]
 verify_grace_steps = 4
 # A demo step takes every verified batch (~190 samples): eight AdamW steps on ~24 samples each
-# rather than four on ~48, the same compute, twice the updates. Measured (README "The loop"):
+# rather than four on ~48, the same compute, twice the updates. Measured (docs/benchmarks.md, bench/loop.py):
 # 3.0-3.8x reward in 300 s with 8; one run with 4 gave 3.0x too, so the gain is not established.
 optimizer_steps = 8
 """

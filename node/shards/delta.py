@@ -4,7 +4,7 @@ How this works
 --------------
 In RL post-training with bf16 weights published from an fp32 master and a small learning rate, a
 published value changes only when an update carries the master across a bf16 rounding boundary, so
-most values of v equal those of v-1 (measured: README "Checkpoint deltas", ``bench/deltas.py``).
+most values of v equal those of v-1 (measured: docs/benchmarks.md, ``bench/deltas.py``).
 A delta lists, per file of the target folder, one record:
 
 * ``same``: the file is byte-identical to the base's file of that name;
