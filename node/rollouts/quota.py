@@ -93,7 +93,7 @@ def validator_scale(trainers: int) -> int:
 
 def fresh_gain_per_hour(cfg: QuotaConfig, samples_per_batch: int) -> dict[str, int]:
     """The most batches (and samples) intake takes per hour from one identity that never gets a batch
-    accepted, and from all such identities together (the README's figure)."""
+    accepted, and from all such identities together (docs/security.md's table)."""
     per_hour = math.floor(3600 / cfg.interval_s)
     one = cfg.new_batches * per_hour
     everyone = cfg.new_total * per_hour
