@@ -153,7 +153,7 @@ def _trainer(t: dict, seen: dict) -> Health:
                 "waiting_for_verdicts": waiting, "validator_backlog": backlog, "ready": ready}
     figures = {"step": str(step), "since the last step": since_text(seen.get("step_moved"), since), "steps per minute": per_min(rate),
                "loss": "-" if loss is None else f"{loss:.4g}", "batches waiting for a verdict": str(waiting),
-               "at validators now": str(backlog), "samples ready": f"{in_hand} of {needed} a step needs"}
+               "at validators now": str(backlog), "samples in hand": f"{in_hand} (a step needs {needed})"}
     if t.get("publish_error"):
         return Health(State.STALLED, f"publishing checkpoints fails: {t['publish_error']}", figures, progress)
     state = _stalled_or_starting(bool(seen.get("step_moved")), since)

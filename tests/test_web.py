@@ -13,6 +13,8 @@ import urllib.request
 import pytest
 import trio
 
+from node.health import ProgressWatch
+from node.status import with_health
 from node.web import MAX_REQUEST_BYTES, node_routes, page_html, serve_http
 from waiting import wait_until
 
@@ -118,6 +120,8 @@ def test_a_running_node_serves_its_page(tmp_path):
         assert swarm.status("relay")["web"]["url"] == base + "/"
         status = json.loads(get(base + "/status.json")[2])
         assert status["role"] == "relay" and status["peer_id"] == swarm.peer_id("relay")
+        # judged health, as the page and `swarm-node status` show it: a lone relay is starting
+        assert status["health"]["state"] == "starting" and status["health"]["cause"] == "no other member known alive yet"
         assert get(base + "/healthz")[0] == 200
         metrics = get(base + "/metrics")[2].decode()
         assert "swarm_tcp_bytes_total" in metrics and "process_resident_memory_bytes" in metrics
@@ -126,6 +130,71 @@ def test_a_running_node_serves_its_page(tmp_path):
 
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _dump(url: str) -> str:
+    """The page's DOM after its script ran (headless Chromium)."""
+    proc = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                           "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    return proc.stdout
+
+
+VALIDATOR = "12D3KooWJKp5tsFpnTaqNZsdLpJFT8ZXP44eCFDMuwcbu7o7zYth"
+
+
+def stalled_trainer_status() -> dict:
+    """A trainer's snapshot as node/status.py builds it, judged after six minutes at step 22 with
+    155 batches waiting for a verdict (issue 39's stall)."""
+    trainer = {"step": 22, "publish_error": "", "intake": {"accepted": 400},
+               "batches": {"gated": 155, "ready": 0, "trained": 90, "rejected": 0, "no_signal": 0},
+               "samples_in_hand": [0, 16], "gate": {"live_validators": 1, "validators": 1, "per_validator": {VALIDATOR: 40}},
+               "last_step": {"step": 22, "loss": -0.0102}, "reward": [[i, 0.1 + i / 100] for i in range(1, 23)],
+               "rejected_by_reason": {}}
+    snap = {"peer_id": "12D3KooWself", "role": "trainer", "run": "my-run", "uptime_s": 420.0, "addrs": [],
+            "run_roles": {VALIDATOR: "validator", "12D3KooWself": "trainer"},
+            "membership": {"members": [], "connections": 1,
+                           "rejected": {"shards/stream-error": 62, "/swarm/ledger/sync/1.0.0/wrong-run": 3}}}
+    watch = ProgressWatch()
+    with_health(watch, {**snap, "trainer": {**trainer, "step": 21}}, 0.0)
+    with_health(watch, {**snap, "trainer": trainer}, 60.0)
+    return with_health(watch, {**snap, "trainer": trainer}, 420.0)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium is not installed (make chromium, as root)")
+async def test_the_page_shows_a_stalled_trainer_with_its_cause_names_units_and_axis_titles_in_a_browser():
+    """Chromium renders a stalled trainer's page (issue 39): the stall and its cause at the top,
+    the step, its age, steps/min and loss; peer ids named by role; bytes in MB; the reward chart
+    with both axis titles and its last x label inside the chart; each rejection explained."""
+    import re
+
+    class Ledger:
+        def totals(self):
+            return {VALIDATOR: {"verdicts": 28, "bytes_served": 6_610_469}}
+
+    status = stalled_trainer_status()
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_http, "127.0.0.1", 0, node_routes(lambda: status, lambda: b"", Ledger(), 0.0))
+        dom = await trio.to_thread.run_sync(_dump, f"http://127.0.0.1:{port}/")
+        nursery.cancel_scope.cancel()
+    assert '<div id="error"></div>' in dom and 'data-polls="' in dom
+    assert '<div id="health" data-state="stalled">' in dom
+    assert "no step for 6.0 min; waiting for verdicts: 155 batches, validator backlog 40" in dom
+    figures = dict(re.findall(r'<tr><td>([^<]+)</td><td class="num">([^<]+)</td></tr>', dom.split('id="progress"', 1)[1]))
+    assert figures["step"] == "22" and figures["since the last step"] == "6.0 min"
+    assert figures["steps per minute"] == "0" and figures["loss"] == "-0.0102"
+    assert figures["batches waiting for a verdict"] == "155"
+    ledger = dom.split('id="ledger"', 1)[1]
+    assert f'title="{VALIDATOR}">validator 12D3KooW…o7zYth</td>' in ledger  # named by the run file, not a bare id
+    assert ">6.6 MB<" in ledger and ">served<" in ledger
+    svg = dom.split('id="reward-svg"', 1)[1].split("</svg>", 1)[0]
+    width = float(re.search(r'width="(\d+)"', dom.split('<svg', 1)[1]).group(1))
+    assert re.search(r'id="x-title">step</text>', svg) and re.search(r'id="y-title"[^>]*>mean reward</text>', svg)
+    ticks = re.findall(r'<text x="([\d.]+)" y="[\d.]+" class="xtick" text-anchor="(\w+)">(\d+)</text>', svg)
+    assert ticks[0][1:] == ("start", "1") and ticks[-1][1:] == ("end", "22") and float(ticks[-1][0]) <= width
+    rejections = dom.split('id="rejections"', 1)[1].split("</table>", 1)[0]
+    stream_error = rejections.split("stream-error", 1)[1].split("</tr>", 1)[0]
+    assert ">62<" in stream_error and "a few are normal" in stream_error
+    assert "<td>/swarm/ledger/sync/1.0.0</td>" in rejections and "another [run] name" in rejections
 
 
 @pytest.mark.slow
@@ -146,9 +215,7 @@ def test_the_page_shows_the_members_of_a_running_swarm_in_a_browser(tmp_path):
                                       if r["state"] == "alive"}, what="the relay sees both others alive")
 
         def dump() -> str:
-            proc = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
-                                   "--dump-dom", url], capture_output=True, text=True, timeout=120)
-            return proc.stdout
+            return _dump(url)
 
         def polls(dom: str) -> int:
             return int(dom.split('data-polls="', 1)[1].split('"', 1)[0]) if 'data-polls="' in dom else 0

@@ -1,0 +1,158 @@
+"""A node's judged health (node/health.py): status dicts and times in, ok/starting/stalled and a
+cause out. Pure tests on status dicts shaped as the services write them, then the judgement of a
+real trainer's status in a small in-process swarm whose validator never answers (issue 39: a trainer
+sat at step 22 for six minutes with 155 batches waiting for verdicts and its page looked healthy)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from rich.console import Console
+
+from node.app.status_view import render_status
+from node.health import FIRST_PROGRESS_S, MAX_SAMPLES, STALL_S, ProgressWatch, State, health_line
+from node.status import with_health
+
+
+def trainer(step: int, gated: int = 0, backlog: int = 0, ready: int = 0, live: int = 1, accepted: int = 10,
+            loss: float | None = 0.0123) -> dict:
+    return {"trainer": {
+        "step": step, "publish_error": "", "intake": {"accepted": accepted} if accepted else {},
+        "batches": {"gated": gated, "ready": ready, "trained": 3, "rejected": 0, "no_signal": 0},
+        "samples_in_hand": [5, 16],
+        "gate": {"live_validators": live, "validators": 1, "per_validator": {"12D3KooWval": backlog} if backlog else {}},
+        "last_step": {"step": step, "loss": loss} if loss is not None else None,
+    }}
+
+
+def validator(queue: int, accepted: int, rejected: int = 0, of_run: bool = True, **refused) -> dict:
+    return {"validator": {"validator_of_run": of_run, "queue": queue, "queue_max": 64, "checking": "ab12" if queue else None,
+                          "verdicts": {"accepted": accepted, "rejected": rejected, **refused}}}
+
+
+def inference(sent: int, acked: int, refused: dict | None = None, trainers: int = 1, waiting=None) -> dict:
+    return {"inference": {"policy_version": 3, "trainers_alive": trainers, "waiting_for_checkpoint": waiting,
+                          "batches": {"queued": 0, "sent": sent, "accepted": acked, "refused": refused or {}, "dropped": {}}}}
+
+
+def watch_over(states: list[tuple[float, dict]]) -> tuple[ProgressWatch, object]:
+    watch, health = ProgressWatch(), None
+    for now, status in states:
+        health = watch.observe(status, now)
+    return watch, health
+
+
+def test_a_trainer_whose_batches_wait_for_verdicts_is_stalled_after_stall_s_and_says_so():
+    """Issue 39's stall: step 22, then nothing while 155 batches wait for a verdict."""
+    _, h = watch_over([(0.0, trainer(21)), (10.0, trainer(22, gated=155, backlog=40))])
+    assert h.state is State.OK and h.figures["step"] == "22" and h.figures["loss"] == "0.0123"
+    _, h = watch_over([(0.0, trainer(21)), (10.0, trainer(22, gated=155, backlog=40)),
+                       (10.0 + STALL_S, trainer(22, gated=155, backlog=40))])
+    assert h.state is State.OK  # exactly STALL_S: not yet
+    _, h = watch_over([(0.0, trainer(21)), (10.0, trainer(22, gated=155, backlog=40)),
+                       (10.0 + STALL_S + 1, trainer(22, gated=155, backlog=40))])
+    assert h.state is State.STALLED
+    assert h.cause == "no step for 91 s; waiting for verdicts: 155 batches, validator backlog 40"
+    assert h.figures["since the last step"] == "91 s" and h.figures["batches waiting for a verdict"] == "155"
+    assert h.progress["since_step_s"] == 91.0 and h.progress["validator_backlog"] == 40
+
+
+def test_a_stalled_trainer_names_where_the_work_waits():
+    stall = STALL_S + 1
+    cases = [
+        (trainer(5, gated=7, live=0), "no validator alive: 7 batches wait for a verdict"),
+        (trainer(5, ready=2), "5 samples ready, a step needs 16: waiting for more rollouts"),
+        (trainer(5), "no rollouts arriving: are the inference nodes running and connected?"),
+    ]
+    for status, cause in cases:
+        moved = {"trainer": {**status["trainer"], "step": 4}}
+        _, h = watch_over([(0.0, moved), (1.0, status), (1.0 + stall, status)])
+        assert h.state is State.STALLED and h.cause.endswith("; " + cause), h.cause
+
+
+def test_before_its_first_step_a_trainer_is_starting_then_stalled():
+    """A trainer that has not stepped since it started (a restart at a saved step included) is
+    starting for FIRST_PROGRESS_S, then stalled with why."""
+    idle = trainer(22, accepted=0)
+    _, h = watch_over([(0.0, idle), (FIRST_PROGRESS_S, idle)])
+    assert h.state is State.STARTING and h.figures["since the last step"].startswith("none since start")
+    _, h = watch_over([(0.0, idle), (FIRST_PROGRESS_S + 1, idle)])
+    assert h.state is State.STALLED
+    assert h.cause == "no step since the node started (5.0 min); no rollouts received yet: is an inference node running and connected?"
+
+
+def test_steps_per_minute_come_from_the_watched_history():
+    states = [(10.0 * i, trainer(i // 3)) for i in range(31)]  # a step every 30 s for 300 s
+    watch, h = watch_over(states[:3])
+    assert h.progress["steps_per_min"] is None and h.figures["steps per minute"] == "- (watching)"  # 20 s watched
+    watch, h = watch_over(states)
+    assert h.progress["steps_per_min"] == 2.0 and h.figures["steps per minute"] == "2"
+    assert len(watch.samples) <= MAX_SAMPLES + 1
+
+
+def test_the_history_stays_bounded_however_often_status_is_read():
+    watch = ProgressWatch()
+    for i in range(10_000):
+        watch.observe(trainer(i // 100), i * 0.25)
+    assert len(watch.samples) <= MAX_SAMPLES + 1
+    assert watch.figures(2499.75)["step_per_min"] == pytest.approx(2.4, abs=0.05)  # a step per 100 reads of 0.25 s
+
+
+def test_a_validator_with_a_backlog_and_no_verdict_is_stalled_an_idle_one_is_ok():
+    _, h = watch_over([(0.0, validator(3, 10)), (30.0, validator(3, 12))])
+    assert h.state is State.OK and h.figures["backlog"] == "3 of 64 batches"
+    _, h = watch_over([(0.0, validator(3, 10)), (30.0, validator(3, 12)), (31.0 + STALL_S, validator(3, 12))])
+    assert h.state is State.STALLED and h.cause == "no verdict for 91 s with 3 batches queued (checking ab12)"
+    _, h = watch_over([(0.0, validator(0, 10)), (500.0, validator(0, 10, **{"unjudged:no-checkpoint": 4}))])
+    assert h.state is State.OK and h.cause == "idle: no batch waiting for a verdict (refused: unjudged:no-checkpoint ×4)"
+    _, h = watch_over([(0.0, validator(0, 0))])
+    assert h.state is State.STARTING
+    _, h = watch_over([(0.0, validator(0, 0, of_run=False))])
+    assert h.state is State.STALLED and "not in the run file's validators" in h.cause
+
+
+def test_a_worker_whose_batches_are_refused_is_stalled_with_the_reasons():
+    """The worker of issue 39 saw its batches answered step_ahead; its health says so."""
+    states = [(0.0, inference(5, 5)), (10.0, inference(6, 6)),
+              (50.0, inference(40, 6, {"step-ahead": 34})), (10.0 + STALL_S + 1, inference(60, 6, {"step-ahead": 54}))]
+    _, h = watch_over(states[:2])
+    assert h.state is State.OK and h.figures["acked"] == "6"
+    _, h = watch_over(states)
+    assert h.state is State.STALLED
+    assert h.cause == "no batch acked for 91 s; the trainer refuses its batches: step-ahead ×54"
+    assert h.figures["refused"] == "step-ahead ×54" and h.figures["batches sent"] == "60"
+    _, h = watch_over([(0.0, inference(0, 0, trainers=0)), (FIRST_PROGRESS_S + 1, inference(0, 0, trainers=0))])
+    assert h.state is State.STALLED and h.cause == "no batch acked yet; no trainer alive in the member table"
+
+
+def test_a_relay_is_ok_once_it_sees_a_member_and_a_stopped_node_says_so():
+    members = {"role": "relay", "membership": {"connections": 2, "members": [{"peer_id": "a", "state": "alive"}]}}
+    assert watch_over([(0.0, members)])[1].state is State.OK
+    assert watch_over([(0.0, {"role": "relay", "membership": {"members": []}})])[1].state is State.STARTING
+    assert watch_over([(0.0, {**members, "stopped": True})])[1].state is State.STOPPED
+
+
+def test_a_snapshot_carries_its_health_first_and_a_stall_is_logged_once(caplog):
+    watch = ProgressWatch()
+    snap = {"peer_id": "p", "role": "trainer", "run": "r", "streams": {}, **trainer(3, gated=2, backlog=2)}
+    with caplog.at_level(logging.INFO, logger="node.status"):
+        out = with_health(watch, {**snap, **trainer(2)}, 0.0)
+        assert list(out)[:4] == ["peer_id", "role", "run", "health"] and out["health"]["state"] == "starting"
+        assert with_health(watch, snap, 1.0)["health"]["state"] == "ok"  # stepped
+        for now in (50.0, 100.0, 200.0):
+            out = with_health(watch, snap, now)
+    assert out["health"]["state"] == "stalled"
+    stalls = [r for r in caplog.records if "stalled" in r.getMessage()]
+    assert len(stalls) == 1 and stalls[0].levelno == logging.WARNING
+    assert stalls[0].getMessage() == "health: stalled: no step for 99 s; waiting for verdicts: 2 batches, validator backlog 2"
+
+
+def test_swarm_node_status_prints_the_health_line_under_the_node_line():
+    snap = with_health(ProgressWatch(), {"peer_id": "p", "role": "validator", "run": "r", **validator(0, 3)}, 0.0)
+    console = Console(record=True, width=300)
+    render_status(snap, console)
+    lines = console.export_text().splitlines()
+    assert lines[2] == health_line(snap)
+    assert lines[2].startswith("health: ok: idle: no batch waiting for a verdict  (backlog 0 of 64 batches, verdicts 3,")
+    assert not any(line.strip() == "health" for line in lines)  # not printed again as a section
