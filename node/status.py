@@ -94,7 +94,7 @@ def with_health(watch: ProgressWatch, snap: dict, now: float) -> dict:
         level = logging.WARNING if health.state is State.STALLED else logging.INFO
         log.log(level, "health: %s: %s", health.state.value, health.cause)
     head = {k: snap[k] for k in ("peer_id", "role", "run") if k in snap}
-    return {**head, "health": health.as_dict(), **snap}
+    return {**head, "health": health.as_dict(), **{k: v for k, v in snap.items() if k != "health"}}
 
 
 def status_handler(node: NodeContext):

@@ -156,3 +156,42 @@ def test_swarm_node_status_prints_the_health_line_under_the_node_line():
     assert lines[2] == health_line(snap)
     assert lines[2].startswith("health: ok: idle: no batch waiting for a verdict  (backlog 0 of 64 batches, verdicts 3,")
     assert not any(line.strip() == "health" for line in lines)  # not printed again as a section
+
+
+async def test_a_real_trainer_whose_validator_never_answers_is_judged_stalled_waiting_for_verdicts(tmp_path):
+    """A trainer in a real node, a validator that takes its batch and never sends a verdict, and a
+    worker: the trainer's own status, judged at the times given, is starting, then stalled with the
+    batch waiting for a verdict at that validator (the figures come from the trainer's real fields)."""
+    from swarmtest import node_config, open_nodes
+    from test_trainer_loop import honest, make_run, submit
+    from waiting import wait_for
+
+    from node.identity import load_or_create_identity
+    from node.rollouts.schema import VERIFY_PROTOCOL, RolloutAck, open_batch
+    from node.status import snapshot
+    from node.wire import read_frame, write_frame
+
+    val_id, _ = load_or_create_identity(tmp_path / "validator")
+    run = make_run(tmp_path, validators=[val_id.peer_id])
+    run.tables["trainer"]["verify_timeout_s"] = 3600.0  # the silent validator keeps the batch
+    cfgs = [node_config(tmp_path, "trainer", "trainer", run=run), node_config(tmp_path, "validator", "relay", run=run),
+            node_config(tmp_path, "client", "relay", run=run)]
+    async with open_nodes(cfgs) as (tnode, vnode, client):
+        trainer, taken = tnode.trainer, []
+
+        async def silent_validator(stream):
+            signed = open_batch(await read_frame(stream, 8 * 1024 * 1024), "test")
+            await write_frame(stream, RolloutAck(batch_id=signed.batch_id, accepted=True))
+            taken.append(signed.batch_id)
+            await stream.close()
+
+        vnode.host.set_handler(VERIFY_PROTOCOL, silent_validator)
+        await wait_for(lambda: vnode.peer_id in trainer.live_validators(), what="validator alive")
+        assert (await submit(client, tnode.peer_id, honest(client, trainer, step=0, seed=1))).accepted
+        await wait_for(lambda: taken, what="the batch handed to the validator")
+        watch = ProgressWatch()
+        first = with_health(watch, snapshot(tnode.context), 0.0)["health"]
+        later = with_health(watch, snapshot(tnode.context), FIRST_PROGRESS_S + 1)["health"]
+    assert first["state"] == "starting" and first["figures"]["batches waiting for a verdict"] == "1"
+    assert later["state"] == "stalled"
+    assert later["cause"] == "no step since the node started (5.0 min); waiting for verdicts: 1 batches, validator backlog 1"
