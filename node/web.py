@@ -27,6 +27,8 @@ from typing import Protocol
 import h11
 import trio
 
+from .config import check_port_free
+
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 32  # served at once; more wait in the listen backlog
@@ -55,6 +57,7 @@ async def serve_http(host: str, port: int, routes: dict[str, Route], *,
                      task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``routes`` (path -> route) on host:port until cancelled; ``task_status.started(port)``
     with the bound port once listening (port 0 picks a free one)."""
+    check_port_free(host, port, "--http-port")  # one line for the user, not an OSError traceback
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()[1]
     limit = trio.Semaphore(MAX_CONNECTIONS)
