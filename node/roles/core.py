@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ..config import ConfigError, NodeConfig
+from ..config import ConfigError, NodeConfig, check_port_free
 from ..context import NodeContext, RunningNode
 from ..gossip.service import Membership, serve_membership
 from ..net.host import PING_PROTOCOL, open_swarm_host
@@ -110,9 +110,12 @@ async def run_node(
     *,
     task_status=trio.TASK_STATUS_IGNORED,
     handle_signals: bool = True,
+    start: Callable[[trio.Nursery, NodeContext], Awaitable[CoreNode]] | None = None,
 ) -> None:
     """Run a node until cancelled or signalled. ``task_status.started(node)`` once all services run,
-    with the :class:`CoreNode` (or the role's subclass of it) their APIs were handed back in."""
+    with the :class:`CoreNode` (or the role's subclass of it) their APIs were handed back in.
+    ``start`` replaces the role's composition (``swarm-node publish`` runs the core alone under a
+    trainer's key). A node that fails before it is ready raises without logging "node stopped"."""
     check_code_sandbox(config)
     data_dir = config.resolved_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -122,19 +125,23 @@ async def run_node(
     async with open_swarm_host(identity, config.listen) as host:
         node = NodeContext(config, identity, host, data_dir, started_at=trio.current_time())
         stop_metrics = start_metrics(node)
+        ready = False
         try:
             async with trio.open_nursery() as nursery:
                 if handle_signals:
                     nursery.start_soon(_watch_signals, nursery.cancel_scope)
-                started = await importlib.import_module(ROLE_MODULES[config.role]).start(nursery, node)
+                start = start or importlib.import_module(ROLE_MODULES[config.role]).start
+                started = await start(nursery, node)
                 log.info(
                     "node ready",
                     extra={"role": config.role, "peer": node.peer_id, "addrs": ",".join(host.listen_addrs())},
                 )
+                ready = True
                 task_status.started(started)
         finally:
             stop_metrics()
-            log.info("node stopped", extra={"peer": node.peer_id})
+            if ready:
+                log.info("node stopped", extra={"peer": node.peer_id})
 
 
 async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
@@ -152,6 +159,7 @@ def start_metrics(node: NodeContext) -> Callable[[], None]:
         return lambda: None
     from prometheus_client import start_http_server
 
+    check_port_free(addr, port, "--metrics-port")
     server, thread = start_http_server(port, addr=addr, registry=node.metrics.registry)
     log.info("metrics", extra={"url": f"http://{addr}:{port}/metrics"})
 
