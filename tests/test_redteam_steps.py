@@ -24,7 +24,8 @@ from node.rl import spec
 from node.rl.config import GRPOConfig, RLConfig
 from node.rl.tasks import load_taskset
 from node.rollouts.config import WorkerConfig
-from node.rollouts.steps import StepWindow, step_window_size
+from node.rollouts.schema import UNJUDGED_NO_CHECKPOINT
+from node.rollouts.steps import VALIDATOR_WINDOW, StepWindow, step_window_size
 from node.trainer.config import TrainerConfig
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
@@ -154,6 +155,13 @@ async def test_trainer_refuses_a_batch_claiming_another_versions_root(trainer):
 class _Versions:
     def __init__(self, latest, announced):
         self._latest, self.announced = latest, announced
+        self.fetched: list[int] = []
+
+    def fetch(self, version, root, source):
+        self.fetched.append(version)
+
+    async def wait_version(self, version):
+        await trio.sleep_forever()
 
     def latest(self):
         return self._latest
@@ -196,13 +204,44 @@ def _tiny(step, root=ROOT):
                         temperature=1.0, top_p=1.0, max_new_tokens=8, group_size=1, created_ms=0, samples=[s])
 
 
-async def test_validator_rejects_a_step_ground_far_ahead(tmp_path: Path, autojump_clock) -> None:
+async def test_validator_leaves_step_ahead_to_the_trainer_and_follows_the_worker(tmp_path: Path, autojump_clock) -> None:
+    """Issue 39: the trainer expires batches before any validator sees them, so the worker's steps
+    climb past the last one the validator judged; a validator that refused ``step-ahead`` then
+    refused every later batch of that honest worker for good, across restarts (the window is on
+    disk). The grinder is stopped by the trainer, which sees every batch (the trainer tests above);
+    here a validator restarted on that store goes past the window check to the checkpoint."""
     store = ValidatorStore(tmp_path / "v.sqlite")
     store.record(b"\x01" * 32, WORKER.peer_id, 0, [0], True, ["ok"], "t", b"verdict", 1, window=WINDOW)
-    svc = _validator(tmp_path, store)
+    store.close()
+    svc = _validator(tmp_path, ValidatorStore(tmp_path / "v.sqlite"))
     job = SimpleNamespace(trainer="t", signed=VT.sign_batch(WORKER, _tiny(FAR)), received_at=0.0)
-    j = await svc.judge(job)
-    assert set(j.reasons) == {BatchReason.STEP_AHEAD.value}
+    assert await svc.judge(job) == UNJUDGED_NO_CHECKPOINT  # past every window rule: no model here
+
+
+async def test_validator_refuses_a_step_used_twice_even_far_apart(tmp_path: Path, autojump_clock) -> None:
+    """What the validator still bounds: one step, one draw, whichever trainer forwards it (a second
+    batch for a step is a replay of its draw), and nothing from far below its window."""
+    store = ValidatorStore(tmp_path / "v.sqlite")
+    store.record(b"\x01" * 32, WORKER.peer_id, FAR, [0], True, ["ok"], "t", b"verdict", 1, window=VALIDATOR_WINDOW)
+    svc = _validator(tmp_path, store)
+    for step, reason in ((FAR, BatchReason.REPLAYED), (FAR - VALIDATOR_WINDOW, BatchReason.STEP_BEHIND)):
+        job = SimpleNamespace(trainer="t", signed=VT.sign_batch(WORKER, _tiny(step)), received_at=0.0)
+        assert set((await svc.judge(job)).reasons) == {reason.value}, step
+    # Deadline order is not step order: a batch a whole trainer queue older is judged, not refused.
+    job = SimpleNamespace(trainer="t", signed=VT.sign_batch(WORKER, _tiny(FAR - 1024)), received_at=0.0)
+    assert await svc.judge(job) == UNJUDGED_NO_CHECKPOINT
+
+
+async def test_validator_says_cannot_judge_at_once_when_the_checkpoint_is_gone(tmp_path: Path, autojump_clock) -> None:
+    """Issue 39: a batch queued while its checkpoint was held, checked after it was pruned, held the
+    validator's only check slot for ``checkpoint_timeout`` (120 s) per batch. Now: "cannot judge"
+    at once (no blame), a fetch started, and the trainer offers the batch again later."""
+    svc = _validator(tmp_path, ValidatorStore(tmp_path / "v.sqlite"))
+    job = SimpleNamespace(trainer="t", signed=VT.sign_batch(WORKER, _tiny(0)), received_at=0.0)
+    t0 = trio.current_time()
+    assert await svc.judge(job) == UNJUDGED_NO_CHECKPOINT
+    assert trio.current_time() == t0
+    assert svc.shards.fetched == [0]
 
 
 async def test_validator_rejects_a_batch_claiming_another_versions_root(tmp_path: Path, autojump_clock) -> None:

@@ -32,6 +32,20 @@ batches it never delivered: at most its outbox plus the step in generation lost 
 failed steps; :func:`step_window_size` allows twice that plus ``STEP_SLACK``. The size comes from the
 run file's ``[worker] max_pending_batches``, which the trainer and validators read too.
 
+Who judges what (issue 39). Only a trainer sees every batch a worker sends it, so only a trainer can
+bound ``step-ahead`` by the worker's real progress. A validator sees the batches trainers forward to
+it, which leave out the ones a trainer expired before any check (its queueing, not the worker's
+doing): a ``step-ahead`` bound there measured the trainer's backlog, and once a worker's steps had
+climbed more than ``window`` past the last batch forwarded, it refused every later batch of that
+honest worker for good (and kept doing so across restarts: the window is on disk). So a validator
+calls :meth:`StepWindow.reason` with ``ahead=False``: a step above its window moves the window, and
+the validator still refuses a step used twice (``duplicate-step``, across trainers too) and one
+below its window (``step-behind``), over the wider :data:`VALIDATOR_WINDOW`, because trainers
+forward in deadline order, not step order. What that leaves an attacker: the trainers' windows bound
+each batch's choice to ``window`` draws; the validator no longer bounds a jump between trainers,
+so a worker may choose a fresh starting step once per trainer of the run (a handful, named in the
+run file), as a fresh identity may anyway.
+
 Known limit: with several trainers, each sees only the steps sent to it; a trainer that was
 unreachable while a worker delivered more than a window of batches elsewhere refuses that worker's
 next batches as ``step-ahead`` (no strike: the worker is not at fault), and the worker's outbox
@@ -45,6 +59,9 @@ from typing import ClassVar
 
 STEP_SLACK = 8  # steps lost to failed generations (an error, an oversized batch) between two deliveries
 MAX_WINDOW = 4096  # bounds the seen-mask a node stores per worker (max_pending_batches is at most 1024)
+# A validator's window below the highest step it judged: batches reach it in each trainer's deadline
+# order, up to every trainer's queue of pending batches apart, so it is as wide as a node stores.
+VALIDATOR_WINDOW = MAX_WINDOW
 
 
 def step_window_size(max_pending_batches: int) -> int:
@@ -62,12 +79,13 @@ class StepWindow:
 
     EMPTY: ClassVar[StepWindow]
 
-    def reason(self, step: int, window: int) -> str | None:
-        """None if ``step`` may be used now, else ``step-ahead``, ``step-behind`` or ``duplicate-step``."""
+    def reason(self, step: int, window: int, *, ahead: bool = True) -> str | None:
+        """None if ``step`` may be used now, else ``step-ahead``, ``step-behind`` or ``duplicate-step``;
+        with ``ahead`` False (a validator: "Who judges what") a step above the window is no refusal."""
         if self.high < 0:
             return None
         if step > self.high + window:
-            return "step-ahead"
+            return "step-ahead" if ahead else None
         if step > self.high:
             return None
         back = self.high - step

@@ -16,7 +16,7 @@ class ValidatorConfig:
 
     queue_size: int = 64  # batches waiting to be checked; a full queue answers "busy" (trainer tries the next)
     keep_models: int = 2  # checkpoint versions kept loaded in memory (a batch may be async_level old)
-    checkpoint_timeout: float = 120.0  # seconds to wait for a batch's checkpoint before giving up on it
+    checkpoint_timeout: float = 120.0  # unused: a batch whose checkpoint is not on disk is handed back at once (kept so run files setting it load)
     device: str = "auto"  # where the validator's prefill runs: auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # prefill dtype: auto (the run's [inference] dtype) | float32 | bfloat16 | float16
     # Gumbel-max replay (TOPLOC2-style): the sampled token's score may trail the best score by at

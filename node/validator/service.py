@@ -13,13 +13,17 @@ How this works (DESIGN.md "The loop" step 4; the trainer side is node/trainer/ga
   its fetch started): "cannot judge yet", no blame on anyone, so it does not wait in our queue for
   a download while the trainer's slot on us is held (issue 15).
 * **Checking** (one batch at a time, in a worker thread so the node keeps answering probes): the
-  batch's checkpoint is fetched through the shard swarm if needed (the last ``keep_models``
-  versions stay loaded), then node/validator/pipeline.py judges it against the replay store, the
-  worker's step window (node/rollouts/steps.py: no grinding step numbers for easy draws) and the
-  manifest root announced for the batch's version (the draw is keyed by it).
-* **Cannot judge** (the checkpoint was evicted or never came): a signed verdict of the ``unjudged``
-  kind goes to the trainer at once, not silence until its verify timeout; it is neither stored nor
-  in the ledger (it judges nothing, and the batch may be judged later, here or elsewhere).
+  batch's checkpoint is loaded from disk (the last ``keep_models`` versions stay loaded), then
+  node/validator/pipeline.py judges it against the replay store, the worker's step window
+  (node/rollouts/steps.py: a step used twice or from below the window; step-ahead is the trainer's
+  to judge, "Who judges what") and the manifest root announced for the batch's version (the draw
+  is keyed by it).
+* **Cannot judge** (the checkpoint was pruned from our disk while the batch waited, or never came):
+  a signed verdict of the ``unjudged`` kind goes to the trainer at once, and a fetch of the version
+  starts; never a wait for the download in the check slot, which held every batch behind it for
+  ``checkpoint_timeout`` and, for a version no peer held any more, for nothing (issue 39). It is
+  neither stored nor in the ledger (it judges nothing, and the batch may be judged later, here or
+  elsewhere).
 * **Verdict**: signed (domain ``verdict``), stored with the batch's task slots in one SQLite
   transaction (node/validator/store.py), appended to the ledger as a ``verdict`` entry, and, for a
   rejected batch, a ``penalty`` entry (and a ban past the threshold, node/validator/policy.py).
@@ -52,7 +56,6 @@ from ..net.reqres import CallFailure, Codec, FailureKind, open_call, raw, reques
 from ..proofs.config import ProofsConfig
 from ..proofs.margins import ProofMargins
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
-from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import (
     DOMAIN_VERDICT,
     UNJUDGED_NO_CHECKPOINT,
@@ -63,7 +66,7 @@ from ..rollouts.schema import (
     Verdict,
 )
 from ..rollouts.quota import QuotaBook, QuotaConfig, accepted_batches, validator_scale
-from ..rollouts.steps import step_window_size
+from ..rollouts.steps import VALIDATOR_WINDOW
 from ..shards.api import ShardsAPI
 from ..wire import (
     MAX_FRAME,
@@ -163,8 +166,8 @@ class ValidatorService:
         run = node.config.run
         self.trainers = set(run.trainers)
         self.is_validator = node.peer_id in set(run.validators)
-        # Sized by the run's [worker] table, as the trainer's (node/rollouts/steps.py).
-        self.step_window = step_window_size(run.section("worker", WorkerConfig).max_pending_batches)
+        # Step-ahead is the trainers' to judge; ours is the wide window below (node/rollouts/steps.py "Who judges what").
+        self.step_window = VALIDATOR_WINDOW
         self.book = PenaltyBook(cfg)
         # The trainers' intake quota for fresh identities, scaled up: a backstop (node/rollouts/quota.py).
         self.quota = QuotaBook(run.section("quota", QuotaConfig), validator_scale(len(self.trainers)))
@@ -331,7 +334,7 @@ class ValidatorService:
             # Our own ban, or one another validator or a trainer recorded in the ledger.
             return Judgement.uniform(n, reject(BatchReason.BANNED, "worker is banned"))
         window = self.store.step_window(batch.worker)
-        outside = window.reason(batch.step, self.step_window)
+        outside = window.reason(batch.step, self.step_window, ahead=False)
         if outside:
             return Judgement.uniform(n, reject(_WINDOW_REASONS[outside],
                                                f"step {batch.step}: {outside} (highest so far {window.high})"))
@@ -357,7 +360,7 @@ class ValidatorService:
             return UNJUDGED_NO_CHECKPOINT
         model = await self.model_for(batch.policy_version)
         if model is None:
-            log.info("validator: checkpoint v%d not obtained; batch %s left to another validator",
+            log.info("validator: checkpoint v%d not held here (fetch started); batch %s handed back unjudged",
                      batch.policy_version, job.signed.batch_id.hex()[:12])
             return UNJUDGED_NO_CHECKPOINT
         replayed = self.store.replayed_slots(batch.worker, batch.step, [s.prompt_index for s in batch.samples],
@@ -369,19 +372,15 @@ class ValidatorService:
         )
 
     async def model_for(self, version: int) -> CheckModel | None:
-        """The checkpoint of ``version``, loaded (LRU of ``keep_models``), fetched through the shard swarm if needed."""
+        """The checkpoint of ``version``, loaded (LRU of ``keep_models``) from our disk; None, with a
+        fetch through the shard swarm started, when it is not there (the caller hands the batch back)."""
         if version in self.models:
             self.models.move_to_end(version)
             return self.models[version]
-        shards = self.shards
-        path = shards.path_of(version)
+        path = self.shards.path_of(version)
         if path is None:
-            if version in shards.announced:
-                shards.fetch(version, *shards.announced[version])  # a validator needs old versions too
-            with trio.move_on_after(self.cfg.checkpoint_timeout):
-                path = await shards.wait_version(version)
-            if path is None:
-                return None
+            self.want_checkpoint(version)
+            return None
         try:
             model = await trio.to_thread.run_sync(self._load, path, version)
         except (OSError, ValueError, RuntimeError) as e:  # a complete, signed checkpoint that does not load
