@@ -190,7 +190,7 @@ def _validator(v: dict, seen: dict) -> Health:
                       figures, progress)
     state = _stalled_or_starting(bool(seen.get("verdicts_moved")), since)
     if state is None:
-        return Health(State.OK, f"checking: {backlog} batches queued, {per_min(rate)} verdicts a minute", figures, progress)
+        return Health(State.OK, f"checking: {backlog} more batches queued, {per_min(rate)} verdicts a minute", figures, progress)
     return Health(state, f"no verdict for {seconds(since)} with {backlog} batches queued"
                   + (f" (checking {v['checking']})" if v.get("checking") else ""), figures, progress)
 
@@ -257,9 +257,10 @@ def top(counts: dict[str, int]) -> str:
 
 
 def health_line(status: dict) -> str | None:
-    """One line for ``swarm-node status``: ``health: stalled: <cause> (step 22, ...)`` (None: no health)."""
+    """For ``swarm-node status``: ``health: stalled: <cause>`` and, indented below, the figures
+    (``step 22, since the last step 6.0 min, ...``); None when the status carries no health."""
     h = status.get("health")
     if not isinstance(h, dict):
         return None
     figures = ", ".join(f"{k} {v}" for k, v in (h.get("figures") or {}).items())
-    return f"health: {h.get('state')}: {h.get('cause')}" + (f"  ({figures})" if figures else "")
+    return f"health: {h.get('state')}: {h.get('cause')}" + (f"\n  {figures}" if figures else "")

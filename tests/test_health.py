@@ -153,8 +153,9 @@ def test_swarm_node_status_prints_the_health_line_under_the_node_line():
     console = Console(record=True, width=300)
     render_status(snap, console)
     lines = console.export_text().splitlines()
-    assert lines[2] == health_line(snap)
-    assert lines[2].startswith("health: ok: idle: no batch waiting for a verdict  (backlog 0 of 64 batches, verdicts 3,")
+    assert lines[2:4] == health_line(snap).splitlines()
+    assert lines[2] == "health: ok: idle: no batch waiting for a verdict"
+    assert lines[3].startswith("  backlog 0 of 64 batches, verdicts 3, verdicts per minute - (watching),")
     assert not any(line.strip() == "health" for line in lines)  # not printed again as a section
 
 
