@@ -88,6 +88,20 @@ stress: $(STAMP) bwrap
 test-slow: $(STAMP) bwrap nft chromium
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
+# Every benchmark (each script in bench/ that runs as one) in its short --quick form, so that one that
+# stops working fails CI (tests/test_bench_quick.py checks that each has the flag). All run, each
+# bounded by BENCH_TIMEOUT seconds (a hang fails too), then the failures are named.
+BENCHES = $(shell grep -l '^if __name__ == "__main__":' bench/*.py)
+BENCH_TIMEOUT ?= 180
+.PHONY: bench-quick
+bench-quick: $(STAMP)
+	@failed=""; all=$$(date +%s); for b in $(BENCHES); do \
+		echo "== $$b --quick"; t=$$(date +%s); \
+		timeout -k 10 $(BENCH_TIMEOUT) $(BIN)/python $$b --quick || failed="$$failed $$b"; \
+		echo "== $$b: $$(( $$(date +%s) - t )) s"; \
+	done; echo "bench-quick: $$(( $$(date +%s) - all )) s in all"; \
+	[ -z "$$failed" ] || { echo "make: benchmarks failed:$$failed" >&2; exit 1; }
+
 interop: $(STAMP) $(TOPLOC_VENV)/.installed
 	TOPLOC_PYTHON=$(TOPLOC_VENV)/bin/python $(BIN)/python -m pytest -q -rs tests/test_proofs_interop.py $(PYTEST_ARGS)
 
