@@ -19,7 +19,8 @@ class ShardsConfig:
     piece_size: int = 0
     # Bytes asked for by one request (a block; a fast peer is asked for a new piece whole, up to 1 MiB). 256 KiB: see node/shards/manifest.py.
     block_size: int = 256 * 1024
-    # Complete versions kept on disk; older ones are deleted (INTELLECT-2 keeps async_level + 1).
+    # Complete versions kept on disk; older ones are deleted. Never fewer than a live batch may still
+    # refer to: [grpo] async_level + verify_grace_steps + 1 (kept_versions below; 5 by default).
     keep_versions: int = 3
     # Which announced versions to download: "all" (relays), "newest" (inference/validator),
     # "none" (trainer), or "auto" = by role.
@@ -92,3 +93,12 @@ class ShardsConfig:
         for name in ("request_timeout", "ban_seconds", "announce_interval", "garbage_window", "delta_stall_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+
+def kept_versions(keep_versions: int, async_level: int, verify_grace_steps: int) -> int:
+    """Complete versions a node keeps: ``[shards] keep_versions``, but never fewer than a batch the
+    trainer may still train refers to. A batch of version ``v`` is trainable while the trainer is at
+    most ``async_level + verify_grace_steps`` versions past ``v`` (node/trainer/intake.py
+    ``trainable_until``), and a validator must fetch ``v`` to judge it: a trainer, relay or peer
+    that pruned ``v`` earlier left the validator waiting for a download no one could serve (issue 39)."""
+    return max(keep_versions, async_level + verify_grace_steps + 1)

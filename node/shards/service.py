@@ -50,6 +50,7 @@ Status in ``node.status["shards"]``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections import OrderedDict
@@ -66,7 +67,7 @@ from ..peers import FaultRule
 from ..wire import TRANSPORT_FAILURES, LocalProtocolError, RemoteProtocolError, decode, write_frame
 from .announce import announce, fetch_manifest, fetch_policy, follow_announcements, reannounce_loop, validate_announce
 from .client import Download, progress_bar
-from .config import ShardsConfig
+from .config import ShardsConfig, kept_versions
 from .finite import non_finite_in_folder
 from .deltasync import DeltaSync
 from .manifest import SignedManifest, build_manifest, sign_manifest
@@ -650,5 +651,9 @@ async def _quietly(fn, *args) -> None:
 async def serve_shards(node, ledger: LedgerAPI, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run the shards service for ``node`` until cancelled (see the module docstring); hands back
     the :class:`ShardsService` once it serves. ``ledger`` is credited with verified bytes."""
-    cfg = node.config.run.section("shards")
+    run = node.config.run
+    cfg = run.section("shards")
+    grpo = run.section("grpo")  # by name: the staleness bounds are the run's, read through its registry
+    cfg = dataclasses.replace(cfg, keep_versions=kept_versions(cfg.keep_versions, grpo.async_level,
+                                                               grpo.verify_grace_steps))
     await ShardsService(node, cfg, ledger).run(task_status=task_status)
