@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 
 # The issue's liveness bound: no gap of more than 90 s between trainer steps after the first.
 STALL_S = 90.0
+# A validator or worker is stalled after STALL_S or this many of its usual gaps, whichever is longer:
+# one batch of a large model on a busy CPU may take longer than STALL_S and still be progress.
+SLOW_GAPS = 3.0
 # Before its first progress a node is "starting" this long (a model loads, the first checkpoint is
 # fetched, the first rollouts are generated on a busy CPU), then stalled like any other.
 FIRST_PROGRESS_S = 300.0
@@ -34,6 +37,7 @@ MIN_RATE_SPAN_S = 30.0  # ...and shown only once this long has been watched
 MAX_SAMPLES = 64  # history kept per node: one sample per RATE_WINDOW_S / MAX_SAMPLES seconds at most
 SAMPLE_EVERY = RATE_WINDOW_S / MAX_SAMPLES
 MAX_REASONS = 3  # refusal reasons named in a cause, most frequent first
+MAX_GAPS = 9  # recent gaps between moves kept per counter (their median is its usual gap)
 
 
 class State(str, enum.Enum):
@@ -77,6 +81,7 @@ class ProgressWatch:
         self.first: dict[str, tuple[float, int]] = {}  # counter -> (time first seen, value then)
         self.moved_at: dict[str, float] = {}  # counter -> time it was last seen to change
         self.last: dict[str, int] = {}
+        self.gaps: dict[str, deque[float]] = {}  # counter -> seconds per unit of its recent moves
         self.samples: deque[tuple[float, dict[str, int]]] = deque(maxlen=MAX_SAMPLES + 1)
         self.state: State | None = None  # the last judgement's state (for logging its changes)
 
@@ -88,6 +93,9 @@ class ProgressWatch:
                 self.first[name] = (now, value)
                 self.moved_at[name] = now  # moved at most now: its real last change is unknown
             elif value != self.last[name]:
+                if self.last[name] != self.first[name][1]:  # a gap between two seen moves, not since start
+                    gaps = self.gaps.setdefault(name, deque(maxlen=MAX_GAPS))
+                    gaps.append((now - self.moved_at[name]) / max(1, abs(value - self.last[name])))
                 self.moved_at[name] = now
             self.last[name] = value
         if not self.samples or now - self.samples[-1][0] >= SAMPLE_EVERY:
@@ -100,13 +108,16 @@ class ProgressWatch:
 
     def figures(self, now: float) -> dict[str, float | int | None]:
         """Per counter: ``<name>`` (value), ``<name>_since_s`` (seconds since it moved, or since it was
-        first seen), ``<name>_moved`` (whether it moved since then) and ``<name>_per_min``."""
+        first seen), ``<name>_moved`` (whether it moved since then), ``<name>_per_min`` and
+        ``<name>_gap_s`` (the median of its recent gaps between moves, per unit; None before two)."""
         out: dict[str, float | int | None] = {}
         for name, value in self.last.items():
             out[name] = value
             out[f"{name}_since_s"] = round(now - self.moved_at[name], 1)
             out[f"{name}_moved"] = value != self.first[name][1]
             out[f"{name}_per_min"] = self.rate(name, now)
+            gaps = sorted(self.gaps.get(name, ()))
+            out[f"{name}_gap_s"] = round(gaps[len(gaps) // 2], 1) if gaps else None
         return out
 
     def rate(self, name: str, now: float) -> float | None:
@@ -134,11 +145,18 @@ def judge(status: dict, seen: dict) -> Health:
     return health
 
 
-def _stalled_or_starting(moved: bool, since: float) -> State | None:
-    """STARTING before the first move (for a while), STALLED after STALL_S without one, else None."""
+def _stalled_or_starting(moved: bool, since: float, usual_gap: float | None = None) -> State | None:
+    """STARTING before the first move (for a while), STALLED after ``stall_after(usual_gap)`` seconds
+    without one, else None."""
     if not moved:
         return State.STARTING if since <= FIRST_PROGRESS_S else State.STALLED
-    return State.STALLED if since > STALL_S else None
+    return State.STALLED if since > stall_after(usual_gap) else None
+
+
+def stall_after(usual_gap: float | None) -> float:
+    """Seconds without progress that make a stall: STALL_S, or SLOW_GAPS usual gaps when longer
+    (the gaps between earlier moves, so a stall never stretches its own bound)."""
+    return max(STALL_S, SLOW_GAPS * usual_gap) if usual_gap else STALL_S
 
 
 def _trainer(t: dict, seen: dict) -> Health:
@@ -188,7 +206,7 @@ def _validator(v: dict, seen: dict) -> Health:
         state = State.OK if seen.get("verdicts_moved") or verdicts.get("accepted") or verdicts.get("rejected") else State.STARTING
         return Health(state, "idle: no batch waiting for a verdict" + (f" (refused: {top(refused)})" if refused else ""),
                       figures, progress)
-    state = _stalled_or_starting(bool(seen.get("verdicts_moved")), since)
+    state = _stalled_or_starting(bool(seen.get("verdicts_moved")), since, seen.get("verdicts_gap_s"))
     if state is None:
         return Health(State.OK, f"checking: {backlog} more batches queued, {per_min(rate)} verdicts a minute", figures, progress)
     return Health(state, f"no verdict for {seconds(since)} with {backlog} batches queued"
@@ -205,7 +223,7 @@ def _inference(i: dict, seen: dict) -> Health:
                "refused": top(refused) or "none", "dropped": top(dropped) or "none",
                "acked per minute": per_min(rate), "since the last ack": since_text(seen.get("acked_moved"), since),
                "policy version": str(i.get("policy_version", "-"))}
-    state = _stalled_or_starting(bool(seen.get("acked_moved")), since)
+    state = _stalled_or_starting(bool(seen.get("acked_moved")), since, seen.get("acked_gap_s"))
     if state is None:
         return Health(State.OK, f"generating: {b.get('accepted', 0)} batches acked, the last {seconds(since)} ago",
                       figures, progress)

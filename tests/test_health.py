@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from node.app.status_view import render_status
-from node.health import FIRST_PROGRESS_S, MAX_SAMPLES, STALL_S, ProgressWatch, State, health_line
+from node.health import FIRST_PROGRESS_S, MAX_SAMPLES, SLOW_GAPS, STALL_S, ProgressWatch, State, health_line, stall_after
 from node.status import with_health
 
 
@@ -196,3 +196,16 @@ async def test_a_real_trainer_whose_validator_never_answers_is_judged_stalled_wa
     assert first["state"] == "starting" and first["figures"]["batches waiting for a verdict"] == "1"
     assert later["state"] == "stalled"
     assert later["cause"] == "no step since the node started (5.0 min); waiting for verdicts: 1 batches, validator backlog 1"
+
+
+def test_a_slow_worker_is_stalled_only_after_several_of_its_usual_gaps():
+    """A worker that sends a batch every 100 s (a large model on a busy CPU) is not stalled 101 s
+    after its last ack, as a trainer would be; it is after SLOW_GAPS of its gaps without one."""
+    states = [(100.0 * i, inference(i, i)) for i in range(5)]  # an ack every 100 s, the last at 400
+    gap = 100.0
+    assert watch_over(states)[0].figures(400.0)["acked_gap_s"] == gap
+    assert stall_after(gap) == SLOW_GAPS * gap > STALL_S
+    _, h = watch_over([*states, (400.0 + STALL_S + 11, inference(4, 4))])
+    assert h.state is State.OK
+    _, h = watch_over([*states, (400.0 + SLOW_GAPS * gap + 1, inference(4, 4))])
+    assert h.state is State.STALLED and h.cause.startswith("no batch acked for")
