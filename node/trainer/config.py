@@ -28,7 +28,9 @@ class TrainerConfig:
     # A batch every live validator answered "cannot judge yet" (checkpoint not held) is offered again
     # after this many seconds, while its slot serves batches they can judge (node/trainer/gate.py).
     unjudged_retry_s: float = 2.0
-    target_pending_batches: int = 0  # pending batches above which acks tell workers to wait (0 = max_pending_batches // 2)
+    # Pending batches above which acks tell workers to wait. 0 = adaptive: what the validators check
+    # within [grpo] verify_grace_steps trainer steps, at most max_pending_batches // 2 (node/trainer/pacing.py).
+    target_pending_batches: int = 0
     max_retry_after_s: float = 30.0  # longest wait an ack asks of a worker
     ban_after_strikes: int = 5  # invalid batches (forged, malformed, bad tokens...) that get a sender banned
     strike_window_s: float = 600.0  # ... when they fall within this many seconds
@@ -38,7 +40,7 @@ class TrainerConfig:
     init_warmup_steps: int = -1  # warm-up steps of a fresh embedded default model (-1 = node.rl.warmup's default, 0 = random)
 
     def pacing_target(self) -> int:
-        """Pending batches at which back-pressure starts (node/trainer/pacing.py)."""
+        """Pending batches at which back-pressure starts, or its cap when adaptive (node/trainer/pacing.py)."""
         return self.target_pending_batches or max(1, self.max_pending_batches // 2)
 
     def validate(self) -> None:

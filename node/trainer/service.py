@@ -82,6 +82,7 @@ from .intake import (
     trainable_until,
 )
 from .pacing import Pacer
+from .progress import STALL_AFTER_S, Backlog, Progress, stall_cause, stall_kind
 from .fsdp import open_policy
 from .policy import Policy, training_samples
 from .spool import BatchState, Spool, StepRecord, open_spool
@@ -129,7 +130,13 @@ class Trainer:
         self.gate = (ValidatorGate(tcfg.verify_timeout_s, tcfg.max_verify_in_flight, tcfg.max_verify_per_validator,
                                     tcfg.unjudged_retry_s)
                      if self.validators else None)
-        self.pacer = Pacer(tcfg.pacing_target(), tcfg.max_pending_batches, tcfg.max_retry_after_s)
+        # The default target adapts to what validators check within the grace steps (pacing.py).
+        self.pacer = Pacer(tcfg.pacing_target(), tcfg.max_pending_batches, tcfg.max_retry_after_s,
+                           horizon_steps=0 if tcfg.target_pending_batches or not self.validators
+                           else max(1, cfg.verify_grace_steps))
+        self.progress = Progress(clock())
+        self.stepping_since: float | None = None  # trio time the running step began
+        self.stall_logged = ""  # the stall cause last logged ("" while stepping)
         self.wall_clock = time.time  # the sample-life figures compare with workers' created_ms stamps
         self.limits = IntakeLimits(policy.vocab_size, cfg.pack_length, cfg.temperature, cfg.async_level,
                                    run.section("inference", InferenceConfig).accepted_engines())
@@ -495,9 +502,11 @@ class Trainer:
         self._gone(batch_ids, samples, "expired")
 
     def _gone(self, batch_ids: list[bytes], samples: int, reason: str) -> None:
-        """Acknowledged batches that left the queue untrained (figures and pacing)."""
+        """Acknowledged batches that left the queue untrained (figures, and pacing for those a verdict
+        refused: an expired batch took no validator time, so it says nothing of the drain rate)."""
         self.sample_outcomes[reason] += samples
-        self.pacer.on_drained(len(batch_ids), self.clock())
+        if reason != "expired":
+            self.pacer.on_drained(len(batch_ids), self.clock())
         for bid in batch_ids:
             self._life.pop(bid, None)
 
@@ -528,7 +537,11 @@ class Trainer:
                 if self.intake["accepted"] or self.spool.pending():  # idle = waiting once rollouts flow
                     self.idle_s += trio.current_time() - t0
                 continue
-            await self.run_step(*picked)
+            self.stepping_since = self.clock()
+            try:
+                await self.run_step(*picked)
+            finally:
+                self.stepping_since = None
 
     async def run_step(self, ids: list[bytes], samples: list[TrainSample], mean_reward: float) -> StepRecord | None:
         """One rollout step on the given READY batches, recorded, saved and published (None: dropped)."""
@@ -564,6 +577,7 @@ class Trainer:
         self.m_step_seconds.observe(seconds)
         log.info("trainer: step %d: %d samples from %d batches, mean reward %.3f, loss %.4f, %.2fs",
                  version, len(samples), len(ids), mean_reward, stats.loss, seconds)
+        self._stepped()
         await self.db.run(self.spool.prune, version - self.cfg.async_level - self.cfg.verify_grace_steps - 1)
         self._wake("ledger")
         t2 = trio.current_time()
@@ -619,6 +633,41 @@ class Trainer:
         except LedgerError as e:  # a refused entry is our bug; the checkpoint itself is out
             log.error("trainer: ledger refused checkpoint v%d: %s", version, e)
 
+    # ------------------------------------------------------------------ progress
+
+    def _stepped(self) -> None:
+        now = self.clock()
+        if self.stall_logged:
+            log.info("trainer: stepping again after %.0f s", self.progress.seconds_since_step(now))
+            self.stall_logged = ""
+        self.progress.on_step(now)
+        self.pacer.on_step(now)
+
+    def backlog(self) -> Backlog:
+        """The queues as the stall check sees them (node/trainer/progress.py)."""
+        waiting = self.gate.status()["waiting"] if self.gate is not None else {}
+        sent = waiting.get("sending", 0) + waiting.get("awaiting", 0)
+        return Backlog(
+            stepping_s=None if self.stepping_since is None else self.clock() - self.stepping_since,
+            gated_unsent=waiting.get("unassigned", 0), gated_sent=sent,
+            ready=self.spool.counts().get(BatchState.READY.value, 0),
+            samples_in_hand=self.samples_in_hand, min_samples=self.cfg.min_batch_samples,
+            validators=len(self.validators), live_validators=len(self.live_validators()) if self.validators else 0)
+
+    def stall(self) -> str:
+        """Why no step came for ``STALL_AFTER_S`` seconds, or "" (progress.py)."""
+        return stall_cause(self.backlog()) if self.progress.stalled(self.clock()) else ""
+
+    async def watch_loop(self) -> None:
+        """Log one warning when a stall starts or its cause changes."""
+        while True:
+            await trio.sleep(STALL_AFTER_S / 9)
+            cause = self.stall()
+            if cause and stall_kind(cause) != stall_kind(self.stall_logged):
+                log.warning("trainer: stalled: no step for %.0f s: %s", self.progress.seconds_since_step(self.clock()),
+                            cause)
+                self.stall_logged = cause
+
     # ------------------------------------------------------------------ ledger
 
     async def ledger_loop(self) -> None:
@@ -650,9 +699,19 @@ class Trainer:
             gate = {"live_validators": len(self.live_validators()), "validators": len(self.validators),
                     **self.gate.status(), "verdicts": dict(self.verdicts)}
         total = self.idle_s + self.busy_s
+        now = self.clock()
+        last = self.progress.last_step()
+        per_min = self.progress.steps_per_minute(now)
         return {
             "step": self.step,
             "version": self.step,
+            # Liveness at a glance (issue 39): wall time of the last step this process made, seconds
+            # since it (or since start), steps per minute over the last ten, and why it is stalled
+            # ("" while it steps; node/trainer/progress.py).
+            "last_step_at": None if last is None else round(self.wall_clock() - (now - last), 3),
+            "seconds_since_step": round(self.progress.seconds_since_step(now), 1),
+            "steps_per_min": None if per_min is None else round(per_min, 3),
+            "stalled": self.stall(),
             "published": self.published,
             "publish_error": self.publish_error,
             "device": self.policy.device,
@@ -728,6 +787,7 @@ async def serve_trainer(node, shards: ShardsAPI, membership: MembershipAPI, ledg
                 trainer._nursery = nursery
                 nursery.start_soon(trainer.train_loop)
                 nursery.start_soon(trainer.ledger_loop)
+                nursery.start_soon(trainer.watch_loop)
                 if trainer.gate is not None:
                     nursery.start_soon(trainer.gate_loop)
                 task_status.started(trainer)

@@ -1,0 +1,112 @@
+"""The trainer says when it stalls and why (node/trainer/progress.py), and paces by what is checked (issue 39)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from node.config import NodeConfig, RunConfig
+from node.engines.model import build_tokenizer
+from node.identity import Identity
+from node.metrics import Metrics
+from node.peers import Peers
+from node.rl.config import GRPOConfig
+from node.trainer.config import TrainerConfig
+from node.trainer.pacing import DEFAULT_INTERVAL
+from node.trainer.progress import STALL_AFTER_S, STALL_KINDS, Backlog, Progress, stall_cause, stall_kind
+from node.trainer.service import Trainer
+from node.trainer.spool import open_spool
+from node.trainer.testing import fake_wiring, reversal_batch, sign_batch
+
+RUN = "test"
+WORKER = Identity.from_seed(b"p" * 32)
+VALIDATOR = Identity.from_seed(b"v" * 32).peer_id
+TOK = build_tokenizer()
+
+
+def test_steps_per_minute_and_the_stall_bound():
+    p = Progress(started=0.0)
+    assert p.seconds_since_step(30.0) == 30.0 and p.steps_per_minute(30.0) is None
+    for t in (40.0, 70.0, 100.0):
+        p.on_step(t)
+    assert p.steps_per_minute(100.0) == pytest.approx(2.0)
+    assert not p.stalled(100.0 + STALL_AFTER_S - 1)
+    assert p.stalled(100.0 + STALL_AFTER_S)
+    assert p.steps_per_minute(220.0) == pytest.approx(60.0 * 2 / 180.0)  # a stall brings the rate down
+
+
+def _backlog(**kw):
+    base = dict(stepping_s=None, gated_unsent=0, gated_sent=0, ready=0, samples_in_hand=0, min_samples=16,
+                validators=1, live_validators=1)
+    return Backlog(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw, kind", [
+    (dict(stepping_s=120.0), "training"),
+    (dict(gated_unsent=3, live_validators=0), "no validator"),
+    (dict(gated_unsent=40, gated_sent=4), "validator backlog"),
+    (dict(gated_sent=4), "waiting for verdicts"),
+    (dict(ready=2, samples_in_hand=4), "too few samples"),
+    (dict(), "no batches"),
+])
+def test_each_stall_names_what_the_trainer_waits_for(kw, kind):
+    cause = stall_cause(_backlog(**kw))
+    assert stall_kind(cause) == kind and kind in STALL_KINDS, cause
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    """A trainer of a run with one validator, clock in our hands."""
+    now = [0.0]
+    run = RunConfig(name=RUN, validators=[VALIDATOR])
+    metrics = Metrics()
+    node = SimpleNamespace(config=NodeConfig(run=run), run=run, metrics=metrics, status={}, peer_id="me",
+                           peers=Peers(None, metrics))
+    policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
+    with open_spool(tmp_path / "spool.sqlite") as spool:
+        t = Trainer(node, policy, spool, GRPOConfig(async_level=2, pack_length=64), TrainerConfig(),
+                    clock=lambda: now[0], **fake_wiring())
+        t.now = now
+        yield t
+
+
+async def _accept(trainer, steps):
+    ids = []
+    for s in steps:
+        b = reversal_batch(WORKER, RUN, step=s, policy_version=5, tokenizer=TOK, seed=s)
+        ack = await trainer.judge(sign_batch(WORKER, b), WORKER.peer_id)
+        assert ack.accepted, ack.reason
+        ids.append(ack.batch_id)
+    return ids
+
+
+async def test_expired_batches_do_not_speed_up_the_measured_drain_rate(trainer):
+    """Issue 39: expiries counted as departures, so the more batches expired the faster the trainer
+    looked and the less it slowed its workers."""
+    ids = await _accept(trainer, range(4))
+    for i, t in enumerate((10.0, 11.0)):
+        trainer.now[0] = t
+        await trainer._expire(ids[i * 2:i * 2 + 2])
+    assert trainer.pacer.seconds_per_batch(11.0) == DEFAULT_INTERVAL
+    assert trainer.sample_outcomes["expired"] == 4 * 8
+
+
+async def test_status_shows_the_last_step_the_rate_and_a_stall_with_its_cause(trainer):
+    status = trainer.status()
+    assert status["last_step_at"] is None and status["steps_per_min"] is None and status["stalled"] == ""
+    await _accept(trainer, range(3))
+    trainer.now[0] = STALL_AFTER_S + 1
+    status = trainer.status()
+    assert status["seconds_since_step"] == pytest.approx(STALL_AFTER_S + 1)
+    assert stall_kind(status["stalled"]) == "no validator"  # membership knows no validator alive
+    trainer.membership.alive = {VALIDATOR: "validator"}
+    for batch_id, _ in trainer.gate.due([VALIDATOR], trainer.now[0]):
+        trainer.gate.sent(batch_id, trainer.now[0])
+    assert stall_kind(trainer.status()["stalled"]) == "waiting for verdicts"
+    for t in (100.0, 130.0):
+        trainer.now[0] = t
+        trainer._stepped()
+    status = trainer.status()
+    assert status["stalled"] == "" and status["steps_per_min"] == pytest.approx(2.0)
+    assert status["last_step_at"] == pytest.approx(trainer.wall_clock(), abs=5.0)
