@@ -8,7 +8,7 @@ verdicts; inference: batches the trainer acked) and a thinned history of them, f
 derives what a person asks first: seconds since the last step, steps (verdicts, batches) per
 minute. :func:`judge` then turns the snapshot and those figures into a :class:`Health`:
 
-    STARTING  no progress yet since the node started, and not for long (model loading, first rollouts)
+    STARTING  no progress yet since the role started, and not for long (model loading, first rollouts)
     OK        progress within the last ``STALL_S`` seconds, or nothing waiting on this node
     STALLED   no progress for ``STALL_S`` seconds while work waits; the cause says where it waits
     STOPPED   the node's last status, written as it stopped
@@ -178,16 +178,16 @@ def _trainer(t: dict, seen: dict) -> Health:
     if state is None:
         return Health(State.OK, f"training: step {step}, the last {seconds(since)} ago", figures, progress)
     if waiting and gate and not gate.get("live_validators"):
-        cause = f"no validator alive: {waiting} batches wait for a verdict"
+        cause = f"no validator alive: {n_batches(waiting)} wait for a verdict"
     elif waiting:
-        cause = f"waiting for verdicts: {waiting} batches, validator backlog {backlog}"
+        cause = f"waiting for verdicts: {n_batches(waiting)}, validator backlog {backlog}"
     elif ready:
         cause = f"{in_hand} samples ready, a step needs {needed}: waiting for more rollouts"
     elif not (t.get("intake") or {}).get("accepted"):
         cause = "no rollouts received yet: is an inference node running and connected?"
     else:
         cause = "no rollouts arriving: are the inference nodes running and connected?"
-    when = f"no step for {seconds(since)}" if seen.get("step_moved") else f"no step since the node started ({seconds(since)})"
+    when = f"no step for {seconds(since)}" if seen.get("step_moved") else f"no step in the {seconds(since)} since the trainer started"
     return Health(state, f"{when}; {cause}", figures, progress)
 
 
@@ -208,8 +208,8 @@ def _validator(v: dict, seen: dict) -> Health:
                       figures, progress)
     state = _stalled_or_starting(bool(seen.get("verdicts_moved")), since, seen.get("verdicts_gap_s"))
     if state is None:
-        return Health(State.OK, f"checking: {backlog} more batches queued, {per_min(rate)} verdicts a minute", figures, progress)
-    return Health(state, f"no verdict for {seconds(since)} with {backlog} batches queued"
+        return Health(State.OK, f"checking: {n_batches(backlog)} more queued, {per_min(rate)} verdicts a minute", figures, progress)
+    return Health(state, f"no verdict for {seconds(since)} with {n_batches(backlog)} queued"
                   + (f" (checking {v['checking']})" if v.get("checking") else ""), figures, progress)
 
 
@@ -225,7 +225,7 @@ def _inference(i: dict, seen: dict) -> Health:
                "policy version": str(i.get("policy_version", "-"))}
     state = _stalled_or_starting(bool(seen.get("acked_moved")), since, seen.get("acked_gap_s"))
     if state is None:
-        return Health(State.OK, f"generating: {b.get('accepted', 0)} batches acked, the last {seconds(since)} ago",
+        return Health(State.OK, f"generating: {n_batches(b.get('accepted', 0))} acked, the last {seconds(since)} ago",
                       figures, progress)
     if not i.get("trainers_alive"):
         cause = "no trainer alive in the member table"
@@ -234,7 +234,7 @@ def _inference(i: dict, seen: dict) -> Health:
     elif seen.get("refused_moved") and seen.get("refused_since_s", since) < since:
         cause = f"the trainer refuses its batches: {top(refused)}"
     elif b.get("queued"):
-        cause = f"{b['queued']} batches queued, none acked"
+        cause = f"{n_batches(b['queued'])} queued, none acked"
     else:
         cause = "no batch generated" + (f" ({(i.get('errors') or {}).get('step')} step errors)"
                                         if (i.get("errors") or {}).get("step") else "")
@@ -260,8 +260,12 @@ def seconds(s: float | None) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
+def n_batches(n: int) -> str:
+    return f"{n} batch" if n == 1 else f"{n} batches"
+
+
 def since_text(moved: bool | None, since: float) -> str:
-    return seconds(since) if moved else f"none since start ({seconds(since)} watched)"
+    return seconds(since) if moved else f"none yet ({seconds(since)} watched)"
 
 
 def per_min(rate: float | None) -> str:

@@ -76,10 +76,10 @@ def test_before_its_first_step_a_trainer_is_starting_then_stalled():
     starting for FIRST_PROGRESS_S, then stalled with why."""
     idle = trainer(22, accepted=0)
     _, h = watch_over([(0.0, idle), (FIRST_PROGRESS_S, idle)])
-    assert h.state is State.STARTING and h.figures["since the last step"].startswith("none since start")
+    assert h.state is State.STARTING and h.figures["since the last step"].startswith("none yet")
     _, h = watch_over([(0.0, idle), (FIRST_PROGRESS_S + 1, idle)])
     assert h.state is State.STALLED
-    assert h.cause == "no step since the node started (5.0 min); no rollouts received yet: is an inference node running and connected?"
+    assert h.cause == "no step in the 5.0 min since the trainer started; no rollouts received yet: is an inference node running and connected?"
 
 
 def test_steps_per_minute_come_from_the_watched_history():
@@ -195,7 +195,7 @@ async def test_a_real_trainer_whose_validator_never_answers_is_judged_stalled_wa
         later = with_health(watch, snapshot(tnode.context), FIRST_PROGRESS_S + 1)["health"]
     assert first["state"] == "starting" and first["figures"]["batches waiting for a verdict"] == "1"
     assert later["state"] == "stalled"
-    assert later["cause"] == "no step since the node started (5.0 min); waiting for verdicts: 1 batches, validator backlog 1"
+    assert later["cause"] == "no step in the 5.0 min since the trainer started; waiting for verdicts: 1 batch, validator backlog 1"
 
 
 def test_a_slow_worker_is_stalled_only_after_several_of_its_usual_gaps():
