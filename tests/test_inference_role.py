@@ -91,7 +91,7 @@ def check_batch(sb, model, tokenizer, peer_id: str, version: int, rl: RLConfig |
                                      tokenizer.pad_token_id)
     for s, h in zip(b.samples, hidden):
         task, budget = drawn.tasks[s.prompt_index], drawn.budgets[s.prompt_index]
-        if s.task_id != task.id or s.prompt_ids != prompt_ids(tokenizer, task, budget) or s.target_length != budget:
+        if s.task_id != task.id or s.prompt_ids != prompt_ids(tokenizer, task, budget, rl) or s.target_length != budget:
             failures.append(f"task {s.prompt_index}")
         proofs = split_proofs(s.proof, len(s.completion_ids), h.shape[1], cfg.chunk_tokens, cfg.topk)
         if proofs is None or not verify_proofs(h, proofs, cfg).ok:

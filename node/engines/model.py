@@ -169,6 +169,11 @@ def load_tokenizer(path: Path):
         tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
     else:
         tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    from ..rl.spec import end_of_turn_token
+
+    turn_end = end_of_turn_token(tok)
+    if turn_end is not None and turn_end != tok.eos_token:
+        tok.eos_token = turn_end  # generation stops where the chat template ends a turn (the model's own stop)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -20,7 +20,12 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("rl-local", help="run draw -> sample -> score -> GRPO in one process and print the reward per step")
     p.add_argument("--model", default="", help="HF model folder (default: create the tiny default model in a temp dir)")
-    p.add_argument("--taskset", default="synthetic", help="synthetic | math | code | path to a JSONL file")
+    p.add_argument("--taskset", default="synthetic", help="synthetic | math | code | reasoning-gym | path to a JSONL file")
+    p.add_argument("--gym", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+                   help="with --taskset reasoning-gym: a generator, its weight and options "
+                        "(e.g. basic_arithmetic:weight=2,min_terms=2,max_terms=2); repeat for a mixture")
+    p.add_argument("--system-prompt", default="", help="system prompt ([rl] system_prompt; reasoning-gym's default states the answer format)")
+    p.add_argument("--chat-template", default="auto", help="auto (the model's template when it has one) | none (raw prompts)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seconds", type=float, default=None, help="stop after this much wall time")
     p.add_argument("--group-size", type=int, default=16)
@@ -31,6 +36,29 @@ def add_commands(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", default="", help="write step,mean_reward,seconds to this file")
     p.set_defaults(func=cmd_rl_local)
+
+
+def parse_gym_args(specs: list[str]) -> dict[str, dict]:
+    """``--gym`` values -> the ``[rl.reasoning_gym]`` table (values read as JSON where they parse:
+    numbers, true/false, lists; else strings). ValueError names the bad one."""
+    import json
+
+    table: dict[str, dict] = {}
+    for spec in specs:
+        name, _, rest = spec.partition(":")
+        if not name or name in table:
+            raise ValueError(f"--gym {spec!r}: a generator name, once")
+        options = {}
+        for item in filter(None, rest.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                raise ValueError(f"--gym {spec!r}: options are KEY=VALUE")
+            try:
+                options[key] = json.loads(value)
+            except json.JSONDecodeError:
+                options[key] = value
+        table[name] = options
+    return table
 
 
 def _fail(msg: str) -> int:
@@ -68,17 +96,21 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
     from .config import GRPOConfig, RLConfig
     from .loop import greedy_score, run_local_loop
     from .sandbox import SandboxUnavailable, require_isolation
-    from .tasks import TaskFormatError, load_taskset, runs_code
+    from .tasks import TaskFormatError, load_run_tasks, load_taskset, runs_code
     from .warmup import create_default_model
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
-        rl = RLConfig(group_size=args.group_size, prompts_per_batch=args.prompts, max_new_tokens=args.max_new_tokens)
+        rl = RLConfig(group_size=args.group_size, prompts_per_batch=args.prompts, max_new_tokens=args.max_new_tokens,
+                      taskset=args.taskset, reasoning_gym=parse_gym_args(args.gym), system_prompt=args.system_prompt,
+                      chat_template=args.chat_template)
         rl.validate()
+        if args.gym and args.taskset != "reasoning-gym":
+            raise ValueError("--gym needs --taskset reasoning-gym")
         grpo = GRPOConfig() if args.lr is None else GRPOConfig(lr=args.lr)
         grpo.validate()
-        taskset = load_taskset(args.taskset)
+        taskset = load_run_tasks(rl) if args.taskset == "reasoning-gym" else load_taskset(args.taskset)
         if runs_code(taskset):
             require_isolation(f"task set {args.taskset!r} has code tasks", instead="pick another --taskset")
     except (ValueError, TaskFormatError, SandboxUnavailable) as e:
@@ -110,5 +142,5 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
     last = sum(s.mean_reward for s in rows[-k:]) / k
     print(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f} ({len(rows)} steps, "
           f"{sum(s.seconds for s in rows):.0f}s)")
-    print(f"greedy reward on the set's first 64 tasks: {greedy_before:.3f} before, {greedy_after:.3f} after")
+    print(f"greedy reward on 64 evaluation tasks: {greedy_before:.3f} before, {greedy_after:.3f} after")
     return 0

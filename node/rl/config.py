@@ -7,9 +7,11 @@ the tiny CPU demo say so.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 TASK_KINDS = ("synthetic", "math", "code")
+CHAT_TEMPLATE_MODES = ("auto", "none")
 ENGINES = ("auto", "torch", "vllm")
 ENGINE_NAMES = ("torch", "vllm")  # what a batch may state (RolloutBatch.engine)
 # Engines whose sampling is node.engines.sampling's seeded Gumbel-max, so a validator can replay it.
@@ -22,7 +24,19 @@ DECODE_MODES = ("auto", "dynamic", "static", "compiled")  # node.engines.torch_e
 class RLConfig:
     """``[rl]``: which tasks a node draws and how it samples and scores them."""
 
-    taskset: str = "synthetic"  # packaged set name (synthetic | math | code) or a path to a JSONL file
+    taskset: str = "synthetic"  # packaged set name (synthetic | math | code), "reasoning-gym", or a path to a JSONL file
+    taskset_sha256: str = ""  # SHA-256 (hex) of the task file: required for a file path; a node whose file differs refuses
+    # reasoning-gym generators, when taskset = "reasoning-gym": name -> {weight = 1, <the generator's options>}
+    # (node/rl/gym.py; only audited generators). Their version is part of the run: a node with another refuses.
+    reasoning_gym: dict[str, dict] = field(default_factory=dict)
+    reasoning_gym_version: str = "0.1.25"  # the reasoning-gym release every node must have installed
+    # Prompts: with chat_template = "auto" a model whose tokenizer has a chat template gets
+    # [system, user] rendered through it with the generation prompt; "none" (or a model without a
+    # template) gets the raw text, the system prompt as its first paragraph (node/rl/spec.py).
+    chat_template: str = "auto"  # auto | none
+    system_prompt: str = ""  # "" = none, or for reasoning-gym its answer-format instruction (node/rl/gym.py)
+    score_timeout_s: float = 2.0  # wall-clock bound of one scoring call on untrusted text (node/rl/bounded.py)
+    score_memory_mb: int = 256  # memory bound of one scoring call, beyond the scorer's own size
     group_size: int = 16  # G: completions sampled per prompt (INTELLECT-2: 16; the demo uses fewer)
     prompts_per_batch: int = 4  # prompts drawn per rollout batch
     max_new_tokens: int = 16  # completion length cap (tokens)
@@ -50,6 +64,14 @@ class RLConfig:
             raise ValueError("length_alpha: must be >= 0")
         if self.thinking_budgets is not None and any(b < 1 for b in self.thinking_budgets):
             raise ValueError("thinking_budgets: every budget >= 1")
+        if self.chat_template not in CHAT_TEMPLATE_MODES:
+            raise ValueError(f"chat_template: one of {', '.join(CHAT_TEMPLATE_MODES)}")
+        if len(self.system_prompt) > 8192:
+            raise ValueError("system_prompt: at most 8192 characters")
+        if self.taskset_sha256 and not re.fullmatch(r"[0-9a-fA-F]{64}", self.taskset_sha256):
+            raise ValueError("taskset_sha256: 64 hex digits (sha256sum of the task file)")
+        if not 0 < self.score_timeout_s <= 600 or self.score_memory_mb < 16:
+            raise ValueError("score limits: 0 < score_timeout_s <= 600, score_memory_mb >= 16")
         if self.code_timeout_s <= 0 or self.code_memory_mb < 16 or self.code_output_kb < 1:
             raise ValueError("code limits: timeout > 0, memory >= 16 MB, output >= 1 KB")
 

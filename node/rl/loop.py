@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from .config import GRPOConfig, RLConfig
 from .grpo import make_optimizer, train_step
 from .rollout import make_groups, train_samples
-from .spec import code_limits, prompt_ids
+from .spec import code_limits, prompt_ids, task_rewards
 from .tasks import TaskSet
-from .verifiers import task_reward
 
 
 @dataclass
@@ -79,13 +78,13 @@ def run_local_loop(engine, taskset: TaskSet, rl: RLConfig, grpo: GRPOConfig, ste
 
 
 def greedy_score(engine, taskset: TaskSet, rl: RLConfig, count: int = 64) -> float:
-    """Mean task reward of greedy (temperature 0) completions on the set's first ``count`` tasks.
+    """Mean task reward of greedy (temperature 0) completions on ``count`` of the set's evaluation
+    tasks (a file's first ones; reasoning-gym's held-out seeds, node/rl/gym.py).
 
     Separates learning from sharpening: sampled reward also rises when the policy merely gets more
     confident in what greedy decoding already answers; greedy reward rises only when answers improve.
     """
-    tasks = list(taskset.tasks[:count])
-    prompts = [prompt_ids(engine.tokenizer, t, 0) for t in tasks]
+    tasks = taskset.evaluation(count)
+    prompts = [prompt_ids(engine.tokenizer, t, 0, rl) for t in tasks]
     groups = engine.generate(prompts, 1, 0.0, 1.0, rl.max_new_tokens, seed=0, capture_hidden=False)
-    limits = code_limits(rl)
-    return statistics.fmean(task_reward(t, g[0].text, limits) for t, g in zip(tasks, groups))
+    return statistics.fmean(task_rewards(tasks, [g[0].text for g in groups], rl, code_limits(rl)))

@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from .config import RLConfig
 from .grpo import TrainSample
 from .sandbox import Limits
-from .spec import OFFLINE_ROOT, DrawnStep, Scored, code_limits, draw_step, group_advantages, has_signal, prompt_ids, score
+from .spec import (OFFLINE_ROOT, DrawnStep, Scored, code_limits, draw_step, group_advantages, has_signal, prompt_ids,
+                   score_many)
 from .tasks import Task, TaskSet
 
 SCORING_THREADS = 4  # code-task sandboxes run at once (each is a subprocess with its own limits)
@@ -60,7 +61,7 @@ class BuiltStep:
 def build_groups(engine, drawn: DrawnStep, rl: RLConfig, limits: Limits, *, capture_hidden: bool = True,
                  clock: Callable[[], float] = time.perf_counter) -> BuiltStep:
     """Sample ``rl.group_size`` completions per drawn task with ``drawn.seed``, score and normalise them."""
-    prompts = [prompt_ids(engine.tokenizer, t, b) for t, b in zip(drawn.tasks, drawn.budgets)]
+    prompts = [prompt_ids(engine.tokenizer, t, b, rl) for t, b in zip(drawn.tasks, drawn.budgets)]
     t0 = clock()
     groups = engine.generate(prompts, n=rl.group_size, temperature=rl.temperature, top_p=rl.top_p,
                              max_new_tokens=rl.max_new_tokens, seed=drawn.seed, capture_hidden=capture_hidden)
@@ -73,18 +74,15 @@ def build_groups(engine, drawn: DrawnStep, rl: RLConfig, limits: Limits, *, capt
 
 def score_groups(drawn: DrawnStep, groups: list[list], rl: RLConfig, limits: Limits) -> list[list[Scored]]:
     """Scores per group. Code tasks run in sandboxed subprocesses that mostly wait (on their time
-    limits or on the OS), so they are scored ``SCORING_THREADS`` at a time."""
-    jobs = [(task, budget, s) for task, budget, group in zip(drawn.tasks, drawn.budgets, groups) for s in group]
-
-    def one(job) -> Scored:
-        task, budget, s = job
-        return score(task, s.text, s.num_tokens, budget, rl, limits)
-
-    if any(task.kind == "code" for task, _, _ in jobs):
+    limits or on the OS), so they are scored ``SCORING_THREADS`` at a time; others in one batch
+    (reasoning-gym's: one bounded scoring batch, node/rl/bounded.py)."""
+    jobs = [(task, s.text, s.num_tokens, budget) for task, budget, group in zip(drawn.tasks, drawn.budgets, groups)
+            for s in group]
+    if any(job[0].kind == "code" for job in jobs):
         with ThreadPoolExecutor(max_workers=SCORING_THREADS) as pool:
-            flat = list(pool.map(one, jobs))
+            flat = list(pool.map(lambda job: score_many([job], rl, limits)[0], jobs))
     else:
-        flat = [one(job) for job in jobs]
+        flat = score_many(jobs, rl, limits)
     it = iter(flat)
     return [[next(it) for _ in group] for group in groups]
 

@@ -14,9 +14,15 @@ How a step is defined (DESIGN.md "The loop", steps 3-4; INTELLECT-2 report §3):
    :func:`draw_step` returns all of it for one step. The steps a worker may use are bounded by the
    step window (node/rollouts/steps.py), so it cannot shop among thousands of steps' draws.
 2. **Prompt.** The task's prompt plus the thinking-budget line when there is one
-   (:func:`prompt_text`), tokenised without special tokens (:func:`prompt_ids`).
+   (:func:`prompt_text`), rendered as the model expects it (:func:`render_prompt`): through the
+   tokenizer's chat template when it has one and the run's ``[rl] chat_template`` is ``auto``
+   (system turn, user turn, generation prompt), else raw; then tokenised without adding special
+   tokens (:func:`prompt_ids`). The run pins the inputs (its system prompt and template mode; the
+   template travels in every checkpoint's tokenizer), so a worker that renders otherwise sends
+   prompt tokens the validator's rendering does not give: ``wrong_prompt``.
 3. **Score.** The task's verifier (``node.rl.verifiers.task_reward``, code run in the sandbox
-   under :func:`code_limits`) minus ``length_alpha`` times the length penalty
+   under :func:`code_limits`; reasoning-gym's scorers in the bounded scoring server under
+   :func:`score_bound`) minus ``length_alpha`` times the length penalty
    (:func:`length_penalty`) when the prompt stated a budget (:func:`score`).
 4. **Advantages.** Group-relative: (r - mean) / (std + 1e-6) over the G completions of a prompt
    (:func:`group_advantages`); a group without signal (:func:`has_signal`) teaches nothing.
@@ -33,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..hashes import digest
+from . import gym
+from .bounded import Bound
 from .config import RLConfig
 from .sandbox import Limits
 from .tasks import Task, TaskSet, draw_task
@@ -131,9 +139,57 @@ def prompt_text(task: Task, budget: int) -> str:
     return task.prompt + (budget_instruction(budget) if budget else "")
 
 
-def prompt_ids(tokenizer, task: Task, budget: int) -> list[int]:
-    """The prompt's token ids (no special tokens added): what ``RolloutSample.prompt_ids`` must be."""
-    return list(tokenizer(prompt_text(task, budget), add_special_tokens=False)["input_ids"])
+def system_prompt(rl: RLConfig) -> str:
+    """The run's system prompt: its own, or for reasoning-gym the answer-format instruction."""
+    if rl.system_prompt:
+        return rl.system_prompt
+    return gym.ANSWER_INSTRUCTION if rl.taskset == gym.NAME else ""
+
+
+def uses_chat_template(tokenizer, rl: RLConfig) -> bool:
+    """Whether prompts go through ``tokenizer``'s chat template under the run's ``[rl] chat_template``."""
+    return rl.chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(tokenizer, task: Task, budget: int, rl: RLConfig) -> str:
+    """The prompt as text, as the model expects it (module docstring, step 2).
+
+    With the chat template: [system (when there is one), user] and the generation prompt. Without:
+    today's raw prompt, after the system prompt and a blank line when there is one.
+    """
+    text, system = prompt_text(task, budget), system_prompt(rl)
+    if uses_chat_template(tokenizer, rl):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"{system}\n\n{text}" if system else text
+
+
+_TURN_PROBE = "x"  # assistant content rendered to find what the template closes a turn with
+
+
+def end_of_turn_token(tokenizer) -> str | None:
+    """The special token ``tokenizer``'s chat template closes an assistant turn with (ChatML's
+    ``<|im_end|>``, Llama 3's ``<|eot_id|>``), or None: no template, or no special token right after
+    the turn. The model was tuned to stop there, so that token ends a completion: the tokenizer
+    loader makes it the eos token (node/engines/model.py ``load_tokenizer``), the one stop token
+    engines generate to and validators' termination check knows."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": _TURN_PROBE}],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render a plain turn has no end of turn to find
+        return None
+    at = text.rfind(_TURN_PROBE)
+    ids = tokenizer(text[at + len(_TURN_PROBE):], add_special_tokens=False)["input_ids"] if at >= 0 else []
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return tokenizer.convert_ids_to_tokens(ids[0]) if ids and ids[0] in special else None
+
+
+def prompt_ids(tokenizer, task: Task, budget: int, rl: RLConfig) -> list[int]:
+    """The prompt's token ids (the rendering's own special tokens, none added): what
+    ``RolloutSample.prompt_ids`` must be."""
+    return list(tokenizer(render_prompt(tokenizer, task, budget, rl), add_special_tokens=False)["input_ids"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,6 +200,11 @@ def code_limits(rl: RLConfig) -> Limits:
     """The sandbox limits of code tasks under the run's ``[rl]`` table (CPU seconds: at least 1)."""
     return Limits(wall_s=rl.code_timeout_s, cpu_s=max(1, int(rl.code_timeout_s)),
                   memory_mb=rl.code_memory_mb, output_kb=rl.code_output_kb)
+
+
+def score_bound(rl: RLConfig) -> Bound:
+    """The time and memory bound of one scoring call on untrusted text (node/rl/bounded.py)."""
+    return Bound(rl.score_timeout_s, rl.score_memory_mb)
 
 
 def length_penalty(num_tokens: int, budget: int) -> float:
@@ -178,7 +239,22 @@ def with_length_penalty(task_reward: float, num_tokens: int, budget: int, rl: RL
 
 def score(task: Task, completion_text: str, num_tokens: int, budget: int, rl: RLConfig, limits: Limits) -> Scored:
     """One completion's reward: the task's verifier, minus the length penalty when a budget was stated."""
-    return with_length_penalty(float(task_reward(task, completion_text, limits)), num_tokens, budget, rl)
+    return score_many([(task, completion_text, num_tokens, budget)], rl, limits)[0]
+
+
+def task_rewards(tasks: Sequence[Task], texts: Sequence[str], rl: RLConfig, limits: Limits) -> list[float]:
+    """The verifier's reward of each (task, completion) pair; reasoning-gym's all in one bounded batch."""
+    gym_at = [i for i, t in enumerate(tasks) if t.kind == gym.KIND]
+    out = [0.0 if t.kind == gym.KIND else float(task_reward(t, x, limits)) for t, x in zip(tasks, texts)]
+    for i, r in zip(gym_at, gym.score_calls([tasks[i] for i in gym_at], [texts[i] for i in gym_at], score_bound(rl))):
+        out[i] = r
+    return out
+
+
+def score_many(jobs: Sequence[tuple[Task, str, int, int]], rl: RLConfig, limits: Limits) -> list[Scored]:
+    """:func:`score` of each (task, completion text, completion tokens, budget)."""
+    rewards = task_rewards([j[0] for j in jobs], [j[1] for j in jobs], rl, limits)
+    return [with_length_penalty(r, n, b, rl) for r, (_, _, n, b) in zip(rewards, jobs)]
 
 
 # --------------------------------------------------------------------------------------------

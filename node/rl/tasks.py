@@ -61,6 +61,14 @@ class TaskSet:
     def by_id(self, task_id: str) -> Task | None:
         return _index(self).get(task_id)
 
+    def draw(self, key: bytes, index: int) -> Task:
+        """The task of prompt ``index`` at the step whose key is ``key`` (:func:`draw_index`)."""
+        return self.tasks[draw_index(self.digest, len(self), key, index)]
+
+    def evaluation(self, count: int) -> list[Task]:
+        """The set's first ``count`` tasks (a file has no held-out part of its own)."""
+        return list(self.tasks[:count])
+
 
 _INDEXES: dict[bytes, dict[str, Task]] = {}
 
@@ -142,10 +150,34 @@ def load_taskset(name_or_path: str) -> TaskSet:
         raise TaskFormatError(f"{path}: not UTF-8") from None
 
 
-def runs_code(taskset: TaskSet) -> bool:
+def load_run_tasks(rl) -> TaskSet:
+    """The run's task source under its ``[rl]`` table (node/rl/config.py ``RLConfig``): a packaged set,
+    a task file whose bytes must have the run's ``taskset_sha256``, or reasoning-gym's generators
+    (node/rl/gym.py ``GymTasks``, which draws like a TaskSet). TaskFormatError (one line) on any
+    mismatch: a node that would draw other tasks than the run's refuses to start."""
+    if rl.taskset == "reasoning-gym":
+        from .bounded import Bound
+        from .gym import GymTasks, check_version, parse_generators
+
+        check_version(rl.reasoning_gym_version)
+        return GymTasks(parse_generators(rl.reasoning_gym), rl.reasoning_gym_version,
+                        Bound(rl.score_timeout_s, rl.score_memory_mb))
+    taskset = load_taskset(rl.taskset)
+    if rl.taskset not in KINDS:
+        have = taskset.digest.hex()
+        if not rl.taskset_sha256:
+            raise TaskFormatError(f"{rl.taskset}: a task file must be pinned by the run, so every node draws from the same "
+                                  f"bytes: add taskset_sha256 = \"{have}\" to [rl]")
+        if have != rl.taskset_sha256.lower():
+            raise TaskFormatError(f"{rl.taskset}: SHA-256 {have[:16]}... is not the run's taskset_sha256 "
+                                  f"{rl.taskset_sha256.lower()[:16]}...: every node needs the run's file")
+    return taskset
+
+
+def runs_code(taskset) -> bool:
     """Whether scoring this set runs model-written code (it has a code task): a node that scores it
     needs the code sandbox (``node.rl.sandbox.require_isolation``)."""
-    return any(t.kind == "code" for t in taskset.tasks)
+    return isinstance(taskset, TaskSet) and any(t.kind == "code" for t in taskset.tasks)
 
 
 def draw_index(taskset_digest: bytes, num_tasks: int, key: bytes, index: int) -> int:
@@ -161,5 +193,6 @@ def draw_index(taskset_digest: bytes, num_tasks: int, key: bytes, index: int) ->
 
 
 def draw_task(taskset: TaskSet, key: bytes, index: int) -> Task:
-    """The task a worker must work on as its ``index``-th prompt of the step whose key is ``key``."""
-    return taskset.tasks[draw_index(taskset.digest, len(taskset), key, index)]
+    """The task a worker must work on as its ``index``-th prompt of the step whose key is ``key``
+    (a task file's :meth:`TaskSet.draw`, or a generated source's, node/rl/gym.py)."""
+    return taskset.draw(key, index)

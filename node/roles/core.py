@@ -30,7 +30,7 @@ from ..net.dialback import ReachabilityService, serve_dialback
 from ..net.relay import RelayClient, RelayHop, serve_relay_client
 from ..rl.config import RLConfig
 from ..rl.sandbox import require_isolation
-from ..rl.tasks import TaskFormatError, load_taskset, runs_code
+from ..rl.tasks import TaskFormatError, load_run_tasks, runs_code
 from ..shards.service import ShardsService, serve_shards
 from ..status import serve_status
 from ..web import serve_web
@@ -97,7 +97,7 @@ def check_code_sandbox(config: NodeConfig) -> None:
         return
     rl = config.run.section("rl", RLConfig)
     try:
-        taskset = load_taskset(rl.taskset)
+        taskset = load_run_tasks(rl)
     except TaskFormatError as e:
         raise ConfigError(f"run.rl.taskset: {e}") from None
     if runs_code(taskset):

@@ -30,7 +30,7 @@ from pathlib import Path
 from ..proofs.toploc import build_proofs_many
 from ..rl.rollout import ScoredGroup, build_groups
 from ..rl.spec import OFFLINE_ROOT, DrawnStep, code_limits, draw_step
-from ..rl.tasks import load_taskset
+from ..rl.tasks import load_run_tasks
 from .assemble import Sealed, make_samples, seal_within
 from .config import WorkerConfig
 from .schema import RolloutBatch
@@ -114,7 +114,7 @@ class RolloutGenerator:
         self.proofs = proofs
         self.inference = inference
         self.worker = worker
-        self.taskset = load_taskset(rl.taskset)
+        self.taskset = load_run_tasks(rl)
         self.code_limits = code_limits(rl)
         self.engine = engine if engine is not None else open_engine(inference)
         self.loaded: Path | None = None

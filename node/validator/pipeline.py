@@ -140,6 +140,9 @@ class TaskSet(Protocol):
 
     def score(self, task: DrawnTask, completion_text: str, completion_tokens: int) -> Score: ...
 
+    def prompt_ids(self, task: DrawnTask, tokenizer: Tokenizer) -> list[int]:
+        """The drawn task's prompt tokens as the run renders them with the checkpoint's ``tokenizer``."""
+
 
 class Tokenizer(Protocol):
     eos_token_id: int
@@ -314,7 +317,7 @@ def check_task(sample: RolloutSample, key: bytes, step: int, tasks: TaskSet, tok
     task = tasks.draw(key, sample.prompt_index)
     if sample.task_id != task.task_id:
         return fail(Reason.WRONG_TASK, f"task {sample.task_id!r} != drawn {task.task_id!r} (step {step}, index {sample.prompt_index})"), None
-    if list(sample.prompt_ids) != list(tokenizer.encode(task.prompt, add_special_tokens=False)):
+    if list(sample.prompt_ids) != list(tasks.prompt_ids(task, tokenizer)):
         return reject(BatchReason.WRONG_PROMPT, f"prompt tokens are not task {task.task_id!r}'s prompt"), None
     if sample.target_length != task.target_length:
         return fail(Reason.OUT_OF_BOUNDS, f"target_length {sample.target_length} != drawn {task.target_length}"), None

@@ -62,7 +62,7 @@ def make_batch(
     key = step_key(rules.run, worker, policy_root, step)
     draw_key = key if draw_step is None else step_key(rules.run, worker, policy_root, draw_step)
     drawn = [tasks.draw(draw_key, i) for i in range(rules.prompts_per_batch)]
-    prompts = [tok.encode(t.prompt, add_special_tokens=False) for t in drawn]
+    prompts = [tasks.prompt_ids(t, tok) for t in drawn]
     base_seed = sampling_seed(key) if seed is None else seed
     groups = engine.generate(prompts, rules.group_size, rules.temperature, rules.top_p, rules.max_new_tokens, base_seed)
     flat = [s for g in groups for s in g]
