@@ -28,6 +28,9 @@ TOK = build_tokenizer()
 def test_steps_per_minute_and_the_stall_bound():
     p = Progress(started=0.0)
     assert p.seconds_since_step(30.0) == 30.0 and p.steps_per_minute(30.0) is None
+    assert not p.stalled(1000.0)  # no batch yet: waiting for workers, not stalled
+    p.on_work(10.0)
+    assert not p.stalled(10.0 + STALL_AFTER_S - 1) and p.stalled(10.0 + STALL_AFTER_S)
     for t in (40.0, 70.0, 100.0):
         p.on_step(t)
     assert p.steps_per_minute(100.0) == pytest.approx(2.0)

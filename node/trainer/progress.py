@@ -68,11 +68,18 @@ def stall_kind(cause: str) -> str:
 
 
 class Progress:
-    """Step times of one trainer process, and whether it is stalled."""
+    """Step times of one trainer process, and whether it is stalled. The clock starts at the first
+    batch acknowledged (:meth:`on_work`): a trainer no worker has reached yet waits, it is not stalled."""
 
     def __init__(self, started: float) -> None:
         self.started = started
+        self.working_since: float | None = None
         self._steps: deque[float] = deque(maxlen=RATE_WINDOW + 1)
+
+    def on_work(self, now: float) -> None:
+        """A batch was acknowledged."""
+        if self.working_since is None:
+            self.working_since = now
 
     def on_step(self, now: float) -> None:
         self._steps.append(now)
@@ -91,4 +98,6 @@ class Progress:
         return 60.0 * (len(self._steps) - 1) / max(now - self._steps[0], 1e-9)
 
     def stalled(self, now: float) -> bool:
-        return self.seconds_since_step(now) >= STALL_AFTER_S
+        if self._steps:
+            return now - self._steps[-1] >= STALL_AFTER_S
+        return self.working_since is not None and now - self.working_since >= STALL_AFTER_S

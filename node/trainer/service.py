@@ -260,6 +260,7 @@ class Trainer:
             else:
                 self._wake("train")
             self.quota.take(b.worker, history, self.clock())
+            self.progress.on_work(self.clock())
             wait = self.pacer.retry_after(pending + 1, self.clock())
         self.intake["accepted"] += 1
         self.m_batches.labels(outcome="accepted").inc()
