@@ -17,11 +17,14 @@ from node.trainer.pacing import DEFAULT_INTERVAL
 from node.trainer.progress import STALL_AFTER_S, STALL_KINDS, Backlog, Progress, stall_cause, stall_kind
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
+from node.rollouts.schema import DOMAIN_VERDICT, Verdict
 from node.trainer.testing import fake_wiring, reversal_batch, sign_batch
+from node.wire import encode, seal
 
 RUN = "test"
 WORKER = Identity.from_seed(b"p" * 32)
-VALIDATOR = Identity.from_seed(b"v" * 32).peer_id
+VALIDATOR_ID = Identity.from_seed(b"v" * 32)
+VALIDATOR = VALIDATOR_ID.peer_id
 TOK = build_tokenizer()
 
 
@@ -93,6 +96,19 @@ async def test_expired_batches_do_not_speed_up_the_measured_drain_rate(trainer):
         await trainer._expire(ids[i * 2:i * 2 + 2])
     assert trainer.pacer.seconds_per_batch(11.0) == DEFAULT_INTERVAL
     assert trainer.sample_outcomes["expired"] == 4 * 8
+
+
+async def test_with_validators_a_batch_drains_at_its_verdict_not_at_the_step(trainer):
+    """The validators' pace is what the queue waits on; a step takes every verified batch at once."""
+    ids = await _accept(trainer, range(3))
+    for i, t in enumerate((10.0, 16.0, 22.0)):
+        trainer.now[0] = t
+        verdict = Verdict(run=RUN, batch_id=ids[i], worker=WORKER.peer_id, validator=VALIDATOR, accepted=True,
+                          reasons=["ok"] * 8, policy_version=5, created_ms=0)
+        assert (await trainer.on_verdict_bytes(encode(seal(VALIDATOR_ID, DOMAIN_VERDICT, verdict))))[1]
+    assert trainer.pacer.seconds_per_batch(22.0) == pytest.approx(6.0)
+    trainer._trained(ids)
+    assert trainer.pacer.seconds_per_batch(22.0) == pytest.approx(6.0)
 
 
 async def test_status_shows_the_last_step_the_rate_and_a_stall_with_its_cause(trainer):

@@ -27,7 +27,9 @@ node/trainer/intake.py ``trainable_until``). With ``pending`` batches ahead of i
 capped by the configured ``target``. A fixed target of half the queue (128 batches) let one slow
 validator fall minutes behind on a busy machine, and a third of the honest samples expired. Only
 batches that were judged (trained, or refused by a verdict) count as departures: an expired batch
-took no validator time, and counting it made the drain rate look faster the more was lost.
+took no validator time, and counting it made the drain rate look faster the more was lost. With
+validators a batch departs at its verdict (their rate is what the queue waits on; a step takes every
+verified batch at once), without them when it is trained.
 """
 
 from __future__ import annotations
