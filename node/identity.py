@@ -123,8 +123,13 @@ def make_private_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
+        try:
+            path.chmod(mode & 0o700)
+        except OSError as e:  # a read-only mount: say so, never claim a change that did not happen
+            log.warning("data dir %s is mode %o and could not be made 700 (%s); it holds the node's key",
+                        path, mode, e.strerror or e)
+            return
         log.warning("data dir %s was mode %o: now 700 (it holds the node's key)", path, mode)
-        path.chmod(mode & 0o700)
 
 
 def load_identity(path: Path) -> Identity:
