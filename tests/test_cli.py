@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 
 from node.app.cli import main
 from node.identity import KEY_FILE, load_or_create_identity
+from waiting import wait_until
 
 
 def run_cli(*args, env=None, cwd=None):
@@ -336,12 +338,13 @@ def test_unknown_flags_are_named_with_a_suggestion():
 @pytest.mark.parametrize("role", ["trainer", "validator"])
 def test_an_unlisted_trainer_or_validator_stops_with_exit_2(tmp_path, role):
     data = tmp_path / "d"
-    res = run_cli("--role", role, "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0")
+    run = tmp_path / "run.toml"
+    run.write_text('[run]\nname = "r"\n')
+    res = run_cli("--role", role, "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0", "--run", str(run))
     assert res.returncode == 2 and f"run.{role}s" in one_line_error(res.stderr) and "keygen" in res.stderr
     assert not (data / KEY_FILE).exists()  # a node that cannot start leaves nothing behind
     load_or_create_identity(data)
     other = load_or_create_identity(tmp_path / "other")[0].peer_id
-    run = tmp_path / "run.toml"
     run.write_text(f'[run]\n{role}s = ["{other}"]\n')
     res = run_cli("--role", role, "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0", "--run", str(run))
     assert res.returncode == 2 and f"is not a {role} of run" in one_line_error(res.stderr)
@@ -356,3 +359,195 @@ def test_a_listed_trainer_passes_the_check(tmp_path):
     run.write_text(f'[run]\ntrainers = ["{peer}"]\n')
     check_trusted_role(load_config(run, {}, {"role": "trainer", "data_dir": str(tmp_path)}))
     check_trusted_role(load_config(None, {}, {"role": "inference", "data_dir": str(tmp_path / "x")}))
+
+
+# ------------------------------------------------------- a swarm built by hand from the README (issue 39)
+
+
+def _run_file(tmp_path, name="my-run", **lists) -> str:
+    body = "".join(f'{k} = {json.dumps(v)}\n' for k, v in lists.items())
+    path = tmp_path / f"{name}.toml"
+    path.write_text(f'[run]\nname = "{name}"\n{body}')
+    return str(path)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_node_without_a_run_stops_and_says_so(tmp_path):
+    """`swarm-node --role relay --listen ...` joined run 'demo', whose peers the operator's run refuses."""
+    res = run_cli("--role", "relay", "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(tmp_path / "relay"))
+    assert res.returncode == 2 and "--run" in one_line_error(res.stderr)
+    assert not (tmp_path / "relay").exists()  # nothing made for a node that did not start
+
+
+def test_another_runs_data_dir_says_how_to_keep_the_key(tmp_path):
+    from node.ledger.store import open_ledger_store
+
+    old = tmp_path / "relay"
+    peer = load_or_create_identity(old)[0].peer_id
+    with open_ledger_store(old) as store:
+        store.bind_run("demo")
+    res = run_cli("--role", "relay", "--run", _run_file(tmp_path), "--data-dir", str(old),
+                  "--listen", "/ip4/127.0.0.1/tcp/0")
+    line = one_line_error(res.stderr)
+    assert res.returncode == 2 and "belongs to run 'demo', not 'my-run'" in line
+    assert f"swarm-node keygen --from {old} --data-dir NEW" in line
+    new = tmp_path / "new"
+    res = run_cli("keygen", "--from", str(old), "--data-dir", str(new))
+    assert res.returncode == 0 and res.stdout.split() == [peer]  # the same peer id, in a dir of its own
+    assert (new / KEY_FILE).stat().st_mode & 0o777 == 0o600 and not (new / "ledger.sqlite").exists()
+    other = run_cli("keygen", "--from", str(tmp_path / "elsewhere"), "--data-dir", str(tmp_path / "x"))
+    assert other.returncode == 2 and "cannot read key file" in one_line_error(other.stderr)
+
+
+@pytest.mark.parametrize("flag", ["--listen", "--http-port", "--metrics-port"])
+def test_a_port_in_use_is_one_line_and_exit_2(tmp_path, flag):
+    """py-libp2p listens with SO_REUSEPORT: a second node on a taken port started and the kernel split
+    dials between two peer ids; the web and metrics ports raised a 115-line traceback."""
+    import socket
+
+    with socket.socket() as taken:  # as a libp2p listener holds it
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        value = f"/ip4/127.0.0.1/tcp/{port}" if flag == "--listen" else str(port)
+        listen = [] if flag == "--listen" else ["--listen", "/ip4/127.0.0.1/tcp/0"]
+        res = run_cli("--role", "relay", "--run", _run_file(tmp_path), "--data-dir", str(tmp_path / "d"),
+                      flag, value, *listen)
+    assert res.returncode == 2, res.stderr
+    assert f"{flag}: 127.0.0.1:{port} is in use by another process" in one_line_error(res.stderr)
+
+
+def test_one_data_dir_one_process(tmp_path):
+    """A second node on a running node's data dir started with its peer id, and deleted the live
+    node's node.json when it stopped; with a trainer's key it made the ledger author equivocate.
+    Now it stops at once, and so does `publish`; read-only commands still work."""
+    data, run = tmp_path / "relay", _run_file(tmp_path)
+    peer = run_cli("keygen", "--data-dir", str(data)).stdout.strip()
+    first = subprocess.Popen([sys.executable, "-m", "node", "--role", "relay", "--run", run, "--data-dir", str(data),
+                              "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "warning"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: (data / "node.json").exists() or first.poll() is not None, what="the relay's node.json")
+        assert first.poll() is None
+        addrs = json.loads((data / "node.json").read_text())["addrs"]
+        second = run_cli("--role", "relay", "--run", run, "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0")
+        assert second.returncode == 2
+        assert one_line_error(second.stderr).startswith(f"swarm-node: error: data dir is in use by pid {first.pid}")
+        assert (data / "node.json").exists()  # the running node's file is left alone
+        from node.shards.testing import write_checkpoint
+
+        ckpt = write_checkpoint(tmp_path / "ckpt", 1 << 20)
+        publish = run_cli("publish", str(ckpt), "--version", "1", "--run", run, "--data-dir", str(data))
+        assert publish.returncode == 2 and f"data dir is in use by pid {first.pid}" in one_line_error(publish.stderr)
+        ident = run_cli("id", "--addr", "--data-dir", str(data))  # what the README's --bootstrap $(...) runs
+        assert ident.returncode == 0 and ident.stdout.split() == addrs and addrs[0].endswith(f"/p2p/{peer}")
+        assert run_cli("keygen", "--data-dir", str(data)).stdout.strip() == peer
+        assert run_cli("ledger", "--data-dir", str(data)).returncode == 0
+        assert run_cli("status", "--data-dir", str(data)).returncode == 0
+    finally:
+        first.terminate()
+        first.wait(timeout=60)
+
+
+def test_id_addr_prints_only_addresses(tmp_path, capsys):
+    assert main(["keygen", "--data-dir", str(tmp_path)]) == 0
+    peer = capsys.readouterr().out.strip()
+    (tmp_path / "node.json").write_text(json.dumps({"addrs": ["/ip4/127.0.0.1/tcp/9/p2p/x"]}))  # a killed node's
+    assert main(["id", "--addr", "--data-dir", str(tmp_path), "--listen", "/ip4/127.0.0.1/tcp/4001"]) == 0
+    assert capsys.readouterr().out.split() == [f"/ip4/127.0.0.1/tcp/4001/p2p/{peer}"]
+
+
+def _in_mount_namespace(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``sh -c script`` in a private mount namespace (root only), with the node at "$@"."""
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
+                           sys.executable, "-m", "node", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+needs_mounts = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                                  reason="needs root and unshare (a read-only or full file system of its own)")
+
+
+@needs_mounts
+def test_a_read_only_data_dir_is_one_line(tmp_path):
+    data = tmp_path / "relay"
+    load_or_create_identity(data)
+    data.chmod(0o755)  # the node would make it private: it must not claim it did
+    res = _in_mount_namespace(f'mount --bind {data} {data} && mount -o remount,bind,ro {data} && exec "$@"',
+                              "--role", "relay", "--run", _run_file(tmp_path), "--data-dir", str(data),
+                              "--listen", "/ip4/127.0.0.1/tcp/0")
+    assert res.returncode == 2, res.stderr
+    line = one_line_error(res.stderr)
+    assert f"data dir {data} is not writable" in line and "now 700" not in res.stderr
+
+
+@needs_mounts
+def test_a_full_data_dir_is_one_line(tmp_path):
+    data = tmp_path / "relay"
+    data.mkdir()
+    fill = f"dd if=/dev/zero of={data}/filler bs=64k 2>/dev/null; "
+    res = _in_mount_namespace(f'mount -t tmpfs -o size=2m tmpfs {data} && {fill}exec "$@"',
+                              "--role", "relay", "--run", _run_file(tmp_path), "--data-dir", str(data),
+                              "--listen", "/ip4/127.0.0.1/tcp/0")
+    assert res.returncode == 2, res.stderr
+    assert f"data dir {data} is full" in one_line_error(res.stderr)
+
+
+@pytest.mark.parametrize("model, needle", [
+    ("/nope/model", "run.model: model folder not found: /nope/model"),
+    ("Qwen/Qwen2-0.5B", "looks like a Hugging Face hub id"),
+])
+def test_a_missing_model_folder_is_one_line(tmp_path, model, needle):
+    """A mistyped [run] model ended in 145 lines of Hugging Face's "Repo id must be in the form"."""
+    data = tmp_path / "trainer"
+    peer = load_or_create_identity(data)[0].peer_id
+    run = tmp_path / "run.toml"
+    run.write_text(f'[run]\nname = "r"\ntrainers = ["{peer}"]\nmodel = "{model}"\n')
+    res = run_cli("--role", "trainer", "--run", str(run), "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0")
+    assert res.returncode == 2 and needle in one_line_error(res.stderr)
+
+
+def test_a_bad_task_file_is_one_line(tmp_path):
+    (tmp_path / "tasks.jsonl").write_text('{"x": 1}\n')
+    run = tmp_path / "run.toml"
+    run.write_text(f'[run]\nname = "r"\n[rl]\ntaskset = "{tmp_path / "tasks.jsonl"}"\n')
+    res = run_cli("--role", "inference", "--run", str(run), "--data-dir", str(tmp_path / "w"),
+                  "--listen", "/ip4/127.0.0.1/tcp/0")
+    assert res.returncode == 2 and "run.rl.taskset" in one_line_error(res.stderr)
+
+
+def test_tools_print_no_progress_bars(tmp_path):
+    """transformers' bars ("Writing model shards: 100%|...") leaked into init-model, rl-local, rollout."""
+    res = run_cli("init-model", "--out", str(tmp_path / "m"), "--warmup-steps", "0")
+    assert res.returncode == 0, res.stderr
+    assert "it/s" not in res.stderr and "%|" not in res.stderr, res.stderr
+
+
+def test_status_shows_the_role_first_and_stream_budgets_condensed():
+    """`status` printed 224-257 lines, 134 of them stream budgets, before the role's own section."""
+    from rich.console import Console
+
+    from node.app.status_view import render_status
+
+    budget = {"streams": 0, "streams_max": 64, "streams_per_peer": 4, "bytes": 0, "bytes_max": 2048,
+              "bytes_per_peer": 128, "peak_streams": 0, "peak_bytes": 0, "refused": {}, "stalled": 0}
+    streams = {f"/proto/{i}/1.0.0": dict(budget) for i in range(14)}
+    streams["/proto/3/1.0.0"].update(streams=2, peak_streams=5, bytes=3072, refused={"per-peer": 7})
+    status = {**_long_status(), "streams": streams, "peers": {"tracked": 3}}
+    console = Console(record=True, width=200)
+    render_status(status, console)
+    lines = console.export_text().splitlines()
+    first = {key: next(i for i, line in enumerate(lines) if line.startswith(key)) for key in ("trainer", "members", "peers", "streams")}
+    assert first["trainer"] < first["members"] < first["peers"] < first["streams"]
+    assert lines[first["streams"]:] == [
+        "streams: 2 open on 1 protocols used (13 never used; --json has every budget)",
+        "  /proto/3/1.0.0: 2/64 open, peak 5, 3.0 KiB buffered (peak 0 B), refused per-peer=7"]

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..atomic import DataDirError
+from ..atomic import DataDirError, data_dir_holder, hold_data_dir
 from ..bootstrap_list import read_bootstrap_list
-from ..config import DEFAULT_LISTEN, LOG_LEVELS, ROLES, ConfigError, NodeConfig, load_config
-from ..identity import KEY_FILE, IdentityError, load_identity, load_or_create_identity
+from ..config import DEFAULT_LISTEN, LOG_LEVELS, ROLES, RUN_FILE_ENV, ConfigError, NodeConfig, check_port_free, load_config
+from ..identity import KEY_FILE, IdentityError, load_identity, load_or_create_identity, save_identity
 from ..log import setup_logging
 from ..rl.sandbox import SandboxUnavailable
 from ..rollouts.config import CHEATS
@@ -35,7 +35,7 @@ COMMAND_MODULES: list[str] = ["node.ledger.cli", "node.app.shards_cli", "node.rl
 EPILOG = """\
 examples:
   swarm-node --role inference --bootstrap            join with the packaged bootstrap list
-  swarm-node --role relay --listen /ip4/0.0.0.0/tcp/4001
+  swarm-node --role relay --run run.toml --listen /ip4/0.0.0.0/tcp/4001
   swarm-node --role trainer --run run.toml           trusted operator
   swarm-node status                                  member table of the local node
   swarm-node demo --duration 60                      local swarm on loopback
@@ -109,12 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("keygen", help="create the node key in the data dir (if absent) and print the peer id")
     _common(p)
+    p.add_argument("--from", dest="from_dir", metavar="DIR",
+                   help="copy the key of data dir DIR instead of making one (same peer id, e.g. for a new run)")
     p.set_defaults(func=cmd_keygen)
 
     p = sub.add_parser("id", help="print the peer id and the addresses other peers can dial")
     _common(p)
     p.add_argument("--listen", nargs="+", metavar="MULTIADDR")
     p.add_argument("--create", action="store_true", help="create the key if the data dir has none (as keygen)")
+    p.add_argument("--addr", action="store_true",
+                   help="print only the addresses, one per line (for --bootstrap $(swarm-node id --addr ...))")
     p.set_defaults(func=cmd_id)
 
     p = sub.add_parser("status", help="member table of a running node")
@@ -180,22 +184,64 @@ def packaged_bootstrap() -> list[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     import trio
 
+    from ..ledger.store import check_run_of
     from ..roles.core import check_code_sandbox, run_node
 
     config = config_from_args(args)
+    require_run(config, args)
     check_code_sandbox(config)  # before a key is made: a node that cannot start should leave nothing
+    if config.role == "inference":  # nor an inference node that cannot run the engine its run selects
+        from ..rollouts.generate import check_engine
+
+        check_engine(config)
     check_trusted_role(config)
+    check_model(config)
     setup_logging(config.log_level, config.log_json)  # what opening the data dir logs is formatted too
-    identity = _identity(config)
-    setup_logging(config.log_level, config.log_json, identity.peer_id[-8:])
-    try:
-        trio.run(run_node, config)
-    except BaseExceptionGroup as group:  # a service's nursery wraps what stopped it
-        damaged, _ = group.split(DataDirError)
-        if damaged is None:
-            raise
-        raise _first_leaf(damaged) from None
+    with hold_data_dir(config.resolved_data_dir()):  # for the node's life: one process per data dir
+        check_ports(config)
+        check_run_of(config.resolved_data_dir(), config.run.name)
+        identity = load_or_create_identity(config.resolved_data_dir())[0]
+        setup_logging(config.log_level, config.log_json, identity.peer_id[-8:])
+        try:
+            trio.run(run_node, config)
+        except BaseExceptionGroup as group:  # a service's nursery wraps what stopped it
+            bad_input, _ = group.split((DataDirError, ConfigError))
+            if bad_input is None:
+                raise
+            raise _first_leaf(bad_input) from None
     return 0
+
+
+def require_run(config: NodeConfig, args: argparse.Namespace) -> None:
+    """A node serves one run: its gossip topics, protocols, ledger and checkpoints are the run's, and
+    peers of any other run refuse it. Without a run file a node would join run 'demo' unnoticed
+    (issue 39: a relay started as the README said served nobody), so it must be named."""
+    if getattr(args, "run", None) or os.environ.get(RUN_FILE_ENV) or os.environ.get("SWARM_RUN_NAME"):
+        return
+    raise UsageError(f"--run: a {config.role} serves one run; name its run file: "
+                     f"swarm-node --role {config.role} --run run.toml ... (or set ${RUN_FILE_ENV})")
+
+
+def check_model(config: NodeConfig) -> None:
+    """The trainer's ``[run] model`` names a local model folder (checked before anything starts)."""
+    if config.role != "trainer" or not config.run.model:
+        return
+    from ..engines.model import ModelFolderError, check_model_folder
+
+    try:
+        check_model_folder(config.run.model)
+    except ModelFolderError as e:
+        raise ConfigError(f"run.model: {e}") from None
+
+
+def check_ports(config: NodeConfig) -> None:
+    """Every port the node will listen on is free: one line now, not a traceback or a half-started
+    node later (the bind sites check again, for a port taken in between)."""
+    from ..net.host import check_listen_ports, parse_multiaddr
+
+    check_listen_ports([parse_multiaddr(a) for a in config.listen])
+    check_port_free(config.http_listen, config.http_port, "--http-port")
+    check_port_free(config.metrics_listen, config.metrics_port, "--metrics-port")
 
 
 def check_trusted_role(config: NodeConfig) -> None:
@@ -223,17 +269,21 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
-def _identity(config: NodeConfig):
-    data_dir = config.resolved_data_dir()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    return load_or_create_identity(data_dir)[0]
-
-
 def cmd_keygen(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     data_dir = config.resolved_data_dir()
-    identity, created = load_or_create_identity(data_dir)
     where = data_dir / KEY_FILE
+    source = load_identity(Path(args.from_dir).expanduser() / KEY_FILE) if args.from_dir else None
+    if where.exists():  # reading a key writes nothing: no lock, also while the node runs
+        identity, created = load_identity(where), False
+        if source is not None and source.peer_id != identity.peer_id:
+            raise UsageError(f"{where} already holds another key ({identity.peer_id}); "
+                             "--from copies a key only into a data dir without one")
+    else:
+        with hold_data_dir(data_dir):
+            identity, created = (source, True) if source else load_or_create_identity(data_dir)
+            if source is not None:
+                save_identity(source, where)
     print(identity.peer_id)
     print(f"{'created' if created else 'already present'}: {where}", file=sys.stderr)
     return 0
@@ -241,32 +291,42 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 def cmd_id(args: argparse.Namespace) -> int:
     """The peer id, then the addresses to give other peers (``--bootstrap``): the running node's
-    own (node.json) or, when none runs, the configured listen addresses; wildcards expanded."""
-    from ..status_files import NODE_FILE
-    from .addresses import NAT_NOTE, dialable
-
+    own (node.json, read while a node holds the data dir) or, when none runs, the configured listen
+    addresses; wildcards expanded. ``--addr``: the addresses only."""
     config = config_from_args(args)
     data_dir = config.resolved_data_dir()
     if not (data_dir / KEY_FILE).exists() and not args.create:
         raise UsageError(f"no key in {data_dir}: create one with `swarm-node keygen --data-dir {data_dir}` "
                          "(or `swarm-node id --create`)")
-    identity, created = load_or_create_identity(data_dir)
-    if created:
+    if (data_dir / KEY_FILE).exists():
+        identity = load_identity(data_dir / KEY_FILE)
+    else:
+        with hold_data_dir(data_dir):
+            identity = load_or_create_identity(data_dir)[0]
         print(f"created: {data_dir / KEY_FILE}", file=sys.stderr)
-    print(identity.peer_id)
-    addrs = list(config.listen)
-    running = data_dir / NODE_FILE
-    if running.exists():
-        try:
-            addrs = json.loads(running.read_text())["addrs"] or addrs
-        except (ValueError, KeyError, OSError):
-            pass
-    shown, expanded = dialable(addrs, identity.peer_id)
+    if not args.addr:
+        print(identity.peer_id)
+    from .addresses import NAT_NOTE, dialable
+
+    shown, expanded = dialable(running_addrs(data_dir) or list(config.listen), identity.peer_id)
     for a in shown:
         print(a)
     if expanded:
         print(NAT_NOTE, file=sys.stderr)
     return 0
+
+
+def running_addrs(data_dir: Path) -> list[str]:
+    """The listen addresses of the node running on ``data_dir`` (its node.json), [] when none runs:
+    a node that was killed leaves its node.json behind, so only a held data dir counts."""
+    from ..status_files import NODE_FILE
+
+    if data_dir_holder(data_dir) is None:
+        return []
+    try:
+        return list(json.loads((data_dir / NODE_FILE).read_text())["addrs"])
+    except (ValueError, KeyError, OSError, TypeError):
+        return []
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -288,6 +348,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' and the hub's progress bars are noise in a node's log and a tool's output
+    # (init-model, rl-local, rollout); read when huggingface_hub is first imported, so set first.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

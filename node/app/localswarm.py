@@ -79,8 +79,9 @@ class LocalSwarm:
             "--data-dir", str(data_dir),
             "--log-level", self.log_level,
         ]
-        if self.run_file:
-            args += ["--run", str(self.run_file)]
+        if self.run_file is None:  # a node needs a run (node/app/cli.py require_run): the default one
+            self.write_run_file("[run]\n")
+        args += ["--run", str(self.run_file)]
         if bootstrap and self.bootstrap_addr:
             args += ["--bootstrap", self.bootstrap_addr]
         args += list(extra)

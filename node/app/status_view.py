@@ -24,7 +24,7 @@ MAX_LIST_ITEMS = 8  # longer lists print their last items and how many there are
 MAX_MEMBERS_SHOWN = 200  # member table rows; the rest are counted
 # Keys of the snapshot shown in the node's own section (or the member table), not as services.
 NODE_KEYS = ("membership", "peer_id", "role", "run", "uptime_s", "time", "addrs", "stopped", "traffic",
-             "handler_errors", "health", "run_roles")
+             "handler_errors", "health", "run_roles", "streams")
 
 
 def fetch_status(config: NodeConfig, connect: str | None) -> dict:
@@ -82,6 +82,9 @@ def render_status(status: dict, console: Console | None = None) -> None:
     member = status.get("membership") or {}
     _node_section(status, member, console)
     console.print(escape(health_line(status) or "health: -"), highlight=False)  # node/health.py's judgement
+    role = status.get("role")
+    if isinstance(status.get(role), dict):  # what the node is for comes first, before the member table
+        _section(str(role), status[role], console)
     counts = member.get("counts", {})
     if counts:
         console.print("members: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
@@ -102,12 +105,39 @@ def render_status(status: dict, console: Console | None = None) -> None:
     if margins and margins.get("worst_passing"):
         console.print(_margins_line(margins))
     for name, value in status.items():
-        if name in NODE_KEYS:
-            continue
+        if name not in NODE_KEYS and name != role:
+            _section(name, value, console)
+    streams = status.get("streams")
+    if isinstance(streams, dict) and streams:
         console.print()
-        console.print(f"[bold]{escape(name)}[/bold]")
-        for line in section_lines(value):
+        for line in stream_lines(streams):
             console.print(escape(line), highlight=False)
+
+
+def _section(name: str, value, console: Console) -> None:
+    console.print()
+    console.print(f"[bold]{escape(name)}[/bold]")
+    for line in section_lines(value):
+        console.print(escape(line), highlight=False)
+
+
+def stream_lines(streams: dict) -> list[str]:
+    """The per-protocol stream budgets (node/net/budget.py) as one line per protocol that was used,
+    the never-used ones counted in the heading: a dozen lines instead of ten per protocol."""
+    used = {p: b for p, b in streams.items() if isinstance(b, dict) and (b.get("peak_streams") or b.get("refused")
+                                                                         or b.get("stalled"))}
+    open_now = sum(b.get("streams", 0) for b in used.values())
+    out = [f"streams: {open_now} open on {len(used)} protocols used" + (
+        f" ({len(streams) - len(used)} never used; --json has every budget)" if len(streams) > len(used) else "")]
+    for proto, b in used.items():
+        line = (f"  {proto}: {b.get('streams', 0)}/{b.get('streams_max', '?')} open, peak {b.get('peak_streams', 0)}, "
+                f"{human_bytes(b.get('bytes', 0))} buffered (peak {human_bytes(b.get('peak_bytes', 0))})")
+        if b.get("refused"):
+            line += f", refused {_inline(b['refused'])}"
+        if b.get("stalled"):
+            line += f", stalled {b['stalled']}"
+        out.append(line)
+    return out
 
 
 def _node_section(status: dict, member: dict, console: Console) -> None:

@@ -13,6 +13,7 @@ No chat template: prompts are plain text and a completion ends with the ``<eos>`
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,29 @@ def is_model_folder(path: Path) -> bool:
     return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
+class ModelFolderError(ValueError):
+    """A model path does not name a usable local folder (the operator's input: one line, exit 2)."""
+
+
+# org/name, as the Hugging Face hub spells a repository id
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model_folder(path: Path | str, *, weights: bool = True) -> Path:
+    """``path`` as a model folder, or ModelFolderError saying what is wrong. A hub id (``org/name``)
+    is explained: the node never downloads, so transformers would only answer with its own error."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        hint = ""
+        if _HUB_ID.fullmatch(str(path)):
+            hint = (f" ({str(path)!r} looks like a Hugging Face hub id: nodes never download; fetch it first, "
+                    f"e.g. `hf download {path} --local-dir models/{p.name}`, and name that folder)")
+        raise ModelFolderError(f"model folder not found: {p}{hint}")
+    if weights and not is_model_folder(p):
+        raise ModelFolderError(f"{p} is not a model folder: it needs config.json and *.safetensors weights")
+    return p
+
+
 def load_tokenizer(path: Path):
     """The tokenizer of a local HF folder, exactly as its ``tokenizer.json`` defines it.
 
@@ -164,7 +188,7 @@ def load_tokenizer(path: Path):
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    p = Path(path)
+    p = check_model_folder(path, weights=False)
     if (p / "tokenizer.json").is_file():
         tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
     else:
@@ -190,6 +214,7 @@ def load_model(path: Path, *, device: str = "cpu", dtype=None):
     """A causal LM from a local HF folder, in eval mode, on ``device`` (never downloads)."""
     from transformers import AutoModelForCausalLM
 
+    path = check_model_folder(path)
     kwargs = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype

@@ -102,7 +102,7 @@ class LedgerStore:
         if row is None:
             self._db.execute("INSERT INTO meta(key, value) VALUES('run', ?)", (run,))
         elif row[0] != run:
-            raise LedgerStoreError(f"ledger database {self.path} belongs to run {row[0]!r}, not {run!r}")
+            raise LedgerStoreError(run_mismatch(self.path, row[0], run))
 
     def run(self) -> str | None:
         row = self._read.execute("SELECT value FROM meta WHERE key='run'").fetchone()
@@ -267,3 +267,24 @@ def open_ledger_store(data_dir: Path, *, read_only: bool = False) -> LedgerStore
     if read_only and not path.exists():
         raise LedgerStoreError(f"no ledger database at {path}")
     return LedgerStore(path, read_only=read_only)
+
+
+def check_run_of(data_dir: Path, run: str) -> None:
+    """LedgerStoreError (:func:`run_mismatch`) when ``data_dir`` holds another run's ledger: checked
+    before a node starts, so it stops with that one line instead of after its services began."""
+    path = Path(data_dir) / DB_FILE
+    if not path.exists():
+        return
+    with LedgerStore(path, read_only=True) as store:
+        held = store.run()
+    if held is not None and held != run:
+        raise LedgerStoreError(run_mismatch(path, held, run))
+
+
+def run_mismatch(path: Path, held: str, wanted: str) -> str:
+    """What a node of run ``wanted`` started on run ``held``'s data dir is told: how to start it on a
+    data dir of its own and keep its peer id (the one other peers bootstrap from)."""
+    data_dir = path.parent
+    return (f"ledger database {path} belongs to run {held!r}, not {wanted!r}: give run {wanted!r} a data dir "
+            f"of its own (--data-dir NEW); to keep this node's peer id, first run "
+            f"`swarm-node keygen --from {data_dir} --data-dir NEW`")

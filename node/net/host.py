@@ -50,6 +50,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
+from ..config import check_port_free
 from ..identity import Identity
 from .workarounds import (
     BatchedWindowCredit,
@@ -301,6 +302,16 @@ def _score_params(p: GossipParams, app_score: Callable[[str], float]) -> ScorePa
     )
 
 
+def check_listen_ports(addrs: list[multiaddr.Multiaddr]) -> None:
+    """ConfigError naming the address when another process listens on one of ``addrs``' TCP ports.
+    py-libp2p's listeners set SO_REUSEPORT (DCUtR dials out from the listen port), so a second
+    node on a taken port would listen beside the first instead of failing; it must not start."""
+    for addr in addrs:
+        protocols = [p.name for p in addr.protocols()]
+        if "tcp" in protocols and protocols[0] in ("ip4", "ip6"):
+            check_port_free(addr.value_for_protocol(protocols[0]), int(addr.value_for_protocol("tcp")), "--listen")
+
+
 @asynccontextmanager
 async def open_swarm_host(
     identity: Identity,
@@ -327,6 +338,7 @@ async def open_swarm_host(
     keypair = to_libp2p_keypair(identity)
     noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
     addrs = [parse_multiaddr(a) for a in listen]
+    check_listen_ports(addrs)
     host = new_host(
         key_pair=keypair,
         sec_opt={NOISE_PROTOCOL_ID: noise},
