@@ -169,3 +169,15 @@ def test_rebuild_skips_a_broken_middle_and_reports_it(tmp_path):
         # the replacement seq 2 points at another seq 1, so the chain breaks at 2
         assert rebuild(store, led) == {TRAINER.peer_id: (2, "bad-link")}
         assert led.head_of(TRAINER.peer_id) == 1
+
+
+def test_cli_totals_say_why_served_needs_the_run_file(tmp_path, capsys):
+    """`served` differed with and without --run (same digest) and nothing said why: standing comes
+    from the run's trainers and validators, which only the run file names."""
+    write_db(tmp_path / "data", chain(TRAINER, 2))
+    rc, _, err = run_cli(["ledger", "--data-dir", str(tmp_path / "data")], capsys)
+    assert rc == 0 and cli.UNKNOWN_TRUST_NOTE in err and "served" in err
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f'[run]\nname = "{RUN}"\ntrainers = ["{TRAINER.peer_id}"]\n')
+    rc, _, err = run_cli(["ledger", "--data-dir", str(tmp_path / "data"), "--run", str(run_file)], capsys)
+    assert rc == 0 and err == ""

@@ -36,7 +36,8 @@ def test_publish_then_list(setup, capsys) -> None:
     out = capsys.readouterr().out
     assert rc == 0 and "published version 4: 24 pieces of 131072 bytes" in out  # small: 128 KiB pieces
     assert run("checkpoints", "--run", str(run_file), "--data-dir", str(data)) == 0
-    assert f"v4\tcomplete\t{data / 'checkpoints' / '4'}" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines() == [f"v4\tcomplete\t{data / 'checkpoints' / '4'}"]
+    assert not (data / "trainer").exists()  # the core seeded it; no trainer started (its own v0, its steps)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,8 @@ from ..config import LOG_LEVELS, ConfigError, load_config
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("publish", help="publish a model folder as a checkpoint version and seed it (trainer key)")
+    p = sub.add_parser("publish", help="publish a model folder as a checkpoint version and seed it, with the trainer's "
+                                       "key and data dir while the trainer is stopped (refused while it runs)")
     p.add_argument("path", type=Path, help="Hugging Face model folder (config.json, *.safetensors, tokenizer files)")
     p.add_argument("--version", dest="ckpt_version", type=int, required=True, metavar="N", help="version number")
     p.add_argument("--seed-for", type=float, default=0.0, metavar="SECONDS", help="stop seeding after SECONDS (default: until Ctrl-C)")
@@ -66,22 +67,22 @@ def cmd_publish(args: argparse.Namespace) -> int:
         return 2
     import trio
 
+    from ..atomic import DataDirError, hold_data_dir
     from ..identity import IdentityError, load_or_create_identity
 
     try:
-        identity, _ = load_or_create_identity(config.resolved_data_dir())
-    except IdentityError as e:
+        # The trainer's data dir, held for the whole publish: a trainer running on it (or a second
+        # publish) would write the same author's ledger from two processes and equivocate.
+        with hold_data_dir(config.resolved_data_dir()):
+            identity, _ = load_or_create_identity(config.resolved_data_dir())
+            if identity.peer_id not in config.run.trainers:
+                print(f"swarm-node publish: this node's peer id {identity.peer_id} is not among the run's trainers;"
+                      " add it to [run] trainers in the run file", file=sys.stderr)
+                return 2
+            return trio.run(_publish, config, args.path, args.ckpt_version, args.seed_for)
+    except (IdentityError, DataDirError) as e:
         print(f"swarm-node publish: {e}", file=sys.stderr)
         return 2
-    if identity.peer_id not in config.run.trainers:
-        print(
-            f"swarm-node publish: this node's peer id {identity.peer_id} is not among the run's trainers;"
-            " add it to [run] trainers in the run file",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        return trio.run(_publish, config, args.path, args.ckpt_version, args.seed_for)
     except KeyboardInterrupt:
         return 130
 
@@ -92,11 +93,14 @@ async def _publish(config, path: Path, version: int, seed_for: float) -> int:
     import trio
 
     from ..log import setup_logging
-    from ..roles.core import run_node
+    from ..roles.core import run_node, start_core
 
     setup_logging(config.log_level, config.log_json)
     async with trio.open_nursery() as nursery:
-        node = await nursery.start(lambda task_status: run_node(config, task_status=task_status, handle_signals=False))
+        # The core alone (shards, ledger, membership) under the trainer's key: the trainer role
+        # would also publish its own version 0 and train on, which is not what was asked.
+        node = await nursery.start(lambda task_status: run_node(config, task_status=task_status, handle_signals=False,
+                                                                start=start_core))
         for addr in config.bootstrap:
             try:
                 await node.host.connect(addr)

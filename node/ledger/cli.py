@@ -31,6 +31,13 @@ _SHORT = {  # column headers for the totals table
 }
 
 
+# Why `served` differs with and without --run (issue 39): standing comes from the run's trainers
+# and validators (node/ledger/chain.py, "Sybil bounds"), which only the run file names.
+UNKNOWN_TRUST_NOTE = ("note: no run file (--run FILE), so the run's trainers and validators are unknown here: no "
+                      "receipt has standing and `served` counts only unvouched credit (the run's nodes count more); "
+                      "pass --run for the run's totals")
+
+
 def add_commands(sub) -> None:
     """Add ``ledger``, ``ledger verify`` and ``ledger export`` to the CLI."""
     p = sub.add_parser("ledger", help="contribution totals per peer from the local ledger replica")
@@ -107,6 +114,8 @@ def cmd_totals(args) -> int:
     with store:
         ledger = _replica(store, config)
     totals = ledger.totals(args.peer)
+    if not (config.run.trainers or config.run.validators) and len(ledger):
+        print(UNKNOWN_TRUST_NOTE, file=sys.stderr)
     if args.json:
         out = {"digest": ledger.digest().hex(), "entries": len(ledger), "flagged": ledger.flagged(), "totals": totals}
         print(json.dumps(out, indent=2, sort_keys=True))
