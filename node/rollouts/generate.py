@@ -38,17 +38,6 @@ from .schema import RolloutBatch
 log = logging.getLogger(__name__)
 
 
-def vllm_usable() -> bool:
-    """vLLM is importable and a CUDA device is present (the only case its engine is chosen)."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def pick_engine(requested: str, accepted: tuple[str, ...], vllm_ok: bool) -> str:
     """The engine to run: ``requested``, or for "auto" vLLM when usable *and accepted*, else torch.
 
@@ -63,15 +52,42 @@ def pick_engine(requested: str, accepted: tuple[str, ...], vllm_ok: bool) -> str
         if usable and name in accepted:
             return name
     raise ValueError(f"[inference] engine = 'auto': no usable engine among this run's engines {list(accepted)} "
-                     "(vllm needs the vllm package and a CUDA device)")
+                     "(vllm needs the vllm package and a CUDA device; its CPU build only when named)")
+
+
+def choose_engine(cfg) -> str:
+    """The engine ``[inference]`` selects on this node (see :func:`pick_engine`).
+
+    Raises ConfigError (one line, exit 2 at start) when the run selects vLLM and this node cannot
+    run it: vLLM missing, at another version than the engine's, or without a device it runs on
+    (``engine = "vllm"`` allows vLLM's CPU build; ``"auto"`` picks vLLM only on a CUDA GPU)."""
+    from ..config import ConfigError
+
+    accepted = cfg.accepted_engines()
+    problem = None
+    if cfg.engine == "vllm" or (cfg.engine == "auto" and "vllm" in accepted):
+        from ..engines.vllm_engine import vllm_problem
+
+        problem = vllm_problem(allow_cpu=cfg.engine == "vllm")
+    try:
+        name = pick_engine(cfg.engine, accepted, problem is None)
+    except ValueError as e:
+        raise ConfigError(f"run.inference.engine: {e}") from None
+    if name == "vllm" and problem is not None:
+        raise ConfigError(f"run.inference.engine = 'vllm': {problem}")
+    return name
+
+
+def check_engine(config) -> None:
+    """Refuse to start an inference node that cannot run the engine its run selects (ConfigError)."""
+    from ..rl.config import InferenceConfig
+
+    choose_engine(config.run.section("inference", InferenceConfig))
 
 
 def open_engine(cfg):
-    """The engine named by ``[inference]`` (see :func:`pick_engine`). Not loaded yet."""
-    name = pick_engine(cfg.engine, cfg.accepted_engines(), vllm_usable() if cfg.engine in ("auto", "vllm") else False)
-    if name == "vllm":
-        if not vllm_usable():
-            raise RuntimeError("[inference] engine = 'vllm' needs the vllm package and a CUDA device")
+    """The engine named by ``[inference]`` (see :func:`choose_engine`). Not loaded yet."""
+    if choose_engine(cfg) == "vllm":
         from ..engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(cfg)
