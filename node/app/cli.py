@@ -194,10 +194,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         from ..rollouts.generate import check_engine
 
         check_engine(config)
-    if config.role == "inference":  # nor an inference node that cannot run the engine its run selects
-        from ..rollouts.generate import check_engine
-
-        check_engine(config)
     check_trusted_role(config)
     check_model(config)
     setup_logging(config.log_level, config.log_json)  # what opening the data dir logs is formatted too
