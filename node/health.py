@@ -208,7 +208,8 @@ def _validator(v: dict, seen: dict) -> Health:
                       figures, progress)
     state = _stalled_or_starting(bool(seen.get("verdicts_moved")), since, seen.get("verdicts_gap_s"))
     if state is None:
-        return Health(State.OK, f"checking: {n_batches(backlog)} more queued, {per_min(rate)} verdicts a minute", figures, progress)
+        rate_text = "" if rate is None else f", {rate:g} verdicts a minute"
+        return Health(State.OK, f"checking: a batch, {backlog} more queued{rate_text}", figures, progress)
     return Health(state, f"no verdict for {seconds(since)} with {n_batches(backlog)} queued"
                   + (f" (checking {v['checking']})" if v.get("checking") else ""), figures, progress)
 

@@ -100,8 +100,11 @@ def test_the_history_stays_bounded_however_often_status_is_read():
 
 
 def test_a_validator_with_a_backlog_and_no_verdict_is_stalled_an_idle_one_is_ok():
-    _, h = watch_over([(0.0, validator(3, 10)), (30.0, validator(3, 12))])
+    _, h = watch_over([(0.0, validator(3, 10)), (20.0, validator(3, 12))])
     assert h.state is State.OK and h.figures["backlog"] == "3 of 64 batches"
+    assert h.cause == "checking: a batch, 3 more queued"  # no rate before MIN_RATE_SPAN_S watched
+    _, h = watch_over([(0.0, validator(3, 10)), (60.0, validator(3, 12))])
+    assert h.cause == "checking: a batch, 3 more queued, 2 verdicts a minute"
     _, h = watch_over([(0.0, validator(3, 10)), (30.0, validator(3, 12)), (31.0 + STALL_S, validator(3, 12))])
     assert h.state is State.STALLED and h.cause == "no verdict for 91 s with 3 batches queued (checking ab12)"
     _, h = watch_over([(0.0, validator(0, 10)), (500.0, validator(0, 10, **{"unjudged:no-checkpoint": 4}))])
