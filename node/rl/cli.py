@@ -10,8 +10,11 @@ from pathlib import Path
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("init-model", help="create the tiny default model (Qwen2-shaped, local tokenizer, no download)")
+    p = sub.add_parser("init-model", help="create the tiny default model (Qwen2-shaped, local tokenizer, no download), "
+                                          "or convert a GGUF file into a model folder")
     p.add_argument("--out", required=True, help="folder to write (an ordinary Hugging Face model folder)")
+    p.add_argument("--from-gguf", default="", metavar="FILE",
+                   help="convert this GGUF file (weights dequantised to float32, its tokenizer and chat template) instead")
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="supervised warm-up steps on the synthetic task's format (default: the demo's; 0 = random init)")
     p.add_argument("--seed", type=int, default=0)
@@ -70,6 +73,8 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     from .warmup import DEFAULT_WARMUP_STEPS, create_default_model
 
     out = Path(args.out).expanduser()
+    if args.from_gguf:
+        return _init_from_gguf(Path(args.from_gguf), out, args.force)
     steps = DEFAULT_WARMUP_STEPS if args.warmup_steps is None else args.warmup_steps
     if steps < 0:
         return _fail("--warmup-steps must be >= 0")
@@ -84,6 +89,24 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     note = f"warm-up {stats.steps} steps, loss {stats.first_loss:.2f} -> {stats.last_loss:.2f}" if stats else "random init"
     print(f"wrote {path} ({note})")
     return 0
+
+
+def _init_from_gguf(path: Path, out: Path, replace: bool) -> int:
+    from ..engines.gguf_folder import GGUFError, convert_gguf
+
+    try:
+        folder, params = convert_gguf(path, out, replace=replace)
+    except GGUFError as e:
+        return _fail(str(e))
+    except OSError as e:
+        return _fail(f"{out}: {e.strerror or e}")
+    print(f"wrote {folder} ({params / 1e6:.1f} M parameters, from {path.name})")
+    return 0
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether a model folder holds a tokenizer transformers can load without a download."""
+    return any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
 
 def cmd_rl_local(args: argparse.Namespace) -> int:
@@ -119,6 +142,8 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
         model_dir = Path(args.model).expanduser() if args.model else Path(tmp) / "model"
         if args.model and not is_model_folder(model_dir):
             return _fail(f"{model_dir}: not a Hugging Face model folder (config.json + *.safetensors)")
+        if args.model and not has_tokenizer(model_dir):
+            return _fail(f"{model_dir}: no tokenizer in the model folder (tokenizer.json, tokenizer.model or vocab.json)")
         if not args.model:
             create_default_model(model_dir)
         engine = TorchEngine("cpu")
