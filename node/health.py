@@ -14,8 +14,10 @@ minute. :func:`judge` then turns the snapshot and those figures into a :class:`H
     STOPPED   the node's last status, written as it stopped
 
 The cause is the line a person needs (issue 39: a trainer sat at step 22 for six minutes with 155
-batches waiting for verdicts and its page looked healthy). Pure: snapshots and times go in, no
-clock is read here; figures come from the services' existing status fields.
+batches waiting for verdicts and its page looked healthy). A trainer judges its own stalls and
+their cause (node/trainer/progress.py); this module relays that, and judges the validator and
+inference roles (and a trainer too old to say) from their counters. Pure: snapshots and times go
+in, no clock is read here.
 """
 
 from __future__ import annotations
@@ -160,8 +162,14 @@ def stall_after(usual_gap: float | None) -> float:
 
 
 def _trainer(t: dict, seen: dict) -> Health:
-    step, since, rate = t.get("step", 0), seen.get("step_since_s", 0.0), seen.get("step_per_min")
-    loss = (t.get("last_step") or {}).get("loss")
+    """A trainer judges its own stalls (node/trainer/progress.py: ``stalled``, ``seconds_since_step``,
+    ``steps_per_min``, ``last_step_at``); this relays them. A trainer status without them (an older
+    peer asked with ``--connect``) is judged from the watched step counter, without a cause."""
+    own = "stalled" in t
+    step, loss = t.get("step", 0), (t.get("last_step") or {}).get("loss")
+    since = t.get("seconds_since_step", 0.0) if own else seen.get("step_since_s", 0.0)
+    rate = t.get("steps_per_min") if own else seen.get("step_per_min")
+    stepped = t.get("last_step_at") is not None if own else bool(seen.get("step_moved"))
     batches = t.get("batches") or {}
     gate = t.get("gate") if isinstance(t.get("gate"), dict) else {}
     waiting, ready = batches.get("gated", 0), batches.get("ready", 0)
@@ -169,26 +177,24 @@ def _trainer(t: dict, seen: dict) -> Health:
     in_hand, needed = (list(t.get("samples_in_hand") or [0, 0]) + [0, 0])[:2]
     progress = {"step": step, "since_step_s": since, "steps_per_min": rate, "loss": loss,
                 "waiting_for_verdicts": waiting, "validator_backlog": backlog, "ready": ready}
-    figures = {"step": str(step), "since the last step": since_text(seen.get("step_moved"), since), "steps per minute": per_min(rate),
+    figures = {"step": str(step), "since the last step": since_text(stepped, since), "steps per minute": per_min(rate),
                "loss": "-" if loss is None else f"{loss:.4g}", "batches waiting for a verdict": str(waiting),
                "at validators now": str(backlog), "samples in hand": f"{in_hand} (a step needs {needed})"}
+    when = f"no step for {seconds(since)}" if stepped else f"no step in the {seconds(since)} since the trainer started"
     if t.get("publish_error"):
         return Health(State.STALLED, f"publishing checkpoints fails: {t['publish_error']}", figures, progress)
-    state = _stalled_or_starting(bool(seen.get("step_moved")), since)
-    if state is None:
-        return Health(State.OK, f"training: step {step}, the last {seconds(since)} ago", figures, progress)
-    if waiting and gate and not gate.get("live_validators"):
-        cause = f"no validator alive: {n_batches(waiting)} wait for a verdict"
-    elif waiting:
-        cause = f"waiting for verdicts: {n_batches(waiting)}, validator backlog {backlog}"
-    elif ready:
-        cause = f"{in_hand} samples ready, a step needs {needed}: waiting for more rollouts"
-    elif not (t.get("intake") or {}).get("accepted"):
-        cause = "no rollouts received yet: is an inference node running and connected?"
-    else:
-        cause = "no rollouts arriving: are the inference nodes running and connected?"
-    when = f"no step for {seconds(since)}" if seen.get("step_moved") else f"no step in the {seconds(since)} since the trainer started"
-    return Health(state, f"{when}; {cause}", figures, progress)
+    if own and t["stalled"]:
+        return Health(State.STALLED, f"{when}; {t['stalled']}", figures, progress)
+    state = None if own else _stalled_or_starting(stepped, since)
+    if state is State.STALLED:
+        return Health(state, f"{when} ({n_batches(waiting)} wait for a verdict, {ready} verified)", figures, progress)
+    if not stepped:
+        if not (t.get("intake") or {}).get("accepted"):
+            return Health(State.STARTING, "no rollouts received yet: is an inference node running and connected?",
+                          figures, progress)
+        return Health(State.STARTING, f"no step yet: {n_batches(waiting)} wait for a verdict, {in_hand} of {needed} "
+                      "samples a step needs in hand", figures, progress)
+    return Health(State.OK, f"training: step {step}, the last {seconds(since)} ago", figures, progress)
 
 
 def _validator(v: dict, seen: dict) -> Health:
