@@ -280,7 +280,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
             raise UsageError(f"{where} already holds another key ({identity.peer_id}); "
                              "--from copies a key only into a data dir without one")
     else:
-        with hold_data_dir(data_dir):
+        with hold_data_dir(data_dir, min_free=0):  # a key is a few hundred bytes
             identity, created = (source, True) if source else load_or_create_identity(data_dir)
             if source is not None:
                 save_identity(source, where)
@@ -301,7 +301,7 @@ def cmd_id(args: argparse.Namespace) -> int:
     if (data_dir / KEY_FILE).exists():
         identity = load_identity(data_dir / KEY_FILE)
     else:
-        with hold_data_dir(data_dir):
+        with hold_data_dir(data_dir, min_free=0):  # a key is a few hundred bytes
             identity = load_or_create_identity(data_dir)[0]
         print(f"created: {data_dir / KEY_FILE}", file=sys.stderr)
     if not args.addr:
