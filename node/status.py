@@ -90,7 +90,8 @@ def with_health(watch: ProgressWatch, snap: dict, now: float) -> dict:
     state is logged once, so a stall is in the log as well as on the page."""
     before = watch.state
     health = watch.observe(snap, now)
-    if health.state is not before and before is not None:
+    # A trainer logs its own stalls (node/trainer/progress.py); one warning, not two.
+    if health.state is not before and before is not None and "stalled" not in (snap.get("trainer") or {}):
         level = logging.WARNING if health.state is State.STALLED else logging.INFO
         log.log(level, "health: %s: %s", health.state.value, health.cause)
     head = {k: snap[k] for k in ("peer_id", "role", "run") if k in snap}

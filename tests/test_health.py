@@ -149,18 +149,25 @@ def test_a_relay_is_ok_once_it_sees_a_member_and_a_stopped_node_says_so():
 
 
 def test_a_snapshot_carries_its_health_first_and_a_stall_is_logged_once(caplog):
+    """A validator's stall is logged once by status; a trainer's is logged by the trainer itself."""
     watch = ProgressWatch()
-    head = {"peer_id": "p", "role": "trainer", "run": "r", "streams": {}}
-    cause = "waiting for verdicts: 2 batches with validators (0 of 16 samples ready)"
+    head = {"peer_id": "p", "role": "validator", "run": "r", "streams": {}}
     with caplog.at_level(logging.INFO, logger="node.status"):
-        out = with_health(watch, {**head, **judging_trainer(3, 10.0)}, 0.0)
-        assert list(out)[:4] == ["peer_id", "role", "run", "health"] and out["health"]["state"] == "ok"
-        for now in (50.0, 100.0, 200.0):
-            out = with_health(watch, {**head, **judging_trainer(3, now, cause if now > 90 else "")}, now)
+        out = with_health(watch, {**head, **validator(3, 10)}, 0.0)
+        assert list(out)[:4] == ["peer_id", "role", "run", "health"] and out["health"]["state"] == "starting"
+        for now in (10.0, 50.0, 102.0, 200.0):
+            out = with_health(watch, {**head, **validator(3, 11)}, now)
     assert out["health"]["state"] == "stalled"
     stalls = [r for r in caplog.records if "stalled" in r.getMessage()]
     assert len(stalls) == 1 and stalls[0].levelno == logging.WARNING
-    assert stalls[0].getMessage() == "health: stalled: no step for 100 s; " + cause
+    assert stalls[0].getMessage() == "health: stalled: no verdict for 92 s with 3 batches queued (checking ab12)"
+    caplog.clear()
+    watch, head = ProgressWatch(), {**head, "role": "trainer"}
+    cause = "waiting for verdicts: 2 batches with validators (0 of 16 samples ready)"
+    with caplog.at_level(logging.INFO, logger="node.status"):
+        with_health(watch, {**head, **judging_trainer(3, 10.0)}, 0.0)
+        out = with_health(watch, {**head, **judging_trainer(3, 100.0, cause)}, 100.0)
+    assert out["health"]["cause"] == "no step for 100 s; " + cause and not caplog.records
 
 
 def test_swarm_node_status_prints_the_health_line_under_the_node_line():
