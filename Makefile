@@ -135,7 +135,7 @@ vllm-venv: $(VLLM_VENV)/.installed
 vllm-conformance: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python tests/vllm_conformance.py
 
-vllm-test: $(VLLM_VENV)/.installed
+vllm-test: vllm-conformance
 	$(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm_real $(PYTEST_ARGS)
 
 $(VLLM_VENV)/.installed: $(VLLM_LOCK) pyproject.toml

