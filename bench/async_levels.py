@@ -30,6 +30,7 @@ from node.rl.config import GRPOConfig, RLConfig  # noqa: E402
 from node.rl.loop import run_local_loop  # noqa: E402
 from node.rl.tasks import load_taskset  # noqa: E402
 from node.rl.warmup import create_default_model  # noqa: E402
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 
 
 def demo_tables() -> tuple[RLConfig, GRPOConfig]:
@@ -47,7 +48,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0", help="comma-separated sampling seeds; curves are averaged over them")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=None, help="override the demo's [grpo] lr (for tuning)")
-    args = ap.parse_args()
+    args = parse_args(ap, {"steps": 12, "levels": "0,2"})
     torch.set_num_threads(args.threads)
     rl, grpo = demo_tables()
     if args.lr is not None:

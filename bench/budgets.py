@@ -38,6 +38,7 @@ from node.roles.core import run_node  # noqa: E402
 from node.rollouts.schema import ROLLOUTS_PROTOCOL, RolloutAck  # noqa: E402
 from node.trainer.testing import reversal_batch, sign_batch  # noqa: E402
 from node.wire import decode_as  # noqa: E402
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 
 WARM_UP = 3
 ACK = Codec(4096, lambda frame: decode_as(RolloutAck, frame, 4096))
@@ -111,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--hog-streams", type=int, default=16)
-    args = parser.parse_args()
+    args = parse_args(parser, {"batches": 3})
     with tempfile.TemporaryDirectory() as tmp:
         idle, under, refused = trio.run(bench, args.batches, args.hog_streams, Path(tmp))
     print(f"honest ack latency, median of {args.batches}: idle {idle * 1000:.1f} ms, "

@@ -37,6 +37,7 @@ from node.rl.grpo import TrainSample, make_optimizer, pack, token_logprobs, trai
 from node.rl.spec import group_advantages
 from node.rl.synthetic import make_reversal_tasks, reversal_reward
 from node.shards.delta import apply_delta, encode_delta
+from quick import parse_args  # bench/, the script's own folder
 
 # ~59M parameters: 10 layers of width 640 (GQA 10 heads / 2 kv heads), MLP 2560, character vocab.
 REALISTIC = TinyModelSpec(hidden_size=640, intermediate_size=2560, num_hidden_layers=10, num_attention_heads=10,
@@ -123,7 +124,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--group", type=int, default=4, help="answers per prompt (4 prompts per step)")
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = parse_args(ap, {"setting": "demo", "steps": 2})
     torch.set_num_threads(args.threads)
     rows = []
     if args.setting in ("realistic", "both"):

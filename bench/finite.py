@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.shards.finite import non_finite_in_file  # noqa: E402
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 
 
 def best_of(n: int, fn) -> float:
@@ -38,7 +39,7 @@ def best_of(n: int, fn) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--size-mib", type=int, default=256)
-    args = p.parse_args()
+    args = parse_args(p, {"size_mib": 16})
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in (np.float32, np.float16):

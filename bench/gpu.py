@@ -47,6 +47,9 @@ import torch
 from node.engines.model import TinyModelSpec, build_tiny_model
 from node.engines.torch_engine import TorchEngine
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
+
 SECTIONS = ("correctness", "decode", "proofs", "validate", "train")
 QWEN05B = TinyModelSpec(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                         num_key_value_heads=2, max_position_embeddings=4096)
@@ -308,7 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-len", type=int, default=2048)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
     ap.add_argument("--out", default="bench/out/gpu.json")
-    args = ap.parse_args(argv)
+    # Quick: small sizes on a GPU; without one, the CPU smoke run (every section, tiny shapes).
+    quick = ({"batch": 8, "tokens": 64, "train_rows": 2, "train_len": 512} if torch.cuda.is_available()
+             else {"smoke": True})
+    quick["out"] = "bench/out/gpu-quick.json"  # not over a real run's results
+    args = parse_args(ap, quick, argv)
     wanted = [s for s in args.sections.split(",") if s]
     unknown = set(wanted) - set(SECTIONS)
     if unknown:

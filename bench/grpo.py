@@ -29,6 +29,7 @@ from node.rl.grpo import TrainSample, make_optimizer, pack, train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from inference import PRESETS
+from quick import parse_args  # bench/, the script's own folder
 
 
 def make_samples(n: int, max_len: int, vocab: int, seed: int) -> list[TrainSample]:
@@ -62,7 +63,7 @@ def main() -> None:
     ap.add_argument("--optimizer-steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
+    args = parse_args(ap, {"samples": 32, "repeats": 1})
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = build_tokenizer()

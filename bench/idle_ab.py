@@ -29,15 +29,19 @@ sys.path.insert(0, str(HERE))
 
 from node.app.localswarm import LocalSwarm  # noqa: E402
 from procstat import cpu_seconds  # noqa: E402
+from quick import parse_args  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", required=True, help="a checkout of the code to compare against (its node/ is used)")
+    ap.add_argument("--baseline", help="a checkout of the code to compare against (its node/ is used; required)")
     ap.add_argument("--n", type=int, default=25, help="nodes, the bootstrap relay included (default 25)")
     ap.add_argument("--settle", type=float, default=40.0, help="seconds after the last start before the window")
     ap.add_argument("--window", type=float, default=90.0, help="seconds of CPU counted (default 90)")
-    args = ap.parse_args()
+    # Quick: this checkout against itself (an A/A run: the two medians should agree).
+    args = parse_args(ap, {"baseline": str(HERE.parent), "n": 4, "settle": 5.0, "window": 10.0})
+    if args.baseline is None:
+        ap.error("--baseline DIR is required (or --quick, which compares this checkout with itself)")
     baseline = Path(args.baseline).resolve()
     if not (baseline / "node" / "__main__.py").exists():
         sys.exit(f"--baseline {baseline}: no node/ package there")
@@ -58,9 +62,12 @@ def main() -> None:
         dt = time.monotonic() - t0
         pct = {name: (cpu_seconds(pid) - before[name]) / dt * 100 for name, pid in pids.items()}
     print(f"idle CPU per node, N={args.n}, {dt:.0f} s window after a {args.settle:.0f} s settle (median, mean of each group):")
+    medians = {}
     for g in ("baseline", "this"):
         xs = [v for name, v in pct.items() if group[name] == g]
-        print(f"  {g:8s} ({paths[g]}): {statistics.median(xs):.2f} % median, {statistics.mean(xs):.2f} % mean, {len(xs)} nodes")
+        medians[g] = statistics.median(xs)
+        print(f"  {g:8s} ({paths[g]}): {medians[g]:.2f} % median, {statistics.mean(xs):.2f} % mean, {len(xs)} nodes")
+    print(f"ratio this / baseline (median idle CPU): {medians['this'] / medians['baseline']:.2f}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from node.rl.config import InferenceConfig, RLConfig
 from node.rl.spec import OFFLINE_ROOT, draw_tasks, sampling_seed, step_key
 from node.rollouts.config import WorkerConfig
 from node.rollouts.generate import RolloutGenerator
+from quick import parse_args  # bench/, the script's own folder
 
 
 def main() -> int:
@@ -39,7 +40,7 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=10)
-    args = ap.parse_args()
+    args = parse_args(ap, {"tokens": 16, "repeats": 2})
 
     model = Path(args.model) if args.model else create_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
     ident = Identity.generate()

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from node.app.demo import DEMO_THREADS, RUN_TEMPLATE, node_env  # noqa: E402
 from node.app.localswarm import LocalSwarm  # noqa: E402
 from node.app.loopfigures import format_figures, loop_figures, reward_ratio  # noqa: E402
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 
 HOG = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < end: pass\n"
 
@@ -86,7 +87,7 @@ def main() -> None:
                     help=f"torch threads per node process (default {DEMO_THREADS}, as the demo; 0 = torch's own default)")
     ap.add_argument("--optimizer-steps", type=int, default=None, help="override the demo's [grpo] optimizer_steps")
     ap.add_argument("--keep", type=Path, default=None, help="keep the nodes' data dirs and logs here")
-    args = ap.parse_args()
+    args = parse_args(ap, {"steps": 3, "max_seconds": 45.0})
     if args.keep:
         f = run(args.steps, args.max_seconds, args.async_level, args.cheat, args.keep, args.hog, args.threads or None,
                 args.optimizer_steps)

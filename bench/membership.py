@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from node.gossip.membership import MembershipConfig, load_model  # noqa: E402
 from node.app.localswarm import LocalSwarm  # noqa: E402
 from procstat import cpu_seconds  # noqa: E402  (bench/, the script's own folder)
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 
 OURS = "[run]\nname = \"bench\"\n"
 NAIVE = OURS + "[membership]\nmin_refresh = 1.0\nmax_refresh = 1.0\n"
@@ -80,7 +81,7 @@ def settle_connections(swarm: LocalSwarm, names, timeout: float, every: float = 
     return time.monotonic() - t0
 
 
-def measure(n: int, run_file: str, steady: float, detect: bool, timeout: float) -> dict:
+def measure(n: int, run_file: str, steady: float, detect: bool, timeout: float, stretch: bool = True) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"bench-members-{n}-"))
     names = ["relay"] + [f"n{i}" for i in range(1, n)]
     out: dict = {"n": n}
@@ -107,11 +108,12 @@ def measure(n: int, run_file: str, steady: float, detect: bool, timeout: float) 
             behind = {k: v for k, v in seen.items() if v < n - 1}
             raise TimeoutError(f"{len(behind)} of {n} nodes see fewer than {n - 1} alive: {behind}") from None
         out["converge_s"] = time.monotonic() - t0
-        out["settle_s"] = settle_connections(swarm, names, timeout)
+        # Stable for 5 s (or half a shorter window: a quick run's settle need be no finer than what it measures).
+        out["settle_s"] = settle_connections(swarm, names, timeout, every=min(5.0, steady / 2))
         before, tb = traffic(swarm, names), time.monotonic()
         cpu_before = {k: cpu_seconds(swarm.procs[k].pid) for k in names}
         # At least one record refresh interval (records refresh in bursts): 100 s at N = 50.
-        window = max(steady, MembershipConfig().refresh_interval(n) + 5)
+        window = max(steady, MembershipConfig().refresh_interval(n) + 5) if stretch else steady
         out["window_s"] = window
         time.sleep(window)
         after, ta = traffic(swarm, names), time.monotonic()
@@ -143,7 +145,7 @@ def attempt(n: int, run_file: str, args, detect: bool) -> dict:
     """One measurement, or {"failed": why} when this machine cannot host it (that is a result too:
     the naive design stops converging on 2 cores well before ours does)."""
     try:
-        return measure(n, run_file, args.steady, detect=detect, timeout=args.timeout)
+        return measure(n, run_file, args.steady, detect=detect, timeout=args.timeout, stretch=args.stretch)
     except TimeoutError as e:
         return {"n": n, "failed": f"no convergence in {args.timeout:.0f} s", "error": str(e)}
 
@@ -154,8 +156,11 @@ def main() -> int:
     ap.add_argument("--baseline-sizes", default="10,25,50", help="sizes at which to measure the naive baseline")
     ap.add_argument("--steady", type=float, default=60.0,
                     help="seconds of steady traffic measured (stretched to one record refresh interval + 5 s)")
+    ap.add_argument("--no-stretch", dest="stretch", action="store_false",
+                    help="measure --steady seconds as given, even under one record refresh interval (bytes/s then "
+                         "miss or catch a refresh burst: coarser)")
     ap.add_argument("--timeout", type=float, default=240.0)
-    args = ap.parse_args()
+    args = parse_args(ap, {"sizes": "3", "baseline_sizes": "3", "steady": 5.0, "stretch": False, "timeout": 40.0})
     # SIGTERM unwinds like Ctrl-C, so LocalSwarm reaps the node processes it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = [int(x) for x in args.sizes.split(",") if x]

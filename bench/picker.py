@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from node.shards.picker import Picker, PickerParams  # noqa: E402
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 
 PIECE = 1 << 20
 
@@ -76,7 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pieces", default="256,1024,16384", help="checkpoint sizes, in 1 MiB pieces")
     ap.add_argument("--peers", type=int, default=8)
-    args = ap.parse_args()
+    args = parse_args(ap, {"pieces": "64,256"})
     print(f"== picker: {args.peers} peers (one seed, the rest holding half each), CPU per request")
     for n in (int(x) for x in args.pieces.split(",")):
         per_poll, per_req, ours, scan = run(n, args.peers)[:4]

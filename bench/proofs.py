@@ -29,6 +29,7 @@ from node.proofs.capture import (
 )
 from node.proofs.config import ProofsConfig
 from node.proofs.toploc import build_proofs_many, summarize, verify_proofs
+from quick import parse_args  # bench/, the script's own folder
 
 PRESETS = {
     # hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings
@@ -63,7 +64,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--repeat", type=int, default=3, help="repeats of the cheap steps (best is kept)")
-    args = ap.parse_args()
+    args = parse_args(ap, {"batch": 4, "new_tokens": 32, "repeat": 1})
 
     hidden, inter, layers, heads, kv, vocab, tied = PRESETS[args.preset]
     torch.manual_seed(0)

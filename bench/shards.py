@@ -63,6 +63,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 from netns import Namespaces  # noqa: E402  (shared with the NAT test)
 from procstat import cpu_seconds  # noqa: E402  (bench/, the script's own folder)
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 from node.net.host import open_swarm_host  # noqa: E402
 from node.net.workarounds import TcpBytes  # noqa: E402
 from node.identity import Identity  # noqa: E402
@@ -714,7 +715,8 @@ def main() -> None:
         sp.add_argument("--dial", default="")
         trio.run(_stream_end, sp.parse_args())
         return
-    args = ap.parse_args()
+    # Quick: every part at a few MiB and 3 downloaders (the namespace parts need root, else they say skipped).
+    args = parse_args(ap, {"size_mib": 4, "n": 3, "mbit": 20.0})
     if args.what in ("calibrate", "all"):
         calibrate()
     if args.what in ("overhead", "all"):

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from node.net.workarounds import StreamChunks  # noqa: E402
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 
 MiB = 1 << 20
 FRAME = 65_495  # a DATA frame's body: one Noise message's plaintext less Yamux's 12-byte header
@@ -52,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--standing-mib", default="0,1,4,7")
     ap.add_argument("--mib", type=int, default=256, help="bytes pushed through each buffer")
-    args = ap.parse_args()
+    args = parse_args(ap, {"standing_mib": "0,4", "mib": 32})
     # Distinct frames, as a checkpoint's are (one frame sent again and again would stay in the cache).
     frames = [os.urandom(FRAME) for _ in range(256)]
     print(f"{'standing MiB':>12} | {'bytearray ms/MiB':>16} | {'StreamChunks ms/MiB':>19} | ratio")

@@ -43,6 +43,7 @@ from node.rl.spec import sampling_seed, step_key
 from node.validator import testing as T
 from node.validator.pipeline import BatchRules, CheckModel, judge_batch
 from node.validator.tasks import RunTasks
+from quick import parse_args  # bench/, the script's own folder
 
 SHAPES = {
     "tiny": TinyModelSpec(),  # the embedded default (hidden 64, 2 layers)
@@ -128,7 +129,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="runs per measurement; the fastest is kept")
-    args = ap.parse_args()
+    args = parse_args(ap, {"shape": ["tiny"], "new_tokens": 16, "repeats": 1})
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = [bench_shape(s, args) for s in (args.shape or ["tiny", "small"])]
     print(f"device {args.device}, dtype {args.dtype}, {args.prompts} prompts x {args.group} samples x "
