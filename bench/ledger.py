@@ -17,6 +17,7 @@ The machine is shared and noisy: compare the ratios, not the absolute figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -36,6 +37,7 @@ from node.ledger.config import LedgerConfig
 from node.ledger.entries import (
     DOMAIN,
     GENESIS,
+    CheckpointPublished,
     ReceiptItem,
     Receipts,
     RolloutsJudged,
@@ -44,31 +46,41 @@ from node.ledger.entries import (
 from node.ledger.store import open_ledger_store
 from node.ledger.sync import LedgerService, serve_ledger
 from node.wire import Envelope, decode_as
+from quick import parse_args  # bench/, the script's own folder
 
 RUN = "bench"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TRAINER = Identity.from_seed(b"B" * 32)
 WORKERS = [Identity.from_seed(bytes([i]) * 32) for i in range(1, 9)]
 BATCH = 512
+CHECKPOINT = 32 << 20  # bytes of each published checkpoint (and of each receipt: one whole download)
 
 
 def make_history(n: int) -> list:
-    """n entries: a trainer's rollout judgements and eight workers' receipts, interleaved."""
-    authors = [TRAINER] + WORKERS
-    heads = {a.peer_id: (0, GENESIS) for a in authors}
+    """n entries as a run writes them, one training step after another: the trainer publishes
+    checkpoint v, then judges each of eight workers' batches, and each worker writes its receipt for
+    downloading v. So every worker has trained rollouts (standing) before its first receipt, and one
+    receipt per checkpoint stays within the allowance published checkpoints give (node/ledger/chain.py,
+    Sybil bounds), as a real downloader's do."""
+    heads = {a.peer_id: (0, GENESIS) for a in [TRAINER] + WORKERS}
     out = []
-    for i in range(n):
-        a = authors[i % len(authors)]
-        seq, prev = heads[a.peer_id]
-        if a is TRAINER:
-            body = RolloutsJudged(worker=WORKERS[i % 8].peer_id, step=i, accepted=True, samples=16, tokens=4096,
-                                  batch_hash=i.to_bytes(32, "big"))
-        else:
-            body = Receipts(items=(ReceiptItem(peer=TRAINER.peer_id, manifest_id=b"m" * 32, nbytes=1 << 20, pieces=1),))
-        se = make_entry(a, RUN, seq + 1, prev, 1_000_000 + i, body)
-        heads[a.peer_id] = (se.seq, se.hash)
+
+    def add(author: Identity, body) -> None:
+        seq, prev = heads[author.peer_id]
+        se = make_entry(author, RUN, seq + 1, prev, 1_000_000 + len(out), body)
+        heads[author.peer_id] = (se.seq, se.hash)
         out.append(se)
-    return out
+
+    for version in itertools.count():
+        manifest = version.to_bytes(32, "big")
+        add(TRAINER, CheckpointPublished(version=version, manifest_id=manifest, total_bytes=CHECKPOINT))
+        for w in WORKERS:
+            add(TRAINER, RolloutsJudged(worker=w.peer_id, step=version, accepted=True, samples=16, tokens=4096,
+                                        batch_hash=len(out).to_bytes(32, "big")))
+            add(w, Receipts(items=(ReceiptItem(peer=TRAINER.peer_id, manifest_id=manifest, nbytes=CHECKPOINT,
+                                               pieces=CHECKPOINT >> 20),)))
+        if len(out) >= n:
+            return out[:n]
 
 
 def run_config() -> RunConfig:
@@ -161,7 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ingest", type=int, default=20_000, help="entries for the ingest benchmark")
     parser.add_argument("--sync", type=int, default=100_000, help="entries for the sync benchmark")
-    args = parser.parse_args()
+    args = parse_args(parser, {"ingest": 2000, "sync": 2000})
 
     t0 = time.perf_counter()
     entries = make_history(max(args.ingest, args.sync))
