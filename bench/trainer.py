@@ -19,34 +19,39 @@ The machine is shared and noisy (2 cores for several agents): compare ratios, no
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from swarmtest import node_config  # noqa: E402
 
 import torch
 import trio.lowlevel
 
-from node.config import NodeConfig, RunConfig
+from node.app.demo import DEMO_THREADS
+from node.config import RunConfig
 from node.engines.torch_engine import TorchEngine
-from node.identity import Identity
-from node.metrics import Metrics
+from node.identity import Identity, load_or_create_identity
 from node.rl.config import GRPOConfig
 from node.rl.spec import group_advantages
 from node.rl.synthetic import make_reversal_tasks, reversal_reward
-from node.rollouts.schema import RolloutBatch, RolloutSample
+from node.roles.core import run_node
+from node.rollouts.config import WorkerConfig
+from node.rollouts.schema import RolloutBatch, RolloutSample, batch_id_of
+from node.rollouts.submit import BatchState, Outbox, Pending
 from node.trainer.config import TrainerConfig
 from node.trainer.policy import Policy, training_samples
-from node.trainer.service import Trainer
-from node.trainer.spool import open_spool
-from node.trainer.testing import fake_wiring, reversal_batch, sign_batch
+from node.trainer.testing import reversal_batch, sign_batch
+from node.wire import Envelope, decode_as
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 
 RUN = "bench"
 PROMPTS, GROUP, NEW_TOKENS = 4, 8, 8
@@ -83,11 +88,12 @@ def bench_throughput(steps: int) -> None:
     worker = Identity.from_seed(b"b" * 32)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = grpo_cfg(optimizer_steps=1)
-        policy, _ = Policy.open(Path(tmp) / "t", "", cfg, TrainerConfig())
+        tcfg = TrainerConfig(init_warmup_steps=0)  # random weights: a step's speed does not depend on them
+        policy, _ = Policy.open(Path(tmp) / "t", "", cfg, tcfg)
         batches = [training_samples(reversal_batch(worker, RUN, step=i, policy_version=0, tokenizer=policy.tokenizer,
                                                    model=policy.model, prompts=PROMPTS, group_size=GROUP, seed=i))[0]
                    for i in range(steps + 1)]
-        base_model, _ = Policy.open(Path(tmp) / "b", "", cfg, TrainerConfig())
+        base_model, _ = Policy.open(Path(tmp) / "b", "", cfg, tcfg)
         base_opt = torch.optim.AdamW(base_model.model.parameters(), lr=cfg.lr)
         # warm-up (first-call allocations) for both, then timed steps alternating to share the noise
         policy.train(batches[0])
@@ -116,11 +122,6 @@ def bench_throughput(steps: int) -> None:
 # ------------------------------------------------------------------------------------- 2. idle time
 
 
-def fake_node() -> SimpleNamespace:
-    return SimpleNamespace(config=NodeConfig(run=RunConfig(name=RUN)), metrics=Metrics(), status={},
-                           peer_id="bench-trainer")
-
-
 # transformers' from_pretrained patches torch's init functions process-wide: two loads at once in two
 # threads of one process can leave tied weights untied. Real nodes load one model per process.
 _LOAD_LOCK = threading.Lock()
@@ -131,61 +132,98 @@ def _serialized(fn, *args):
         return fn(*args)
 
 
-async def worker_loop(trainer: Trainer, ident: Identity, counts: dict) -> None:
-    """A simulated inference node: newest version -> generate -> score -> sign -> submit."""
+def make_batch(engine: TorchEngine, ident: Identity, step: int, version: int, root: bytes) -> bytes:
+    """One signed batch of PROMPTS x GROUP completions of the reversal task from the loaded weights."""
+    tasks = make_reversal_tasks(PROMPTS, seed=hash((ident.peer_id, step)) % 2**31)
+    prompts = [engine.tokenizer(t["prompt"], add_special_tokens=False)["input_ids"] for t in tasks]
+    groups = engine.generate(prompts, n=GROUP, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS, seed=step,
+                             capture_hidden=False)
+    samples = []
+    for p, (task, group) in enumerate(zip(tasks, groups)):
+        rewards = [reversal_reward(s.text, task["answer"]) for s in group]
+        for s, r, a in zip(group, rewards, group_advantages(rewards)):
+            samples.append(RolloutSample(prompt_index=p, sample_index=s.sample_index, task_id=task["id"],
+                                         prompt_ids=list(s.prompt_ids), completion_ids=list(s.completion_ids),
+                                         logprobs=list(s.logprobs), finish_reason=s.finish_reason, reward=r,
+                                         task_reward=r, advantage=a, proof=b""))
+    return sign_batch(ident, RolloutBatch(
+        run=RUN, worker=ident.peer_id, step=step, policy_version=version, policy_root=root, taskset="synthetic",
+        seed=step, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS, group_size=GROUP, created_ms=0,
+        samples=samples))
+
+
+async def worker_loop(tnode, ident: Identity, outbox: Outbox, counts: Counter) -> None:
+    """A simulated inference node: newest version -> generate -> score -> sign -> submit.
+
+    It paces itself as node/inference/service.py does, through the same :class:`Outbox` (the
+    trainer's back-pressure, "not now" refusals kept and retried, stale batches dropped, consecutive
+    step numbers), and hands its batches to the trainer's intake directly (no stream)."""
+    trainer, me = tnode.trainer, [tnode.peer_id]
     engine = TorchEngine(device="cpu")
     loaded = -1
     step = 0
     while True:
+        while (got := outbox.take(me, trio.current_time())) is not None:
+            item, _ = got
+            ack = await trainer.judge(item.envelope, ident.peer_id)
+            outcome = outbox.on_ack(item.batch_id, me[0], ack, trio.current_time())
+            if outcome.state is not BatchState.QUEUED:
+                counts[outcome.reason if outcome.reason != "ok" else "accepted"] += 1
+        now = trio.current_time()
+        # Full: wait until a queued batch can go; else until the trainer's pacing lets us generate.
+        wake = outbox.next_wakeup(me, now)
+        if not outbox.full:
+            wake = min(wake, outbox.generation_hold(me, now))
+        if wake > now:
+            await trio.sleep_until(min(wake, now + 1.0))
+            continue
         version = trainer.step
-        folder = trainer.policy.folder(version)
-        try:
-            if loaded != version:
-                load = engine.load if loaded < 0 else engine.swap_weights
-                await trio.to_thread.run_sync(_serialized, load, folder)
-        except (OSError, ValueError, RuntimeError):  # not written yet (the step counter leads the save)
+        for _ in outbox.observe_version(version):
+            counts["stale"] += 1
+        announced = trainer.shards.announced.get(version)
+        if announced is None:  # not published yet (the step counter leads the save and the publish)
             await trio.sleep(0.05)
             continue
-        loaded = version
-        tasks = make_reversal_tasks(PROMPTS, seed=hash((ident.peer_id, step)) % 2**31)
-        prompts = [engine.tokenizer(t["prompt"], add_special_tokens=False)["input_ids"] for t in tasks]
-        generate = functools.partial(engine.generate, prompts, n=GROUP, temperature=1.0, top_p=1.0,
-                                     max_new_tokens=NEW_TOKENS, seed=step, capture_hidden=False)
-        groups = await trio.to_thread.run_sync(generate)
-        samples = []
-        for p, (task, group) in enumerate(zip(tasks, groups)):
-            rewards = [reversal_reward(s.text, task["answer"]) for s in group]
-            for s, r, a in zip(group, rewards, group_advantages(rewards)):
-                samples.append(RolloutSample(prompt_index=p, sample_index=s.sample_index, task_id=task["id"],
-                                             prompt_ids=list(s.prompt_ids), completion_ids=list(s.completion_ids),
-                                             logprobs=list(s.logprobs), finish_reason=s.finish_reason, reward=r,
-                                             task_reward=r, advantage=a, proof=b""))
-        batch = RolloutBatch(run=RUN, worker=ident.peer_id, step=step, policy_version=version, taskset="synthetic",
-                             seed=step, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS, group_size=GROUP,
-                             created_ms=0, samples=samples)
-        ack = await trainer.judge(sign_batch(ident, batch), ident.peer_id)
-        counts[ack.reason or "accepted"] = counts.get(ack.reason or "accepted", 0) + 1
+        if loaded != version:
+            load = engine.load if loaded < 0 else engine.swap_weights
+            await trio.to_thread.run_sync(_serialized, load, trainer.policy.folder(version))
+            loaded = version
+        root = announced[0]
+        data = await trio.to_thread.run_sync(make_batch, engine, ident, step, version, root)
         step += 1
+        if outbox.is_stale(version):
+            counts["stale"] += 1
+            continue
+        outbox.offer(Pending(batch_id=batch_id_of(decode_as(Envelope, data)), envelope=data, policy_version=version,
+                             num_samples=PROMPTS * GROUP, created_at=trio.current_time()))
         await trio.lowlevel.checkpoint()
 
 
-async def idle_at(level: int, seconds: float) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = grpo_cfg(async_level=level)
-        policy = await trio.to_thread.run_sync(lambda: Policy.open(Path(tmp), "", cfg, TrainerConfig(keep_checkpoints=8))[0])
-        with open_spool(Path(tmp) / "spool.sqlite") as spool:
-            trainer = Trainer(fake_node(), policy, spool, cfg, TrainerConfig(), **fake_wiring())
-            counts: dict = {}
-            with trio.move_on_after(seconds):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(trainer.train_loop)
-                    for i in range(2):
-                        nursery.start_soon(worker_loop, trainer, Identity.from_seed(bytes([i + 1]) * 32), counts)
-            st = trainer.status()
-            rewards = [r.mean_reward for r in spool.steps()]  # every step (status keeps only the last 200)
-            return {"level": level, "steps": trainer.step, "idle": st["idle_fraction"], "batches": counts,
-                    "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
-                    "curve": [round(sum(c) / len(c), 3) for c in _chunks(rewards, 8)]}
+async def idle_at(level: int, seconds: float, tmp: Path) -> dict:
+    """The trainer role of a real node (run_node: policy, spool, ledger, shards, membership) fed by two
+    simulated workers for ``seconds``."""
+    trainer_id, _ = load_or_create_identity(tmp / "trainer")
+    run = RunConfig(name=RUN, trainers=[trainer_id.peer_id])
+    run.tables.update(grpo={"pack_length": 64, "kl_coef": 0.0, "min_batch_samples": 32, "async_level": level},
+                      trainer={"init_warmup_steps": 0, "keep_checkpoints": 8})
+    wcfg = run.section("worker", WorkerConfig)
+    counts: Counter = Counter()
+    async with trio.open_nursery() as nursery:
+        cfg = node_config(tmp, "trainer", "trainer", run=run)
+        tnode = await nursery.start(lambda task_status: run_node(cfg, task_status=task_status, handle_signals=False))
+        trainer = tnode.trainer
+        with trio.move_on_after(seconds):
+            async with trio.open_nursery() as workers:
+                for i in range(2):
+                    outbox = Outbox(wcfg.max_pending_batches, max_attempts=wcfg.max_attempts, backoff=wcfg.backoff_s,
+                                    backoff_max=wcfg.backoff_max_s, async_level=level)
+                    workers.start_soon(worker_loop, tnode, Identity.from_seed(bytes([i + 1]) * 32), outbox, counts)
+        st = trainer.status()
+        rewards = [r.mean_reward for r in trainer.spool.steps()]  # every step (status keeps only the last 200)
+        nursery.cancel_scope.cancel()
+    return {"level": level, "steps": trainer.step, "idle": st["idle_fraction"], "batches": dict(counts),
+            "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
+            "curve": [round(sum(c) / len(c), 3) for c in _chunks(rewards, 8)]}
 
 
 def _fmt(x: float | None) -> str:
@@ -201,7 +239,10 @@ def _chunks(xs: list[float], n: int) -> list[list[float]]:
 def bench_idle(levels: list[int], seconds: float) -> None:
     print(f"2. trainer idle fraction, 2 simulated workers, {PROMPTS}x{GROUP} samples per batch, "
           f"min_batch_samples 32, {seconds:.0f} s per level")
-    rows = [trio.run(idle_at, level, seconds) for level in levels]
+    rows = []
+    for level in levels:
+        with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
+            rows.append(trio.run(idle_at, level, seconds, Path(tmp)))
     for r in rows:
         print(f"   async level {r['level']}: steps {r['steps']:3d}  idle {r['idle']}  batches {r['batches']}  "
               f"reward first/last step {_fmt(r['reward_first'])} / {_fmt(r['reward_last'])}")
@@ -217,7 +258,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed rollout steps for the throughput figure")
     ap.add_argument("--seconds", type=float, default=45.0, help="wall time per async level")
     ap.add_argument("--levels", default="0,1,2", help="async levels to compare")
-    args = ap.parse_args()
+    ap.add_argument("--threads", type=int, default=DEMO_THREADS,
+                    help=f"torch threads (default {DEMO_THREADS}, as each demo node; 0 = torch's own default)")
+    args = parse_args(ap, {"steps": 2, "seconds": 10.0, "levels": "0,2"})
+    if args.threads:
+        torch.set_num_threads(args.threads)
     bench_throughput(args.steps)
     bench_idle([int(x) for x in args.levels.split(",")], args.seconds)
 
