@@ -221,3 +221,13 @@ def test_not_now_is_no_verdict_a_later_verdict_still_decides():
     [(_, v2)] = g.due(["val-a"], 1.5)
     g.sent(bid(1), 1.5)
     assert g.on_verdict(bid(1), False, ["bad-proof"]).reason == "verdict:bad-proof"
+
+
+def test_batches_the_next_step_would_leave_expired_are_counted():
+    g = ValidatorGate(timeout=10.0, max_in_flight=4)
+    g.add(bid(1), policy_version=3, expires=5)
+    g.add(bid(2), policy_version=4, expires=6)
+    g.add(bid(3), policy_version=4)  # never expires
+    assert [g.expiring(s) for s in (4, 5, 6)] == [0, 1, 2]
+    g.on_verdict(bid(1), True, ["ok"])
+    assert g.expiring(5) == 0

@@ -129,3 +129,18 @@ async def test_status_shows_the_last_step_the_rate_and_a_stall_with_its_cause(tr
     status = trainer.status()
     assert status["stalled"] == "" and status["steps_per_min"] == pytest.approx(2.0)
     assert status["last_step_at"] == pytest.approx(trainer.wall_clock(), abs=5.0)
+
+
+async def test_a_step_waits_a_little_for_batches_it_would_leave_to_expire(trainer):
+    """Issue 39: steps of one batch each, made as fast as verdicts came, moved the version two steps
+    on while the rest were checked, and they expired. The step now waits for them, at most step_hold_s."""
+    await _accept(trainer, range(2))  # acknowledged at step 5: trainable until step 7
+    assert not trainer._hold_step()
+    trainer.policy.step = 7
+    assert trainer._hold_step()
+    trainer.now[0] = trainer.tcfg.step_hold_s - 1
+    assert trainer._hold_step()
+    trainer.now[0] = trainer.tcfg.step_hold_s
+    assert not trainer._hold_step()  # bounded: the step goes on
+    trainer._stepped()
+    assert trainer.hold_since is None

@@ -31,6 +31,10 @@ class TrainerConfig:
     # Pending batches above which acks tell workers to wait. 0 = adaptive: what the validators check
     # within [grpo] verify_grace_steps trainer steps, at most max_pending_batches // 2 (node/trainer/pacing.py).
     target_pending_batches: int = 0
+    # Longest a step waits for verdicts on batches it would otherwise leave to expire (0: never waits).
+    # Steps are counted in versions: small steps made as fast as verdicts come left the batches still
+    # being checked behind (issue 39).
+    step_hold_s: float = 30.0
     max_retry_after_s: float = 30.0  # longest wait an ack asks of a worker
     ban_after_strikes: int = 5  # invalid batches (forged, malformed, bad tokens...) that get a sender banned
     strike_window_s: float = 600.0  # ... when they fall within this many seconds
@@ -60,6 +64,8 @@ class TrainerConfig:
             raise ValueError("max_verify_in_flight, max_verify_per_validator: at least 1")
         if not 0 <= self.target_pending_batches <= self.max_pending_batches:
             raise ValueError("target_pending_batches: 0 (= max_pending_batches // 2) .. max_pending_batches")
+        if not 0 <= self.step_hold_s <= 600:
+            raise ValueError("step_hold_s: 0..600")
         if self.max_retry_after_s <= 0 or self.max_retry_after_s > 3600:
             raise ValueError("max_retry_after_s: in (0, 3600]")
         if self.init_warmup_steps < -1:

@@ -119,6 +119,12 @@ class ValidatorGate:
         self.skipped += len(out)
         return out
 
+    def expiring(self, step: int) -> int:
+        """Batches still waiting for a verdict that the step after ``step`` would leave expired: the
+        trainer holds that step a little for them (service ``_hold_step``), since a step that
+        takes one batch as soon as it is verified advances the version while the rest are checked."""
+        return sum(1 for g in self.batches.values() if g.expires is not None and g.expires <= step)
+
     @staticmethod
     def _order(g: Gated) -> tuple:
         # Earliest deadline first, then freshest version, then oldest arrival (module docstring).

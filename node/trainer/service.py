@@ -136,6 +136,7 @@ class Trainer:
                            else max(1, cfg.verify_grace_steps))
         self.progress = Progress(clock())
         self.stepping_since: float | None = None  # trio time the running step began
+        self.hold_since: float | None = None  # when the coming step began waiting for expiring batches
         self.stall_logged = ""  # the stall cause last logged ("" while stepping)
         self.wall_clock = time.time  # the sample-life figures compare with workers' created_ms stamps
         self.limits = IntakeLimits(policy.vocab_size, cfg.pack_length, cfg.temperature, cfg.async_level,
@@ -534,6 +535,9 @@ class Trainer:
         """Step whenever enough READY samples are there; publish each new version."""
         while True:
             picked = await self.pick()
+            if picked is not None and self._hold_step():
+                await self._wait("train", GATE_TICK)
+                continue
             if picked is None:
                 t0 = trio.current_time()
                 await self._wait("train", GATE_TICK)
@@ -545,6 +549,16 @@ class Trainer:
                 await self.run_step(*picked)
             finally:
                 self.stepping_since = None
+
+    def _hold_step(self) -> bool:
+        """True while the next step should wait for verdicts on batches it would leave to expire
+        (gate.py ``expiring``), at most ``step_hold_s`` seconds per step."""
+        if self.gate is None or not self.gate.expiring(self.step):
+            return False
+        now = self.clock()
+        if self.hold_since is None:
+            self.hold_since = now
+        return now - self.hold_since < self.tcfg.step_hold_s
 
     async def run_step(self, ids: list[bytes], samples: list[TrainSample], mean_reward: float) -> StepRecord | None:
         """One rollout step on the given READY batches, recorded, saved and published (None: dropped)."""
@@ -640,6 +654,7 @@ class Trainer:
 
     def _stepped(self) -> None:
         now = self.clock()
+        self.hold_since = None
         if self.stall_logged:
             log.info("trainer: stepping again after %.0f s", self.progress.seconds_since_step(now))
             self.stall_logged = ""
