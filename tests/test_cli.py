@@ -439,6 +439,7 @@ def test_one_data_dir_one_process(tmp_path):
         wait_until(lambda: (data / "node.json").exists() or first.poll() is not None, what="the relay's node.json")
         assert first.poll() is None
         addrs = json.loads((data / "node.json").read_text())["addrs"]
+        assert json.loads((data / "run.json").read_text())["name"] == "my-run"  # what `ledger` judges by
         second = run_cli("--role", "relay", "--run", run, "--data-dir", str(data), "--listen", "/ip4/127.0.0.1/tcp/0")
         assert second.returncode == 2
         assert one_line_error(second.stderr).startswith(f"swarm-node: error: data dir is in use by pid {first.pid}")

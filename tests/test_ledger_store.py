@@ -171,13 +171,27 @@ def test_rebuild_skips_a_broken_middle_and_reports_it(tmp_path):
         assert led.head_of(TRAINER.peer_id) == 1
 
 
-def test_cli_totals_say_why_served_needs_the_run_file(tmp_path, capsys):
+def test_cli_totals_are_judged_as_the_node_judged_them(tmp_path, capsys):
     """`served` differed with and without --run (same digest) and nothing said why: standing comes
-    from the run's trainers and validators, which only the run file names."""
-    write_db(tmp_path / "data", chain(TRAINER, 2))
-    rc, _, err = run_cli(["ledger", "--data-dir", str(tmp_path / "data")], capsys)
-    assert rc == 0 and cli.UNKNOWN_TRUST_NOTE in err and "served" in err
+    from the run's trainers and validators. Without --run the totals now use the run the data dir's
+    node served (its run.json); with neither, a note says what is missing."""
+    from node.config import RunConfig, write_run_record
+
+    from node.ledger.entries import CheckpointPublished, ReceiptItem, Receipts
+
+    data, validator, relay = tmp_path / "data", Identity.from_seed(b"v" * 32), Identity.from_seed(b"r" * 32)
+    published = make_entry(TRAINER, RUN, 1, GENESIS, 1000, CheckpointPublished(1, b"m" * 32, 5000))
+    served = Receipts(items=(ReceiptItem(peer=relay.peer_id, manifest_id=b"m" * 32, nbytes=5000, pieces=1),))
+    write_db(data, [published, make_entry(validator, RUN, 1, GENESIS, 1001, served)])
+
+    def served_by_relay(*run_args) -> tuple[int, str]:
+        rc, out, err = run_cli(["ledger", "--json", "--data-dir", str(data), *run_args], capsys)
+        assert rc == 0
+        return json.loads(out)["totals"].get(relay.peer_id, {}).get("bytes_served", 0), err
+
+    assert served_by_relay() == (0, cli.UNKNOWN_TRUST_NOTE + "\n")  # nobody known to vouch: said so
     run_file = tmp_path / "run.toml"
-    run_file.write_text(f'[run]\nname = "{RUN}"\ntrainers = ["{TRAINER.peer_id}"]\n')
-    rc, _, err = run_cli(["ledger", "--data-dir", str(tmp_path / "data"), "--run", str(run_file)], capsys)
-    assert rc == 0 and err == ""
+    run_file.write_text(f'[run]\nname = "{RUN}"\ntrainers = ["{TRAINER.peer_id}"]\nvalidators = ["{validator.peer_id}"]\n')
+    assert served_by_relay("--run", str(run_file)) == (5000, "")
+    write_run_record(data, RunConfig(name=RUN, trainers=[TRAINER.peer_id], validators=[validator.peer_id]))
+    assert served_by_relay() == (5000, "")  # as the node that served the run counts it

@@ -17,7 +17,8 @@ from pathlib import Path
 from .. import __version__
 from ..atomic import DataDirError, data_dir_holder, hold_data_dir
 from ..bootstrap_list import read_bootstrap_list
-from ..config import DEFAULT_LISTEN, LOG_LEVELS, ROLES, RUN_FILE_ENV, ConfigError, NodeConfig, check_port_free, load_config
+from ..config import (DEFAULT_LISTEN, LOG_LEVELS, ROLES, RUN_FILE_ENV, ConfigError, NodeConfig, check_port_free, load_config,
+                      write_run_record)
 from ..identity import KEY_FILE, IdentityError, load_identity, load_or_create_identity, save_identity
 from ..log import setup_logging
 from ..rl.sandbox import SandboxUnavailable
@@ -200,6 +201,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with hold_data_dir(config.resolved_data_dir()):  # for the node's life: one process per data dir
         check_ports(config)
         check_run_of(config.resolved_data_dir(), config.run.name)
+        write_run_record(config.resolved_data_dir(), config.run)
         identity = load_or_create_identity(config.resolved_data_dir())[0]
         setup_logging(config.log_level, config.log_json, identity.peer_id[-8:])
         try:

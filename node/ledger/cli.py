@@ -31,11 +31,12 @@ _SHORT = {  # column headers for the totals table
 }
 
 
-# Why `served` differs with and without --run (issue 39): standing comes from the run's trainers
-# and validators (node/ledger/chain.py, "Sybil bounds"), which only the run file names.
-UNKNOWN_TRUST_NOTE = ("note: no run file (--run FILE), so the run's trainers and validators are unknown here: no "
-                      "receipt has standing and `served` counts only unvouched credit (the run's nodes count more); "
-                      "pass --run for the run's totals")
+# Why `served` could differ with and without --run (issue 39): standing comes from the run's trainers
+# and validators (node/ledger/chain.py, "Sybil bounds"), which only the run file (or the run.json a
+# node leaves in its data dir) names.
+UNKNOWN_TRUST_NOTE = ("note: no run file (--run FILE) and no node has run on this data dir, so the run's trainers "
+                      "and validators are unknown here: no receipt has standing and `served` counts only unvouched "
+                      "credit (the run's nodes count more); pass --run for the run's totals")
 
 
 def add_commands(sub) -> None:
@@ -68,12 +69,17 @@ class _Usage(Exception):
 
 
 def _config(args):
-    from ..config import ConfigError, load_config
+    """The run file's config; without one (no --run, no $SWARM_RUN), the run the data dir's node last
+    served (its run.json), so totals are judged as that node judges them."""
+    from ..config import RUN_FILE_ENV, ConfigError, load_config, read_run_record
 
     try:
-        return load_config(getattr(args, "run", None), dict(os.environ), {"data_dir": getattr(args, "data_dir", None)})
+        config = load_config(getattr(args, "run", None), dict(os.environ), {"data_dir": getattr(args, "data_dir", None)})
     except ConfigError as e:
         raise _Usage(str(e)) from None
+    if getattr(args, "run", None) is None and not os.environ.get(RUN_FILE_ENV):
+        config.run = read_run_record(config.resolved_data_dir()) or config.run
+    return config
 
 
 def _open(args) -> tuple[LedgerStore, object]:
