@@ -1,6 +1,7 @@
 """Trainer benchmark: step throughput beside plain transformers, and idle time vs the async level.
 
-    .venv/bin/python bench/trainer.py [--steps 6] [--seconds 45] [--levels 0,1,2]
+    .venv/bin/python bench/trainer.py [--steps 6] [--seconds 45] [--levels 0,1,2] [--threads 1]
+    .venv/bin/python bench/trainer.py --quick      # 2 steps, 10 s at levels 0 and 2 (about 30 s)
 
 1. Tokens/s of the trainer's rollout step on the tiny default model on CPU: what the loop really
    does (GRPO train_step with packing, ``optimizer_steps`` AdamW steps, then the model folder and
@@ -8,10 +9,11 @@
    same run (one right-padded sample per row, cross-entropy on the completion tokens, forward +
    backward + AdamW, no checkpoint). Loss tokens (completion tokens) are counted for both.
 2. The fraction of wall time the trainer sat idle waiting for rollouts, at async level 0, 1, 2:
-   the real :class:`node.trainer.service.Trainer` (intake, spool, loop) in one process with two
-   simulated inference workers that generate with the torch engine from the newest saved version
-   and submit signed batches through the same intake (no network, no proofs). At level 0 every
-   batch generated while a step runs becomes stale; the async design lets workers keep going.
+   a real trainer node in this process (``run_node``: intake, spool, loop, ledger, checkpoint
+   publishing) with two simulated inference workers that generate with the torch engine from the
+   newest published version and hand signed batches to the same intake (no stream, no proofs),
+   paced by the inference node's own outbox (node/rollouts/submit.py). At level 0 every batch
+   generated while a step runs becomes stale; the async design lets workers keep going.
 
 The machine is shared and noisy (2 cores for several agents): compare ratios, not absolute figures.
 """
