@@ -179,9 +179,10 @@ FAULTS = {
               "the group of a prompt the worker failed left out, every other group complete"),
         Fault("draw_of_another_version", frozenset({BatchReason.WRONG_ROOT.value}),
               "tasks and seed drawn under another manifest root than the claimed version's"),
-        # Checked by the service against the store (node/rollouts/steps.py), not by judge_batch:
-        # tests/test_redteam_steps.py.
-        Fault("ground_step", frozenset({BatchReason.STEP_AHEAD.value}),
+        # Refused by the trainer's intake as "step-ahead" (it sees every batch of the worker), not by a
+        # validator (node/rollouts/steps.py "Who judges what"); a step used twice the validator's
+        # service refuses against its store: tests/test_redteam_steps.py.
+        Fault("ground_step", frozenset({"step-ahead"}),
               "a step far above the worker's last, picked by scanning free draws for easy tasks"),
     )
 }
