@@ -4,7 +4,8 @@ of the release the ``[vllm]`` extra pins, on the embedded tiny model.
 Run by ``make vllm-test`` in the vLLM venv (``make vllm-venv``: requirements-vllm.lock, the project
 installed there without its dependencies). Skipped where vLLM is not installed (the default ``make
 test`` in .venv). One engine start for the whole module (about 1-2 minutes on a busy 2-core
-machine); the weight-swap test runs last and leaves the engine on the first checkpoint again.
+machine), made the way an inference node makes it: the rollout generator opens the engine its run
+selects. The weight-swap test runs last and leaves the engine on the first checkpoint again.
 
 Every check compares vLLM with an independent torch computation of the same checkpoint (a
 :class:`TorchEngine` of its own, the validator's prefill): nothing here trusts the engine's own
@@ -20,6 +21,8 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: `make vllm-test` runs these in .vllm-venv")
 torch = pytest.importorskip("torch")
 
+from node.adversary.generator import make_generator  # noqa: E402
+from node.config import RunConfig  # noqa: E402
 from node.engines.base import FINISH_STOP  # noqa: E402
 from node.engines.model import create_tiny_model  # noqa: E402
 from node.engines.torch_engine import TorchEngine  # noqa: E402
@@ -28,11 +31,20 @@ from node.proofs.capture import logits_from_hidden, recompute_decode_states  # n
 from node.proofs.checks import check_logprobs  # noqa: E402
 from node.proofs.config import ProofsConfig  # noqa: E402
 from node.proofs.toploc import build_proofs, verify_proofs  # noqa: E402
-from node.rl.config import InferenceConfig  # noqa: E402
+from node.identity import Identity  # noqa: E402
+from node.rl.config import InferenceConfig, RLConfig  # noqa: E402
+from node.rl.spec import OFFLINE_ROOT  # noqa: E402
+from node.rollouts.config import WorkerConfig  # noqa: E402
+from node.rollouts.schema import open_batch  # noqa: E402
+from node.validator.config import ValidatorConfig  # noqa: E402
+from node.validator.pipeline import CheckModel, judge_batch  # noqa: E402
+from node.validator.service import rules_from_run  # noqa: E402
+from node.validator.tasks import RunTasks  # noqa: E402
 
 # vLLM's CPU KV cache is sized by this variable (GiB; its default takes a large share of memory).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+RUN = "vllm-cpu"
 PROMPTS = ["rev 12=", "add 31+4=", "rev 98765=", "sort cab="]
 MAX_NEW = 24
 # Float32 on both sides: vLLM's CPU kernels and torch's agree to ~1e-5 in a log-prob (measured
@@ -78,11 +90,28 @@ def refs(folders):
 
 
 @pytest.fixture(scope="module")
-def engine(folders):
-    eng = VLLMEngine(InferenceConfig(engine="vllm", engines=["torch", "vllm"], dtype="float32"))
-    eng.load(folders[0])
-    yield eng
-    eng.close()
+def run():
+    """A run that accepts vLLM batches and names vLLM for this node (its CPU build then runs)."""
+    return RunConfig(name=RUN, tables={"rl": {"group_size": 4, "prompts_per_batch": 2, "max_new_tokens": MAX_NEW},
+                                       "inference": {"engine": "vllm", "engines": ["torch", "vllm"], "dtype": "float32"}})
+
+
+@pytest.fixture(scope="module")
+def generator(run, folders):
+    """The inference role's rollout generator, whose engine the run selects: the module's one vLLM
+    engine, loaded on v0."""
+    gen = make_generator(identity=Identity.from_seed(bytes(range(32))), run_name=run.name,
+                         rl=run.section("rl", RLConfig), proofs=run.section("proofs", ProofsConfig),
+                         inference=run.section("inference", InferenceConfig), worker=WorkerConfig())
+    assert isinstance(gen.engine, VLLMEngine)
+    gen.follow(folders[0])
+    yield gen
+    gen.engine.close()
+
+
+@pytest.fixture(scope="module")
+def engine(generator):
+    return generator.engine
 
 
 def encode(engine, texts):
@@ -91,6 +120,21 @@ def encode(engine, texts):
 
 def flat(groups):
     return [s for g in groups for s in g]
+
+
+def test_a_torch_validator_accepts_the_vllm_engines_batches(generator, run, refs):
+    """Whole steps of the inference role on vLLM (draw, sample, score, prove, sign), judged by the
+    validator's pipeline with the run's rules on its own torch copy of the checkpoint."""
+    rules = rules_from_run(run, ValidatorConfig())
+    tasks = RunTasks(run.section("rl", RLConfig))
+    model = CheckModel(refs[0].engine.model, refs[0].engine.tokenizer, 0)
+    assert not rules.replays("vllm")  # vLLM's sampler is not ours: its batches get no replay
+    for step in range(3):
+        result = generator.run_step(step, 0, 0)
+        signed = open_batch(result.sealed.envelope, run.name)
+        assert signed.batch.engine == "vllm" and signed.batch.dtype == "float32"
+        judged = judge_batch(signed.batch, rules, current_version=0, tasks=tasks, model=model, policy_root=OFFLINE_ROOT)
+        assert judged.accepted, list(zip(judged.reasons, judged.details))
 
 
 def test_seeded_generation_repeats_and_does_not_depend_on_batch_mates(engine):
