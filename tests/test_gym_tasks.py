@@ -77,6 +77,16 @@ def test_the_generator_scorer_judges_the_tagged_answer():
     assert [s.task_reward for s in score_many(jobs, rl, code_limits(rl))] == [1.0, 0.0, 0.0]
 
 
+def test_a_format_reward_pays_for_the_tag_only_when_the_run_sets_it():
+    for share, expected in ((0.0, [1.0, 0.0, 0.0]), (0.25, [1.0, 0.25, 0.0])):
+        rl = gym_rl(format_reward=share)
+        source = load_run_tasks(rl)
+        task = source.task(source.generators[0], 7)
+        jobs = [(task, f"<answer>{task.answer}</answer>", 5, 0), (task, "<answer>wrong</answer>", 5, 0),
+                (task, f"{task.answer}", 5, 0)]
+        assert [s.task_reward for s in score_many(jobs, rl, code_limits(rl))] == expected
+
+
 def test_the_answer_format_is_in_the_system_prompt():
     task = load_run_tasks(gym_rl()).draw(step_key("r", "p", OFFLINE_ROOT, 0), 0)
     from node.engines.model import build_tokenizer

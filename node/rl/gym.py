@@ -18,7 +18,9 @@ are only 100 one-digit sums).
 The answer format is part of the spec: the system prompt (:data:`ANSWER_INSTRUCTION`, unless the
 run gives its own) asks for ``<answer>...</answer>``; :func:`extract_answer` takes the text of
 exactly one such pair (none, two, or an unclosed one: no answer, reward 0), and the generator's own
-scorer judges it, in the bounded scoring server (node/rl/bounded.py).
+scorer judges it, in the bounded scoring server (node/rl/bounded.py). The run may pay a share of
+the reward for the format alone (``[rl] format_reward``, off unless set): a small model that never
+writes the tag (SmolLM2-135M-Instruct: 1 sample in 64) otherwise gives GRPO no signal at all.
 
 Identity: the source's digest hashes the reasoning-gym version and the generator table, so two
 nodes that disagree on either draw other tasks; a node whose installed reasoning-gym is not the
@@ -174,11 +176,12 @@ def extract_answer(completion: str) -> str | None:
 
 
 
-def score_calls(tasks: list[Task], completions: list[str], bound: Bound) -> list[float]:
-    """Rewards of ``completions`` (one per task) by each generator's own scorer, each call bounded."""
+def score_calls(tasks: list[Task], completions: list[str], bound: Bound, format_reward: float = 0.0) -> list[float]:
+    """Rewards of ``completions`` (one per task) by each generator's own scorer, each call bounded;
+    with ``format_reward`` f, ``(1 - f) * score + f`` for a completion with one well-formed answer."""
     answers = [extract_answer(c) for c in completions]
     calls = [Call("reasoning-gym", {"generator": t.metadata["generator"], "options": t.metadata["options"],
                                     "seed": t.metadata["seed"], "answer": a})
              for t, a in zip(tasks, answers) if a is not None]
     outcomes = iter(score_bounded(calls, bound))
-    return [next(outcomes).score if a is not None else 0.0 for a in answers]
+    return [(1 - format_reward) * next(outcomes).score + format_reward if a is not None else 0.0 for a in answers]

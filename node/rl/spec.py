@@ -246,7 +246,8 @@ def task_rewards(tasks: Sequence[Task], texts: Sequence[str], rl: RLConfig, limi
     """The verifier's reward of each (task, completion) pair; reasoning-gym's all in one bounded batch."""
     gym_at = [i for i, t in enumerate(tasks) if t.kind == gym.KIND]
     out = [0.0 if t.kind == gym.KIND else float(task_reward(t, x, limits)) for t, x in zip(tasks, texts)]
-    for i, r in zip(gym_at, gym.score_calls([tasks[i] for i in gym_at], [texts[i] for i in gym_at], score_bound(rl))):
+    for i, r in zip(gym_at, gym.score_calls([tasks[i] for i in gym_at], [texts[i] for i in gym_at], score_bound(rl),
+                                            rl.format_reward)):
         out[i] = r
     return out
 
