@@ -48,6 +48,8 @@ def hold_data_dir(data_dir: Path, *, min_free: int = MIN_FREE_BYTES) -> Iterator
         except BlockingIOError:
             raise DataDirInUse(in_use_message(data_dir, _read_pid(fd))) from None
         try:
+            if not os.access(data_dir, os.W_OK | os.X_OK):  # the lock file may predate a chmod or a remount
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
             free = os.statvfs(data_dir)

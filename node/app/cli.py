@@ -35,11 +35,12 @@ COMMAND_MODULES: list[str] = ["node.ledger.cli", "node.app.shards_cli", "node.rl
 
 EPILOG = """\
 examples:
-  swarm-node --role inference --bootstrap            join with the packaged bootstrap list
+  swarm-node --role inference --run run.toml --bootstrap    join with the packaged bootstrap list
   swarm-node --role relay --run run.toml --listen /ip4/0.0.0.0/tcp/4001
-  swarm-node --role trainer --run run.toml           trusted operator
-  swarm-node status                                  member table of the local node
-  swarm-node demo --duration 60                      local swarm on loopback
+  swarm-node --role trainer --run run.toml                  trusted operator
+  swarm-node id --addr --data-dir relay                     addresses to pass as --bootstrap
+  swarm-node status                                         member table of the local node
+  swarm-node demo --duration 60                             local swarm on loopback
 
 environment: SWARM_RUN names the run file; SWARM_<FIELD> sets a node field (SWARM_ROLE, SWARM_LISTEN=a,b, SWARM_LOG_LEVEL...),
 SWARM_RUN_<FIELD> a run field (SWARM_RUN_NAME). Precedence: defaults < run file < env < flags.
@@ -111,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keygen", help="create the node key in the data dir (if absent) and print the peer id")
     _common(p)
     p.add_argument("--from", dest="from_dir", metavar="DIR",
-                   help="copy the key of data dir DIR instead of making one (same peer id, e.g. for a new run)")
+                   help="copy the key of data dir DIR instead of making one: the same peer id for another run's "
+                        "data dir (never run both dirs in one run: one author, two logs)")
     p.set_defaults(func=cmd_keygen)
 
     p = sub.add_parser("id", help="print the peer id and the addresses other peers can dial")
@@ -132,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=0.0, help="stop after SECONDS (default: until Ctrl-C)")
     p.add_argument("--extra", type=int, default=0, help="extra inference nodes beyond the default two")
     p.add_argument("--cheat", choices=_cheats(), help="add a dishonest inference node of this kind")
+    p.add_argument("--engine", choices=["torch", "vllm"], default="torch",
+                   help="vllm: the second inference node runs vLLM (its CPU build without a GPU) and the run accepts it")
     p.add_argument("--data-root", type=Path, default=Path("demo-data"), help="folder for the nodes' data dirs")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     p.add_argument("--http-port", type=int, default=8080,
