@@ -73,3 +73,11 @@ def test_auto_falls_back_to_torch_when_vllm_cannot_run():
 
     assert choose_engine(InferenceConfig(engine="auto", engines=["torch", "vllm"])) == "torch"
     assert choose_engine(InferenceConfig(engine="torch", engines=["torch", "vllm"])) == "torch"
+
+
+def test_the_demo_with_vllm_where_it_cannot_run_stops_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "node", "demo", "--engine", "vllm", "--duration", "1",
+                           "--data-root", str(tmp_path / "demo")], capture_output=True, text=True, timeout=120)
+    line = one_line_error(proc)
+    assert "demo --engine vllm" in line and "vLLM is not installed" in line
+    assert not (tmp_path / "demo").exists()  # no node was started

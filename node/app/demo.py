@@ -1,7 +1,8 @@
 """``make demo``: the whole loop on loopback with a live table, until Ctrl-C or ``--duration``.
 
 One relay (the bootstrap peer), a trainer, a validator and two inference nodes (more with
-``--extra``; ``--cheat KIND`` adds a dishonest inference node), each a real ``swarm-node``
+``--extra``; ``--cheat KIND`` adds a dishonest inference node; ``--engine vllm`` runs the second
+on vLLM), each a real ``swarm-node``
 process with its own data dir under ``--data-root``, on the embedded tiny model and the synthetic
 digit-reversal task, each with one torch thread (``DEMO_THREADS``: four torch processes share what
 may be two cores). The run file names the trainer and the validator as the run's trusted peers.
@@ -27,6 +28,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .errors import UsageError
 from .localswarm import LocalSwarm
 from .loopfigures import format_figures, loop_figures, reward_ratio
 
@@ -65,6 +67,16 @@ optimizer_steps = 8
 """
 
 
+# `--engine vllm`: the run accepts vLLM batches (a validator checks their proofs and log-probs; vLLM's
+# sampler cannot be replayed) and inference-2 runs vLLM, on a CPU its CPU build (`make vllm-venv`,
+# then `.vllm-venv/bin/swarm-node demo --engine vllm`: every node runs in that venv).
+ACCEPT_VLLM = """
+[inference]
+engines = ["torch", "vllm"]
+"""
+VLLM_NODE = "inference-2"
+
+
 # Torch threads per node process. The demo runs four torch processes (trainer, validator, two
 # inference nodes) on a machine that may have two cores: with torch's default (one thread per core
 # each) their OpenMP threads spin against each other; one thread each lets the OS share the cores.
@@ -96,7 +108,8 @@ def describe(role: str, status: dict) -> tuple[str, str, str]:
         b = i.get("batches", {})
         refused = sum((b.get("refused") or {}).values())
         cheat = f" [red]cheat={i['cheat']}[/]" if i.get("cheat") else ""
-        return held, f"v{_fmt(i.get('policy_version'))}: sent {b.get('sent', 0)} acked {b.get('accepted', 0)} refused {refused}{cheat}", _fmt(i.get("mean_reward"))
+        engine = f" engine={i['engine']}" if i.get("engine") not in (None, "torch") else ""
+        return held, f"v{_fmt(i.get('policy_version'))}: sent {b.get('sent', 0)} acked {b.get('accepted', 0)} refused {refused}{cheat}{engine}", _fmt(i.get("mean_reward"))
     if role == "validator":
         v = status.get("validator") or {}
         verdicts = v.get("verdicts", {})
@@ -164,6 +177,12 @@ def _free_or_other(port: int) -> int:
 
 def run_demo(args) -> int:
     console = Console()
+    if args.engine == "vllm":
+        from ..engines.vllm_engine import vllm_problem
+
+        problem = vllm_problem(allow_cpu=True)
+        if problem is not None:
+            raise UsageError(f"demo --engine vllm: {problem}")
     root: Path = args.data_root
     if root.exists():
         shutil.rmtree(root)
@@ -182,12 +201,18 @@ def run_demo(args) -> int:
         args.http_port = _free_or_other(args.http_port)
     with LocalSwarm(root, log_level=args.log_level, extra_env=node_env(DEMO_THREADS)) as swarm:
         run_text = RUN_TEMPLATE.format(trainer=swarm.peer_id("trainer"), validator=swarm.peer_id("validator"))
+        engine_args: dict[str, list[str]] = {}
+        if args.engine == "vllm":
+            run_text += ACCEPT_VLLM
+            vllm_run = root / "vllm.toml"
+            vllm_run.write_text(run_text.replace("[inference]\n", '[inference]\nengine = "vllm"\n'))
+            engine_args[VLLM_NODE] = ["--run", str(vllm_run)]
         swarm.write_run_file(run_text)
         console.print(f"starting {len(names) + bool(args.cheat)} nodes on 127.0.0.1 "
                       f"(data in {root}/, logs in {root}/<node>/node.log)")
         for name, role in names:
             web = ["--http-port", str(args.http_port)] if name == "trainer" and args.http_port else []
-            swarm.start(name, role, *web)
+            swarm.start(name, role, *web, *engine_args.get(name, []))
         if args.http_port:  # the trainer's page: members, propagation, reward curve, ledger
             console.print(f"status page: http://127.0.0.1:{args.http_port}/")
         if args.cheat:

@@ -397,6 +397,7 @@ class InferenceService:
             "waiting_for_checkpoint": self.waiting_for_checkpoint,
             "errors": {"step": st.step_errors, "load": st.load_errors},
             "cheat": self.cfg.cheat or None,
+            "engine": self.generator.engine.name if self.generator is not None else None,
         }
 
 
