@@ -2,7 +2,8 @@
 ``/metrics`` and ``/healthz`` over HTTP/1.1 (issue 19).
 
 How this works: :func:`serve_http` accepts TCP connections with trio, bounded in number
-(``MAX_CONNECTIONS``) and in time (``REQUEST_TIMEOUT`` for the whole request), and parses each
+(``MAX_CONNECTIONS``, decided at accept by :class:`Slots`) and in time (``REQUEST_TIMEOUT`` for the
+whole request), and parses each
 request with h11 (a sans-I/O HTTP/1.1 implementation: bytes in, events out). One request per
 connection (``Connection: close``): the page polls every few seconds, keep-alive would buy
 nothing and cost a bound. Only GET and HEAD; no request bodies; a request head larger than
@@ -17,23 +18,27 @@ travels on gossip anyway), but a reverse proxy is the place for exposing it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from importlib import resources
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import h11
 import trio
 
+from . import fds
 from .config import check_port_free
 
 log = logging.getLogger(__name__)
 
-MAX_CONNECTIONS = 32  # served at once; more wait in the listen backlog
+MAX_CONNECTIONS = 32  # held at once; past it a new one evicts the oldest still silent, or is closed at once
 MAX_REQUEST_BYTES = 16 * 1024  # request line and headers
 REQUEST_TIMEOUT = 10.0  # seconds to read one request and write its answer
+ACCEPT_RETRY_S = 0.1  # out of descriptors: wait this long before accepting again (as trio.serve_listeners)
 LEDGER_CACHE_S = 2.0  # totals are recomputed from the replica at most this often
 PAGE = "status_page.html"
 
@@ -53,6 +58,52 @@ def json_route(produce: Callable[[], object]) -> Route:
     return lambda: ("application/json", json.dumps(produce()).encode())
 
 
+class Admission(NamedTuple):
+    admitted: bool
+    evicted: int | None  # the connection that gave up its slot for this one
+
+
+class Slots:
+    """Which connections the page holds (pure: connection ids in, decisions out).
+
+    Issue 42: the slot used to be taken after ``accept``, so connections waiting for one held a
+    descriptor each without limit or timeout (1,100 idle ones ended the node; 32 kept ``/healthz``
+    from answering). Now a connection is admitted or closed at accept. A held connection is
+    *silent* until its request head has arrived, then *answering*. When every slot is taken, a new
+    connection takes the slot of the longest-silent one (an honest client sends its request as soon
+    as it connects; a connection that says nothing is the one worth dropping), so idle connections
+    cannot lock out a health check; if none is silent, the new one is refused."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.silent: dict[int, None] = {}  # insertion order = arrival order
+        self.answering: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.silent) + len(self.answering)
+
+    def admit(self, conn: int) -> Admission:
+        if len(self) < self.limit:
+            self.silent[conn] = None
+            return Admission(True, None)
+        if self.silent:
+            oldest = next(iter(self.silent))
+            del self.silent[oldest]
+            self.silent[conn] = None
+            return Admission(True, oldest)
+        return Admission(False, None)
+
+    def on_request(self, conn: int) -> None:
+        """Its request head arrived: no longer evictable (it is answered within REQUEST_TIMEOUT)."""
+        if conn in self.silent:  # not if evicted meanwhile
+            del self.silent[conn]
+            self.answering.add(conn)
+
+    def release(self, conn: int) -> None:
+        self.silent.pop(conn, None)
+        self.answering.discard(conn)
+
+
 async def serve_http(host: str, port: int, routes: dict[str, Route], *,
                      task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``routes`` (path -> route) on host:port until cancelled; ``task_status.started(port)``
@@ -60,28 +111,73 @@ async def serve_http(host: str, port: int, routes: dict[str, Route], *,
     check_port_free(host, port, "--http-port")  # one line for the user, not an OSError traceback
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()[1]
-    limit = trio.Semaphore(MAX_CONNECTIONS)
+    slots = Slots(MAX_CONNECTIONS)
+    scopes: dict[int, trio.CancelScope] = {}
+    ids = itertools.count()
 
-    async def handle(stream: trio.SocketStream) -> None:
-        async with limit:
-            await handle_connection(stream, routes)
+    async def serve_one(conn: int, stream: trio.SocketStream, scope: trio.CancelScope) -> None:
+        try:
+            with scope:  # cancelled when a newer connection takes this one's slot
+                await handle_connection(stream, routes, on_request=lambda: slots.on_request(conn))
+        finally:
+            await trio.aclose_forcefully(stream)  # also when evicted before handle_connection ran
+            slots.release(conn)
+            scopes.pop(conn, None)
 
-    task_status.started(bound)
-    await trio.serve_listeners(handle, listeners)
+    async def accept_from(listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as e:
+                    if not fds.out_of_files(e):
+                        raise
+                    out_of_files.note(e)  # the backlog keeps them; try again shortly
+                    await trio.sleep(ACCEPT_RETRY_S)
+                    continue
+                conn = next(ids)
+                admitted, evicted = slots.admit(conn)
+                if evicted is not None:
+                    scopes.pop(evicted).cancel()
+                if not admitted:
+                    await trio.aclose_forcefully(stream)
+                    continue
+                scopes[conn] = trio.CancelScope()
+                nursery.start_soon(serve_one, conn, stream, scopes[conn])
+
+    out_of_files = _RareWarning("web: out of file descriptors; connections wait in the backlog")
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(accept_from, listener, nursery)
+        task_status.started(bound)
 
 
-async def handle_connection(stream, routes: dict[str, Route]) -> None:
-    """Answer one connection within ``REQUEST_TIMEOUT`` seconds, then close it whatever happened."""
+class _RareWarning:
+    """One warning per ``every`` seconds at most (a condition that lasts must not flood the log)."""
+
+    def __init__(self, text: str, every: float = 60.0) -> None:
+        self.text, self.every, self.last = text, every, -math.inf
+
+    def note(self, e: BaseException) -> None:
+        now = trio.current_time()
+        if now - self.last >= self.every:
+            self.last = now
+            log.warning("%s (%s)", self.text, e)
+
+
+async def handle_connection(stream, routes: dict[str, Route], on_request: Callable[[], None] = lambda: None) -> None:
+    """Answer one connection within ``REQUEST_TIMEOUT`` seconds, then close it whatever happened;
+    ``on_request()`` once its request head has arrived."""
     try:
         with trio.move_on_after(REQUEST_TIMEOUT):
-            await answer(stream, routes)
+            await answer(stream, routes, on_request)
     except (h11.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
         log.debug("web: client dropped: %s", e)  # the client's doing (went away, broke HTTP): not ours
     finally:
         await trio.aclose_forcefully(stream)
 
 
-async def answer(stream, routes: dict[str, Route]) -> None:
+async def answer(stream, routes: dict[str, Route], on_request: Callable[[], None] = lambda: None) -> None:
     """Read one request from ``stream`` and write its response (the client's errors get a 4xx)."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
     try:
@@ -92,6 +188,7 @@ async def answer(stream, routes: dict[str, Route]) -> None:
         return
     if request is None:
         return
+    on_request()
     method, path = request.method.decode(), request.target.decode().split("?", 1)[0]
     route = routes.get(path)
     if method not in ("GET", "HEAD"):

@@ -4,6 +4,7 @@ real headless browser against a running multi-process swarm."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -256,3 +257,99 @@ async def test_the_page_binds_only_the_address_it_is_given():
         with pytest.raises(OSError):
             await trio.to_thread.run_sync(lambda: get(f"http://127.0.0.1:{port}/healthz"))
         nursery.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------ issue 42, hole 4: idle connections
+
+
+def test_slots_a_new_connection_takes_the_slot_of_the_longest_silent_one():
+    from node.web import Slots
+
+    slots = Slots(3)
+    assert [slots.admit(c) for c in range(3)] == [(True, None)] * 3
+    slots.on_request(1)  # 1 sent its request: it is answered, not evicted
+    assert slots.admit(3) == (True, 0) and len(slots) == 3
+    assert slots.admit(4) == (True, 2)
+    slots.on_request(3), slots.on_request(4)
+    assert slots.admit(5) == (False, None)  # every slot answering: refused at once
+    slots.release(1)
+    assert slots.admit(5) == (True, None)
+    slots.on_request(0)  # evicted before its request arrived: stays out
+    assert 0 not in slots.answering and len(slots) == 3
+
+
+def _hold(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that never send a byte (a client refused at accept is closed at once:
+    its later reads see the end, which is what the test counts)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.settimeout(10)
+        try:
+            s.connect(("127.0.0.1", port))
+        except OSError:  # the backlog is full: the kernel drops the SYN; enough are held
+            s.close()
+            break
+        socks.append(s)
+    return socks
+
+
+def _closed_by_server(socks: list[socket.socket]) -> int:
+    shut = 0
+    for s in socks:
+        s.setblocking(False)
+        try:
+            shut += s.recv(1) == b""
+        except BlockingIOError:
+            pass
+        except OSError:  # reset
+            shut += 1
+    return shut
+
+
+@pytest.mark.slow
+def test_idle_connections_neither_lock_out_healthz_nor_end_the_node(tmp_path):
+    """Issue 42 hole 4: 1,100 silent connections to the page (and 300 to the libp2p port) against a
+    node whose open-file limit leaves room for only ~50 more descriptors. Before: the page took a
+    descriptor per connection, EMFILE ended the node (gossip tick loop). Now: the page holds its 32
+    (the longest-silent one gives way to each newcomer), libp2p refuses past its descriptor reserve,
+    ``/healthz`` answers at once and the node keeps running."""
+    import resource
+
+    from node.app.localswarm import LocalSwarm
+    from node.web import MAX_CONNECTIONS
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))  # the attacker's own side
+    port = _free_port()
+    socks: list[socket.socket] = []
+    try:
+        with LocalSwarm(tmp_path) as swarm:
+            proc = swarm.start("relay", "relay", "--http-port", str(port))
+            wait_until(lambda: swarm.status("relay").get("web"), what="the status page is up")
+            used = len(os.listdir(f"/proc/{proc.pid}/fd"))
+            limit = used + MAX_CONNECTIONS + 20
+            resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (limit, limit))
+            libp2p_port = int(swarm.addr("relay").split("/tcp/")[1].split("/")[0])
+            socks += _hold(port, 1100)
+            socks += (p2p := _hold(libp2p_port, 300))
+            assert len(socks) > 1000
+            base = f"http://127.0.0.1:{port}"
+            status, _, body = get(base + "/healthz")
+            assert status == 200 and json.loads(body)["ok"] is True, "healthz locked out"
+            # the page keeps at most its slots: all but ~32 of the idle ones are closed by the node
+            http = socks[: len(socks) - len(p2p)]
+            wait_until(lambda: _closed_by_server(http) >= len(http) - MAX_CONNECTIONS, what="idle page connections closed")
+            wait_until(lambda: _closed_by_server(p2p) >= len(p2p) - 64, what="libp2p connections refused")
+            assert proc.alive(), swarm.tail("relay")
+            assert len(os.listdir(f"/proc/{proc.pid}/fd")) < limit
+            for s in socks:
+                s.close()
+            socks.clear()
+            # still a node: it answers and keeps writing its status
+            assert get(base + "/healthz")[0] == 200
+            assert swarm.status("relay")["role"] == "relay" and proc.alive()
+    finally:
+        for s in socks:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -36,6 +36,7 @@ import trio
 
 from .. import __version__
 from ..context import NodeContext
+from ..fds import out_of_files
 from ..net.budget import STALLED, StreamLimits
 from ..net.reqres import CallFailure, Inbound, Refused, call, close, messages, request_handler
 from ..peers import FaultRule
@@ -484,12 +485,22 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
 
         async def tick_loop() -> None:
             housekeeping_at = -math.inf
+            held: list[int] = []
+            listing_failed = False  # warned once per spell of running out of descriptors
             while True:
                 await trio.sleep(TICK)
                 now = trio.current_time()
                 if now >= housekeeping_at:  # nothing here needs the tick's precision
                     housekeeping_at = now + HOUSEKEEPING
-                    held = shards.versions_held()[-MAX_VERSIONS:]  # reads the data dir
+                    try:
+                        held = shards.versions_held()[-MAX_VERSIONS:]  # reads the data dir
+                        listing_failed = False
+                    except OSError as e:  # issue 42: out of descriptors ended the node here
+                        if not out_of_files(e):
+                            raise
+                        if not listing_failed:
+                            log.warning("membership: cannot list the checkpoints held (%s); the record keeps the last list", e)
+                        listing_failed = True
                     # A relay reservation adds an address; a new checkpoint version changes what we hold.
                     svc.update(addrs=advertised_addrs(node, relay), checkpoints=held)
                     for state, count in table.counts().items():

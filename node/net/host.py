@@ -50,6 +50,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
+from .. import fds
 from ..config import check_port_free
 from ..identity import Identity
 from .workarounds import (
@@ -85,6 +86,7 @@ OPEN_STREAM_TIMEOUT = 10.0
 
 # What opening or using a stream raises when the other side is gone, unreachable or too slow.
 STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError)
+MAX_PENDING_INBOUND = 64  # inbound connections in their handshake at once (as rust-libp2p's max_pending_incoming)
 MAX_KEPT_PING_STREAMS = 64  # one per peer we ping; SWIM probes only connected members (<= conn_high)
 ADDRS_TTL = 10.0  # seconds our own addresses are reused for (SwarmHost._addrs_of)
 
@@ -312,6 +314,31 @@ def check_listen_ports(addrs: list[multiaddr.Multiaddr]) -> None:
             check_port_free(addr.value_for_protocol(protocols[0]), int(addr.value_for_protocol("tcp")), "--listen")
 
 
+def guard_inbound(host) -> None:
+    """Admit an inbound TCP connection only while fewer than ``MAX_PENDING_INBOUND`` are still in
+    their Noise/Yamux handshake and the process keeps its descriptor reserve (node/fds.py); others
+    are closed at once. py-libp2p bounds a handshake only in time (10 s), so silent connections held
+    a descriptor each without limit (issue 42: running out ended the node)."""
+    pending = 0
+    for listener in host.get_network().listeners.values():
+        upgrade = getattr(listener, "handler", None)  # TCP listeners; a relay's circuits have their own limits
+        if upgrade is None:
+            continue
+
+        async def admitted(raw, upgrade=upgrade) -> None:
+            nonlocal pending
+            if pending >= MAX_PENDING_INBOUND or not fds.room_for_remote():
+                await raw.close()
+                return
+            pending += 1
+            try:
+                await upgrade(raw)  # returns once the connection runs in the swarm (or failed)
+            finally:
+                pending -= 1
+
+        listener.handler = admitted
+
+
 @asynccontextmanager
 async def open_swarm_host(
     identity: Identity,
@@ -368,6 +395,7 @@ async def open_swarm_host(
     KeptReceiveWindow.reporters[swarm_host.peer_id] = lambda peer, reason: swarm_host.on_peer_fault(peer, reason)
     try:
         async with host.run(addrs):
+            guard_inbound(host)
             async with background_trio_service(pubsub), background_trio_service(router):
                 await pubsub.wait_until_ready()
                 yield swarm_host
