@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ ROLE_MODULES = {
 # Roles that score completions (the generator its own, the validator the workers'): on a task set
 # with code tasks they run model-written code, on a validator code from untrusted workers.
 SCORING_ROLES = ("inference", "validator")
+TORCH_ROLES = ("trainer", "validator", "inference")
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 SHUTDOWN_GRACE = 5.0  # seconds for services to finish after a signal before we force the exit
 
 
@@ -105,6 +108,26 @@ def check_code_sandbox(config: NodeConfig) -> None:
                           instead="run a task set without code tasks ([rl] taskset)")
 
 
+def default_torch_threads(cpus: int | None) -> int:
+    """Torch's intra-op threads when the environment sets none: half the CPUs (at least one).
+
+    Torch's own default, one per core, is for a process that has the machine to itself. The
+    smallest swarm runs a trainer, a validator and an inference node on one machine, and on two
+    busy cores their OpenMP pools spun against each other: a validator took 6-10 s per batch that
+    took 0.6 s with one thread each, and the trainer fell behind (issue 39). Half leaves room for
+    a second torch process; ``OMP_NUM_THREADS`` still decides when it is set (the demo sets 1)."""
+    return max(1, (cpus or 1) // 2)
+
+
+def set_torch_threads(role: str, environ=os.environ) -> None:
+    """Apply :func:`default_torch_threads` for a role that runs torch, unless the environment chose."""
+    if role not in TORCH_ROLES or any(environ.get(k) for k in THREAD_ENV):
+        return
+    import torch
+
+    torch.set_num_threads(default_torch_threads(os.cpu_count()))
+
+
 async def run_node(
     config: NodeConfig,
     *,
@@ -117,6 +140,7 @@ async def run_node(
     ``start`` replaces the role's composition (``swarm-node publish`` runs the core alone under a
     trainer's key). A node that fails before it is ready raises without logging "node stopped"."""
     check_code_sandbox(config)
+    set_torch_threads(config.role)
     data_dir = config.resolved_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
     identity, created = load_or_create_identity(data_dir)
