@@ -231,8 +231,8 @@ def test_after_a_weight_swap_tokens_and_logprobs_follow_the_new_checkpoint(engin
 
 
 def test_the_cpu_build_runs_only_when_the_run_names_vllm():
-    """'auto' keeps to vLLM on a GPU (on a CPU the torch engine is the faster); engine = 'vllm' runs
-    the CPU build. No engine start: this is the choice made before one."""
+    """'auto' keeps to vLLM on a GPU; engine = 'vllm' runs the CPU build. No engine start: this is
+    the choice made before one."""
     from node.engines.vllm_engine import vllm_problem
     from node.rollouts.generate import choose_engine
 
