@@ -137,6 +137,7 @@ vllm-conformance: $(VLLM_VENV)/.installed
 
 vllm-test: vllm-conformance
 	$(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm_real $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python bench/vllm_cpu.py --quick
 
 $(VLLM_VENV)/.installed: $(VLLM_LOCK) pyproject.toml
 	rm -rf $(VLLM_VENV)
