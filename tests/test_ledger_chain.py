@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import msgpack
@@ -46,9 +47,14 @@ def new_ledger() -> Ledger:
     return Ledger(RUN, [TRAINER.peer_id], [VALIDATOR.peer_id], SKEW)
 
 
-def rollouts(samples=4, tokens=100, accepted=True, worker=WORKER):
+_batches = itertools.count()
+
+
+def rollouts(samples=4, tokens=100, accepted=True, worker=WORKER, batch=None):
+    """A trainer's record of a batch; a new batch id per call unless ``batch`` names one."""
+    batch = batch or next(_batches).to_bytes(32, "big")
     return RolloutsJudged(
-        worker=worker.peer_id, step=1, accepted=accepted, samples=samples, tokens=tokens, batch_hash=b"b" * 32
+        worker=worker.peer_id, step=1, accepted=accepted, samples=samples, tokens=tokens, batch_hash=batch
     )
 
 
@@ -85,13 +91,13 @@ def add(ledger, se, now=NOW):
 
 
 def test_roundtrip_and_hash_is_of_envelope_bytes():
-    se = Author(TRAINER).next(rollouts())
+    se = Author(TRAINER).next(rollouts(batch=b"b" * 32))
     parsed = parse_entry(se.raw)
     assert parsed == se
     from node.hashes import digest
 
     assert parsed.hash == digest(se.raw)
-    assert parsed.body == rollouts()
+    assert parsed.body == rollouts(batch=b"b" * 32)
 
 
 def test_bad_signature_rejected():
@@ -634,3 +640,55 @@ def test_bans_past_an_equivocators_fork_do_not_count():
     assert led.ban_of(WORKER.peer_id, NOW) is not None
     assert led.add_evidence(Evidence(a, b)) is True
     assert led.ban_of(WORKER.peer_id, NOW) is None
+
+
+# ------------------------------------------------------------------ issue 42 hole 5: credit per batch
+
+TRAINER2 = Identity.from_seed(b"U" * 32)
+VALIDATOR2 = Identity.from_seed(b"X" * 32)
+
+
+def test_a_batch_counts_once_however_many_trainers_record_it_or_validators_judge_it():
+    """Two trainers recorded one 64-sample batch and the worker was credited 128; a verdict
+    delivered to both (or replayed) counted twice. Credit is per batch: the same entries in any
+    order, and with either trainer's entries later struck out by its fork, say one batch's worth."""
+    batch, other = b"x" * 32, b"y" * 32
+    t1, t2, v1, v2 = Author(TRAINER), Author(TRAINER2), Author(VALIDATOR), Author(VALIDATOR2)
+    failed = Verdict(worker=WORKER.peer_id, step=3, batch_hash=batch, ok=False, reasons=("toploc",))
+    entries = [
+        t1.next(rollouts(samples=64, tokens=640, batch=batch)),
+        t2.next(rollouts(samples=64, tokens=640, batch=batch)),
+        t1.next(rollouts(samples=64, tokens=640, batch=batch)),  # a replay by the same trainer
+        t2.next(rollouts(samples=8, tokens=80, batch=other)),  # another batch still adds up
+        v1.next(failed), v1.next(failed), v2.next(failed),
+    ]
+    ledgers = [Ledger(RUN, [TRAINER.peer_id, TRAINER2.peer_id], [VALIDATOR.peer_id, VALIDATOR2.peer_id], SKEW)
+               for _ in range(2)]
+    for led, order in zip(ledgers, (entries, sorted(entries, key=lambda se: (se.seq, se.author), reverse=True))):
+        pending = order
+        while pending:
+            pending = [se for se in pending if add(led, se).outcome is Outcome.GAP]
+    first, second = ledgers
+    assert first.totals() == second.totals()
+    worker = first.totals(WORKER.peer_id)[WORKER.peer_id]
+    assert (worker["rollouts_accepted"], worker["tokens"], worker["verdicts_failed"]) == (64 + 8, 640 + 80, 1)
+    assert first.accepted_samples(WORKER.peer_id) == 72
+    assert first.totals(VALIDATOR.peer_id)[VALIDATOR.peer_id]["verdicts"] == 1  # judged one batch
+    assert first.totals(VALIDATOR2.peer_id)[VALIDATOR2.peer_id]["verdicts"] == 1
+    # trainer 1 forks at its first entry: trainer 2's record of the batch still stands
+    fork = Author(TRAINER).next(rollouts(samples=1, batch=b"z" * 32))
+    first.add_evidence(Evidence(entries[0], fork))
+    assert first.accepted_samples(WORKER.peer_id) == 72
+    fork2 = Author(TRAINER2).next(rollouts(samples=1, batch=b"z" * 32))
+    first.add_evidence(Evidence(entries[1], fork2))  # and now nobody's does
+    assert first.accepted_samples(WORKER.peer_id) == 0
+
+
+def test_trainers_counting_one_batch_differently_agree_on_the_largest_in_any_order():
+    batch = b"x" * 32
+    small, large = Author(TRAINER).next(rollouts(samples=60, batch=batch)), Author(TRAINER2).next(rollouts(samples=64, batch=batch))
+    for order in ((small, large), (large, small)):
+        led = Ledger(RUN, [TRAINER.peer_id, TRAINER2.peer_id], [VALIDATOR.peer_id], SKEW)
+        for se in order:
+            add(led, se)
+        assert led.accepted_samples(WORKER.peer_id) == 64

@@ -23,7 +23,7 @@ def chain(identity, n, run=RUN, start_samples=1):
     out, prev = [], GENESIS
     for i in range(n):
         body = RolloutsJudged(worker=WORKER.peer_id, step=i, accepted=True, samples=start_samples + i, tokens=1,
-                              batch_hash=b"h" * 32)
+                              batch_hash=i.to_bytes(32, "big"))  # one batch per entry: credit is per batch
         se = make_entry(identity, run, i + 1, prev, 1000 + i, body)
         out.append(se)
         prev = se.hash

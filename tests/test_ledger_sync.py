@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -67,10 +68,13 @@ async def open_ledger_node(tmp_path, name: str, identity: Identity | None = None
             nursery.cancel_scope.cancel()
 
 
+_batches = itertools.count()
+
+
 def rollouts(samples: int, worker: Identity = WORKER) -> RolloutsJudged:
-    return RolloutsJudged(
-        worker=worker.peer_id, step=1, accepted=True, samples=samples, tokens=samples * 10, batch_hash=b"h" * 32
-    )
+    """A new batch per call (credit is per batch)."""
+    return RolloutsJudged(worker=worker.peer_id, step=1, accepted=True, samples=samples, tokens=samples * 10,
+                          batch_hash=next(_batches).to_bytes(32, "big"))
 
 
 def penalty(points: int) -> Penalty:

@@ -58,6 +58,12 @@ accepted under the old standing apart from those that did not. Time stamps are t
 the clock-skew bound, back to 1970), so a rate by the entry's time would bound nothing by itself;
 the trainers' checkpoints are the clock the allowance is counted in.
 
+Per batch (issue 42): a batch's credits (samples and tokens accepted or rejected, verdicts and
+failed verdicts) carry its batch id and count once per (peer, field, batch), however many trainers
+record it, validators judge it or entries replay it; a validator's ``verdicts`` count once per batch
+it judged. Where entries claim different amounts for one batch, the largest counts (a function of
+the usable entries, so order does not matter).
+
 Bans: a ``penalty`` entry with ``ban_seconds`` (only trainers and validators may author one) bans its
 peer from the entry's time for that long; :meth:`Ledger.ban_of` is what trainers and validators
 consult at intake, so a ban given by any one of them holds at all of them once the entry arrives.
@@ -246,6 +252,8 @@ class Ledger:
         # manifest ({size: number of usable entries}); bytes_served is computed from both on demand.
         self._vouched: dict[tuple[str, bytes], dict[str, int]] = {}
         self._published: dict[bytes, dict[int, int]] = {}
+        # Credits for one rollout batch, per (peer, field, batch id): {amount: usable entries claiming it}.
+        self._batch_claims: dict[tuple[str, str, bytes], dict[int, int]] = {}
 
     # ---------------------------------------------------------------- adding entries
 
@@ -350,9 +358,31 @@ class Ledger:
                 claims[c.peer] = claims.get(c.peer, 0) + sign * c.amount
                 if author in self.trusted:
                     self._trusted_vouched[c.peer] = self._trusted_vouched.get(c.peer, 0) + sign * c.amount
+            elif c.batch is not None:
+                self._credit_batch(c, sign)
             else:
-                t = self._totals.setdefault(c.peer, PeerTotals())
-                setattr(t, c.field, getattr(t, c.field) + sign * c.amount)
+                self._add(c.peer, c.field, sign * c.amount)
+
+    def _add(self, peer: str, name: str, amount: int) -> None:
+        t = self._totals.setdefault(peer, PeerTotals())
+        setattr(t, name, getattr(t, name) + amount)
+
+    def _credit_batch(self, c: Credit, sign: int) -> None:
+        """Count a batch's credit once: the largest amount any usable entry claims for (peer, field,
+        batch). The largest, not the first, so that replicas agree whatever order entries came in
+        (two trainers may count one batch differently, e.g. after dropping zero-advantage groups)."""
+        key = (c.peer, c.field, c.batch)
+        claims = self._batch_claims.setdefault(key, {})  # amount -> usable entries claiming it
+        before = max(claims, default=0)
+        left = claims.get(c.amount, 0) + sign
+        if left:
+            claims[c.amount] = left
+        else:
+            del claims[c.amount]
+        after = max(claims, default=0)
+        if not claims:
+            del self._batch_claims[key]
+        self._add(c.peer, c.field, after - before)
 
     def _bytes_served(self) -> dict[str, int]:
         """Vouched bytes, capped per voucher and checkpoint at the checkpoint's published size.

@@ -104,12 +104,17 @@ class Credit:
     With a ``manifest``, the amount is bytes of that checkpoint: vouched for (``bytes_served``),
     which the replica caps at the checkpoint's published size per voucher, or the published size
     itself (``PUBLISHED``), which sets that cap.
+
+    With a ``batch`` (a rollout batch's id), the credit is for that batch: the replica counts it
+    once per (peer, field, batch) however many entries claim it (issue 42: a batch recorded by two
+    trainers, or a verdict delivered twice, counted twice).
     """
 
     peer: str
     field: str
     amount: int
     manifest: bytes | None = None
+    batch: bytes | None = None
 
 
 PUBLISHED = "published"  # pseudo-field of a CheckpointPublished credit: the manifest's size
@@ -172,9 +177,11 @@ class RolloutsJudged(Body):
         _check_peer_id("worker", self.worker)
 
     def credits(self, author: str) -> list[Credit]:
+        b = self.batch_hash
         if self.accepted:
-            return [Credit(self.worker, "rollouts_accepted", self.samples), Credit(self.worker, "tokens", self.tokens)]
-        return [Credit(self.worker, "rollouts_rejected", self.samples)]
+            return [Credit(self.worker, "rollouts_accepted", self.samples, batch=b),
+                    Credit(self.worker, "tokens", self.tokens, batch=b)]
+        return [Credit(self.worker, "rollouts_rejected", self.samples, batch=b)]
 
 
 @register
@@ -193,9 +200,9 @@ class Verdict(Body):
         _check_peer_id("worker", self.worker)
 
     def credits(self, author: str) -> list[Credit]:
-        out = [Credit(author, "verdicts", 1)]
+        out = [Credit(author, "verdicts", 1, batch=self.batch_hash)]  # one per batch it judged
         if not self.ok:
-            out.append(Credit(self.worker, "verdicts_failed", 1))
+            out.append(Credit(self.worker, "verdicts_failed", 1, batch=self.batch_hash))
         return out
 
 
