@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--optimizer-steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2)
-    args = parse_args(ap, {"samples": 32, "repeats": 1})
+    args = parse_args(ap, {"samples": 32, "pack": 256, "repeats": 1, "threads": 1})
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = build_tokenizer()

@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="max new tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
-    args = parse_args(ap, {"batch": 8, "tokens": 32, "repeats": 1})
+    args = parse_args(ap, {"batch": 8, "tokens": 32, "repeats": 1, "threads": 1})
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

@@ -200,7 +200,7 @@ def capped_stream_cpu_per_mib(nets: Namespaces, size_mib: int) -> tuple[float, f
 # 1. calibrate
 
 
-def calibrate() -> None:
+def calibrate(stream_mib: int = 64) -> None:
     print("== calibrate: stream goodput by frame (block) size, SHA-256 by piece size")
     data = os.urandom(16 * MiB)
     for piece in (1 * MiB, 4 * MiB, 16 * MiB):
@@ -211,7 +211,7 @@ def calibrate() -> None:
                 n += piece
         print(f"  sha256, {piece // MiB:>2} MiB pieces: {n / (time.perf_counter() - t0) / MiB:7.0f} MiB/s")
     for kib in (16, 64, 256, 1024):
-        rate = trio.run(stream_goodput, 64 * MiB, kib * 1024)
+        rate = trio.run(stream_goodput, stream_mib * MiB, kib * 1024)
         print(f"  stream, {kib:>4} KiB frames: {rate:7.1f} MiB/s")
 
 
@@ -696,7 +696,8 @@ def main() -> None:
                     default="all")
     ap.add_argument("--changed", type=float, default=0.03,
                     help="deltas: fraction of bf16 values v2 changes (bench/deltas.py: 1-6 %% per RL step)")
-    ap.add_argument("--size-mib", type=int, default=0, help="checkpoint size (default 256 overhead, 32 swarm and shardcast)")
+    ap.add_argument("--size-mib", type=int, default=0,
+                    help="checkpoint size (default 256 overhead, 32 swarm and shardcast; calibrate's streams: 64)")
     ap.add_argument("--seeders", type=int, default=4)
     ap.add_argument("--n", type=int, default=8, help="downloaders in the swarm benchmark")
     ap.add_argument("--mbit", type=float, default=10.0, help="upload cap per host (10 Mbit/s keeps 9 Python processes off the CPU limit of a 2-core machine)")
@@ -718,7 +719,7 @@ def main() -> None:
     # Quick: every part at a few MiB and 3 downloaders (the namespace parts need root, else they say skipped).
     args = parse_args(ap, {"size_mib": 4, "n": 3, "mbit": 20.0})
     if args.what in ("calibrate", "all"):
-        calibrate()
+        calibrate(args.size_mib or 64)
     if args.what in ("overhead", "all"):
         overhead(args.size_mib or 256, args.seeders, args.tasks)
     if args.what in ("swarm", "all"):
