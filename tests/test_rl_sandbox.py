@@ -30,6 +30,7 @@ from waiting import wait_until
 REPO = Path(__file__).resolve().parents[1]
 SANDBOX_PY = REPO / "node" / "rl" / "sandbox.py"
 FAST = {"wall_s": 3.0, "cpu_s": 2, "memory_mb": 256, "output_kb": 16}
+CHILD_MB = 100  # one child's share in the many-processes attack: fits the per-process limit, six do not fit the run's
 MODES = ("root", "unprivileged")
 
 DRIVER = textwrap.dedent("""
@@ -43,7 +44,8 @@ DRIVER = textwrap.dedent("""
     for name, item in plan.items():
         r = sb.run_python(item["code"], sb.Limits(**item["limits"]))
         out[name] = {"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "timed_out": r.timed_out,
-                     "wall_s": r.wall_s, "isolation": r.isolation}
+                     "wall_s": r.wall_s, "isolation": r.isolation, "memory": getattr(r, "memory", "per process"),
+                     "memory_peak_mb": getattr(r, "memory_peak_mb", None)}
     json.dump(out, open(sys.argv[3], "w"))
 """)
 
@@ -132,6 +134,46 @@ def _attacks(w: dict) -> dict[str, str]:
             print('started')
         """),
         "memory_hog": "x = bytearray(8 * 1024**3)\nprint('ESCAPED')",
+        # Issue 42 hole 6: six children of CHILD_MB each, held at once (six of 400 MB peaked at 2.4 GB
+        # against a 512 MB limit). The parent counts the children still alive that filled their share:
+        # together they hold that many shares, whatever killed the others.
+        "memory_many_processes": textwrap.dedent(f"""
+            import os, select, time
+            CHILDREN, MB, LIMIT_MB = 6, {CHILD_MB}, {FAST['memory_mb']}
+            r, w = os.pipe()
+            pids = []
+            for _ in range(CHILDREN):
+                try:
+                    pid = os.fork()
+                except OSError:
+                    break
+                if pid == 0:
+                    try:
+                        held = b'x' * (MB * 1024 * 1024)  # filled: resident, not just reserved
+                        os.write(w, b'%d\\n' % os.getpid())
+                        time.sleep(60)
+                    finally:
+                        os._exit(0)
+                pids.append(pid)
+            os.close(w)
+            filled, gone, buf = set(), set(), b''
+            while len(filled | gone) < len(pids):  # the run's wall limit bounds this
+                if select.select([r], [], [], 0.05)[0]:
+                    buf += os.read(r, 4096)
+                    filled |= {{int(x) for x in buf.split()}}
+                while True:
+                    try:
+                        pid, _ = os.waitpid(-1, os.WNOHANG)
+                    except ChildProcessError:
+                        pid = 0
+                    if not pid:
+                        break
+                    gone.add(pid)
+            held = len(filled - gone) * MB
+            print('held', held, 'MB in', len(filled - gone), 'processes')
+            if held > LIMIT_MB:
+                print('ESCAPED')
+        """),
         "memory_creep": "b = []\nwhile True:\n    b.append(bytearray(10**7))\n",
         "output_flood": "import sys\nsys.stdout.write('x' * 10**7)\nsys.stdout.flush()",
         "sleep_forever": "import time\ntime.sleep(60)\nprint('ESCAPED')",
@@ -340,6 +382,23 @@ def test_detached_grandchild_dies_with_the_run(attacked):
 def test_memory_is_limited(attacked, attack):
     _, res, _ = attacked
     assert not _escaped(res[attack]) and res[attack]["rc"] != 0
+
+
+def test_memory_is_limited_per_run_not_per_process(attacked):
+    """Six children of 100 MB each against a 256 MB limit: together they never hold more than the
+    limit, as root (a memory cgroup for the run) and unprivileged (where no cgroup can be made for
+    it: a per-process share of the limit and fewer processes)."""
+    mode, res, _ = attacked
+    r = res["memory_many_processes"]
+    assert "held" in r["stdout"] and not _escaped(r), (mode, r)
+    held = int(r["stdout"].split()[1])
+    assert held <= FAST["memory_mb"]
+    from node.rl.sandbox import memory_cgroup_parent
+
+    if mode == "root" and memory_cgroup_parent() is not None:  # this host lets root make one: it applied
+        assert r["memory"].startswith("cgroup") and r["memory_peak_mb"] <= FAST["memory_mb"], r
+    print(f"{mode}: {r['stdout'].strip()} under a {FAST['memory_mb']} MB limit ({r['memory']}, "
+          f"peak of the run {r['memory_peak_mb']} MB)")
 
 
 def test_output_is_capped(attacked):

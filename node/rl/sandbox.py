@@ -22,6 +22,15 @@ runs as (root on a dev box, ``swarm`` in the shipped container and systemd unit)
   (RLIMIT_AS), size of any file it writes (RLIMIT_FSIZE, which also caps its stdout/stderr: they go
   to files), open files, no core dumps, a process cap (RLIMIT_NPROC) against fork bombs; the run's
   tmpfs is capped at :data:`SCRATCH_BYTES`; the wall-clock limit kills the whole run.
+* **memory of the run**, all its processes together (issue 42: rlimits are per process, and six
+  children of 400 MB peaked at 2.4 GB against a 512 MB limit): where the node may make a memory
+  cgroup (cgroup v2 with the memory controller delegated to the node's cgroup, or the v1 memory
+  hierarchy, i.e. root on a v1 or hybrid host), each run gets its own, capped at the limit with no
+  swap; the run joins it before anything is exec'd, and it is emptied and removed after. Elsewhere
+  (a non-root node without a delegated cgroup) the run may hold :data:`SHARED_PROCESSES` processes
+  of ``memory_mb / SHARED_PROCESSES`` each. In a user namespace RLIMIT_NPROC counts the node's uid,
+  so that cap is what the uid runs at the start plus the margin: a node thread that ends during the
+  run lends the candidate its slot. :attr:`SandboxResult.memory` says which bound applied.
 
 When bwrap is missing or cannot build its namespaces here (e.g. Docker's default seccomp/AppArmor
 profile forbids them; see docs/security.md, "Code sandbox"), :func:`isolation_mode` says so and
@@ -49,6 +58,9 @@ from typing import NamedTuple
 
 MAX_CODE_BYTES = 256 * 1024  # refuse larger programs outright
 NPROC_MARGIN = 32  # processes/threads a candidate may add on top of what its uid already runs
+# Without a memory cgroup: processes/threads a run may add, each with this share of the memory limit.
+SHARED_PROCESSES = 4
+CGROUP_PREFIX = "swarm-sbx-"
 OPEN_FILES = 64
 SCRATCH_BYTES = 16 * 1024 * 1024  # size of the run's tmpfs /tmp (its only writable place)
 # Candidates of a root node run as SANDBOX_UID_BASE + a random offset below 2**24: far above any
@@ -84,6 +96,8 @@ class SandboxResult:
     timed_out: bool
     wall_s: float
     isolation: str  # which isolation applied (see isolation_mode)
+    memory: str = ""  # how the run's memory was bounded (the module docstring)
+    memory_peak_mb: int | None = None  # the run's peak, all processes together (cgroup only)
 
     @property
     def ok(self) -> bool:
@@ -217,7 +231,131 @@ def _count_uid_tasks(uid: int) -> int:
     return n
 
 
-def _limit_prefix(limits: Limits, nproc: int) -> list[str]:
+class RunCgroup:
+    """One run's memory cgroup: capped at the run's limit, joined before exec, emptied and removed after."""
+
+    def __init__(self, path: Path, version: int, limit_bytes: int) -> None:
+        self.path, self.version = path, version
+        path.mkdir()
+        try:
+            if version == 2:
+                (path / "memory.max").write_text(str(limit_bytes))
+                if (path / "memory.swap.max").exists():
+                    (path / "memory.swap.max").write_text("0")
+            else:
+                (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+                if (path / "memory.memsw.limit_in_bytes").exists():  # memory + swap: no swap beyond the limit
+                    (path / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+        except OSError:
+            path.rmdir()
+            raise
+
+    @property
+    def describe(self) -> str:
+        return f"cgroup v{self.version}: all processes of the run together"
+
+    def join_prefix(self) -> list[str]:
+        """Run the rest of the command line in this cgroup: the shell moves itself, then execs."""
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs")]
+
+    def peak_mb(self) -> int | None:
+        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
+        try:
+            return int((self.path / name).read_text()) // (1024 * 1024)
+        except (OSError, ValueError):
+            return None
+
+    def remove(self) -> None:
+        """Kill whatever is left in it (bwrap's PID namespace normally took it down already) and
+        remove it; a cgroup still holding a process cannot be removed, so retry a bounded number of times."""
+        for _ in range(100):
+            try:
+                pids = [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
+            except FileNotFoundError:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.01)
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup per v1 controller, and under "" its v2 one (/proc/self/cgroup)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                out[c] = path
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _cgroup_mounts() -> dict[str, str]:
+    """Mount points: "v2" for the cgroup2 filesystem, "memory" for the v1 memory hierarchy."""
+    out = {}
+    try:
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            _, where, fstype, options = line.split()[:4]
+            if fstype == "cgroup2":
+                out.setdefault("v2", where)
+            elif fstype == "cgroup" and "memory" in options.split(","):
+                out.setdefault("memory", where)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+@lru_cache(maxsize=1)
+def memory_cgroup_parent() -> tuple[Path, int] | None:
+    """Where this node may make a memory cgroup per run, and which version; None where it may not.
+    Probed once by making one, moving a process into it and removing it."""
+    own, mounts = _own_cgroups(), _cgroup_mounts()
+    candidates = []
+    if "v2" in mounts and "" in own:
+        mine = Path(mounts["v2"] + own[""])
+        try:
+            if "memory" in (mine / "cgroup.subtree_control").read_text().split():
+                candidates.append((mine, 2))
+        except OSError:
+            pass
+    if "memory" in mounts:
+        root = Path(mounts["memory"])
+        mine = root / own.get("memory", "/").lstrip("/")
+        candidates.append((mine if mine.is_dir() else root, 1))  # a cgroup namespace shows its own root
+    for parent, version in candidates:
+        probe = parent / f"{CGROUP_PREFIX}probe-{os.getpid()}"
+        try:
+            group = RunCgroup(probe, version, 64 * 1024 * 1024)
+        except OSError:
+            continue
+        joined = subprocess.run(group.join_prefix() + ["true"], capture_output=True).returncode == 0
+        group.remove()
+        if joined:
+            return parent, version
+    return None
+
+
+def _open_run_cgroup(limits: Limits) -> RunCgroup | None:
+    where = memory_cgroup_parent()
+    if where is None:
+        return None
+    parent, version = where
+    try:
+        return RunCgroup(parent / f"{CGROUP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}", version,
+                         limits.memory_mb * 1024 * 1024)
+    except OSError:
+        return None
+
+
+def _limit_prefix(limits: Limits, nproc: int, memory_mb: int | None = None) -> list[str]:
     """``prlimit`` arguments setting the run's resource limits before anything else is exec'd.
 
     Why prlimit rather than a ``preexec_fn``: the node runs threads (torch, trio), and Python code
@@ -225,7 +363,7 @@ def _limit_prefix(limits: Limits, nproc: int) -> list[str]:
     from a clean process. bwrap and the candidate inherit them.
     """
     cpu = max(1, int(limits.cpu_s))
-    mem = limits.memory_mb * 1024 * 1024
+    mem = (memory_mb or limits.memory_mb) * 1024 * 1024
     out = limits.output_kb * 1024
     return ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={mem}", f"--fsize={out}", "--core=0",
             f"--nofile={OPEN_FILES}", f"--nproc={nproc}", "--"]
@@ -247,14 +385,27 @@ def _execute(iso: Isolation, code: str, limits: Limits) -> SandboxResult:
     # A fresh uid runs nothing else, so the cap is the margin itself. In a user namespace RLIMIT_NPROC
     # counts the node's uid (the kernel checks it at every namespace level), so leave room for what
     # that uid already runs, the node's threads included.
-    nproc = NPROC_MARGIN if iso.fresh_uid else _count_uid_tasks(os.getuid()) + NPROC_MARGIN
+    group = _open_run_cgroup(limits)
+    try:
+        return _execute_in(iso, code, limits, group)
+    finally:
+        if group is not None:
+            group.remove()
+
+
+def _execute_in(iso: Isolation, code: str, limits: Limits, group: RunCgroup | None) -> SandboxResult:
+    margin, process_mb = NPROC_MARGIN, limits.memory_mb
+    if group is None:  # no cgroup: fewer processes, each with its share of the run's memory
+        margin, process_mb = SHARED_PROCESSES, max(1, limits.memory_mb // SHARED_PROCESSES)
+    memory = group.describe if group else f"per process: {process_mb} MB x {margin} processes (no memory cgroup here)"
+    nproc = margin if iso.fresh_uid else _count_uid_tasks(os.getuid()) + margin
     setpriv = shutil.which("setpriv") if iso.fresh_uid else None
     with tempfile.TemporaryDirectory(prefix="swarm-sbx-") as tmp:
         work = Path(tmp)  # the node's side only: the program and the captured output
         main_py = work / "main.py"
         main_py.write_text(code, encoding="utf-8", errors="replace")
         main_py.chmod(0o644)  # readable by a fresh uid whatever the node's umask
-        cmd = _limit_prefix(limits, nproc) + _bwrap_args(iso, main_py, setpriv)
+        cmd = (group.join_prefix() if group else []) + _limit_prefix(limits, nproc, process_mb) + _bwrap_args(iso, main_py, setpriv)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         start = time.monotonic()
         timed_out = False
@@ -264,7 +415,7 @@ def _execute(iso: Isolation, code: str, limits: Limits) -> SandboxResult:
                 proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                         start_new_session=True, close_fds=True)
             except OSError as e:
-                return SandboxResult(None, "", f"could not start: {e}", False, 0.0, iso.name)
+                return SandboxResult(None, "", f"could not start: {e}", False, 0.0, iso.name, memory)
             try:
                 rc: int | None = proc.wait(timeout=limits.wall_s)
             except subprocess.TimeoutExpired:
@@ -273,7 +424,8 @@ def _execute(iso: Isolation, code: str, limits: Limits) -> SandboxResult:
                 _kill_group(proc)
         wall = time.monotonic() - start
         cap = limits.output_kb * 1024
-        return SandboxResult(rc, _read_capped(out_path, cap), _read_capped(err_path, cap), timed_out, wall, iso.name)
+        return SandboxResult(rc, _read_capped(out_path, cap), _read_capped(err_path, cap), timed_out, wall, iso.name,
+                             memory, group.peak_mb() if group else None)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
