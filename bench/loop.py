@@ -103,6 +103,8 @@ def main() -> None:
     print(f"honest samples trained / generated (ideal 1.0): {f['trained_fraction']}")
     if args.json:
         args.json.write_text(json.dumps(f, indent=1))
+    if f["steps"] < args.steps:  # a stalled swarm is a failure, not a figure (make bench-quick fails on it)
+        sys.exit(f"bench/loop.py: the trainer made {f['steps']} of {args.steps} steps in {args.max_seconds:.0f} s")
 
 
 if __name__ == "__main__":

@@ -228,6 +228,11 @@ def main() -> int:
     print("detect s for the model rows = SWIM's mean first detection (1.58 periods) + suspicion timeout.")
     print("Anchors: SWIM/memberlist first detection ~1.58 probe periods, per-node load constant in N;")
     print("Prime protocol heartbeats: 10 s, dead after 3 misses -> up to ~45 s detection.")
+    # The naive baseline failing to converge is a result; ours failing is a failure (make bench-quick fails on it).
+    failed = [n for n, ours, _ in rows if "failed" in ours]
+    if failed:
+        print(f"bench/membership.py: no convergence at N = {', '.join(map(str, failed))}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -253,6 +253,9 @@ def bench_idle(levels: list[int], seconds: float) -> None:
     for r in rows[1:]:
         if base and r["idle"] is not None:
             print(f"   ratio idle(level {r['level']}) / idle(level {rows[0]['level']}): {r['idle'] / base:.2f}")
+    stuck = [r["level"] for r in rows if not r["steps"]]
+    if stuck:  # two workers feeding it and no step at all: broken, not slow (make bench-quick fails on it)
+        sys.exit(f"bench/trainer.py: no training step in {seconds:g} s at async level {stuck}")
 
 
 def main() -> None:
