@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import random
 import statistics
 import sys
@@ -118,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/vllm_cpu.py: vLLM is not installed here: run it with .vllm-venv/bin/python (`make vllm-venv`)"
               + ("; skipped" if args.quick else ""), file=sys.stderr)
         return 0 if args.quick else 2
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (the CPU build's default takes far more)
     run(args)
     return 0
 

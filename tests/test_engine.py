@@ -346,8 +346,12 @@ def fake_vllm(monkeypatch, folders):
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
     vllm.inputs = inputs
+    platforms = types.ModuleType("vllm.platforms")  # a GPU, as the engine was written for
+    platforms.current_platform = types.SimpleNamespace(is_cuda=lambda: True, is_cpu=lambda: False)
+    vllm.platforms = platforms
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     return inner
 
 

@@ -46,9 +46,10 @@ Where the CPU build differs from the GPU build in what this engine relies on
   sampler (``vllm/v1/sample/``); the GPU build defaults to Model Runner V2, whose sampler
   (``vllm/v1/worker/gpu/sample/``) has its own code for per-request seeds and processed
   log-probs. Only V1's ran here.
-* **KV-cache size.** The CPU build sizes its cache from the environment variable
-  ``VLLM_CPU_KVCACHE_SPACE`` (GiB; the tests and bench/vllm_cpu.py set 1) and ignores
-  ``gpu_memory_utilization``.
+* **KV-cache size.** On the CPU ``gpu_memory_utilization`` is the share of the machine's memory
+  the worker reserves, and it refuses to start when that much is not free (the demo's vLLM node
+  did, beside four other nodes); so the engine gives the CPU build a fixed cache,
+  :data:`CPU_KV_CACHE_BYTES` (``kv_cache_memory_bytes``).
 * **Seeded draws.** The same seed draws different tokens on the two builds (different random
   generators and kernels): nothing compares vLLM tokens across machines (a validator does not
   replay vLLM's sampling).
@@ -68,6 +69,11 @@ from .sampling import sequence_seed
 
 VLLM_VERSION = "0.32.0"  # pinned in pyproject.toml's [vllm] extra; requires torch==2.13.0
 PROOF_PREFILL_TOKENS = 65536  # tokens per batched proof prefill (bounds its activation memory)
+# The KV cache of vLLM's CPU build (a GPU's is gpu_memory_utilization's share of its memory): 1M
+# tokens of the embedded model, ~40k of a 0.5B Qwen2 in float32. Without it the CPU build reserves
+# gpu_memory_utilization of the machine's memory and refuses to start when that much is not free.
+# vLLM's environment variable VLLM_CPU_KVCACHE_SPACE (GiB), when set, wins.
+CPU_KV_CACHE_BYTES = 1 << 30
 
 # Every vLLM name this module uses, with the parameters or fields it passes or reads. The
 # conformance check (tests/vllm_conformance.py, `make vllm-conformance`) imports each and inspects
@@ -78,7 +84,8 @@ VLLM_API: dict[str, tuple[str, ...]] = {
     "vllm.LLM.collective_rpc": ("method", "kwargs"),
     "vllm.LLM.reset_prefix_cache": (),
     # LLM(**kwargs) go to EngineArgs: these must be its fields
-    "vllm.EngineArgs": ("logprobs_mode", "generation_config", "enable_prefix_caching", "worker_extension_cls"),
+    "vllm.EngineArgs": ("logprobs_mode", "generation_config", "enable_prefix_caching", "worker_extension_cls",
+                        "kv_cache_memory_bytes"),
     "vllm.config.model.LogprobsMode": ("processed_logprobs",),
     "vllm.SamplingParams": ("n", "temperature", "top_p", "max_tokens", "seed", "logprobs",
                             "skip_special_tokens", "stop_token_ids"),
@@ -215,12 +222,14 @@ class VLLMEngine:
 
     def load(self, path: Path) -> None:
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self._dtype = checkpoint_dtype(path, getattr(self.cfg, "dtype", "auto") or "auto")
         util = getattr(self.cfg, "gpu_memory_utilization", 0.85)
+        cache = {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES} if current_platform.is_cpu() else {}
         self.llm = LLM(model=str(path), tokenizer=str(path), dtype=self._dtype, gpu_memory_utilization=util, seed=0,
                        logprobs_mode="processed_logprobs", generation_config="vllm", enable_prefix_caching=True,
-                       worker_extension_cls=f"{__name__}.{WorkerWeights.__qualname__}")
+                       worker_extension_cls=f"{__name__}.{WorkerWeights.__qualname__}", **cache)
         if self.prover is None:
             import torch
 

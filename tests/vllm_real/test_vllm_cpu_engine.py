@@ -14,8 +14,6 @@ prover, which is the same code as the reference.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: `make vllm-test` runs these in .vllm-venv")
@@ -40,9 +38,6 @@ from node.validator.config import ValidatorConfig  # noqa: E402
 from node.validator.pipeline import CheckModel, judge_batch  # noqa: E402
 from node.validator.service import rules_from_run  # noqa: E402
 from node.validator.tasks import RunTasks  # noqa: E402
-
-# vLLM's CPU KV cache is sized by this variable (GiB; its default takes a large share of memory).
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 RUN = "vllm-cpu"
 PROMPTS = ["rev 12=", "add 31+4=", "rev 98765=", "sort cab="]
