@@ -259,6 +259,7 @@ def test_bytes_vouched_are_capped_per_voucher_at_the_checkpoint_size():
     add(led, t.next(published(1000)))
     add(led, t.next(rollouts(worker=WORKER)))  # both vouchers have standing (trained rollouts):
     add(led, t.next(rollouts(worker=OTHER)))  # their receipts count (tests/test_sybil.py: without)
+    add(led, Author(VALIDATOR).next(receipt(WORKER, 100)))  # the worker served the validator part of "m"
     # A colluder claims 50x the checkpoint from the worker and half of it from the trainer:
     # its claims are scaled to the 1000 bytes it can have received, in proportion.
     add(led, o.next(Receipts(items=(ReceiptItem(peer=WORKER.peer_id, manifest_id=b"m" * 32, nbytes=50_000, pieces=1),
@@ -266,8 +267,35 @@ def test_bytes_vouched_are_capped_per_voucher_at_the_checkpoint_size():
     add(led, w.next(receipt(TRAINER, 600)))  # an honest download: within the size, counted as is
     add(led, w.next(receipt(TRAINER, 400)))
     tot = led.totals()
-    assert tot[WORKER.peer_id]["bytes_served"] == 50_000 * 1000 // 75_000
+    assert tot[WORKER.peer_id]["bytes_served"] == 50_000 * 1000 // 75_000 + 100
     assert tot[TRAINER.peer_id]["bytes_served"] == 25_000 * 1000 // 75_000 + 1000
+
+
+def test_a_worker_with_standing_cannot_mint_served_bytes_for_a_peer_that_served_nothing():
+    """Issue 42: one trained batch gave a worker standing, and its receipts credited a Sybil that
+    served nothing a checkpoint's size per checkpoint (5 GB for 5 checkpoints of 1 GB). Receipts of
+    a trainer or validator count in full; a worker's count in full only for a peer that a trainer's
+    or validator's receipts show serving that same checkpoint (evidence the peer holds and serves
+    it), otherwise as a fresh key's (``unvouched_credit``, 0 by default)."""
+    led = new_ledger()
+    t, w, v = Author(TRAINER), Author(WORKER), Author(VALIDATOR)
+    sybil, relay = OTHER.peer_id, Identity.from_seed(b"R" * 32).peer_id
+    manifests = [bytes([i]) * 32 for i in range(8)]
+    add(led, t.next(rollouts(worker=WORKER)))
+    for m in manifests:
+        add(led, t.next(published(10**9, m)))
+    for m in manifests[:5]:
+        add(led, w.next(Receipts(items=(ReceiptItem(peer=sybil, manifest_id=m, nbytes=10**9, pieces=1),))))
+    assert led.vouched(WORKER.peer_id)
+    assert led.totals(sybil)[sybil]["bytes_served"] == 0  # was 5 GB
+    # a relay the validator fetched checkpoint 5 from: the worker's receipts for checkpoint 5 count...
+    add(led, v.next(Receipts(items=(ReceiptItem(peer=relay, manifest_id=manifests[5], nbytes=3000, pieces=1),))))
+    add(led, w.next(Receipts(items=(ReceiptItem(peer=relay, manifest_id=manifests[5], nbytes=7000, pieces=1),
+                                    ReceiptItem(peer=relay, manifest_id=manifests[6], nbytes=9000, pieces=1)))))
+    assert led.totals(relay)[relay]["bytes_served"] == 3000 + 7000  # ... for checkpoint 6 they do not
+    # the trainer itself needs no corroboration
+    add(led, w.next(Receipts(items=(ReceiptItem(peer=TRAINER.peer_id, manifest_id=manifests[7], nbytes=500, pieces=1),))))
+    assert led.totals(TRAINER.peer_id)[TRAINER.peer_id]["bytes_served"] == 500
 
 
 def test_receipts_for_an_unpublished_manifest_count_once_it_is_published_in_any_order():

@@ -329,10 +329,12 @@ def test_sybil_receipts_give_no_credit_and_a_voucher_with_standing_does():
     _offer(led, entries)
     assert led.totals(relay)[relay]["bytes_served"] == 0  # ten fresh keys: 0 of 50,000 claimed bytes
     _offer(led, _chain(worker, [_receipt(relay, 3000)]))
-    assert led.totals(relay)[relay]["bytes_served"] == 3000  # a worker whose rollouts trained counts in full
-    # A relay a validator's receipts vouch for gets standing too: its own receipts count.
+    assert led.totals(relay)[relay]["bytes_served"] == 0  # a worker with standing: not without evidence (issue 42)
+    # A relay a validator's receipts vouch for gets standing too: its own receipts count, and so do
+    # the worker's for that checkpoint (the relay demonstrably serves it).
     _offer(led, _chain(VALIDATOR, [_receipt(relay, 5000)]))
     assert led.vouched(relay) and not led.vouched(sybils[0].peer_id)
+    assert led.totals(relay)[relay]["bytes_served"] == 5000 + 3000
     # "little": a run may let unvouched receipts count a fraction.
     half = Ledger(RUN, [TRAINER.peer_id], [VALIDATOR.peer_id], 120_000, AuthorLimits(unvouched_credit=0.5))
     _offer(half, entries)

@@ -31,7 +31,14 @@ every view below — heads, digest, totals, bans — stops at ``fork_seq - 1``.
 Bytes served: receipts vouch for bytes received from a peer for one checkpoint. Anyone may author
 them, so one voucher's claims for a manifest are capped at that manifest's published size (a
 downloader receives each byte once) and claims for manifests no trainer published count nothing:
-colluders cannot mint credit beyond one checkpoint per identity and checkpoint.
+colluders cannot mint credit beyond one checkpoint per identity and checkpoint. And a receipt is
+evidence only when its author has no reason to lie (issue 42: one trained batch gave a worker
+standing, and its receipts credited a Sybil that served nothing one checkpoint per checkpoint, 5 GB
+for five of 1 GB): receipts of trainers and validators count in full; those of any other author
+count in full only for a peer that is a trainer or validator or that trusted receipts show serving
+that same checkpoint (so it demonstrably holds and serves it), otherwise as a fresh key's
+(``unvouched_credit``). Serving workers only, a peer is credited when it has also served a trusted
+role that checkpoint; a colluder can inflate only such a peer, by at most one checkpoint per checkpoint.
 
 Sybil bounds (issue 13 "Sybil-resistant accounting", issue 14 item 6): keys are free, and receipts
 are the one kind anyone may author, so both what they credit and how many are stored depend on the
@@ -391,26 +398,36 @@ class Ledger:
         manifest add up to at most that manifest's size; a voucher claiming more (to inflate a
         colluder's credit) has its claims scaled down to the size, and claims for a manifest no
         trainer published count nothing. A voucher without standing (:meth:`vouched`) counts
-        ``unvouched_credit`` of what it vouches for (Sybil keys crediting each other). Computed from
+        ``unvouched_credit`` of what it vouches for (Sybil keys crediting each other); one with
+        standing but not trusted counts in full only for a trusted peer or one a trusted role's
+        receipts show serving that checkpoint, else as one without standing. Computed from
         the whole replica, so every replica with the same entries agrees, whatever order they
         arrived in.
         """
         out: dict[str, int] = {}
         weight = self.limits.unvouched_credit
+        seen = self._seen_serving()
         for (voucher, manifest), claims in self._vouched.items():
             sizes = [size for size, n in self._published.get(manifest, {}).items() if n > 0]
             cap = max(sizes, default=0)
             if not cap:
                 continue
-            full = self.vouched(voucher)
-            if not full and weight <= 0:
+            trusted, standing = voucher in self.trusted, self.vouched(voucher)
+            if not standing and weight <= 0:
                 continue
             claimed = sum(claims.values())
             for peer, amount in claims.items():
                 if amount > 0:
                     got = amount if claimed <= cap else amount * cap // claimed
+                    full = trusted or (standing and (peer in self.trusted or (peer, manifest) in seen))
                     out[peer] = out.get(peer, 0) + (got if full else int(got * weight))
         return out
+
+    def _seen_serving(self) -> set[tuple[str, bytes]]:
+        """(peer, manifest) pairs a trainer's or validator's usable receipts vouch for: evidence that
+        the peer holds that checkpoint and serves it (the module docstring, "Bytes served")."""
+        return {(peer, manifest) for (voucher, manifest), claims in self._vouched.items() if voucher in self.trusted
+                for peer, amount in claims.items() if amount > 0}
 
     def add_evidence(self, ev: Evidence) -> bool:
         """Flag an equivocating author. Returns True if it lowered (or set) the fork point.
