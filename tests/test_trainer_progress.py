@@ -98,17 +98,21 @@ async def test_expired_batches_do_not_speed_up_the_measured_drain_rate(trainer):
     assert trainer.sample_outcomes["expired"] == 4 * 8
 
 
-async def test_with_validators_a_batch_drains_at_its_verdict_not_at_the_step(trainer):
-    """The validators' pace is what the queue waits on; a step takes every verified batch at once."""
+async def test_a_batch_drains_when_trained_not_at_its_verdict(trainer):
+    """The queue drains at the pace of the slower of validators and trainer: counted at the verdict,
+    verified batches piled up past what capped steps could take, and expired (issue 39)."""
     ids = await _accept(trainer, range(3))
-    for i, t in enumerate((10.0, 16.0, 22.0)):
+    for i, t in enumerate((10.0, 11.0, 12.0)):
         trainer.now[0] = t
         verdict = Verdict(run=RUN, batch_id=ids[i], worker=WORKER.peer_id, validator=VALIDATOR, accepted=True,
                           reasons=["ok"] * 8, policy_version=5, created_ms=0)
         assert (await trainer.on_verdict_bytes(encode(seal(VALIDATOR_ID, DOMAIN_VERDICT, verdict))))[1]
-    assert trainer.pacer.seconds_per_batch(22.0) == pytest.approx(6.0)
-    trainer._trained(ids)
-    assert trainer.pacer.seconds_per_batch(22.0) == pytest.approx(6.0)
+    assert trainer.pacer.seconds_per_batch(12.0) == DEFAULT_INTERVAL
+    trainer.now[0] = 30.0
+    trainer._trained(ids[:2])
+    trainer.now[0] = 36.0
+    trainer._trained(ids[2:])
+    assert trainer.pacer.seconds_per_batch(36.0) == pytest.approx(6.0 / 2)
 
 
 async def test_status_shows_the_last_step_the_rate_and_a_stall_with_its_cause(trainer):

@@ -22,14 +22,16 @@ drain rate shared among them: each ack reflects the queue at that moment.
 **The target follows what can be checked in time** (issue 39). An acknowledged batch must be
 verified and trained within ``horizon_steps`` trainer steps ([grpo] verify_grace_steps,
 node/trainer/intake.py ``trainable_until``). With ``pending`` batches ahead of it, it waits about
-``pending * seconds per batch`` for its verdict, so no more than ``horizon_steps * seconds per step
-/ seconds per batch`` may be queued: :meth:`Pacer.target_now` is that (at least ``MIN_TARGET``),
-capped by the configured ``target``. A fixed target of half the queue (128 batches) let one slow
+``pending * seconds per batch`` to be trained, so no more than ``horizon_steps * seconds per step
+/ seconds per batch`` may be queued: :meth:`Pacer.target_now` is half that (at least
+``MIN_TARGET``), capped by the configured ``target``. A fixed target of half the queue (128 batches) let one slow
 validator fall minutes behind on a busy machine, and a third of the honest samples expired. Only
 batches that were judged (trained, or refused by a verdict) count as departures: an expired batch
-took no validator time, and counting it made the drain rate look faster the more was lost. With
-validators a batch departs at its verdict (their rate is what the queue waits on; a step takes every
-verified batch at once), without them when it is trained.
+took no validator time, and counting it made the drain rate look faster the more was lost. A batch
+departs when it is trained (or refused by a verdict): the queue drains at the pace of the slower of
+validators and trainer, and a verdict rate measured alone let verified batches pile up past what the
+capped steps (``max_step_samples``) could take before they expired. Half the horizon is the target:
+the other half absorbs the swings of step times and of each step's take.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class Pacer:
         step_s = self.seconds_per_step(now)
         if step_s is None or len(self._departures) < 2:
             return min(self.target, UNMEASURED_TARGET)
-        fits = int(self.horizon_steps * step_s / self.seconds_per_batch(now))
+        fits = int(self.horizon_steps * step_s / (2 * self.seconds_per_batch(now)))
         return min(self.target, max(MIN_TARGET, fits))
 
     def seconds_per_batch(self, now: float) -> float:

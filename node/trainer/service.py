@@ -383,7 +383,6 @@ class Trainer:
                     await self.db.run(self.spool.decide, verdict.batch_id, outcome.passed, outcome.reason, data)
                     self.verdicts["passed" if outcome.passed else "failed"] += 1
                     if outcome.passed:
-                        self.pacer.on_drained(1, self.clock())
                         life = self._life.get(verdict.batch_id)
                         if life is not None:
                             self._life[verdict.batch_id] = (life[0], life[1], self.wall_clock())
@@ -528,8 +527,7 @@ class Trainer:
                 self.life_s["acked_to_verified"] += verified - acked
                 self.life_s["verified_to_trained"] += now - verified
                 self.life_n += 1
-        if self.gate is None:  # with validators, a batch counts as drained at its verdict (the bottleneck)
-            self.pacer.on_drained(len(batch_ids), self.clock())
+        self.pacer.on_drained(len(batch_ids), self.clock())
 
     async def train_loop(self) -> None:
         """Step whenever enough READY samples are there; publish each new version."""
