@@ -386,11 +386,33 @@ def test_vllm_engine_takes_prefill_logprobs_under_top_p_and_swaps_weights_throug
     _, prefill_lp = eng.prove([s.prompt_ids for s in flat], [s.completion_ids for s in flat], 0.8)
     assert [s.logprobs for s in flat] == prefill_lp  # vLLM's would be renormalised over the nucleus
     eng.swap_weights(folders[1])
-    assert eng.llm.rpcs == [("swap_weights_in_place", {"weights_path": str(folders[1])})] and eng.llm.resets == 1
+    [(method, kwargs)] = eng.llm.rpcs
+    assert method == "swap_weights_in_place" and eng.llm.resets == 1
+    view = Path(kwargs["weights_path"])  # vLLM reads a staged view of the checkpoint (stage_checkpoint)
+    assert view == eng.view and view.parent == folders[1].parent and eng.path == folders[1]
+    assert sorted(p.name for p in view.iterdir()) == sorted(p.name for p in folders[1].iterdir() if p.is_file())
     fresh = TorchEngine("cpu")
     fresh.load(folders[1])
     for a, b in zip(eng.prover.model.state_dict().values(), fresh.model.state_dict().values()):
         assert torch.equal(a, b)  # the prover follows the same checkpoint
+
+
+def test_a_staged_checkpoint_outlives_the_deletion_of_its_folder(tmp_path):
+    """The shards layer may delete an old version while vLLM still reads it (minutes for a first
+    load on a CPU): the engine reads a view of hard links, which the deletion leaves whole."""
+    import shutil
+
+    from node.engines.vllm_engine import drop_view, stage_checkpoint
+
+    folder = create_tiny_model(tmp_path / "7", seed=0, spec=SMALL)
+    want = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    view = stage_checkpoint(folder)
+    assert view.parent == folder.parent and not view.name.isdigit()  # a name the checkpoint store skips
+    shutil.rmtree(folder)
+    assert {p.name: p.read_bytes() for p in view.iterdir()} == want
+    TorchEngine("cpu").load(view)
+    drop_view(view)
+    assert not view.exists()
 
 
 def test_the_vllm_engine_uses_only_vllm_names_the_conformance_table_lists():

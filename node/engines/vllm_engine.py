@@ -182,6 +182,41 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs) -> list[float] | None:
     return out
 
 
+def stage_checkpoint(path: Path) -> Path:
+    """A private view of checkpoint folder ``path``: a new folder beside it (same file system, a
+    name the checkpoint store ignores) holding hard links to its files, copies where a link cannot
+    be made.
+
+    vLLM reads a checkpoint for seconds (a swap) to minutes (a first load on a CPU) and the shards
+    layer may delete an old version's folder meanwhile: the demo's vLLM node lost its checkpoint in
+    the middle of every first load. The links keep the files until the engine drops the view."""
+    import os
+    import shutil
+    import tempfile
+
+    path = Path(path)
+    view = Path(tempfile.mkdtemp(prefix=f".vllm-{path.name}-", dir=path.parent))
+    try:
+        for f in sorted(path.iterdir()):
+            if f.is_file():
+                try:
+                    os.link(f, view / f.name)
+                except OSError:
+                    shutil.copy2(f, view / f.name)
+    except OSError:
+        shutil.rmtree(view, ignore_errors=True)
+        raise
+    return view
+
+
+def drop_view(view: Path | None) -> None:
+    """Delete a folder :func:`stage_checkpoint` made (the files stay in the checkpoint's own)."""
+    if view is not None:
+        import shutil
+
+        shutil.rmtree(view, ignore_errors=True)
+
+
 class WorkerWeights:
     """Mixed into every vLLM worker (``worker_extension_cls``, vLLM's hook for RL weight updates):
     ``collective_rpc("swap_weights_in_place", ...)`` reloads the weights in place, then repacks the
@@ -216,6 +251,7 @@ class VLLMEngine:
         self.llm = None
         self.path: Path | None = None
         self.prover = prover  # a TorchEngine of the same checkpoint (made at load() when None)
+        self.view: Path | None = None  # the staged view of self.path vLLM loaded (stage_checkpoint)
         self._dtype = "bfloat16"
 
     # -- loading ---------------------------------------------------------------------------
@@ -224,21 +260,29 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        self.close()  # a second load (another architecture) replaces the engine process
         self._dtype = checkpoint_dtype(path, getattr(self.cfg, "dtype", "auto") or "auto")
         util = getattr(self.cfg, "gpu_memory_utilization", 0.85)
         cache = {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES} if current_platform.is_cpu() else {}
-        self.llm = LLM(model=str(path), tokenizer=str(path), dtype=self._dtype, gpu_memory_utilization=util, seed=0,
-                       logprobs_mode="processed_logprobs", generation_config="vllm", enable_prefix_caching=True,
-                       worker_extension_cls=f"{__name__}.{WorkerWeights.__qualname__}", **cache)
-        if self.prover is None:
-            import torch
+        view = stage_checkpoint(path)
+        try:
+            self.llm = LLM(model=str(view), tokenizer=str(view), dtype=self._dtype, gpu_memory_utilization=util,
+                           seed=0, logprobs_mode="processed_logprobs", generation_config="vllm",
+                           enable_prefix_caching=True, worker_extension_cls=f"{__name__}.{WorkerWeights.__qualname__}",
+                           **cache)
+            if self.prover is None:
+                import torch
 
-            from .torch_engine import TorchEngine
+                from .torch_engine import TorchEngine
 
-            self.prover = TorchEngine(getattr(self.cfg, "device", "auto"), dtype=getattr(torch, self._dtype),
-                                      decode="dynamic")  # it only prefills
-        self.prover.load(path)
+                self.prover = TorchEngine(getattr(self.cfg, "device", "auto"), dtype=getattr(torch, self._dtype),
+                                          decode="dynamic")  # it only prefills
+            self.prover.load(view)
+        except BaseException:
+            drop_view(view)
+            raise
         self.path = Path(path)
+        self.view = view
 
     def swap_weights(self, path: Path) -> None:
         """Reload the new checkpoint's weights in place in vLLM's workers and in the prover."""
@@ -246,10 +290,16 @@ class VLLMEngine:
             raise RuntimeError("swap_weights before load")
         if not sorted(Path(path).glob("*.safetensors")):
             raise ValueError(f"{path}: no *.safetensors file")
-        self.prover.swap_weights(path)  # raises ValueError on another architecture: the caller reloads
-        self.llm.collective_rpc("swap_weights_in_place", kwargs={"weights_path": str(path)})
+        view = stage_checkpoint(path)
+        try:
+            self.prover.swap_weights(view)  # raises ValueError on another architecture: the caller reloads
+            self.llm.collective_rpc("swap_weights_in_place", kwargs={"weights_path": str(view)})
+        except BaseException:
+            drop_view(view)
+            raise
         self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
-        self.path = Path(path)
+        drop_view(self.view)
+        self.path, self.view = Path(path), view
 
     def close(self) -> None:
         """Stop vLLM's engine core process (vLLM shuts it down when its ``LLM`` is collected)."""
@@ -257,6 +307,8 @@ class VLLMEngine:
 
         self.llm = None
         gc.collect()
+        drop_view(self.view)
+        self.view = None
 
     @property
     def tokenizer(self):
