@@ -81,7 +81,7 @@ class SandboxUnavailable(RuntimeError):
 class Limits:
     wall_s: float = 5.0  # wall-clock limit; the whole run is killed after it
     cpu_s: int = 5  # RLIMIT_CPU seconds
-    memory_mb: int = 512  # RLIMIT_AS
+    memory_mb: int = 512  # the run's, all processes together (a cgroup; else a share per process, RLIMIT_AS)
     output_kb: int = 64  # RLIMIT_FSIZE: max bytes of stdout, of stderr and of any file written
 
 
