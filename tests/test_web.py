@@ -320,6 +320,8 @@ def test_idle_connections_neither_lock_out_healthz_nor_end_the_node(tmp_path):
     from node.web import MAX_CONNECTIONS
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the test holds 1,400 connections; this process may open {hard} files")
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))  # the attacker's own side
     port = _free_port()
     socks: list[socket.socket] = []
