@@ -339,8 +339,27 @@ def memory_cgroup_parent() -> tuple[Path, int] | None:
         joined = subprocess.run(group.join_prefix() + ["true"], capture_output=True).returncode == 0
         group.remove()
         if joined:
+            _remove_orphans(parent)
             return parent, version
     return None
+
+
+def _remove_orphans(parent: Path) -> None:
+    """Remove run cgroups left by a node that died mid-run (named after its pid; empty once
+    ``--die-with-parent`` took its run down). Another live node's are left alone."""
+    for d in parent.glob(f"{CGROUP_PREFIX}*-*"):
+        pid = d.name[len(CGROUP_PREFIX):].split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        except PermissionError:  # alive, another uid's
+            pass
 
 
 def _open_run_cgroup(limits: Limits) -> RunCgroup | None:
