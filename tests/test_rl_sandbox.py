@@ -463,3 +463,23 @@ def test_rl_local_refuses_code_tasks_without_a_sandbox(no_bwrap, capsys):
 
     assert main(["rl-local", "--taskset", "code", "--steps", "1"]) == 2
     assert "no code sandbox" in capsys.readouterr().err
+
+
+def test_a_v2_run_cgroup_goes_where_the_memory_controller_is_enabled_for_children(tmp_path, monkeypatch):
+    """cgroup v2 (not on this host: its memory controller is v1's): a node's own cgroup holds the
+    node, so v2 lets only its parent enable memory for children (a systemd unit, a user's scope);
+    the run's cgroup is made there, and nowhere when neither has it. A plain directory stands in
+    for the hierarchy: what is checked is where, not the kernel's enforcement."""
+    from node.rl import sandbox
+
+    unit = tmp_path / "system.slice" / "swarm.service"
+    unit.mkdir(parents=True)
+    (unit / "cgroup.subtree_control").write_text("\n")
+    (unit.parent / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    monkeypatch.setattr(sandbox, "_cgroup_mounts", lambda: {"v2": str(tmp_path)})
+    monkeypatch.setattr(sandbox, "_own_cgroups", lambda: {"": "/system.slice/swarm.service"})
+    # the probe's join: a plain directory has no cgroup.procs to move a process into
+    monkeypatch.setattr(sandbox.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0))
+    assert sandbox.memory_cgroup_parent.__wrapped__() == (unit.parent, 2)
+    (unit.parent / "cgroup.subtree_control").write_text("cpu pids\n")
+    assert sandbox.memory_cgroup_parent.__wrapped__() is None

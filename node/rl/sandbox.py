@@ -24,7 +24,8 @@ runs as (root on a dev box, ``swarm`` in the shipped container and systemd unit)
   tmpfs is capped at :data:`SCRATCH_BYTES`; the wall-clock limit kills the whole run.
 * **memory of the run**, all its processes together (issue 42: rlimits are per process, and six
   children of 400 MB peaked at 2.4 GB against a 512 MB limit): where the node may make a memory
-  cgroup (cgroup v2 with the memory controller delegated to the node's cgroup, or the v1 memory
+  cgroup (cgroup v2: under or beside the node's own cgroup where the memory controller is enabled
+  for children and the node's uid may write, e.g. root, or a user's systemd scope; or the v1 memory
   hierarchy, i.e. root on a v1 or hybrid host), each run gets its own, capped at the limit with no
   swap; the run joins it before anything is exec'd, and it is emptied and removed after. Elsewhere
   (a non-root node without a delegated cgroup) the run may hold :data:`SHARED_PROCESSES` processes
@@ -58,8 +59,9 @@ from typing import NamedTuple
 
 MAX_CODE_BYTES = 256 * 1024  # refuse larger programs outright
 NPROC_MARGIN = 32  # processes/threads a candidate may add on top of what its uid already runs
-# Without a memory cgroup: processes/threads a run may add, each with this share of the memory limit.
-SHARED_PROCESSES = 4
+# Without a memory cgroup: processes/threads a run may add, each with this share of the memory limit
+# (bwrap's own two count: the candidate may fork three more; a zombie not yet reaped counts too).
+SHARED_PROCESSES = 6
 CGROUP_PREFIX = "swarm-sbx-"
 OPEN_FILES = 64
 SCRATCH_BYTES = 16 * 1024 * 1024  # size of the run's tmpfs /tmp (its only writable place)
@@ -225,7 +227,7 @@ def _count_uid_tasks(uid: int) -> int:
             continue
         try:
             if os.stat(f"/proc/{pid}").st_uid == uid:
-                n += len(os.listdir(f"/proc/{pid}/task"))
+                n += max(1, len(os.listdir(f"/proc/{pid}/task")))  # a zombie lists none, and counts
         except OSError:
             continue
     return n
@@ -320,12 +322,15 @@ def memory_cgroup_parent() -> tuple[Path, int] | None:
     own, mounts = _own_cgroups(), _cgroup_mounts()
     candidates = []
     if "v2" in mounts and "" in own:
-        mine = Path(mounts["v2"] + own[""])
-        try:
-            if "memory" in (mine / "cgroup.subtree_control").read_text().split():
-                candidates.append((mine, 2))
-        except OSError:
-            pass
+        # Under the node's own cgroup, or beside it (v2 lets a cgroup with processes, like the node's,
+        # have no children with controllers: a systemd unit or user scope has them in its parent).
+        mine = Path(mounts["v2"]) / own[""].lstrip("/")
+        for where in (mine, mine.parent) if own[""].strip("/") else (mine,):
+            try:
+                if "memory" in (where / "cgroup.subtree_control").read_text().split():
+                    candidates.append((where, 2))
+            except OSError:
+                pass
     if "memory" in mounts:
         root = Path(mounts["memory"])
         mine = root / own.get("memory", "/").lstrip("/")
