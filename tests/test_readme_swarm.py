@@ -38,7 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 SECTION = "## Your own swarm"
 NODE_PREFIX = "swarm-node --role"
-WATCH_S = 240.0  # seconds of training watched after the first step
+# Seconds of training watched after the first step (README_SWARM_WATCH_S=600 for issue 39's 10-minute figure).
+WATCH_S = float(os.environ.get("README_SWARM_WATCH_S", "240"))
 MAX_GAP_S = 90.0  # issue 39: no gap longer than this between trainer steps after the first
 MIN_TRAINED = 0.9  # issue 39: share of honest samples trained
 START_S = 600.0  # a node's start-up (the trainer's first one warms up the default model), or the first step
@@ -219,7 +220,10 @@ def test_the_readme_swarm_keeps_training(tmp_path):
                    **v_status.get("reasons", {}), **v_status.get("verdicts", {})}
         assert not [r for r in refused if any(w in r for w in WINDOW_REASONS)], explain
         outcomes = t_status.get("sample_outcomes", {})
-        assert outcomes.get("trained", 0) >= MIN_TRAINED * sum(outcomes.values()), explain
+        trained = outcomes.get("trained", 0) / max(1, sum(outcomes.values()))
+        print(f"readme swarm: {len(steps)} steps in {steps[-1][1] - first:.0f} s after the first, longest gap "
+              f"{max(gaps):.1f} s, {trained:.1%} of {sum(outcomes.values())} decided samples trained ({outcomes})")
+        assert trained >= MIN_TRAINED, explain
     finally:
         swarm.close()
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
