@@ -11,6 +11,8 @@ the node refuses new connections and keeps running.
 from __future__ import annotations
 
 import errno
+import logging
+import math
 import os
 import resource
 
@@ -47,3 +49,31 @@ def room_for_remote() -> bool:
     """Whether a connection a remote peer opened may be kept: :data:`RESERVE` descriptors stay free."""
     free = headroom()
     return free is None or free > RESERVE
+
+
+class Rarely:
+    """True at most once per ``every`` seconds: running out of descriptors lasts, and a line per
+    refused accept would flood the log (trio's own accept loop logs a traceback every 0.1 s). Also a
+    logging filter (by the record's time)."""
+
+    def __init__(self, every: float = 60.0) -> None:
+        self.every, self.last = every, -math.inf
+
+    def due(self, now: float) -> bool:
+        if now - self.last < self.every:
+            return False
+        self.last = now
+        return True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.due(record.created)
+
+
+_ACCEPT_LOG = logging.getLogger("trio.serve_listeners")  # trio logs "accept returned EMFILE" here
+_accept_log_filter = Rarely()
+
+
+def quiet_accept_errors() -> None:
+    """Let trio's accept-loop error through once a minute (libp2p's listeners use that loop)."""
+    if _accept_log_filter not in _ACCEPT_LOG.filters:
+        _ACCEPT_LOG.addFilter(_accept_log_filter)

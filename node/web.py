@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from importlib import resources
@@ -114,6 +113,7 @@ async def serve_http(host: str, port: int, routes: dict[str, Route], *,
     slots = Slots(MAX_CONNECTIONS)
     scopes: dict[int, trio.CancelScope] = {}
     ids = itertools.count()
+    out_of_files = fds.Rarely()  # said once a minute while it lasts
 
     async def serve_one(conn: int, stream: trio.SocketStream, scope: trio.CancelScope) -> None:
         try:
@@ -132,7 +132,8 @@ async def serve_http(host: str, port: int, routes: dict[str, Route], *,
                 except OSError as e:
                     if not fds.out_of_files(e):
                         raise
-                    out_of_files.note(e)  # the backlog keeps them; try again shortly
+                    if out_of_files.due(trio.current_time()):  # the backlog keeps them; try again shortly
+                        log.warning("web: out of file descriptors; connections wait in the backlog (%s)", e)
                     await trio.sleep(ACCEPT_RETRY_S)
                     continue
                 conn = next(ids)
@@ -145,24 +146,10 @@ async def serve_http(host: str, port: int, routes: dict[str, Route], *,
                 scopes[conn] = trio.CancelScope()
                 nursery.start_soon(serve_one, conn, stream, scopes[conn])
 
-    out_of_files = _RareWarning("web: out of file descriptors; connections wait in the backlog")
     async with trio.open_nursery() as nursery:
         for listener in listeners:
             nursery.start_soon(accept_from, listener, nursery)
         task_status.started(bound)
-
-
-class _RareWarning:
-    """One warning per ``every`` seconds at most (a condition that lasts must not flood the log)."""
-
-    def __init__(self, text: str, every: float = 60.0) -> None:
-        self.text, self.every, self.last = text, every, -math.inf
-
-    def note(self, e: BaseException) -> None:
-        now = trio.current_time()
-        if now - self.last >= self.every:
-            self.last = now
-            log.warning("%s (%s)", self.text, e)
 
 
 async def handle_connection(stream, routes: dict[str, Route], on_request: Callable[[], None] = lambda: None) -> None:

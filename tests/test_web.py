@@ -278,6 +278,21 @@ def test_slots_a_new_connection_takes_the_slot_of_the_longest_silent_one():
     assert 0 not in slots.answering and len(slots) == 3
 
 
+def test_running_out_of_descriptors_is_logged_once_a_minute_not_per_accept():
+    import logging
+
+    from node.fds import Rarely
+
+    rarely = Rarely(60.0)
+    assert [rarely.due(t) for t in (0.0, 0.1, 59.9, 60.0, 61.0, 125.0)] == [True, False, False, True, False, True]
+    records = [logging.LogRecord("trio.serve_listeners", logging.ERROR, "", 0, "accept returned EMFILE", (), None)
+               for _ in range(3)]
+    for r, at in zip(records, (1000.0, 1000.1, 1070.0)):
+        r.created = at
+    as_filter = Rarely(60.0)
+    assert [as_filter.filter(r) for r in records] == [True, False, True]
+
+
 def _hold(port: int, n: int) -> list[socket.socket]:
     """``n`` connections that never send a byte (a client refused at accept is closed at once:
     its later reads see the end, which is what the test counts)."""

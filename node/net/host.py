@@ -319,6 +319,7 @@ def guard_inbound(host) -> None:
     their Noise/Yamux handshake and the process keeps its descriptor reserve (node/fds.py); others
     are closed at once. py-libp2p bounds a handshake only in time (10 s), so silent connections held
     a descriptor each without limit (issue 42: running out ended the node)."""
+    fds.quiet_accept_errors()
     pending = 0
     for listener in host.get_network().listeners.values():
         upgrade = getattr(listener, "handler", None)  # TCP listeners; a relay's circuits have their own limits
