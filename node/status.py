@@ -21,6 +21,7 @@ import trio
 
 from .atomic import write_atomic
 from .context import NodeContext
+from .fds import Rarely, out_of_files
 from .health import ProgressWatch, State
 from .summary import NO_TRAINER_GRACE, SummaryClock
 from .status_files import IDLE_EVERY, NODE_FILE, STATUS_FILE, watched  # noqa: F401  (NODE_FILE re-exported)
@@ -122,6 +123,7 @@ async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORE
     interval = node.config.summary_interval
     summary = SummaryClock(interval, list(node.run.trainers), trio.current_time(), grace=min(NO_TRAINER_GRACE, interval))
     next_write, last_write = -math.inf, -math.inf
+    starved = Rarely()  # out of descriptors: said once a minute while it lasts
     try:
         while True:
             now = trio.current_time()
@@ -129,10 +131,16 @@ async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORE
                 last_write = now
                 snap = snapshot(node)  # in the trio thread: providers read trio's clock
                 data = json.dumps(snap).encode()
-                if len(data) <= INLINE_WRITE:
-                    write_atomic(path, data, durable=False)
-                else:
-                    await trio.to_thread.run_sync(lambda: write_atomic(path, data, durable=False))
+                try:
+                    if len(data) <= INLINE_WRITE:
+                        write_atomic(path, data, durable=False)
+                    else:
+                        await trio.to_thread.run_sync(lambda: write_atomic(path, data, durable=False))
+                except OSError as e:  # issue 42: out of descriptors ended the node here; next turn
+                    if not out_of_files(e):
+                        raise
+                    if starved.due(now):
+                        log.warning("status: cannot write %s (%s); the last one stays", path.name, e)
                 # The no-trainer warning rides on the snapshots: at most IDLE_EVERY late.
                 for level, line in summary.due(trio.current_time(), snap):
                     getattr(log, level)(line)

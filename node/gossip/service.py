@@ -36,7 +36,7 @@ import trio
 
 from .. import __version__
 from ..context import NodeContext
-from ..fds import out_of_files
+from ..fds import Rarely, out_of_files
 from ..net.budget import STALLED, StreamLimits
 from ..net.reqres import CallFailure, Inbound, Refused, call, close, messages, request_handler
 from ..peers import FaultRule
@@ -486,7 +486,7 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
         async def tick_loop() -> None:
             housekeeping_at = -math.inf
             held: list[int] = []
-            listing_failed = False  # warned once per spell of running out of descriptors
+            starved = Rarely()  # out of descriptors: said once a minute while it lasts
             while True:
                 await trio.sleep(TICK)
                 now = trio.current_time()
@@ -494,13 +494,11 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                     housekeeping_at = now + HOUSEKEEPING
                     try:
                         held = shards.versions_held()[-MAX_VERSIONS:]  # reads the data dir
-                        listing_failed = False
                     except OSError as e:  # issue 42: out of descriptors ended the node here
                         if not out_of_files(e):
                             raise
-                        if not listing_failed:
+                        if starved.due(now):
                             log.warning("membership: cannot list the checkpoints held (%s); the record keeps the last list", e)
-                        listing_failed = True
                     # A relay reservation adds an address; a new checkpoint version changes what we hold.
                     svc.update(addrs=advertised_addrs(node, relay), checkpoints=held)
                     for state, count in table.counts().items():
