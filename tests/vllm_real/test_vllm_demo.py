@@ -1,0 +1,53 @@
+"""``swarm-node demo --engine vllm`` on loopback: relay, trainer, torch validator, a torch inference
+node and a vLLM one (its CPU build), each a real process. The vLLM node's batches are verified by
+the torch validator and trained, none is rejected, and the reward rises.
+
+In the vLLM venv only (``make vllm-test``), after tests/vllm_real/test_vllm_cpu_engine.py has
+closed its engine (one vLLM at a time on two cores). About 6 minutes: the vLLM node needs 2-3 of
+them to start its engine beside four busy nodes, then generates for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make vllm-test` runs these in .vllm-venv")
+
+DURATION_S = 330
+
+
+def read_status(root, node: str) -> dict:
+    return json.loads((root / node / "status.json").read_text())
+
+
+def test_the_vllm_nodes_batches_are_verified_and_trained_and_the_reward_rises(tmp_path):
+    root = tmp_path / "demo"
+    demo = subprocess.Popen([sys.executable, "-m", "node", "demo", "--engine", "vllm", "--duration", str(DURATION_S),
+                             "--data-root", str(root), "--http-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = demo.communicate(timeout=DURATION_S + 400)
+    finally:
+        if demo.poll() is None:  # the demo stops its nodes on SIGINT (each leaves with a goodbye)
+            demo.send_signal(signal.SIGINT)
+            try:
+                demo.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                demo.kill()
+                demo.wait()
+    assert demo.returncode == 0, out[-3000:]
+    vllm_node = read_status(root, "inference-2")["inference"]
+    torch_node = read_status(root, "inference-1")["inference"]
+    assert vllm_node["engine"] == "vllm" and torch_node["engine"] == "torch"
+    assert vllm_node["errors"] == {"step": 0, "load": 0} and vllm_node["weight_swaps"] >= 5
+    assert vllm_node["batches"]["accepted"] >= 20 and not vllm_node["batches"]["refused"], vllm_node["batches"]
+    trainer = read_status(root, "trainer")["trainer"]["batches"]
+    assert trainer["rejected"] == 0 and trainer["trained"] >= vllm_node["batches"]["accepted"], trainer
+    curve = json.loads((root / "reward.json").read_text())  # [step, mean reward] per training step
+    first, last = [sum(r for _, r in part) / len(part) for part in (curve[:10], curve[-10:])]
+    assert len(curve) >= 30 and last > first, (first, last)
