@@ -16,13 +16,11 @@ the CLI prints as one line with exit code 2.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import importlib
 import ipaddress
 import json
 import math
 import os
-import socket
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -186,29 +184,6 @@ def check_bind_host(host: str, field: str) -> None:
         ipaddress.ip_address(host)
     except ValueError:
         raise ConfigError(f"{field}: expected an IP address such as 127.0.0.1 or 0.0.0.0, got {host!r}") from None
-
-
-def port_in_use(flag: str, host: str, port: int) -> ConfigError:
-    """The one line a node stops with when ``host:port`` (set by ``flag``) is another process's."""
-    return ConfigError(f"{flag}: {host}:{port} is in use by another process; stop it or pick another port")
-
-
-def check_port_free(host: str, port: int, flag: str) -> None:
-    """ConfigError when ``host:port`` cannot be listened on: another socket listens there (also on
-    the wildcard address), or the address is not this host's. The probe sets SO_REUSEADDR only, so
-    a closed connection's TIME_WAIT does not count but any listener does, including libp2p's, which
-    set SO_REUSEPORT and would otherwise share the port with a second node (the kernel then splits
-    dials between two peer ids). Port 0 (pick a free one) needs no check."""
-    if not port:
-        return
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise port_in_use(flag, host, port) from None
-            raise ConfigError(f"{flag}: cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def check_connect_addr(addr: str) -> None:

@@ -30,7 +30,7 @@ import h11
 import trio
 
 from . import fds
-from .config import check_port_free
+from .net.ports import check_port_free
 
 log = logging.getLogger(__name__)
 

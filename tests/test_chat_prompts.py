@@ -16,7 +16,8 @@ from node.engines.torch_engine import TorchEngine
 from node.identity import Identity
 from node.rl.config import RLConfig
 from node.rl.rollout import build_groups
-from node.rl.spec import OFFLINE_ROOT, code_limits, draw_step, end_of_turn_token, prompt_ids, render_prompt, step_key
+from node.engines.model import end_of_turn_token
+from node.rl.spec import OFFLINE_ROOT, code_limits, draw_step, prompt_ids, render_prompt, step_key
 from node.rl.tasks import load_taskset
 from node.validator import testing as T
 from node.validator.pipeline import BatchReason, BatchRules, CheckModel, judge_batch

@@ -17,10 +17,11 @@ from pathlib import Path
 from .. import __version__
 from ..atomic import DataDirError, data_dir_holder, hold_data_dir
 from ..bootstrap_list import read_bootstrap_list
-from ..config import (DEFAULT_LISTEN, LOG_LEVELS, ROLES, RUN_FILE_ENV, ConfigError, NodeConfig, check_port_free, load_config,
+from ..config import (DEFAULT_LISTEN, LOG_LEVELS, ROLES, RUN_FILE_ENV, ConfigError, NodeConfig, load_config,
                       write_run_record)
 from ..identity import KEY_FILE, IdentityError, load_identity, load_or_create_identity, save_identity
 from ..log import setup_logging
+from ..net.ports import PortUnavailable, check_listen_ports, check_port_free
 from ..rl.sandbox import SandboxUnavailable
 from ..rollouts.config import CHEATS
 from .errors import RuntimeFailure, UsageError
@@ -211,7 +212,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             trio.run(run_node, config)
         except BaseExceptionGroup as group:  # a service's nursery wraps what stopped it
-            bad_input, _ = group.split((DataDirError, ConfigError))
+            bad_input, _ = group.split((DataDirError, ConfigError, PortUnavailable))
             if bad_input is None:
                 raise
             raise _first_leaf(bad_input) from None
@@ -243,7 +244,7 @@ def check_model(config: NodeConfig) -> None:
 def check_ports(config: NodeConfig) -> None:
     """Every port the node will listen on is free: one line now, not a traceback or a half-started
     node later (the bind sites check again, for a port taken in between)."""
-    from ..net.host import check_listen_ports, parse_multiaddr
+    from ..net.host import parse_multiaddr
 
     check_listen_ports([parse_multiaddr(a) for a in config.listen])
     check_port_free(config.http_listen, config.http_port, "--http-port")
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         func = getattr(args, "func", None) or cmd_run
         return int(func(args) or 0)
-    except (ConfigError, UsageError, IdentityError, SandboxUnavailable, DataDirError) as e:
+    except (ConfigError, UsageError, IdentityError, SandboxUnavailable, DataDirError, PortUnavailable) as e:
         print(f"swarm-node: error: {e}", file=sys.stderr)
         return 2
     except RuntimeFailure as e:

@@ -176,6 +176,28 @@ def check_model_folder(path: Path | str, *, weights: bool = True) -> Path:
     return p
 
 
+_TURN_PROBE = "x"  # assistant content rendered to find what the template closes a turn with
+
+
+def end_of_turn_token(tokenizer) -> str | None:
+    """The special token ``tokenizer``'s chat template closes an assistant turn with (ChatML's
+    ``<|im_end|>``, Llama 3's ``<|eot_id|>``), or None: no template, or no special token right after
+    the turn. The model was tuned to stop there, so that token ends a completion: the tokenizer
+    loader makes it the eos token (:func:`load_tokenizer`), the one stop token
+    engines generate to and validators' termination check knows."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": _TURN_PROBE}],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render a plain turn has no end of turn to find
+        return None
+    at = text.rfind(_TURN_PROBE)
+    ids = tokenizer(text[at + len(_TURN_PROBE):], add_special_tokens=False)["input_ids"] if at >= 0 else []
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return tokenizer.convert_ids_to_tokens(ids[0]) if ids and ids[0] in special else None
+
+
 def load_tokenizer(path: Path):
     """The tokenizer of a local HF folder, exactly as its ``tokenizer.json`` defines it.
 
@@ -193,8 +215,6 @@ def load_tokenizer(path: Path):
         tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
     else:
         tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    from ..rl.spec import end_of_turn_token
-
     turn_end = end_of_turn_token(tok)
     if turn_end is not None and turn_end != tok.eos_token:
         tok.eos_token = turn_end  # generation stops where the chat template ends a turn (the model's own stop)

@@ -51,8 +51,8 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
 from .. import fds
-from ..config import check_port_free
 from ..identity import Identity
+from .ports import check_listen_ports
 from .workarounds import (
     BatchedWindowCredit,
     CancelSafeFrames,
@@ -302,16 +302,6 @@ def _score_params(p: GossipParams, app_score: Callable[[str], float]) -> ScorePa
         accept_px_threshold=p.accept_px_threshold,
         app_specific_score_fn=lambda peer: app_score(peer.to_base58()),
     )
-
-
-def check_listen_ports(addrs: list[multiaddr.Multiaddr]) -> None:
-    """ConfigError naming the address when another process listens on one of ``addrs``' TCP ports.
-    py-libp2p's listeners set SO_REUSEPORT (DCUtR dials out from the listen port), so a second
-    node on a taken port would listen beside the first instead of failing; it must not start."""
-    for addr in addrs:
-        protocols = [p.name for p in addr.protocols()]
-        if "tcp" in protocols and protocols[0] in ("ip4", "ip6"):
-            check_port_free(addr.value_for_protocol(protocols[0]), int(addr.value_for_protocol("tcp")), "--listen")
 
 
 def guard_inbound(host) -> None:

@@ -164,28 +164,6 @@ def render_prompt(tokenizer, task: Task, budget: int, rl: RLConfig) -> str:
     return f"{system}\n\n{text}" if system else text
 
 
-_TURN_PROBE = "x"  # assistant content rendered to find what the template closes a turn with
-
-
-def end_of_turn_token(tokenizer) -> str | None:
-    """The special token ``tokenizer``'s chat template closes an assistant turn with (ChatML's
-    ``<|im_end|>``, Llama 3's ``<|eot_id|>``), or None: no template, or no special token right after
-    the turn. The model was tuned to stop there, so that token ends a completion: the tokenizer
-    loader makes it the eos token (node/engines/model.py ``load_tokenizer``), the one stop token
-    engines generate to and validators' termination check knows."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": _TURN_PROBE}],
-                                             tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that cannot render a plain turn has no end of turn to find
-        return None
-    at = text.rfind(_TURN_PROBE)
-    ids = tokenizer(text[at + len(_TURN_PROBE):], add_special_tokens=False)["input_ids"] if at >= 0 else []
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    return tokenizer.convert_ids_to_tokens(ids[0]) if ids and ids[0] in special else None
-
-
 def prompt_ids(tokenizer, task: Task, budget: int, rl: RLConfig) -> list[int]:
     """The prompt's token ids (the rendering's own special tokens, none added): what
     ``RolloutSample.prompt_ids`` must be."""

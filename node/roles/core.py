@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ..config import ConfigError, NodeConfig, check_port_free
+from ..config import ConfigError, NodeConfig
 from ..context import NodeContext, RunningNode
 from ..gossip.service import Membership, serve_membership
 from ..net.host import PING_PROTOCOL, open_swarm_host
@@ -28,6 +28,7 @@ from ..ledger.sync import LedgerService, serve_ledger
 from ..net.reqres import ping_handler
 from ..peers import serve_peers
 from ..net.dialback import ReachabilityService, serve_dialback
+from ..net.ports import check_port_free
 from ..net.relay import RelayClient, RelayHop, serve_relay_client
 from ..rl.config import RLConfig
 from ..rl.sandbox import require_isolation
