@@ -46,6 +46,8 @@ def _toml(value) -> str:
         return json.dumps(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table (reasoning-gym's generators), so the reference stays a run file
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml(v)}" for k, v in value.items()) + "}"
     if value is None:
         return "# (unset)"
     return json.dumps(str(value))
