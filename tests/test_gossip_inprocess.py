@@ -329,3 +329,25 @@ async def test_a_delivered_message_is_checked_once_by_its_validator_not_again(tm
                 assert delivery.value == "hello"
                 break
         assert checked == [b"hello"]  # twice before: validator, then delivery
+
+
+async def test_a_burst_of_our_own_messages_all_go_out():
+    """A trainer writes a burst of ledger entries at a step (one per batch judged); py-libp2p's
+    gossipsub rate limit (10 messages per second per forwarder and topic, on by default) dropped
+    the eleventh on, counted against our own score, and the same limit would drop a relay's
+    honest forwarding of many authors' messages."""
+    topic, burst = "/swarm/test/ledger/1", 30
+    a, b = Identity.generate(), Identity.generate()
+    async with open_swarm_host(a, ["/ip4/127.0.0.1/tcp/0"]) as sender, \
+            open_swarm_host(b, ["/ip4/127.0.0.1/tcp/0"]) as receiver:
+        inbox = await receiver.pubsub.subscribe(topic)
+        await sender.pubsub.subscribe(topic)
+        await sender.connect(receiver.listen_addrs()[0])
+        await wait_for(lambda: sender.mesh_size(topic) >= 1, what="the receiver in the sender's mesh")
+        for i in range(burst):
+            await sender.pubsub.publish(topic, b"entry %d" % i)
+        got = set()
+        with trio.fail_after(HANG_GUARD_S):
+            while len(got) < burst:
+                got.add((await inbox.get()).data)
+        assert got == {b"entry %d" % i for i in range(burst)}

@@ -380,6 +380,12 @@ async def open_swarm_host(
         score_params=_score_params(gossip, lambda peer_id: swarm_host.app_score(peer_id)),
         # Loopback swarms put every peer on one IP; the eclipse guard would refuse them all.
         eclipse_protection_enabled=False,
+        # Its rate limit (10 messages a second per forwarder and topic) counts our own publishes and a
+        # relay's honest forwarding of many authors alike: a trainer's burst of ledger entries lost
+        # all but ten and scored itself down. Floods are bounded where the sender is known: each
+        # topic's validator checks signature, size and schema and budgets records per source
+        # (node/net/budget.py), and peer scoring drops those who send what fails.
+        spam_protection_enabled=False,
     )
     pubsub = Pubsub(host, router, seen_ttl=gossip.seen_ttl, max_inbound_rpc_size=1024 * 1024)
     swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), handler_errors, inbound=inbound)
