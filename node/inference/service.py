@@ -23,7 +23,10 @@ trainer's step (known from announcements and acks): such batches would only be r
 The draw step counter is persisted in the data dir (write-then-rename) before each step, so a
 restarted node never reuses a step: trainers refuse a second batch for the same (worker, step).
 Steps are consecutive, so they stay inside the step window trainers and validators enforce
-(node/rollouts/steps.py: a restart skips at most the lost outbox, well inside it).
+(node/rollouts/steps.py: a restart skips at most the lost outbox, well inside it). Batches lost
+otherwise (dropped as stale, undeliverable) leave gaps too; so the generator does not draw a step
+that could land past a trainer's window while a batch is still outstanding (issue 39: ``step_hold``
+in node/rollouts/submit.py), and says so in its status (``step_window.held``) and log.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ..context import NodeContext
 from ..gossip.api import MembershipAPI
 from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import ROLLOUTS_PROTOCOL
+from ..rollouts.steps import step_window_size
 from ..rollouts.submit import (
     BatchState,
     FailureKind,
@@ -123,11 +127,14 @@ class InferenceService:
         self.async_level = run.section("grpo", GRPOConfig).async_level
         self.cfg: WorkerConfig = run.section("worker", WorkerConfig)
         self.generator = generator  # built in run() (loads torch) unless a test gives one
-        self.outbox = make_outbox(self.cfg.cheat, self.cfg.max_pending_batches, max_attempts=self.cfg.max_attempts,
-                                  backoff=self.cfg.backoff_s, backoff_max=self.cfg.backoff_max_s,
-                                  async_level=self.async_level)
         self.step_file = Path(node.data_dir) / STEP_FILE
         self.next_step = read_step(self.step_file)
+        self.outbox = make_outbox(self.cfg.cheat, self.cfg.max_pending_batches, max_attempts=self.cfg.max_attempts,
+                                  backoff=self.cfg.backoff_s, backoff_max=self.cfg.backoff_max_s,
+                                  async_level=self.async_level,
+                                  step_window=step_window_size(self.cfg.max_pending_batches),
+                                  first_step=self.next_step)
+        self.step_held = False  # waiting for an ack before the next step (issue 39, step headroom)
         self.version: int | None = None  # policy version loaded in the engine
         self.stats = Stats()
         self.outcomes: Counter[str] = Counter()  # "accepted", "refused/<reason>", "dropped/<reason>"
@@ -236,6 +243,18 @@ class InferenceService:
                     self.stats.held_back += 1
                     await self._wait_changed()  # a load or a newer step seen notifies
                 self.waiting_for_checkpoint = False
+            if self.outbox.step_hold(self.next_step):
+                # Lost batches left a gap: one more step could land past the trainers' step window
+                # (refused ``step-ahead``). Wait until an outstanding batch is answered.
+                self.stats.held_back += 1
+                if not self.step_held:
+                    log.info("inference: holding step %d until a trainer answers a queued batch (it has counted "
+                             "our steps up to %d; its window is %d)", self.next_step, self.outbox.counted_step,
+                             self.outbox.step_window)
+                self.step_held = True
+                await self._wait_changed()
+                continue
+            self.step_held = False
             step = self.next_step
             self.next_step = step + 1
             await trio.to_thread.run_sync(write_step, self.step_file, self.next_step)
@@ -287,16 +306,16 @@ class InferenceService:
             log.error("inference: step %d does not fit one frame and is not sent (a batch must hold every drawn "
                       "prompt); lower [rl] prompts_per_batch or max_new_tokens", r.step)
             return
-        if self.outbox.is_stale(r.policy_version):
+        if self.outbox.drops_stale(r.step, r.policy_version):
             self._count("dropped", "stale", r.samples)  # a newer version arrived while we generated
             return
-        while not self.outbox.offer(self._pending(sealed, r.policy_version)):
+        while not self.outbox.offer(self._pending(sealed, r.policy_version, r.step)):
             await self._wait_changed()  # full: wait for a delivery or a drop
         self._notify()
 
-    def _pending(self, sealed, version: int) -> Pending:
+    def _pending(self, sealed, version: int, step: int) -> Pending:
         return Pending(batch_id=sealed.batch_id, envelope=sealed.envelope, policy_version=version,
-                       num_samples=len(sealed.batch.samples), created_at=trio.current_time())
+                       num_samples=len(sealed.batch.samples), created_at=trio.current_time(), step=step)
 
     # -- submit --------------------------------------------------------------------------------------
 
@@ -376,6 +395,8 @@ class InferenceService:
             "policy_version": self.version,
             "steps": st.steps,
             "next_step": self.next_step,
+            "step_window": {"counted": self.outbox.counted_step, "held": self.step_held,
+                      "step_ahead_refusals": self.outbox.step_ahead_refusals},
             "samples": st.samples,
             "tokens": st.tokens,
             "tokens_per_s": round(st.tokens_per_s, 1),

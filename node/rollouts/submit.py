@@ -21,6 +21,15 @@ How this works:
   trainer or validator set slows the workers down instead of receiving work it would throw away. A
   ``busy`` refusal (or any transient one) costs the batch no attempt: it stays queued and is
   resubmitted after the wait if it is still fresh.
+* Step headroom (issue 39, node/rollouts/steps.py): a trainer refuses a step more than its window
+  above the highest step of ours it counted (``step-ahead``), and every batch we drop unsent (stale,
+  undeliverable) leaves a gap there, since a step is never drawn twice. Enough such gaps in a row
+  locked an honest worker out for good. So the outbox tracks the highest step a trainer counted
+  (an accept, or a final refusal that the trainer's window records) and: generation waits
+  (:meth:`Outbox.step_hold`) while the next step is past ``counted + window - STEP_SLACK`` (the
+  edge) and a batch is still outstanding; a batch past the edge is never dropped as stale here, it
+  is sent, so the trainer's "stale" refusal moves its window up to it. An attacker gains nothing:
+  this only restrains the node that runs it; the trainers' windows are unchanged.
 
 Batch states (one per batch, refused loudly when illegal)::
 
@@ -42,12 +51,16 @@ from dataclasses import dataclass, field
 from ..net.reqres import CallFailure, Codec, FailureKind, call
 from ..wire import MAX_FRAME, LocalProtocolError, decode_as
 from .quota import QUOTA_REASONS
+from .steps import STEP_SLACK
 from .schema import ROLLOUTS_PROTOCOL, RolloutAck
 
 MAX_ACK_BYTES = 4096  # a RolloutAck is ~100 bytes; anything bigger is garbage
 # Refusal reasons that say "not now" rather than "never": the batch goes back to the queue and the
 # trainer is backed off. Every other reason is final (the batch itself is bad or unwanted).
 TRANSIENT_REASONS = frozenset({"busy", "overloaded", "not-ready", "shutting-down"}) | QUOTA_REASONS
+# Refusals after which a trainer's step window did not record the batch's step (node/trainer/intake.py
+# KEEPS_WINDOW; tests/test_inference_step_headroom.py checks they agree). Every other answer did.
+UNCOUNTED_REASONS = frozenset({"duplicate", "duplicate-step", "step-ahead", "step-behind", "busy", "banned"}) | QUOTA_REASONS
 
 
 class BatchState(enum.Enum):
@@ -75,6 +88,7 @@ class Pending:
     attempts: int = 0  # failures after reaching a trainer, and transient refusals, so far
     tried: list[str] = field(default_factory=list)  # trainers it was sent to, in order
     not_before: float = 0.0  # earliest time of the next attempt
+    step: int = -1  # the draw step it was made for (-1: unknown, no step headroom rule for it)
 
 
 @dataclass
@@ -96,10 +110,16 @@ class Outbox:
     """Bounded queue of unsent batches with trainer selection, retries and backoff. No I/O, no clock."""
 
     def __init__(
-        self, capacity: int, *, max_attempts: int, backoff: float, backoff_max: float, async_level: int
+        self, capacity: int, *, max_attempts: int, backoff: float, backoff_max: float, async_level: int,
+        step_window: int = 0, first_step: int = 0,
     ) -> None:
+        """``step_window``: the trainers' step window (node/rollouts/steps.py ``step_window_size``; 0:
+        no step headroom rule); ``first_step``: the next step this node will draw (what it knows of
+        the trainers' view after a restart: they counted at most the steps before it)."""
         if capacity < 1 or max_attempts < 1 or not 0 < backoff <= backoff_max or async_level < 0:
             raise ValueError("capacity >= 1, max_attempts >= 1, 0 < backoff <= backoff_max, async_level >= 0")
+        if step_window and step_window <= STEP_SLACK:
+            raise ValueError(f"step_window must exceed STEP_SLACK ({STEP_SLACK})")
         self.capacity = capacity
         self.max_attempts = max_attempts
         self.backoff = backoff
@@ -109,6 +129,9 @@ class Outbox:
         self._health: dict[str, _TrainerHealth] = {}
         self._rotation = 0  # spreads batches over equally healthy trainers
         self.newest_version = 0  # highest policy version / trainer step seen: staleness reference
+        self.step_window = step_window
+        self.counted_step = first_step - 1  # highest step of ours a trainer counted in its window, we believe
+        self.step_ahead_refusals = 0  # times a trainer said our steps ran past its window
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -138,13 +161,43 @@ class Outbox:
         """
         self.newest_version = max(self.newest_version, version)
         floor = self.newest_version - self.async_level
-        stale = [p for p in self._queue.values() if p.state is BatchState.QUEUED and p.policy_version < floor]
+        stale = [p for p in self._queue.values()
+                 if p.state is BatchState.QUEUED and p.policy_version < floor and not self.past_edge(p.step)]
         for p in stale:
             self._finish(p, BatchState.DROPPED)
         return stale
 
     def is_stale(self, policy_version: int) -> bool:
         return policy_version < self.newest_version - self.async_level
+
+    def drops_stale(self, step: int, policy_version: int) -> bool:
+        """Whether a batch of ``step`` and ``policy_version`` is dropped here as too old (one past the
+        edge is sent anyway: the trainer's refusal moves its window, see "Step headroom")."""
+        return self.is_stale(policy_version) and not self.past_edge(step)
+
+    # -- step headroom -----------------------------------------------------------------------
+
+    @property
+    def step_edge(self) -> float:
+        """The highest step drawn freely: past it, a lost batch could put us beyond a trainer's window."""
+        return self.counted_step + self.step_window - STEP_SLACK if self.step_window else math.inf
+
+    def past_edge(self, step: int) -> bool:
+        return step > self.step_edge
+
+    def step_hold(self, next_step: int) -> bool:
+        """Whether drawing ``next_step`` must wait: it is past the edge and a batch is outstanding,
+        whose ack will move the edge (with none outstanding waiting would never end: draw it)."""
+        return self.past_edge(next_step) and len(self._queue) > 0
+
+    def _counted(self, item: Pending, ack: RolloutAck) -> None:
+        if ack.reason == "step-ahead" and item.step >= 0:
+            # The trainer's window is below ``item.step - window``: our view was wrong (its view was
+            # lost, or another trainer counted our steps). Believe the trainer.
+            self.step_ahead_refusals += 1
+            self.counted_step = min(self.counted_step, item.step - self.step_window - 1)
+        elif ack.accepted or ack.reason not in UNCOUNTED_REASONS:
+            self.counted_step = max(self.counted_step, item.step)
 
     def too_old_to_start(self, policy_version: int) -> bool:
         """Whether a batch started now from ``policy_version`` would likely arrive stale: the version is
@@ -196,6 +249,7 @@ class Outbox:
         health = self._health_of(trainer)
         if ack.trainer_step:
             self.observe_version(ack.trainer_step)
+        self._counted(item, ack)
         wait = min(self.backoff_max, ack.retry_after_ms / 1000.0)  # a trainer cannot park us for longer
         health.paced_until = now + wait
         if ack.accepted:
@@ -247,7 +301,7 @@ class Outbox:
 
     def _retry(self, item: Pending, now: float, reason: str, counts: bool = True) -> Outcome:
         item.attempts += counts
-        if self.is_stale(item.policy_version):
+        if self.drops_stale(item.step, item.policy_version):
             self._finish(item, BatchState.DROPPED)
             return Outcome(BatchState.DROPPED, "stale")
         if item.attempts >= self.max_attempts:
