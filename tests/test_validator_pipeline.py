@@ -198,15 +198,54 @@ CODE_RULES = replace(RULES, taskset="code", max_new_tokens=24)  # room for the e
 
 def test_fault_early_exit(world):
     engine, _, worker, _, model = world
-    tasks = RunTasks(RLConfig(taskset="code", group_size=CODE_RULES.group_size,
-                              prompts_per_batch=CODE_RULES.prompts_per_batch, max_new_tokens=CODE_RULES.max_new_tokens))
+    tasks = code_tasks()
     honest = T.make_batch(engine, worker, CODE_RULES, tasks, step=4, policy_version=VERSION)
     assert judge_batch(honest.batch, CODE_RULES, current_version=VERSION, tasks=tasks, model=model).accepted
     signed = T.early_exit(honest, worker, engine, CODE_RULES)
     j = judge_batch(signed.batch, CODE_RULES, current_version=VERSION, tasks=tasks, model=model)
     assert_rejected(j, T.FAULTS["early_exit"].expected)
+    # The replay refuses the pasted tokens before they are scored; without it (an engine the run does
+    # not replay) the verifier is what refuses them.
+    j = judge_batch(signed.batch, replace(CODE_RULES, check_sampling=False), current_version=VERSION, tasks=tasks,
+                    model=model)
     exits = [i for i, s in enumerate(signed.batch.samples) if s.task_reward == 1.0]
     assert exits and all(j.reasons[i] == Reason.REWARD_MISMATCH.value for i in exits)
+
+
+def code_tasks(**kw) -> RunTasks:
+    return RunTasks(RLConfig(taskset="code", group_size=CODE_RULES.group_size,
+                             prompts_per_batch=CODE_RULES.prompts_per_batch, max_new_tokens=CODE_RULES.max_new_tokens), **kw)
+
+
+def test_fault_free_sandbox(world, monkeypatch):
+    """Issue 42 hole 2: endless loops with garbage proofs are refused on their proofs, and no
+    sample reaches the code sandbox (each would hold it for its whole time limit)."""
+    import node.rl.verifiers as verifiers
+    from node.rl.sandbox import SandboxResult
+
+    engine, _, worker, _, model = world
+    tasks = code_tasks()
+    signed = T.free_sandbox(T.make_batch(engine, worker, CODE_RULES, tasks, step=5, policy_version=VERSION), worker, engine)
+    runs = []
+    monkeypatch.setattr(verifiers, "run_python", lambda program, limits: runs.append(program) or SandboxResult(
+        returncode=None, stdout="", stderr="", timed_out=True, wall_s=5.0, isolation="test"))
+    j = judge_batch(signed.batch, CODE_RULES, current_version=VERSION, tasks=tasks, model=model)
+    assert_rejected(j, T.FAULTS["free_sandbox"].expected)
+    assert len(runs) == 0, f"{len(runs)} sandbox runs for a batch whose proofs are garbage"
+
+
+def test_scoring_past_the_batch_budget_rejects_the_batch(world):
+    """Scoring has a time budget per batch: the samples not scored within it are rejected with
+    ``score_budget`` (a reason that costs the worker points), the others keep their verdict."""
+    engine, _, worker, _, model = world
+    readings = iter(range(1000))  # a clock one second later at each reading: 2 samples fit in 2.5 s
+    tasks = code_tasks(clock=lambda: float(next(readings)))
+    signed = T.make_batch(engine, worker, CODE_RULES, code_tasks(), step=6, policy_version=VERSION)
+    j = judge_batch(signed.batch, replace(CODE_RULES, score_budget_s=2.5), current_version=VERSION, tasks=tasks,
+                    model=model)
+    assert not j.accepted
+    n = CODE_RULES.prompts_per_batch * CODE_RULES.group_size
+    assert j.reasons == ["ok"] * 2 + [BatchReason.SCORE_BUDGET.value] * (n - 2), j.details
 
 
 def test_fault_forged_signature(world):

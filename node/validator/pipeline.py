@@ -82,6 +82,7 @@ class BatchReason(str, enum.Enum):
     ENGINE_REFUSED = "engine_refused"  # the batch states an engine the run does not accept ([inference] engines)
     BANNED = "banned"  # the worker is banned (no checks run)
     NO_CHECKPOINT = "no_checkpoint"  # the claimed checkpoint could not be obtained (not the worker's fault)
+    SCORE_BUDGET = "score_budget"  # the batch's verifier runs outlasted the run's scoring budget per batch
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,6 +108,10 @@ class BatchRules:
     engines: tuple[str, ...] = ("torch",)  # engines the run accepts ([inference] engines)
     replay_engines: tuple[str, ...] = ("torch",)  # engines whose batches get the sampling replay
     dtype: str | None = None  # the dtype every batch must state (the run's [inference] dtype); None = any
+    # Seconds of verifier work (the code sandbox above all) one batch may cost; samples not scored
+    # within it are rejected as score_budget. Four code time limits (5 s each by default) plus slack:
+    # an honest batch whose model wrote a few endless loops still fits.
+    score_budget_s: float = 25.0
 
     def replays(self, engine: str) -> bool:
         """Whether a batch from ``engine`` gets the seeded-sampling replay (log-probs and proofs: always)."""
@@ -139,6 +144,10 @@ class TaskSet(Protocol):
         """The task of prompt ``index`` of the step whose key (``node.rl.spec.step_key``) is ``key``."""
 
     def score(self, task: DrawnTask, completion_text: str, completion_tokens: int) -> Score: ...
+
+    def score_many(self, jobs: Sequence[tuple[DrawnTask, str, int]], budget_s: float) -> list[Score | None]:
+        """:meth:`score` of each (task, completion text, completion tokens), in one call where the
+        verifier allows; None for each job not started within ``budget_s`` seconds of the call."""
 
     def prompt_ids(self, task: DrawnTask, tokenizer: Tokenizer) -> list[int]:
         """The drawn task's prompt tokens as the run renders them with the checkpoint's ``tokenizer``."""
@@ -338,12 +347,20 @@ def check_finish(sample: RolloutSample, eos_ids: Collection[int], max_new_tokens
     return PASS
 
 
-def check_score(sample: RolloutSample, task: DrawnTask, tasks: TaskSet, tokenizer: Tokenizer, tolerance: float) -> CheckResult:
-    """Claimed task reward, length penalty and total equal the verifier's, recomputed here."""
-    text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
-    mine = tasks.score(task, text, len(sample.completion_ids))
-    claimed = [sample.task_reward, sample.length_penalty, sample.reward]
-    return checks.check_rewards(claimed, [mine.task_reward, mine.length_penalty, mine.reward], tolerance=tolerance)
+def score_results(samples: Sequence[RolloutSample], drawn: Sequence[DrawnTask], tasks: TaskSet, tokenizer: Tokenizer,
+                  tolerance: float, budget_s: float) -> list[CheckResult]:
+    """Per sample: claimed task reward, length penalty and total equal the verifier's, recomputed
+    here in one scoring call of at most ``budget_s`` seconds (a sample it did not reach: ``score_budget``)."""
+    jobs = [(task, tokenizer.decode(s.completion_ids, skip_special_tokens=True), len(s.completion_ids))
+            for s, task in zip(samples, drawn)]
+    out = []
+    for s, mine in zip(samples, tasks.score_many(jobs, budget_s) if jobs else []):
+        if mine is None:
+            out.append(reject(BatchReason.SCORE_BUDGET, f"not scored within the batch's {budget_s:g} s scoring budget"))
+            continue
+        claimed = [s.task_reward, s.length_penalty, s.reward]
+        out.append(checks.check_rewards(claimed, [mine.task_reward, mine.length_penalty, mine.reward], tolerance=tolerance))
+    return out
 
 
 def advantage_results(samples: Sequence[RolloutSample], tolerance: float) -> list[CheckResult]:
@@ -489,8 +506,8 @@ def judge_batch(
     if model is None:
         raise ValueError("judge_batch needs the checkpoint's model for a batch that passes the batch rules")
     results: list[CheckResult] = [PASS] * n
+    drawn: dict[int, DrawnTask] = {}
     key = step_key(rules.run, batch.worker, batch.policy_root, batch.step)
-    advantages = advantage_results(batch.samples, rules.proofs.advantage_tolerance)
     for i, s in enumerate(batch.samples):
         if replayed(s.prompt_index):
             results[i] = reject(BatchReason.REPLAYED, f"step {batch.step}, prompt {s.prompt_index} already judged")
@@ -498,14 +515,19 @@ def judge_batch(
         check, task = check_task(s, key, batch.step, tasks, model.tokenizer)
         if check:
             check = check_finish(s, model.eos_ids, rules.max_new_tokens, model.vocab_size)
-        if check:
-            check = check_score(s, task, tasks, model.tokenizer, rules.proofs.reward_tolerance)
-        if check:
-            check = advantages[i]
+            drawn[i] = task
         results[i] = check
+    # The model checks before the verifier: scoring runs untrusted code (seconds of sandbox per
+    # sample), so only samples that proved their tokens come from the checkpoint reach it (issue 42).
     todo = [i for i, r in enumerate(results) if r.ok]
     measured: list[tuple[ChunkResult, ...]] = []
     for i, check in model_results(batch, todo, model, rules, measured).items():
         results[i] = check
+    todo = [i for i, r in enumerate(results) if r.ok]
+    scored = score_results([batch.samples[i] for i in todo], [drawn[i] for i in todo], tasks, model.tokenizer,
+                           rules.proofs.reward_tolerance, rules.score_budget_s)
+    advantages = advantage_results(batch.samples, rules.proofs.advantage_tolerance)
+    for i, check in zip(todo, scored):
+        results[i] = check if not check.ok else advantages[i]
     tokens = sum(len(s.completion_ids) for s in batch.samples)
     return Judgement([_code(r) for r in results], [r.detail for r in results], tokens, measured)

@@ -8,6 +8,9 @@ generator calls, so honest workers and validators cannot disagree by constructio
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
+
 from ..rl import spec
 from ..rl.config import RLConfig
 from ..rl.tasks import TaskSet, draw_task, load_run_tasks
@@ -17,8 +20,9 @@ from .pipeline import DrawnTask, Score
 class RunTasks:
     """:class:`node.validator.pipeline.TaskSet` over a node/rl task set and the run's [rl] table."""
 
-    def __init__(self, rl: RLConfig, taskset: TaskSet | None = None) -> None:
+    def __init__(self, rl: RLConfig, taskset: TaskSet | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.rl = rl
+        self.clock = clock  # seconds, for the scoring budget (tests pass a fake one)
         self.taskset = taskset if taskset is not None else load_run_tasks(rl)
         self.limits = spec.code_limits(rl)
 
@@ -28,8 +32,27 @@ class RunTasks:
         return DrawnTask(task.id, spec.prompt_text(task, budget), budget, task)
 
     def score(self, task: DrawnTask, completion_text: str, completion_tokens: int) -> Score:
-        sc = spec.score(task.data, completion_text, completion_tokens, task.target_length, self.rl, self.limits)
-        return Score(sc.task_reward, sc.length_penalty, sc.reward)
+        return self._score([(task, completion_text, completion_tokens)])[0]
+
+    def score_many(self, jobs: Sequence[tuple[DrawnTask, str, int]], budget_s: float) -> list[Score | None]:
+        """Reasoning-gym and other in-process verifiers in one bounded call; code tasks one sandbox
+        run at a time, none started once ``budget_s`` has passed (each may then run its own time limit)."""
+        out: list[Score | None] = [None] * len(jobs)
+        code = [i for i, (task, _, _) in enumerate(jobs) if task.data.kind == "code"]
+        rest = sorted(set(range(len(jobs))) - set(code))
+        start = self.clock()
+        if rest:
+            for i, sc in zip(rest, self._score([jobs[i] for i in rest])):
+                out[i] = sc
+        for i in code:
+            if self.clock() - start >= budget_s:
+                break
+            out[i] = self._score([jobs[i]])[0]
+        return out
+
+    def _score(self, jobs: Sequence[tuple[DrawnTask, str, int]]) -> list[Score]:
+        scored = spec.score_many([(t.data, text, n, t.target_length) for t, text, n in jobs], self.rl, self.limits)
+        return [Score(sc.task_reward, sc.length_penalty, sc.reward) for sc in scored]
 
     def prompt_ids(self, task: DrawnTask, tokenizer) -> list[int]:
         return spec.prompt_ids(tokenizer, task.data, task.target_length, self.rl)

@@ -142,6 +142,20 @@ def early_exit(signed: SignedBatch, identity: Identity, engine, rules: BatchRule
     return sign_batch(identity, replace(signed.batch, samples=regroup_advantages(samples)))
 
 
+ENDLESS_PROGRAM = "while 1:pass"  # runs until the sandbox's time limit stops it
+
+
+def free_sandbox(signed: SignedBatch, identity: Identity, engine) -> SignedBatch:
+    """Every completion replaced by :data:`ENDLESS_PROGRAM` with garbage proofs and log-probs, each
+    claiming reward 1.0: no model work at all, and each sample would hold a validator's code sandbox
+    for its whole time limit were it scored before the proofs are checked (issue 42, hole 2)."""
+    tok = engine.tokenizer
+    ids = tok.encode(ENDLESS_PROGRAM, add_special_tokens=False) + [tok.eos_token_id]
+    return with_samples(signed, identity, lambda i, s: replace(
+        s, completion_ids=list(ids), logprobs=[-1.0] * len(ids), finish_reason="stop", reward=1.0, task_reward=1.0,
+        length_penalty=0.0, advantage=0.0, proof=b"\x00" * 7))
+
+
 PROOF_REASONS = frozenset({Reason.PROOF_EXPONENT.value, Reason.PROOF_MANTISSA_MEAN.value, Reason.PROOF_MANTISSA_MEDIAN.value})
 # The sampling checks: log-probs recomputed from the validator's logits, and the seeded Gumbel-max replay.
 SAMPLING_REASONS = frozenset({Reason.LOGPROB_MISMATCH.value, BatchReason.SAMPLING_MISMATCH.value})
@@ -171,8 +185,10 @@ FAULTS = {
         Fault("cherry_picked_tasks", frozenset({Reason.WRONG_TASK.value}), "tasks drawn at another step, not the assigned ones"),
         Fault("forged_signature", frozenset({BatchReason.FORGED.value}), "a batch naming another worker, signed by the cheat"),
         Fault("chosen_seed", frozenset({Reason.WRONG_SEED.value}), "sampled with a seed of the worker's choosing"),
-        Fault("early_exit", frozenset({Reason.REWARD_MISMATCH.value}),
+        Fault("early_exit", frozenset({Reason.REWARD_MISMATCH.value}) | SAMPLING_REASONS,
               "code completions that exit before the tests run, claimed as passing"),
+        Fault("free_sandbox", frozenset({Reason.PROOF_COUNT.value}) | PROOF_REASONS,
+              "endless-loop code with garbage proofs: refused on its proofs, before any sandbox runs"),
         Fault("altered_last_token", SAMPLING_REASONS,
               "last token edited: the proof cannot see it (no later state), the sampling checks must"),
         Fault("dropped_group", frozenset({BatchReason.BAD_GROUPS.value}),
