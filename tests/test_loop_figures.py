@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from node.app.loopfigures import format_figures, loop_figures, reward_ratio
+from rich.text import Text
+
+from node.app.demo import describe, health_cell
+from node.app.loopfigures import StallWatch, format_figures, loop_figures, reward_ratio
 
 
 def statuses():
@@ -34,3 +37,43 @@ def test_reward_ratio_needs_twenty_steps():
     curve = [[i, 0.1] for i in range(10)] + [[i, 0.3] for i in range(10, 20)]
     first, last, times = reward_ratio(curve)
     assert (round(first, 3), round(last, 3), round(times, 2)) == (0.1, 0.3, 3.0)
+
+
+def health(state: str, cause: str = "") -> dict:
+    return {"health": {"state": state, "cause": cause}}
+
+
+def test_the_demo_table_shows_each_nodes_health_and_a_stalls_cause():
+    def plain(status):
+        return Text.from_markup(health_cell(status)).plain
+
+    assert plain(health("ok", "stepping")) == "ok" and plain({}) == "-"  # "-": a node that wrote no status yet
+    cell = health_cell(health("stalled", "no step for 95 s: 155 batches [wait] for a verdict"))
+    assert cell.startswith("[red]") and plain(health("stalled", "no step for 95 s: 155 batches [wait] for a verdict")) \
+        == "stalled: no step for 95 s: 155 batches [wait] for a verdict"  # the cause's brackets are not markup
+    assert len(plain(health("stalled", "x" * 500))) <= 80  # bounded in a table cell
+
+
+def test_stalls_seen_while_the_demo_ran_are_summed_up_with_the_longest_and_its_cause():
+    watch = StallWatch()
+    timeline = [(0, "starting", ""), (10, "ok", ""), (20, "stalled", "no step for 90 s: waiting for verdicts"),
+                (50, "stalled", "no step for 120 s: waiting for verdicts"), (60, "ok", ""),
+                (70, "stalled", "no step for 90 s: no batches"), (80, "ok", "")]
+    for t, state, cause in timeline:
+        watch.observe({"t": ("trainer", health(state, cause)), "v": ("validator", health("ok"))}, float(t))
+    watch.observe({"t": ("trainer", health("stalled", "c")), "v": ("validator", health("stalled", "d"))}, 95.0)
+    stalls = watch.summary(100.0)  # still stalled at the stop: counted up to it
+    assert stalls == {"t": {"stalls": 3, "longest_s": 40.0, "cause": "no step for 120 s: waiting for verdicts"},
+                      "v": {"stalls": 1, "longest_s": 5.0, "cause": "d"}}
+    f = loop_figures(statuses(), seconds=60.0, stalls=stalls)
+    text = format_figures(f)
+    assert "stalls: t 3 (longest 40 s: no step for 120 s: waiting for verdicts)" in text and "v 1 (longest 5 s: d)" in text
+    assert "stalls: none" in format_figures(loop_figures(statuses(), seconds=60.0, stalls={}))
+
+
+def test_the_demo_table_says_when_a_worker_holds_its_next_step_for_the_step_window():
+    def rollouts(inference):
+        return Text.from_markup(describe("inference", {"inference": inference})[1]).plain
+
+    assert "held: step window" in rollouts({"step_window": {"held": True, "counted": 7}})
+    assert "held" not in rollouts({"step_window": {"held": False, "counted": 7}}) and "held" not in rollouts({})

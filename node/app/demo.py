@@ -6,10 +6,12 @@ on vLLM), each a real ``swarm-node``
 process with its own data dir under ``--data-root``, on the embedded tiny model and the synthetic
 digit-reversal task, each with one torch thread (``DEMO_THREADS``: four torch processes share what
 may be two cores). The run file names the trainer and the validator as the run's trusted peers.
-The live table shows members, checkpoint versions and where they are, rollouts accepted and
+The live table shows each node's health (node/health.py: ok, starting, stalled or stopped, and
+why when not ok), members, checkpoint versions and where they are, rollouts accepted and
 rejected, and the reward; the demo ends with the trainer's reward curve (and the mean reward of its
 first and last 10 steps), where the honest work went (node/app/loopfigures.py: trained and lost
-fractions, trainer idle, validator utilisation, the trainer's time by phase, a sample's life) and
+fractions, trainer idle, validator utilisation, the trainer's time by phase, a sample's life, the
+stalls seen while it ran: how many per node, the longest and its cause) and
 the ledger totals. Those figures are also written to ``<data root>/figures.json``.
 """
 
@@ -25,12 +27,13 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from .errors import UsageError
 from .localswarm import LocalSwarm
-from .loopfigures import format_figures, loop_figures, reward_ratio
+from .loopfigures import StallWatch, format_figures, health_of, loop_figures, reward_ratio
 
 RUN_TEMPLATE = """\
 # Written by `swarm-node demo`: the tiny default model on the synthetic digit-reversal task.
@@ -109,7 +112,10 @@ def describe(role: str, status: dict) -> tuple[str, str, str]:
         refused = sum((b.get("refused") or {}).values())
         cheat = f" [red]cheat={i['cheat']}[/]" if i.get("cheat") else ""
         engine = f" engine={i['engine']}" if i.get("engine") not in (None, "torch") else ""
-        return held, f"v{_fmt(i.get('policy_version'))}: sent {b.get('sent', 0)} acked {b.get('accepted', 0)} refused {refused}{cheat}{engine}", _fmt(i.get("mean_reward"))
+        # Waiting for an ack before its next step (issue 39: lost batches left it near the trainer's step window).
+        step_held = " [yellow]held: step window[/]" if (i.get("step_window") or {}).get("held") else ""
+        return held, (f"v{_fmt(i.get('policy_version'))}: sent {b.get('sent', 0)} acked {b.get('accepted', 0)} "
+                      f"refused {refused}{cheat}{engine}{step_held}"), _fmt(i.get("mean_reward"))
     if role == "validator":
         v = status.get("validator") or {}
         verdicts = v.get("verdicts", {})
@@ -118,9 +124,25 @@ def describe(role: str, status: dict) -> tuple[str, str, str]:
     return held, "-", "-"
 
 
+HEALTH_CELL_CHARS = 80  # a stall's cause is cut to this in the live table (the summary has it whole)
+HEALTH_STYLE = {"ok": "green", "starting": "yellow", "stalled": "red", "stopped": "dim"}
+
+
+def health_cell(status: dict) -> str:
+    """The health column: the node's state (node/health.py), and its cause when it is not ok."""
+    state, cause = health_of(status)
+    if state == "-":
+        return state
+    text = state if state == "ok" or not cause else f"{state}: {cause}"
+    if len(text) > HEALTH_CELL_CHARS:
+        text = text[:HEALTH_CELL_CHARS - 1] + "…"
+    style = HEALTH_STYLE.get(state)
+    return f"[{style}]{escape(text)}[/]" if style else escape(text)
+
+
 def build_table(swarm: LocalSwarm, started: float, caption: str | None = None) -> Table:
     table = Table(title=f"swarm-node demo — {time.monotonic() - started:.0f}s (Ctrl-C to stop)", caption=caption)
-    for col in ("node", "role", "members a/s/d/l", "conns", "versions held", "rollouts", "reward"):
+    for col in ("node", "role", "health", "members a/s/d/l", "conns", "versions held", "rollouts", "reward"):
         table.add_column(col)
     for name, proc in swarm.procs.items():
         status = swarm.status(name)  # a stopped node leaves its last status behind
@@ -129,8 +151,13 @@ def build_table(swarm: LocalSwarm, started: float, caption: str | None = None) -
         counts = f"{c.get('alive', '-')}/{c.get('suspect', '-')}/{c.get('dead', '-')}/{c.get('left', '-')}"
         held, rollouts, reward = describe(proc.role, status)
         label = name if proc.alive() else f"{name} [red](exited)[/]"
-        table.add_row(label, proc.role, counts, _fmt(member.get("connections")), held, rollouts, reward)
+        table.add_row(label, proc.role, health_cell(status), counts, _fmt(member.get("connections")), held, rollouts, reward)
     return table
+
+
+def swarm_statuses(swarm: LocalSwarm) -> dict[str, tuple[str, dict]]:
+    """Every node's (role, last status), as node/app/loopfigures.py takes them."""
+    return {name: (p.role, swarm.status(name)) for name, p in swarm.procs.items()}
 
 
 def reward_plot(curve: list[list[float]], width: int = 60, height: int = 10) -> str:
@@ -221,11 +248,14 @@ def run_demo(args) -> int:
             swarm.start("cheater", "inference", "--run", str(cheat_run))
         started = time.monotonic()
         caption = f"status page: http://127.0.0.1:{args.http_port}/" if args.http_port else None
+        stalls = StallWatch()
         with Live(build_table(swarm, started, caption), console=console, refresh_per_second=1) as live:
             while not stop and (not args.duration or time.monotonic() - started < args.duration):
                 time.sleep(1.0)
                 live.update(build_table(swarm, started, caption))
+                stalls.observe(swarm_statuses(swarm), time.monotonic())
         seconds = time.monotonic() - started
+        stalled = stalls.summary(time.monotonic())
         console.print("stopping nodes (each leaves the swarm with a signed goodbye)…")
     console.print(build_table(swarm, started))
     curve = (swarm.status("trainer").get("trainer") or {}).get("reward") or []
@@ -236,7 +266,7 @@ def run_demo(args) -> int:
         first, last, times = ratio
         console.print(f"mean reward, first 10 steps {first:.3f}, last 10 steps {last:.3f}"
                       + (f" ({times:.2f}×)" if times is not None else ""))
-    figures = loop_figures({name: (p.role, swarm.status(name)) for name, p in swarm.procs.items()}, seconds)
+    figures = loop_figures(swarm_statuses(swarm), seconds, stalled)
     console.print(Text("\nwhere the work went", style="bold"))
     console.print(format_figures(figures), markup=False)
     (root / "figures.json").write_text(json.dumps(figures, indent=1))

@@ -16,18 +16,78 @@ they mean (issue 15):
 * **step wall time**: waiting, training, checkpoint write (model folder + training state + spool),
   publish; **sample life**: mean seconds from generation to the trainer's ack, from the ack to a
   passing verdict, and from the verdict to the step that trained it (trained batches only; the
-  first stage compares the worker's clock with the trainer's).
+  first stage compares the worker's clock with the trainer's);
+* **stalls** (issue 39): per node, how often its ``health`` (node/health.py) read "stalled" while
+  the demo watched (:class:`StallWatch`), the longest such stretch and its cause.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STALLED = "stalled"  # node/health.py State.STALLED, as status.json writes it
+
+
+def health_of(status: dict) -> tuple[str, str]:
+    """(state, cause) of a node's ``health`` section; ("-", "") before it wrote one."""
+    h = status.get("health") or {}
+    return h.get("state") or "-", h.get("cause") or ""
+
+
+@dataclass
+class _Stalls:
+    count: int = 0
+    longest_s: float = 0.0
+    cause: str = ""  # the longest stall's cause, as last seen during it
+    since: float | None = None  # start of the stall under way
+    current_cause: str = ""
+
+
+@dataclass
+class StallWatch:
+    """The stalls seen in successive snapshots of every node (the demo looks once a second). Pure:
+    statuses and times in; a stretch runs from the first snapshot that reads "stalled" to the first
+    that does not (or the end of the watch)."""
+
+    nodes: dict[str, _Stalls] = field(default_factory=dict)
+
+    def observe(self, statuses: dict[str, tuple[str, dict]], now: float) -> None:
+        for name, (_, status) in statuses.items():
+            state, cause = health_of(status)
+            s = self.nodes.setdefault(name, _Stalls())
+            if state == STALLED:
+                if s.since is None:
+                    s.count, s.since = s.count + 1, now
+                s.current_cause = cause
+            elif s.since is not None:
+                self._close(s, now)
+
+    def summary(self, now: float) -> dict[str, dict]:
+        """Per node that stalled: ``stalls`` (how many), ``longest_s`` and its ``cause`` (a stall
+        under way counts up to ``now``)."""
+        out = {}
+        for name, s in self.nodes.items():
+            longest, cause = s.longest_s, s.cause
+            if s.since is not None and now - s.since > longest:
+                longest, cause = now - s.since, s.current_cause
+            if s.count:
+                out[name] = {"stalls": s.count, "longest_s": round(longest, 1), "cause": cause}
+        return out
+
+    @staticmethod
+    def _close(s: _Stalls, now: float) -> None:
+        if now - s.since > s.longest_s:
+            s.longest_s, s.cause = now - s.since, s.current_cause
+        s.since = None
 
 
 def _honest(role: str, st: dict) -> bool:
     return role == "inference" and not (st.get("inference") or {}).get("cheat")
 
 
-def loop_figures(statuses: dict[str, tuple[str, dict]], seconds: float) -> dict:
-    """The figures of one run of ``seconds`` wall time (see the module docstring)."""
+def loop_figures(statuses: dict[str, tuple[str, dict]], seconds: float, stalls: dict | None = None) -> dict:
+    """The figures of one run of ``seconds`` wall time (see the module docstring); ``stalls``:
+    :meth:`StallWatch.summary` (None: the run was not watched)."""
     trainer = next((st.get("trainer") or {} for role, st in statuses.values() if role == "trainer"), {})
     validators = [st.get("validator") or {} for role, st in statuses.values() if role == "validator"]
     honest = [st.get("inference") or {} for role, st in statuses.values() if _honest(role, st)]
@@ -66,6 +126,7 @@ def loop_figures(statuses: dict[str, tuple[str, dict]], seconds: float) -> dict:
         "validator_utilisation": round(sum(busy) / len(busy), 4) if busy else None,
         "step_time_s": trainer.get("step_time_s") or {},
         "sample_life_s": trainer.get("sample_life_s") or {},
+        "stalls": stalls,
     }
 
 
@@ -87,6 +148,10 @@ def format_figures(f: dict) -> str:
         "trainer time: " + ", ".join(f"{k} {v:.1f} s ({100 * v / total:.0f} %)" for k, v in steps_time.items()),
         "sample life (mean s): " + (", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in f["sample_life_s"].items()) or "-"),
     ]
+    stalls = f.get("stalls")
+    if stalls is not None:
+        lines.append("stalls: " + (", ".join(f"{name} {s['stalls']} (longest {s['longest_s']:.0f} s: {s['cause'] or '?'})"
+                                              for name, s in stalls.items()) or "none"))
     return "\n".join(lines)
 
 
