@@ -146,6 +146,29 @@ def test_early_exit_cheat_on_code_tasks_is_a_reward_mismatch_and_nothing_else(ti
     assert result.mean_reward > result.mean_true_reward
 
 
+def test_free_sandbox_cheat_is_refused_on_its_proofs_before_any_sandbox_runs(tiny, monkeypatch):
+    """Issue 42: endless loops with proofs of nothing; the validator's pipeline refuses them on the
+    proofs, and the code sandbox never runs (each sample would hold it for its whole time limit)."""
+    import node.rl.verifiers as verifiers
+    from node.adversary.generator import ENDLESS_PROGRAM
+    from node.validator.pipeline import BatchRules, CheckModel, judge_batch
+    from node.validator.tasks import RunTasks
+
+    path, model, tok = tiny
+    ident = Identity.generate()
+    rl = RLConfig(group_size=2, prompts_per_batch=1, max_new_tokens=20, taskset="code")
+    sb, _ = _generate(path, "free-sandbox", ident, rl)
+    assert all(tok.decode(s.completion_ids, skip_special_tokens=True) == ENDLESS_PROGRAM for s in sb.batch.samples)
+    runs = []
+    monkeypatch.setattr(verifiers, "run_python", lambda program, limits: runs.append(program))
+    rules = BatchRules(run="test", taskset="code", temperature=rl.temperature, top_p=rl.top_p,
+                       max_new_tokens=rl.max_new_tokens, group_size=rl.group_size,
+                       prompts_per_batch=rl.prompts_per_batch, async_level=2)
+    j = judge_batch(sb.batch, rules, current_version=0, tasks=RunTasks(rl), model=CheckModel(model, tok, 0))
+    assert not j.accepted and all(r.startswith("proof") for r in j.reasons), j.reasons
+    assert runs == []
+
+
 def test_generator_step_with_length_reward(tiny):
     """Thinking budgets drawn per prompt, stated in the prompt, and the length penalty in the reward."""
     path, model, tok = tiny

@@ -55,7 +55,9 @@ CHEATS = {
     "perturbed-model": PROOF_REASONS | {"logprob_mismatch", "sampling_mismatch"},
     "cherry-pick": {"wrong_task"},
     "drop-groups": {"bad_groups"},
-    "early-exit": {"reward_mismatch"},
+    # The replay refuses the pasted program before it is scored (issue 42: scoring comes last).
+    "early-exit": {"reward_mismatch", "sampling_mismatch"},
+    "free-sandbox": PROOF_REASONS | {"proof_count"},
 }
 
 

@@ -12,6 +12,11 @@
   validator's verifier (node/rl/harness.py) must score it 0 and report a reward mismatch. Meant for
   code task sets; on others the claim is as false and caught the same way.
 
+* ``free-sandbox``: every completion becomes an endless loop (``while 1:pass``) claimed at reward
+  1.0, with log-probs and proofs of nothing (zero hidden states): a batch that costs no model work
+  but would hold a validator's code sandbox for its whole time limit per sample were it scored
+  first (issue 42). The validator's proof checks must refuse it before any sandbox runs.
+
 * ``drop-groups``: leave out the group of the prompt it did worst on (a worker hiding its failures
   to lift the reward it is credited with): the validator's complete-batch check must catch it.
 
@@ -35,6 +40,14 @@ PERTURB_SCALE = 0.1  # "perturbed-model": weight noise, relative to each tensor'
 FAKE_REWARD_BONUS = 0.5  # "fake-rewards": added to every claimed reward
 CHERRY_PICK_CANDIDATES = 4  # "cherry-pick": draws looked at per slot
 EXIT_PROGRAM = "raise SystemExit"  # "early-exit": exit status 0 before the tests (cut at max_new_tokens)
+ENDLESS_PROGRAM = "while 1:pass"  # "free-sandbox": runs until the sandbox's time limit
+
+
+def program_ids(tok, program: str, max_new_tokens: int) -> tuple[list[int], str]:
+    """``program``'s tokens and eos, cut at the cap, and the finish reason they give."""
+    ids = list(tok(program, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+    ids = ids[:max_new_tokens]  # cut: runs to the cap, finish_reason "length"
+    return ids, "stop" if ids[-1] == tok.eos_token_id else "length"
 
 
 class PerturbedModelGenerator(RolloutGenerator):
@@ -86,10 +99,7 @@ class DropGroupsGenerator(RolloutGenerator):
 class EarlyExitGenerator(RolloutGenerator):
     def claim(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
         tok, model = self.engine.tokenizer, self.engine.model
-        ids = list(tok(EXIT_PROGRAM, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
-        if len(ids) > self.rl.max_new_tokens:
-            ids = ids[:self.rl.max_new_tokens]  # runs to the cap: finish_reason "length"
-        finish = "stop" if ids[-1] == tok.eos_token_id else "length"
+        ids, finish = program_ids(tok, EXIT_PROGRAM, self.rl.max_new_tokens)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         out = []
         for g in groups:
@@ -107,6 +117,22 @@ class EarlyExitGenerator(RolloutGenerator):
         return out
 
 
+class FreeSandboxGenerator(RolloutGenerator):
+    def claim(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
+        tok = self.engine.tokenizer
+        ids, finish = program_ids(tok, ENDLESS_PROGRAM, self.rl.max_new_tokens)
+        text = tok.decode(ids, skip_special_tokens=True)
+        out = []
+        for g in groups:
+            width = g.samples[0].hidden.shape[1]
+            samples = [replace(s, completion_ids=list(ids), logprobs=[-1.0] * len(ids), finish_reason=finish,
+                               hidden=torch.zeros(len(ids), width), text=text) for s in g.samples]
+            scores = [with_length_penalty(1.0, len(ids), g.budget, self.rl) for _ in samples]
+            out.append(replace(g, samples=samples, scores=scores,
+                               advantages=group_advantages([sc.reward for sc in scores])))
+        return out
+
+
 GENERATORS = {
     "": RolloutGenerator,
     "perturbed-model": PerturbedModelGenerator,
@@ -115,6 +141,7 @@ GENERATORS = {
     "early-exit": EarlyExitGenerator,
     "replay": RolloutGenerator,  # honest batches, sent twice (see make_outbox)
     "drop-groups": DropGroupsGenerator,
+    "free-sandbox": FreeSandboxGenerator,
 }
 
 
