@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from node.rollouts.schema import RolloutAck
 from node.rollouts.steps import STEP_SLACK, StepWindow, step_window_size
 from node.rollouts.submit import UNCOUNTED_REASONS, BatchState, Outbox, Pending
@@ -15,9 +17,9 @@ CAPACITY = 4
 WINDOW = step_window_size(CAPACITY)
 
 
-def outbox(first_step: int = 0) -> Outbox:
-    return Outbox(CAPACITY, max_attempts=3, backoff=1.0, backoff_max=8.0, async_level=1,
-                  step_window=WINDOW, first_step=first_step)
+def outbox(first_step: int = 0, capacity: int = CAPACITY, counted: int | None = None) -> Outbox:
+    return Outbox(capacity, max_attempts=3, backoff=1.0, backoff_max=8.0, async_level=1,
+                  step_window=step_window_size(capacity), first_step=first_step, counted_step=counted)
 
 
 def batch(step: int, version: int) -> Pending:
@@ -29,34 +31,44 @@ class Trainer:
     """The trainer's judgement of one worker's batches, as node/trainer/service.py makes it: the step
     window first, then busy (transient), then staleness; a refusal in KEEPS_WINDOW leaves the window."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int) -> None:
+        self.size = window
         self.window = StepWindow.EMPTY
         self.version = 0
         self.refusals: list[str] = []
 
     def answer(self, p: Pending, busy: bool) -> RolloutAck:
-        reason = self.window.reason(p.step, WINDOW)
+        reason = self.window.reason(p.step, self.size)
         if reason is None and busy:
             reason = "busy"
         if reason is None and p.policy_version < self.version - 1:
             reason = "stale"
         if reason not in KEEPS_WINDOW:
-            self.window = self.window.after(p.step, WINDOW)
+            self.window = self.window.after(p.step, self.size)
         self.refusals += [reason] if reason else []
         return RolloutAck(batch_id=p.batch_id, accepted=reason is None, reason=reason or "", trainer_step=self.version)
 
 
-def test_lost_batches_never_lock_an_honest_worker_out():
-    """Rounds where the trainer moves on while most of the worker's batches wait (busy, then stale):
-    on today's code the dropped batches burn step numbers until the next one is above the trainer's
+@pytest.mark.parametrize("capacity, crashes, seed", [(4, 0.0, 39), (4, 0.02, 1), (16, 0.02, 2), (1, 0.05, 3)])
+def test_lost_batches_never_lock_an_honest_worker_out(capacity, crashes, seed):
+    """Rounds where the trainer moves on while most of the worker's batches wait (busy, then stale),
+    and the worker crashes now and then (losing its outbox and the step it was generating, keeping
+    what it persisted before each step: the next step and how far the trainer counted): on
+    today's code the dropped batches burn step numbers until the next one is above the trainer's
     window, and every later batch is refused ``step-ahead``."""
-    rng = random.Random(39)
-    ob, trainer = outbox(), Trainer()
-    next_step, used, dropped, now = 0, [], 0, 0.0
-    for _ in range(300):
+    rng = random.Random(seed)
+    window = step_window_size(capacity)
+    ob, trainer = outbox(capacity=capacity), Trainer(window)
+    next_step, used, dropped, now, persisted = 0, [], 0, 0.0, None
+    for _ in range(600):
         now += 1.0
+        if rng.random() < crashes:  # the step in generation is lost too: its number was persisted first
+            dropped += len(ob) + 1
+            next_step += 1
+            ob = outbox(first_step=next_step, capacity=capacity, counted=persisted)
         if not ob.full and not ob.step_hold(next_step):
             used.append(next_step)
+            persisted = ob.counted_step
             assert ob.offer(batch(next_step, trainer.version))
             next_step += 1
         if rng.random() < 0.5:  # the trainer steps on: queued batches go stale and are dropped here
@@ -67,13 +79,15 @@ def test_lost_batches_never_lock_an_honest_worker_out():
             p, t = got
             ob.on_ack(p.batch_id, t, trainer.answer(p, busy=rng.random() < 0.7), now)
     assert "step-ahead" not in trainer.refusals
-    assert dropped > 2 * WINDOW and "stale" in trainer.refusals  # the scenario did lose batches, many windows' worth
-    assert len(used) == len(set(used)) == next_step > 100  # steps are consecutive, never reused, and it kept going
+    assert dropped > 2 * window and "stale" in trainer.refusals  # the scenario did lose batches, many windows' worth
+    assert len(used) == len(set(used)) and next_step > 150  # steps never reused, and the worker kept going
 
 
 def test_generation_waits_at_the_edge_while_a_batch_is_outstanding():
-    ob = outbox(first_step=10)  # a restarted node: the trainer has seen up to step 9 as far as we know
-    edge = 9 + WINDOW - STEP_SLACK
+    ob = outbox(first_step=10)  # a restarted node: its crash may have lost the outbox and the step in generation
+    assert ob.counted_step == 9 - (CAPACITY + 1)
+    edge = ob.counted_step + WINDOW - STEP_SLACK
+    assert not ob.step_hold(edge + 5)  # nothing outstanding: drawing never waits for nothing
     ob.offer(batch(edge, 0))
     assert ob.step_hold(edge + 1)  # past the edge while a batch is outstanding: wait for its answer
     assert ob.observe_version(5)[0].step == edge  # at the edge a stale batch is still dropped unsent ...

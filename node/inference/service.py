@@ -59,6 +59,7 @@ from ..shards.api import ShardsAPI
 log = logging.getLogger(__name__)
 
 STEP_FILE = "inference-step"  # next draw step, persisted before a step starts
+COUNTED_FILE = "inference-step-counted"  # the outbox's counted_step (step headroom), persisted with it
 TRAINER_RECHECK_S = 1.0  # how often the submit loop looks for trainers when none is usable
 RATE_SMOOTHING = 0.3  # weight of the newest step in the tokens/s moving average
 ADVERTISE_CHANGE = 0.25  # republish capacity when it moved by more than this fraction
@@ -81,11 +82,11 @@ def advertise_due(old: tuple[float, float], new: tuple[float, float], since_last
     return load != old_load or abs(cap - old_cap) / old_cap > ADVERTISE_CHANGE
 
 
-def read_step(path: Path) -> int:
+def read_step(path: Path, default: int = 0) -> int:
     try:
         return max(0, int(path.read_text().strip()))
     except (OSError, ValueError):
-        return 0
+        return default
 
 
 def write_step(path: Path, step: int) -> None:
@@ -129,11 +130,14 @@ class InferenceService:
         self.generator = generator  # built in run() (loads torch) unless a test gives one
         self.step_file = Path(node.data_dir) / STEP_FILE
         self.next_step = read_step(self.step_file)
+        self.counted_file = Path(node.data_dir) / COUNTED_FILE
+        counted = read_step(self.counted_file, -1)
+        self.counted_written = counted
         self.outbox = make_outbox(self.cfg.cheat, self.cfg.max_pending_batches, max_attempts=self.cfg.max_attempts,
                                   backoff=self.cfg.backoff_s, backoff_max=self.cfg.backoff_max_s,
                                   async_level=self.async_level,
                                   step_window=step_window_size(self.cfg.max_pending_batches),
-                                  first_step=self.next_step)
+                                  first_step=self.next_step, counted_step=None if counted < 0 else counted)
         self.step_held = False  # waiting for an ack before the next step (issue 39, step headroom)
         self.version: int | None = None  # policy version loaded in the engine
         self.stats = Stats()
@@ -257,7 +261,7 @@ class InferenceService:
             self.step_held = False
             step = self.next_step
             self.next_step = step + 1
-            await trio.to_thread.run_sync(write_step, self.step_file, self.next_step)
+            await trio.to_thread.run_sync(self._persist_steps, self.next_step, self.outbox.counted_step)
             async with self.engine_lock:
                 version = self.version
                 root = self.policy_root(version)
@@ -276,6 +280,14 @@ class InferenceService:
             self._record_step(result)
             await self._queue(result)
             self._advertise()
+
+    def _persist_steps(self, next_step: int, counted: int) -> None:
+        """Before a step: the next step (never reused) and, when it moved, how far the trainers
+        counted our steps (a restart must keep its step headroom, node/rollouts/submit.py)."""
+        write_step(self.step_file, next_step)
+        if counted != self.counted_written and counted >= 0:
+            write_step(self.counted_file, counted)
+            self.counted_written = counted
 
     def policy_root(self, version: int) -> bytes:
         """The manifest root of ``version``: a draw input (node/rl/spec.py ``step_key``). Every version

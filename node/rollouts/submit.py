@@ -111,11 +111,13 @@ class Outbox:
 
     def __init__(
         self, capacity: int, *, max_attempts: int, backoff: float, backoff_max: float, async_level: int,
-        step_window: int = 0, first_step: int = 0,
+        step_window: int = 0, first_step: int = 0, counted_step: int | None = None,
     ) -> None:
         """``step_window``: the trainers' step window (node/rollouts/steps.py ``step_window_size``; 0:
-        no step headroom rule); ``first_step``: the next step this node will draw (what it knows of
-        the trainers' view after a restart: they counted at most the steps before it)."""
+        no step headroom rule); ``first_step``: the next step this node will draw; ``counted_step``:
+        :attr:`counted_step` as persisted before that step (the node's data dir), or None when
+        unknown: then the trainers counted at most the steps below ``first_step`` less those a
+        crash loses unsent (the outbox and the step in generation)."""
         if capacity < 1 or max_attempts < 1 or not 0 < backoff <= backoff_max or async_level < 0:
             raise ValueError("capacity >= 1, max_attempts >= 1, 0 < backoff <= backoff_max, async_level >= 0")
         if step_window and step_window <= STEP_SLACK:
@@ -130,7 +132,9 @@ class Outbox:
         self._rotation = 0  # spreads batches over equally healthy trainers
         self.newest_version = 0  # highest policy version / trainer step seen: staleness reference
         self.step_window = step_window
-        self.counted_step = first_step - 1  # highest step of ours a trainer counted in its window, we believe
+        # The highest step of ours a trainer counted, as far as we know (persisted by the caller: a
+        # restart must not forget how many steps its lost batches burned).
+        self.counted_step = first_step - 1 - (capacity + 1) if counted_step is None else counted_step
         self.step_ahead_refusals = 0  # times a trainer said our steps ran past its window
 
     # -- queue -------------------------------------------------------------------------------
