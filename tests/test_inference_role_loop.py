@@ -11,6 +11,7 @@ from waiting import wait_for
 
 from node.config import RunConfig
 from node.identity import load_or_create_identity
+from node.inference.service import read_step
 
 
 async def test_trainer_and_inference_close_the_loop(tmp_path, fast_membership):
@@ -37,6 +38,10 @@ async def test_trainer_and_inference_close_the_loop(tmp_path, fast_membership):
         status = svc.status()
         assert status["weight_swaps"] >= 1 and status["policy_version"] >= 1
         assert set(status["batches"]["refused"]) <= {"stale"}  # the trainer may step past a slow batch
+        # Step headroom (issue 39): the acks moved the worker's view of the trainer's step window,
+        # and it is persisted before the next step, so a restart keeps it.
+        assert status["step_window"]["counted"] >= 1 and status["step_window"]["step_ahead_refusals"] == 0
+        await wait_for(lambda: read_step(svc.counted_file, -1) >= 1, timeout=120, what="the counted step persisted")
         assert trainer.status["trainer"]()["intake"]["accepted"] >= 3
         # Every batch the cheater replays after its acceptance is refused as a duplicate.
         bad_batches = bad.status()["batches"]
