@@ -30,7 +30,12 @@ and persists its next step before each one (node/roles/inference.py), so a gap a
 batches it never delivered: at most its outbox plus the step in generation lost in a crash
 (``max_pending_batches + 1``), the same again for batches dropped as stale in one burst, and a few
 failed steps; :func:`step_window_size` allows twice that plus ``STEP_SLACK``. The size comes from the
-run file's ``[worker] max_pending_batches``, which the trainer and validators read too.
+run file's ``[worker] max_pending_batches``, which the trainer and validators read too. Gaps could
+still add up over a long run (batches lost again and again), so a worker also never draws a step past
+(the highest step a trainer counted) + window - ``STEP_SLACK`` while a batch is outstanding, and sends
+rather than drops a stale batch past that edge, whose refusal moves the trainer's window
+(node/rollouts/submit.py, ``Outbox.step_hold``); the counted step is saved beside the next step, so a
+restart keeps it.
 
 Who judges what (issue 39). Only a trainer sees every batch a worker sends it, so only a trainer can
 bound ``step-ahead`` by the worker's real progress. A validator sees the batches trainers forward to
