@@ -11,6 +11,11 @@ Gumbel-max sampling replay), and the same without the replay. The TOPLOC paper r
 up to 100x faster than generation on GPUs (prefill is parallel over positions; decoding is
 sequential); on a CPU with a tiny model both are bound by per-call overheads, so expect far less.
 
+Hostile batches (issue 42, hole 2): a code-task batch of endless loops with garbage proofs and
+log-probs (``free_sandbox`` of node/validator/testing.py), which costs its worker nothing, judged
+beside an honest code-task batch of the same size on the same model: the validator's seconds per
+batch and their ratio (the proofs are checked before any sandbox runs, so the ratio stays near 1).
+
 The shapes are random-init Qwen2 models built locally (no download) with the embedded
 character-level tokenizer (vocabulary ~100): ``qwen2-0.5b`` has Qwen2-0.5B's layer shapes but not its
 151,936-token vocabulary, so its LM head and sampling cost are far smaller than the real model's.
@@ -41,7 +46,7 @@ from node.proofs.toploc import build_proofs_many
 from node.rl.config import RLConfig
 from node.rl.spec import sampling_seed, step_key
 from node.validator import testing as T
-from node.validator.pipeline import BatchRules, CheckModel, judge_batch
+from node.validator.pipeline import BatchRules, CheckModel, Judgement, judge_batch
 from node.validator.tasks import RunTasks
 from quick import parse_args  # bench/, the script's own folder
 
@@ -120,6 +125,38 @@ def bench_shape(shape: str, args) -> dict:
     }
 
 
+def timed_judgement(batch, rules, tasks, model, device: str) -> tuple[float, Judgement]:
+    sync(device)
+    t0 = time.perf_counter()
+    j = judge_batch(batch, rules, current_version=0, tasks=tasks, model=model)
+    sync(device)
+    return time.perf_counter() - t0, j
+
+
+def bench_hostile(shape: str, args) -> dict:
+    """Validator seconds per honest code batch and per free-sandbox batch of the same size (best of repeats)."""
+    folder = build(shape, Path(tempfile.mkdtemp(prefix=f"bench-validator-hostile-{shape}-")))
+    engine = TorchEngine(args.device, DTYPES[args.dtype])
+    engine.load(folder)
+    new_tokens = max(args.new_tokens, len(T.ENDLESS_PROGRAM) + 1)  # room for the endless program and its eos
+    rules = BatchRules(run="bench", taskset="code", temperature=1.0, top_p=1.0, max_new_tokens=new_tokens,
+                       group_size=args.group, prompts_per_batch=args.prompts, async_level=2)
+    tasks = RunTasks(RLConfig(taskset="code", group_size=args.group, prompts_per_batch=args.prompts,
+                              max_new_tokens=new_tokens))
+    worker = Identity.generate()
+    model = CheckModel(engine.model, engine.tokenizer, 0)
+    honest_s, hostile_s = [], []
+    for r in range(args.repeats):
+        honest = T.make_batch(engine, worker, rules, tasks, step=r, policy_version=0)
+        hostile = T.free_sandbox(honest, worker, engine)
+        for batch, bucket, want in ((honest, honest_s, True), (hostile, hostile_s, False)):
+            seconds, j = timed_judgement(batch.batch, rules, tasks, model, args.device)
+            if j.accepted != want:
+                raise SystemExit(f"{'honest' if want else 'hostile'} code batch judged {j.main_reason()}: {j.details[:1]}")
+            bucket.append(seconds)
+    return {"shape": shape, "samples": args.prompts * args.group, "honest_s": min(honest_s), "hostile_s": min(hostile_s)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", choices=sorted(SHAPES), help="model shape(s) (default: tiny, small)")
@@ -142,6 +179,12 @@ def main() -> None:
               f"{r['val_tps']:>16.0f}{r['val_noreplay_tps']:>13.0f}{r['val_tps'] / r['gen_tps']:>7.1f}x"
               f"{r['val_noreplay_tps'] / r['gen_tps']:>12.1f}x")
     print("ratio = validation tokens/s / generation tokens/s of the same model (TOPLOC paper: up to 100x on GPU)")
+    print()
+    print(f"{'shape':<11}{'samples':>8}{'honest code batch s':>21}{'free-sandbox batch s':>22}{'hostile/honest':>16}")
+    for r in (bench_hostile(s, args) for s in (args.shape or ["tiny", "small"])):
+        print(f"{r['shape']:<11}{r['samples']:>8}{r['honest_s']:>21.3f}{r['hostile_s']:>22.3f}"
+              f"{r['hostile_s'] / r['honest_s']:>15.2f}x")
+    print("free-sandbox: endless-loop code with garbage proofs (issue 42); must stay within 2x an honest batch")
 
 
 if __name__ == "__main__":

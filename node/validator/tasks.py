@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from ..rl import spec
 from ..rl.config import RLConfig
+from ..rl.rollout import SCORING_THREADS
 from ..rl.tasks import TaskSet, draw_task, load_run_tasks
 from .pipeline import DrawnTask, Score
 
@@ -35,8 +37,9 @@ class RunTasks:
         return self._score([(task, completion_text, completion_tokens)])[0]
 
     def score_many(self, jobs: Sequence[tuple[DrawnTask, str, int]], budget_s: float) -> list[Score | None]:
-        """Reasoning-gym and other in-process verifiers in one bounded call; code tasks one sandbox
-        run at a time, none started once ``budget_s`` has passed (each may then run its own time limit)."""
+        """Reasoning-gym and other in-process verifiers in one bounded call; code tasks in sandboxes
+        ``SCORING_THREADS`` at a time (they mostly wait, as the inference side's), none started once
+        ``budget_s`` has passed (each started one may still run its own time limit)."""
         out: list[Score | None] = [None] * len(jobs)
         code = [i for i, (task, _, _) in enumerate(jobs) if task.data.kind == "code"]
         rest = sorted(set(range(len(jobs))) - set(code))
@@ -44,10 +47,14 @@ class RunTasks:
         if rest:
             for i, sc in zip(rest, self._score([jobs[i] for i in rest])):
                 out[i] = sc
-        for i in code:
-            if self.clock() - start >= budget_s:
-                break
-            out[i] = self._score([jobs[i]])[0]
+
+        def within_budget(i: int) -> Score | None:
+            return self._score([jobs[i]])[0] if self.clock() - start < budget_s else None
+
+        if code:
+            with ThreadPoolExecutor(max_workers=SCORING_THREADS) as pool:
+                for i, sc in zip(code, pool.map(within_budget, code)):
+                    out[i] = sc
         return out
 
     def _score(self, jobs: Sequence[tuple[DrawnTask, str, int]]) -> list[Score]:
