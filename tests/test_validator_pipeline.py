@@ -27,6 +27,8 @@ from node.validator.pipeline import (
     judge_batch,
     parse_batch,
 )
+from node.validator.config import ValidatorConfig
+from node.validator.policy import PenaltyBook
 from node.validator.store import ValidatorStore
 from node.validator.tasks import RunTasks
 
@@ -246,6 +248,8 @@ def test_scoring_past_the_batch_budget_rejects_the_batch(world):
     assert not j.accepted
     n = CODE_RULES.prompts_per_batch * CODE_RULES.group_size
     assert sorted(j.reasons) == ["ok"] * 2 + [BatchReason.SCORE_BUDGET.value] * (n - 2), j.details
+    struck = PenaltyBook(ValidatorConfig()).on_verdict(worker.peer_id, j.reasons, now=0.0)
+    assert struck is not None and struck.reason == BatchReason.SCORE_BUDGET.value
 
 
 def test_fault_forged_signature(world):

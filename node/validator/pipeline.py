@@ -16,9 +16,7 @@ How this works (DESIGN.md "The loop", step 4; TOPLOC paper §3-§6; INTELLECT-2 
    needs the store.)
 2. **Per sample, cheap**: the task id and prompt tokens are the run's deterministic draw for
    (step key, prompt index) (anti cherry-picking); the completion stops at its first EOS or
-   runs to the cap, and ``finish_reason`` says which; the verifier's reward, recomputed here on the
-   decoded completion, equals the claimed task reward, length penalty and total; the advantage is
-   ``(r - mean) / (std + 1e-6)`` of its group (the rules are node/rl/spec.py's, as the worker's).
+   runs to the cap, and ``finish_reason`` says which.
 3. **Per sample, with the checkpoint's model** (one batched prefill of prompt+completion, see
    :class:`CheckModel`): the TOPLOC proofs match the validator's own final hidden states at the
    decode positions; the claimed log-probs match log softmax(logits / T); and, when the batch's
@@ -31,6 +29,14 @@ How this works (DESIGN.md "The loop", step 4; TOPLOC paper §3-§6; INTELLECT-2 
    sensitivity measured in tests/test_validator_pipeline.py: on the tiny random-init default model,
    weights perturbed by 3% of their std still pass the paper's proof thresholds, 10% do not; the
    thresholds a validator fits to accepted work, node/proofs/margins.py, catch 1%).
+4. **Per sample, the verifier, last**: the reward recomputed here on the decoded completion equals
+   the claimed task reward, length penalty and total, and the advantage is
+   ``(r - mean) / (std + 1e-6)`` of its group (the rules are node/rl/spec.py's, as the worker's).
+   Last because a verifier may run the completion as code: seconds of sandbox per sample, which a
+   batch of endless loops would cost a validator for free were it scored before its proofs
+   (issue 42). Only samples that passed 1-3 are scored, in one call per batch
+   (:meth:`TaskSet.score_many`) under the run's ``score_budget_s``; a sample not reached within it
+   is rejected as ``score_budget`` (the batch is refused and its worker earns a penalty point).
 
 The first failing check names the sample's reason (``"ok"`` when all pass); the batch is accepted
 only when every sample is. Reason codes are :class:`node.proofs.reasons.Reason` values plus the
