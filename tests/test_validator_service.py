@@ -319,3 +319,15 @@ def test_an_unjudged_verdict_that_also_judges_is_refused() -> None:
                       created_ms=0, unjudged=UNJUDGED_NO_CHECKPOINT, **fields)
         with pytest.raises(RemoteProtocolError, match="contradictory-verdict"):
             open_verdict(encode(seal(v, DOMAIN_VERDICT, bad)), "test", {v.peer_id})
+
+
+def test_the_scoring_budget_comes_from_the_run_file(tmp_path) -> None:
+    """Issue 42, hole 2: verifier time per batch is bounded; an operator whose code tasks run longer
+    sets the bound in [validator], and the pipeline's rules carry it."""
+    from node.config import load_config
+
+    path = tmp_path / "run.toml"
+    path.write_text('[run]\nname = "test"\n[validator]\nscore_budget_s = 7.5\n')
+    cfg = load_config(path, {}, {"data_dir": str(tmp_path)})
+    assert rules_from_run(cfg.run, cfg.run.section("validator", ValidatorConfig)).score_budget_s == 7.5
+    assert rules_from_run(cfg.run, ValidatorConfig()).score_budget_s == BatchRules.score_budget_s

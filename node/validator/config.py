@@ -23,6 +23,9 @@ class ValidatorConfig:
     # most this much (logit units), to absorb prefill-vs-decode numeric noise (fp32: ~1e-5; bf16: ~1e-2).
     sampling_tolerance: float = 0.05
     check_sampling: bool = True  # replay each token's seeded Gumbel-max choice from the validator's logits
+    # Verifier time per batch, spent only on samples that passed every model check; samples not reached
+    # are rejected as score_budget (a penalty point): four code time limits (5 s each) plus slack.
+    score_budget_s: float = 25.0
     check_seed: bool = True  # the batch seed must be node.rl.spec.sampling_seed(step_key(run, worker, root, step))
     penalty_points: int = 1  # points a rejected batch costs its worker (benign reasons such as staleness cost 0)
     ban_threshold: int = 3  # points within penalty_window that trigger a ban
@@ -38,7 +41,7 @@ class ValidatorConfig:
             raise ValueError(f"keep_models: 1..16, got {self.keep_models}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: auto | float32 | bfloat16 | float16, got {self.dtype!r}")
-        for name in ("checkpoint_timeout", "penalty_window", "deliver_retry"):
+        for name in ("checkpoint_timeout", "penalty_window", "deliver_retry", "score_budget_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if not self.sampling_tolerance >= 0:

@@ -138,7 +138,7 @@ def rules_from_run(run, cfg: ValidatorConfig) -> BatchRules:
         async_level=grpo.async_level + grpo.verify_grace_steps, proofs=run.section("proofs", ProofsConfig),
         sampling_tolerance=cfg.sampling_tolerance, check_sampling=cfg.check_sampling, check_seed=cfg.check_seed,
         engines=inference.accepted_engines(), replay_engines=inference.replayed_engines(),
-        dtype=None if inference.dtype == "auto" else inference.dtype,
+        dtype=None if inference.dtype == "auto" else inference.dtype, score_budget_s=cfg.score_budget_s,
     )
 
 
