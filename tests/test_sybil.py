@@ -47,10 +47,12 @@ def test_a_fresh_identity_gets_new_batches_per_interval_and_the_refusal_says_whe
 
 
 def test_all_identities_without_history_share_one_pool():
+    """However many fresh keys send at one instant, together they get ``new_total`` batches (the
+    welcome bucket; tests/test_sybil_pool.py shows how the pool is shared over time)."""
     book = QuotaBook(CFG)
     taken = 0
     for i in range(10 * CFG.new_total):  # ten times more fresh keys than the pool has batches
-        if book.check(f"sybil-{i}", 0, 5.0) is None:
+        while book.check(f"sybil-{i}", 0, 5.0) is None:
             book.take(f"sybil-{i}", 0, 5.0)
             taken += 1
     assert taken == CFG.new_total
@@ -114,9 +116,10 @@ def test_the_demo_pipeline_never_meets_the_quota(workers, stale):
 
 
 def test_fresh_gain_per_hour_under_the_defaults():
-    """The gain under the defaults for the demo's batches (32 samples: [rl] prompts_per_batch 4 x group_size 8)."""
+    """The gain under the defaults for the demo's batches (32 samples: [rl] prompts_per_batch 4 x group_size 8):
+    all fresh keys together, the pool's accrual (new_total) and the welcome bucket's refill (new_batches) per interval."""
     gain = fresh_gain_per_hour(CFG, 32)
-    assert gain == {"batches": 960, "samples": 30720, "all_new_batches": 3840, "all_new_samples": 122880}
+    assert gain == {"batches": 960, "samples": 30720, "all_new_batches": 4800, "all_new_samples": 153600}
 
 
 @pytest.mark.parametrize("bad", [{"interval_s": 0.5}, {"new_batches": -1}, {"new_total": 4}, {"trusted_after": -1}])

@@ -14,11 +14,26 @@ the run has validators), as the ledger's signed ``rollouts`` entries record them
   intake: a fresh identity ``new_batches``; an honest worker whose batches all train doubles its
   allowance every interval it uses it fully (``new_batches`` the first, ``2 * new_batches`` the next,
   ...), and from ``trusted_after`` accepted batches on it has no quota at all;
-* all workers with *no* accepted batch together may have ``new_total`` batches taken per interval:
-  however many keys a cheater makes, the unproven ones share one small pool;
-* a refusal says ``quota`` (this worker's allowance) or ``quota-new`` (the shared pool) and when the
-  next interval starts (:attr:`QuotaRefusal.retry_after_s`). Both are "not now", never a strike:
-  the worker keeps the batch and retries (node/rollouts/submit.py).
+* workers with *no* accepted batch draw from one pool besides (:class:`FreshPool`), shared **per
+  key**, not first come, first served. Issue 42: four free keys that fired at the exact start of
+  every interval (the refusal's own ``retry_after`` names it) took the whole pool of fixed
+  intervals within 0.3 s, and an honest newcomer got none of it for as long as they kept at it.
+  Now the pool accrues ``new_total`` batches per ``interval_s`` continuously (a token bucket, no
+  boundary to race), divided equally among the fresh keys that asked within the last interval: each
+  key's share accrues in its own bucket, which no other key can take from, so a newcomer among ``n``
+  flooding keys gets ``new_total / (n + 1)`` per interval however fast they poll. A key's first
+  batches come from a shared welcome bucket (at most ``new_batches`` each; it holds ``new_total``
+  and refills ``new_batches`` per interval), so making keys buys little; a key whose batch failed
+  a verdict (:meth:`QuotaBook.fail`) leaves the pool for ``BAR_INTERVALS`` intervals, and stops
+  diluting the others' shares;
+* a refusal says ``quota`` (this worker's allowance) or ``quota-new`` (the pool) and when to retry
+  (:attr:`QuotaRefusal.retry_after_s`: the next interval, or when this key's share holds a batch).
+  Both are "not now", never a strike: the worker keeps the batch and retries (node/rollouts/submit.py).
+
+What per-key sharing cannot do: keys cost nothing, so ``n`` Sybil keys that keep asking (and never
+send a batch a verdict fails) hold ``n`` shares; a newcomer's share is ``1 / (n + 1)`` of the pool
+(bench/sybil_pool.py measures it), and once ``MAX_FRESH_KEYS`` keys are asking a new key waits for
+one of them to go quiet. Only a cost per key (history, stake, work) bounds ``n``.
 
 Batches are counted when taken (spooled at a trainer, queued at a validator), not when refused for
 another reason, so a quota refusal never uses up a worker's step either. The accepted count is the
@@ -43,6 +58,7 @@ the run's validators can check per interval.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -53,7 +69,7 @@ class QuotaConfig:
 
     interval_s: float = 60.0  # length of one quota interval in seconds (fixed intervals from time 0)
     new_batches: int = 16  # batches a worker with no accepted batch may have taken per interval; 0 = no quota at all
-    new_total: int = 64  # batches all workers with no accepted batch together may have taken per interval
+    new_total: int = 64  # batches per interval all workers with no accepted batch share (per key; FreshPool)
     trusted_after: int = 256  # trained batches from which a worker has no quota (below: new_batches + trained per interval)
 
     def validate(self) -> None:
@@ -96,22 +112,104 @@ def fresh_gain_per_hour(cfg: QuotaConfig, samples_per_batch: int) -> dict[str, i
     accepted, and from all such identities together (docs/security.md's table)."""
     per_hour = math.floor(3600 / cfg.interval_s)
     one = cfg.new_batches * per_hour
-    everyone = cfg.new_total * per_hour
+    everyone = (cfg.new_total + cfg.new_batches) * per_hour  # the pool's accrual + the welcome bucket's refill
     return {"batches": one, "samples": one * samples_per_batch,
             "all_new_batches": everyone, "all_new_samples": everyone * samples_per_batch}
 
 
-class QuotaBook:
-    """The current interval's counts per worker and for the pool of workers without history.
+MAX_FRESH_KEYS = 4096  # fresh keys sharing the pool at once (bounded memory; see the module docstring)
+MAX_BARRED = 4 * MAX_FRESH_KEYS  # keys kept out of the pool after a failed verdict (oldest forgotten first)
+BAR_INTERVALS = 10  # intervals a key whose batch failed a verdict stays out of the pool
+MIN_WAIT_S = 0.01  # shortest retry a quota-new refusal names (float rounding must not spin a retrying worker)
+PRUNE_EVERY_S = 1.0  # how often keys quiet for an interval are dropped from the pool
 
-    Bounded: only the current interval is kept (an older one is dropped as soon as time moves on),
-    and a worker appears in it only after a batch of its was taken, so it holds at most
-    ``new_total`` workers without history plus the workers with history that sent in this interval.
+
+class FreshPool:
+    """The pool of workers without accepted history: ``total`` batches per ``interval_s``, accruing
+    continuously and shared equally by the keys that asked within the last interval (module docstring).
+
+    Each key holds ``[tokens, last accrual, last asked]``; its tokens accrue at ``rate / n`` up to
+    ``max(1, total / n)`` for ``n`` keys asking, so all keys together accrue at most ``rate``.
+    """
+
+    def __init__(self, total: float, welcome: float, interval_s: float) -> None:
+        self.total, self.welcome, self.interval_s = total, welcome, interval_s
+        self.rate = total / interval_s  # batches per second, all keys together
+        self._keys: dict[str, list[float]] = {}
+        self._barred: dict[str, float] = {}  # key -> until when
+        self._lobby = total  # the welcome bucket: first batches of keys new to the pool
+        self._lobby_at: float | None = None
+        self._pruned = -math.inf
+
+    def _prune(self, now: float) -> None:
+        if now - self._pruned < PRUNE_EVERY_S:
+            return
+        self._pruned = now
+        quiet = [k for k, (_, _, seen) in self._keys.items() if now - seen > self.interval_s]
+        for k in quiet:
+            del self._keys[k]
+        for k in [k for k, until in self._barred.items() if until <= now]:
+            del self._barred[k]
+
+    def _bucket(self, worker: str, now: float) -> list[float] | None:
+        """``worker``'s bucket accrued to ``now`` (a new key joins with its welcome); None if it may not join."""
+        bucket = self._keys.get(worker)
+        if bucket is None:
+            if len(self._keys) >= MAX_FRESH_KEYS:
+                return None
+            if self._lobby_at is not None:
+                self._lobby = min(self.total, self._lobby + (now - self._lobby_at) * self.welcome / self.interval_s)
+            self._lobby_at = now
+            grant = min(self.welcome, self._lobby)
+            self._lobby -= grant
+            bucket = self._keys[worker] = [grant, now, now]
+            return bucket
+        n = len(self._keys)
+        bucket[0] = max(bucket[0], min(max(1.0, self.total / n), bucket[0] + (now - bucket[1]) * self.rate / n))
+        bucket[1] = bucket[2] = now
+        return bucket
+
+    def wait(self, worker: str, now: float) -> float:
+        """0 if a batch of ``worker`` may be taken from the pool at ``now``, else seconds until it may."""
+        self._prune(now)
+        if worker in self._barred:
+            return self._barred[worker] - now
+        bucket = self._bucket(worker, now)
+        if bucket is None:
+            return self.interval_s
+        if bucket[0] >= 1.0 - 1e-9:
+            return 0.0
+        return max(MIN_WAIT_S, (1.0 - bucket[0]) * len(self._keys) / self.rate)
+
+    def take(self, worker: str, now: float) -> None:
+        bucket = self._keys.get(worker)
+        if bucket is not None:
+            bucket[0] = max(0.0, bucket[0] - 1.0)
+
+    def fail(self, worker: str, now: float) -> None:
+        """A batch of ``worker`` failed a verdict: out of the pool for ``BAR_INTERVALS`` intervals."""
+        self._keys.pop(worker, None)
+        self._barred.pop(worker, None)
+        self._barred[worker] = now + BAR_INTERVALS * self.interval_s
+        while len(self._barred) > MAX_BARRED:
+            del self._barred[next(iter(self._barred))]
+
+    def status(self) -> dict:
+        return {"fresh_keys": len(self._keys), "barred": len(self._barred)}
+
+
+class QuotaBook:
+    """The current interval's counts per worker, and the pool of workers without history (:class:`FreshPool`).
+
+    Bounded: only the current interval's counts are kept (an older one is dropped as soon as time
+    moves on), and a worker appears in them only after a batch of its was taken; the pool holds at
+    most ``MAX_FRESH_KEYS`` keys and ``MAX_BARRED`` barred ones.
     """
 
     def __init__(self, cfg: QuotaConfig, scale: int = 1) -> None:
         self.cfg = cfg
         self.scale = scale
+        self.pool = FreshPool(scale * cfg.new_total, scale * cfg.new_batches, cfg.interval_s)
         self._interval = -1
         self._taken: dict[str, int] = {}
         self._new_taken = 0
@@ -129,14 +227,15 @@ class QuotaBook:
         if limit is None:
             return None
         k = self._roll(now)
-        retry = (k + 1) * self.cfg.interval_s - now
         taken = self._taken.get(worker, 0)
         if taken >= limit:
             self.refused += 1
-            return QuotaRefusal("quota", retry, f"{taken} of {limit} batches this interval ({accepted} accepted so far)")
-        if accepted <= 0 and self._new_taken >= self.scale * self.cfg.new_total:
+            return QuotaRefusal("quota", (k + 1) * self.cfg.interval_s - now,
+                                f"{taken} of {limit} batches this interval ({accepted} accepted so far)")
+        if accepted <= 0 and (wait := self.pool.wait(worker, now)) > 0:
             self.refused += 1
-            return QuotaRefusal("quota-new", retry, f"workers without accepted batches used all {self._new_taken}")
+            return QuotaRefusal("quota-new", wait, f"its share of the pool of workers without accepted batches "
+                                                   f"({self.pool.status()['fresh_keys']} keys share it) is used")
         return None
 
     def take(self, worker: str, accepted: int, now: float) -> None:
@@ -147,13 +246,50 @@ class QuotaBook:
         self._taken[worker] = self._taken.get(worker, 0) + 1
         if accepted <= 0:
             self._new_taken += 1
+            self.pool.take(worker, now)
+
+    def fail(self, worker: str, now: float) -> None:
+        """A batch of ``worker`` failed its verdict: if it has no history it loses its share of the pool."""
+        self.pool.fail(worker, now)
 
     def status(self) -> dict:
         return {"interval_s": self.cfg.interval_s, "workers_this_interval": len(self._taken),
-                "new_taken": self._new_taken, "refused": self.refused}
+                "new_taken": self._new_taken, "refused": self.refused} | self.pool.status()
 
 
 def accepted_batches(accepted_samples: int, samples_per_batch: int) -> int:
     """Accepted batches from the ledger's accepted samples (every batch of a run has the same size:
     ``prompts_per_batch * group_size``; node/rollouts/assemble.py refuses partial ones)."""
     return accepted_samples // max(1, samples_per_batch)
+
+
+def simulate_flood(cfg: QuotaConfig, sybils: int, seconds: float, honest_every_s: float = 5.0,
+                   fail_after_s: float | None = None) -> int:
+    """Batches an honest newcomer gets taken in ``seconds`` while ``sybils`` fresh keys flood the pool
+    (issue 42's attack; tests/test_sybil_pool.py, bench/sybil_pool.py). Each Sybil sends junk back to
+    back and retries at exactly the time a refusal names; the newcomer joins 1 s in and samples one
+    batch every ``honest_every_s``. ``fail_after_s``: a validator fails each junk batch that long
+    after it was taken (None: no validator looks, the worst case). Pure: the time is simulated."""
+    book = QuotaBook(cfg)
+    honest = "honest-newcomer"
+    events = [(0.0, 0, f"sybil-{i}") for i in range(sybils)] + [(1.0, 0, honest)]  # (time, kind, key); kind 1 = verdict
+    heapq.heapify(events)
+    got = 0
+    while events and events[0][0] < seconds:
+        now, kind, who = heapq.heappop(events)
+        if kind == 1:
+            book.fail(who, now)
+            continue
+        refusal = book.check(who, 0, now)
+        if refusal is not None:
+            heapq.heappush(events, (now + refusal.retry_after_s, 0, who))
+            continue
+        book.take(who, 0, now)
+        if who == honest:
+            got += 1
+            heapq.heappush(events, (now + honest_every_s, 0, who))
+        else:
+            heapq.heappush(events, (now + 0.001, 0, who))
+            if fail_after_s is not None:
+                heapq.heappush(events, (now + fail_after_s, 1, who))
+    return got

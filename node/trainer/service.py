@@ -388,6 +388,7 @@ class Trainer:
                             self._life[verdict.batch_id] = (life[0], life[1], self.wall_clock())
                     else:
                         self._gone([verdict.batch_id], row.samples, outcome.reason)
+                        self.quota.fail(row.worker, self.clock())  # a fresh key's junk costs it the pool
                     self._wake("train" if outcome.passed else "ledger")
                     self._wake("gate")  # a validator slot is free: send the next batch now, not at the next tick
                     return verdict.batch_id, True, ""

@@ -1,0 +1,66 @@
+"""Sybils racing honest newcomers for the fresh-identity pool (issue 42, hole 3).
+
+The attack as it was run against the trainer: a few free keys, no model work, submit junk the moment
+the trainer's own ``retry_after_ms`` says the pool refills, while an honest new worker samples one
+batch every 5 s (12 a minute). On the pool of fixed intervals, first come, first served, the
+newcomer got 1 of 24 in two minutes. Pure: the real :class:`QuotaBook` driven with the time as a number.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from node.rollouts.quota import MAX_FRESH_KEYS, QuotaBook, QuotaConfig, simulate_flood
+
+CFG = QuotaConfig()
+WANTS_PER_MIN = CFG.interval_s / 5.0  # the newcomer samples a batch every 5 s
+
+
+def _fair(sybils: int) -> float:
+    """The newcomer's fair share per minute: the pool split equally among the keys asking, or what it wants."""
+    return min(WANTS_PER_MIN, CFG.new_total / (sybils + 1))
+
+
+def test_four_sybil_keys_racing_the_pool_leave_an_honest_newcomer_its_batches():
+    """The issue's run: 4 keys, two intervals; the newcomer wanting 12 a minute got 0 of 12 in each."""
+    assert simulate_flood(CFG, 4, 2 * CFG.interval_s) >= 0.9 * 2 * WANTS_PER_MIN
+
+
+@pytest.mark.parametrize("sybils", [4, 16, 64])
+def test_an_honest_newcomer_gets_its_fair_share_however_many_keys_flood(sybils):
+    minutes = 10
+    got = simulate_flood(CFG, sybils, minutes * CFG.interval_s) / minutes
+    assert 0.9 * _fair(sybils) <= got <= 1.2 * _fair(sybils) + 1
+
+
+def test_junk_that_fails_its_verdict_costs_the_sybil_keys_the_pool():
+    """With a validator failing each junk batch 10 s after intake, 64 keys leave the pool to the newcomer."""
+    minutes = 10
+    got = simulate_flood(CFG, 64, minutes * CFG.interval_s, fail_after_s=10.0) / minutes
+    assert got >= 0.8 * WANTS_PER_MIN > 5 * _fair(64)
+
+
+def test_a_refused_key_is_told_when_its_share_holds_a_batch_not_an_interval_boundary():
+    book = QuotaBook(CFG)
+    for i in range(4):  # four keys use up the welcome bucket at once
+        while book.check(f"s{i}", 0, 0.0) is None:
+            book.take(f"s{i}", 0, 0.0)
+    refusal = book.check("fifth", 0, 0.0)
+    assert refusal.reason == "quota-new" and refusal.retry_after_s < CFG.interval_s / 4
+    assert book.check("fifth", 0, refusal.retry_after_s) is None
+
+
+def test_a_barred_key_stays_out_of_the_pool_and_a_key_with_history_is_unaffected():
+    book = QuotaBook(CFG)
+    book.fail("junk", 0.0)
+    assert book.check("junk", 0, 30.0).reason == "quota-new"
+    assert book.check("junk", 3, 30.0) is None  # history: the pool is not consulted
+
+
+def test_the_pool_holds_a_bounded_number_of_keys():
+    book = QuotaBook(CFG)
+    for i in range(MAX_FRESH_KEYS + 10):
+        book.check(f"k{i}", 0, 0.0)
+    assert book.status()["fresh_keys"] == MAX_FRESH_KEYS
+    assert book.check("late", 0, 0.0).retry_after_s == CFG.interval_s
+    assert book.check("late", 0, 2 * CFG.interval_s) is None  # the quiet keys were dropped
