@@ -202,6 +202,28 @@ async def test_many_fresh_identities_share_the_pool_and_a_worker_with_history_is
         assert all(a.accepted for a in acks)
 
 
+async def test_sybils_flooding_the_trainer_at_its_own_retry_after_leave_a_newcomer_its_share(tmp_path: Path):
+    """Issue 42 hole 3 through the real intake: four fresh keys send until refused and come back
+    exactly when ``retry_after_ms`` says; a newcomer arriving a second later is refused only until its
+    own share holds a batch (on the pool of fixed intervals it waited for the next interval, and lost)."""
+    clock = SimpleNamespace(now=100.0)
+    with open_spool(tmp_path / "spool.sqlite") as spool:
+        trainer = _trainer(spool, FakeLedger(), clock)
+        sybils, step = [Identity.generate() for _ in range(4)], 0
+        for s in sybils:
+            while (await trainer.judge(_batch(s, step), s.peer_id)).accepted:
+                step += 1
+        newcomer = Identity.generate()
+        clock.now += 1.0
+        ack = await trainer.judge(_batch(newcomer, 0), newcomer.peer_id)
+        assert not ack.accepted and ack.reason == "quota-new" and ack.retry_after_ms < 10_000
+        clock.now += ack.retry_after_ms / 1000 + 0.001
+        for s in sybils:  # the Sybils come back at the same moment
+            await trainer.judge(_batch(s, step), s.peer_id)
+            step += 1
+        assert (await trainer.judge(_batch(newcomer, 0), newcomer.peer_id)).accepted
+
+
 async def test_the_quota_is_a_run_setting(tmp_path: Path):
     clock = SimpleNamespace(now=0.0)
     with open_spool(tmp_path / "spool.sqlite") as spool:
