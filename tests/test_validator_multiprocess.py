@@ -124,8 +124,11 @@ def test_validator_killed_mid_run_the_other_takes_over(tmp_path, cheat):
         assert trainer["gate"]["verdicts"].get("failed", 0) >= 1, trainer["gate"]
         assert trainer["gate"]["verdicts"].get("passed", 0) >= 1, trainer["gate"]
 
-        v2 = section(swarm, "v2", "validator")
-        assert set(v2["reasons"]) & CHEATS[cheat], v2
+        # The cheat's batches fail on its kind of cheating, whichever validator judged them: once one
+        # fails, its fresh key leaves the new-identity pool (issue 42) and the trainer takes no more
+        # of its batches, so the survivor may never see one.
+        failed_on = {r.split(":", 1)[1] for r in trainer["rejected_by_reason"] if r.startswith("verdict:")}
+        assert failed_on & CHEATS[cheat], trainer["rejected_by_reason"]
         with open_ledger_store(tmp_path / "v2", read_only=True) as store:
             report = collect(store, time.time())
         cheat_id = swarm.peer_id("cheat")
