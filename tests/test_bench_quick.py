@@ -70,7 +70,7 @@ def test_bench_quick_runs_every_benchmark_and_fails_naming_the_broken_ones(tmp_p
     broken = tmp_path / "broken.py"
     broken.write_text('import sys\nif __name__ == "__main__":\n    sys.exit("benchmark broke")\n')
     hangs = tmp_path / "hangs.py"
-    hangs.write_text('import time\nif __name__ == "__main__":\n    time.sleep(60)\n')
+    hangs.write_text('import threading\nif __name__ == "__main__":\n    threading.Event().wait()  # hangs until killed\n')
     fine = tmp_path / "fine.py"
     fine.write_text('import sys\nif __name__ == "__main__":\n    print("ran with", sys.argv[1:])\n')
     # -o: take the venv as built (its recipe is not what this tests)

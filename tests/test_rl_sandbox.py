@@ -138,7 +138,7 @@ def _attacks(w: dict) -> dict[str, str]:
         # against a 512 MB limit). The parent counts the children still alive that filled their share:
         # together they hold that many shares, whatever killed the others.
         "memory_many_processes": textwrap.dedent(f"""
-            import os, select, time
+            import os, select, signal, time
             CHILDREN, MB, LIMIT_MB = 6, {CHILD_MB}, {FAST['memory_mb']}
             r, w = os.pipe()
             pids = []
@@ -151,7 +151,7 @@ def _attacks(w: dict) -> dict[str, str]:
                     try:
                         held = b'x' * (MB * 1024 * 1024)  # filled: resident, not just reserved
                         os.write(w, b'%d\\n' % os.getpid())
-                        time.sleep(60)
+                        signal.pause()  # hold it until the run's end kills us
                     finally:
                         os._exit(0)
                 pids.append(pid)
