@@ -71,7 +71,6 @@ def progress_counters(status: dict) -> dict[str, int]:
     if isinstance(inference := status.get("inference"), dict):
         batches = inference.get("batches") or {}
         out["acked"] = int(batches.get("accepted", 0))
-        out["sent"] = int(batches.get("sent", 0))
         out["refused"] = sum((batches.get("refused") or {}).values())
     return out
 
@@ -80,7 +79,7 @@ class ProgressWatch:
     """When each progress counter last moved, and its rate per minute, from successive snapshots."""
 
     def __init__(self) -> None:
-        self.first: dict[str, tuple[float, int]] = {}  # counter -> (time first seen, value then)
+        self.first: dict[str, int] = {}  # counter -> its value when first seen
         self.moved_at: dict[str, float] = {}  # counter -> time it was last seen to change
         self.last: dict[str, int] = {}
         self.gaps: dict[str, deque[float]] = {}  # counter -> seconds per unit of its recent moves
@@ -92,10 +91,10 @@ class ProgressWatch:
         counters = progress_counters(status)
         for name, value in counters.items():
             if name not in self.first:
-                self.first[name] = (now, value)
+                self.first[name] = value
                 self.moved_at[name] = now  # moved at most now: its real last change is unknown
             elif value != self.last[name]:
-                if self.last[name] != self.first[name][1]:  # a gap between two seen moves, not since start
+                if self.last[name] != self.first[name]:  # a gap between two seen moves, not since start
                     gaps = self.gaps.setdefault(name, deque(maxlen=MAX_GAPS))
                     gaps.append((now - self.moved_at[name]) / max(1, abs(value - self.last[name])))
                 self.moved_at[name] = now
@@ -116,7 +115,7 @@ class ProgressWatch:
         for name, value in self.last.items():
             out[name] = value
             out[f"{name}_since_s"] = round(now - self.moved_at[name], 1)
-            out[f"{name}_moved"] = value != self.first[name][1]
+            out[f"{name}_moved"] = value != self.first[name]
             out[f"{name}_per_min"] = self.rate(name, now)
             gaps = sorted(self.gaps.get(name, ()))
             out[f"{name}_gap_s"] = round(gaps[len(gaps) // 2], 1) if gaps else None
