@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-STALLED = "stalled"  # node/health.py State.STALLED, as status.json writes it
+from ..health import State
 
 
 def health_of(status: dict) -> tuple[str, str]:
@@ -55,7 +55,7 @@ class StallWatch:
         for name, (_, status) in statuses.items():
             state, cause = health_of(status)
             s = self.nodes.setdefault(name, _Stalls())
-            if state == STALLED:
+            if state == State.STALLED.value:
                 if s.since is None:
                     s.count, s.since = s.count + 1, now
                 s.current_cause = cause
