@@ -1,8 +1,8 @@
 """Back-pressure from the trainer to the workers: how long a worker should wait before its next batch.
 
 How this works (issue 15). Pure, time passed in. The trainer knows how many acknowledged batches
-wait for a verdict or for a step (``pending``) and how fast batches leave that set (verified and
-trained, rejected, expired): :meth:`Pacer.on_drained` records each departure and the rate is
+wait for a verdict or for a step (``pending``) and how fast batches leave that set (trained, or
+refused by a verdict; not expired, see below): :meth:`Pacer.on_drained` records each departure and the rate is
 measured over the last ``WINDOW`` departures. Every ack carries ``retry_after_ms``
 (node/rollouts/schema.py ``RolloutAck``):
 
@@ -25,13 +25,12 @@ node/trainer/intake.py ``trainable_until``). With ``pending`` batches ahead of i
 ``pending * seconds per batch`` to be trained, so no more than ``horizon_steps * seconds per step
 / seconds per batch`` may be queued: :meth:`Pacer.target_now` is half that (at least
 ``MIN_TARGET``), capped by the configured ``target``. A fixed target of half the queue (128 batches) let one slow
-validator fall minutes behind on a busy machine, and a third of the honest samples expired. Only
-batches that were judged (trained, or refused by a verdict) count as departures: an expired batch
-took no validator time, and counting it made the drain rate look faster the more was lost. A batch
-departs when it is trained (or refused by a verdict): the queue drains at the pace of the slower of
-validators and trainer, and a verdict rate measured alone let verified batches pile up past what the
-capped steps (``max_step_samples``) could take before they expired. Half the horizon is the target:
-the other half absorbs the swings of step times and of each step's take.
+validator fall minutes behind on a busy machine, and a third of the honest samples expired. A batch
+departs when it is trained, or refused by a verdict: the queue drains at the pace of the slower of
+validators and trainer (a verdict rate measured alone let verified batches pile up past what the
+capped steps, ``max_step_samples``, could take before they expired), and an expired batch does not
+count (it took no validator time; counting it made the drain rate look faster the more was lost).
+Half the horizon is the target: the other half absorbs the swings of step times and of each step's take.
 """
 
 from __future__ import annotations
