@@ -42,7 +42,7 @@ class RunTasks:
         ``budget_s`` has passed (each started one may still run its own time limit)."""
         out: list[Score | None] = [None] * len(jobs)
         code = [i for i, (task, _, _) in enumerate(jobs) if task.data.kind == "code"]
-        rest = sorted(set(range(len(jobs))) - set(code))
+        rest = [i for i, (task, _, _) in enumerate(jobs) if task.data.kind != "code"]
         start = self.clock()
         if rest:
             for i, sc in zip(rest, self._score([jobs[i] for i in rest])):
