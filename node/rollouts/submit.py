@@ -58,8 +58,8 @@ MAX_ACK_BYTES = 4096  # a RolloutAck is ~100 bytes; anything bigger is garbage
 # Refusal reasons that say "not now" rather than "never": the batch goes back to the queue and the
 # trainer is backed off. Every other reason is final (the batch itself is bad or unwanted).
 TRANSIENT_REASONS = frozenset({"busy", "overloaded", "not-ready", "shutting-down"}) | QUOTA_REASONS
-# Refusals after which a trainer's step window did not record the batch's step (node/trainer/intake.py
-# KEEPS_WINDOW; tests/test_inference_step_headroom.py checks they agree). Every other answer did.
+# Refusals after which a trainer's step window did not record the batch's step (the trainer's intake
+# uses this very set, node/trainer/intake.py KEEPS_WINDOW). Every other answer did.
 UNCOUNTED_REASONS = frozenset({"duplicate", "duplicate-step", "step-ahead", "step-behind", "busy", "banned"}) | QUOTA_REASONS
 
 
