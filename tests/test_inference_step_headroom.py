@@ -53,9 +53,9 @@ class Trainer:
 def test_lost_batches_never_lock_an_honest_worker_out(capacity, crashes, seed):
     """Rounds where the trainer moves on while most of the worker's batches wait (busy, then stale),
     and the worker crashes now and then (losing its outbox and the step it was generating, keeping
-    what it persisted before each step: the next step and how far the trainer counted): on
-    today's code the dropped batches burn step numbers until the next one is above the trainer's
-    window, and every later batch is refused ``step-ahead``."""
+    what it persisted before each step: the next step and how far the trainer counted): without the
+    outbox's step headroom the dropped batches burned step numbers until the next one was above the
+    trainer's window, and every later batch was refused ``step-ahead``."""
     rng = random.Random(seed)
     window = step_window_size(capacity)
     ob, trainer = outbox(capacity=capacity), Trainer(window)
