@@ -10,7 +10,7 @@ def test_half_the_cpus_at_least_one():
     assert [default_torch_threads(n) for n in (None, 1, 2, 4, 16)] == [1, 1, 1, 2, 8]
 
 
-def test_the_environment_decides_when_it_sets_threads(monkeypatch):
+def test_the_environment_decides_when_it_sets_threads():
     import torch
 
     before = torch.get_num_threads()
