@@ -16,8 +16,9 @@ def parse_args(ap: argparse.ArgumentParser, quick: dict, argv: list[str] | None 
     value); flags given explicitly still win over them."""
     def flag(dest: str, value) -> str:
         name = dest.replace("_", "-")
-        return {True: f"--{name}", False: f"--no-{name}"}.get(value, f"--{name} {value}") \
-            if isinstance(value, bool) else f"--{name} {value}"
+        if isinstance(value, bool):
+            return f"--{name}" if value else f"--no-{name}"
+        return f"--{name} {value}"
 
     shown = ", ".join(flag(k, v) for k, v in quick.items())
     ap.add_argument("--quick", action="store_true",
