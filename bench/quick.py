@@ -18,6 +18,8 @@ def parse_args(ap: argparse.ArgumentParser, quick: dict, argv: list[str] | None 
         name = dest.replace("_", "-")
         if isinstance(value, bool):
             return f"--{name}" if value else f"--no-{name}"
+        if isinstance(value, list):  # nargs="+" or action="append": the words as typed, not a Python list
+            return f"--{name} {' '.join(map(str, value))}"
         return f"--{name} {value}"
 
     shown = ", ".join(flag(k, v) for k, v in quick.items())
