@@ -371,14 +371,6 @@ def _run_file(tmp_path, name="my-run", **lists) -> str:
     return str(path)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_node_without_a_run_stops_and_says_so(tmp_path):
     """`swarm-node --role relay --listen ...` joined run 'demo', whose peers the operator's run refuses."""
     res = run_cli("--role", "relay", "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(tmp_path / "relay"))
