@@ -64,3 +64,18 @@ def test_the_pool_holds_a_bounded_number_of_keys():
     assert book.status()["fresh_keys"] == MAX_FRESH_KEYS
     assert book.check("late", 0, 0.0).retry_after_s == CFG.interval_s
     assert book.check("late", 0, 2 * CFG.interval_s) is None  # the quiet keys were dropped
+
+
+def test_a_key_whose_bar_just_ended_joins_with_a_welcome_not_an_open_tap():
+    """Between prunes an expired bar said "wait <= 0", i.e. take freely, with no bucket to charge."""
+    from node.rollouts.quota import BAR_INTERVALS, PRUNE_EVERY_S, FreshPool
+
+    pool = FreshPool(CFG.new_total, CFG.new_batches, CFG.interval_s)
+    pool.fail("junk", 0.0)
+    end = BAR_INTERVALS * CFG.interval_s
+    pool.wait("other", end - PRUNE_EVERY_S / 2)  # a prune just before the bar ends
+    taken = 0
+    while pool.wait("junk", end) == 0 and taken < 10 * CFG.new_batches:
+        pool.take("junk", end)
+        taken += 1
+    assert taken == CFG.new_batches  # its welcome, as any new key

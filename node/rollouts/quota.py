@@ -172,8 +172,11 @@ class FreshPool:
     def wait(self, worker: str, now: float) -> float:
         """0 if a batch of ``worker`` may be taken from the pool at ``now``, else seconds until it may."""
         self._prune(now)
-        if worker in self._barred:
-            return self._barred[worker] - now
+        until = self._barred.get(worker)
+        if until is not None:
+            if until > now:
+                return until - now
+            del self._barred[worker]  # served its bar since the last prune: it joins as a new key
         bucket = self._bucket(worker, now)
         if bucket is None:
             return self.interval_s
