@@ -140,12 +140,14 @@ def health_cell(status: dict) -> str:
     return f"[{style}]{escape(text)}[/]" if style else escape(text)
 
 
-def build_table(swarm: LocalSwarm, started: float, caption: str | None = None) -> Table:
+def build_table(swarm: LocalSwarm, statuses: dict[str, tuple[str, dict]], started: float,
+                caption: str | None = None) -> Table:
+    """The live table of ``statuses`` (:func:`swarm_statuses`, read once per refresh)."""
     table = Table(title=f"swarm-node demo — {time.monotonic() - started:.0f}s (Ctrl-C to stop)", caption=caption)
     for col in ("node", "role", "health", "members a/s/d/l", "conns", "versions held", "rollouts", "reward"):
         table.add_column(col)
     for name, proc in swarm.procs.items():
-        status = swarm.status(name)  # a stopped node leaves its last status behind
+        status = statuses[name][1]  # a stopped node leaves its last status behind
         member = status.get("membership", {})
         c = member.get("counts", {})
         counts = f"{c.get('alive', '-')}/{c.get('suspect', '-')}/{c.get('dead', '-')}/{c.get('left', '-')}"
@@ -249,16 +251,19 @@ def run_demo(args) -> int:
         started = time.monotonic()
         caption = f"status page: http://127.0.0.1:{args.http_port}/" if args.http_port else None
         stalls = StallWatch()
-        with Live(build_table(swarm, started, caption), console=console, refresh_per_second=1) as live:
+        with Live(build_table(swarm, swarm_statuses(swarm), started, caption), console=console,
+                  refresh_per_second=1) as live:
             while not stop and (not args.duration or time.monotonic() - started < args.duration):
                 time.sleep(1.0)
-                live.update(build_table(swarm, started, caption))
-                stalls.observe(swarm_statuses(swarm), time.monotonic())
+                statuses = swarm_statuses(swarm)  # one read of each node's status file per refresh
+                live.update(build_table(swarm, statuses, started, caption))
+                stalls.observe(statuses, time.monotonic())
         seconds = time.monotonic() - started
         stalled = stalls.summary(time.monotonic())
         console.print("stopping nodes (each leaves the swarm with a signed goodbye)…")
-    console.print(build_table(swarm, started))
-    curve = (swarm.status("trainer").get("trainer") or {}).get("reward") or []
+    final = swarm_statuses(swarm)  # the nodes stopped: their last statuses
+    console.print(build_table(swarm, final, started))
+    curve = (final["trainer"][1].get("trainer") or {}).get("reward") or []
     console.print(Text("\nmean reward per training step (trainer)", style="bold"))
     console.print(reward_plot(curve))
     ratio = reward_ratio(curve)
@@ -266,7 +271,7 @@ def run_demo(args) -> int:
         first, last, times = ratio
         console.print(f"mean reward, first 10 steps {first:.3f}, last 10 steps {last:.3f}"
                       + (f" ({times:.2f}×)" if times is not None else ""))
-    figures = loop_figures(swarm_statuses(swarm), seconds, stalled)
+    figures = loop_figures(final, seconds, stalled)
     console.print(Text("\nwhere the work went", style="bold"))
     console.print(format_figures(figures), markup=False)
     (root / "figures.json").write_text(json.dumps(figures, indent=1))
