@@ -47,7 +47,6 @@ from .tasks import Task, TaskFormatError
 
 NAME = "reasoning-gym"
 KIND = "reasoning-gym"  # Task.kind of drawn tasks
-REASONING_GYM_VERSION = "0.1.25"  # the version pyproject.toml pins; a run's default
 ANSWER_INSTRUCTION = ("Answer the question. Think briefly if you need to, then give only the final answer "
                       "inside <answer> </answer> tags, for example <answer>42</answer>.")
 MAX_ANSWER_CHARS = 4096  # a longer answer is not an answer
@@ -125,11 +124,10 @@ def parse_generators(table: Any) -> tuple[Generator, ...]:
 class GymTasks:
     """A reasoning-gym task source: ``draw(key, index)`` as node/rl/tasks.py's TaskSet."""
 
-    def __init__(self, generators: tuple[Generator, ...], version: str, bound: Bound = Bound()) -> None:
+    def __init__(self, generators: tuple[Generator, ...], version: str) -> None:
         self.name = NAME
         self.generators = generators
         self.version = version
-        self.bound = bound
         ident = {"version": version, "generators": [[g.name, g.weight, g.options] for g in generators]}
         self.digest = digest(b"swarm-reasoning-gym\x00" + json.dumps(ident, sort_keys=True).encode())
         self._total = math.fsum(g.weight for g in generators)
@@ -173,7 +171,6 @@ def extract_answer(completion: str) -> str | None:
         return None
     answer = completion[start:end].strip()
     return answer if 0 < len(answer) <= MAX_ANSWER_CHARS else None
-
 
 
 def score_calls(tasks: list[Task], completions: list[str], bound: Bound, format_reward: float = 0.0) -> list[float]:

@@ -156,12 +156,10 @@ def load_run_tasks(rl) -> TaskSet:
     (node/rl/gym.py ``GymTasks``, which draws like a TaskSet). TaskFormatError (one line) on any
     mismatch: a node that would draw other tasks than the run's refuses to start."""
     if rl.taskset == "reasoning-gym":
-        from .bounded import Bound
         from .gym import GymTasks, check_version, parse_generators
 
         check_version(rl.reasoning_gym_version)
-        return GymTasks(parse_generators(rl.reasoning_gym), rl.reasoning_gym_version,
-                        Bound(rl.score_timeout_s, rl.score_memory_mb))
+        return GymTasks(parse_generators(rl.reasoning_gym), rl.reasoning_gym_version)
     taskset = load_taskset(rl.taskset)
     if rl.taskset not in KINDS:
         have = taskset.digest.hex()
