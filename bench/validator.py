@@ -105,11 +105,8 @@ def bench_shape(shape: str, args) -> dict:
     no_replay = replace(rules, check_sampling=False)
     for b in batches:
         for rr, bucket in ((rules, val_s), (no_replay, noreplay_s)):
-            sync(args.device)
-            t0 = time.perf_counter()
-            j = judge_batch(b.batch, rr, current_version=0, tasks=tasks, model=model)
-            sync(args.device)
-            bucket.append(time.perf_counter() - t0)
+            seconds, j = timed_judgement(b.batch, rr, tasks, model, args.device)
+            bucket.append(seconds)
             if not j.accepted:
                 raise SystemExit(f"honest batch rejected: {j.main_reason()} {j.details[:1]}")
         tokens = j.tokens
