@@ -29,8 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quick import parse_args  # bench/, the script's own folder  # noqa: E402
-
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 
 
 def prompts_of(tokenizer, batch: int, seed: int) -> list[list[int]]:
