@@ -546,8 +546,8 @@ class Trainer:
             self.stepping_since = self.clock()
             try:
                 await self.run_step(*picked)
-            finally:
-                self.stepping_since = None
+            finally:  # a dropped step (a non-finite update) ends its hold too: the next one waits afresh
+                self.stepping_since = self.hold_since = None
 
     def _hold_step(self) -> bool:
         """True while the next step should wait for verdicts on batches it would leave to expire
