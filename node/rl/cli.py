@@ -117,7 +117,7 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
     import torch
 
     from ..engines.torch_engine import TorchEngine
-    from ..engines.model import is_model_folder
+    from ..engines.model import ModelFolderError, check_model_folder
     from .config import GRPOConfig, RLConfig
     from .loop import greedy_score, run_local_loop
     from .sandbox import SandboxUnavailable, require_isolation
@@ -142,8 +142,11 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
         return _fail(str(e))
     with tempfile.TemporaryDirectory(prefix="swarm-rl-local-") as tmp:
         model_dir = Path(args.model).expanduser() if args.model else Path(tmp) / "model"
-        if args.model and not is_model_folder(model_dir):
-            return _fail(f"{model_dir}: not a Hugging Face model folder (config.json + *.safetensors)")
+        if args.model:
+            try:
+                check_model_folder(model_dir)  # says what is wrong, a hub id included
+            except ModelFolderError as e:
+                return _fail(str(e))
         if args.model and not has_tokenizer(model_dir):
             return _fail(f"{model_dir}: no tokenizer in the model folder (tokenizer.json, tokenizer.model or vocab.json)")
         if not args.model:
