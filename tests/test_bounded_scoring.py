@@ -58,3 +58,10 @@ def test_a_dead_scoring_server_is_replaced():
     proc.wait()
     assert score_bounded([gym_call("chain_sum", 1, right)], Bound())[0].score == 1.0
     assert bounded._SERVER._proc.pid != proc.pid
+
+
+def test_every_answer_of_a_batch_is_read_however_the_pipe_delivers_them():
+    """The server's answers can arrive together: each of a batch of honest calls scores, none is
+    left unread in a buffer and reported as a crash."""
+    calls = [gym_call("chain_sum", s, oracle("chain_sum", s)) for s in range(20)]
+    assert [(o.score, o.reason) for o in score_bounded(calls, Bound())] == [(1.0, "ok")] * 20

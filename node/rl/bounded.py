@@ -208,12 +208,21 @@ class ScoringServer:
             try:
                 proc.stdin.write((json.dumps(request) + "\n").encode())
                 proc.stdin.flush()
-                fd = proc.stdout.fileno()
+                # Read the pipe itself: a buffered readline would take several answers at once and
+                # leave them where select cannot see them (the batch then waited for nothing and its
+                # rest scored "crashed").
+                fd, buf = proc.stdout.fileno(), b""
                 while len(out) < len(calls):
-                    ready, _, _ = select.select([fd], [], [], bound.time_s + SERVER_SLACK_S)
-                    line = proc.stdout.readline(MAX_LINE) if ready else b""
-                    if not line:
-                        raise OSError("scoring server stopped answering")
+                    if b"\n" not in buf:
+                        if len(buf) > MAX_LINE:
+                            raise ValueError("scoring server wrote an overlong line")
+                        ready, _, _ = select.select([fd], [], [], bound.time_s + SERVER_SLACK_S)
+                        chunk = os.read(fd, 65536) if ready else b""
+                        if not chunk:
+                            raise OSError("scoring server stopped answering")
+                        buf += chunk
+                        continue
+                    line, buf = buf.split(b"\n", 1)
                     answer = json.loads(line)
                     out.append(Outcome(float(answer["score"]), str(answer["reason"])))
             except (OSError, ValueError, KeyError):
