@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ..rollouts.quota import QUOTA_REASONS
 from ..rollouts.schema import RolloutBatch
-from ..rollouts.submit import UNCOUNTED_REASONS
+from ..rollouts.steps import KEEPS_WINDOW  # noqa: F401 (the trainer's window rules read it from here)
 from ..wire import TRANSPORT_FAILURES
 
 TEMPERATURE_TOLERANCE = 1e-6
@@ -143,6 +143,3 @@ NOT_ATTRIBUTABLE = frozenset({"duplicate", "busy"}) | QUOTA_REASONS
 # for a long while sees an honest worker's steps jump (node/rollouts/steps.py, "Known limit").
 # A quota refusal (node/rollouts/quota.py) is "not now": the worker retries in the next interval.
 NOT_STRIKES = frozenset({"stale", "future", "duplicate", "busy", "banned", "step-ahead", "step-behind"}) | TRANSPORT_FAILURES | QUOTA_REASONS
-# Refusals that do not use up the batch's step in the worker's window (the window must not move for them):
-# the set the worker's outbox reads the same way (node/rollouts/submit.py "Step headroom").
-KEEPS_WINDOW = UNCOUNTED_REASONS
