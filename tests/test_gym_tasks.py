@@ -87,6 +87,33 @@ def test_a_format_reward_pays_for_the_tag_only_when_the_run_sets_it():
         assert [s.task_reward for s in score_many(jobs, rl, code_limits(rl))] == expected
 
 
+@pytest.mark.parametrize("completion, expected", [
+    ("42", "42"),  # stopped at its end of turn: the whole completion is the answer
+    (" 42 </answer> and more", "42"),
+    ("", None),
+    ("42 <answer>43</answer>", None),  # a second answer: none
+])
+def test_a_prefilled_answer_is_read_up_to_its_close_or_its_end(completion, expected):
+    assert gym.extract_answer(gym.prefilled(completion)) == expected
+
+
+def test_answer_prefill_puts_the_tag_in_the_prompt_and_scores_the_bare_answer():
+    from node.engines.model import build_tokenizer
+
+    rl = gym_rl(answer_prefill=True)
+    source = load_run_tasks(rl)
+    task = source.task(source.generators[0], 7)
+    assert render_prompt(build_tokenizer(), task, 0, rl).endswith(f"{task.prompt}\n{gym.ANSWER_OPEN}")
+    jobs = [(task, task.answer, 5, 0), (task, f"{task.answer}</answer>", 5, 0), (task, "wrong", 5, 0)]
+    assert [s.task_reward for s in score_many(jobs, rl, code_limits(rl))] == [1.0, 1.0, 0.0]
+    assert [s.task_reward for s in score_many(jobs, gym_rl(), code_limits(rl))] == [0.0, 0.0, 0.0]
+
+
+def test_answer_prefill_needs_reasoning_gym():
+    with pytest.raises(ValueError, match="answer_prefill"):
+        RLConfig(answer_prefill=True).validate()
+
+
 def test_the_answer_format_is_in_the_system_prompt():
     task = load_run_tasks(gym_rl()).draw(step_key("r", "p", OFFLINE_ROOT, 0), 0)
     from node.engines.model import build_tokenizer

@@ -30,6 +30,8 @@ def add_commands(sub) -> None:
     p.add_argument("--system-prompt", default="", help="system prompt ([rl] system_prompt; reasoning-gym's default states the answer format)")
     p.add_argument("--format-reward", type=float, default=0.0,
                    help="reasoning-gym: share of the reward paid for a well-formed <answer> tag ([rl] format_reward; 0 = off)")
+    p.add_argument("--answer-prefill", action="store_true",
+                   help="reasoning-gym: start the model's turn with <answer> ([rl] answer_prefill)")
     p.add_argument("--chat-template", default="auto", help="auto (the model's template when it has one) | none (raw prompts)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seconds", type=float, default=None, help="stop after this much wall time")
@@ -129,7 +131,8 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
     try:
         rl = RLConfig(group_size=args.group_size, prompts_per_batch=args.prompts, max_new_tokens=args.max_new_tokens,
                       taskset=args.taskset, reasoning_gym=parse_gym_args(args.gym), system_prompt=args.system_prompt,
-                      chat_template=args.chat_template, format_reward=args.format_reward)
+                      chat_template=args.chat_template, format_reward=args.format_reward,
+                      answer_prefill=args.answer_prefill)
         rl.validate()
         if args.gym and args.taskset != "reasoning-gym":
             raise ValueError("--gym needs --taskset reasoning-gym")

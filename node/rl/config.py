@@ -38,6 +38,9 @@ class RLConfig:
     # reasoning-gym: share of the reward paid for one well-formed <answer>...</answer>, right or not
     # (r = (1 - f) * score + f * tagged): a model that never writes the tag gets a signal to learn it. 0 = off.
     format_reward: float = 0.0
+    # reasoning-gym: the assistant's turn starts with "<answer>" (part of the prompt), so the completion is
+    # the answer itself, up to "</answer>" or its end: a small model that never writes the tag still answers.
+    answer_prefill: bool = False
     score_timeout_s: float = 2.0  # wall-clock bound of one scoring call on untrusted text (node/rl/bounded.py)
     score_memory_mb: int = 256  # memory bound of one scoring call, beyond the scorer's own size
     group_size: int = 16  # G: completions sampled per prompt (INTELLECT-2: 16; the demo uses fewer)
@@ -73,6 +76,8 @@ class RLConfig:
             raise ValueError("system_prompt: at most 8192 characters")
         if self.taskset_sha256 and not re.fullmatch(r"[0-9a-fA-F]{64}", self.taskset_sha256):
             raise ValueError("taskset_sha256: 64 hex digits (sha256sum of the task file)")
+        if self.answer_prefill and self.taskset != "reasoning-gym":
+            raise ValueError("answer_prefill: only with taskset = \"reasoning-gym\" (its answers are tagged)")
         if not 0 <= self.format_reward < 1:
             raise ValueError("format_reward: in [0, 1)")
         if not 0 < self.score_timeout_s <= 600 or self.score_memory_mb < 16:

@@ -20,7 +20,11 @@ run gives its own) asks for ``<answer>...</answer>``; :func:`extract_answer` tak
 exactly one such pair (none, two, or an unclosed one: no answer, reward 0), and the generator's own
 scorer judges it, in the bounded scoring server (node/rl/bounded.py). The run may pay a share of
 the reward for the format alone (``[rl] format_reward``, off unless set): a small model that never
-writes the tag (SmolLM2-135M-Instruct: 1 sample in 64) otherwise gives GRPO no signal at all.
+writes the tag (SmolLM2-135M-Instruct: 1 sample in 64) otherwise gives GRPO no signal at all. Or
+the run prefills the tag (``[rl] answer_prefill``): the assistant's turn starts with ``<answer>``,
+which is part of the prompt, and the completion is read as the answer up to ``</answer>`` or its
+end (:func:`prefilled`). SmolLM2-135M then answers in the tag from its first step (greedy, 2-term
+one-digit chain_sum: 0.18 against 0.00 without the prefill).
 
 Identity: the source's digest hashes the reasoning-gym version and the generator table, so two
 nodes that disagree on either draw other tasks; a node whose installed reasoning-gym is not the
@@ -58,7 +62,8 @@ AUDITED = frozenset({
     "word_sorting", "gcd", "lcm", "count_bits", "number_sorting", "fraction_simplification", "decimal_arithmetic",
 })
 
-_OPEN, _CLOSE = "<answer>", "</answer>"
+ANSWER_OPEN = "<answer>"
+_OPEN, _CLOSE = ANSWER_OPEN, "</answer>"
 
 
 def installed_version() -> str | None:
@@ -161,6 +166,13 @@ class GymTasks:
         return [self.task(self.pick((i + 0.5) / count), SEED_SPACE + i) for i in range(count)]
 
 
+def prefilled(completion: str) -> str:
+    """The tagged text of a completion whose turn began with the prefilled ``<answer>``: the tag
+    before it, and the closing tag after it unless the model wrote one (it may stop at its end of turn)."""
+    text = _OPEN + completion
+    return text if _CLOSE in completion else text + _CLOSE
+
+
 def extract_answer(completion: str) -> str | None:
     """The text inside exactly one ``<answer>...</answer>``, stripped; None otherwise (module docstring)."""
     if completion.count(_OPEN) != 1 or completion.count(_CLOSE) != 1:
@@ -173,10 +185,12 @@ def extract_answer(completion: str) -> str | None:
     return answer if 0 < len(answer) <= MAX_ANSWER_CHARS else None
 
 
-def score_calls(tasks: list[Task], completions: list[str], bound: Bound, format_reward: float = 0.0) -> list[float]:
+def score_calls(tasks: list[Task], completions: list[str], bound: Bound, format_reward: float = 0.0,
+                answer_prefill: bool = False) -> list[float]:
     """Rewards of ``completions`` (one per task) by each generator's own scorer, each call bounded;
-    with ``format_reward`` f, ``(1 - f) * score + f`` for a completion with one well-formed answer."""
-    answers = [extract_answer(c) for c in completions]
+    with ``format_reward`` f, ``(1 - f) * score + f`` for a completion with one well-formed answer;
+    with ``answer_prefill``, each completion is read as :func:`prefilled`."""
+    answers = [extract_answer(prefilled(c) if answer_prefill else c) for c in completions]
     calls = [Call("reasoning-gym", {"generator": t.metadata["generator"], "options": t.metadata["options"],
                                     "seed": t.metadata["seed"], "answer": a})
              for t, a in zip(tasks, answers) if a is not None]

@@ -16,7 +16,8 @@ How a step is defined (DESIGN.md "The loop", steps 3-4; INTELLECT-2 report §3):
 2. **Prompt.** The task's prompt plus the thinking-budget line when there is one
    (:func:`prompt_text`), rendered as the model expects it (:func:`render_prompt`): through the
    tokenizer's chat template when it has one and the run's ``[rl] chat_template`` is ``auto``
-   (system turn, user turn, generation prompt), else raw; then tokenised without adding special
+   (system turn, user turn, generation prompt), else raw; then the prefilled answer tag when the
+   run sets ``[rl] answer_prefill`` (:func:`answer_prefill`); then tokenised without adding special
    tokens (:func:`prompt_ids`). The run pins the inputs (its system prompt and template mode; the
    template travels in every checkpoint's tokenizer), so a worker that renders otherwise sends
    prompt tokens the validator's rendering does not give: ``wrong_prompt``.
@@ -160,8 +161,18 @@ def render_prompt(tokenizer, task: Task, budget: int, rl: RLConfig) -> str:
     text, system = prompt_text(task, budget), system_prompt(rl)
     if uses_chat_template(tokenizer, rl):
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"{system}\n\n{text}" if system else text
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        rendered = f"{system}\n\n{text}" if system else text
+    return rendered + answer_prefill(rl, chat=uses_chat_template(tokenizer, rl))
+
+
+def answer_prefill(rl: RLConfig, chat: bool) -> str:
+    """The start of the model's answer that the prompt already holds (``[rl] answer_prefill``): the
+    reasoning-gym answer tag, on a line of its own after a raw prompt."""
+    if not rl.answer_prefill:
+        return ""
+    return gym.ANSWER_OPEN if chat else "\n" + gym.ANSWER_OPEN
 
 
 def prompt_ids(tokenizer, task: Task, budget: int, rl: RLConfig) -> list[int]:
@@ -225,7 +236,7 @@ def task_rewards(tasks: Sequence[Task], texts: Sequence[str], rl: RLConfig, limi
     gym_at = [i for i, t in enumerate(tasks) if t.kind == gym.KIND]
     out = [0.0 if t.kind == gym.KIND else float(task_reward(t, x, limits)) for t, x in zip(tasks, texts)]
     for i, r in zip(gym_at, gym.score_calls([tasks[i] for i in gym_at], [texts[i] for i in gym_at], score_bound(rl),
-                                            rl.format_reward)):
+                                            rl.format_reward, rl.answer_prefill)):
         out[i] = r
     return out
 
