@@ -52,6 +52,7 @@ PURE = [
     "node.rollouts.schema",
     "node.trainer.gate",
     "node.trainer.intake",
+    "node.trainer.evaluation",
     "node.validator.policy",
     "node.summary",
 ]

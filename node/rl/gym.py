@@ -161,6 +161,8 @@ class GymTasks:
         h = int.from_bytes(digest(b"swarm-gym-draw\x00" + self.digest + key + index.to_bytes(8, "big")), "big")
         return self.task(self.pick((h >> 128) / float(1 << 128)), h % SEED_SPACE)
 
+    held_out = True  # evaluation seeds are beyond every training seed
+
     def evaluation(self, count: int) -> list[Task]:
         """``count`` held-out tasks: seeds from 2**62 up, generators in proportion to their weights."""
         return [self.task(self.pick((i + 0.5) / count), SEED_SPACE + i) for i in range(count)]

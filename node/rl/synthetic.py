@@ -41,6 +41,31 @@ def make_reversal_tasks(count: int, seed: int, min_digits: int = MIN_DIGITS, max
     return out
 
 
+EVAL_SEED = 2**31 - 1  # the held-out reversals' seed (the packaged set was made with seed 1)
+
+
+def held_out_reversals(count: int, exclude: set[str], seed: int = EVAL_SEED) -> list[dict]:
+    """``count`` reversal task records whose prompts are none of ``exclude`` (a set's own prompts), from
+    ``seed``: an evaluation draw no worker can be asked to train on. Ids ``eval-<seed>-<i>``, so they
+    never clash with a set's ``rev-`` ids. Bounded: 1.1 M digit strings exist and a set holds at most
+    node/rl/tasks.py's MAX_TASKS, so each task takes a few tries at most."""
+    rng = random.Random(seed)
+    out: list[dict] = []
+    seen = set(exclude)
+    for _ in range(100 * count + 1000):
+        if len(out) == count:
+            break
+        n = rng.randint(MIN_DIGITS, MAX_DIGITS)
+        digits = "".join(rng.choice("0123456789") for _ in range(n))
+        prompt = reversal_prompt(digits)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        out.append({"id": f"eval-{seed}-{len(out)}", "kind": "synthetic", "prompt": prompt, "answer": digits[::-1],
+                    "metadata": {"task": "reverse", "digits": n}})
+    return out
+
+
 def reversal_reward(completion: str, answer: str) -> float:
     """Graded reward in [0, 1]: digits in the right place / max(len(completion), len(answer)).
 

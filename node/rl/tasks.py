@@ -65,9 +65,21 @@ class TaskSet:
         """The task of prompt ``index`` at the step whose key is ``key`` (:func:`draw_index`)."""
         return self.tasks[draw_index(self.digest, len(self), key, index)]
 
+    @property
+    def held_out(self) -> bool:
+        """Whether :meth:`evaluation` gives tasks no draw of this set can give: a digit-reversal set's
+        (node/rl/synthetic.py makes others); not another file's (no held-out part of its own)."""
+        return all(t.kind == "synthetic" and t.metadata.get("task") == "reverse" for t in self.tasks)
+
     def evaluation(self, count: int) -> list[Task]:
-        """The set's first ``count`` tasks (a file has no held-out part of its own)."""
-        return list(self.tasks[:count])
+        """``count`` evaluation tasks: for a digit-reversal set, reversals of digit strings none of its
+        prompts holds (held out, :attr:`held_out`); for another file, its first ``count`` tasks."""
+        if not self.held_out:
+            return list(self.tasks[:count])
+        from .synthetic import held_out_reversals
+
+        records = held_out_reversals(count, {t.prompt for t in self.tasks})
+        return [parse_task(r, f"{self.name} evaluation") for r in records]
 
 
 _INDEXES: dict[bytes, dict[str, Task]] = {}

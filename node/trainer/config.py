@@ -42,6 +42,13 @@ class TrainerConfig:
     device: str = "auto"  # auto (cuda when present, else cpu) | cpu | cuda | cuda:N
     seed: int = 0  # seeds the torch RNG on first start (restored from the training state afterwards)
     init_warmup_steps: int = -1  # warm-up steps of a fresh embedded default model (-1 = node.rl.warmup's default, 0 = random)
+    # Held-out evaluation (node/trainer/evaluation.py): greedy score of version 0 and of every
+    # eval_every-th version on eval_tasks tasks no worker is asked to train on, in a separate
+    # process at the lowest CPU priority (off the training path). 0 = off.
+    eval_every: int = 5
+    eval_tasks: int = 64  # evaluation tasks per version (a fixed draw: the same tasks for every version)
+    eval_device: str = "cpu"  # where the evaluation process runs the model: cpu | auto | cuda | cuda:N
+    eval_threads: int = 1  # torch threads of the evaluation process
 
     def pacing_target(self) -> int:
         """Pending batches at which back-pressure starts, or its cap when adaptive (node/trainer/pacing.py)."""
@@ -72,3 +79,9 @@ class TrainerConfig:
             raise ValueError("init_warmup_steps: -1 (default), 0 (none) or more")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device: {DEVICES_HINT}")
+        if not (self.eval_device in ("auto", "cpu", "cuda") or self.eval_device.startswith("cuda:")):
+            raise ValueError(f"eval_device: {DEVICES_HINT}")
+        if self.eval_every < 0:
+            raise ValueError("eval_every: 0 (off) or every how many published versions to evaluate")
+        if not 1 <= self.eval_tasks <= 4096 or not 1 <= self.eval_threads <= 256:
+            raise ValueError("eval_tasks: 1..4096; eval_threads: 1..256")

@@ -48,6 +48,7 @@ from ..dbthread import connect_reader
 from ..rollouts.schema import DOMAIN_BATCH, MAX_BATCH_BYTES, RolloutBatch, SignedBatch, batch_id_of
 from ..wire import Envelope, RemoteProtocolError, decode_as
 from ..rollouts.steps import StepWindow
+from .evaluation import EvalRecord
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
@@ -83,6 +84,12 @@ CREATE TABLE IF NOT EXISTS steps (
     tokens INTEGER NOT NULL,
     loss REAL NOT NULL,
     seconds REAL NOT NULL             -- wall time of the update
+);
+CREATE TABLE IF NOT EXISTS evals (
+    version INTEGER PRIMARY KEY,      -- a published version scored on the held-out draw (node/trainer/evaluation.py)
+    score REAL NOT NULL,              -- mean task reward of greedy completions
+    tasks INTEGER NOT NULL,
+    seconds REAL NOT NULL             -- wall time of the evaluation
 );
 CREATE TABLE IF NOT EXISTS forgotten (
     state TEXT NOT NULL,              -- finished batches removed by prune(), so counts stay whole
@@ -216,6 +223,13 @@ class Spool:
         rows = [StepRecord(*r) for r in self.reader.execute(q)]
         return rows[-last:] if last else rows
 
+    def evals(self) -> list[EvalRecord]:
+        """The held-out scores recorded so far, by version (none in a spool written before they were kept)."""
+        if self.reader.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'evals'").fetchone() is None:
+            return []
+        q = "SELECT version, score, tasks, seconds FROM evals ORDER BY version"
+        return [EvalRecord(*r) for r in self.reader.execute(q)]
+
     # ------------------------------------------------------------------ writes (each one transaction)
 
     def add(self, signed: SignedBatch, state: BatchState, *, reason: str = "", ledger_due: bool = True,
@@ -278,6 +292,14 @@ class Spool:
                             (record.step, record.mean_reward, record.samples, record.batches, record.tokens,
                              record.loss, record.seconds))
 
+    def record_eval(self, record: EvalRecord) -> None:
+        """Remember a version's held-out score (kept for the whole run, like the step records)."""
+        if not math.isfinite(record.score) or not math.isfinite(record.seconds):
+            raise ValueError(f"eval of v{record.version}: non-finite figures {record}")  # our bug
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO evals VALUES (?,?,?,?)",
+                            (record.version, record.score, record.tasks, record.seconds))
+
     def finish_step(self, record: StepRecord) -> None:
         """Step ``record.step`` is saved: remember its figures (if not yet) and drop its batches' envelopes."""
         self.record_step(record)
@@ -296,6 +318,7 @@ class Spool:
                 "UPDATE batches SET state = ?, trained_step = NULL WHERE state = ? AND trained_step > ?",
                 (BatchState.READY.value, BatchState.TRAINED.value, saved_step))
             self.db.execute("DELETE FROM steps WHERE step > ?", (saved_step,))
+            self.db.execute("DELETE FROM evals WHERE version > ?", (saved_step,))  # a version to be made again
         return cur.rowcount
 
     def mark_ledger_done(self, batch_id: bytes) -> None:
