@@ -66,7 +66,7 @@ class RunConfig:
     name: str = "demo"  # run name; scopes gossip topics and the data dir
     trainers: list[str] = field(default_factory=list)  # peer ids allowed to publish checkpoints
     validators: list[str] = field(default_factory=list)  # peer ids allowed to sign verdicts
-    model: str = ""  # path of a Hugging Face model folder; "" = the embedded tiny default
+    model: str = ""  # a Hugging Face model folder or a .gguf file (the trainer converts it once); "" = the embedded tiny default
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)  # raw component tables
 
     def section(self, name: str, cls: type[T] | None = None) -> T:

@@ -498,6 +498,7 @@ def test_a_full_data_dir_is_one_line(tmp_path):
 @pytest.mark.parametrize("model, needle", [
     ("/nope/model", "run.model: model folder not found: /nope/model"),
     ("Qwen/Qwen2-0.5B", "looks like a Hugging Face hub id"),
+    ("/nope/model.gguf", "run.model: /nope/model.gguf: No such file or directory"),
 ])
 def test_a_missing_model_folder_is_one_line(tmp_path, model, needle):
     """A mistyped [run] model ended in 145 lines of Hugging Face's "Repo id must be in the form"."""

@@ -6,6 +6,8 @@ tokenizer's vocabulary and a chat template (no network, no 93 MB wheel).
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +84,7 @@ def test_a_gguf_file_becomes_a_model_folder_the_node_runs(tmp_path, capsys):
     (sample,) = engine.generate([ids], n=1, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=1)[0]
     assert 1 <= len(sample.completion_ids) <= 4
     assert load_tokenizer(out).eos_token == "<eos>"
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())  # a trainer can save it again
     assert [p.name for p in out.parent.iterdir()] == ["tiny"]  # no temporary folder left beside it
 
 
@@ -125,3 +128,15 @@ def test_rl_local_refuses_a_model_folder_without_a_tokenizer(tmp_path, capsys):
     assert main(["rl-local", "--model", str(out), "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "no tokenizer in the model folder" in err and err.count("\n") == 1, err
+
+
+def test_a_trainer_starts_from_a_gguf_file_named_in_the_run(tmp_path):
+    """``[run] model = "x.gguf"``: version 0 is the converted model; no converted copy is left behind."""
+    from node.rl.config import GRPOConfig
+    from node.trainer.config import TrainerConfig
+    from node.trainer.policy import Policy
+
+    src = write_gguf(tmp_path / "tiny.gguf")
+    policy, created = Policy.open(tmp_path / "trainer", str(src), GRPOConfig(), TrainerConfig())
+    assert created and type(policy.model).__name__ == "LlamaForCausalLM" and policy.tokenizer.eos_token == "<eos>"
+    assert not (tmp_path / "trainer" / "init.tmp").exists()

@@ -76,7 +76,11 @@ def _convert(src: Path, out: Path, where: str, name: str) -> tuple[Path, int]:
         model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name)
     except Exception as e:  # noqa: BLE001 - an architecture or tensor layout transformers cannot map
         raise GGUFError(f"{src}: transformers cannot load it as a causal LM ({_first_line(e)})") from None
-    model.hf_quantizer = None  # the weights are dequantised already; the quantizer only blocks saving
+    # The weights are dequantised already. The quantizer blocks saving, and its config, written into
+    # config.json, would attach it again to every load of the folder (a trainer could not save a step).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     umask = os.umask(0)
@@ -91,3 +95,9 @@ def _convert(src: Path, out: Path, where: str, name: str) -> tuple[Path, int]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out, sum(p.numel() for p in model.parameters())
+
+
+def is_gguf_path(source: str) -> bool:
+    """Whether a ``[run] model`` value names a GGUF file (by its suffix) rather than a folder."""
+    return str(source).lower().endswith(".gguf")
+

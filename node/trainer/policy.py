@@ -54,21 +54,27 @@ def training_samples(batch: RolloutBatch) -> tuple[list[TrainSample], int]:
 
 
 def _initial_model(root: Path, source: str, tcfg: TrainerConfig):
-    """(model, tokenizer) of version 0: ``run.model``, or the embedded default (tiny Qwen2 + warm-up)."""
+    """(model, tokenizer) of version 0: ``run.model`` (a model folder, or a GGUF file converted into a
+    temporary one: version 0's checkpoint is what restarts read), or the embedded default (tiny
+    Qwen2 + warm-up)."""
     import shutil
 
+    from ..engines.gguf_folder import convert_gguf, is_gguf_path
     from ..engines.model import load_model, load_tokenizer
     from ..rl.warmup import DEFAULT_WARMUP_STEPS, create_default_model
 
-    if source:
+    if source and not is_gguf_path(source):
         return load_model(Path(source)), load_tokenizer(Path(source))
-    steps = DEFAULT_WARMUP_STEPS if tcfg.init_warmup_steps < 0 else tcfg.init_warmup_steps
     tmp = Path(root) / "init.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    _, stats = create_default_model(tmp, seed=tcfg.seed, warmup_steps=steps)
-    if stats is not None:
-        log.info("trainer: supervised warm-up of the default model: loss %.3f -> %.3f in %d steps",
-                 stats.first_loss, stats.last_loss, stats.steps)
+    if source:
+        convert_gguf(Path(source), tmp)
+    else:
+        steps = DEFAULT_WARMUP_STEPS if tcfg.init_warmup_steps < 0 else tcfg.init_warmup_steps
+        _, stats = create_default_model(tmp, seed=tcfg.seed, warmup_steps=steps)
+        if stats is not None:
+            log.info("trainer: supervised warm-up of the default model: loss %.3f -> %.3f in %d steps",
+                     stats.first_loss, stats.last_loss, stats.steps)
     try:
         return load_model(tmp), load_tokenizer(tmp)
     finally:
@@ -164,7 +170,7 @@ class Policy:
         amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.startswith("cuda") else nullcontext()
         with amp:
             stats = train_step(self.model, self.optimizer, self.scheduler, samples, self.cfg,
-                               ref_model=self.ref_model, pad_id=self.pad_id)
+                               ref_model=self.ref_model, pad_id=self.pad_id, version=self.step)
         self.step += 1
         return stats
 
