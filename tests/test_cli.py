@@ -545,3 +545,26 @@ def test_status_shows_the_role_first_and_stream_budgets_condensed():
     assert lines[first["streams"]:] == [
         "streams: 2 open on 1 protocols used (13 never used; --json has every budget)",
         "  /proto/3/1.0.0: 2/64 open, peak 5, 3.0 KiB buffered (peak 0 B), refused per-peer=7"]
+
+
+def test_demo_model_that_is_not_a_model_is_one_line(tmp_path):
+    res = run_cli("demo", "--model", str(tmp_path / "nope"), "--data-root", str(tmp_path / "d"), "--duration", "1")
+    assert res.returncode == 2 and "demo --model: model folder not found" in one_line_error(res.stderr)
+    assert not (tmp_path / "d").exists()  # nothing started, nothing written
+
+
+def test_demo_model_run_file_trains_that_model_on_reasoning_gym(tmp_path):
+    """`demo --model DIR`: the run names the model and a real task the nodes accept, the tiny task otherwise."""
+    from node.app.demo import demo_run_text
+    from node.config import load_config
+    from node.rl.config import RLConfig
+    from node.rl.tasks import load_run_tasks
+
+    trainer, validator = (load_or_create_identity(tmp_path / n)[0].peer_id for n in ("t", "v"))
+    for model, taskset in (("", "synthetic"), (str(tmp_path / "m"), "reasoning-gym")):
+        path = tmp_path / "run.toml"
+        path.write_text(demo_run_text(trainer, validator, model))
+        run = load_config(path, {}, {"data_dir": str(tmp_path)}).run
+        rl = run.section("rl", RLConfig)
+        assert run.model == model and rl.taskset == taskset and run.trainers == [trainer]
+        assert load_run_tasks(rl).draw(bytes(32), 0).prompt  # the nodes can draw its tasks

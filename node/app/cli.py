@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cheat", choices=_cheats(), help="add a dishonest inference node of this kind")
     p.add_argument("--engine", choices=["torch", "vllm"], default="torch",
                    help="vllm: the second inference node runs vLLM (its CPU build without a GPU) and the run accepts it")
+    p.add_argument("--model", default="", metavar="DIR|FILE.gguf",
+                   help="post-train this model on reasoning-gym's chain_sum instead of the tiny model on digit "
+                        "reversal (make smollm2 writes .models/smollm2-135m-instruct)")
     p.add_argument("--data-root", type=Path, default=Path("demo-data"), help="folder for the nodes' data dirs")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     p.add_argument("--http-port", type=int, default=8080,

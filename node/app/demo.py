@@ -2,7 +2,7 @@
 
 One relay (the bootstrap peer), a trainer, a validator and two inference nodes (more with
 ``--extra``; ``--cheat KIND`` adds a dishonest inference node; ``--engine vllm`` runs the second
-on vLLM), each a real ``swarm-node``
+on vLLM; ``--model DIR`` trains a real model on a real task, :data:`REAL_TASK`), each a real ``swarm-node``
 process with its own data dir under ``--data-root``, on the embedded tiny model and the synthetic
 digit-reversal task, each with one torch thread (``DEMO_THREADS``: four torch processes share what
 may be two cores). The run file names the trainer and the validator as the run's trusted peers.
@@ -35,6 +35,12 @@ from .errors import UsageError
 from .localswarm import LocalSwarm
 from .loopfigures import StallWatch, format_figures, health_of, loop_figures, reward_ratio
 
+TINY_TASK = """\
+[rl]
+group_size = 8
+prompts_per_batch = 4
+max_new_tokens = 10
+"""
 RUN_TEMPLATE = """\
 # Written by `swarm-node demo`: the tiny default model on the synthetic digit-reversal task.
 [run]
@@ -42,10 +48,7 @@ name = "demo"
 trainers = ["{trainer}"]
 validators = ["{validator}"]
 
-[rl]
-group_size = 8
-prompts_per_batch = 4
-max_new_tokens = 10
+""" + TINY_TASK + """
 
 # Back-pressure sized for one CPU machine (node/trainer/pacing.py): the one validator checks more
 # slowly than two workers generate, so the trainer keeps about four batches queued and its acks
@@ -68,6 +71,50 @@ verify_grace_steps = 4
 # 3.0-3.8x reward in 300 s with 8; one run with 4 gave 3.0x too, so the gain is not established.
 optimizer_steps = 8
 """
+
+
+# `--model DIR`: a real instruct model on a real task. Two-term one-digit chain sums ("7 + 9 =") with
+# the answer tag prefilled: SmolLM2-135M-Instruct answers them at 0.18 greedy (partly right: the
+# scorer gives part credit for "= 16"), inside the 0.02-0.4 a model can learn from; eight tokens
+# hold any answer. The learning rate is the usual one for a model of this size, not the tiny model's.
+REAL_TASK = """\
+[rl]
+taskset = "reasoning-gym"
+answer_prefill = true
+group_size = 8
+prompts_per_batch = 2
+max_new_tokens = 8
+
+[rl.reasoning_gym.chain_sum]
+min_terms = 2
+max_terms = 2
+min_digits = 1
+max_digits = 1
+"""
+REAL_LR = "lr = 1e-5\n"
+
+
+def demo_run_text(trainer: str, validator: str, model: str = "") -> str:
+    """The demo's run file: the tiny model on digit reversal, or ``model`` on :data:`REAL_TASK`."""
+    text = RUN_TEMPLATE.format(trainer=trainer, validator=validator)
+    if not model:
+        return text
+    text = text.replace("the tiny default model on the synthetic digit-reversal task",
+                        f"{Path(model).name} on reasoning-gym's chain_sum", 1)
+    text = text.replace(TINY_TASK, f"model = {json.dumps(model)}\n\n" + REAL_TASK, 1)
+    return text.replace("[grpo]\n", "[grpo]\n" + REAL_LR, 1)
+
+
+def check_demo_model(model: str) -> str:
+    """``--model`` as an absolute path, or UsageError saying what is wrong with it."""
+    from ..engines.gguf_folder import GGUFError, check_gguf, is_gguf_path
+    from ..engines.model import ModelFolderError, check_model_folder
+
+    try:
+        path = check_gguf(Path(model)) if is_gguf_path(model) else check_model_folder(model)
+    except (ModelFolderError, GGUFError) as e:
+        raise UsageError(f"demo --model: {e} (make smollm2 writes .models/smollm2-135m-instruct)") from None
+    return str(Path(path).resolve())
 
 
 # `--engine vllm`: the run accepts vLLM batches (a validator checks their proofs and log-probs; vLLM's
@@ -212,6 +259,7 @@ def run_demo(args) -> int:
         problem = vllm_problem(allow_cpu=True)
         if problem is not None:
             raise UsageError(f"demo --engine vllm: {problem}")
+    model = check_demo_model(args.model) if args.model else ""
     root: Path = args.data_root
     if root.exists():
         shutil.rmtree(root)
@@ -229,7 +277,7 @@ def run_demo(args) -> int:
     if args.http_port:
         args.http_port = _free_or_other(args.http_port)
     with LocalSwarm(root, log_level=args.log_level, extra_env=node_env(DEMO_THREADS)) as swarm:
-        run_text = RUN_TEMPLATE.format(trainer=swarm.peer_id("trainer"), validator=swarm.peer_id("validator"))
+        run_text = demo_run_text(swarm.peer_id("trainer"), swarm.peer_id("validator"), model)
         engine_args: dict[str, list[str]] = {}
         if args.engine == "vllm":
             run_text += ACCEPT_VLLM
