@@ -114,3 +114,55 @@ def test_bad_evaluation_settings_are_refused_with_one_line(tmp_path):
         with pytest.raises(ConfigError, match=words) as e:
             run.section("trainer")
         assert "\n" not in str(e.value)
+
+
+async def test_a_trainer_scores_the_base_and_a_later_version_and_keeps_the_scores_across_a_restart(tmp_path, capsys):
+    """A real trainer node with its evaluation process: v0 and v2 are scored (every 2 versions), v1
+    is not; status, metrics and ``trainer-steps --eval`` show them, and a restart still has them."""
+    import json
+
+    from swarmtest import node_config, open_nodes
+    from test_trainer_cli import run as cli
+    from test_trainer_loop import honest, make_run, submit
+    from waiting import wait_for
+
+    def configs():
+        run = make_run(tmp_path)
+        run.tables["trainer"].update(eval_every=2, eval_tasks=8)
+        return [node_config(tmp_path, "trainer", "trainer", run=run), node_config(tmp_path, "client", "relay", run=run)]
+
+    async with open_nodes(configs()) as (tnode, client):
+        trainer = tnode.trainer
+        for version in (1, 2):  # two batches of 8 samples make a step
+            for seed in (2 * version, 2 * version + 1):
+                ack = await submit(client, tnode.peer_id, honest(client, trainer, step=seed, seed=seed))
+                assert ack.accepted, ack.reason
+            await wait_for(lambda: trainer.published == version, what=f"v{version} published")
+        ev = await wait_for(lambda: (e := trainer.status()["eval"])["last"] and e["last"][0] == 2 and e,
+                            what="v2 scored")
+        assert [v for v, _ in ev["points"]] == [0, 2] and ev["base"] is not None
+        assert ev["held_out"] is True and ev["tasks"] == 8 and ev["every"] == 2 and ev["error"] == ""
+        assert all(0.0 <= s <= 1.0 for _, s in ev["points"])
+        metrics = tnode.metrics.render().decode()
+        assert "\nswarm_trainer_eval_version 2.0" in metrics and "\nswarm_trainer_eval_score " in metrics
+    async with open_nodes(configs()[:1]) as (tnode,):
+        assert tnode.trainer.status()["eval"]["points"] == ev["points"]  # from the spool, before any new score
+    assert cli(["trainer-steps", "--data-dir", str(tmp_path / "trainer"), "--eval", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [[r["version"], round(r["score"], 4)] for r in rows] == ev["points"] and rows[0]["tasks"] == 8
+    assert cli(["trainer-steps", "--data-dir", str(tmp_path / "trainer")]) == 0
+    assert f"held-out score: base (v0) {ev['base']:.4f}, v2" in capsys.readouterr().out
+
+
+def test_the_reward_png_draws_the_held_out_scores_beside_the_reward():
+    import struct
+    import zlib
+
+    from node.trainer.plot import EVAL_LINE, LINE, render_curve
+
+    def pixels(data: bytes) -> bytes:
+        return zlib.decompress(data[41:41 + struct.unpack(">I", data[33:37])[0]])
+
+    both = pixels(render_curve([(1, 0.1), (2, 0.3)], [(0, 0.05), (2, 0.6)]))
+    assert bytes(LINE) in both and bytes(EVAL_LINE) in both
+    assert bytes(EVAL_LINE) not in pixels(render_curve([(1, 0.1), (2, 0.3)]))

@@ -13,15 +13,21 @@ How this works:
 4. :func:`grpo_loss` is the token-level objective (every completion token weighs the same, as in
    INTELLECT-2 / DAPO, rather than a mean per sequence):
 
-       r      = exp(logp - old_logp)
+       loss = mean(l) + kl_coef * mean(k3(ref, logp)) - entropy_coef * mean(H)
+
+   where ``l`` is the per-token policy term ``[grpo] loss`` picks (node/rl/losses.py): INTELLECT-2's
+   two-sided clipped surrogate (the default; r = exp(logp - old_logp)),
+
        A >= 0: l = -min(r A, clip(r, 1-eps, 1+eps) A)
        A <  0: l = -max(min(r A, clip(r, 1-eps, 1+eps) A), delta A)   # ratio bounded above by delta
-       loss   = mean(l) + kl_coef * mean(k3(ref, logp)) - entropy_coef * mean(H)
 
-   The delta bound is INTELLECT-2's two-sided clipping (also "dual-clip PPO", Ye et al. 2020): with a
-   negative advantage and a huge ratio the plain PPO objective is unbounded; capping it at delta A
-   zeroes the gradient there and keeps off-policy tokens from blowing up the update. k3 is Schulman's
-   unbiased low-variance KL estimator exp(q - p) - (q - p) - 1.
+   prime-rl's DPPO-TV masking, or a truncated-IS policy gradient. The delta bound is INTELLECT-2's
+   two-sided clipping (also "dual-clip PPO", Ye et al. 2020): with a negative advantage and a huge
+   ratio the plain PPO objective is unbounded; capping it at delta A zeroes the gradient there and
+   keeps off-policy tokens from blowing up the update. k3 is Schulman's unbiased low-variance KL
+   estimator exp(q - p) - (q - p) - 1. Each step also measures the mismatch KL between the engine's
+   log-probs and the trainer's (prime-rl's ``mismatch_kl``), the tokens the loss clipped or masked
+   and how many versions behind its samples were (``StepStats``).
 5. :func:`train_step` splits one rollout step's samples into ``optimizer_steps`` mini-batches and
    does one AdamW step (grad-norm clipped, linear warm-up) on each.
 
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import GRPOConfig
+from .losses import mismatch_kl, off_policy_steps, policy_terms
 
 IGNORE = -100  # target id of positions that carry no loss
 MAX_LOG_RATIO = 20.0  # |log(pi / pi_old)| bound inside the loss (see grpo_loss)
@@ -79,6 +86,7 @@ class PackedBatch:
     advantages: torch.Tensor  # (R, S) float, aligned with targets (0 where IGNORE)
     loss_mask: torch.Tensor  # (R, S) float, 1 where a completion token is scored
     num_samples: int = 0
+    versions: torch.Tensor | None = None  # (R, S) long, policy version that generated the token (-1 = none)
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +138,7 @@ def pack(samples: Sequence[TrainSample], pack_length: int, pad_id: int = 0, one_
     tgt = torch.full((R, S), IGNORE, dtype=torch.long)
     old = torch.zeros((R, S), dtype=torch.float32)
     adv = torch.zeros((R, S), dtype=torch.float32)
+    ver = torch.full((R, S), -1, dtype=torch.long)
     for r, members in enumerate(rows):
         off = 0
         for s_idx, k in enumerate(members):
@@ -144,8 +153,9 @@ def pack(samples: Sequence[TrainSample], pack_length: int, pad_id: int = 0, one_
             tgt[r, lo:hi] = torch.tensor(s.completion_ids)
             old[r, lo:hi] = torch.tensor(s.old_logprobs, dtype=torch.float32)
             adv[r, lo:hi] = float(s.advantage)
+            ver[r, lo:hi] = s.version
             off += n
-    return PackedBatch(ids, pos, seg, tgt, old, adv, (tgt != IGNORE).float(), num_samples=len(samples))
+    return PackedBatch(ids, pos, seg, tgt, old, adv, (tgt != IGNORE).float(), num_samples=len(samples), versions=ver)
 
 
 # Attention implementations that read packed samples' boundaries from position ids that restart at
@@ -191,6 +201,9 @@ class LossParts:
     clip_frac: float  # fraction of tokens whose ratio left [1 - eps, 1 + eps]
     delta_frac: float  # fraction of negative-advantage tokens cut by the delta bound
     mean_ratio: float
+    masked_frac: float = 0.0  # fraction of tokens the chosen loss clipped or masked (losses.py ``cut``)
+    mismatch_kl: float = 0.0  # mean k3 KL(engine || trainer) over the tokens, at the weights trained
+    same_version_kl: tuple[float, int] = (0.0, 0)  # (sum, tokens) of that KL over tokens of the version held
 
 
 def grpo_loss(
@@ -201,19 +214,20 @@ def grpo_loss(
     cfg: GRPOConfig,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    same_version: torch.Tensor | None = None,
 ) -> LossParts:
-    """Token-level two-sided-clipped GRPO loss (see module docstring); tensors share one shape."""
+    """Token-level GRPO loss with ``cfg.loss``'s policy term (see module docstring); tensors share one
+    shape. ``same_version``: bool, tokens generated at the very weights ``logp`` comes from (their
+    mismatch KL is the engine-against-trainer figure alone, with no policy drift in it)."""
     mask = mask.to(logp.dtype)
     n = mask.sum().clamp(min=1.0)
-    # Bounded before exp(): a ratio beyond e^20 is clipped (eps) or capped (delta) anyway and one
-    # below e^-20 contributes less than e^-20 |A|, so no honest loss moves; but an old log-prob
-    # far below the new one would overflow to inf, and inf * 0 is NaN in every weight after the step.
-    ratio = torch.exp((logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    clipped = ratio.clamp(1 - cfg.epsilon, 1 + cfg.epsilon)
-    ppo = torch.min(ratio * advantages, clipped * advantages)
-    neg = advantages < 0
-    bounded = torch.where(neg, torch.max(ppo, cfg.delta * advantages), ppo)
-    policy = -(bounded * mask).sum() / n
+    # |log r| bounded by MAX_LOG_RATIO: a ratio beyond e^20 is clipped, masked or truncated by every
+    # loss anyway and one below e^-20 contributes less than e^-20 |A|, so no honest loss moves; but an
+    # old log-prob far below the new one would overflow exp() to inf, and inf * 0 is NaN in every weight.
+    held = logp.detach()
+    old = torch.clamp(old_logp, min=held - MAX_LOG_RATIO, max=held + MAX_LOG_RATIO)
+    terms = policy_terms(cfg.loss, cfg)(logp, old, advantages)
+    policy = (terms.per_token * mask).sum() / n
     loss = policy
     kl_val = torch.zeros((), device=logp.device)
     if ref_logp is not None and cfg.kl_coef > 0:
@@ -225,9 +239,16 @@ def grpo_loss(
         ent_val = (entropy * mask).sum() / n
         loss = loss - cfg.entropy_coef * ent_val
     with torch.no_grad():
+        ratio = torch.exp(held - old)
+        neg = advantages < 0
         out_of_clip = ((ratio < 1 - cfg.epsilon) | (ratio > 1 + cfg.epsilon)).float()
         cut = (neg & (ratio > cfg.delta)).float()
         n_neg = (neg.float() * mask).sum().clamp(min=1.0)
+        mkl = mismatch_kl(held, old) * mask
+        same = (0.0, 0)
+        if same_version is not None:
+            sv = same_version.to(mask.dtype) * mask
+            same = (float((mkl * sv).sum()), int(sv.sum()))
         return LossParts(
             loss=loss,
             policy=float(policy.detach()),
@@ -236,19 +257,28 @@ def grpo_loss(
             clip_frac=float((out_of_clip * mask).sum() / n),
             delta_frac=float((cut * mask).sum() / n_neg),
             mean_ratio=float((ratio * mask).sum() / n),
+            masked_frac=float((terms.cut.to(mask.dtype) * mask).sum() / n),
+            mismatch_kl=float(mkl.sum() / n),
+            same_version_kl=same,
         )
 
 
-def batch_loss(model, batch: PackedBatch, cfg: GRPOConfig, ref_model=None) -> LossParts:
-    """The GRPO loss of a packed batch under ``model`` (and ``ref_model`` for the KL term)."""
+def batch_loss(model, batch: PackedBatch, cfg: GRPOConfig, ref_model=None, version: int | None = None) -> LossParts:
+    """The GRPO loss of a packed batch under ``model`` (and ``ref_model`` for the KL term).
+
+    ``version``: the policy version ``model`` holds exactly (the step's first mini-batch), so the
+    tokens that version generated give the same-version mismatch KL; None once it has moved on."""
     dev = next(model.parameters()).device
     logp, ent = token_logprobs(model, batch, cfg.temperature)
     ref = None
     if ref_model is not None and cfg.kl_coef > 0:
         with torch.no_grad():
             ref, _ = token_logprobs(ref_model, batch, cfg.temperature)
+    same = None
+    if version is not None and batch.versions is not None:
+        same = (batch.versions == version).to(dev)
     return grpo_loss(logp, batch.old_logprobs.to(dev), batch.advantages.to(dev), batch.loss_mask.to(dev),
-                     cfg, ref_logp=ref, entropy=ent)
+                     cfg, ref_logp=ref, entropy=ent, same_version=same)
 
 
 def adamw_kwargs(devices: set[str]) -> dict:
@@ -280,7 +310,33 @@ class StepStats:
     grad_norm: float = 0.0
     lr: float = 0.0
     rows: int = 0
+    masked_frac: float = 0.0  # tokens the loss clipped or masked (mean over mini-batches)
+    mismatch_kl: float = 0.0  # k3 KL(engine || trainer) at the weights trained (mean over mini-batches)
+    # the same KL over the tokens generated by the version the trainer held at the step's start,
+    # measured before its first update: the engine-against-trainer figure alone (None: no such token)
+    mismatch_kl_same_version: float | None = None
+    off_policy_mean: float = 0.0  # version trained - version that generated it, over the step's samples
+    off_policy_max: int = 0
     extra: dict = field(default_factory=dict)
+
+    def add(self, parts: LossParts, grad_norm: float) -> None:
+        """Fold one mini-batch's figures into the running means (call before counting its step)."""
+        k = self.optimizer_steps
+        for name, val in (("loss", float(parts.loss.detach())), ("policy", parts.policy), ("kl", parts.kl),
+                          ("entropy", parts.entropy), ("clip_frac", parts.clip_frac), ("grad_norm", grad_norm),
+                          ("masked_frac", parts.masked_frac), ("mismatch_kl", parts.mismatch_kl)):
+            setattr(self, name, (getattr(self, name) * k + val) / (k + 1))
+        total, tokens = parts.same_version_kl
+        if tokens:
+            self.mismatch_kl_same_version = total / tokens
+
+    def off_policy(self, samples: Sequence[TrainSample], version: int | None) -> None:
+        """Record how far behind ``version`` (the version being trained) the step's samples were."""
+        if version is None or not samples:
+            return
+        steps = off_policy_steps([s.version for s in samples], version)
+        self.off_policy_mean = sum(steps) / len(steps)
+        self.off_policy_max = max(steps)
 
 
 def split_minibatches(samples: Sequence[TrainSample], parts: int) -> list[list[TrainSample]]:
@@ -291,15 +347,19 @@ def split_minibatches(samples: Sequence[TrainSample], parts: int) -> list[list[T
 
 
 def train_step(model, optimizer, scheduler, samples: Sequence[TrainSample], cfg: GRPOConfig,
-               ref_model=None, pad_id: int = 0, packed: bool = True) -> StepStats:
-    """One rollout step: ``cfg.optimizer_steps`` AdamW steps over mini-batches of ``samples``."""
+               ref_model=None, pad_id: int = 0, packed: bool = True, version: int | None = None) -> StepStats:
+    """One rollout step: ``cfg.optimizer_steps`` AdamW steps over mini-batches of ``samples``.
+
+    ``version``: the policy version ``model`` holds (the trainer's step), for the off-policy and
+    same-version mismatch figures; None leaves them unset."""
     stats = StepStats()
     if not samples:
         return stats
+    stats.off_policy(samples, version)
     model.train()
-    for mb in split_minibatches(samples, cfg.optimizer_steps):
+    for k, mb in enumerate(split_minibatches(samples, cfg.optimizer_steps)):
         batch = pack(mb, cfg.pack_length, pad_id=pad_id, one_per_row=not packed)
-        parts = batch_loss(model, batch, cfg, ref_model)
+        parts = batch_loss(model, batch, cfg, ref_model, version=version if k == 0 else None)
         optimizer.zero_grad(set_to_none=True)
         parts.loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -310,14 +370,10 @@ def train_step(model, optimizer, scheduler, samples: Sequence[TrainSample], cfg:
         stats.lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
-        k = stats.optimizer_steps
+        stats.add(parts, float(gn))  # running means over the mini-batches of this rollout step
         stats.optimizer_steps += 1
         stats.samples += len(mb)
         stats.tokens += batch.num_tokens
         stats.rows += batch.input_ids.shape[0]
-        # running means over the mini-batches of this rollout step
-        for name, val in (("loss", float(parts.loss.detach())), ("policy", parts.policy), ("kl", parts.kl),
-                          ("entropy", parts.entropy), ("clip_frac", parts.clip_frac), ("grad_norm", float(gn))):
-            setattr(stats, name, (getattr(stats, name) * k + val) / (k + 1))
     model.eval()
     return stats

@@ -38,6 +38,8 @@ class LoopStep:
     clip_frac: float
     seconds: float  # wall time of this step (generate + score + train)
     policy_version: int = 0  # version the step's rollouts were sampled from (step - async_level, at least 0)
+    masked_frac: float = 0.0  # tokens the [grpo] loss clipped or masked (node/rl/losses.py)
+    mismatch_kl: float = 0.0  # k3 KL(sampler || trained weights) over the step's tokens
 
 
 def run_local_loop(engine, taskset: TaskSet, rl: RLConfig, grpo: GRPOConfig, steps: int, *,
@@ -66,9 +68,9 @@ def run_local_loop(engine, taskset: TaskSet, rl: RLConfig, grpo: GRPOConfig, ste
         groups = make_groups(sampler, taskset, rl, peer_id, step, seed=seed * 1_000_003 + step)
         rewards = [r for g in groups for r in g.rewards]
         batch = train_samples(groups, version=version)
-        stats = train_step(model, opt, sched, batch, grpo, pad_id=pad)
+        stats = train_step(model, opt, sched, batch, grpo, pad_id=pad, version=step)
         rec = LoopStep(step, statistics.fmean(rewards), sum(g.has_signal for g in groups), len(batch),
-                       stats.entropy, stats.clip_frac, clock() - t0, version)
+                       stats.entropy, stats.clip_frac, clock() - t0, version, stats.masked_frac, stats.mismatch_kl)
         history.append(rec)
         if on_step is not None:
             on_step(rec)

@@ -152,12 +152,14 @@ def _all_reduce(values: list[float], op, device: str) -> list[float]:
 
 
 def train_agreed(model, optimizer, scheduler, share: list[TrainSample], cfg: GRPOConfig, device: str,
-                 ref_model=None, pad_id: int = 0) -> StepStats:
+                 ref_model=None, pad_id: int = 0, version: int | None = None) -> StepStats:
     """Every rank: one rollout step on its ``share`` with the same number of collectives as the others.
 
-    The counterpart of :func:`node.rl.grpo.train_step` under FSDP (see the module docstring).
+    The counterpart of :func:`node.rl.grpo.train_step` under FSDP (see the module docstring); the
+    figures it returns (off-policy, mismatch, masked) are of this rank's share.
     """
     stats = StepStats()
+    stats.off_policy(share, version)
     ranks = dist.get_world_size()
     own = len(split_minibatches(share, cfg.optimizer_steps)) if share else 0
     count = int(_all_reduce([own], dist.ReduceOp.MAX, device)[0])
@@ -168,7 +170,7 @@ def train_agreed(model, optimizer, scheduler, share: list[TrainSample], cfg: GRP
     total = _all_reduce(local, dist.ReduceOp.SUM, device) if batches else []
     model.train()
     for k, (mb, batch) in enumerate(zip(plan, batches)):
-        parts = batch_loss(model, batch, cfg, ref_model)
+        parts = batch_loss(model, batch, cfg, ref_model, version=version if k == 0 else None)
         loss = parts.loss * loss_scale(local[k], int(total[k]), ranks)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -182,13 +184,11 @@ def train_agreed(model, optimizer, scheduler, share: list[TrainSample], cfg: GRP
         stats.lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
+        stats.add(parts, gn)
         stats.optimizer_steps += 1
         stats.samples += len(mb)
         stats.tokens += batch.num_tokens
         stats.rows += batch.input_ids.shape[0] if mb else 0
-        for name, val in (("loss", float(parts.loss.detach())), ("policy", parts.policy), ("kl", parts.kl),
-                          ("entropy", parts.entropy), ("clip_frac", parts.clip_frac), ("grad_norm", gn)):
-            setattr(stats, name, (getattr(stats, name) * k + val) / (k + 1))
     model.eval()
     return stats
 
@@ -251,7 +251,7 @@ class FSDPPolicy(Policy):
         mine = [None]
         dist.scatter_object_list(mine, shares, src=0)
         stats = train_agreed(self.model, self.optimizer, self.scheduler, mine[0], self.cfg, self.device,
-                             ref_model=self.ref_model, pad_id=self.pad_id)
+                             ref_model=self.ref_model, pad_id=self.pad_id, version=self.step)
         self.step += 1
         return stats
 

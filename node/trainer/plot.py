@@ -20,6 +20,7 @@ from pathlib import Path
 
 WIDTH, HEIGHT, MARGIN = 640, 360, 32
 WHITE, GRID, AXIS, LINE = (255, 255, 255), (228, 228, 228), (60, 60, 60), (31, 119, 180)
+EVAL_LINE = (230, 120, 20)  # the held-out score per evaluated version (node/trainer/evaluation.py)
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -46,11 +47,13 @@ def _segment(px, x0: int, y0: int, x1: int, y1: int, color) -> None:
             y0 += sy
 
 
-def render_curve(points: Sequence[tuple[float, float]]) -> bytes:
-    """PNG bytes of the polyline through ``points`` (x = step, y = mean reward), axes scaled to fit."""
+def render_curve(points: Sequence[tuple[float, float]], evals: Sequence[tuple[float, float]] = ()) -> bytes:
+    """PNG bytes of the polyline through ``points`` (x = step, y = mean reward) and, in orange, through
+    ``evals`` (x = version, y = held-out score), axes scaled to fit both."""
     px = [[WHITE] * WIDTH for _ in range(HEIGHT)]
-    x_lo, x_hi = (min(p[0] for p in points), max(p[0] for p in points)) if points else (0.0, 1.0)
-    y_lo, y_hi = (min(0.0, *(p[1] for p in points)), max(1e-9, *(p[1] for p in points))) if points else (0.0, 1.0)
+    every = [*points, *evals]
+    x_lo, x_hi = (min(p[0] for p in every), max(p[0] for p in every)) if every else (0.0, 1.0)
+    y_lo, y_hi = (min(0.0, *(p[1] for p in every)), max(1e-9, *(p[1] for p in every))) if every else (0.0, 1.0)
     x_hi = x_hi if x_hi > x_lo else x_lo + 1
     w, h = WIDTH - 2 * MARGIN, HEIGHT - 2 * MARGIN
 
@@ -63,11 +66,12 @@ def render_curve(points: Sequence[tuple[float, float]]) -> bytes:
         _segment(px, MARGIN, gy, WIDTH - MARGIN, gy, GRID)
     _segment(px, MARGIN, HEIGHT - MARGIN, WIDTH - MARGIN, HEIGHT - MARGIN, AXIS)
     _segment(px, MARGIN, MARGIN, MARGIN, HEIGHT - MARGIN, AXIS)
-    pts = [to_px(x, y) for x, y in points]
-    for (a, b), (c, d) in itertools.pairwise(pts):
-        _segment(px, a, b, c, d, LINE)
-    if len(pts) == 1:
-        _segment(px, *pts[0], *pts[0], LINE)
+    for series, color in ((points, LINE), (evals, EVAL_LINE)):
+        pts = [to_px(x, y) for x, y in series]
+        for (a, b), (c, d) in itertools.pairwise(pts):
+            _segment(px, a, b, c, d, color)
+        if len(pts) == 1:
+            _segment(px, *pts[0], *pts[0], color)
     raw = b"".join(b"\x00" + bytes(v for rgb in row for v in rgb) for row in px)
     ihdr = struct.pack(">IIBBBBB", WIDTH, HEIGHT, 8, 2, 0, 0, 0)  # 8-bit RGB
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(raw, 9)) + _chunk(b"IEND", b"")
@@ -92,8 +96,10 @@ def have_matplotlib() -> bool:
     return True
 
 
-def curve_figure(points: Sequence[tuple[float, float]], title: str = "Mean reward per trainer step"):
-    """The matplotlib Figure of the reward curve: title, labelled axes with ticks, a moving average."""
+def curve_figure(points: Sequence[tuple[float, float]], title: str = "Mean reward per trainer step",
+                 evals: Sequence[tuple[float, float]] = ()):
+    """The matplotlib Figure of the reward curve: title, labelled axes with ticks, a moving average,
+    and the held-out score of the evaluated versions (``evals``) beside it."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only
@@ -108,6 +114,10 @@ def curve_figure(points: Sequence[tuple[float, float]], title: str = "Mean rewar
         ax.plot(steps, rewards, color="#9bb5e6", linewidth=1, label="mean reward")
         ax.plot(steps, moving_average(rewards, window), color="#1a4fb0", linewidth=2,
                 label=f"moving average ({window} steps)")
+    if evals:
+        ax.plot([p[0] for p in evals], [p[1] for p in evals], color="#e67814", linewidth=2, marker="o", markersize=3,
+                label="held-out score (greedy)")
+    if points or evals:
         ax.legend(loc="lower right", fontsize="small")
     else:
         ax.text(0.5, 0.5, "no training steps yet", ha="center", va="center", transform=ax.transAxes)
@@ -119,19 +129,21 @@ def curve_figure(points: Sequence[tuple[float, float]], title: str = "Mean rewar
     return fig
 
 
-def render_curve_matplotlib(points: Sequence[tuple[float, float]]) -> bytes:
+def render_curve_matplotlib(points: Sequence[tuple[float, float]], evals: Sequence[tuple[float, float]] = ()) -> bytes:
     """PNG bytes of :func:`curve_figure`."""
     import io
 
     buf = io.BytesIO()
-    curve_figure(points).savefig(buf, format="png")
+    curve_figure(points, evals=evals).savefig(buf, format="png")
     return buf.getvalue()
 
 
-def write_curve_png(points: Sequence[tuple[float, float]], path: Path, *, use_matplotlib: bool | None = None) -> Path:
-    """Write the reward curve to ``path``: matplotlib's when importable (or asked), else ours."""
+def write_curve_png(points: Sequence[tuple[float, float]], path: Path, *, use_matplotlib: bool | None = None,
+                    evals: Sequence[tuple[float, float]] = ()) -> Path:
+    """Write the reward curve (and the held-out scores ``evals``) to ``path``: matplotlib's when
+    importable (or asked), else ours."""
     path = Path(path)
     if use_matplotlib is None:
         use_matplotlib = have_matplotlib()
-    path.write_bytes(render_curve_matplotlib(points) if use_matplotlib else render_curve(points))
+    path.write_bytes(render_curve_matplotlib(points, evals) if use_matplotlib else render_curve(points, evals))
     return path

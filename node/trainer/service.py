@@ -71,6 +71,8 @@ from ..shards.api import ShardsAPI
 from ..wire import MAX_FRAME, RemoteProtocolError, decode_as
 from .checkpoints import NonFiniteCheckpoint, check_finite_folder
 from .config import TrainerConfig
+from .evaluation import EvalBook, EvalRecord
+from .evaluator import serve_evaluation
 from .gate import ValidatorGate
 from .intake import (
     KEEPS_WINDOW,
@@ -171,6 +173,9 @@ class Trainer:
         self.published: int | None = None
         self.publish_error = ""
         self.reward_curve = [(r.step, r.mean_reward) for r in spool.steps()]  # every step of the run
+        # Held-out scores of published versions, kept in the spool (node/trainer/evaluation.py).
+        self.evals = EvalBook(tcfg.eval_every, tcfg.eval_tasks, spool.evals())
+        self._wake_eval = trio.Event()
         m = node.metrics
         self.m_batches = m.counter("trainer_batches_total", "Rollout batches judged at intake", ["outcome"])
         self.m_step = m.gauge("trainer_step", "Policy version of the trainer")
@@ -180,6 +185,8 @@ class Trainer:
         self.m_loss = m.gauge("trainer_loss", "GRPO loss of the last step")
         self.m_step_seconds = m.histogram("trainer_step_seconds", "Time of one optimizer step (training only)",
                                           buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.m_eval = m.gauge("trainer_eval_score", "Held-out greedy score of the last version evaluated")
+        self.m_eval_version = m.gauge("trainer_eval_version", "Policy version of the last held-out evaluation")
 
     # ------------------------------------------------------------------ helpers
 
@@ -636,6 +643,7 @@ class Trainer:
             return
         self.published = version
         self.publish_error = ""
+        self._wake("eval")
         from ..gossip.records import MAX_VERSIONS
         from ..ledger.entries import CheckpointPublished
 
@@ -648,6 +656,23 @@ class Trainer:
                                                          total_bytes=signed.manifest.total_size))
         except LedgerError as e:  # a refused entry is our bug; the checkpoint itself is out
             log.error("trainer: ledger refused checkpoint v%d: %s", version, e)
+
+    # ------------------------------------------------------------------ held-out evaluation
+
+    async def eval_loop(self) -> None:
+        """Score version 0 and every ``eval_every``-th published version beside training
+        (node/trainer/evaluator.py: a separate process at the lowest CPU priority)."""
+        import dataclasses
+
+        settings = {"rl": dataclasses.asdict(self.node.run.section("rl", RLConfig)), "tasks": self.tcfg.eval_tasks,
+                    "device": self.tcfg.eval_device, "threads": self.tcfg.eval_threads}
+        await serve_evaluation(self.evals, settings, self.policy.root, latest=lambda: self.published,
+                               record=self._record_eval, wait=functools.partial(self._wait, "eval"))
+
+    async def _record_eval(self, record: EvalRecord) -> None:
+        await self.db.run(self.spool.record_eval, record)
+        self.m_eval.set(record.score)
+        self.m_eval_version.set(record.version)
 
     # ------------------------------------------------------------------ progress
 
@@ -747,6 +772,7 @@ class Trainer:
             "rejected_by_reason": self.spool.rejected_by_reason(),
             "gate": gate,
             "reward": reward_points(self.reward_curve, STATUS_STEPS),
+            "eval": self.evals.status(),  # held-out scores by version (node/trainer/evaluation.py)
             "last_step": self.last_step,
             "idle_fraction": round(self.idle_s / total, 4) if total > 0 else None,
             "step_time_s": {"wait": round(self.idle_s, 2), **{k: round(v, 2) for k, v in self.step_time.items()}},
@@ -805,6 +831,8 @@ async def serve_trainer(node, shards: ShardsAPI, membership: MembershipAPI, ledg
                 nursery.start_soon(trainer.train_loop)
                 nursery.start_soon(trainer.ledger_loop)
                 nursery.start_soon(trainer.watch_loop)
+                if tcfg.eval_every > 0:
+                    nursery.start_soon(trainer.eval_loop)
                 if trainer.gate is not None:
                     nursery.start_soon(trainer.gate_loop)
                 task_status.started(trainer)

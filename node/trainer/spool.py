@@ -397,6 +397,8 @@ def open_spool(path: Path) -> Iterator[Spool]:
             problem = "the file is empty" if emptied else check_spool(reader)
         except sqlite3.DatabaseError as e:
             problem = str(e)
+        except UnicodeDecodeError:  # SQLite's error quotes a damaged schema text, which Python cannot decode
+            problem = "its schema is damaged"
         if problem is not None:
             # Refuse rather than start empty: the spool holds batches we acknowledged.
             raise DataDirError(

@@ -132,10 +132,10 @@ def rules_from_run(run, cfg: ValidatorConfig) -> BatchRules:
         run=run.name, taskset=rl.taskset, temperature=rl.temperature, top_p=rl.top_p,
         max_new_tokens=rl.max_new_tokens, group_size=rl.group_size, prompts_per_batch=rl.prompts_per_batch,
         # The trainer judged staleness at intake and keeps an acknowledged batch trainable for
-        # verify_grace_steps more steps (node/trainer/intake.py): only a batch older than both
-        # together can no longer be trained, and only that one is refused here (benign, no penalty),
-        # still before any prefill is spent on it.
-        async_level=grpo.async_level + grpo.verify_grace_steps, proofs=run.section("proofs", ProofsConfig),
+        # verify_grace_steps more steps, within max_off_policy_steps (node/trainer/intake.py): only a
+        # batch older than that bound can no longer be trained, and only that one is refused here
+        # (benign, no penalty), still before any prefill is spent on it.
+        async_level=grpo.off_policy_bound(), proofs=run.section("proofs", ProofsConfig),
         sampling_tolerance=cfg.sampling_tolerance, check_sampling=cfg.check_sampling, check_seed=cfg.check_seed,
         engines=inference.accepted_engines(), replay_engines=inference.replayed_engines(),
         dtype=None if inference.dtype == "auto" else inference.dtype, score_budget_s=cfg.score_budget_s,
