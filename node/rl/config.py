@@ -14,12 +14,13 @@ TASK_KINDS = ("synthetic", "math", "code")
 CHAT_TEMPLATE_MODES = ("auto", "none")
 ENGINES = ("auto", "torch", "vllm")
 ENGINE_NAMES = ("torch", "vllm")  # what a batch may state (RolloutBatch.engine)
-# Engines whose sampling is node.engines.sampling's seeded Gumbel-max, so a validator can replay it.
-REPLAYABLE_ENGINES = ("torch",)
+# Engines whose sampling is node.engines.sampling's seeded Gumbel-max, so a validator can replay it:
+# the vLLM engine samples with it too, as a logits processor (node/engines/vllm_gumbel.py).
+REPLAYABLE_ENGINES = ("torch", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DECODE_MODES = ("auto", "dynamic", "static", "compiled")  # node.engines.torch_engine.DECODE_MODES
-
 LOSSES = ("intellect2", "dppo-tv", "tis")  # node/rl/losses.py
+
 
 @dataclass
 class RLConfig:
@@ -91,15 +92,15 @@ class RLConfig:
 class GRPOConfig:
     """``[grpo]``: the policy update (INTELLECT-2 recipe; tiny-model values noted)."""
 
-    epsilon: float = 0.2  # PPO clip: ratio clipped to [1 - eps, 1 + eps]
     # The policy term (node/rl/losses.py): intellect2 (two-sided clip, epsilon and delta) | dppo-tv
     # (prime-rl's probability-difference masking, tv_bound and tv_tau) | tis (truncated importance sampling, tis_cap).
     loss: str = "intellect2"  # intellect2 | dppo-tv | tis: the policy term every trainer of the run uses
+    epsilon: float = 0.2  # PPO clip: ratio clipped to [1 - eps, 1 + eps]
     delta: float = 4.0  # two-sided clip: for negative advantages the ratio is bounded above by delta
-    kl_coef: float = 0.001  # weight of the KL penalty to the reference policy (0 = no reference model)
     tv_bound: float = 0.2  # dppo-tv: mask a token once p_trainer - p_engine passes this in the advantage's direction
     tv_tau: float = 1e-3  # dppo-tv: weight of tau * log(ratio)^2 on every token (Kimi K2.5)
     tis_cap: float = 2.0  # tis: importance weights truncated at this value (Yao et al. 2025 use 2)
+    kl_coef: float = 0.001  # weight of the KL penalty to the reference policy (0 = no reference model)
     entropy_coef: float = 1e-4  # entropy bonus weight
     lr: float = 3e-4  # peak learning rate (INTELLECT-2: 3e-7 at 32B). Tuned on the tiny demo model:
     #                   3e-3 collapses its entropy and the reward falls; 5e-4 peaks early then sags;
@@ -116,10 +117,10 @@ class GRPOConfig:
     # verification takes, so it is trained at most async_level + this many versions behind, and
     # never more than max_off_policy_steps (the grace shrinks to fit: off_policy_bound()).
     verify_grace_steps: int = 2  # steps an acknowledged batch stays trainable: staleness is judged once, at intake
-    min_batch_samples: int = 16  # online filtering: wait for this many non-zero-advantage samples
     # Off-policy steps of a sample = version trained - version that generated it, queueing included
     # (prime-rl's count). A level-k run of bench/async_levels.py trains every sample k steps off-policy.
     max_off_policy_steps: int = 8  # no sample is trained more than this many versions after the one that made it
+    min_batch_samples: int = 16  # online filtering: wait for this many non-zero-advantage samples
 
     def validate(self) -> None:
         if not 0 < self.epsilon < 1:
@@ -140,7 +141,6 @@ class GRPOConfig:
             raise ValueError("async_level: 0..64")
         if not 0 <= self.verify_grace_steps <= 64:
             raise ValueError("verify_grace_steps: 0..64")
-        if self.min_batch_samples < 1:
         if not self.async_level <= self.max_off_policy_steps <= 64:
             raise ValueError(f"max_off_policy_steps: async_level ({self.async_level})..64 (a batch accepted "
                              "at async_level must still be trainable)")
@@ -148,8 +148,8 @@ class GRPOConfig:
             raise ValueError(f"loss: one of {', '.join(LOSSES)}")
         if not 0 < self.tv_bound < 1 or self.tv_tau < 0 or self.tis_cap < 1:
             raise ValueError("tv_bound in (0, 1), tv_tau >= 0, tis_cap >= 1")
+        if self.min_batch_samples < 1:
             raise ValueError("min_batch_samples: >= 1")
-
 
     def grace_steps(self) -> int:
         """``verify_grace_steps`` cut so that a batch acknowledged at the edge of ``async_level`` is
@@ -159,6 +159,7 @@ class GRPOConfig:
     def off_policy_bound(self) -> int:
         """The most versions a sample can be behind when it is trained (and so when a validator checks it)."""
         return self.async_level + self.grace_steps()
+
 
 @dataclass
 class InferenceConfig:
@@ -171,9 +172,9 @@ class InferenceConfig:
     decode: str = "auto"  # torch engine decode path: auto (compiled on CUDA, dynamic on CPU) | dynamic | static | compiled
     # Run-wide (validators and workers read the same file): the engines whose batches the run accepts
     # ("auto" picks only among them), and those whose batches also get the seeded-sampling replay.
-    # vLLM's sampler is not ours, so its batches get the log-prob and proof checks only: accepting
-    # "vllm" trusts those two for a worker's token choices. Listing "vllm" in replay_engines makes
-    # every vLLM batch fail the replay (a run that requires replayable sampling).
+    # Both engines sample with our seeded Gumbel-max (vLLM through a logits processor), so both are
+    # replayed by default; an engine left out of replay_engines gets the log-prob and proof checks
+    # only, which trusts the worker's token choices (any text, proved and scored, would pass).
     engines: list[str] = field(default_factory=lambda: ["torch"])  # engines the run accepts; ["torch", "vllm"] lets GPU workers run vLLM
     replay_engines: list[str] = field(default_factory=lambda: list(REPLAYABLE_ENGINES))  # engines whose batches get the sampling replay
 
