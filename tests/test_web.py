@@ -197,6 +197,34 @@ async def test_the_page_shows_a_stalled_trainer_with_its_cause_names_units_and_a
     assert "<td>/swarm/ledger/sync/1.0.0</td>" in rejections and "another [run] name" in rejections
 
 
+@pytest.mark.skipif(_chromium() is None, reason="chromium is not installed (make chromium, as root)")
+async def test_the_reward_chart_draws_the_held_out_score_beside_the_training_reward_in_a_browser():
+    """The trainer's eval section (node/trainer/evaluation.py) is a second curve on the reward chart,
+    its points at their versions (the base, v0, left of the first step), with a caption saying what
+    was measured."""
+    import re
+
+    from node.trainer.evaluation import EvalBook, EvalRecord
+
+    book = EvalBook(5, 64, [EvalRecord(v, 0.1 + v / 100, 64, 1.0) for v in (0, 5, 10, 15, 20)])
+    book.held_out = True
+    status = stalled_trainer_status()
+    status["trainer"]["eval"] = book.status()
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_http, "127.0.0.1", 0, node_routes(lambda: status, lambda: b"", None, 0.0))
+        dom = await trio.to_thread.run_sync(_dump, f"http://127.0.0.1:{port}/")
+        nursery.cancel_scope.cancel()
+    svg = dom.split('id="reward-svg"', 1)[1].split("</svg>", 1)[0]
+    line = re.search(r'<polyline points="([^"]+)"[^>]*id="eval-line"', svg).group(1).split()
+    assert len(line) == 5 and svg.count('class="eval-point"') == 5
+    xs = [float(p.split(",")[0]) for p in line]
+    assert xs == sorted(xs) and xs[0] == min(float(x) for x in re.findall(r'<line x1="([\d.]+)"', svg))  # v0 at the axis
+    ticks = re.findall(r'class="xtick" text-anchor="\w+">(\d+)</text>', svg)
+    assert ticks[0] == "0" and ticks[-1] == "22"
+    caption = dom.split('id="eval-caption">', 1)[1].split("</div>", 1)[0]
+    assert caption == "held-out score (orange): greedy on 64 held-out tasks, every 5 versions; base 0.1000, v20 0.3000"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(_chromium() is None, reason="chromium is not installed (Debian: apt-get install chromium)")
 def test_the_page_shows_the_members_of_a_running_swarm_in_a_browser(tmp_path):
