@@ -23,6 +23,9 @@ prometheus_client.disable_created_metrics()  # process-wide; see the module docs
 from .net.workarounds import StreamBytes, TcpBytes
 
 
+PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)  # seconds: tiny model to a big one on a CPU
+
+
 class _ByteCounters:
     """``swarm_stream_bytes_total{protocol,direction}``, ``swarm_tcp_bytes_total{direction}`` and
     ``swarm_tcp_calls_total{direction}`` (writes, one Noise message each, and reads):
@@ -82,6 +85,13 @@ class Metrics:
     def histogram(self, name: str, doc: str, labels: list[str] | tuple[str, ...] = (), buckets=None) -> Histogram:
         kw = {"buckets": buckets} if buckets else {}
         return self._get(Histogram, name, doc, labels, **kw)
+
+    def phase_seconds(self):
+        """An observer for node/steptime.py's ``PhaseTimes``: ``swarm_phase_seconds{phase}``, the
+        seconds of each unit of work (a batch, a step, a version) by phase."""
+        h = self.histogram("phase_seconds", "Seconds of one batch, step or checkpoint version by phase "
+                           "(node/steptime.py)", ["phase"], buckets=PHASE_BUCKETS)
+        return lambda phase, seconds: h.labels(phase=phase).observe(seconds)
 
     def reject(self, source: str, reason: str) -> None:
         """Count one refused input; ``source`` is the topic or protocol it came on."""

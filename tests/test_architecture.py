@@ -55,6 +55,7 @@ PURE = [
     "node.trainer.evaluation",
     "node.validator.policy",
     "node.summary",
+    "node.steptime",
 ]
 # What pure code may not import: third-party I/O, and node's own I/O layers.
 IO_LIBRARIES = ("trio", "libp2p", "sqlite3", "socket")

@@ -146,6 +146,16 @@ async def test_inference_node_sends_valid_batches_and_follows_new_versions(tmp_p
         assert status["policy_version"] == 3 and status["weight_swaps"] >= 1
         assert status["batches"]["accepted"] >= 2 and status["steps"] >= 2
         assert status["tokens_per_s"] > 0 and status["trainers_alive"] == 1
+        # Where its time went (node/steptime.py): every phase of every step and every load, timed.
+        phases = status["phases_s"]
+        assert {p: phases[p]["n"] for p in ("generate", "score", "proofs", "assemble", "load")} == {
+            "generate": status["steps"], "score": status["steps"], "proofs": status["steps"],
+            "assemble": status["steps"], "load": 1 + status["weight_swaps"]}
+        assert phases["generate"]["mean_s"] > 0 and phases["load"]["mean_s"] > 0
+        assert worker.shards.status()["phases_s"]["transfer"]["n"] >= phases["load"]["n"]  # v0 and v3 came by download
+        metrics = worker.metrics.render().decode()
+        assert f'swarm_phase_seconds_count{{phase="generate"}} {float(status["steps"])}' in metrics
+        assert 'swarm_phase_seconds_count{phase="transfer"}' in metrics
         record = worker.membership.record
         assert record.capacity > 0  # advertised tokens/s
 

@@ -85,6 +85,14 @@ async def test_batches_make_a_step_and_version_1_is_published(tmp_path):
         metrics = tnode.metrics.render().decode()  # reward, loss and step time as Prometheus series
         assert "swarm_trainer_step_seconds_count 1.0" in metrics and "swarm_trainer_step_seconds_bucket{" in metrics
         assert "\nswarm_trainer_loss " in metrics and "\nswarm_trainer_reward " in metrics
+        # Where the step's time went (node/steptime.py): one step of two batches, trained, saved, published
+        # (the publish is timed once its call returns, just after the version is marked published).
+        await wait_for(lambda: "publish" in trainer.status()["phases_s"], what="the step's publish timed")
+        status = trainer.status()
+        assert {p: f["n"] for p, f in status["phases_s"].items()} == {"train": 1, "save": 1, "publish": 1}
+        assert status["step_batches"] == 2 and status["phases_s"]["train"]["mean_s"] > 0
+        assert set(status["step_time_s"]) == {"wait", "train", "save", "publish"}
+        assert 'swarm_phase_seconds_count{phase="publish"} 1.0' in tnode.metrics.render().decode()
         # ledger: accepted entries for the worker, and the checkpoint entries of v0 and v1
         ledger = tnode.ledger
         await wait_for(lambda: ledger.totals().get(client.peer_id, {}).get("rollouts_accepted", 0) == 16)

@@ -55,6 +55,7 @@ from ..rollouts.submit import (
     call_submit,
 )
 from ..shards.api import ShardsAPI
+from ..steptime import PhaseTimes
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class InferenceService:
         self.step_held = False  # waiting for an ack before the next step (issue 39, step headroom)
         self.version: int | None = None  # policy version loaded in the engine
         self.stats = Stats()
+        self.phases = PhaseTimes(node.metrics.phase_seconds())  # seconds per batch and per version (node/steptime.py)
         self.outcomes: Counter[str] = Counter()  # "accepted", "refused/<reason>", "dropped/<reason>"
         self.failures: Counter[str] = Counter()  # transport failures by kind (retried)
         self.sample_outcomes: Counter[str] = Counter()  # the same keys as outcomes, counted in samples
@@ -204,12 +206,14 @@ class InferenceService:
 
     async def _load(self, version: int, path: Path) -> bool:
         async with self.engine_lock:
+            started = trio.current_time()
             try:
                 how = await trio.to_thread.run_sync(self.generator.follow, path, abandon_on_cancel=True)
             except Exception as e:  # noqa: BLE001 — a checkpoint we cannot load: keep the current weights
                 self.stats.load_errors += 1
                 log.error("inference: cannot load checkpoint v%d from %s: %s", version, path, e)
                 return False
+            self.phases.add("load", trio.current_time() - started)
         first = self.version is None
         self.version = version
         self.stats.swaps += 0 if first else 1
@@ -266,6 +270,7 @@ class InferenceService:
                 version = self.version
                 root = self.policy_root(version)
                 created_ms = int(time.time() * 1000)  # edge of the system: a wall-clock stamp for people
+                started = trio.current_time()
                 try:
                     # Abandoned on cancel: a long step must not hold up shutdown (the process is exiting).
                     result = await trio.to_thread.run_sync(self.generator.run_step, step, version, created_ms, root,
@@ -277,7 +282,7 @@ class InferenceService:
             if result is None:
                 await trio.sleep(STEP_ERROR_PAUSE_S)
                 continue
-            self._record_step(result)
+            self._record_step(result, trio.current_time() - started)
             await self._queue(result)
             self._advertise()
 
@@ -297,7 +302,9 @@ class InferenceService:
             raise RuntimeError(f"no manifest root known for loaded v{version}")
         return announced[0]
 
-    def _record_step(self, r) -> None:
+    def _record_step(self, r, seconds: float) -> None:
+        """Count one step of ``seconds`` wall time (what its generate, score and proof phases left is
+        the draw, the batch's assembly and its signature)."""
         st = self.stats
         st.steps += 1
         st.samples += r.samples
@@ -307,6 +314,9 @@ class InferenceService:
         st.proof_overhead = r.proof_s / r.generate_s if r.generate_s > 0 else 0.0
         st.last_mean_reward = r.mean_true_reward
         st.reward_sum += r.mean_true_reward
+        for phase, s in (("generate", r.generate_s), ("score", r.score_s), ("proofs", r.proof_s)):
+            self.phases.add(phase, s)
+        self.phases.add("assemble", seconds - r.generate_s - r.score_s - r.proof_s)
         self.m_steps.inc()
         self.m_tokens.inc(r.completion_tokens)
         self.m_rate.set(st.tokens_per_s)
@@ -413,6 +423,7 @@ class InferenceService:
             "tokens": st.tokens,
             "tokens_per_s": round(st.tokens_per_s, 1),
             "proof_overhead": round(st.proof_overhead, 4),
+            "phases_s": self.phases.status(),
             "mean_reward": None if st.last_mean_reward is None else round(st.last_mean_reward, 4),
             "mean_reward_all": round(st.reward_sum / st.steps, 4) if st.steps else None,
             "batches": {

@@ -64,6 +64,7 @@ from ..net.budget import STALLED
 from ..net.host import is_relayed
 from ..net.reqres import Inbound, Refused, peer_of, reset
 from ..peers import FaultRule
+from ..steptime import PhaseTimes
 from ..wire import TRANSPORT_FAILURES, LocalProtocolError, RemoteProtocolError, decode, write_frame
 from .announce import announce, fetch_manifest, fetch_policy, follow_announcements, reannounce_loop, validate_announce
 from .client import Download, progress_bar
@@ -158,6 +159,7 @@ class ShardsService:
         node.peers.set_rule(GARBAGE_SOURCE, FaultRule(weight=GARBAGE_WEIGHT, strikes=cfg.garbage_strikes,
                                                       window=cfg.garbage_window, ban_seconds=cfg.ban_seconds))
         self.m_versions = mt.gauge("shards_versions_complete", "Complete checkpoint versions held")
+        self.phases = PhaseTimes(mt.phase_seconds())  # transfer seconds per version fetched (node/steptime.py)
         self.m_damaged = mt.counter("shards_damaged_pieces_total", "Pieces on disk that failed their re-check at start")
         self._nursery: trio.Nursery | None = None
         self.deltas = self.deltas_class(self)  # versions as deltas (node/shards/deltasync.py)
@@ -426,6 +428,7 @@ class ShardsService:
         self.fetch(version, root, source)
 
     async def _fetch_version(self, version: int, scope: trio.CancelScope) -> None:
+        started = trio.current_time()
         try:
             with scope:
                 root, source = self.announced[version]
@@ -457,6 +460,7 @@ class ShardsService:
                 await trio.to_thread.run_sync(vs.finish)  # fsyncs the whole checkpoint: off the event loop
                 log.info("shards: v%d complete in %.1fs (%d pieces re-fetched after bad hashes)",
                          version, trio.current_time() - dl.started, dl.refetched_pieces)
+                self.phases.add("transfer", trio.current_time() - started)  # manifest to the last piece synced
                 self._version_complete(vs)
         finally:
             self.downloads.pop(version, None)
@@ -608,6 +612,7 @@ class ShardsService:
             "serving_sessions": sum(len(s) for s in self.server_sessions.values()),
             "banned": sorted(p for p, bans in self.node.peers.table.bans(trio.current_time()).items()
                              if SOURCE in bans or GARBAGE_SOURCE in bans),
+            "phases_s": self.phases.status(),
         }
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -69,6 +69,7 @@ from ..rollouts.schema import (
 from ..rollouts.quota import QuotaBook, QuotaConfig, QuotaRefusal, accepted_batches
 from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
+from ..steptime import PhaseTimes
 from ..wire import MAX_FRAME, RemoteProtocolError, decode_as
 from .checkpoints import NonFiniteCheckpoint, check_finite_folder
 from .config import TrainerConfig
@@ -162,7 +163,9 @@ class Trainer:
         self._wake_ledger = trio.Event()
         self.idle_s = 0.0  # time the loop waited for rollouts since the first batch of this run arrived
         self.busy_s = 0.0  # time spent in steps (train + save + publish)
-        self.step_time = Counter()  # seconds of step wall time by phase: train, save, publish (wait = idle_s)
+        # Seconds of step wall time by phase: train, save, publish (wait = idle_s); node/steptime.py.
+        self.phases = PhaseTimes(node.metrics.phase_seconds())
+        self.step_batches = 0  # rollout batches the steps timed in phases took
         self.sample_outcomes = Counter()  # samples by what became of their batch since start: trained, <reason>
         self._life: dict[bytes, tuple[float, float, float | None]] = {}  # batch -> (generated, acked, verified) wall s
         self.life_s = Counter()  # summed seconds per stage of trained batches: queued (generated->acked), ...
@@ -587,13 +590,14 @@ class Trainer:
             await self._drop_step(ids, e)
             return None
         seconds = trio.current_time() - t0
-        self.step_time["train"] += seconds
+        self.phases.add("train", seconds)
+        self.step_batches += len(ids)
         record = StepRecord(version, mean_reward, len(samples), len(ids), stats.tokens, stats.loss, seconds)
         t1 = trio.current_time()
         await self.db.run(self.spool.record_step, record)  # then the model: never a saved model without its record
         await trio.to_thread.run_sync(self.policy.save)
         await self.db.run(self.spool.finish_step, record)
-        self.step_time["save"] += trio.current_time() - t1
+        self.phases.add("save", trio.current_time() - t1)
         for bid in ids:
             self._samples.pop(bid, None)
         self.reward_curve.append((version, mean_reward))
@@ -621,7 +625,7 @@ class Trainer:
         self._wake("ledger")
         t2 = trio.current_time()
         await self.publish(version)
-        self.step_time["publish"] += trio.current_time() - t2
+        self.phases.add("publish", trio.current_time() - t2)
         self.busy_s += trio.current_time() - t0
         return record
 
@@ -794,7 +798,9 @@ class Trainer:
             "eval": self.evals.status(),  # held-out scores by version (node/trainer/evaluation.py)
             "last_step": self.last_step,
             "idle_fraction": round(self.idle_s / total, 4) if total > 0 else None,
-            "step_time_s": {"wait": round(self.idle_s, 2), **{k: round(v, 2) for k, v in self.step_time.items()}},
+            "step_time_s": {"wait": round(self.idle_s, 2), **{k: round(v, 2) for k, v in self.phases.totals.items()}},
+            "phases_s": self.phases.status(),
+            "step_batches": self.step_batches,
             "sample_outcomes": dict(self.sample_outcomes),
             "sample_life_s": {k: round(v / self.life_n, 3) for k, v in self.life_s.items()} if self.life_n else {},
             "pacing": self.pacer.status(self.spool.pending(), self.clock()),

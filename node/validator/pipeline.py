@@ -216,6 +216,7 @@ class Judgement:
     details: list[str]
     tokens: int = 0  # completion tokens checked (for throughput figures)
     proofs: list[tuple[ChunkResult, ...]] = field(default_factory=list)  # measurements of the proofs that passed
+    rescore_s: float = 0.0  # seconds of the verifiers' re-scoring, when judge_batch was given a clock
 
     @property
     def accepted(self) -> bool:
@@ -497,9 +498,11 @@ def judge_batch(
     model: CheckModel | None,
     replayed: Callable[[int], bool] = lambda prompt_index: False,
     policy_root: bytes | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> Judgement:
     """All checks of one batch; ``model`` is the checkpoint of ``batch.policy_version`` and
-    ``policy_root`` its manifest root (see :func:`check_batch_rules`).
+    ``policy_root`` its manifest root (see :func:`check_batch_rules`). With a ``clock``, the
+    judgement says how long the re-scoring took (the rest of a check is the model's; node/steptime.py).
 
     ``replayed(prompt_index)`` says whether (worker, step, prompt_index) was already judged in
     another batch (the caller's replay store). ``model=None`` is allowed only when the batch rules
@@ -530,10 +533,12 @@ def judge_batch(
     for i, check in model_results(batch, todo, model, rules, measured).items():
         results[i] = check
     todo = [i for i, r in enumerate(results) if r.ok]
+    scoring_from = clock() if clock is not None else 0.0
     scored = score_results([batch.samples[i] for i in todo], [drawn[i] for i in todo], tasks, model.tokenizer,
                            rules.proofs.reward_tolerance, rules.score_budget_s)
+    rescore_s = clock() - scoring_from if clock is not None else 0.0
     advantages = advantage_results(batch.samples, rules.proofs.advantage_tolerance)
     for i, check in zip(todo, scored):
         results[i] = check if not check.ok else advantages[i]
     tokens = sum(len(s.completion_ids) for s in batch.samples)
-    return Judgement([_code(r) for r in results], [r.detail for r in results], tokens, measured)
+    return Judgement([_code(r) for r in results], [r.detail for r in results], tokens, measured, rescore_s)

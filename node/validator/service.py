@@ -68,6 +68,7 @@ from ..rollouts.schema import (
 from ..rollouts.quota import QuotaBook, QuotaConfig, accepted_batches, validator_scale
 from ..rollouts.steps import VALIDATOR_WINDOW
 from ..shards.api import ShardsAPI
+from ..steptime import PhaseTimes
 from ..wire import (
     MAX_FRAME,
     Envelope,
@@ -185,6 +186,7 @@ class ValidatorService:
         self.margins = ProofMargins()  # how close accepted work comes to the proof thresholds
         self.tokens_checked = 0
         self.check_seconds = 0.0  # time spent judging batches (model work included)
+        self.phases = PhaseTimes(node.metrics.phase_seconds())  # verify and rescore per batch, load per version (node/steptime.py)
         self.first_job_at: float | None = None  # wall time the first batch arrived (utilisation)
         m = node.metrics
         self.m_queue = m.gauge("validator_queue_depth", "Batches waiting to be checked")
@@ -365,11 +367,15 @@ class ValidatorService:
             return UNJUDGED_NO_CHECKPOINT
         replayed = self.store.replayed_slots(batch.worker, batch.step, [s.prompt_index for s in batch.samples],
                                              job.signed.batch_id)
-        return await trio.to_thread.run_sync(
+        started = trio.current_time()
+        judgement = await trio.to_thread.run_sync(
             lambda: judge_batch(batch, self.rules, current_version=current, tasks=self.tasks, model=model,
-                                replayed=replayed.__contains__, policy_root=root),
+                                replayed=replayed.__contains__, policy_root=root, clock=time.perf_counter),
             abandon_on_cancel=True,  # a long check must not hold up shutdown
         )
+        self.phases.add("verify", trio.current_time() - started - judgement.rescore_s)
+        self.phases.add("rescore", judgement.rescore_s)
+        return judgement
 
     async def model_for(self, version: int) -> CheckModel | None:
         """The checkpoint of ``version``, loaded (LRU of ``keep_models``) from our disk; None, with a
@@ -381,12 +387,14 @@ class ValidatorService:
         if path is None:
             self.want_checkpoint(version)
             return None
+        started = trio.current_time()
         try:
             model = await trio.to_thread.run_sync(self._load, path, version)
         except (OSError, ValueError, RuntimeError) as e:  # a complete, signed checkpoint that does not load
             log.error("validator: cannot load checkpoint v%d from %s: %s", version, path, e)
             self.results["load-errors"] += 1
             return None
+        self.phases.add("load", trio.current_time() - started)
         self.models[version] = model
         while len(self.models) > self.cfg.keep_models:
             self.models.popitem(last=False)
@@ -486,6 +494,7 @@ class ValidatorService:
             "undelivered": sum(len(q) for q in self.pending.values()),
             "tokens_per_s": round(self.tokens_checked / self.check_seconds, 1) if self.check_seconds else None,
             "check_seconds": round(self.check_seconds, 2),
+            "phases_s": self.phases.status(),
             # Share of the time since the first batch arrived spent checking: 1.0 = the bottleneck.
             "utilisation": (round(self.check_seconds / elapsed, 4)
                             if self.first_job_at is not None and (elapsed := now - self.first_job_at) > 0
