@@ -166,3 +166,11 @@ def test_the_reward_png_draws_the_held_out_scores_beside_the_reward():
     both = pixels(render_curve([(1, 0.1), (2, 0.3)], [(0, 0.05), (2, 0.6)]))
     assert bytes(LINE) in both and bytes(EVAL_LINE) in both
     assert bytes(EVAL_LINE) not in pixels(render_curve([(1, 0.1), (2, 0.3)]))
+
+
+def test_the_loop_figures_carry_the_trainers_evaluation():
+    from node.app.loopfigures import loop_figures
+
+    book = EvalBook(5, 64, [EvalRecord(0, 0.1, 64, 1.0), EvalRecord(5, 0.2, 64, 1.0)])
+    f = loop_figures({"t": ("trainer", {"trainer": {"step": 7, "eval": book.status()}})}, seconds=10.0)
+    assert f["eval"]["points"] == [[0, 0.1], [5, 0.2]] and f["eval"]["change"] == 0.1

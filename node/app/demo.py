@@ -9,10 +9,11 @@ may be two cores). The run file names the trainer and the validator as the run's
 The live table shows each node's health (node/health.py: ok, starting, stalled or stopped, and
 why when not ok), members, checkpoint versions and where they are, rollouts accepted and
 rejected, and the reward; the demo ends with the trainer's reward curve (and the mean reward of its
-first and last 10 steps), where the honest work went (node/app/loopfigures.py: trained and lost
-fractions, trainer idle, validator utilisation, the trainer's time by phase, a sample's life, the
-stalls seen while it ran: how many per node, the longest and its cause) and
-the ledger totals. Those figures are also written to ``<data root>/figures.json``.
+first and last 10 steps), the held-out score of the base and of the last version evaluated, where
+the honest work went (node/app/loopfigures.py: trained and lost fractions, trainer idle, validator
+utilisation, the trainer's time by phase, a sample's life, the stalls seen while it ran: how many
+per node, the longest and its cause) and the ledger totals. Those figures are also written to
+``<data root>/figures.json``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from ..trainer.evaluation import format_eval
 from .errors import UsageError
 from .localswarm import LocalSwarm
 from .loopfigures import StallWatch, format_figures, health_of, loop_figures, reward_ratio
@@ -319,6 +321,7 @@ def run_demo(args) -> int:
         first, last, times = ratio
         console.print(f"mean reward, first 10 steps {first:.3f}, last 10 steps {last:.3f}"
                       + (f" ({times:.2f}×)" if times is not None else ""))
+    console.print(format_eval((final["trainer"][1].get("trainer") or {}).get("eval")), markup=False)
     figures = loop_figures(final, seconds, stalled)
     console.print(Text("\nwhere the work went", style="bold"))
     console.print(format_figures(figures), markup=False)

@@ -17,6 +17,8 @@ they mean (issue 15):
   publish; **sample life**: mean seconds from generation to the trainer's ack, from the ack to a
   passing verdict, and from the verdict to the step that trained it (trained batches only; the
   first stage compares the worker's clock with the trainer's);
+* **eval**: the trainer's held-out evaluation (node/trainer/evaluation.py): the base's score, the
+  last and the best version's, their change, and the scored points;
 * **stalls** (issue 39): per node, how often its ``health`` (node/health.py) read "stalled" while
   the demo watched (:class:`StallWatch`), the longest such stretch and its cause.
 """
@@ -127,6 +129,7 @@ def loop_figures(statuses: dict[str, tuple[str, dict]], seconds: float, stalls: 
         "step_time_s": trainer.get("step_time_s") or {},
         "sample_life_s": trainer.get("sample_life_s") or {},
         "stalls": stalls,
+        "eval": trainer.get("eval"),  # held-out scores by version (node/trainer/evaluation.py)
     }
 
 
