@@ -191,9 +191,6 @@ class Trainer:
                                           buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.m_eval = m.gauge("trainer_eval_score", "Held-out greedy score of the last version evaluated")
         self.m_eval_version = m.gauge("trainer_eval_version", "Policy version of the last held-out evaluation")
-
-    # ------------------------------------------------------------------ helpers
-
         # The off-policy figures of the last step (node/rl/losses.py; prime-rl's names where it has one).
         self.m_masked = m.gauge("trainer_masked_token_fraction", "Tokens the [grpo] loss clipped or masked, last step")
         self.m_mismatch = m.gauge("trainer_mismatch_kl", "k3 KL between the engines' and the trainer's log-probs "
@@ -202,6 +199,9 @@ class Trainer:
                                        "the version the trainer held, before its update (last step that had any)")
         self.m_off_policy = m.gauge("trainer_off_policy_steps", "Version trained minus version that generated "
                                     "each sample, last step", ["stat"])
+
+    # ------------------------------------------------------------------ helpers
+
     @property
     def step(self) -> int:
         return self.policy.step
@@ -612,16 +612,16 @@ class Trainer:
         self.m_reward.set(mean_reward)
         self.m_loss.set(stats.loss)
         self.m_step_seconds.observe(seconds)
-        log.info("trainer: step %d: %d samples from %d batches, mean reward %.3f, loss %.4f, %.2fs",
-                 version, len(samples), len(ids), mean_reward, stats.loss, seconds)
-        self._stepped()
-        await self.db.run(self.spool.prune, version - self.cfg.off_policy_bound() - 1)
         self.m_masked.set(stats.masked_frac)
         self.m_mismatch.set(stats.mismatch_kl)
         if stats.mismatch_kl_same_version is not None:
             self.m_mismatch_same.set(stats.mismatch_kl_same_version)
         self.m_off_policy.labels(stat="mean").set(stats.off_policy_mean)
         self.m_off_policy.labels(stat="max").set(stats.off_policy_max)
+        log.info("trainer: step %d: %d samples from %d batches, mean reward %.3f, loss %.4f, %.2fs",
+                 version, len(samples), len(ids), mean_reward, stats.loss, seconds)
+        self._stepped()
+        await self.db.run(self.spool.prune, version - self.cfg.off_policy_bound() - 1)
         self._wake("ledger")
         t2 = trio.current_time()
         await self.publish(version)
@@ -767,13 +767,13 @@ class Trainer:
         return {
             "step": self.step,
             "version": self.step,
+            # The run's policy term and off-policy bound ([grpo]); the last step's figures are in last_step.
+            "loss": self.cfg.loss,
+            "max_off_policy_steps": self.cfg.off_policy_bound(),
             # Liveness at a glance (issue 39): wall time of the last step this process made, seconds
             # since it (or since start), steps per minute over the last ten, and why it is stalled
             # ("" while it steps; node/trainer/progress.py).
             "last_step_at": None if last is None else round(self.wall_clock() - (now - last), 3),
-            # The run's policy term and off-policy bound ([grpo]); the last step's figures are in last_step.
-            "loss": self.cfg.loss,
-            "max_off_policy_steps": self.cfg.off_policy_bound(),
             "seconds_since_step": round(self.progress.seconds_since_step(now), 1),
             "steps_per_min": None if per_min is None else round(per_min, 3),
             "stalled": self.stall(),
@@ -807,12 +807,6 @@ class Trainer:
         }
 
 
-def reward_points(curve: list[tuple[int, float]], most: int) -> list[list]:
-    """``[step, mean reward]`` for every step, or, past ``most`` steps, ``most`` consecutive buckets
-    (``[last step of the bucket, mean of its rewards]``) so the whole run fits in status."""
-    if len(curve) <= most:
-        return [[s, round(r, 4)] for s, r in curve]
-    size = -(-len(curve) // most)
 def off_policy_figures(stats) -> dict:
     """A step's off-policy figures for status (``StepStats``: node/rl/grpo.py)."""
     same = stats.mismatch_kl_same_version
@@ -821,6 +815,12 @@ def off_policy_figures(stats) -> dict:
             "off_policy_steps": {"mean": round(stats.off_policy_mean, 3), "max": stats.off_policy_max}}
 
 
+def reward_points(curve: list[tuple[int, float]], most: int) -> list[list]:
+    """``[step, mean reward]`` for every step, or, past ``most`` steps, ``most`` consecutive buckets
+    (``[last step of the bucket, mean of its rewards]``) so the whole run fits in status."""
+    if len(curve) <= most:
+        return [[s, round(r, 4)] for s, r in curve]
+    size = -(-len(curve) // most)
     out = []
     for i in range(0, len(curve), size):
         part = curve[i:i + size]
