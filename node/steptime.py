@@ -22,6 +22,7 @@ model or machine. Pure: statuses in, rows out.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -122,21 +123,34 @@ def trainer_step_wall_s(statuses: dict[str, tuple[str, dict]]) -> float | None:
     return None
 
 
-def format_step_time(rows: list[Row], per_batch: float | None, wall_s: float | None = None) -> str:
-    """The table as text: the demo's closing summary and bench/step_time.py print it."""
+def step_time_figures(statuses: dict[str, tuple[str, dict]]) -> dict:
+    """Everything the table shows, JSON-ready (the demo's figures.json, bench/step_time.py --json):
+    ``rows`` (:func:`step_time_rows` as dicts), ``batches_per_step``, ``per_step_s`` (the rows'
+    work summed: None before a trainer step) and ``step_wall_s`` (:func:`trainer_step_wall_s`)."""
+    rows = step_time_rows(statuses)
+    per_batch = batches_per_step(statuses)
+    return {"rows": [dataclasses.asdict(r) for r in rows], "batches_per_step": per_batch,
+            "per_step_s": None if per_batch is None else sum(r.per_step_s for r in rows),
+            "step_wall_s": trainer_step_wall_s(statuses)}
+
+
+def format_step_time(f: dict) -> str:
+    """:func:`step_time_figures` as a table: the demo's closing summary and bench/step_time.py print it."""
+    rows, total = f["rows"], f["per_step_s"]
     if not rows:
         return "(no phase timed yet)"
-    total = sum(r.per_step_s for r in rows if r.per_step_s is not None)
     lines = [f"{'phase':<10}{'role':<11}{'mean s':>9}  {'per':<8}{'n':>6}{'s / step':>10}{'share':>8}"]
     for r in rows:
-        share = f"{100 * r.per_step_s / total:.0f} %" if r.per_step_s is not None and total > 0 else "-"
-        per_step = "-" if r.per_step_s is None else f"{r.per_step_s:.2f}"
-        role = "(each)" if r.role == "shards" else r.role
-        lines.append(f"{r.phase:<10}{role:<11}{r.mean_s:>9.3f}  {r.unit:<8}{r.n:>6}{per_step:>10}{share:>8}")
-    if per_batch is None:
+        per_step = r["per_step_s"]
+        share = f"{100 * per_step / total:.0f} %" if per_step is not None and total else "-"
+        role = "(each)" if r["role"] == "shards" else r["role"]
+        lines.append(f"{r['phase']:<10}{role:<11}{r['mean_s']:>9.3f}  {r['unit']:<8}{r['n']:>6}"
+                     f"{'-' if per_step is None else f'{per_step:.2f}':>10}{share:>8}")
+    if total is None:
         lines.append("no trainer step yet: the means above, no share of a step")
     else:
-        lines.append(f"one trainer step: {total:.2f} s of work summed over the roles ({per_batch:.2f} batches a step; "
-                     "transfer and load on each node that follows)"
-                     + ("" if wall_s is None else f"; a step every {wall_s:.1f} s of wall time"))
+        wall = f["step_wall_s"]
+        lines.append(f"one trainer step: {total:.2f} s of work summed over the roles ({f['batches_per_step']:.2f} "
+                     "batches a step; transfer and load on each node that follows)"
+                     + ("" if wall is None else f"; a step every {wall:.1f} s of wall time"))
     return "\n".join(lines)

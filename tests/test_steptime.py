@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from node.steptime import PhaseTimes, Row, batches_per_step, format_step_time, step_time_rows, trainer_step_wall_s
+from node.steptime import (
+    PhaseTimes,
+    Row,
+    batches_per_step,
+    format_step_time,
+    step_time_figures,
+    step_time_rows,
+    trainer_step_wall_s,
+)
 
 
 def times(**phases: list[float]) -> dict:
@@ -76,20 +84,23 @@ def test_before_a_trainer_step_rows_have_means_but_no_share_of_a_step():
     assert batches_per_step(statuses) is None and trainer_step_wall_s(statuses) is None
     [row] = step_time_rows(statuses)
     assert row.mean_s == 2.0 and row.per_step_s is None
-    text = format_step_time([row], None).splitlines()
+    figures = step_time_figures(statuses)
+    assert figures["per_step_s"] is None and figures["rows"][0]["mean_s"] == 2.0
+    text = format_step_time(figures).splitlines()
     assert text[1].split() == ["generate", "inference", "2.000", "batch", "1", "-", "-"]
     assert text[-1] == "no trainer step yet: the means above, no share of a step"
     transfer_only = {"relay": ("relay", {"shards": {"phases_s": times(transfer=[1.0])}})}
     assert [r.per_step_s for r in step_time_rows(transfer_only)] == [None]  # not a share of a step that never was
     assert step_time_rows({"relay": ("relay", {})}) == []
-    assert format_step_time([], None) == "(no phase timed yet)"
+    assert format_step_time(step_time_figures({"relay": ("relay", {})})) == "(no phase timed yet)"
 
 
 def test_the_table_gives_each_phase_its_share_of_a_step():
     statuses = swarm()
-    rows = step_time_rows(statuses)
-    text = format_step_time(rows, batches_per_step(statuses), trainer_step_wall_s(statuses)).splitlines()
-    total = sum(r.per_step_s for r in rows)
+    figures = step_time_figures(statuses)
+    total = sum(r.per_step_s for r in step_time_rows(statuses))
+    assert figures["per_step_s"] == total and figures["batches_per_step"] == 3.0 and figures["step_wall_s"] == 10.0
+    text = format_step_time(figures).splitlines()
     assert text[0].split() == ["phase", "role", "mean", "s", "per", "n", "s", "/", "step", "share"]
     generate = next(line for line in text if line.startswith("generate"))
     assert generate.split() == ["generate", "inference", "5.500", "batch", "4", "16.50", f"{100 * 16.5 / total:.0f}", "%"]

@@ -12,8 +12,9 @@ rejected, and the reward; the demo ends with the trainer's reward curve (and the
 first and last 10 steps), the held-out score of the base and of the last version evaluated, where
 the honest work went (node/app/loopfigures.py: trained and lost fractions, trainer idle, validator
 utilisation, the trainer's time by phase, a sample's life, the stalls seen while it ran: how many
-per node, the longest and its cause) and the ledger totals. Those figures are also written to
-``<data root>/figures.json``.
+per node, the longest and its cause), where a step's time goes (node/steptime.py: each phase of
+each role, per batch, step or version, and its share of a trainer step) and the ledger totals.
+Those figures are also written to ``<data root>/figures.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from ..steptime import format_step_time, step_time_figures
 from ..trainer.evaluation import format_eval
 from .errors import UsageError
 from .localswarm import LocalSwarm
@@ -325,6 +327,10 @@ def run_demo(args) -> int:
     figures = loop_figures(final, seconds, stalled)
     console.print(Text("\nwhere the work went", style="bold"))
     console.print(format_figures(figures), markup=False)
+    # Each role's phase timings from its status (node/steptime.py): what a step costs on this model and machine.
+    figures["step_time"] = step_time_figures(final)
+    console.print(Text("\nwhere a step's time goes (mean seconds per batch, step or checkpoint version)", style="bold"))
+    console.print(format_step_time(figures["step_time"]), markup=False)
     (root / "figures.json").write_text(json.dumps(figures, indent=1))
     (root / "reward.json").write_text(json.dumps(curve))
     png = subprocess.run(
