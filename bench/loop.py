@@ -40,7 +40,7 @@ HOG = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < e
 
 
 def run(steps: int, max_seconds: float, async_level: int | None, cheat: str, root: Path, hog: bool,
-        threads: int | None = DEMO_THREADS, optimizer_steps: int | None = None) -> dict:
+        threads: int | None = DEMO_THREADS, optimizer_steps: int | None = None, eval_every: int | None = None) -> dict:
     hog_proc = None
     if hog:  # one busy core, bounded even if we are killed
         hog_proc = subprocess.Popen([sys.executable, "-c", HOG.format(limit=max_seconds + 120)])
@@ -49,6 +49,8 @@ def run(steps: int, max_seconds: float, async_level: int | None, cheat: str, roo
             text = RUN_TEMPLATE.format(trainer=swarm.peer_id("trainer"), validator=swarm.peer_id("validator"))
             if async_level is not None:  # the demo's run file has a [grpo] table
                 text = text.replace("[grpo]\n", f"[grpo]\nasync_level = {async_level}\n", 1)
+            if eval_every is not None:  # the demo's run file has a [trainer] table (bench/eval_idle.py)
+                text = text.replace("[trainer]\n", f"[trainer]\neval_every = {eval_every}\n", 1)
             if optimizer_steps is not None:
                 text = re.sub(r"(?m)^optimizer_steps = \d+$", f"optimizer_steps = {optimizer_steps}", text)
             swarm.write_run_file(text)

@@ -1,12 +1,13 @@
 """Held-out evaluation (issue 40, item 5): the draw no worker trains on, which versions are scored,
-what the scores say, and where they are kept. Pure logic and the spool here; the trainer that runs
-the evaluation process is in tests/test_trainer_loop.py."""
+what the scores say, where they are kept and shown; then a real trainer node with its evaluation
+process, and a task source the evaluation process cannot load."""
 
 from __future__ import annotations
 
 import sqlite3
 
 import pytest
+import trio
 
 from node.rl.tasks import load_taskset, parse_taskset
 from node.trainer.evaluation import EvalBook, EvalRecord, eval_summary, format_eval, next_version, thin
@@ -174,3 +175,23 @@ def test_the_loop_figures_carry_the_trainers_evaluation():
     book = EvalBook(5, 64, [EvalRecord(0, 0.1, 64, 1.0), EvalRecord(5, 0.2, 64, 1.0)])
     f = loop_figures({"t": ("trainer", {"trainer": {"step": 7, "eval": book.status()}})}, seconds=10.0)
     assert f["eval"]["points"] == [[0, 0.1], [5, 0.2]] and f["eval"]["change"] == 0.1
+
+
+async def test_a_task_source_the_trainer_cannot_load_turns_evaluation_off_with_its_reason(tmp_path):
+    """A run whose task file is not on the trainer's machine: the evaluation process says why, the
+    loop ends (training goes on without it) and status shows the reason."""
+    from dataclasses import asdict
+
+    from node.rl.config import RLConfig
+    from node.trainer.evaluator import serve_evaluation
+
+    async def never(_):
+        raise AssertionError("nothing can be scored")
+
+    book = EvalBook(every=1, tasks=4)
+    rl = asdict(RLConfig(taskset=str(tmp_path / "missing.jsonl"), taskset_sha256="0" * 64))
+    settings = {"rl": rl, "tasks": 4, "device": "cpu", "threads": 1}
+    with trio.fail_after(120):
+        await serve_evaluation(book, settings, tmp_path, latest=lambda: 0, record=never, wait=never)
+    assert "missing.jsonl" in book.status()["error"] and book.status()["last"] is None
+    assert format_eval(book.status()).endswith("missing.jsonl: No such file or directory")
