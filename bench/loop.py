@@ -31,28 +31,41 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.app.demo import DEMO_THREADS, RUN_TEMPLATE, node_env  # noqa: E402
+from node.app.demo import DEMO_THREADS, demo_run_text, node_env  # noqa: E402
 from node.app.localswarm import LocalSwarm  # noqa: E402
 from node.app.loopfigures import format_figures, loop_figures, reward_ratio  # noqa: E402
+from node.steptime import step_time_figures  # noqa: E402
 from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 
 HOG = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < end: pass\n"
 
 
+def set_run_values(text: str, values: dict) -> str:
+    """The run file ``text`` with the ``key = value`` line of each of ``values`` (the demo's settings) changed."""
+    for key, value in values.items():
+        text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text, count=1)
+        if not n:
+            raise ValueError(f"the demo's run file has no {key} setting to change")
+    return text
+
+
 def run(steps: int, max_seconds: float, async_level: int | None, cheat: str, root: Path, hog: bool,
-        threads: int | None = DEMO_THREADS, optimizer_steps: int | None = None, eval_every: int | None = None) -> dict:
+        threads: int | None = DEMO_THREADS, optimizer_steps: int | None = None, eval_every: int | None = None,
+        model: str = "", settings: dict | None = None) -> dict:
+    """``model``: a model folder, run on the demo's real task (node/app/demo.py ``demo_run_text``);
+    ``settings``: values of the demo's run file to change (e.g. {"group_size": 4})."""
     hog_proc = None
     if hog:  # one busy core, bounded even if we are killed
         hog_proc = subprocess.Popen([sys.executable, "-c", HOG.format(limit=max_seconds + 120)])
     try:
         with LocalSwarm(root, log_level="warning", extra_env=node_env(threads)) as swarm:
-            text = RUN_TEMPLATE.format(trainer=swarm.peer_id("trainer"), validator=swarm.peer_id("validator"))
+            text = demo_run_text(swarm.peer_id("trainer"), swarm.peer_id("validator"), model)
             if async_level is not None:  # the demo's run file has a [grpo] table
                 text = text.replace("[grpo]\n", f"[grpo]\nasync_level = {async_level}\n", 1)
             if eval_every is not None:  # the demo's run file has a [trainer] table (bench/eval_idle.py)
                 text = text.replace("[trainer]\n", f"[trainer]\neval_every = {eval_every}\n", 1)
-            if optimizer_steps is not None:
-                text = re.sub(r"(?m)^optimizer_steps = \d+$", f"optimizer_steps = {optimizer_steps}", text)
+            text = set_run_values(text, {**({} if optimizer_steps is None else {"optimizer_steps": optimizer_steps}),
+                                         **(settings or {})})
             swarm.write_run_file(text)
             for name, role in (("relay", "relay"), ("trainer", "trainer"), ("validator", "validator"),
                                ("inference-1", "inference"), ("inference-2", "inference")):
@@ -74,6 +87,7 @@ def run(steps: int, max_seconds: float, async_level: int | None, cheat: str, roo
             hog_proc.wait()
     figures = loop_figures(statuses, seconds)
     figures["reward"] = (statuses["trainer"][1].get("trainer") or {}).get("reward") or []
+    figures["step_time"] = step_time_figures(statuses)  # where a step's time went (node/steptime.py)
     return figures
 
 

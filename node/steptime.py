@@ -5,11 +5,12 @@ in a :class:`PhaseTimes` (pure: the seconds come in, measured by the service aro
 
 * inference node, per rollout batch: ``generate`` (sampling with hidden-state capture), ``score``
   (the verifiers), ``proofs`` (TOPLOC), ``assemble`` (the draw, the batch, its signature); per
-  checkpoint version: ``load`` (the weights into the engine);
+  checkpoint version: ``load`` (the new weights into the engine; not the first load, which is the
+  process's start-up);
 * any node that downloads checkpoints (inference, validator, relay), per version: ``transfer``
   (from the manifest fetch to the last piece checked and synced);
 * validator, per batch: ``verify`` (the rules, the prefill, the proof, log-prob and sampling
-  checks) and ``rescore`` (the verifiers again); per version: ``load``;
+  checks) and ``rescore`` (the verifiers again); per version: ``load`` (not the first);
 * trainer, per step: ``train`` (the GRPO update), ``save`` (model folder, training state, spool),
   ``publish`` (pieces, manifest, announcement).
 
@@ -150,7 +151,7 @@ def format_step_time(f: dict) -> str:
         lines.append("no trainer step yet: the means above, no share of a step")
     else:
         wall = f["step_wall_s"]
-        lines.append(f"one trainer step: {total:.2f} s of work summed over the roles ({f['batches_per_step']:.2f} "
-                     "batches a step; transfer and load on each node that follows)"
-                     + ("" if wall is None else f"; a step every {wall:.1f} s of wall time"))
+        lines.append(f"per trainer step: {total:.2f} s of work over all roles, {f['batches_per_step']:.2f} batches a step")
+        lines.append(("" if wall is None else f"a step every {wall:.1f} s of wall time; ")
+                     + "transfer and load: on each node that follows")
     return "\n".join(lines)

@@ -150,9 +150,9 @@ async def test_inference_node_sends_valid_batches_and_follows_new_versions(tmp_p
         phases = status["phases_s"]
         assert {p: phases[p]["n"] for p in ("generate", "score", "proofs", "assemble", "load")} == {
             "generate": status["steps"], "score": status["steps"], "proofs": status["steps"],
-            "assemble": status["steps"], "load": 1 + status["weight_swaps"]}
+            "assemble": status["steps"], "load": status["weight_swaps"]}  # the first load is start-up, not a step's
         assert phases["generate"]["mean_s"] > 0 and phases["load"]["mean_s"] > 0
-        assert worker.shards.status()["phases_s"]["transfer"]["n"] >= phases["load"]["n"]  # v0 and v3 came by download
+        assert worker.shards.status()["phases_s"]["transfer"]["n"] >= 2  # v0 and v3 came by download
         metrics = worker.metrics.render().decode()
         assert f'swarm_phase_seconds_count{{phase="generate"}} {float(status["steps"])}' in metrics
         assert 'swarm_phase_seconds_count{phase="transfer"}' in metrics

@@ -105,5 +105,5 @@ def test_the_table_gives_each_phase_its_share_of_a_step():
     generate = next(line for line in text if line.startswith("generate"))
     assert generate.split() == ["generate", "inference", "5.500", "batch", "4", "16.50", f"{100 * 16.5 / total:.0f}", "%"]
     assert next(line for line in text if line.startswith("transfer")).split()[1] == "(each)"
-    assert text[-1] == (f"one trainer step: {total:.2f} s of work summed over the roles (3.00 batches a step; "
-                        "transfer and load on each node that follows); a step every 10.0 s of wall time")
+    assert text[-2:] == [f"per trainer step: {total:.2f} s of work over all roles, 3.00 batches a step",
+                         "a step every 10.0 s of wall time; transfer and load: on each node that follows"]

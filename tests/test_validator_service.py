@@ -117,9 +117,10 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
             await wait_for(lambda: validator.ledger.totals().get(validator.peer_id, {}).get("verdicts") == 5,
                            what="five verdict entries in the validator's ledger")
             # Where its time went (node/steptime.py): the four batches judged with the model (the
-            # banned worker's third is refused before), each verified and re-scored; v0 loaded once.
+            # banned worker's third is refused before), each verified and re-scored; v0's load was the
+            # validator's first, its start-up, not a version's cost.
             phases = validator.validator.status()["phases_s"]
-            assert {p: phases[p]["n"] for p in ("verify", "rescore", "load")} == {"verify": 4, "rescore": 4, "load": 1}
+            assert {p: f["n"] for p, f in phases.items()} == {"verify": 4, "rescore": 4}
             assert phases["verify"]["mean_s"] > 0
             assert 'swarm_phase_seconds_count{phase="verify"} 4.0' in validator.metrics.render().decode()
             totals = validator.ledger.totals()

@@ -213,7 +213,8 @@ class InferenceService:
                 self.stats.load_errors += 1
                 log.error("inference: cannot load checkpoint v%d from %s: %s", version, path, e)
                 return False
-            self.phases.add("load", trio.current_time() - started)
+            if self.version is not None:  # the first load is start-up (imports, allocation), not a version's cost
+                self.phases.add("load", trio.current_time() - started)
         first = self.version is None
         self.version = version
         self.stats.swaps += 0 if first else 1

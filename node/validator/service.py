@@ -394,7 +394,8 @@ class ValidatorService:
             log.error("validator: cannot load checkpoint v%d from %s: %s", version, path, e)
             self.results["load-errors"] += 1
             return None
-        self.phases.add("load", trio.current_time() - started)
+        if self.models:  # the first load is start-up (imports, allocation), not a version's cost
+            self.phases.add("load", trio.current_time() - started)
         self.models[version] = model
         while len(self.models) > self.cfg.keep_models:
             self.models.popitem(last=False)
