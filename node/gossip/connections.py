@@ -14,6 +14,7 @@ and after each failure a wait that doubles from ``dial_backoff`` up to ``dial_ba
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -127,3 +128,57 @@ class ConnectionManager:
             out.append(worst)
             have[roles.get(worst, "?")] -= 1
         return out
+
+
+CLOSING_S = 5.0  # seconds after a deliberate close during which the connection may still be listed
+PRUNE_MEMORY = 30.0  # seconds a deliberate close (ours or theirs) keeps a lost connection from looking like a failure
+
+
+@dataclass
+class CloseWatch:
+    """Which dropped connections look like failures (pure: time passed in; the membership service's
+    tick and the simulator in sim/ feed it the connected set).
+
+    A deliberate close is announced first (``Prune``): the pruner and the pruned peer both note it,
+    so that neither takes the drop for a failure and probes (a redial the other prunes again).
+    A connection that drops unannounced is *lost*: its member is probed at once, but at most once
+    per ``PRUNE_MEMORY`` for a peer that keeps dropping us, so a redial and a prune cannot loop.
+    """
+
+    memory: float = PRUNE_MEMORY
+    closing_s: float = CLOSING_S
+    was_connected: set[str] = field(default_factory=set)  # connections at the last look
+    pruned: dict[str, float] = field(default_factory=dict)  # peer -> announced close, or last probe for a loss
+    deliberate: dict[str, float] = field(default_factory=dict)  # peer -> announced close only (ours or theirs)
+    closes: dict[str, int] = field(default_factory=lambda: {"pruned": 0, "pruned_by_peer": 0, "lost": 0})
+
+    def on_prune_sent(self, peer: str, now: float) -> None:
+        """We are closing ``peer``'s connection on purpose (the notice is on its way)."""
+        self.pruned[peer] = self.deliberate[peer] = now
+        self.closes["pruned"] += 1
+
+    def on_prune_received(self, peer: str, now: float) -> None:
+        """``peer`` told us it is closing our connection on purpose."""
+        self.pruned[peer] = self.deliberate[peer] = now
+        self.closes["pruned_by_peer"] += 1
+
+    def closing(self, now: float) -> set[str]:
+        """Peers whose connection is closing on purpose: it may still be listed as connected."""
+        return {p for p, at in self.deliberate.items() if now - at < self.closing_s}
+
+    def closed_on_purpose_since(self, peer: str, since: float) -> bool:
+        """Was ``peer``'s connection closed on purpose at or after ``since`` (a probe's ping died with it)?"""
+        return self.deliberate.get(peer, -math.inf) >= since
+
+    def lost(self, connected: set[str], now: float, live: Callable[[str], bool]) -> list[str]:
+        """Live members (``live``) whose connection dropped since the last look without a notice."""
+        for notes in (self.pruned, self.deliberate):
+            for p, at in list(notes.items()):
+                if now - at > self.memory:
+                    del notes[p]
+        lost = [p for p in self.was_connected - connected if p not in self.pruned and live(p)]
+        self.was_connected = connected
+        self.closes["lost"] += len(lost)
+        for p in lost:
+            self.pruned[p] = now
+        return lost

@@ -520,6 +520,10 @@ class MemberTable:
         m = self.members.get(peer_id)
         return m.state if m else None
 
+    def is_live(self, peer_id: str) -> bool:
+        """ALIVE or SUSPECT: still in the live set (probed, kept connected)."""
+        return self.state_of(peer_id) in (MemberState.ALIVE, MemberState.SUSPECT)
+
     def alive(self) -> list[str]:
         return [pid for pid, m in self.members.items() if m.state is MemberState.ALIVE]
 

@@ -53,7 +53,7 @@ from ..wire import (
     write_frame,
 )
 from .api import HeldVersions, RelayAPI
-from .connections import AddressBackoff, ConnectionManager
+from .connections import AddressBackoff, CloseWatch, ConnectionManager
 from .membership import (
     SEQ_CLOCK_SLACK_S,
     LocalHealth,
@@ -96,8 +96,6 @@ MAX_PROBE_REQS = 8  # ping-reqs we serve at once for others
 DIAL_TIMEOUT = 3.0
 TICK = 0.25  # membership timers (suspicion, expiry) and lost connections
 HOUSEKEEPING = 1.0  # seconds between refreshes of our record's fields and the member gauges
-CLOSING_S = 5.0  # seconds after a deliberate close during which the connection may still be listed
-PRUNE_MEMORY = 30.0  # seconds a deliberate close (ours or theirs) keeps a lost connection from looking like a failure
 # How far ahead of our own seq an accusation about us may be and still be answered: members accept
 # one up to their copy's seq + (time since they heard it + clock slack); they hear us at least once
 # per refresh interval, so 3 of the longest ones (lost refreshes) plus the slack is ample.
@@ -158,14 +156,15 @@ class Membership:
     changed: trio.Event = field(default_factory=trio.Event)
     last_published: float = -1e18
     sync: SyncPlanner = field(default_factory=SyncPlanner)
-    was_connected: set[str] = field(default_factory=set)  # connections at the last tick
-    pruned: dict[str, float] = field(default_factory=dict)  # peer -> when a deliberate close was announced
-    # (or a lost connection was last probed at once); deliberate: only the announced closes, ours or theirs
-    deliberate: dict[str, float] = field(default_factory=dict)
-    closes: dict[str, int] = field(default_factory=lambda: {"pruned": 0, "pruned_by_peer": 0, "lost": 0})
+    watch: CloseWatch = field(default_factory=CloseWatch)  # announced closes and lost connections
     conn: ConnectionManager | None = None
     backoff: AddressBackoff = field(default_factory=lambda: AddressBackoff(10.0, 300.0))
     health: LocalHealth = field(default_factory=LocalHealth)
+
+    @property
+    def closes(self) -> dict[str, int]:
+        """Connections pruned by us / by the peer (announced), lost (probed at once)."""
+        return self.watch.closes
 
     def update(self, **fields) -> None:
         """Change our record (checkpoints held, load, capacity...); it is republished at once."""
@@ -402,8 +401,7 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
 
         async def answer_probe(peer: str, req) -> PingResult | None:
             if isinstance(req, Prune):  # the peer is closing our connection on purpose
-                svc.pruned[peer] = svc.deliberate[peer] = trio.current_time()
-                svc.closes["pruned_by_peer"] += 1
+                svc.watch.on_prune_received(peer, trio.current_time())
                 return None
             # Only a member we know, at the addresses its own signed record gives: the request's
             # addresses are the asker's word, and taking them would let anyone make us dial anywhere.
@@ -441,7 +439,7 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
             if any(results):
                 table.on_probe_ok(target, now)
                 return
-            if svc.deliberate.get(target, -math.inf) >= started:
+            if svc.watch.closed_on_purpose_since(target, started):
                 # The connection was closed on purpose while we probed (by us, or by the peer with
                 # its notice): the ping died with it, which says nothing about the peer.
                 return
@@ -458,30 +456,12 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                 # Only members we hold a connection to: no dial per probe (see the module docstring).
                 # Not one whose connection is closing on purpose: it may still be listed as connected.
                 now = trio.current_time()
-                closing = {p for p, at in svc.deliberate.items() if now - at < CLOSING_S}
+                closing = svc.watch.closing(now)
                 connected = set(node.host.connected_peers())
                 node.host.forget_ping_streams(connected)
                 target = table.next_probe_target(connected - closing)
                 if target is not None:
                     await probe(target, svc.health.scale())
-
-        def lost_connections(connected: set[str], now: float) -> list[str]:
-            """Live members whose connection dropped since the last tick without a Prune notice."""
-            for memory in (svc.pruned, svc.deliberate):
-                for p, at in list(memory.items()):
-                    if now - at > PRUNE_MEMORY:
-                        del memory[p]
-            lost = [
-                p for p in svc.was_connected - connected
-                if p not in svc.pruned and table.state_of(p) in (MemberState.ALIVE, MemberState.SUSPECT)
-            ]
-            svc.was_connected = connected
-            svc.closes["lost"] += len(lost)
-            for p in lost:
-                # At most one probe per PRUNE_MEMORY for a peer that keeps dropping us: if its notices
-                # do not arrive, our redial and its next prune must not become a loop.
-                svc.pruned[p] = now
-            return lost
 
         async def tick_loop() -> None:
             housekeeping_at = -math.inf
@@ -513,7 +493,7 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
                 for p in connected:
                     table.on_reached(p, now)  # an authenticated connection: first-hand evidence
                 node.metrics.connections.set(len(connected))
-                for p in lost_connections(connected, now):
+                for p in svc.watch.lost(connected, now, table.is_live):
                     nursery.start_soon(probe, p, svc.health.scale())
                 # Full-table exchanges: with new connections while joining, then one random peer.
                 for p in svc.sync.plan(connected, now, cfg.sync_interval(table.size()), random):
@@ -537,8 +517,7 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
 
         async def prune(peer: str) -> None:
             """Close a connection on purpose, telling the peer first so it does not probe us for it."""
-            svc.pruned[peer] = svc.deliberate[peer] = trio.current_time()
-            svc.closes["pruned"] += 1
+            svc.watch.on_prune_sent(peer, trio.current_time())
             # Wait for the peer to close its side, i.e. to have noted the prune: closing the
             # connection at once dropped the frame before its handler read it.
             try:
