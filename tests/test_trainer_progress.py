@@ -149,3 +149,14 @@ async def test_a_step_waits_a_little_for_batches_it_would_leave_to_expire(traine
     assert not trainer._hold_step()  # bounded: the step goes on
     trainer._stepped()
     assert trainer.hold_since is None
+
+
+def test_a_running_step_is_not_idle_time():
+    """A 135 M model's first step ran 5 minutes; the demo called that trainer 100 % idle (only finished
+    steps counted as busy)."""
+    from node.trainer.progress import idle_fraction
+
+    assert idle_fraction(0.0, 0.0, None) is None
+    assert idle_fraction(31.0, 0.0, None) == 1.0
+    assert idle_fraction(31.0, 0.0, 279.0) == 0.1
+    assert idle_fraction(30.0, 90.0, None) == 0.25

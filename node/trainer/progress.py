@@ -67,6 +67,13 @@ def stall_kind(cause: str) -> str:
     return cause.split(":", 1)[0]
 
 
+def idle_fraction(idle_s: float, busy_s: float, stepping_s: float | None) -> float | None:
+    """The share of the trainer's time spent waiting for rollouts: waited / (waited + stepped), the
+    running step's time so far counted as stepped (a long step is not idle time). None before either."""
+    total = idle_s + busy_s + (stepping_s or 0.0)
+    return round(idle_s / total, 4) if total > 0 else None
+
+
 class Progress:
     """Step times of one trainer process, and whether it is stalled. The clock starts at the first
     batch acknowledged (:meth:`on_work`): a trainer no worker has reached yet waits, it is not stalled."""

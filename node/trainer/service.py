@@ -86,7 +86,7 @@ from .intake import (
     trainable_until,
 )
 from .pacing import Pacer
-from .progress import STALL_AFTER_S, Backlog, Progress, stall_cause, stall_kind
+from .progress import STALL_AFTER_S, Backlog, Progress, idle_fraction, stall_cause, stall_kind
 from .fsdp import open_policy
 from .policy import Policy, training_samples
 from .spool import BatchState, Spool, StepRecord, open_spool
@@ -760,8 +760,8 @@ class Trainer:
         else:
             gate = {"live_validators": len(self.live_validators()), "validators": len(self.validators),
                     **self.gate.status(), "verdicts": dict(self.verdicts)}
-        total = self.idle_s + self.busy_s
         now = self.clock()
+        running = now - self.stepping_since if self.stepping_since is not None else None
         last = self.progress.last_step()
         per_min = self.progress.steps_per_minute(now)
         return {
@@ -797,7 +797,7 @@ class Trainer:
             "reward": reward_points(self.reward_curve, STATUS_STEPS),
             "eval": self.evals.status(),  # held-out scores by version (node/trainer/evaluation.py)
             "last_step": self.last_step,
-            "idle_fraction": round(self.idle_s / total, 4) if total > 0 else None,
+            "idle_fraction": idle_fraction(self.idle_s, self.busy_s, running),
             "step_time_s": {"wait": round(self.idle_s, 2), **{k: round(v, 2) for k, v in self.phases.totals.items()}},
             "phases_s": self.phases.status(),
             "step_batches": self.step_batches,
