@@ -568,3 +568,4 @@ def test_demo_model_run_file_trains_that_model_on_reasoning_gym(tmp_path):
         rl = run.section("rl", RLConfig)
         assert run.model == model and rl.taskset == taskset and run.trainers == [trainer]
         assert load_run_tasks(rl).draw(bytes(32), 0).prompt  # the nodes can draw its tasks
+        assert run.section("grpo").optimizer_steps == (1 if model else 8)
