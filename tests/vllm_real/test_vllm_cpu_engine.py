@@ -123,7 +123,7 @@ def test_a_torch_validator_accepts_the_vllm_engines_batches(generator, run, refs
     rules = rules_from_run(run, ValidatorConfig())
     tasks = RunTasks(run.section("rl", RLConfig))
     model = CheckModel(refs[0].engine.model, refs[0].engine.tokenizer, 0)
-    assert not rules.replays("vllm")  # vLLM's sampler is not ours: its batches get no replay
+    assert rules.replays("vllm")  # vLLM samples with our rule: its batches get the replay too
     for step in range(3):
         result = generator.run_step(step, 0, 0)
         signed = open_batch(result.sealed.envelope, run.name)
@@ -153,10 +153,12 @@ def test_seeded_generation_repeats_and_does_not_depend_on_batch_mates(engine):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_claimed_logprobs_are_vllms_processed_ones_log_softmax_of_the_tempered_logits(engine, refs, temperature):
+def test_claimed_logprobs_are_log_softmax_of_the_tempered_logits(engine, refs, temperature):
+    """vLLM's raw log-probs at T = 1, the prefill's at any other temperature: never the processor's
+    one-hot row, never the untempered distribution."""
     samples = flat(engine.generate(encode(engine, PROMPTS), 2, temperature, 1.0, MAX_NEW, seed=3, capture_hidden=False))
     want = refs[0].logprobs(samples, temperature)
-    raw = refs[0].logprobs(samples, 1.0)  # vLLM's default logprobs_mode: before temperature
+    raw = refs[0].logprobs(samples, 1.0)  # before temperature
     for s, w, r in zip(samples, want, raw):
         assert s.logprobs == pytest.approx(w, abs=LOGPROB_ATOL)
         if temperature != 1.0:
@@ -176,10 +178,65 @@ def test_the_proof_prefill_passes_the_validators_checks(engine, refs):
         assert verify_proofs(h, build_proofs(s.hidden, cfg.chunk_tokens, cfg.topk), cfg).ok
         assert check_logprobs(s.logprobs, w, tolerance_mean=cfg.logprob_tolerance_mean,
                               tolerance_max=cfg.logprob_tolerance_max).ok
-    # under top-p vLLM's log-probs are renormalised over the nucleus: the engine claims the prefill's
+    # under top-p too the claimed log-probs are over the full vocabulary (vLLM's raw ones), not the nucleus
     nucleus = flat(engine.generate(encode(engine, PROMPTS[:2]), 2, 1.0, 0.8, MAX_NEW, seed=11, capture_hidden=False))
     for s, w in zip(nucleus, refs[0].logprobs(nucleus, 1.0)):
         assert s.logprobs == pytest.approx(w, abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_vllm_draws_the_torch_engines_tokens_for_the_same_seeds(engine, refs, temperature, top_p):
+    """Our seeded Gumbel-max as vLLM's logits processor: the tokens of the torch engine (which runs
+    the validator's replay code) for every seed, temperature and top-p, up to near-ties in the logits."""
+    prompts = encode(engine, PROMPTS)
+    ours = flat(engine.generate(prompts, 3, temperature, top_p, MAX_NEW, seed=21, capture_hidden=False))
+    torch_ = flat(refs[0].engine.generate(prompts, 3, temperature, top_p, MAX_NEW, seed=21, capture_hidden=False))
+    assert [s.completion_ids for s in ours] == [s.completion_ids for s in torch_]
+    assert len({tuple(s.completion_ids) for s in ours}) > 1
+
+
+def test_tampered_vllm_batches_are_rejected_by_the_replay(generator, run, refs, folders):
+    """Issue 42 hole 1 on real vLLM batches: text the model never sampled, re-proved with the
+    checkpoint so proofs and log-probs hold, is refused whatever engine it names; so are swapped
+    tokens, scaled log-probs and another model's samples (re-proved with the run's model)."""
+    from dataclasses import replace
+
+    from node.validator import testing as T
+
+    rules = rules_from_run(run, ValidatorConfig())
+    tasks = RunTasks(run.section("rl", RLConfig))
+    model = CheckModel(refs[0].engine.model, refs[0].engine.tokenizer, 0)
+    me = generator.identity
+
+    def judged(signed):
+        return judge_batch(signed.batch, rules, current_version=0, tasks=tasks, model=model, policy_root=OFFLINE_ROOT)
+
+    honest = open_batch(generator.run_step(40, 0, 0).sealed.envelope, run.name)
+    assert judged(honest).accepted
+    generator.engine.swap_weights(folders[1])
+    try:
+        other = open_batch(generator.run_step(40, 0, 0).sealed.envelope, run.name).batch
+    finally:
+        generator.engine.swap_weights(folders[0])
+    cheat = refs[0].engine  # the checkpoint, which a cheat holds too
+    swapped = {i: s.completion_ids[1::-1] + s.completion_ids[2:] for i, s in enumerate(honest.batch.samples)
+               if len(s.completion_ids) > 2 and s.completion_ids[0] != s.completion_ids[1]}
+    cheats = {
+        "pasted answers": T.pasted_completions(honest, me, cheat, rules, tasks, lambda d: d.data.answer),
+        "pasted answers as torch's": T.pasted_completions(honest, me, cheat, rules, tasks, lambda d: d.data.answer,
+                                                          claim="torch"),
+        "injected url": T.pasted_completions(honest, me, cheat, rules, tasks, lambda d: "see http://x.io"),
+        "swapped tokens": T.sign_batch(me, replace(honest.batch, samples=T.reproved(
+            list(honest.batch.samples), swapped, cheat, rules))),
+        "scaled log-probs": T.with_samples(honest, me, lambda i, s: replace(s, logprobs=[v * 0.9 for v in s.logprobs])),
+        "another model, re-proved": T.sign_batch(me, replace(other, samples=T.reproved(
+            list(other.samples), {i: list(s.completion_ids) for i, s in enumerate(other.samples)}, cheat, rules))),
+    }
+    assert swapped and other.samples[0].completion_ids != honest.batch.samples[0].completion_ids
+    for name, signed in cheats.items():
+        j = judged(signed)
+        assert not j.accepted, name
+        assert {r for r in j.reasons if r != "ok"} <= T.SAMPLING_REASONS, (name, j.reasons)
 
 
 def greedy(engine, prompts):
