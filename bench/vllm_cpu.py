@@ -110,14 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.batch) < 1 or args.tokens < 1 or args.repeats < 1:
         print("bench/vllm_cpu.py: --batch, --tokens and --repeats must be >= 1", file=sys.stderr)
         return 2
-    if importlib.util.find_spec("vllm") is None:
-        # `make bench-quick` runs every benchmark in .venv, which has no vLLM: this one's quick run
-        # is part of `make vllm-test`, in the vLLM venv (its engine start alone takes minutes)
-        print("bench/vllm_cpu.py: vLLM is not installed here: run it with .vllm-venv/bin/python (`make vllm-venv`)"
-              + ("; skipped" if args.quick else ""), file=sys.stderr)
-        return 0 if args.quick else 2
+    missing = vllm_missing("bench/vllm_cpu.py", args.quick)
+    if missing is not None:
+        return missing
     run(args)
     return 0
+
+
+def vllm_missing(script: str, quick: bool) -> int | None:
+    """None where vLLM is installed; else one line on stderr and the exit status: 0 for a quick run
+    (`make bench-quick` runs every benchmark in .venv, which has no vLLM: skipped; the vLLM
+    benchmarks' quick runs belong to the vLLM venv), 2 otherwise."""
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    print(f"{script}: vLLM is not installed here: run it with .vllm-venv/bin/python (`make vllm-venv`)"
+          + ("; skipped" if quick else ""), file=sys.stderr)
+    return 0 if quick else 2
 
 
 if __name__ == "__main__":  # vLLM starts its engine core in a process of its own

@@ -22,7 +22,6 @@ pasted answers also as torch's. Printed last: each line's rejection rate.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
+from vllm_cpu import vllm_missing  # noqa: E402
 
 RUN = "vllm-replay"
 INJECTED = "see http://x.io"
@@ -166,10 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.batches, args.torch_batches, args.cheats, args.prompts, args.group_size) < 1 or args.tokens < 4:
         print("bench/vllm_replay.py: counts must be >= 1 and --tokens >= 4", file=sys.stderr)
         return 2
-    if importlib.util.find_spec("vllm") is None:
-        print("bench/vllm_replay.py: vLLM is not installed here: run it with .vllm-venv/bin/python (`make vllm-venv`)"
-              + ("; skipped" if args.quick else ""), file=sys.stderr)
-        return 0 if args.quick else 2
+    missing = vllm_missing("bench/vllm_replay.py", args.quick)
+    if missing is not None:
+        return missing
     run(args)
     return 0
 
