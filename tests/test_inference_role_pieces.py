@@ -169,6 +169,40 @@ def test_free_sandbox_cheat_is_refused_on_its_proofs_before_any_sandbox_runs(tin
     assert runs == []
 
 
+def test_pasted_answers_cheat_is_refused_by_the_replay_whatever_engine_it_names(tiny):
+    """Issue 42 hole 1: right answers written in, re-proved so proofs and log-probs hold, truly scored
+    and stated as vLLM's batch (where the run accepts vLLM, else as torch's): only the sampling replay
+    can refuse them, and it does for both engines; a run that did not replay vLLM paid for them."""
+    from dataclasses import replace
+
+    from node.validator.pipeline import BatchRules, CheckModel, judge_batch
+    from node.validator.tasks import RunTasks
+
+    path, model, tok = tiny
+    ident = Identity.generate()
+    rl = RLConfig(group_size=4, prompts_per_batch=2, max_new_tokens=12)
+    judged = {}
+    for engines in (("torch", "vllm"), ("torch",)):
+        gen = make_generator(identity=ident, run_name="test", rl=rl, proofs=ProofsConfig(),
+                             inference=InferenceConfig(engine="torch", device="cpu", engines=list(engines)),
+                             worker=WorkerConfig(cheat="pasted-answers"))
+        gen.follow(path)
+        batch = open_batch(gen.run_step(7, 0, 0).sealed.envelope, "test").batch
+        assert batch.engine == engines[-1]
+        pasted = [s for s in batch.samples if s.sample_index < 2]
+        assert all(s.task_reward == 1.0 for s in pasted)  # every pasted answer is right
+        rules = BatchRules(run="test", taskset=rl.taskset, temperature=rl.temperature, top_p=rl.top_p,
+                           max_new_tokens=rl.max_new_tokens, group_size=rl.group_size,
+                           prompts_per_batch=rl.prompts_per_batch, async_level=2, engines=engines)
+        j = judge_batch(batch, rules, current_version=0, tasks=RunTasks(rl), model=CheckModel(model, tok, 0))
+        assert {r for r in j.reasons if r != "ok"} == {BatchReason.SAMPLING_MISMATCH.value}, j.reasons
+        assert all(j.reasons[i] == "ok" for i, s in enumerate(batch.samples) if s.sample_index >= 2)
+        judged[batch.engine] = batch, rules
+    batch, rules = judged["vllm"]
+    unreplayed = replace(rules, replay_engines=("torch",))
+    assert judge_batch(batch, unreplayed, current_version=0, tasks=RunTasks(rl), model=CheckModel(model, tok, 0)).accepted
+
+
 def test_generator_step_with_length_reward(tiny):
     """Thinking budgets drawn per prompt, stated in the prompt, and the length penalty in the reward."""
     path, model, tok = tiny

@@ -58,6 +58,8 @@ CHEATS = {
     # The replay refuses the pasted program before it is scored (issue 42: scoring comes last).
     "early-exit": {"reward_mismatch", "sampling_mismatch"},
     "free-sandbox": PROOF_REASONS | {"proof_count"},
+    # Right answers written in and re-proved: only the sampling replay can tell (issue 42 hole 1).
+    "pasted-answers": {"sampling_mismatch"},
 }
 
 

@@ -17,6 +17,11 @@
   but would hold a validator's code sandbox for its whole time limit per sample were it scored
   first (issue 42). The validator's proof checks must refuse it before any sandbox runs.
 
+* ``pasted-answers``: half of every group's completions become the task's right answer, written by
+  the worker, not sampled, re-proved (log-probs and proofs rebuilt on the new tokens) and truly
+  scored, the batch stating engine "vllm" where the run accepts it (issue 42 hole 1: such a batch
+  once skipped the sampling replay on its own say-so). The replay must refuse it, whatever engine
+  the batch names.
 * ``drop-groups``: leave out the group of the prompt it did worst on (a worker hiding its failures
   to lift the reward it is credited with): the validator's complete-batch check must catch it.
 
@@ -32,7 +37,7 @@ import torch
 
 from ..proofs.capture import logits_from_hidden, recompute_decode_states
 from ..rl.rollout import ScoredGroup
-from ..rl.spec import DrawnStep, group_advantages, step_key, token_logprobs, with_length_penalty
+from ..rl.spec import DrawnStep, group_advantages, score, step_key, token_logprobs, with_length_penalty
 from ..rl.tasks import Task, TaskSet, draw_task
 from ..rollouts.generate import RolloutGenerator
 
@@ -96,22 +101,45 @@ class DropGroupsGenerator(RolloutGenerator):
         return [g for i, g in enumerate(groups) if i != worst]
 
 
+def reproved(engine, prompt_ids: list[int], sample, ids: list[int], finish: str, temperature: float):
+    """``sample`` with its completion replaced by ``ids``, and its hidden states and log-probs rebuilt
+    from ``engine``'s model on them: the proofs and log-probs of a careful cheat hold."""
+    tok, model = engine.tokenizer, engine.model
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    hidden = recompute_decode_states(model, [prompt_ids], [ids], pad)[0]
+    lps = token_logprobs(logits_from_hidden(model, hidden), torch.tensor(ids, device=hidden.device), temperature)
+    return replace(sample, completion_ids=list(ids), logprobs=[float(x) for x in lps], finish_reason=finish,
+                   hidden=hidden.cpu(), text=tok.decode(ids, skip_special_tokens=True))
+
+
 class EarlyExitGenerator(RolloutGenerator):
     def claim(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
-        tok, model = self.engine.tokenizer, self.engine.model
-        ids, finish = program_ids(tok, EXIT_PROGRAM, self.rl.max_new_tokens)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        ids, finish = program_ids(self.engine.tokenizer, EXIT_PROGRAM, self.rl.max_new_tokens)
         out = []
         for g in groups:
             samples, scores = list(g.samples), list(g.scores)
             for k in range(max(1, len(samples) // 2)):
-                hidden = recompute_decode_states(model, [g.prompt_ids], [ids], pad)[0]
-                lps = token_logprobs(logits_from_hidden(model, hidden), torch.tensor(ids, device=hidden.device),
-                                     self.rl.temperature)
-                samples[k] = replace(samples[k], completion_ids=list(ids), logprobs=[float(x) for x in lps],
-                                     finish_reason=finish, hidden=hidden.cpu(),
-                                     text=tok.decode(ids, skip_special_tokens=True))
+                samples[k] = reproved(self.engine, g.prompt_ids, samples[k], ids, finish, self.rl.temperature)
                 scores[k] = with_length_penalty(1.0, len(ids), g.budget, self.rl)
+            out.append(replace(g, samples=samples, scores=scores,
+                               advantages=group_advantages([sc.reward for sc in scores])))
+        return out
+
+
+class PastedAnswersGenerator(RolloutGenerator):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if "vllm" in self.inference.accepted_engines():
+            self.engine.name = "vllm"  # what the batch states (RolloutBatch.engine)
+
+    def claim(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
+        out = []
+        for g in groups:
+            ids, finish = program_ids(self.engine.tokenizer, g.task.answer or "", self.rl.max_new_tokens)
+            samples, scores = list(g.samples), list(g.scores)
+            for k in range(max(1, len(samples) // 2)):
+                samples[k] = reproved(self.engine, g.prompt_ids, samples[k], ids, finish, self.rl.temperature)
+                scores[k] = score(g.task, samples[k].text, len(ids), g.budget, self.rl, self.code_limits)
             out.append(replace(g, samples=samples, scores=scores,
                                advantages=group_advantages([sc.reward for sc in scores])))
         return out
@@ -142,6 +170,7 @@ GENERATORS = {
     "replay": RolloutGenerator,  # honest batches, sent twice (see make_outbox)
     "drop-groups": DropGroupsGenerator,
     "free-sandbox": FreeSandboxGenerator,
+    "pasted-answers": PastedAnswersGenerator,
 }
 
 

@@ -21,6 +21,7 @@ CHEATS = (
     "drop-groups",  # leave out the group of the prompt it did worst on: incomplete-batch check fails
     "early-exit",  # completions that exit before the code tests, claimed at 1.0: reward check fails
     "free-sandbox",  # endless-loop code with garbage proofs: proof check fails before any sandbox runs
+    "pasted-answers",  # right answers written in, re-proved, stated as vLLM's: the sampling replay fails
 )
 
 
