@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node.net.workarounds import StreamChunks  # noqa: E402
+from node.net.patches.speed import StreamChunks  # noqa: E402
 from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 
 MiB = 1 << 20

@@ -502,7 +502,7 @@ async def read_exactly(stream: _Reader, n: int) -> bytes:
 
 async def _until_buffered(stream: _Reader, n: int) -> None:
     """Wait until ``stream`` holds ``n`` bytes unread, where it can say so (a libp2p stream over
-    Yamux: ``node.net.workarounds.WholeFrameReads``), so that a frame is read in one piece: one
+    Yamux: ``node.net.patches.speed.WholeFrameReads``), so that a frame is read in one piece: one
     join of its bytes and one wake-up of the reader, not a read and a copy per part that arrived."""
     wait = getattr(getattr(stream, "muxed_stream", None), "until_buffered", None)
     if wait is not None:
@@ -592,7 +592,7 @@ class Gather(tuple):
 
 
 async def write_parts(stream: _Writer, parts: list[bytes | memoryview]) -> None:
-    """Write ``parts`` as one write. A libp2p stream over Yamux (``node.net.workarounds.YamuxSends``)
+    """Write ``parts`` as one write. A libp2p stream over Yamux (``node.net.patches.speed.YamuxSends``)
     takes them as they are and copies each byte once, into its frames; anything else gets them
     joined, a copy of every byte more (a seeder's 1 MiB block, for each time it is sent)."""
     if getattr(getattr(stream, "muxed_stream", None), "writes_gather", False):

@@ -26,6 +26,7 @@ PURE = [
     "node.wire",
     "node.hashes",
     "node.net.multiaddrs",
+    "node.net.counters",
     "node.net.budget",
     "node.net.reachability",
     "node.peers.table",
@@ -59,7 +60,7 @@ PURE = [
 ]
 # What pure code may not import: third-party I/O, and node's own I/O layers.
 IO_LIBRARIES = ("trio", "libp2p", "sqlite3", "socket")
-IO_MODULES = ("node.net.host", "node.net.relay", "node.net.reqres", "node.net.workarounds", "node.context",
+IO_MODULES = ("node.net.host", "node.net.relay", "node.net.reqres", "node.net.patches", "node.context",
               "node.status", "node.roles", "node.app")
 IO_SUFFIXES = (".service", ".sync", ".store")  # the trio services and the SQLite/piece stores
 
@@ -237,6 +238,30 @@ def test_top_level_packages_form_no_cycle():
     if cycle:
         edges = [f"{a} -> {b}: {graph[a][b][0]}" for a, b in zip(cycle, cycle[1:])]
         pytest.fail("import cycle between node's packages:\n  " + "\n  ".join(edges))
+
+
+def patch_imports(imports: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """Imports of the py-libp2p patches (node/net/patches/) from outside node/net/: the rest of the
+    node uses the host's API and the byte counts (node/net/counters.py), never a patch."""
+    return [f"{m}:{line} imports {name}" for m in sorted(imports) if not _within(m, "node.net")
+            for name, line in imports[m] if _within(name, "node.net.patches")]
+
+
+def test_nothing_outside_net_imports_the_patches():
+    assert patch_imports(IMPORTS) == []
+    assert "node.net.patches" in {name for name, _ in IMPORTS["node.net.host"]}  # net/ itself may
+
+
+def test_the_patch_rule_finds_a_planted_import(tmp_path, monkeypatch):
+    """Planted in a copy of shards/client.py (read through the same parser), both spellings are caught."""
+    planted = tmp_path / "client.py"
+    planted.write_text(MODULES["node.shards.client"].read_text() + "\n\ndef lazy():\n"
+                       "    from ..net.patches.speed import QuickLock\n    from ..net import patches\n")
+    monkeypatch.setitem(MODULES, "node.shards.client", planted)
+    lines = len(planted.read_text().splitlines())
+    assert patch_imports({"node.shards.client": imports_of("node.shards.client")}) == [
+        f"node.shards.client:{lines - 1} imports node.net.patches.speed",
+        f"node.shards.client:{lines} imports node.net.patches"]
 
 
 def test_cycle_finder_finds_a_cycle():

@@ -188,7 +188,7 @@ async def test_py_libp2p_handlers_take_only_their_share_of_streams(tmp_path):
     """gossipsub's handler (py-libp2p's, no frames of ours): one peer's streams past its share are
     reset at once instead of being served."""
     from node.net.host import GOSSIPSUB_PROTOCOLS
-    from node.net.workarounds import OTHER_STREAMS
+    from node.net.patches.safety import OTHER_STREAMS
 
     cfgs = [node_config(tmp_path, n) for n in ("target", "hostile")]
     async with open_nodes(cfgs) as (target, hostile):

@@ -22,7 +22,7 @@ DISCONNECT_TIMEOUT = 5.0
 # source, whatever the protocol: holding slots is the same fault everywhere.
 STALL_SOURCE = "streams"
 # A peer that breaks the muxer's rules (sends past a stream's receive window) is hostile or broken:
-# its connection is already closed (node/net/workarounds.py KeptReceiveWindow); one fault bans it.
+# its connection is already closed (node/net/patches/safety.py KeptReceiveWindow); one fault bans it.
 MUXER_SOURCE = "muxer"
 MUXER_RULE = FaultRule(weight=50.0, strikes=1, ban_seconds=3600.0)
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..hashes import digest
-from ..net.workarounds import widen_receive_window
+from ..net.host import widen_receive_window
 from ..wire import TRANSPORT_FAILURES, LocalProtocolError, Message, RemoteProtocolError, frame_of, write_frame
 from .config import ShardsConfig
 from .picker import Actions, Picker, PickerParams

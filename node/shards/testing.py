@@ -11,8 +11,8 @@ import trio
 
 from ..config import NodeConfig, RunConfig
 from ..context import NodeContext, RunningNode
+from ..net.counters import TcpBytes
 from ..net.host import GossipParams, open_swarm_host
-from ..net.workarounds import TcpBytes
 from ..identity import Identity
 from ..peers import serve_peers
 from .config import ShardsConfig

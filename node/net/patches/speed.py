@@ -1,13 +1,8 @@
-"""py-libp2p 0.8.1 workarounds, each a patch of one library behaviour we cannot configure away.
+"""Speed patches of py-libp2p 0.8.1: each removes a cost per byte, per message or per wake-up that
+the library pays and we measured (``bench/shards.py``, ``bench/stream_buffer.py``, py-spy).
 
-* :class:`TcpBytes` / :class:`StreamBytes`: py-libp2p counts no bytes; wrap the TCP stream and the
-  net stream once per process so metrics can show what each protocol costs.
-* :class:`CancelSafeFrames`: a Yamux frame write cancelled between encrypt and send corrupts the
-  Noise stream for good; make it all-or-nothing.
 * :class:`BatchedWindowCredit`: Yamux sends a window update after nearly every read; credit the
   sender once half the window is consumed, as go-yamux does.
-* :class:`WholeNoiseMessages`: wake the connection's reader once a Noise message is all there
-  (``SO_RCVLOWAT``), not for every TCP segment of it.
 * :class:`QuickLocks`: the locks py-libp2p takes for every read and write (TCP stream, Yamux
   connection and stream, net stream) yield to the scheduler even when free; make a free one not.
 * :class:`PeerRecordReuse`: pubsub signs our peer record for every RPC it sends and verifies the
@@ -23,153 +18,27 @@
   of polling it every 10 ms.
 * :class:`ChunkedStreamBuffers`: a Yamux stream's received bytes were copied into a ``bytearray``
   and out of it twice; keep the frames as they came and join a read's bytes once.
+* :class:`WholeFrameReads`: a frame's body was read in as many pieces as had arrived, each copied
+  again; wait until it is all buffered and read it once.
+* :class:`WholeNoiseMessages`: wake the connection's reader once a Noise message is all there
+  (``SO_RCVLOWAT``), not for every TCP segment of it.
 * :class:`MessageReads`: a secured connection copied each Noise message's rest three times through
   a ``BytesIO``, and Yamux armed a timer for every frame body; keep the message, take a body
   already decrypted at once.
-* :class:`WholeFrameReads`: a frame's body was read in as many pieces as had arrived, each copied
-  again; wait until it is all buffered and read it once.
-* :class:`KeptReceiveWindow`: a peer could send past a stream's receive window and have it
-  buffered anyway; close its connection and report it.
-* :func:`disable_auto_connect`: the swarm's own auto-connector fights our connection manager.
-* :func:`widen_receive_window`: a Yamux stream's receive window stays at 256 KiB on slow links,
-  so the receiver sends a window update for every 128 KiB.
-* :func:`guard_handlers`: an exception escaping any stream handler tears down the whole host.
 
-:func:`node.net.host.open_swarm_host` installs all of them; nothing else should need to.
-(The ping that reuses one stream per peer and survives a cut round trip lives in
-:meth:`node.net.host.SwarmHost.ping`.)
+All are process-wide, installed by :func:`node.net.patches.install_all`.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 import socket
-from collections.abc import Callable
 from typing import NamedTuple
 
 import trio
 
-from ..wire import Gather
-from .budget import Budget, StreamLimits
-
-log = logging.getLogger(__name__)
-
-
-class Patch:
-    """A change to py-libp2p's classes or modules, made once per process (all its hosts share them)."""
-
-    @classmethod
-    def install(cls) -> None:
-        if not cls.__dict__.get("_installed", False):
-            cls._patch()
-            cls._installed = True
-
-    @classmethod
-    def _patch(cls) -> None:
-        raise NotImplementedError
-
-
-class TcpBytes(Patch):
-    """Bytes this process moved over libp2p TCP connections (after Noise and Yamux framing), and
-    the calls that moved them: a write is one Noise message, a read one ``recv`` (the reads of
-    :class:`WholeNoiseMessages`), so nearly one wake-up of the node.
-
-    py-libp2p keeps no such count, so the first host wraps ``TrioTCPStream.read/write`` once.
-    Process-wide: one node per process in normal runs (in-process tests share the count). Where
-    bytes trickle in through a slow link, a node's CPU follows its messages more than its bytes.
-    """
-
-    sent = 0
-    received = 0
-    calls = {"sent": 0, "received": 0}  # writes (Noise messages sent) and reads
-
-    @classmethod
-    def _patch(cls) -> None:
-        from libp2p.io.trio import TrioTCPStream
-
-        def count(stream, direction: str, n: int) -> None:
-            setattr(cls, direction, getattr(cls, direction) + n)
-            cls.calls[direction] += 1
-
-        _count_io(TrioTCPStream, count)
-
-
-def _count_io(stream_cls, count) -> None:
-    """Wrap ``stream_cls.write`` and ``.read`` so each call reports ``count(stream, "sent"|"received", n)``."""
-    write, read = stream_cls.write, stream_cls.read
-
-    async def counted_write(self, data: bytes | Gather) -> None:
-        await write(self, data)
-        count(self, "sent", data.nbytes if isinstance(data, Gather) else len(data))
-
-    async def counted_read(self, n: int | None = None) -> bytes:
-        data = await read(self, n)
-        count(self, "received", len(data))
-        return data
-
-    stream_cls.write, stream_cls.read = counted_write, counted_read
-
-
-class StreamBytes(Patch):
-    """Payload bytes this process moved on libp2p streams, by protocol (before Yamux and Noise).
-
-    The figure that says *which* protocol costs what (membership, gossipsub, ping, shards...);
-    ``TcpBytes`` holds the total with framing. Process-wide, installed once like ``TcpBytes``.
-    """
-
-    sent: dict[str, int] = {}
-    received: dict[str, int] = {}
-
-    @classmethod
-    def _patch(cls) -> None:
-        from libp2p.network.stream.net_stream import NetStream
-
-        def count(stream, direction: str, n: int) -> None:
-            by_protocol = getattr(cls, direction)
-            key = str(stream.get_protocol() or "negotiating")
-            by_protocol[key] = by_protocol.get(key, 0) + n
-
-        _count_io(NetStream, count)
-
-
-# A Yamux frame write that has not finished after this long means the peer stopped reading; the
-# connection is closed, as part of a frame may already be on the wire. Frames are at most one
-# stream window (256 KiB): 15 s allows links down to ~140 kbit/s, and bounds how long a shielded
-# write can hold up a node's shutdown.
-FRAME_WRITE_LIMIT = 15.0
-
-
-class CancelSafeFrames(Patch):
-    """Make each Yamux frame write all-or-nothing under cancellation (py-libp2p 0.8.1).
-
-    py-libp2p writes a frame in the caller's task: Noise encrypts it (using up the next nonce), then
-    sends it. A caller cancelled between the two (any ``fail_after`` around a stream write whose
-    deadline passes at that moment) leaves a nonce the peer will never see, and every later frame on
-    the connection fails to decrypt ("Failed authentication of message", seen a few times a minute
-    in the demo's logs); cancelled during the send, half a frame is left on the wire. Here the
-    write lock is still taken cancellably (nothing is written yet), the encrypt-and-send is shielded,
-    and a send that stalls past FRAME_WRITE_LIMIT closes the connection instead of corrupting it.
-    """
-
-    @classmethod
-    def _patch(cls) -> None:
-        from libp2p.stream_muxer.yamux.yamux import Yamux
-
-        async def write_frame(self, data: bytes) -> None:
-            async with self._write_lock:
-                # One scope, shielded from outside and cancelled by its own deadline: two nested
-                # ones (shield, then move_on_after) cost ~4 % of the event loop in ``overhead``.
-                with trio.CancelScope(shield=True, deadline=trio.current_time() + FRAME_WRITE_LIMIT) as stalled:
-                    await self.secured_conn.write(data)
-                if stalled.cancelled_caught:
-                    with trio.CancelScope(shield=True, deadline=trio.current_time() + 5):
-                        await self.secured_conn.close()
-                    raise trio.BrokenResourceError(f"frame write stalled for {FRAME_WRITE_LIMIT:.0f} s")
-            # The send itself yielded; only a cancellation that arrived meanwhile is still owed.
-            await trio.lowlevel.checkpoint_if_cancelled()
-
-        Yamux._write_frame = write_frame
+from ...wire import Gather
+from .patch import Patch
 
 
 class BatchedWindowCredit(Patch):
@@ -740,84 +609,6 @@ class _WakeWhenBuffered:
         await self.event.wait()
 
 
-class ReceiveWindowExceeded(Exception):
-    """A peer sent a Yamux stream more than the receive window we granted it."""
-
-
-class KeptReceiveWindow(Patch):
-    """Close the connection of a peer that sends past a Yamux stream's receive window, and report
-    it (py-libp2p 0.8.1).
-
-    py-libp2p counts each DATA frame against the stream's ``recv_window`` and, when a peer overruns
-    it, logs "peer exceeded receive window", sets the window to 0 and keeps the bytes anyway: a
-    peer that ignores windows can grow a stream's buffer without bound while our handler is not
-    reading (a slow disk, a full queue), whatever the buffer is made of. The window is the memory
-    bound of every stream; no honest sender crosses it (go-yamux closes the session with a
-    protocol error when one does). Here ``recv_window`` refuses to go below 0: the host's
-    :attr:`~node.net.host.SwarmHost.on_peer_fault` hears of the peer (node/peers bans it), the
-    frame's handling stops with an error, the connection's read loop stops after that frame, and
-    the connection is closed with its buffers dropped.
-
-    The window is charged only once a frame's body is in memory, and py-libp2p reads any body up to
-    16 MiB (its largest window) before that: on a stream granted 256 KiB a peer could have us
-    assemble 16 MiB per connection. So a body longer than every window granted on the connection
-    (a new stream's default included) is refused the same way before any of it is read. What one
-    frame can hold past a window is thus bounded by the largest window granted, as memory is.
-    """
-
-    # Local peer id -> the host's fault callback (one per open host; tests run several in one process).
-    reporters: dict[str, Callable[[str, str], None]] = {}
-
-    @classmethod
-    def _patch(cls) -> None:
-        from libp2p.network.connection.exceptions import RawConnError
-        from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, Yamux, YamuxStream
-
-        class Overrun(ReceiveWindowExceeded, RawConnError):
-            pass
-
-        def overrun(muxer, what: str) -> Overrun:
-            """Mark ``muxer`` for closing and report its peer once; the error to raise."""
-            peer = str(muxer.peer_id)
-            if not muxer.__dict__.get("_window_overrun"):
-                muxer._window_overrun = True
-                muxer.event_shutting_down.set()  # handle_incoming reads no frame after this one
-                report = cls.reporters.get(str(muxer.secured_conn.get_local_peer()))
-                if report is not None:
-                    report(peer, "receive-window-exceeded")
-            return Overrun(f"peer {peer} {what}")
-
-        def get(self) -> int:
-            return self._kept_recv_window
-
-        def set_window(self, value: int) -> None:
-            if value < 0:
-                raise overrun(self.conn, f"sent {-value} bytes past stream {self.stream_id}'s receive window")
-            self._kept_recv_window = value
-
-        read_body = Yamux._read_data_body
-
-        async def read_bounded_body(self, length: int) -> bytes:
-            if length > DEFAULT_WINDOW_SIZE and length > max((s.recv_window for s in self.streams.values()), default=0):
-                raise overrun(self, f"announced a {length}-byte frame, more than any window granted")
-            return await read_body(self, length)
-
-        handle_incoming = Yamux.handle_incoming
-
-        async def handle_then_close(self) -> None:
-            try:
-                await handle_incoming(self)
-            finally:
-                # py-libp2p's handler of a DATA frame's errors only marks that stream closed.
-                if self.__dict__.get("_window_overrun") and not self.event_closed.is_set():
-                    with trio.CancelScope(shield=True):
-                        await self._cleanup_on_error()
-
-        YamuxStream.recv_window = property(get, set_window)
-        Yamux._read_data_body = read_bounded_body
-        Yamux.handle_incoming = handle_then_close
-
-
 # The largest SO_RCVLOWAT asked for: a whole Noise message (2-byte length, so at most 65535 bytes).
 # Linux grows the socket's receive buffer to twice the low-water mark when needed (tcp_set_rcvlowat).
 MAX_RCVLOWAT = 65535
@@ -993,148 +784,3 @@ class MessageReads(Patch):
         SecureSession._fill = fill
         SecureSession.read = read
         Yamux._read_data_body = read_data_body
-
-
-def disable_auto_connect(host) -> None:
-    """Leave dialing to our connection manager (node/gossip/connections.py).
-
-    py-libp2p's swarm runs its own auto-connector, which dials peers from the peerstore until it has
-    about 200 connections (the midpoint of its 100/300 watermarks), periodically and after every
-    disconnect. Above our ``conn_high`` the two fought: we pruned, it redialled at once. At N = 50
-    on one machine that churn (each dial a Noise handshake, identify and gossipsub set-up) kept the
-    CPU saturated and the swarm never converged.
-    """
-
-    async def no_dial() -> None:
-        return None
-
-    host.get_network().auto_connector.maybe_connect = no_dial
-
-
-async def widen_receive_window(stream, size: int) -> None:
-    """Let the peer send up to ``size`` bytes on ``stream`` before it waits for a window update.
-
-    Yamux starts every stream at a 256 KiB window and py-libp2p grows it only when the window is
-    used up within 4 round trips, which a link slower than 256 KiB per 4 RTTs never does: on a
-    10 Mbit/s link a downloader granted credit (a WINDOW_UPDATE frame: a Noise message, a send
-    and a wake-up of the peer's reader) for every 128 KiB it read, one per block, and a sender on
-    loopback had one block in flight at a time. Where the application bounds what the peer sends
-    (a download asks for its blocks), the window need not: one grant at the start opens it.
-    Streams of other muxers are left as they are.
-    """
-    from libp2p.stream_muxer.yamux.yamux import YamuxStream
-
-    muxed = getattr(stream, "muxed_stream", None)
-    if not isinstance(muxed, YamuxStream):
-        return
-    async with muxed.window_lock:
-        grant = size - muxed.target_recv_window
-        if grant <= 0:
-            return
-        muxed.target_recv_window = size
-        muxed.recv_window += grant
-    await muxed.send_window_update(grant)
-
-
-class HandlerErrors:
-    """Counts of stream handlers that failed, by protocol and exception type (for metrics/status)."""
-
-    def __init__(self) -> None:
-        self.counts: dict[tuple[str, str], int] = {}
-
-    def add(self, protocol: str, exc: BaseException) -> None:
-        key = (protocol, type(exc).__name__)
-        self.counts[key] = self.counts.get(key, 0) + 1
-
-
-# py-libp2p's own handlers (identify, gossipsub, ...) have no budget of ours: their streams are
-# at least counted and capped per peer and in total (py-libp2p alone allows 256 per connection, and
-# a peer may open several connections). The relay's hop/stop streams are left to its own limits.
-OTHER_STREAMS = StreamLimits(streams=1024, streams_per_peer=32, frame_cap=0, buffer_bytes=1, buffer_per_peer=0)
-UNCAPPED_PREFIXES = ("/libp2p/circuit/relay/",)
-
-
-class StreamCount:
-    """A per-protocol stream cap for a handler without an inbound budget of its own; ``budget``
-    counts its streams (node/net/budget.py; no deadlines or bytes: we do not parse its frames)."""
-
-    def __init__(self) -> None:
-        self.budget = Budget(OTHER_STREAMS)
-
-    def take(self, peer: str) -> bool:
-        """A slot for a new stream of ``peer``, or False (refused and counted)."""
-        if self.budget.admit(peer) is not None:
-            return False
-        if not self.budget.start():
-            self.budget.refuse_busy()
-            self.budget.leave(peer)
-            return False
-        return True
-
-    def give_back(self, peer: str) -> None:
-        self.budget.stop()
-        self.budget.leave(peer)
-
-
-def _peer_of(stream) -> str:
-    try:
-        return stream.muxed_conn.peer_id.to_base58()
-    except AttributeError:
-        return ""
-
-
-def guard_handlers(host, errors: HandlerErrors, counts: dict | None = None) -> None:
-    """Make every stream handler of ``host`` unable to crash the node.
-
-    py-libp2p runs stream handlers inside the connection's nursery, and that nursery inside the
-    swarm service that ``host.run`` waits on: an exception escaping any handler tears down the
-    whole host. Its own pubsub handler lets a protobuf ``DecodeError`` escape (pubsub.py,
-    ``stream_handler`` catches only StreamError/ParseError/IncompleteReadError), so one peer
-    sending a malformed gossip RPC could stop us. We wrap the handlers already registered and
-    every one registered later: a failing handler is logged, counted and its stream reset.
-    A handler without an inbound budget of ours (``handler.inbound``, node/net/reqres.py) also gets
-    a :class:`StreamCount` (in ``counts`` by protocol): a peer over its share is reset at once.
-    """
-    muxer = host.get_mux()
-
-    def guard(protocol, handler):
-        if handler is None or getattr(handler, "_guarded", False):
-            return handler
-        count = None
-        if getattr(handler, "inbound", None) is None and not str(protocol).startswith(UNCAPPED_PREFIXES):
-            count = StreamCount()
-            if counts is not None:
-                counts[str(protocol)] = count
-
-        async def guarded(stream) -> None:
-            peer = _peer_of(stream)
-            if count is not None and not count.take(peer):
-                try:
-                    await stream.reset()
-                except Exception:
-                    pass
-                return
-            try:
-                await handler(stream)
-            except Exception as exc:  # the remote's bytes or a library bug: never fatal
-                errors.add(str(protocol), exc)
-                log.info("stream handler failed", extra={"protocol": str(protocol), "error": type(exc).__name__})
-                try:
-                    await stream.reset()
-                except Exception:
-                    pass
-            finally:
-                if count is not None:
-                    count.give_back(peer)
-
-        guarded._guarded = True
-        return guarded
-
-    for protocol, handler in list(muxer.handlers.items()):
-        muxer.handlers[protocol] = guard(protocol, handler)
-    original = host.set_stream_handler
-
-    def set_stream_handler(protocol, handler):
-        return original(protocol, guard(protocol, handler))
-
-    host.set_stream_handler = set_stream_handler
