@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -48,7 +49,10 @@ class EvalProcess:
         self._buf = bytearray()
 
     async def ask(self, obj: dict, timeout: float) -> dict:
-        await self.proc.stdin.send_all((json.dumps(obj) + "\n").encode())
+        try:
+            await self.proc.stdin.send_all((json.dumps(obj) + "\n").encode())
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise EvalProcessError(f"the evaluation process exited (see {self.proc.args[-1]})") from None
         with trio.move_on_after(timeout) as scope:
             while b"\n" not in self._buf:
                 data = await self.proc.stdout.receive_some(MAX_LINE)
@@ -75,10 +79,15 @@ async def open_eval_process(settings: dict, log_path: Path) -> AsyncIterator[tup
     """Start the evaluation process with ``settings`` (evalproc.py); yields it and its first answer.
     The process is killed on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    # The trainer's own code: ``-m`` puts the working directory first on sys.path, so the child runs
+    # in the trainer's directory (no package there) with this package's folder first on PYTHONPATH.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     with open(log_path, "ab") as err:
         # The last argument names the log, for error messages and for people reading ps.
         proc = await trio.lowlevel.open_process([sys.executable, "-m", "node.trainer.evalproc", str(log_path)],
-                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                                cwd=str(log_path.parent), env=env)
     try:
         ev = EvalProcess(proc)
         hello = await ev.ask(settings, READY_TIMEOUT_S)
