@@ -94,13 +94,14 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def imports_of(module: str) -> list[tuple[str, int]]:
-    """(imported module, line) for every import in ``module`` that runs, relative ones resolved;
-    ``from pkg import name`` counts as importing ``pkg.name`` when that is a module."""
+def imports_of(module: str, *, type_only: bool = False) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in ``module`` that runs (and, with ``type_only``,
+    those under ``if TYPE_CHECKING:`` too), relative ones resolved; ``from pkg import name`` counts
+    as importing ``pkg.name`` when that is a module."""
     path = MODULES[module]
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    skip = _type_checking_nodes(tree)
+    skip = set() if type_only else _type_checking_nodes(tree)
     out = []
     for n in ast.walk(tree):
         if id(n) in skip:
@@ -252,16 +253,61 @@ def test_nothing_outside_net_imports_the_patches():
     assert "node.net.patches" in {name for name, _ in IMPORTS["node.net.host"]}  # net/ itself may
 
 
+def plant(tmp_path, monkeypatch, module: str, code: str, *, type_only: bool = False):
+    """``module``'s imports, read through the same parser from a copy of it with ``code`` appended,
+    and the copy's line count."""
+    planted = tmp_path / MODULES[module].name
+    planted.write_text(MODULES[module].read_text() + code)
+    monkeypatch.setitem(MODULES, module, planted)
+    return {module: imports_of(module, type_only=type_only)}, len(planted.read_text().splitlines())
+
+
 def test_the_patch_rule_finds_a_planted_import(tmp_path, monkeypatch):
-    """Planted in a copy of shards/client.py (read through the same parser), both spellings are caught."""
-    planted = tmp_path / "client.py"
-    planted.write_text(MODULES["node.shards.client"].read_text() + "\n\ndef lazy():\n"
-                       "    from ..net.patches.speed import QuickLock\n    from ..net import patches\n")
-    monkeypatch.setitem(MODULES, "node.shards.client", planted)
-    lines = len(planted.read_text().splitlines())
-    assert patch_imports({"node.shards.client": imports_of("node.shards.client")}) == [
+    """Planted in a copy of shards/client.py, both spellings are caught."""
+    imports, lines = plant(tmp_path, monkeypatch, "node.shards.client", "\n\ndef lazy():\n"
+                           "    from ..net.patches.speed import QuickLock\n    from ..net import patches\n")
+    assert patch_imports(imports) == [
         f"node.shards.client:{lines - 1} imports node.net.patches.speed",
         f"node.shards.client:{lines} imports node.net.patches"]
+
+
+# The shards sessions (rust-libp2p's handlers: the download, the serving session, the delta part)
+# see the service (the behaviour) only through node/shards/session_api.py, and report to it there:
+# none of them imports service.py, not even for a type, so the package has no import circle.
+SHARDS_SESSIONS = ("node.shards.client", "node.shards.server", "node.shards.deltasync", "node.shards.session_api")
+
+
+def service_imports(imports: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """Imports of node/shards/service.py by the shards session modules."""
+    return [f"{m}:{line} imports {name}" for m in sorted(imports) if m in SHARDS_SESSIONS
+            for name, line in imports[m] if _within(name, "node.shards.service")]
+
+
+def test_shards_sessions_never_import_the_service():
+    assert all(m in MODULES for m in SHARDS_SESSIONS), [m for m in SHARDS_SESSIONS if m not in MODULES]
+    assert service_imports({m: imports_of(m, type_only=True) for m in SHARDS_SESSIONS}) == []
+    assert "node.shards.server" in {name for name, _ in IMPORTS["node.shards.service"]}  # the other way is the rule
+
+
+def test_the_session_rule_finds_a_planted_import(tmp_path, monkeypatch):
+    """Planted in a copy of shards/server.py, a type-only import and a lazy one are both caught."""
+    imports, lines = plant(tmp_path, monkeypatch, "node.shards.server", "\n\nif TYPE_CHECKING:\n"
+                           "    from .service import ShardsService\n\n\ndef lazy():\n    from . import service\n",
+                           type_only=True)
+    assert service_imports(imports) == [
+        f"node.shards.server:{lines - 4} imports node.shards.service",
+        f"node.shards.server:{lines} imports node.shards.service"]
+
+
+def test_the_shards_package_has_no_import_circle():
+    """Between the modules of node/shards/, type-only imports included."""
+    graph: dict[str, dict[str, list[str]]] = defaultdict(dict)
+    for m in MODULES:
+        if _within(m, "node.shards"):
+            for name, line in imports_of(m, type_only=True):
+                if _within(name, "node.shards") and name != m:
+                    graph[m][name] = [f"{m}:{line}"]
+    assert find_cycle(graph) is None, find_cycle(graph)
 
 
 def test_cycle_finder_finds_a_cycle():

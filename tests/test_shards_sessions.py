@@ -11,7 +11,7 @@ import trio.testing
 
 from node.shards.client import Download
 from node.shards.protocol import MAX_SHARDS_FRAME, Data, Have, Reject, Request
-from node.shards.server import HAVE_DELAY, SEND_BATCH, ServerSession
+from node.shards.server import HAVE_DELAY, SEND_BATCH, ServerSession, Uploads
 from node.shards.throttle import TokenBucket
 from node.wire import _LEN, decode
 
@@ -36,7 +36,8 @@ async def test_lone_haves_go_out_together_within_the_delay(autojump_clock):
             writes.append((trio.current_time(), data))
 
     vs = SimpleNamespace(signed=SimpleNamespace(root=b"r" * 32), verified=set())
-    sess = ServerSession(SimpleNamespace(superseeders={}), Stream(), "peer", vs)
+    uploads = Uploads(1, TokenBucket(0, 0, 0), SimpleNamespace(inc=lambda n: None))
+    sess = ServerSession(SimpleNamespace(), Stream(), "peer", vs, uploads)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sess._serve_queue)
         t0 = trio.current_time()
@@ -66,9 +67,8 @@ async def test_queued_blocks_go_out_together_up_to_the_batch():
     vs = SimpleNamespace(signed=SimpleNamespace(root=b"r" * 32), verified={0, 1},
                          read_block=lambda piece, offset, length: bytes([piece]) * length)
     served = []
-    svc = SimpleNamespace(superseeders={}, serve_slots=trio.Semaphore(1), bucket=TokenBucket(0, 0, 0),
-                          m_served=SimpleNamespace(inc=served.append))
-    sess = ServerSession(svc, Stream(), "peer", vs)
+    uploads = Uploads(1, TokenBucket(0, 0, 0), SimpleNamespace(inc=served.append))
+    sess = ServerSession(SimpleNamespace(), Stream(), "peer", vs, uploads)
     asked = [Request(piece=p, offset=o, length=block) for p in (0, 1) for o in (0, block, 2 * block)]
     asked.insert(2, Request(piece=7, offset=0, length=block))  # not held
     sess.queue.extend(asked)
@@ -89,8 +89,8 @@ def fake_download(peers: list[str], announcer: str, *, max_peers: int, rng_seed:
     """A Download with everything but its choice of peers faked: ``served`` download from us;
     ``started`` lists the sessions it began, ``ended`` those it ended."""
     dl = object.__new__(Download)
-    dl.svc = SimpleNamespace(
-        node=SimpleNamespace(host=SimpleNamespace(direct_peers=lambda: list(peers))),
+    dl.owner = SimpleNamespace(
+        host=SimpleNamespace(direct_peers=lambda: list(peers)),
         cfg=SimpleNamespace(max_peers=max_peers), rng=random.Random(rng_seed),
         announced={7: (b"r" * 32, announcer)}, is_banned=lambda peer, now: False,
         downloaders_of=lambda root: set(served))
@@ -141,12 +141,12 @@ def test_a_peer_downloading_from_us_takes_the_slot_of_one_that_does_not():
     dl.picker = SimpleNamespace(holds_all=lambda peer: peer == "full", in_flight=in_flight.get)
     dl._connect_new(0.0)
     assert dl.ended == [], "nobody waits: the one peer downloading from us has its session"
-    dl.svc.downloaders_of = lambda root: {"mutual", "new"}
+    dl.owner.downloaders_of = lambda root: {"mutual", "new"}
     dl._connect_new(0.0)
     assert dl.ended == ["idle"] and dl.started == []
     del dl.sessions["idle"]  # its session ends
     dl._connect_new(1.0)
     assert dl.started == ["new"]
-    dl.svc.downloaders_of = lambda root: {"mutual", "new", "idle", "busy"}
+    dl.owner.downloaders_of = lambda root: {"mutual", "new", "idle", "busy"}
     dl._connect_new(2.0)  # "idle" waits, but every session is kept or pairs already
     assert dl.ended == ["idle"] and dl.started == ["new"]

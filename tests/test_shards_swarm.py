@@ -307,7 +307,7 @@ class CountsHaves(ServerSession):
     async def _next_message(self):
         msg = await super()._next_message()
         if isinstance(msg, Have):
-            me = self.svc.node.identity.peer_id
+            me = self.owner.host.peer_id
             CountsHaves.haves[me] = CountsHaves.haves.get(me, 0) + 1
         return msg
 
@@ -360,6 +360,26 @@ async def test_a_verified_piece_is_not_announced_to_peers_known_to_hold_it(tmp_p
         svc.on_piece_verified(vs, 1)
         del svc.downloads[3], svc.server_sessions[root]
     assert sorted(told) == [("holder", 1), ("other", 1), ("other", 2)]
+
+
+async def test_the_service_offers_every_member_its_sessions_see(tmp_path: Path) -> None:
+    """The sessions are typed against node/shards/session_api.py, not the service: the real service
+    must still have each member, with the same parameters (a fake in a test would not notice)."""
+    import inspect
+
+    from node.shards.session_api import DeltaOwner, SessionOwner
+    from node.shards.testing import open_shards_node
+
+    members = {n: m for cls in (SessionOwner, DeltaOwner) for n, m in vars(cls).items() if not n.startswith("_")}
+    assert len(members) == 15
+    async with open_shards_node(tmp_path / "a", trainers=[Identity.generate().peer_id], **FAST) as a:
+        svc = a.shards
+        for name, member in members.items():
+            assert hasattr(svc, name), name
+            if inspect.isfunction(member):
+                assert list(inspect.signature(getattr(svc, name)).parameters) == \
+                    list(inspect.signature(member).parameters)[1:], name
+        assert svc.host is a.host
 
 
 async def test_a_write_the_kernel_holds_up_does_not_stop_the_event_loop(tmp_path: Path, monkeypatch) -> None:

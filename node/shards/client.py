@@ -7,7 +7,8 @@ never over a relay circuit, whose bandwidth is the relay's and whose bytes it ca
 what they say (bitfields, haves, data, rejects) into the pure :class:`Picker`, sends the requests
 and cancels the picker decides, assembles blocks in memory, hash-checks each piece, writes it to
 the :class:`VersionStore` and tells everyone ``Have`` through the shards service (which serves it
-onward at once). Peers the picker convicts of bad data are banned through the service.
+onward at once). Peers the picker convicts of bad data are banned through the service. The download
+sees the service only as a :class:`SessionOwner` (node/shards/session_api.py) and reports to it.
 
 A complete piece of ``THREAD_WRITE_BYTES`` or more is joined, hashed and written in a worker
 thread, one piece at a time, while the event loop goes on reading and serving: SHA-256 and
@@ -25,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
@@ -38,7 +39,6 @@ from .protocol import (
     BUSY,
     FIRST_MESSAGE_TIMEOUT,
     PROTOCOL,
-    SOURCE,
     Bitfield,
     Cancel,
     Data,
@@ -48,10 +48,8 @@ from .protocol import (
     Request,
     read_shards_message,
 )
+from .session_api import SessionOwner
 from .store import VersionStore, pieces_of
-
-if TYPE_CHECKING:  # the service starts downloads and passes itself in
-    from .service import ShardsService
 
 log = logging.getLogger("node.shards.service")  # the sessions log as part of the service
 
@@ -98,19 +96,20 @@ class ClientSession:
 class Download:
     """Fetch one version from the swarm into ``vs`` (see the module docstring)."""
 
-    def __init__(self, svc: ShardsService, vs: VersionStore) -> None:
-        self.svc = svc
+    def __init__(self, owner: SessionOwner, vs: VersionStore) -> None:
+        self.owner = owner
         self.vs = vs
         m = vs.manifest
+        cfg = owner.cfg
         self.picker = Picker(
             [m.piece_length(i) for i in range(m.num_pieces)],
             PickerParams(
-                block_size=min(svc.cfg.block_size, m.piece_size),
-                request_timeout=svc.cfg.request_timeout,
-                ban_seconds=svc.cfg.ban_seconds,
+                block_size=min(cfg.block_size, m.piece_size),
+                request_timeout=cfg.request_timeout,
+                ban_seconds=cfg.ban_seconds,
             ),
             have=set(vs.verified),
-            rng=svc.rng,
+            rng=owner.rng,
         )
         self.sessions: dict[str, ClientSession] = {}
         self.refused: dict[str, float] = {}  # peer -> time it refused a session
@@ -160,16 +159,16 @@ class Download:
         # to the 3-5 that did. The announcer (the trainer, for a fresh version) comes first, then
         # the peers downloading this version from us (see _make_room), the rest in a random order
         # so that downloaders spread over different peers.
-        announced = self.svc.announced.get(self.vs.version)
+        announced = self.owner.announced.get(self.vs.version)
         source = announced[1] if announced is not None and announced[0] == self.root else None
-        served = self.svc.downloaders_of(self.root)
-        peers = self.svc.node.host.direct_peers()
-        self.svc.rng.shuffle(peers)
+        served = self.owner.downloaders_of(self.root)
+        peers = self.owner.host.direct_peers()
+        self.owner.rng.shuffle(peers)
         peers.sort(key=lambda p: (p != source, p not in served))  # stable: the shuffle stands behind
         for peer in peers:
             if peer in self.sessions or not self._may_dial(peer, now):
                 continue
-            if len(self.sessions) >= self.svc.cfg.max_peers:
+            if len(self.sessions) >= self.owner.cfg.max_peers:
                 if peer in served:
                     self._make_room(served, source)
                 return
@@ -178,7 +177,7 @@ class Download:
             self._nursery.start_soon(self._session, peer)
 
     def _may_dial(self, peer: str, now: float) -> bool:
-        if self.svc.is_banned(peer, now):
+        if self.owner.is_banned(peer, now):
             return False
         return now - self.refused.get(peer, -math.inf) >= self.backoff.get(peer, RETRY_PEER_AFTER)
 
@@ -197,10 +196,9 @@ class Download:
             self._end_session(min(one_way, key=self.picker.in_flight))
 
     async def _session(self, peer: str) -> None:
-        svc = self.svc
         sess: ClientSession | None = None
         try:
-            stream = await svc.node.host.open_stream(peer, PROTOCOL)
+            stream = await self.owner.host.open_stream(peer, PROTOCOL)
         except Exception as e:  # libp2p raises many types for "could not open a stream"
             log.debug("shards: no stream to %s: %s", peer[-8:], e)
             self.sessions.pop(peer, None)
@@ -232,7 +230,7 @@ class Download:
             raise  # our bug: crash loudly
         except* RemoteProtocolError as group:
             e = group.exceptions[0]
-            svc.node.metrics.reject(SOURCE, e.reason)
+            self.owner.reject(e.reason)
             # A peer killed mid-frame leaves a truncated stream: it left, it did not misbehave (a
             # ban here outlives it and shuts out its restart, which may hold the only copies).
             if e.reason not in TRANSPORT_FAILURES:
@@ -336,15 +334,15 @@ class Download:
             self.verified_at[piece] = (now, max(contributors, key=contributors.get, default=""))
             self._apply(self.picker.on_piece_verified(piece, now, blocks() if self.picker.has_suspects(piece) else None))
             for peer, nbytes in contributors.items():
-                self.svc.credit(peer, self.root, nbytes)
-            self.svc.on_piece_verified(self.vs, piece)
+                self.owner.credit(peer, self.root, nbytes)
+            self.owner.on_piece_verified(self.vs, piece)
             for sess in self.sessions.values():
                 if sess is not None and sess.wants_haves:
                     sess.post(Have(piece=piece))
             self._check_done()
         else:
             self.refetched_pieces += 1
-            self.svc.node.metrics.reject(SOURCE, "bad-piece")
+            self.owner.reject("bad-piece")
             log.warning("shards: piece %d of v%d failed its hash (from %s)", piece, self.vs.version,
                         ",".join(p[-8:] for p in contributors))
             self._apply(self.picker.on_piece_failed(piece, now, blocks() if len(contributors) > 1 else None))
@@ -366,11 +364,11 @@ class Download:
             if sess is not None:
                 sess.post(Cancel(piece=c.piece, offset=c.offset, length=c.length))
         for peer, reason in acts.banned:
-            self.svc.ban(peer, reason, trio.current_time())
+            self.owner.ban(peer, reason, trio.current_time())
             self._end_session(peer)
         for peer in acts.dropped:
-            self.svc.node.metrics.reject(SOURCE, "unresponsive")
-            self.backoff[peer] = min(2 * self.backoff.get(peer, RETRY_PEER_AFTER / 2), self.svc.cfg.ban_seconds)
+            self.owner.reject("unresponsive")
+            self.backoff[peer] = min(2 * self.backoff.get(peer, RETRY_PEER_AFTER / 2), self.owner.cfg.ban_seconds)
             log.info("shards: %s unresponsive; asking it again in %.0fs", peer[-8:], self.backoff[peer])
             self._end_session(peer)
         if acts.banned or acts.cancels or acts.dropped:

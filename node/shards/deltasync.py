@@ -30,6 +30,9 @@ How this works
 
 Memory: the rebuild holds the base and target folders in memory (fine for the checkpoints this
 project runs on CPUs and single GPUs; a per-file streaming rebuild is the step for 62 GB ones).
+
+The delta part sees the shards service only as a :class:`DeltaOwner` (node/shards/session_api.py):
+it serves deltas and stops serving them through it, and reports verified pieces to it.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import trio
 
@@ -58,11 +61,9 @@ from .manifest import (
     open_delta_manifest,
     sign_delta_manifest,
 )
-from .protocol import FIRST_MESSAGE_TIMEOUT, SOURCE
-from .store import STATE, TRASH_PREFIX, VersionStore
-
-if TYPE_CHECKING:  # the service creates this and passes itself in
-    from .service import ShardsService
+from .protocol import FIRST_MESSAGE_TIMEOUT
+from .session_api import DeltaOwner
+from .store import STATE, TRASH_PREFIX, PieceStore, VersionStore
 
 log = logging.getLogger("node.shards.service")  # deltas log as part of the service
 
@@ -219,19 +220,23 @@ def piece_of(files: dict[str, bytes], manifest, index: int) -> bytes:
 
 
 class DeltaSync:
-    """Publishes and fetches deltas for one :class:`ShardsService` (see the module docstring)."""
+    """Publishes and fetches deltas for the shards service ``owner`` of ``node``, beside the full
+    versions in ``versions`` (see the module docstring)."""
 
-    def __init__(self, svc: ShardsService) -> None:
-        self.svc = svc
-        self.cfg = svc.cfg
-        self.store = DeltaStore(Path(svc.node.data_dir) / "deltas", svc.run_name, svc.trainers)
+    def __init__(self, owner: DeltaOwner, node, versions: PieceStore) -> None:
+        self.owner = owner
+        self.node = node  # its identity signs deltas; its peer table scores their signers
+        self.versions = versions
+        self.cfg = owner.cfg
+        self.run_name, self.trainers = versions.run, versions.trainers
+        self.store = DeltaStore(Path(node.data_dir) / "deltas", self.run_name, self.trainers)
         self.offers: dict[int, Offer] = {}  # version -> offer, from announcements
         self.published: dict[int, Offer] = {}  # version -> the delta we published for it
         self.bad: set[bytes] = set()
         self.rebuilt: dict[int, int] = {}  # version -> delta bytes downloaded to rebuild it (status, tests)
-        mt = svc.node.metrics
-        self.m_outcomes = mt.counter("shards_delta_total", "Versions tried through a delta, by outcome", ["outcome"])
-        svc.node.peers.set_rule(DELTA_SOURCE, delta_rule(self.cfg.ban_seconds))
+        self.m_outcomes = node.metrics.counter("shards_delta_total", "Versions tried through a delta, by outcome",
+                                               ["outcome"])
+        node.peers.set_rule(DELTA_SOURCE, delta_rule(self.cfg.ban_seconds))
 
     # -- announcements -----------------------------------------------------------------------
 
@@ -249,7 +254,7 @@ class DeltaSync:
     # -- publisher ---------------------------------------------------------------------------
 
     def base_for(self, version: int) -> int | None:
-        older = [v for v in self.svc.store.complete_versions() if v < version]
+        older = [v for v in self.versions.complete_versions() if v < version]
         return older[-1] if older else None
 
     def encode(self, base: Path, base_names: list[str], target: Path, target_names: list[str]):
@@ -260,26 +265,26 @@ class DeltaSync:
 
     async def publish(self, signed: SignedManifest) -> Offer | None:
         """Encode, store and serve the delta of ``signed``'s version against the newest older one held."""
-        svc, v = self.svc, signed.version
+        v, versions = signed.version, self.versions
         base = self.base_for(v)
         if not self.cfg.delta or base is None:
             return None
-        base_signed = svc.store.saved_manifest(base)
-        target = svc.store.path_of(v)
+        base_signed = versions.saved_manifest(base)
+        target = versions.path_of(v)
         if base_signed is None or target is None:
             return None
         folder = self.store.folder_of(v, base)
         staging = self.store.root / f"{TRASH_PREFIX}new-{v}-{base}"
 
         def build():
-            data, stats = self.encode(svc.store.folder_of(base), [f.name for f in base_signed.manifest.files],
+            data, stats = self.encode(versions.folder_of(base), [f.name for f in base_signed.manifest.files],
                                       target, [f.name for f in signed.manifest.files])
             if data is None:
                 return None, stats
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
             (staging / DELTA_FILE).write_bytes(data)
-            m = build_manifest(staging, svc.run_name, v, self.cfg.piece_size)
+            m = build_manifest(staging, self.run_name, v, self.cfg.piece_size)
             self.store.remove(v, base)
             os.replace(staging, folder)
             return m, stats
@@ -289,13 +294,13 @@ class DeltaSync:
             log.info("shards: no delta for v%d: %d bytes is %.2f of the full version (limit %.2f)", v, stats.size,
                      stats.ratio, self.cfg.delta_max_ratio)
             return None
-        sd = sign_delta_manifest(svc.node.identity, DeltaManifest(
-            run=svc.run_name, version=v, base_version=base, base_root=base_signed.root, target_root=signed.root,
+        sd = sign_delta_manifest(self.node.identity, DeltaManifest(
+            run=self.run_name, version=v, base_version=base, base_root=base_signed.root, target_root=signed.root,
             piece_size=m.piece_size, files=m.files, hashes=m.hashes))
         vs = await trio.to_thread.run_sync(self.store.add_complete, sd)
         if self.cfg.super_seed:
-            svc.add_superseeder(sd.as_signed_manifest)
-        svc._serve(vs)
+            self.owner.add_superseeder(sd.as_signed_manifest)
+        self.owner.serve(vs)
         self.published[v] = Offer(base, sd.root)
         while len(self.published) > MAX_OFFERS:
             del self.published[min(self.published)]
@@ -314,14 +319,14 @@ class DeltaSync:
             sd = await self._delta_for(vs)
             if sd is None:
                 return
-            base = self.svc.store.saved_manifest(sd.delta.base_version)
-            base_path = self.svc.store.path_of(sd.delta.base_version)
+            base = self.versions.saved_manifest(sd.delta.base_version)
+            base_path = self.versions.path_of(sd.delta.base_version)
             if base is None or base_path is None or base.root != sd.delta.base_root:
                 return
             dvs = self.store.open(sd)
-            self.svc._serve(dvs)  # its verified pieces go onward at once, like any version's
+            self.owner.serve(dvs)  # its verified pieces go onward at once, like any version's
             if not dvs.complete:
-                dl = Download(self.svc, dvs)
+                dl = Download(self.owner, dvs)
                 if not await self._download(dl):
                     log.info("shards: delta for v%d stalled; fetching full pieces", vs.version)
                     self.m_outcomes.labels(outcome="stalled").inc()
@@ -338,20 +343,20 @@ class DeltaSync:
         if sd is not None and sd.root not in self.bad:
             return sd
         offer = self.offers.get(vs.version)
-        if offer is None or offer.root in self.bad or self.svc.path_of(offer.base) is None:
+        if offer is None or offer.root in self.bad or self.owner.path_of(offer.base) is None:
             return None
-        source = self.svc.announced.get(vs.version, (b"", ""))[1]
+        source = self.owner.announced.get(vs.version, (b"", ""))[1]
         with trio.move_on_after(self.cfg.delta_stall_timeout):
             while True:
-                for peer in [source] + [p for p in self.svc.node.host.connected_peers() if p != source]:
-                    if not peer or self.svc.is_banned(peer, trio.current_time()):
+                for peer in [source] + [p for p in self.owner.host.connected_peers() if p != source]:
+                    if not peer or self.owner.is_banned(peer, trio.current_time()):
                         continue
                     try:
                         with trio.fail_after(FIRST_MESSAGE_TIMEOUT):
-                            sd = await call_delta_manifest(self.svc.node.host, peer, offer.root, self.svc.run_name,
-                                                           self.svc.trainers)
+                            sd = await call_delta_manifest(self.owner.host, peer, offer.root, self.run_name,
+                                                           self.trainers)
                     except RemoteProtocolError as e:
-                        self.svc.node.metrics.reject(SOURCE, e.reason)
+                        self.owner.reject(e.reason)
                         continue
                     except (LocalProtocolError, AssertionError):
                         raise
@@ -360,10 +365,10 @@ class DeltaSync:
                         continue
                     d = sd.delta
                     if (d.version, d.target_root, d.base_version) != (vs.version, vs.signed.root, offer.base):
-                        self.svc.node.metrics.reject(SOURCE, "delta-mismatch")
+                        self.owner.reject("delta-mismatch")
                         self._blame(sd, "delta-mismatch")
                         return None
-                    if self.svc.node.peers.is_banned(sd.signer, DELTA_SOURCE, trio.current_time()):
+                    if self.node.peers.is_banned(sd.signer, DELTA_SOURCE, trio.current_time()):
                         return None
                     return sd
                 await trio.sleep(1.0)
@@ -399,7 +404,7 @@ class DeltaSync:
         for i in range(m.num_pieces):
             if i not in vs.verified:
                 if vs.put_piece(i, piece_of(files, m, i)):
-                    self.svc.on_piece_verified(vs, i)
+                    self.owner.on_piece_verified(vs, i)
                 else:
                     failed += 1
             if i % PUT_BATCH == PUT_BATCH - 1:
@@ -416,40 +421,40 @@ class DeltaSync:
         log.warning("shards: delta %s for v%d signed by %s %s; fetching the rest as full pieces",
                     sd.root.hex()[:12], vs.version, sd.signer[-8:], why)
         self.m_outcomes.labels(outcome="bad").inc()
-        self.svc.node.metrics.reject(SOURCE, "bad-delta")
+        self.owner.reject("bad-delta")
         self._blame(sd, "bad-delta")
-        self.svc.serving.pop(sd.root, None)
+        self.owner.stop_serving(sd.root)
         dvs.close()
         self.store.remove(sd.delta.version, sd.delta.base_version)
 
     def _blame(self, sd: SignedDelta, reason: str) -> None:
         if len(self.bad) < MAX_BAD:
             self.bad.add(sd.root)
-        self.svc.node.peers.report(sd.signer, DELTA_SOURCE, reason, trio.current_time())
+        self.node.peers.report(sd.signer, DELTA_SOURCE, reason, trio.current_time())
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def load_held(self) -> None:
         """At start: serve complete deltas whose target we hold; keep partial ones to resume."""
-        held = set(self.svc.store.complete_versions()) | set(self.svc.store.partial_versions())
+        held = set(self.versions.complete_versions()) | set(self.versions.partial_versions())
         for v, b in self.store.entries():
             sd = self.store.saved(v, b)
             if sd is None or v not in held:
                 self.store.remove(v, b)
-            elif self.store.is_complete(v, b) and v in self.svc.store.complete_versions():
+            elif self.store.is_complete(v, b) and v in self.versions.complete_versions():
                 vs = self.store.open(sd)
-                self.svc._serve(vs)
+                self.owner.serve(vs)
                 if b == self.base_for(v):
                     self.published.setdefault(v, Offer(b, sd.root))  # a restarted trainer re-announces it
 
-    def prune(self) -> None:
-        """Drop deltas whose target version is no longer held (nor being downloaded)."""
-        keep = set(self.svc.store.complete_versions()) | set(self.svc.downloads)
+    def prune(self, downloading: Iterable[int]) -> None:
+        """Drop deltas whose target version is no longer held (nor among the versions ``downloading``)."""
+        keep = set(self.versions.complete_versions()) | set(downloading)
         for v, b in self.store.entries():
             if v not in keep:
                 sd = self.store.saved(v, b)
                 if sd is not None:
-                    held = self.svc.serving.pop(sd.root, None)
+                    held = self.owner.stop_serving(sd.root)
                     if held is not None:
                         held.close()
                 self.store.remove(v, b)

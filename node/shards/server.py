@@ -11,15 +11,16 @@ next block in one stream write while the peer is downloading from us (alone when
 task, a lock and a Yamux/Noise write per session per piece were the largest CPU cost of our own
 in a downloader (issue 16). Requests queue per session (bounded by
 MAX_QUEUED_REQUESTS) and are served under the service's global cap (``max_serving``) and its
-optional upload token bucket. For versions we published, the version's :class:`SuperSeeder`
-decides which pieces this peer is shown (:meth:`ServerSession.reveal`).
+optional upload token bucket, both held by the :class:`Uploads` every session shares. For versions
+we published, the version's :class:`SuperSeeder` decides which pieces this peer is shown
+(:meth:`ServerSession.reveal`); the session reports what it decides to the service, which it sees
+only as a :class:`SessionOwner` (node/shards/session_api.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
 
 import trio
 
@@ -39,10 +40,10 @@ from .protocol import (
     Request,
     read_shards_message,
 )
+from .session_api import SessionOwner
 from .store import VersionStore, bitfield_of, pieces_of
-
-if TYPE_CHECKING:  # the service creates sessions and passes itself in
-    from .service import ShardsService
+from .superseed import SuperSeeder
+from .throttle import TokenBucket
 
 log = logging.getLogger("node.shards.service")  # the sessions log as part of the service
 
@@ -64,18 +65,37 @@ SERVER_LIMITS = StreamLimits(streams=256, streams_per_peer=16, frame_cap=MAX_INB
                              buffer_bytes=64 * MAX_INBOUND_FRAME, buffer_per_peer=8 * MAX_INBOUND_FRAME)
 
 
-class ServerSession:
-    """One inbound transfer session: a peer downloading a version from us."""
+class Uploads:
+    """What every serving session shares: at most ``slots`` of them write at once, at the rate of
+    the token bucket (the ``[shards]`` upload_rate; 0 = unlimited), and the bytes served are counted."""
 
-    def __init__(self, svc: ShardsService, stream, peer: str, vs: VersionStore, frames=None) -> None:
-        self.svc, self.stream, self.peer, self.vs = svc, stream, peer, vs
+    def __init__(self, slots: int, bucket: TokenBucket, served) -> None:
+        self.slots = trio.Semaphore(slots)
+        self.bucket = bucket
+        self.served = served  # a metrics counter (node/metrics.py): inc(nbytes)
+
+    async def pace(self, nbytes: int) -> None:
+        """Wait until the bucket allows ``nbytes`` more to be sent (called holding a slot)."""
+        wait = self.bucket.delay(nbytes, trio.current_time())
+        if wait > 0:
+            await trio.sleep(wait)
+
+
+class ServerSession:
+    """One inbound transfer session: a peer downloading a version from us. ``seeder`` is the
+    version's super-seeder when we published it; ``uploads`` the limits shared by every session."""
+
+    def __init__(self, owner: SessionOwner, stream, peer: str, vs: VersionStore, uploads: Uploads, *,
+                 seeder: SuperSeeder | None = None, frames=None) -> None:
+        self.owner, self.stream, self.peer, self.vs = owner, stream, peer, vs
+        self.uploads = uploads
         self.frames = frames  # the stream's budgeted reader (node/net/reqres.py Frames); None: unbudgeted
         self.lock = trio.Lock()
         self.queue: deque[Request] = deque()
         self.wakeup = trio.Event()
         self.haves: list[int] = []  # verified since the bitfield, not yet told (see push_have)
         self.haves_due = 0.0  # when the oldest of them must go out, with or without a block
-        self.seeder = svc.superseeders.get(vs.signed.root)
+        self.seeder = seeder
         self.shown: set[int] = set()  # pieces advertised to this peer (super-seeding)
         self.written: dict[int, dict[int, int]] = {}  # super-seeding: piece -> {offset: length} written
         self.bitfield_sent = False
@@ -101,7 +121,7 @@ class ServerSession:
             await write_frame(self.stream, Bitfield(bitfield=bitfield_of(self.visible(), n),
                                                     wants_haves=self.seeder is not None))
             self.bitfield_sent = True
-        self.svc.route_reveals(self.vs.signed.root, later)
+        self.owner.route_reveals(self.vs.signed.root, later)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_queue)
             if self.seeder is not None:
@@ -139,7 +159,7 @@ class ServerSession:
                 if self.seeder is not None and msg.piece < self.vs.manifest.num_pieces:
                     log.debug("shards: %s has piece %d", self.peer[-8:], msg.piece)
                     reveals = self.seeder.on_have(self.peer, msg.piece, trio.current_time())
-                    self.svc.route_reveals(self.vs.signed.root, reveals)
+                    self.owner.route_reveals(self.vs.signed.root, reveals)
             else:
                 raise RemoteProtocolError("unexpected", msg.TYPE)
 
@@ -161,13 +181,13 @@ class ServerSession:
         if sum(blocks.values()) >= self.vs.manifest.piece_length(data.piece):
             del self.written[data.piece]
             log.debug("shards: wrote piece %d to %s", data.piece, self.peer[-8:])
-            self.svc.route_reveals(self.vs.signed.root, self.seeder.on_sent(self.peer, data.piece, trio.current_time()))
+            self.owner.route_reveals(self.vs.signed.root, self.seeder.on_sent(self.peer, data.piece, trio.current_time()))
 
     async def _reveal_stalled(self) -> None:
         """Super-seeding: pieces stuck at a slow first recipient are shown again after a while."""
         while True:
             await trio.sleep(self.seeder.stall_seconds / 4)
-            self.svc.route_reveals(self.vs.signed.root, self.seeder.reveal(trio.current_time()))
+            self.owner.route_reveals(self.vs.signed.root, self.seeder.reveal(trio.current_time()))
 
     def push_have(self, piece: int) -> None:
         """We verified ``piece`` (a download in progress): the writer tells this peer with the next
@@ -203,7 +223,7 @@ class ServerSession:
         return replies
 
     async def _serve_queue(self) -> None:
-        svc = self.svc
+        uploads = self.uploads
         while True:
             while not self.queue:
                 self.wakeup = trio.Event()
@@ -214,15 +234,13 @@ class ServerSession:
                 else:
                     with trio.move_on_at(self.haves_due):
                         await self.wakeup.wait()
-            async with svc.serve_slots:
+            async with uploads.slots:
                 replies = self._replies()
                 blocks = [r for r in replies if isinstance(r, Data)]
-                wait = svc.bucket.delay(sum(len(b.data) for b in blocks), trio.current_time())
-                if wait > 0:
-                    await trio.sleep(wait)
+                await uploads.pace(sum(len(b.data) for b in blocks))
                 await self._send(*replies)
             for block in blocks:
-                svc.m_served.inc(len(block.data))
+                uploads.served.inc(len(block.data))
                 self._note_written(block)
 
     def reply_to(self, req: Request) -> Message | None:

@@ -21,6 +21,11 @@ sessions together, each in its own module:
   (``"none"``) nothing. The manifest of a version to fetch comes over a stream, checked against
   the announced root.
 
+The sessions (and the delta part, node/shards/deltasync.py) see the service only through
+node/shards/session_api.py, rust-libp2p's split of a behaviour (this service, all peers) from its
+handlers (one per connection): they read a few things, ask a few questions and report events
+(a piece verified, bytes to credit, a peer to ban, a message refused, reveals to route).
+
 Data at rest is checked before it is trusted (issue 14):
 
 * **Complete versions are re-verified at start**, in the background (``_recheck_held``: newest
@@ -83,7 +88,7 @@ from .protocol import (
     ManifestRequest,
     Reject,
 )
-from .server import MAX_INBOUND_FRAME, SERVER_LIMITS, ServerSession
+from .server import MAX_INBOUND_FRAME, SERVER_LIMITS, ServerSession, Uploads
 from .store import PieceStore, StoreConflict, VersionStore
 from .superseed import SuperSeeder
 from .throttle import TokenBucket
@@ -145,13 +150,14 @@ class ShardsService:
         self._damaged_manifests: dict[int, bytes | None] = {}  # found at start: version -> root from COMPLETE
         self._refused: OrderedDict[bytes, str] = OrderedDict()  # root -> why (non-finite values)
         self.published: SignedManifest | None = None
-        self.serve_slots = trio.Semaphore(cfg.max_serving)
         # Inbound streams: per-peer and total slots, header deadline, byte budget (node/net/budget.py).
         self.inbound = Inbound(PROTOCOL, SERVER_LIMITS, config=run.section("streams"), peers=node.peers,
                                metrics=node.metrics, source=SOURCE)
-        self.bucket = TokenBucket(cfg.upload_rate, max(cfg.upload_rate / 10, 2 * cfg.block_size), trio.current_time())
         mt = node.metrics
-        self.m_served = mt.counter("shards_served_bytes_total", "Checkpoint bytes served to peers")
+        # Shared by every serving session: max_serving slots, the optional upload token bucket.
+        bucket = TokenBucket(cfg.upload_rate, max(cfg.upload_rate / 10, 2 * cfg.block_size), trio.current_time())
+        self.uploads = Uploads(cfg.max_serving, bucket,
+                               mt.counter("shards_served_bytes_total", "Checkpoint bytes served to peers"))
         self.m_received = mt.counter("shards_verified_bytes_total", "Checkpoint bytes received and verified")
         self.m_bans = mt.counter("shards_bans_total", "Peers banned by the shards service", ["reason"])
         # The picker's smart ban has already counted the strikes: one report here is a ban.
@@ -162,7 +168,7 @@ class ShardsService:
         self.phases = PhaseTimes(mt.phase_seconds())  # transfer seconds per version fetched (node/steptime.py)
         self.m_damaged = mt.counter("shards_damaged_pieces_total", "Pieces on disk that failed their re-check at start")
         self._nursery: trio.Nursery | None = None
-        self.deltas = self.deltas_class(self)  # versions as deltas (node/shards/deltasync.py)
+        self.deltas = self.deltas_class(self, node, self.store)  # versions as deltas (node/shards/deltasync.py)
 
     # ---------------------------------------------------------------------------------------
     # Public API
@@ -226,7 +232,7 @@ class ShardsService:
         vs = await trio.to_thread.run_sync(self.store.import_folder, Path(folder), signed)
         if super_seed:
             self.add_superseeder(signed)
-        self._serve(vs)
+        self.serve(vs)
         self._note_announced(signed.version, signed.root, signed.signer)
         self._version_complete(vs)
         return vs
@@ -262,7 +268,7 @@ class ShardsService:
         if self.is_banned(peer, now):
             return
         self.m_bans.labels(reason=reason).inc()
-        self.node.metrics.reject(SOURCE, reason)
+        self.reject(reason)
         self.node.peers.report(peer, SOURCE, reason, now)
 
     def credit(self, peer: str, root: bytes, nbytes: int) -> None:
@@ -301,8 +307,22 @@ class ShardsService:
                     self._nursery.start_soon(_quietly, sess.reveal, piece)
                     break
 
-    def _serve(self, vs: VersionStore) -> None:
+    def reject(self, reason: str) -> None:
+        """A peer's message was refused for ``reason``: counted under the shards source."""
+        self.node.metrics.reject(SOURCE, reason)
+
+    @property
+    def host(self):
+        """The node's host (node/net/host.py), which sessions open streams on."""
+        return self.node.host
+
+    def serve(self, vs: VersionStore) -> None:
+        """Serve ``vs`` (a version or a delta) from now on: each piece once it is verified."""
         self.serving[vs.signed.root] = vs
+
+    def stop_serving(self, root: bytes) -> VersionStore | None:
+        """Serve ``root`` no more; returns the store that was served, if any (the caller closes it)."""
+        return self.serving.pop(root, None)
 
     def _version_complete(self, vs: VersionStore) -> None:
         self.m_versions.set(len(self.versions_held()))
@@ -314,7 +334,7 @@ class ShardsService:
                     held.close()
                     del self.serving[root]
                     self.superseeders.pop(root, None)
-        self.deltas.prune()
+        self.deltas.prune(self.downloads)
 
     def _note_announced(self, version: int, root: bytes, source: str) -> None:
         """Remember the first announcement of ``version``; followers learn of a newer one."""
@@ -341,11 +361,11 @@ class ShardsService:
         except* (LocalProtocolError, AssertionError):
             raise
         except* Refused as group:  # over the peer's share or no slot free: counted, the stream reset
-            self.node.metrics.reject(SOURCE, group.exceptions[0].reason)
+            self.reject(group.exceptions[0].reason)
         except* RemoteProtocolError as group:
             e = group.exceptions[0]
             if e.reason != STALLED:  # a stall is counted and struck by Inbound
-                self.node.metrics.reject(SOURCE, e.reason)
+                self.reject(e.reason)
             log.debug("shards: %s sent garbage: %s", peer[-8:], e)
             # A peer cut off mid-frame left (it did not lie); a stall is struck by Inbound already.
             if e.reason not in TRANSPORT_FAILURES and e.reason != STALLED:
@@ -384,7 +404,8 @@ class ShardsService:
                 await stream.close()
                 return
             frames.answered()
-            sess = self.server_session_class(self, stream, peer, vs, frames)
+            sess = self.server_session_class(self, stream, peer, vs, self.uploads,
+                                             seeder=self.superseeders.get(first.root), frames=frames)
             self.server_sessions.setdefault(first.root, set()).add(sess)
             try:
                 await sess.run(first)
@@ -441,7 +462,7 @@ class ShardsService:
                     except StoreConflict as e:
                         log.warning("shards: %s", e)
                         return
-                self._serve(vs)
+                self.serve(vs)
                 await self.deltas.fill(vs)  # from a delta against a version we hold, when offered
                 dl = Download(self, vs)
                 self.downloads[version] = dl
@@ -481,14 +502,14 @@ class ShardsService:
             vs = VersionStore(self.store.folder_of(v), signed)
             vs._open(create=True)  # a lost or resized file comes back at its size; its pieces fail the re-check
             self._rechecking[v] = vs
-            self._serve(vs)  # with no piece verified yet: each is served once it passes
+            self.serve(vs)  # with no piece verified yet: each is served once it passes
             self._note_announced(v, signed.root, signed.signer)
         for v in self.store.partial_versions():
             signed = self.store.saved_manifest(v)
             if signed is not None:
                 # Resume now (re-hash what the log claims) so verified pieces are served at once.
                 vs = self.store.open_version(signed)
-                self._serve(vs)
+                self.serve(vs)
                 self._resumed[v] = vs
                 partial.append(signed)
         self.deltas.load_held()
@@ -594,7 +615,7 @@ class ShardsService:
         self._refused[root] = problems[0]
         while len(self._refused) > MAX_REFUSED_ROOTS:
             self._refused.popitem(last=False)
-        self.node.metrics.reject(SOURCE, "non-finite-checkpoint")
+        self.reject("non-finite-checkpoint")
         log.error("shards: v%d (manifest %s, signed by trainer %s) refused: %s; it is not loaded, served or fetched "
                   "again", v, root.hex()[:12], vs.signed.signer, "; ".join(problems))
         self._unserve(vs)
