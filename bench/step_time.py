@@ -105,7 +105,7 @@ def main() -> None:
     print(format_step_time(st))
     per_step_bare = bare * st["batches_per_step"]
     print(f"baseline: bare sampling of one batch (no capture, scoring, proofs, signing) on v{version}, "
-          f"alone on the machine: {bare:.3f} s; {per_step_bare:.2f} s for the {st['batches_per_step']:.2f} batches of a step")
+          f"the swarm stopped: {bare:.3f} s; {per_step_bare:.2f} s for the {st['batches_per_step']:.2f} batches of a step")
     if args.json:
         args.json.write_text(json.dumps({**f, "bare_batch_s": bare}, indent=1))
     print(f"ratio work per trainer step / bare sampling of its batches: {st['per_step_s'] / per_step_bare:.2f}")
