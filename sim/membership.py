@@ -81,7 +81,6 @@ class Counters:
     """Swarm-wide event counts the benchmark reads."""
 
     suspicions: list[tuple[float, str, str, bool]] = field(default_factory=list)  # (time, accuser, target, target up)
-    false_deaths: int = 0  # a live member marked DEAD somewhere (a verdict on a live node)
     refutations: int = 0
 
 
@@ -564,9 +563,6 @@ class Swarm:
             node.move_address()
 
     # ------------------------------------------------------------------ observations
-
-    def knows(self, observer: SimNode, pid: str) -> bool:
-        return observer.table.is_live(pid)
 
     def known_by(self, pid: str) -> float:
         """Share of the other live nodes that hold ``pid`` as live."""
