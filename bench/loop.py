@@ -41,11 +41,20 @@ HOG = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < e
 
 
 def set_run_values(text: str, values: dict) -> str:
-    """The run file ``text`` with the ``key = value`` line of each of ``values`` (the demo's settings) changed."""
+    """The run file ``text`` with the ``key = value`` line of each of ``values`` (the demo's settings)
+    changed: "key" is its first such line, "table.key" the one in ``[table]``, added there if absent."""
     for key, value in values.items():
-        text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text, count=1)
-        if not n:
+        table, _, name = key.rpartition(".")
+        start = text.find(f"[{table}]\n") if table else 0
+        if start < 0:
+            raise ValueError(f"the demo's run file has no [{table}] table")
+        body_at = text.index("\n", start) + 1 if table else 0
+        end = re.search(r"(?m)^\[", text[body_at:])
+        end = body_at + end.start() if table and end else len(text)
+        body, n = re.subn(rf"(?m)^{name} = .*$", f"{name} = {value}", text[body_at:end], count=1)
+        if not n and not table:
             raise ValueError(f"the demo's run file has no {key} setting to change")
+        text = text[:body_at] + (body if n else f"{name} = {value}\n" + body) + text[end:]
     return text
 
 
@@ -76,7 +85,9 @@ def run(steps: int, max_seconds: float, async_level: int | None, cheat: str, roo
                 swarm.start("cheater", "inference", "--run", str(cheat_run))
             started = time.monotonic()
             while time.monotonic() - started < max_seconds:
-                if ((swarm.status("trainer").get("trainer") or {}).get("step") or 0) >= steps:
+                # A step counts once published (its save and publish timed too: node/steptime.py).
+                trainer = swarm.status("trainer").get("trainer") or {}
+                if (((trainer.get("phases_s") or {}).get("publish") or {}).get("n") or 0) >= steps:
                     break
                 time.sleep(0.5)
             seconds = time.monotonic() - started

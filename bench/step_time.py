@@ -1,7 +1,8 @@
 """Where a trainer step's time goes in a real swarm: every phase of every role, against bare sampling.
 
     .venv/bin/python bench/step_time.py [--model DIR] [--steps 3] [--max-seconds 600] [--hog]
-                                        [--group-size N] [--prompts N] [--tokens N] [--threads 1] [--keep DIR] [--json FILE]
+                                        [--group-size N] [--prompts N] [--tokens N] [--step-samples N]
+                                        [--threads 1] [--keep DIR] [--json FILE]
 
 Starts the demo's swarm (node/app/demo.py ``demo_run_text``: a relay, a trainer, a validator and two
 inference nodes as real processes on 127.0.0.1; the embedded tiny model on digit reversal, or with
@@ -83,6 +84,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=None, help="override the demo's [rl] group_size")
     ap.add_argument("--prompts", type=int, default=None, help="override the demo's [rl] prompts_per_batch")
     ap.add_argument("--tokens", type=int, default=None, help="override the demo's [rl] max_new_tokens")
+    ap.add_argument("--step-samples", type=int, default=None,
+                    help="[trainer] max_step_samples: at most this many samples a step (batches are taken whole)")
     ap.add_argument("--threads", type=int, default=DEMO_THREADS,
                     help=f"torch threads per node process and for the baseline (default {DEMO_THREADS}, as the demo)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the nodes' data dirs and logs here")
@@ -90,7 +93,8 @@ def main() -> None:
     args = parse_args(ap, {"steps": 2, "max_seconds": 60.0})
     model = str(Path(args.model).resolve()) if args.model else ""
     settings = {k: v for k, v in (("group_size", args.group_size), ("prompts_per_batch", args.prompts),
-                                  ("max_new_tokens", args.tokens)) if v is not None}
+                                  ("max_new_tokens", args.tokens), ("trainer.max_step_samples", args.step_samples))
+                if v is not None}
     with tempfile.TemporaryDirectory(prefix="bench-step-time-") as tmp:
         root = args.keep or Path(tmp)
         f = run(args.steps, args.max_seconds, None, "", root, args.hog, args.threads or None, model=model,
