@@ -33,6 +33,8 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from . import refusals
+
 __all__ = [
     "RemoteProtocolError",
     "LocalProtocolError",
@@ -73,7 +75,7 @@ class RemoteProtocolError(Exception):
 
 # Reasons that mean the stream broke (reset, or EOF in the middle of a frame), which is what a
 # peer that crashes, is killed or loses its connection leaves behind: never counted against it.
-TRANSPORT_FAILURES = frozenset({"stream-error", "truncated"})
+TRANSPORT_FAILURES = refusals.TRANSPORT_FAILURES
 
 
 class LocalProtocolError(Exception):

@@ -24,6 +24,7 @@ NODE = Path(__file__).resolve().parents[1] / "node"
 # subprocess with limits: a blocking call the spec makes on purpose, not an I/O service.
 PURE = [
     "node.wire",
+    "node.refusals",
     "node.hashes",
     "node.net.multiaddrs",
     "node.net.counters",

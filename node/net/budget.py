@@ -41,8 +41,6 @@ PEER_BYTES = "peer-bytes"  # this peer's frames in flight already hold its share
 BYTES = "busy-bytes"  # the protocol's byte budget is spent (nobody's fault)
 OVERSIZED = "oversized"  # a frame announced larger than the protocol's frame cap
 STALLED = "stalled"  # a header or body did not arrive in time: the peer held a slot without sending
-# Refusals that are the peer's doing but only for a moment: not struck, the stream is refused.
-REFUSALS = frozenset({PEER_STREAMS, BUSY, PEER_BYTES, BYTES})
 
 
 @dataclass(frozen=True)

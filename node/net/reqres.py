@@ -33,8 +33,9 @@ from typing import Generic, TypeVar
 
 import trio
 
-from .budget import REFUSALS, STALLED, Budget, StreamLimits, StreamsConfig, limits as default_limits
+from .budget import STALLED, Budget, StreamLimits, StreamsConfig, limits as default_limits
 from .host import OPEN_STREAM_TIMEOUT, STREAM_ERRORS
+from .. import refusals
 from ..dbthread import StoreClosed
 from ..peers import FaultRule
 from ..peers.service import STALL_SOURCE
@@ -55,10 +56,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CLOSE_TIMEOUT = 1.0  # a close or reset of a stream the peer no longer reads from
-# Refusals that are nobody's fault (a stream that broke, a peer too slow, our own load), or that
-# the stream layer has dealt with already (a stall is struck by Inbound): counted, never reported
-# to the peer table by request_handler.
-NOT_FAULTS = TRANSPORT_FAILURES | REFUSALS | {"timeout", "banned", STALLED}
+# Refusals that are nobody's fault (a stream that broke, a peer too slow, our own load): counted,
+# never reported to the peer table by request_handler (node/refusals.py; a stall is struck by Inbound).
+NOT_FAULTS = refusals.NOT_FAULTS
 STALL_WEIGHT = 10.0  # score points one stall costs (decaying, node/peers/table.py)
 
 

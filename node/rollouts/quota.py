@@ -92,9 +92,6 @@ class QuotaRefusal:
     detail: str
 
 
-QUOTA_REASONS = frozenset({"quota", "quota-new"})
-
-
 def allowance(accepted: int, cfg: QuotaConfig, scale: int = 1) -> int | None:
     """Batches per interval for a worker with ``accepted`` accepted batches; None = no quota."""
     if cfg.new_batches == 0 or accepted >= cfg.trusted_after:

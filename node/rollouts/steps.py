@@ -62,12 +62,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .quota import QUOTA_REASONS
+from ..refusals import KEEPS_WINDOW_REASONS
 
 # Refusals that do not use up the batch's step in the worker's window (the window must not move for
 # them). The trainer's intake records steps by it and the worker's outbox reads its answers by it
 # (node/trainer/intake.py, node/rollouts/submit.py "Step headroom"): one set, so they cannot disagree.
-KEEPS_WINDOW = frozenset({"duplicate", "duplicate-step", "step-ahead", "step-behind", "busy", "banned"}) | QUOTA_REASONS
+KEEPS_WINDOW = KEEPS_WINDOW_REASONS
 
 STEP_SLACK = 8  # steps lost to failed generations (an error, an oversized batch) between two deliveries
 MAX_WINDOW = 4096  # bounds the seen-mask a node stores per worker (max_pending_batches is at most 1024)

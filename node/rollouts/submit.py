@@ -50,14 +50,13 @@ from dataclasses import dataclass, field
 
 from ..net.reqres import CallFailure, Codec, FailureKind, call
 from ..wire import MAX_FRAME, LocalProtocolError, decode_as
-from .quota import QUOTA_REASONS
+from ..refusals import TRANSIENT_REASONS
 from .steps import KEEPS_WINDOW, STEP_SLACK
 from .schema import ROLLOUTS_PROTOCOL, RolloutAck
 
 MAX_ACK_BYTES = 4096  # a RolloutAck is ~100 bytes; anything bigger is garbage
-# Refusal reasons that say "not now" rather than "never": the batch goes back to the queue and the
-# trainer is backed off. Every other reason is final (the batch itself is bad or unwanted).
-TRANSIENT_REASONS = frozenset({"busy", "overloaded", "not-ready", "shutting-down"}) | QUOTA_REASONS
+# TRANSIENT_REASONS (node/refusals.py) say "not now" rather than "never": the batch goes back to the
+# queue and the trainer is backed off. Every other reason is final (the batch itself is bad or unwanted).
 # Refusals after which a trainer's step window did not record the batch's step (node/rollouts/steps.py
 # KEEPS_WINDOW, the set the trainer's intake uses). Every other answer did.
 UNCOUNTED_REASONS = KEEPS_WINDOW

@@ -31,10 +31,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ..rollouts.quota import QUOTA_REASONS
+from ..refusals import NOT_FAULTS, UNRECORDED_REASONS
 from ..rollouts.schema import RolloutBatch
 from ..rollouts.steps import KEEPS_WINDOW  # noqa: F401 (the trainer's window rules read it from here)
-from ..wire import TRANSPORT_FAILURES
 
 TEMPERATURE_TOLERANCE = 1e-6
 
@@ -134,12 +133,10 @@ def intake_reason(
 
 
 # Refusals that say nothing about the worker's honesty or that a third party can cause (replaying a
-# worker's signed batch) are not recorded against the worker in the ledger.
-NOT_ATTRIBUTABLE = frozenset({"duplicate", "busy"}) | QUOTA_REASONS
+# worker's signed batch) are not recorded against the worker in the ledger (node/refusals.py).
+NOT_ATTRIBUTABLE = UNRECORDED_REASONS
 
 
-# Refusals that are no fault of the sender: lag, replays, our own load, a worker that died mid-upload.
-# A step outside the window is refused, not struck: with several trainers, one that was unreachable
-# for a long while sees an honest worker's steps jump (node/rollouts/steps.py, "Known limit").
-# A quota refusal (node/rollouts/quota.py) is "not now": the worker retries in the next interval.
-NOT_STRIKES = frozenset({"stale", "future", "duplicate", "busy", "banned", "step-ahead", "step-behind"}) | TRANSPORT_FAILURES | QUOTA_REASONS
+# Refusals that are no fault of the sender (lag, replays, our own load, a worker that died
+# mid-upload, the step window, the quota): not struck (node/refusals.py says why, per reason).
+NOT_STRIKES = NOT_FAULTS

@@ -55,6 +55,7 @@ from ..net.budget import limits
 from ..net.reqres import CallFailure, Codec, FailureKind, open_call, raw, request_handler
 from ..proofs.config import ProofsConfig
 from ..proofs.margins import ProofMargins
+from ..refusals import Refusal
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 from ..rollouts.schema import (
     DOMAIN_VERDICT,
@@ -108,11 +109,10 @@ _ACK = Codec(MAX_ACK_FRAME, lambda frame: decode_as(RolloutAck, frame, MAX_ACK_F
 BEHIND_FRACTION = 0.8  # queue fill at which status says "behind"
 LEDGER_STEP_MAX = 2**32  # the ledger's verdict body bounds the step
 FUTURE_GRACE = 5.0  # seconds to wait for the announcement of a version newer than any we know
-# Window refusals (and bans) do not use up the batch's step: the worker's window must not move for them.
-KEEPS_WINDOW = frozenset({BatchReason.STEP_AHEAD.value, BatchReason.STEP_BEHIND.value, BatchReason.BANNED.value})
-# A step another batch used is a replay of its draw, whether the slots table still remembers it or not.
-_WINDOW_REASONS = {"step-ahead": BatchReason.STEP_AHEAD, "step-behind": BatchReason.STEP_BEHIND,
-                   "duplicate-step": BatchReason.REPLAYED}
+# Window refusals (and bans) that are no fault of the worker leave its step window as it was (their
+# verdict spellings, node/refusals.py). A step another batch used (duplicate-step) is a replay of its
+# draw, ``replayed`` as the slots table says whether it still remembers it or not: the step stays used.
+KEEPS_WINDOW = frozenset(r.verdict for r in Refusal if r.verdict and r.keeps_window and not r.fault)
 
 
 @dataclass
@@ -338,7 +338,7 @@ class ValidatorService:
         window = self.store.step_window(batch.worker)
         outside = window.reason(batch.step, self.step_window, ahead=False)
         if outside:
-            return Judgement.uniform(n, reject(_WINDOW_REASONS[outside],
+            return Judgement.uniform(n, reject(BatchReason(Refusal(outside).verdict),
                                                f"step {batch.step}: {outside} (highest so far {window.high})"))
         current = self.current_version()
         if current is None or batch.policy_version > current:
