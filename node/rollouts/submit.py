@@ -48,13 +48,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
-from ..net.reqres import CallFailure, Codec, FailureKind, call
-from ..wire import MAX_FRAME, LocalProtocolError, decode_as
+from ..net.reqres import CallFailure, FailureKind, call
+from ..wire import MAX_FRAME, LocalProtocolError
 from ..refusals import TRANSIENT_REASONS
+from .ack import ACK_CODEC
 from .steps import KEEPS_WINDOW, STEP_SLACK
 from .schema import ROLLOUTS_PROTOCOL, RolloutAck
 
-MAX_ACK_BYTES = 4096  # a RolloutAck is ~100 bytes; anything bigger is garbage
 # TRANSIENT_REASONS (node/refusals.py) say "not now" rather than "never": the batch goes back to the
 # queue and the trainer is backed off. Every other reason is final (the batch itself is bad or unwanted).
 # Refusals after which a trainer's step window did not record the batch's step (node/rollouts/steps.py
@@ -346,13 +346,10 @@ async def call_submit(host, trainer: str, batch_id: bytes, envelope: bytes, time
     """
     if len(envelope) > MAX_FRAME:
         raise LocalProtocolError(f"batch of {len(envelope)} bytes exceeds one frame: split it before signing")
-    ack = await call(host, trainer, ROLLOUTS_PROTOCOL, envelope, timeout, reply=_ACK)
+    ack = await call(host, trainer, ROLLOUTS_PROTOCOL, envelope, timeout, reply=ACK_CODEC)
     if ack.batch_id != batch_id:
         raise SubmitFailure(FailureKind.GARBAGE, "ack for another batch", "wrong-ack")
     return ack
-
-
-_ACK = Codec(MAX_ACK_BYTES, lambda frame: decode_as(RolloutAck, frame, MAX_ACK_BYTES))
 
 
 def alive_trainers(members: dict[str, str], trainers: Sequence[str], self_id: str) -> list[str]:

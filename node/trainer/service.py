@@ -50,12 +50,13 @@ from ..gossip.api import MembershipAPI
 from ..hashes import digest
 from ..ledger.api import LedgerAPI
 from ..net.budget import limits
-from ..net.reqres import CallFailure, Codec, FailureKind, call, raw, request_handler
+from ..net.reqres import CallFailure, FailureKind, call, raw, request_handler
 from ..peers import ActionKind, FaultRule
 from ..ledger.sync import LedgerError
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 from ..rl.grpo import NonFiniteStep, TrainSample
 from ..rollouts.config import WorkerConfig
+from ..rollouts.ack import ACK_CODEC
 from ..rollouts.schema import (
     MAX_BATCH_BYTES,
     ROLLOUTS_PROTOCOL,
@@ -70,7 +71,7 @@ from ..rollouts.quota import QuotaBook, QuotaConfig, QuotaRefusal, accepted_batc
 from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
 from ..steptime import PhaseTimes
-from ..wire import MAX_FRAME, RemoteProtocolError, decode_as
+from ..wire import MAX_FRAME, RemoteProtocolError
 from .checkpoints import NonFiniteCheckpoint, check_finite_folder
 from .config import TrainerConfig
 from .evaluation import EvalBook, EvalRecord
@@ -97,11 +98,9 @@ SOURCE = "rollouts"  # metrics label of refused batches
 VERDICT_SOURCE = "verdicts"
 MAX_INTAKE_FRAME = min(MAX_FRAME, MAX_BATCH_BYTES)  # a batch must also fit one frame to a validator
 MAX_VERDICT_FRAME = 1024 * 1024
-MAX_ACK_FRAME = 4096
 READ_TIMEOUT = 30.0  # seconds a peer may take to send its frame
 SEND_TIMEOUT = 30.0  # seconds to hand a batch to a validator and get its ack
 MAX_FRAMES_PER_STREAM = 256  # verdict frames on one stream before we close it (bounded work)
-_ACK = Codec(MAX_ACK_FRAME, lambda frame: decode_as(RolloutAck, frame, MAX_ACK_FRAME))
 MAX_VERDICT_STREAMS = 16  # verdict streams served at once (validators are few; others wait)
 LEDGER_CHUNK = 32  # ledger entries written per wake-up
 GATE_TICK = 1.0  # seconds between gate passes when nothing happens
@@ -437,7 +436,7 @@ class Trainer:
             return
         ok = False
         try:
-            ack = await call(self.node.host, validator, VERIFY_PROTOCOL, envelope, SEND_TIMEOUT, reply=_ACK,
+            ack = await call(self.node.host, validator, VERIFY_PROTOCOL, envelope, SEND_TIMEOUT, reply=ACK_CODEC,
                              peers=self.node.peers)
             ok = ack.accepted and ack.batch_id == batch_id
             if not ok and ack.reason == UNJUDGED_NO_CHECKPOINT and ack.batch_id == batch_id:

@@ -52,11 +52,12 @@ from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
 from ..ledger.sync import LedgerError
 from ..net.budget import limits
-from ..net.reqres import CallFailure, Codec, FailureKind, open_call, raw, request_handler
+from ..net.reqres import CallFailure, FailureKind, open_call, raw, request_handler
 from ..proofs.config import ProofsConfig
 from ..proofs.margins import ProofMargins
 from ..refusals import Refusal
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
+from ..rollouts.ack import ACK_CODEC
 from ..rollouts.schema import (
     DOMAIN_VERDICT,
     UNJUDGED_NO_CHECKPOINT,
@@ -99,13 +100,11 @@ SOURCE = "validator"  # metrics label of rejections counted here
 ZERO_ID = bytes(32)
 READ_TIMEOUT = 30.0  # seconds a trainer has to send its batch frame
 ACK_TIMEOUT = 30.0  # seconds a trainer has to acknowledge a verdict frame
-MAX_ACK_FRAME = 4096  # a RolloutAck is ~100 bytes
 MAX_VERIFY_STREAMS = 16  # batches read from trainers at once (trainers are few; others wait)
 # ... of which one trainer may hold: only trainers of the run are admitted, and a trainer hands
 # over batches in bursts, so its share is large, but never all (node/net/budget.py).
 MAX_VERIFY_PER_TRAINER = 12
 DELIVER_PER_STREAM = 64  # verdict frames sent on one delivery stream before it is closed
-_ACK = Codec(MAX_ACK_FRAME, lambda frame: decode_as(RolloutAck, frame, MAX_ACK_FRAME))
 BEHIND_FRACTION = 0.8  # queue fill at which status says "behind"
 LEDGER_STEP_MAX = 2**32  # the ledger's verdict body bounds the step
 FUTURE_GRACE = 5.0  # seconds to wait for the announcement of a version newer than any we know
@@ -461,7 +460,7 @@ class ValidatorService:
         try:
             async with open_call(self.node.host, trainer, VERDICTS_PROTOCOL, peers=self.node.peers) as caller:
                 for batch_id, verdict in items:
-                    ack = await caller.ask(verdict, _ACK, ACK_TIMEOUT)
+                    ack = await caller.ask(verdict, ACK_CODEC, ACK_TIMEOUT)
                     if ack.batch_id != batch_id and ack.batch_id != ZERO_ID:
                         raise caller.garbage("wrong-ack", ack.batch_id.hex()[:12])
                     if not ack.accepted and ack.reason:
