@@ -107,6 +107,9 @@ def run(args) -> None:
                     tokens += j.tokens
                     if len(signed) < args.cheats:
                         signed.append(one)
+                    if (step + 1) % 100 == 0:
+                        print(f"  {engine}: {step + 1} batches, {rejected} rejected, {time.perf_counter() - t0:.0f} s",
+                              flush=True)
                 wall = time.perf_counter() - t0
                 honest[engine] = signed
                 print(f"honest {engine:>5}: {rejected} of {count} batches rejected {dict(reasons) or ''}| "
