@@ -20,8 +20,8 @@ How this works (DESIGN.md "The loop", step 4; TOPLOC paper §3-§6; INTELLECT-2 
 3. **Per sample, with the checkpoint's model** (one batched prefill of prompt+completion, see
    :class:`CheckModel`): the TOPLOC proofs match the validator's own final hidden states at the
    decode positions; the claimed log-probs match log softmax(logits / T); and, when the batch's
-   engine follows our sampler (``[inference] replay_engines``; vLLM's does not, so its batches get
-   the first two checks only), every token is the seeded Gumbel-max choice (TOPLOC2 / prime-rl: the sampling noise comes from a counter-based hash
+   engine follows our sampler (``[inference] replay_engines``: torch and vLLM, whose engine samples
+   with the same rule through a logits processor, node/engines/vllm_gumbel.py), every token is the seeded Gumbel-max choice (TOPLOC2 / prime-rl: the sampling noise comes from a counter-based hash
    of the per-sequence seed, so a validator holding the logits replays it exactly, up to
    ``sampling_tolerance`` of numeric noise). The proof binds the hidden states to the model and the
    tokens; the replay binds the tokens to the seed; together a worker can neither use another
@@ -60,6 +60,7 @@ from ..proofs.capture import logits_from_hidden, recompute_decode_states
 from ..proofs.config import ProofsConfig
 from ..proofs.reasons import PASS, CheckResult, Reason, fail
 from ..proofs.toploc import ChunkResult, verify_proofs
+from ..rl.config import REPLAYABLE_ENGINES
 from ..rl.spec import group_advantages, sampling_seed, step_key, token_logprobs
 from ..rollouts.assemble import split_proofs
 from ..rollouts.schema import RolloutBatch, RolloutSample, SignedBatch, open_batch
@@ -112,7 +113,7 @@ class BatchRules:
     check_sampling: bool = True
     check_seed: bool = True
     engines: tuple[str, ...] = ("torch",)  # engines the run accepts ([inference] engines)
-    replay_engines: tuple[str, ...] = ("torch",)  # engines whose batches get the sampling replay
+    replay_engines: tuple[str, ...] = REPLAYABLE_ENGINES  # engines whose batches get the sampling replay
     dtype: str | None = None  # the dtype every batch must state (the run's [inference] dtype); None = any
     # Seconds of verifier work (the code sandbox above all) one batch may cost; samples not scored
     # within it are rejected as score_budget. Four code time limits (5 s each by default) plus slack:
