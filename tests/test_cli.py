@@ -569,3 +569,4 @@ def test_demo_model_run_file_trains_that_model_on_reasoning_gym(tmp_path):
         assert run.model == model and rl.taskset == taskset and run.trainers == [trainer]
         assert load_run_tasks(rl).draw(bytes(32), 0).prompt  # the nodes can draw its tasks
         assert run.section("grpo").optimizer_steps == (1 if model else 8)
+        assert run.section("trainer").verify_timeout_s == (300.0 if model else 30.0)

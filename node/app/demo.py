@@ -80,8 +80,7 @@ optimizer_steps = 8
 # `--model DIR`: a real instruct model on a real task. Two-term one-digit chain sums ("7 + 9 =") with
 # the answer tag prefilled: SmolLM2-135M-Instruct answers them at 0.18 greedy (partly right: the
 # scorer gives part credit for "= 16"), inside the 0.02-0.4 a model can learn from; eight tokens
-# hold any answer. The learning rate is the usual one for a model of this size, not the tiny model's;
-# a step is one AdamW step on every sample (a 135 M model's backward pass is most of a CPU step).
+# hold any answer.
 REAL_TASK = """\
 [rl]
 taskset = "reasoning-gym"
@@ -96,7 +95,11 @@ max_terms = 2
 min_digits = 1
 max_digits = 1
 """
-REAL_LR = "lr = 1e-5\n"
+# The tiny model's settings that a 135 M model on a CPU outgrows: its learning rate; eight AdamW
+# mini-batch steps (its backward pass is most of a step); a 30 s verification timeout (one batch
+# took a busy validator ~25 s, and 20 batches were reassigned as timed out).
+REAL_SETTINGS = (("[grpo]\n", "[grpo]\nlr = 1e-5\n"), ("optimizer_steps = 8", "optimizer_steps = 1"),
+                 ("verify_timeout_s = 30.0", "verify_timeout_s = 300.0"))
 
 
 def demo_run_text(trainer: str, validator: str, model: str = "") -> str:
@@ -107,7 +110,9 @@ def demo_run_text(trainer: str, validator: str, model: str = "") -> str:
     text = text.replace("the tiny default model on the synthetic digit-reversal task",
                         f"{Path(model).name} on reasoning-gym's chain_sum", 1)
     text = text.replace(TINY_TASK, f"model = {json.dumps(model)}\n\n" + REAL_TASK, 1)
-    return text.replace("[grpo]\n", "[grpo]\n" + REAL_LR, 1).replace("optimizer_steps = 8", "optimizer_steps = 1", 1)
+    for tiny, real in REAL_SETTINGS:
+        text = text.replace(tiny, real, 1)
+    return text
 
 
 def check_demo_model(model: str) -> str:
