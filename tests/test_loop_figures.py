@@ -77,3 +77,14 @@ def test_the_demo_table_says_when_a_worker_holds_its_next_step_for_the_step_wind
 
     assert "held: step window" in rollouts({"step_window": {"held": True, "counted": 7}})
     assert "held" not in rollouts({"step_window": {"held": False, "counted": 7}}) and "held" not in rollouts({})
+
+
+def test_the_summary_says_the_last_steps_off_policy_figures():
+    s = statuses()
+    assert loop_figures(s, seconds=60.0)["off_policy"] is None  # no step with figures yet: no line
+    s["t"][1]["trainer"].update(loss="dppo-tv", max_off_policy_steps=8, last_step={
+        "masked_frac": 0.064, "mismatch_kl": 0.016, "mismatch_kl_same_version": 0.0001,
+        "off_policy_steps": {"mean": 1.9, "max": 4}})
+    text = format_figures(loop_figures(s, seconds=60.0))
+    assert ("last step: loss dppo-tv, off-policy 1.9 mean / 4 max (bound 8), masked 6.4 %, "
+            "mismatch KL 0.016 (same version 0.0001)") in text

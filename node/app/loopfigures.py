@@ -130,7 +130,19 @@ def loop_figures(statuses: dict[str, tuple[str, dict]], seconds: float, stalls: 
         "sample_life_s": trainer.get("sample_life_s") or {},
         "stalls": stalls,
         "eval": trainer.get("eval"),  # held-out scores by version (node/trainer/evaluation.py)
+        "off_policy": off_policy_summary(trainer),
     }
+
+
+def off_policy_summary(trainer: dict) -> dict | None:
+    """The run's loss and bound with the last step's off-policy figures (issue 43), or None before a step."""
+    last = trainer.get("last_step") or {}
+    if "masked_frac" not in last:
+        return None
+    steps = last.get("off_policy_steps") or {}
+    return {"loss": trainer.get("loss"), "bound": trainer.get("max_off_policy_steps"),
+            "mean_steps": steps.get("mean"), "max_steps": steps.get("max"), "masked": last["masked_frac"],
+            "mismatch_kl": last.get("mismatch_kl"), "mismatch_kl_same_version": last.get("mismatch_kl_same_version")}
 
 
 def format_figures(f: dict) -> str:
@@ -151,6 +163,12 @@ def format_figures(f: dict) -> str:
         "trainer time: " + ", ".join(f"{k} {v:.1f} s ({100 * v / total:.0f} %)" for k, v in steps_time.items()),
         "sample life (mean s): " + (", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in f["sample_life_s"].items()) or "-"),
     ]
+    off = f.get("off_policy")
+    if off:
+        same = off["mismatch_kl_same_version"]
+        lines.append(f"last step: loss {off['loss']}, off-policy {off['mean_steps']} mean / {off['max_steps']} max "
+                     f"(bound {off['bound']}), masked {pct(off['masked'])}, mismatch KL {off['mismatch_kl']}"
+                     + (f" (same version {same})" if same is not None else ""))
     stalls = f.get("stalls")
     if stalls is not None:
         lines.append("stalls: " + (", ".join(f"{name} {s['stalls']} (longest {s['longest_s']:.0f} s: {s['cause'] or '?'})"
