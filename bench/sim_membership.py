@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tick", type=float, default=TICK, help="membership tick, virtual seconds (the service's: 0.25)")
     ap.add_argument("--steady", type=float, default=30.0, help="agreement: steady window, virtual seconds (at least one refresh)")
     ap.add_argument("--seed", type=int, default=1)
-    args = parse_args(ap, {"sizes": "60", "agreement": "10", "duration": 60.0, "settle": 20.0, "events": 2}, argv)
+    args = parse_args(ap, {"sizes": "40", "agreement": "10", "duration": 40.0, "settle": 10.0, "events": 2}, argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     agree = [int(s) for s in args.agreement.split(",") if s]
 
