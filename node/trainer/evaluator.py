@@ -5,7 +5,7 @@ How this works (issue 40, item 5; what to score is node/trainer/evaluation.py). 
 given, greedily. It is a process, not a thread of the trainer, so that nothing it does touches the
 training path: it holds no lock of the trainer's Python (generation is Python-heavy on a small
 model), owns its own torch threads (``[trainer] eval_threads``; torch's thread settings are
-process-wide), runs at nice 19 so a busy CPU serves training and the other nodes first, and a crash
+process-wide), runs at a low priority (nice 10) so a busy CPU serves training and the other nodes first, and a crash
 or an out-of-memory kill of it costs a score, not the trainer. :func:`serve_evaluation` wakes
 after each publish, asks the book for the version to score, hands the process its folder, and
 records the answer (spool, metrics, status). The process's stderr goes to ``<trainer dir>/eval.log``.
