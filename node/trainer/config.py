@@ -44,7 +44,7 @@ class TrainerConfig:
     init_warmup_steps: int = -1  # warm-up steps of a fresh embedded default model (-1 = node.rl.warmup's default, 0 = random)
     # Held-out evaluation (node/trainer/evaluation.py): greedy score of version 0 and of every
     # eval_every-th version on eval_tasks tasks no worker is asked to train on, in a separate
-    # process at the lowest CPU priority (off the training path). 0 = off.
+    # process at a low CPU priority (off the training path). 0 = off.
     eval_every: int = 5
     eval_tasks: int = 64  # evaluation tasks per version (a fixed draw: the same tasks for every version)
     eval_device: str = "cpu"  # where the evaluation process runs the model: cpu | auto | cuda | cuda:N
