@@ -103,7 +103,7 @@ def test_answer_prefill_puts_the_tag_in_the_prompt_and_scores_the_bare_answer():
     rl = gym_rl(answer_prefill=True)
     source = load_run_tasks(rl)
     task = source.task(source.generators[0], 7)
-    assert render_prompt(build_tokenizer(), task, 0, rl).endswith(f"{task.prompt}\n{gym.ANSWER_OPEN}")
+    assert render_prompt(build_tokenizer(), task, 0, rl) == f"{gym.PREFILL_INSTRUCTION}\n\n{task.prompt}\n{gym.ANSWER_OPEN}"
     jobs = [(task, task.answer, 5, 0), (task, f"{task.answer}</answer>", 5, 0), (task, "wrong", 5, 0)]
     assert [s.task_reward for s in score_many(jobs, rl, code_limits(rl))] == [1.0, 1.0, 0.0]
     assert [s.task_reward for s in score_many(jobs, gym_rl(), code_limits(rl))] == [0.0, 0.0, 0.0]

@@ -36,7 +36,7 @@ class RLConfig:
     # [system, user] rendered through it with the generation prompt; "none" (or a model without a
     # template) gets the raw text, the system prompt as its first paragraph (node/rl/spec.py).
     chat_template: str = "auto"  # auto | none
-    system_prompt: str = ""  # "" = none, or for reasoning-gym its answer-format instruction (node/rl/gym.py)
+    system_prompt: str = ""  # "" = none, or for reasoning-gym its answer-format instruction (node/rl/gym.py; no example answer with answer_prefill)
     # reasoning-gym: share of the reward paid for one well-formed <answer>...</answer>, right or not
     # (r = (1 - f) * score + f * tagged): a model that never writes the tag gets a signal to learn it. 0 = off.
     format_reward: float = 0.0

@@ -53,6 +53,9 @@ NAME = "reasoning-gym"
 KIND = "reasoning-gym"  # Task.kind of drawn tasks
 ANSWER_INSTRUCTION = ("Answer the question. Think briefly if you need to, then give only the final answer "
                       "inside <answer> </answer> tags, for example <answer>42</answer>.")
+# With the tag prefilled (``[rl] answer_prefill``) the instruction shows no example answer: SmolLM2-135M
+# copied the example's 42 into the tag (greedy chain_sum 0.06 with it, 0.18 without).
+PREFILL_INSTRUCTION = "Give only the final answer inside <answer> </answer> tags."
 MAX_ANSWER_CHARS = 4096  # a longer answer is not an answer
 SEED_SPACE = 1 << 62  # training seeds: [0, 2**62); evaluation seeds: [2**62, ...)
 MAX_GENERATORS = 64

@@ -141,10 +141,13 @@ def prompt_text(task: Task, budget: int) -> str:
 
 
 def system_prompt(rl: RLConfig) -> str:
-    """The run's system prompt: its own, or for reasoning-gym the answer-format instruction."""
+    """The run's system prompt: its own, or for reasoning-gym the answer-format instruction (without
+    an example answer when the tag is prefilled)."""
     if rl.system_prompt:
         return rl.system_prompt
-    return gym.ANSWER_INSTRUCTION if rl.taskset == gym.NAME else ""
+    if rl.taskset != gym.NAME:
+        return ""
+    return gym.PREFILL_INSTRUCTION if rl.answer_prefill else gym.ANSWER_INSTRUCTION
 
 
 def uses_chat_template(tokenizer, rl: RLConfig) -> bool:
