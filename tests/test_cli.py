@@ -568,5 +568,6 @@ def test_demo_model_run_file_trains_that_model_on_reasoning_gym(tmp_path):
         rl = run.section("rl", RLConfig)
         assert run.model == model and rl.taskset == taskset and run.trainers == [trainer]
         assert load_run_tasks(rl).draw(bytes(32), 0).prompt  # the nodes can draw its tasks
-        assert run.section("grpo").optimizer_steps == (1 if model else 8)
+        assert run.section("grpo").optimizer_steps == (2 if model else 8)
+        assert run.section("trainer").max_step_samples == (32 if model else 1024)
         assert run.section("trainer").verify_timeout_s == (300.0 if model else 30.0)
