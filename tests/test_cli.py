@@ -571,3 +571,13 @@ def test_demo_model_run_file_trains_that_model_on_reasoning_gym(tmp_path):
         assert run.section("grpo").optimizer_steps == (2 if model else 8)
         assert run.section("trainer").max_step_samples == (32 if model else 1024)
         assert run.section("trainer").verify_timeout_s == (300.0 if model else 30.0)
+
+
+def test_demo_model_needs_the_disk_its_checkpoints_fill(tmp_path):
+    """A SmolLM2 demo filled 25 GB in 13 minutes and its nodes died of a full disk mid-save."""
+    from node.app.demo import check_demo_disk
+    from node.app.errors import UsageError
+
+    check_demo_disk(540_000_000, 40_000_000_000, tmp_path)
+    with pytest.raises(UsageError, match=r"demo --model: about 27 GB of disk needed under .*, 10 GB free"):
+        check_demo_disk(540_000_000, 10_000_000_000, tmp_path)

@@ -120,6 +120,20 @@ def demo_run_text(trainer: str, validator: str, model: str = "") -> str:
     return text
 
 
+# Disk a `--model` demo fills, in model-weight sizes: five nodes each keep the versions a batch may
+# still refer to (async_level + verify_grace_steps + 1 = 7 here) and their deltas; the trainer also
+# its optimizer state. SmolLM2-135M's 540 MB of weights filled 25 GB within 13 minutes.
+DISK_PER_WEIGHT_BYTE = 50
+
+
+def check_demo_disk(model_bytes: int, free_bytes: int, where: Path) -> None:
+    """UsageError when ``where`` has less free space than a ``--model`` demo fills."""
+    need = DISK_PER_WEIGHT_BYTE * model_bytes
+    if free_bytes < need:
+        raise UsageError(f"demo --model: about {need / 1e9:.0f} GB of disk needed under {where} "
+                         f"(five nodes keep seven versions each), {free_bytes / 1e9:.0f} GB free")
+
+
 def check_demo_model(model: str) -> str:
     """``--model`` as an absolute path, or UsageError saying what is wrong with it."""
     from ..engines.gguf_folder import GGUFError, check_gguf, is_gguf_path
@@ -276,6 +290,10 @@ def run_demo(args) -> int:
             raise UsageError(f"demo --engine vllm: {problem}")
     model = check_demo_model(args.model) if args.model else ""
     root: Path = args.data_root
+    if model:
+        weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) or Path(model).stat().st_size
+        where = next(p for p in (root, *root.absolute().parents) if p.exists())
+        check_demo_disk(weights, shutil.disk_usage(where).free, where)
     if root.exists():
         shutil.rmtree(root)
     names = [("relay", "relay"), ("trainer", "trainer"), ("validator", "validator"),
