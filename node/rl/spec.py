@@ -161,13 +161,13 @@ def render_prompt(tokenizer, task: Task, budget: int, rl: RLConfig) -> str:
     With the chat template: [system (when there is one), user] and the generation prompt. Without:
     today's raw prompt, after the system prompt and a blank line when there is one.
     """
-    text, system = prompt_text(task, budget), system_prompt(rl)
-    if uses_chat_template(tokenizer, rl):
+    text, system, chat = prompt_text(task, budget), system_prompt(rl), uses_chat_template(tokenizer, rl)
+    if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
         rendered = f"{system}\n\n{text}" if system else text
-    return rendered + answer_prefill(rl, chat=uses_chat_template(tokenizer, rl))
+    return rendered + answer_prefill(rl, chat)
 
 
 def answer_prefill(rl: RLConfig, chat: bool) -> str:
