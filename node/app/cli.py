@@ -236,12 +236,11 @@ def check_model(config: NodeConfig) -> None:
     """The trainer's ``[run] model`` names a local model folder or GGUF file (checked before anything starts)."""
     if config.role != "trainer" or not config.run.model:
         return
-    from ..engines.gguf_folder import GGUFError, check_gguf, is_gguf_path
-    from ..engines.model import ModelFolderError, check_model_folder
+    from ..engines.gguf_folder import check_model_source
 
     try:
-        check_gguf(config.run.model) if is_gguf_path(config.run.model) else check_model_folder(config.run.model)
-    except (ModelFolderError, GGUFError) as e:
+        check_model_source(config.run.model)
+    except ValueError as e:  # GGUFError, ModelFolderError
         raise ConfigError(f"run.model: {e}") from None
 
 

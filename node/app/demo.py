@@ -136,12 +136,11 @@ def check_demo_disk(model_bytes: int, free_bytes: int, where: Path) -> None:
 
 def check_demo_model(model: str) -> str:
     """``--model`` as an absolute path, or UsageError saying what is wrong with it."""
-    from ..engines.gguf_folder import GGUFError, check_gguf, is_gguf_path
-    from ..engines.model import ModelFolderError, check_model_folder
+    from ..engines.gguf_folder import check_model_source
 
     try:
-        path = check_gguf(Path(model)) if is_gguf_path(model) else check_model_folder(model)
-    except (ModelFolderError, GGUFError) as e:
+        path = check_model_source(model)
+    except ValueError as e:  # GGUFError, ModelFolderError
         raise UsageError(f"demo --model: {e} (make smollm2 writes .models/smollm2-135m-instruct)") from None
     return str(Path(path).resolve())
 

@@ -101,3 +101,11 @@ def is_gguf_path(source: str) -> bool:
     """Whether a ``[run] model`` value names a GGUF file (by its suffix) rather than a folder."""
     return str(source).lower().endswith(".gguf")
 
+
+def check_model_source(source: str) -> Path:
+    """A ``[run] model`` value checked as what it names: a GGUF file or a model folder. GGUFError or
+    ModelFolderError (both ValueError) says what is wrong."""
+    from .model import check_model_folder
+
+    return check_gguf(Path(source)) if is_gguf_path(source) else check_model_folder(source)
+
