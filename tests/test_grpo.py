@@ -14,6 +14,7 @@ from node.rl.config import GRPOConfig
 from node.rl.grpo import (
     IGNORE,
     NonFiniteStep,
+    accumulate,
     TrainSample,
     batch_loss,
     grpo_loss,
@@ -204,6 +205,53 @@ def test_packed_logprobs_equal_a_forward_of_each_sample_alone(model):
         p = len(s.prompt_ids)
         want += [round(lp[p - 1 + t, c].item(), 9) for t, c in enumerate(s.completion_ids)]
     assert got == pytest.approx(sorted(want), abs=1e-8)
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def test_micro_batches_add_up_to_the_whole_mini_batch(model):
+    """Gradient accumulation: a mini-batch run one packed row per pass gives the gradient and the
+    figures of one pass over all its rows (memory then grows with a pass, not the step)."""
+    samples = _samples(12, seed=5)
+    for s, v in zip(samples, range(12)):
+        s.version = v % 2
+    cfg = GRPOConfig(kl_coef=0.0, entropy_coef=1e-2, pack_length=24, micro_batch_tokens=24)
+    b = pack(samples, 24)
+    assert b.input_ids.shape[0] >= 3
+    model.zero_grad()
+    whole = accumulate(model, b, cfg, version=1, rows=b.input_ids.shape[0])
+    g_whole = _grads(model).clone()
+    model.zero_grad()
+    passes = []
+    hook = model.register_forward_hook(lambda m, i, o: passes.append(o.logits.shape[0]))
+    try:
+        split = accumulate(model, b, cfg, version=1)  # rows_per_pass(cfg) = 1
+    finally:
+        hook.remove()
+    assert passes == [1] * b.input_ids.shape[0]
+    assert torch.allclose(_grads(model), g_whole, atol=1e-10)
+    for name in ("policy", "entropy", "clip_frac", "mean_ratio", "masked_frac", "mismatch_kl"):
+        assert getattr(split, name) == pytest.approx(getattr(whole, name), rel=1e-9, abs=1e-12), name
+    assert split.loss.item() == pytest.approx(whole.loss.item(), rel=1e-9, abs=1e-12)
+    assert split.same_version_kl[1] == whole.same_version_kl[1] > 0
+    assert split.same_version_kl[0] == pytest.approx(whole.same_version_kl[0], rel=1e-9, abs=1e-12)
+
+
+def test_train_step_is_the_same_in_micro_batches():
+    tok = build_tokenizer()
+    samples = _samples(10, seed=6)
+    after = []
+    for tokens in (10_000, 24):
+        m = build_tiny_model(len(tok), tok.eos_token_id, tok.pad_token_id, SMALL, seed=3).double()
+        cfg = GRPOConfig(lr=1e-2, warmup_steps=0, optimizer_steps=2, kl_coef=0.0, pack_length=24,
+                         micro_batch_tokens=tokens)
+        opt, sched = make_optimizer(m, cfg)
+        st = train_step(m, opt, sched, samples, cfg, pad_id=tok.pad_token_id)
+        assert st.optimizer_steps == 2 and st.samples == 10
+        after.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    assert torch.allclose(after[0], after[1], atol=1e-9)
 
 
 # -- steps -------------------------------------------------------------------------------------

@@ -110,6 +110,7 @@ class GRPOConfig:
     max_grad_norm: float = 1.0  # gradient-norm clip (INTELLECT-2: 0.1 at 32B scale)
     optimizer_steps: int = 4  # optimizer steps per rollout step: the batch is split in this many parts
     pack_length: int = 512  # tokens per packed row (INTELLECT-2: 32k)
+    micro_batch_tokens: int = 2048  # tokens in one forward/backward pass (whole rows); a bigger mini-batch accumulates gradients over several, so memory grows with this, not with the step's samples
     temperature: float = 1.0  # logits are divided by the sampling temperature before log-softmax
     async_level: int = 2  # accept rollouts made with policy version >= step - async_level
     # Staleness is judged once, at intake (node/trainer/intake.py): a batch fresh when the trainer
@@ -133,6 +134,8 @@ class GRPOConfig:
             raise ValueError("lr > 0, warmup_steps >= 0, weight_decay >= 0")
         if self.max_grad_norm <= 0:
             raise ValueError("max_grad_norm: > 0")
+        if self.micro_batch_tokens < 1:
+            raise ValueError("micro_batch_tokens: >= 1 (rounded down to whole pack_length rows, at least one)")
         if self.optimizer_steps < 1 or self.pack_length < 8:
             raise ValueError("optimizer_steps >= 1, pack_length >= 8")
         if self.temperature <= 0:

@@ -29,7 +29,9 @@ How this works:
    log-probs and the trainer's (prime-rl's ``mismatch_kl``), the tokens the loss clipped or masked
    and how many versions behind its samples were (``StepStats``).
 5. :func:`train_step` splits one rollout step's samples into ``optimizer_steps`` mini-batches and
-   does one AdamW step (grad-norm clipped, linear warm-up) on each.
+   does one AdamW step (grad-norm clipped, linear warm-up) on each; a mini-batch of more than
+   ``micro_batch_tokens`` is run in several forward/backward passes whose gradients add up to its
+   own (:func:`accumulate`), so memory does not grow with the step's samples.
 
 Everything here is pure tensor maths plus the model's forward; no I/O.
 """
@@ -91,6 +93,13 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+    def rows(self, lo: int, hi: int) -> PackedBatch:
+        """Rows ``lo:hi`` as a batch of their own (a micro-batch: no row holds part of a sample)."""
+        return PackedBatch(self.input_ids[lo:hi], self.position_ids[lo:hi], self.segment_ids[lo:hi],
+                           self.targets[lo:hi], self.old_logprobs[lo:hi], self.advantages[lo:hi],
+                           self.loss_mask[lo:hi], num_samples=0,
+                           versions=None if self.versions is None else self.versions[lo:hi])
 
     def attention_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(R, 1, S, S) additive mask: 0 where query i may see key j (same sample, j <= i), else -inf.
@@ -281,6 +290,48 @@ def batch_loss(model, batch: PackedBatch, cfg: GRPOConfig, ref_model=None, versi
                      cfg, ref_logp=ref, entropy=ent, same_version=same)
 
 
+def combine(parts: Sequence[LossParts], weights: Sequence[float]) -> LossParts:
+    """One mini-batch's figures from its micro-batches' (``weights``: each one's share of the scored
+    tokens). Exact for every token mean; ``delta_frac`` (a mean over negative-advantage tokens) is
+    weighted by all tokens, close enough for a figure."""
+    def mean(name: str) -> float:
+        return sum(w * getattr(p, name) for p, w in zip(parts, weights))
+    loss = sum(w * p.loss.detach() for p, w in zip(parts, weights))
+    same = (sum(p.same_version_kl[0] for p in parts), sum(p.same_version_kl[1] for p in parts))
+    return LossParts(loss=loss, **{name: mean(name) for name in _TOKEN_MEANS}, same_version_kl=same)
+
+
+_TOKEN_MEANS = ("policy", "kl", "entropy", "clip_frac", "delta_frac", "mean_ratio", "masked_frac", "mismatch_kl")
+
+
+def rows_per_pass(cfg: GRPOConfig) -> int:
+    """Packed rows in one forward/backward pass: ``[grpo] micro_batch_tokens`` in whole rows."""
+    return max(1, cfg.micro_batch_tokens // cfg.pack_length)
+
+
+def accumulate(model, batch: PackedBatch, cfg: GRPOConfig, ref_model=None, version: int | None = None,
+               scale: float = 1.0, rows: int | None = None) -> LossParts:
+    """Backward of ``scale`` x the mini-batch's loss, ``rows`` packed rows per pass (default
+    :func:`rows_per_pass`), gradients summed in ``.grad``; returns the mini-batch's figures.
+
+    Every term of the loss is a sum over scored tokens divided by their count, so micro-batch ``i``
+    with ``n_i`` of the mini-batch's ``N`` tokens contributes ``loss_i * n_i / N``: the summed
+    gradient is the whole mini-batch's, while memory (the (rows, S, vocab) logits and their
+    backward) grows with ``rows``, not with the step's samples. 128 SmolLM2 samples in one pass
+    took 20 GB."""
+    per = rows or rows_per_pass(cfg)
+    R = batch.input_ids.shape[0]
+    slices = [batch.rows(lo, lo + per) for lo in range(0, R, per)] if R > per else [batch]
+    counts = [float(b.loss_mask.sum()) for b in slices]
+    total = sum(counts) or 1.0
+    parts = []
+    for b, n in zip(slices, counts):
+        p = batch_loss(model, b, cfg, ref_model, version=version)
+        (p.loss * (scale * n / total)).backward()
+        parts.append(p)
+    return combine(parts, [n / total for n in counts]) if len(parts) > 1 else parts[0]
+
+
 def adamw_kwargs(devices: set[str]) -> dict:
     """``fused=True`` (one kernel for the whole update, torch's fastest AdamW) when every parameter is
     on CUDA; the CPU path keeps torch's default implementation."""
@@ -359,9 +410,8 @@ def train_step(model, optimizer, scheduler, samples: Sequence[TrainSample], cfg:
     model.train()
     for k, mb in enumerate(split_minibatches(samples, cfg.optimizer_steps)):
         batch = pack(mb, cfg.pack_length, pad_id=pad_id, one_per_row=not packed)
-        parts = batch_loss(model, batch, cfg, ref_model, version=version if k == 0 else None)
         optimizer.zero_grad(set_to_none=True)
-        parts.loss.backward()
+        parts = accumulate(model, batch, cfg, ref_model, version=version if k == 0 else None)
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         if not (torch.isfinite(parts.loss.detach()) and torch.isfinite(gn)):
             optimizer.zero_grad(set_to_none=True)

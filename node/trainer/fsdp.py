@@ -59,7 +59,7 @@ from ..rl.grpo import (
     PackedBatch,
     StepStats,
     TrainSample,
-    batch_loss,
+    accumulate,
     pack,
     split_minibatches,
 )
@@ -170,10 +170,13 @@ def train_agreed(model, optimizer, scheduler, share: list[TrainSample], cfg: GRP
     total = _all_reduce(local, dist.ReduceOp.SUM, device) if batches else []
     model.train()
     for k, (mb, batch) in enumerate(zip(plan, batches)):
-        parts = batch_loss(model, batch, cfg, ref_model, version=version if k == 0 else None)
-        loss = parts.loss * loss_scale(local[k], int(total[k]), ranks)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        # one pass per mini-batch (rows=all): every rank must run the same number of forwards and
+        # backwards, since each is a round of collectives; micro-batching here would need agreed counts
+        scale = loss_scale(local[k], int(total[k]), ranks)
+        parts = accumulate(model, batch, cfg, ref_model, version=version if k == 0 else None,
+                           scale=scale, rows=max(1, batch.input_ids.shape[0]))
+        loss = parts.loss * scale
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
         finite = float(torch.isfinite(loss.detach()).item() and math.isfinite(gn))
