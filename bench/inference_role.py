@@ -27,7 +27,7 @@ from node.proofs.config import ProofsConfig
 from node.rl.config import InferenceConfig, RLConfig
 from node.rl.spec import OFFLINE_ROOT, draw_tasks, sampling_seed, step_key
 from node.rollouts.config import WorkerConfig
-from node.rollouts.generate import RolloutGenerator
+from node.inference.generate import RolloutGenerator
 from quick import parse_args  # bench/, the script's own folder
 
 

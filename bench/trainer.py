@@ -12,7 +12,7 @@
    a real trainer node in this process (``run_node``: intake, spool, loop, ledger, checkpoint
    publishing) with two simulated inference workers that generate with the torch engine from the
    newest published version and hand signed batches to the same intake (no stream, no proofs),
-   paced by the inference node's own outbox (node/rollouts/submit.py). At level 0 every batch
+   paced by the inference node's own outbox (node/inference/outbox.py). At level 0 every batch
    generated while a step runs becomes stale; the async design lets workers keep going.
 
 The machine is shared and noisy (2 cores for several agents): compare ratios, not absolute figures.
@@ -48,7 +48,7 @@ from node.rl.synthetic import make_reversal_tasks, reversal_reward
 from node.roles.core import run_node
 from node.rollouts.config import WorkerConfig
 from node.rollouts.schema import RolloutBatch, RolloutSample, batch_id_of
-from node.rollouts.submit import BatchState, Outbox, Pending
+from node.inference.outbox import BatchState, Outbox, Pending
 from node.trainer.config import TrainerConfig
 from node.trainer.policy import Policy, training_samples
 from node.trainer.testing import reversal_batch, sign_batch

@@ -10,7 +10,7 @@ a set of its own:
   step window (with several trainers an honest worker's steps jump: node/rollouts/steps.py, "Known
   limit"), the quota. ``stalled`` is a fault, struck where the stream layer sees it (node/net/budget.py);
 * ``transient``: "not now" rather than "never": the worker's outbox keeps the batch and backs the
-  trainer off (node/rollouts/submit.py). Never a fault;
+  trainer off (node/inference/outbox.py). Never a fault;
 * ``keeps_window``: the batch did not use up its step in the worker's step window: the trainer's
   intake does not record the step, and the worker's outbox does not count it (node/rollouts/steps.py);
 * ``recorded``: a refused batch is recorded against its worker in the ledger; not for refusals that

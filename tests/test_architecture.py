@@ -19,7 +19,7 @@ NODE = Path(__file__).resolve().parents[1] / "node"
 
 # Protocol logic with no I/O: messages and the time go in, decisions come out (STYLE.md 1-2).
 # Neither they nor anything they import (transitively, inside node/) may reach an event loop, the
-# network or a database. rollouts/submit.py is not here: its Outbox is pure, but the module also
+# network or a database. inference/outbox.py is not here: its Outbox is pure, but the module also
 # holds the trio delivery call. rl/spec.py imports rl/sandbox.py, which runs verifier code in a
 # subprocess with limits: a blocking call the spec makes on purpose, not an I/O service.
 PURE = [
@@ -270,6 +270,30 @@ def test_the_patch_rule_finds_a_planted_import(tmp_path, monkeypatch):
     assert patch_imports(imports) == [
         f"node.shards.client:{lines - 1} imports node.net.patches.speed",
         f"node.shards.client:{lines} imports node.net.patches"]
+
+
+def adversary_imports(imports: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """Imports of node/adversary/ (the deliberate cheats of ``[worker] cheat``) from below the top:
+    components build the honest pieces and take cheating ones only as factories a role hands in
+    (node/roles/inference.py), so no honest path can reach a cheat."""
+    return [f"{m}:{line} imports {name}" for m in sorted(imports)
+            if _top(m) not in TOP and not _within(m, "node.adversary")
+            for name, line in imports[m] if _within(name, "node.adversary")]
+
+
+def test_components_never_import_the_adversary():
+    """Type-only imports included: a cheat's type has no business in a component either."""
+    assert adversary_imports({m: imports_of(m, type_only=True) for m in MODULES}) == []
+    assert "node.adversary.outbox" in {name for name, _ in IMPORTS["node.roles.inference"]}  # roles do
+
+
+def test_the_adversary_rule_finds_a_planted_import(tmp_path, monkeypatch):
+    """Planted in a copy of inference/service.py, a lazy import and a package import are both caught."""
+    imports, lines = plant(tmp_path, monkeypatch, "node.inference.service", "\n\ndef lazy():\n"
+                           "    from ..adversary.generator import make_generator\n    from .. import adversary\n")
+    assert adversary_imports(imports) == [
+        f"node.inference.service:{lines - 1} imports node.adversary.generator",
+        f"node.inference.service:{lines} imports node.adversary"]
 
 
 # The shards sessions (rust-libp2p's handlers: the download, the serving session, the delta part)

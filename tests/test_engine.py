@@ -464,7 +464,7 @@ def test_the_vllm_engine_uses_only_vllm_names_the_conformance_table_lists():
 
 
 def test_auto_picks_only_an_engine_the_run_accepts():
-    from node.rollouts.generate import pick_engine
+    from node.inference.generate import pick_engine
 
     assert pick_engine("auto", ("torch",), vllm_ok=True) == "torch"  # vLLM usable, but the run refuses it
     assert pick_engine("auto", ("torch", "vllm"), vllm_ok=True) == "vllm"

@@ -10,7 +10,7 @@ import trio
 
 from node.rollouts.config import WorkerConfig
 from node.rollouts.schema import RolloutAck
-from node.rollouts.submit import (
+from node.inference.outbox import (
     BatchState,
     FailureKind,
     Outbox,

@@ -10,7 +10,7 @@ import pytest
 
 from node.rollouts.schema import RolloutAck
 from node.rollouts.steps import STEP_SLACK, StepWindow, step_window_size
-from node.rollouts.submit import UNCOUNTED_REASONS, BatchState, Outbox, Pending
+from node.inference.outbox import UNCOUNTED_REASONS, BatchState, Outbox, Pending
 from node.trainer.intake import KEEPS_WINDOW
 
 CAPACITY = 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from node.net.reqres import NOT_FAULTS
 from node.rollouts.steps import KEEPS_WINDOW
-from node.rollouts.submit import TRANSIENT_REASONS, UNCOUNTED_REASONS
+from node.inference.outbox import TRANSIENT_REASONS, UNCOUNTED_REASONS
 from node.trainer.intake import NOT_ATTRIBUTABLE, NOT_STRIKES
 from node.validator import service as validator_service
 from node.wire import TRANSPORT_FAILURES

@@ -20,7 +20,7 @@ from node.metrics import Metrics
 from node.peers import Peers
 from node.rl.config import GRPOConfig
 from node.rollouts.quota import QuotaBook, QuotaConfig, allowance, fresh_gain_per_hour, validator_scale
-from node.rollouts.submit import TRANSIENT_REASONS
+from node.inference.outbox import TRANSIENT_REASONS
 from node.trainer.config import TrainerConfig
 from node.trainer.intake import KEEPS_WINDOW, NOT_ATTRIBUTABLE, NOT_STRIKES
 from node.trainer.service import Trainer
@@ -135,7 +135,7 @@ def test_a_quota_refusal_is_not_now_everywhere():
 
 def test_a_worker_refused_by_the_quota_keeps_its_batch_and_spends_no_attempt():
     from node.rollouts.schema import RolloutAck
-    from node.rollouts.submit import BatchState, Outbox, Pending
+    from node.inference.outbox import BatchState, Outbox, Pending
 
     ob = Outbox(4, max_attempts=2, backoff=1.0, backoff_max=30.0, async_level=2)
     p = Pending(batch_id=b"q" * 32, envelope=b"x", policy_version=0, num_samples=4, created_at=0.0)

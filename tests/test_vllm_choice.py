@@ -69,7 +69,7 @@ def test_a_rollout_selecting_vllm_at_another_version_stops_with_one_line(tmp_pat
 
 def test_auto_falls_back_to_torch_when_vllm_cannot_run():
     from node.rl.config import InferenceConfig
-    from node.rollouts.generate import choose_engine
+    from node.inference.generate import choose_engine
 
     assert choose_engine(InferenceConfig(engine="auto", engines=["torch", "vllm"])) == "torch"
     assert choose_engine(InferenceConfig(engine="torch", engines=["torch", "vllm"])) == "torch"

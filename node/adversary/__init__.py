@@ -2,7 +2,7 @@
 
 Each cheat wraps an honest piece and departs from it in one place, so the honest path carries no
 cheat branches: :func:`node.adversary.generator.make_generator` (the rollout generator of
-node/rollouts/generate.py) and :func:`node.adversary.outbox.make_outbox` (the outbox of
-node/rollouts/submit.py). The names are ``node.rollouts.config.CHEATS``; the validator and the
+node/inference/generate.py) and :func:`node.adversary.outbox.make_outbox` (the outbox of
+node/inference/outbox.py). The names are ``node.rollouts.config.CHEATS``; the validator and the
 trainers must reject every one of them.
 """

@@ -39,7 +39,7 @@ from ..proofs.capture import logits_from_hidden, recompute_decode_states
 from ..rl.rollout import ScoredGroup
 from ..rl.spec import DrawnStep, group_advantages, score, step_key, token_logprobs, with_length_penalty
 from ..rl.tasks import Task, TaskSet, draw_task
-from ..rollouts.generate import RolloutGenerator
+from ..inference.generate import RolloutGenerator
 
 PERTURB_SCALE = 0.1  # "perturbed-model": weight noise, relative to each tensor's std
 FAKE_REWARD_BONUS = 0.5  # "fake-rewards": added to every claimed reward

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..rollouts.submit import BatchState, Outbox, Outcome
+from ..inference.outbox import BatchState, Outbox, Outcome
 
 
 class ReplayingOutbox(Outbox):

@@ -200,7 +200,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     require_run(config, args)
     check_code_sandbox(config)  # before a key is made: a node that cannot start should leave nothing
     if config.role == "inference":  # nor an inference node that cannot run the engine its run selects
-        from ..rollouts.generate import check_engine
+        from ..inference.generate import check_engine
 
         check_engine(config)
     check_trusted_role(config)

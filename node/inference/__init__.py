@@ -1,7 +1,7 @@
 """The inference worker: follows checkpoints, generates proven rollout batches, submits them.
 
 * :mod:`node.inference.service` — the trio service (``serve_inference``) around the generator
-  (node/rollouts/generate.py) and the outbox (node/rollouts/submit.py).
+  (node/inference/generate.py) and the outbox (node/inference/outbox.py).
 
 The inference role's composition (core services, then this one) is node/roles/inference.py.
 """

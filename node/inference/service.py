@@ -8,8 +8,8 @@ How this works (DESIGN.md, the loop, step 3). :func:`serve_inference` runs three
   between two steps, never during one (a lock is held around every step and every swap);
 * **generate**: once a version is loaded, runs one step after another in a worker thread
   (``trio.to_thread``: the node keeps answering probes, gossip and shard requests meanwhile):
-  draw, sample, score, prove, sign (node/rollouts/generate.py), then queues the batch in the
-  :class:`~node.rollouts.submit.Outbox`. When the outbox is full (no trainer reachable) it waits:
+  draw, sample, score, prove, sign (node/inference/generate.py), then queues the batch in the
+  :class:`~node.inference.outbox.Outbox`. When the outbox is full (no trainer reachable) it waits:
   generation runs ahead of delivery by at most ``[worker] max_pending_batches`` batches;
 * **submit**: hands each queued batch to an alive trainer of the run over ``/swarm/rollouts/1.0.0``
   and feeds the result (ack, refusal, failure) back to the outbox, which retries elsewhere with
@@ -26,7 +26,7 @@ Steps are consecutive, so they stay inside the step window trainers and validato
 (node/rollouts/steps.py: a restart skips at most the lost outbox, well inside it). Batches lost
 otherwise (dropped as stale, undeliverable) leave gaps too; so the generator does not draw a step
 that could land past a trainer's window while a batch is still outstanding (issue 39: ``step_hold``
-in node/rollouts/submit.py), and says so in its status (``step_window.held``) and log.
+in node/inference/outbox.py), and says so in its status (``step_window.held``) and log.
 """
 
 from __future__ import annotations
@@ -34,21 +34,22 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
-from ..adversary.outbox import make_outbox
 from ..atomic import write_atomic
 from ..context import NodeContext
 from ..gossip.api import MembershipAPI
 from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import ROLLOUTS_PROTOCOL
 from ..rollouts.steps import step_window_size
-from ..rollouts.submit import (
+from .outbox import (
     BatchState,
     FailureKind,
+    Outbox,
     Pending,
     SubmitFailure,
     alive_trainers,
@@ -95,6 +96,24 @@ def write_step(path: Path, step: int) -> None:
     write_atomic(path, f"{step}\n".encode())
 
 
+def honest_generator(**kwargs):
+    """The honest :class:`~node.inference.generate.RolloutGenerator`, imported here because it loads
+    torch (the service calls its factory in a worker thread)."""
+    from .generate import RolloutGenerator
+
+    return RolloutGenerator(**kwargs)
+
+
+@dataclass(frozen=True)
+class Makers:
+    """How the service builds its generator and its outbox. The honest ones by default; for
+    ``[worker] cheat`` the role (node/roles/inference.py) hands in the cheating ones of
+    node/adversary/, which this package never imports (tests/test_architecture.py)."""
+
+    generator: Callable = honest_generator  # (identity, run_name, rl, proofs, inference, worker) -> RolloutGenerator
+    outbox: Callable[..., Outbox] = Outbox  # Outbox's own arguments
+
+
 @dataclass
 class Stats:
     steps: int = 0
@@ -115,7 +134,8 @@ class InferenceService:
     """The running role, handed back by :func:`serve_inference`: it follows the checkpoints of
     ``shards`` and finds trainers (and advertises its capacity) in ``membership``."""
 
-    def __init__(self, node: NodeContext, shards: ShardsAPI, membership: MembershipAPI, generator=None) -> None:
+    def __init__(self, node: NodeContext, shards: ShardsAPI, membership: MembershipAPI, makers: Makers = Makers(),
+                 generator=None) -> None:
         from ..proofs.config import ProofsConfig
         from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 
@@ -134,11 +154,12 @@ class InferenceService:
         self.counted_file = Path(node.data_dir) / COUNTED_FILE
         counted = read_step(self.counted_file, -1)
         self.counted_written = counted
-        self.outbox = make_outbox(self.cfg.cheat, self.cfg.max_pending_batches, max_attempts=self.cfg.max_attempts,
-                                  backoff=self.cfg.backoff_s, backoff_max=self.cfg.backoff_max_s,
-                                  async_level=self.async_level,
-                                  step_window=step_window_size(self.cfg.max_pending_batches),
-                                  first_step=self.next_step, counted_step=None if counted < 0 else counted)
+        self.makers = makers
+        self.outbox = makers.outbox(self.cfg.max_pending_batches, max_attempts=self.cfg.max_attempts,
+                                    backoff=self.cfg.backoff_s, backoff_max=self.cfg.backoff_max_s,
+                                    async_level=self.async_level,
+                                    step_window=step_window_size(self.cfg.max_pending_batches),
+                                    first_step=self.next_step, counted_step=None if counted < 0 else counted)
         self.step_held = False  # waiting for an ack before the next step (issue 39, step headroom)
         self.version: int | None = None  # policy version loaded in the engine
         self.stats = Stats()
@@ -174,9 +195,7 @@ class InferenceService:
             task_status.started(self)
 
     def _make_generator(self):
-        from ..adversary.generator import make_generator
-
-        return make_generator(identity=self.node.identity, run_name=self.node.run.name, rl=self.rl,
+        return self.makers.generator(identity=self.node.identity, run_name=self.node.run.name, rl=self.rl,
                               proofs=self.proofs_cfg, inference=self.inference_cfg, worker=self.cfg)
 
     # -- follow checkpoints ----------------------------------------------------------------------
@@ -289,7 +308,7 @@ class InferenceService:
 
     def _persist_steps(self, next_step: int, counted: int) -> None:
         """Before a step: the next step (never reused) and, when it moved, how far the trainers
-        counted our steps (a restart must keep its step headroom, node/rollouts/submit.py)."""
+        counted our steps (a restart must keep its step headroom, node/inference/outbox.py)."""
         write_step(self.step_file, next_step)
         if counted != self.counted_written and counted >= 0:
             write_step(self.counted_file, counted)
@@ -446,8 +465,8 @@ class InferenceService:
         }
 
 
-async def serve_inference(node: NodeContext, shards: ShardsAPI, membership: MembershipAPI, *,
+async def serve_inference(node: NodeContext, shards: ShardsAPI, membership: MembershipAPI, makers: Makers = Makers(), *,
                           task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run the inference role until cancelled (see the module docstring); hands back the
-    :class:`InferenceService` once it runs."""
-    await InferenceService(node, shards, membership).run(task_status=task_status)
+    :class:`InferenceService` once it runs. ``makers`` builds its generator and outbox."""
+    await InferenceService(node, shards, membership, makers).run(task_status=task_status)

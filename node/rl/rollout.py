@@ -2,7 +2,7 @@
 
 :func:`build_groups` prompts the engine with a :class:`~node.rl.spec.DrawnStep`'s tasks, samples
 ``group_size`` completions each, scores them and computes group-relative advantages, all by the
-rules of node/rl/spec.py. The inference role's generator (node/rollouts/generate.py) adds proofs,
+rules of node/rl/spec.py. The inference role's generator (node/inference/generate.py) adds proofs,
 signing and submission on top; the local loop (``node.rl.loop``, :func:`make_groups`) feeds the
 groups straight to ``train_step``.
 """

@@ -1,6 +1,6 @@
 """The one rollout spec: what an honest rollout step is, for everyone who builds or checks one.
 
-The inference role's generator (node/rollouts/generate.py), the validator (node/validator/), the
+The inference role's generator (node/inference/generate.py), the validator (node/validator/), the
 local loop (``swarm-node rl-local``, node/rl/loop.py) and the test helpers all import these
 definitions; nothing else restates them, so a worker and a validator cannot drift apart.
 

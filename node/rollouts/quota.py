@@ -28,7 +28,7 @@ the run has validators), as the ledger's signed ``rollouts`` entries record them
   diluting the others' shares;
 * a refusal says ``quota`` (this worker's allowance) or ``quota-new`` (the pool) and when to retry
   (:attr:`QuotaRefusal.retry_after_s`: the next interval, or when this key's share holds a batch).
-  Both are "not now", never a strike: the worker keeps the batch and retries (node/rollouts/submit.py).
+  Both are "not now", never a strike: the worker keeps the batch and retries (node/inference/outbox.py).
 
 What per-key sharing cannot do: keys cost nothing, so ``n`` Sybil keys that keep asking (and never
 send a batch a verdict fails) hold ``n`` shares; a newcomer's share is ``1 / (n + 1)`` of the pool

@@ -34,7 +34,7 @@ run file's ``[worker] max_pending_batches``, which the trainer and validators re
 still add up over a long run (batches lost again and again), so a worker also never draws a step past
 (the highest step a trainer counted) + window - ``STEP_SLACK`` while a batch is outstanding, and sends
 rather than drops a stale batch past that edge, whose refusal moves the trainer's window
-(node/rollouts/submit.py, ``Outbox.step_hold``); the counted step is saved beside the next step, so a
+(node/inference/outbox.py, ``Outbox.step_hold``); the counted step is saved beside the next step, so a
 restart keeps it.
 
 Who judges what (issue 39). Only a trainer sees every batch a worker sends it, so only a trainer can
@@ -66,7 +66,7 @@ from ..refusals import KEEPS_WINDOW_REASONS
 
 # Refusals that do not use up the batch's step in the worker's window (the window must not move for
 # them). The trainer's intake records steps by it and the worker's outbox reads its answers by it
-# (node/trainer/intake.py, node/rollouts/submit.py "Step headroom"): one set, so they cannot disagree.
+# (node/trainer/intake.py, node/inference/outbox.py "Step headroom"): one set, so they cannot disagree.
 KEEPS_WINDOW = KEEPS_WINDOW_REASONS
 
 STEP_SLACK = 8  # steps lost to failed generations (an error, an oversized batch) between two deliveries

@@ -10,7 +10,7 @@ measured over the last ``WINDOW`` departures. Every ack carries ``retry_after_ms
 * at or above it: the time the trainer needs to drain back below ``target`` at the measured rate,
   ``(pending - target + 1) * seconds per batch``, capped at ``max_wait``. The batch is still
   accepted; the worker waits that long before it *generates* the next one
-  (node/rollouts/submit.py ``Outbox.generation_hold``), so it samples from newer weights instead of
+  (node/inference/outbox.py ``Outbox.generation_hold``), so it samples from newer weights instead of
   filling a queue whose tail would go stale;
 * at ``max_pending`` the batch is refused as ``busy`` with the same wait: the worker keeps the
   batch and resubmits it then if it is still fresh (a ``busy`` costs it no attempt).

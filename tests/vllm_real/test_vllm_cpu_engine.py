@@ -286,7 +286,7 @@ def test_the_cpu_build_runs_only_when_the_run_names_vllm():
     """'auto' keeps to vLLM on a GPU; engine = 'vllm' runs the CPU build. No engine start: this is
     the choice made before one."""
     from node.engines.vllm_engine import vllm_problem
-    from node.rollouts.generate import choose_engine
+    from node.inference.generate import choose_engine
 
     assert vllm_problem(allow_cpu=True) is None
     assert "engine = 'vllm'" in vllm_problem(allow_cpu=False)

@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from ..net.reqres import CallFailure, FailureKind, call
 from ..wire import MAX_FRAME, LocalProtocolError
 from ..refusals import TRANSIENT_REASONS
-from .ack import ACK_CODEC
-from .steps import KEEPS_WINDOW, STEP_SLACK
-from .schema import ROLLOUTS_PROTOCOL, RolloutAck
+from ..rollouts.ack import ACK_CODEC
+from ..rollouts.steps import KEEPS_WINDOW, STEP_SLACK
+from ..rollouts.schema import ROLLOUTS_PROTOCOL, RolloutAck
 
 # TRANSIENT_REASONS (node/refusals.py) say "not now" rather than "never": the batch goes back to the
 # queue and the trainer is backed off. Every other reason is final (the batch itself is bad or unwanted).

@@ -31,9 +31,9 @@ from ..proofs.toploc import build_proofs_many
 from ..rl.rollout import ScoredGroup, build_groups
 from ..rl.spec import OFFLINE_ROOT, DrawnStep, code_limits, draw_step
 from ..rl.tasks import load_run_tasks
-from .assemble import Sealed, make_samples, seal_within
-from .config import WorkerConfig
-from .schema import RolloutBatch
+from ..rollouts.assemble import Sealed, make_samples, seal_within
+from ..rollouts.config import WorkerConfig
+from ..rollouts.schema import RolloutBatch
 
 log = logging.getLogger(__name__)
 
