@@ -64,6 +64,7 @@ class TrainSample:
     old_logprobs: list[float]  # one per completion token, from the sampling policy
     advantage: float
     version: int = 0  # policy version that generated it (staleness bookkeeping)
+    engine: str = "torch"  # inference engine that generated it (its batch's; node/rl/mismatch.py)
 
     def __post_init__(self):
         if len(self.old_logprobs) != len(self.completion_ids):

@@ -49,6 +49,8 @@ class TrainerConfig:
     eval_tasks: int = 64  # evaluation tasks per version (a fixed draw: the same tasks for every version)
     eval_device: str = "cpu"  # where the evaluation process runs the model: cpu | auto | cuda | cuda:N
     eval_threads: int = 1  # torch threads of the evaluation process
+    # Rescored before the update, among the samples the version held generated: one forward each.
+    mismatch_samples: int = 8  # samples per step scored for each engine's log-prob mismatch (node/rl/mismatch.py); 0 = off
 
     def pacing_target(self) -> int:
         """Pending batches at which back-pressure starts, or its cap when adaptive (node/trainer/pacing.py)."""
@@ -85,3 +87,5 @@ class TrainerConfig:
             raise ValueError("eval_every: 0 (off) or every how many published versions to evaluate")
         if not 1 <= self.eval_tasks <= 4096 or not 1 <= self.eval_threads <= 256:
             raise ValueError("eval_tasks: 1..4096; eval_threads: 1..256")
+        if not 0 <= self.mismatch_samples <= self.max_step_samples:
+            raise ValueError(f"mismatch_samples: 0 (off)..max_step_samples ({self.max_step_samples})")

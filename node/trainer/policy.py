@@ -25,6 +25,7 @@ import torch
 
 from ..rl.config import GRPOConfig
 from ..rl.grpo import StepStats, TrainSample, batch_loss, make_optimizer, pack, train_step
+from ..rl.mismatch import EngineMismatch, step_mismatch
 from ..rollouts.schema import RolloutBatch
 from . import checkpoints
 from .config import TrainerConfig
@@ -47,7 +48,8 @@ def training_samples(batch: RolloutBatch) -> tuple[list[TrainSample], int]:
             dropped += 1
             continue
         out.extend(
-            TrainSample(list(s.prompt_ids), list(s.completion_ids), list(s.logprobs), s.advantage, batch.policy_version)
+            TrainSample(list(s.prompt_ids), list(s.completion_ids), list(s.logprobs), s.advantage, batch.policy_version,
+                        batch.engine)
             for s in members
         )
     return out, dropped
@@ -165,14 +167,24 @@ class Policy:
 
     # ------------------------------------------------------------------ training
 
+    def _autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.startswith("cuda") else nullcontext()
+
     def train(self, samples: list[TrainSample]) -> StepStats:
         """One rollout step on ``samples``; the step counter advances (version = step)."""
-        amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.startswith("cuda") else nullcontext()
-        with amp:
+        with self._autocast():
             stats = train_step(self.model, self.optimizer, self.scheduler, samples, self.cfg,
                                ref_model=self.ref_model, pad_id=self.pad_id, version=self.step)
         self.step += 1
         return stats
+
+    def mismatch(self, samples: list[TrainSample], most: int, tolerance: float) -> dict[str, EngineMismatch]:
+        """Each engine's log-prob mismatch against these weights, before :meth:`train` updates them,
+        over up to ``most`` of the samples this version generated (node/rl/mismatch.py)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return {}  # sharded: a forward is a collective every rank must join (node/trainer/fsdp.py)
+        with self._autocast():
+            return step_mismatch(self.model, samples, self.step, most, self.cfg.temperature, tolerance, self.pad_id)
 
     def non_finite(self, groups: list[list[TrainSample]]) -> list[int]:
         """Indexes of the sample groups (one per batch) whose loss alone is not finite (forward only)."""
