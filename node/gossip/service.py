@@ -30,6 +30,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import ClassVar
 
 import trio
@@ -96,6 +97,7 @@ MAX_PROBE_REQS = 8  # ping-reqs we serve at once for others
 DIAL_TIMEOUT = 3.0
 TICK = 0.25  # membership timers (suspicion, expiry) and lost connections
 HOUSEKEEPING = 1.0  # seconds between refreshes of our record's fields and the member gauges
+CONNECTION_PERIOD = 2.0  # seconds between the connection manager's plans
 # How far ahead of our own seq an accusation about us may be and still be answered: members accept
 # one up to their copy's seq + (time since they heard it + clock slack); they hear us at least once
 # per refresh interval, so 3 of the longest ones (lost refreshes) plus the slack is ample.
@@ -236,330 +238,369 @@ async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersi
     """Run membership until cancelled; hands back the :class:`Membership` API once it runs. Our
     record advertises ``relay``'s circuit addresses and the versions ``shards`` holds."""
     cfg = node.run.section("membership", MembershipConfig)
-    table = MemberTable(node.peer_id, cfg)
-    svc = Membership(node, cfg, table, own_record(node, relay, next_seq(0, wall_ms())))
-    svc.conn = ConnectionManager(cfg.conn_low, cfg.conn_high, cfg.dial_backoff)
-    svc.backoff = AddressBackoff(cfg.dial_backoff, cfg.dial_backoff_max)
+    membership = Membership(node, cfg, MemberTable(node.peer_id, cfg), own_record(node, relay, next_seq(0, wall_ms())))
+    membership.conn = ConnectionManager(cfg.conn_low, cfg.conn_high, cfg.dial_backoff)
+    membership.backoff = AddressBackoff(cfg.dial_backoff, cfg.dial_backoff_max)
     node.peers.set_rule(SOURCE, FaultRule(weight=FAULT_WEIGHT))
-    node.status["membership"] = svc.status
-    members_gauge = node.metrics.gauge("members", "Known members by state", ["state"])
-    verdicts = node.metrics.counter("membership_events_total", "Member table inputs by verdict", ["verdict"])
-    run = node.run.name
+    node.status["membership"] = membership.status
+    async with open_checked_topic(node, node.topic("members"), partial(open_membership, run=node.run.name)) as topic:
+        await MembershipService(node, relay, shards, topic, membership).run(task_status=task_status)
 
-    def check(data: bytes) -> Signed:
-        return open_membership(data, run)
 
-    async with open_checked_topic(node, node.topic("members"), check) as topic:
+class MembershipService:
+    """The trio shell around :class:`Membership`: its tasks (module docstring) and stream handlers.
 
-        async def publish(domain: str, msg) -> None:
-            data = encode(seal(node.identity, domain, msg))
-            try:
-                await topic.publish(data)
-            except Exception as e:  # a publish failure is ours to log, not fatal
-                log.warning("publish failed: %s", e)
+    Every decision is the pure parts' (MemberTable, SyncPlanner, ConnectionManager, AddressBackoff,
+    CloseWatch, LocalHealth): this class reads the topic, the streams and the clock, feeds them, and
+    carries out what they return. ``serve_*`` methods are the nursery's tasks, ``handle_*`` answer a
+    remote peer, ``call_*`` ask one.
+    """
 
-        def apply(signed: Signed, now: float, source: str | None, exchange: bool = False) -> Verdict:
-            """One checked message; ``source``, ``exchange``: see MemberTable.on_record."""
-            msg = signed.message
-            if isinstance(msg, PeerRecord):
-                verdict = table.on_record(msg, now, source, exchange)
-                if verdict in (Verdict.NEW, Verdict.UPDATED):
-                    svc.envelopes[msg.peer_id] = _envelope_bytes(signed)
-            elif isinstance(msg, Accusation):
-                verdict = table.on_accusation(msg, signed.domain == DOMAIN_DEAD, now)
-                # Refute above the accused seq: members accept an accusation of a seq a little
-                # ahead of what they hold (clock skew), so the answer must outbid it. Not one far
-                # beyond any seq we could have published, which no member accepts either: outbidding
-                # 2**63 - 1 overflowed our seq (and its bound) and made every later record invalid.
-                if verdict is Verdict.SELF and msg.seq >= svc.record.seq:
-                    if msg.seq <= svc.record.seq + REFUTABLE_AHEAD_MS:
-                        svc.refute(above=msg.seq)
-                    table.note_refuted(msg.accuser, now)  # we are alive: we know it is false
-            else:
-                verdict = table.on_goodbye(msg, now)
-            verdicts.labels(verdict=verdict.value).inc()
-            if verdict is Verdict.STALE:
-                node.metrics.reject(topic.topic, "stale")
-            elif verdict in (Verdict.LIMITED, Verdict.DISTRUSTED):
-                node.metrics.reject(topic.topic, verdict.value)
-            for peer, reason in table.take_faults():
-                node.peers.report(peer, SOURCE, reason, now)
-            return verdict
+    def __init__(self, node: NodeContext, relay: RelayAPI, shards: HeldVersions, topic, membership: Membership):
+        self.node, self.relay, self.shards, self.topic = node, relay, shards, topic
+        self.membership = membership
+        self.cfg, self.table = membership.config, membership.table
+        self.members_gauge = node.metrics.gauge("members", "Known members by state", ["state"])
+        self.verdicts = node.metrics.counter("membership_events_total", "Member table inputs by verdict", ["verdict"])
+        self.sync_inbound = Inbound(SYNC_PROTOCOL, SYNC_LIMITS, config=node.run.section("streams"), peers=node.peers,
+                                    metrics=node.metrics)
+        self.held: list[int] = []  # checkpoint versions in our record: the last list read from the data dir
+        self.starved = Rarely()  # out of descriptors: said once a minute while it lasts
+        self.nursery: trio.Nursery | None = None  # run()'s, for the probes and dials the loops start
 
-        async def read_topic() -> None:
-            async for delivery in topic:
-                # The gossipsub author (signed: py-libp2p's strict signing), not the mesh peer that
-                # relayed it: an honest relay forwarding a flood is not its source.
-                apply(delivery.value, trio.current_time(), delivery.forwarder)
-
-        async def publish_record_loop() -> None:
-            while True:
-                with trio.move_on_at(svc.last_published + cfg.refresh_interval(table.size())):
-                    await svc.changed.wait()
-                svc.changed = trio.Event()
-                await publish(DOMAIN_RECORD, svc.record)
-                svc.last_published = trio.current_time()
-
-        sync_inbound = Inbound(SYNC_PROTOCOL, SYNC_LIMITS, config=node.run.section("streams"), peers=node.peers,
-                               metrics=node.metrics)
-
-        async def handle_sync(stream) -> None:
-            peer = stream.muxed_conn.peer_id.to_base58()
-            try:
-                async with sync_inbound.open(stream, peer) as frames:
-                    with trio.fail_after(10):
-                        await receive_batches(stream, peer, peer, frames)
-                        await send_batches(stream)
-            except Refused as e:  # over the peer's share of streams or bytes, or no slot free
-                node.metrics.reject(SYNC_PROTOCOL, e.reason)
-            except (RemoteProtocolError, trio.TooSlowError) as e:
-                if getattr(e, "reason", "") != STALLED:  # a stall is counted and struck by Inbound
-                    node.metrics.reject(SYNC_PROTOCOL, getattr(e, "reason", "timeout"))
-            finally:
-                await close(stream)
-
-        handle_sync.inbound = sync_inbound
-
-        async def send_batches(stream) -> None:
-            envs = [svc.signed_record()] + [
-                svc.envelopes[p]
-                for p, m in table.members.items()
-                if m.state in (MemberState.ALIVE, MemberState.SUSPECT) and p in svc.envelopes
-            ]
-            for i in range(0, max(len(envs), 1), SYNC_BATCH):
-                chunk = envs[i : i + SYNC_BATCH]
-                await write_frame(stream, MemberBatch(envelopes=chunk, last=i + SYNC_BATCH >= len(envs)))
-
-        async def receive_batches(stream, peer: str, source: str | None, frames=None) -> None:
-            for _ in range(MAX_SYNC_FRAMES):
-                if frames is None:  # our own push-pull: the peer we asked answers
-                    batch = await read_message(stream)
-                else:  # an inbound session: each frame under the budget and its header deadline
-                    data = await frames.read()
-                    batch = None if data is None else decode(data)
-                if batch is None:  # the peer went away (pruned, timed out): not garbage
-                    raise RemoteProtocolError("truncated", "stream closed before the last batch")
-                if not isinstance(batch, MemberBatch):
-                    raise RemoteProtocolError("wrong-type", "expected member.batch")
-                now = trio.current_time()
-                for env in batch.envelopes:
-                    try:
-                        signed = check(env)
-                    except RemoteProtocolError as e:
-                        node.metrics.reject(SYNC_PROTOCOL, e.reason)
-                        continue
-                    if signed.domain == DOMAIN_RECORD:
-                        apply(signed, now, source, exchange=True)
-                if batch.last:
-                    svc.sync.on_synced()
-                    return
-            raise RemoteProtocolError("oversized", "too many sync frames")
-
-        async def push_pull(peer: str) -> None:
-            # While joining, the exchanges we start bring the whole table from peers we chose:
-            # exempt from the new-member budget (the records still expire unless vouched for).
-            source = None if not svc.sync.joined else peer
-            try:
-                with trio.fail_after(10):
-                    stream = await node.host.open_stream(peer, SYNC_PROTOCOL)
-                    try:
-                        await send_batches(stream)
-                        await receive_batches(stream, peer, source)
-                    finally:
-                        await close(stream)
-            except RemoteProtocolError as e:
-                node.metrics.reject(SYNC_PROTOCOL, e.reason)
-            except Exception as e:  # peer gone, stream refused: try another next time
-                log.debug("push-pull with %s failed: %s", peer[:16], e)
-
-        async def ping_once(peer: str, addrs: list[str], timeout: float) -> bool:
-            with trio.move_on_after(timeout + (0 if node.host.is_connected(peer) else DIAL_TIMEOUT)):
-                try:
-                    if not node.host.is_connected(peer):
-                        await dial_limited(peer, addrs)
-                    await node.host.ping(peer)
-                    return True
-                except Exception:
-                    return False
-            return False
-
-        async def dial_limited(peer: str, addrs: list[str]) -> None:
-            """:func:`dial` with only the addresses out of backoff; their outcome updates it."""
-            now = trio.current_time()
-            ready = [a for a in addrs if svc.backoff.try_dial(a, now)]
-            if not ready:
-                raise ConnectionError(f"every address of {peer[:16]} is in dial backoff")
-            try:
-                await dial(node, relay, peer, ready)
-            except BaseException:
-                for a in ready:
-                    svc.backoff.on_failed(a, trio.current_time())
-                raise
-            for a in ready:
-                svc.backoff.on_connected(a)
-            table.on_reached(peer, trio.current_time())
-
-        async def answer_probe(peer: str, req) -> PingResult | None:
-            if isinstance(req, Prune):  # the peer is closing our connection on purpose
-                svc.watch.on_prune_received(peer, trio.current_time())
-                return None
-            # Only a member we know, at the addresses its own signed record gives: the request's
-            # addresses are the asker's word, and taking them would let anyone make us dial anywhere.
-            if table.state_of(req.target) not in (MemberState.ALIVE, MemberState.SUSPECT):
-                return PingResult(ok=False)
-            return PingResult(ok=await ping_once(req.target, svc.addrs_of(req.target), cfg.indirect_timeout))
-
-        probe_timeout = cfg.indirect_timeout + DIAL_TIMEOUT + 2
-        handle_probe = request_handler(PROBE_PROTOCOL, messages(PingRequest, Prune, max_size=4096), answer_probe,
-                                       max_inflight=MAX_PROBE_REQS, wait_for_slot=False, timeout=probe_timeout,
-                                       stream_timeout=probe_timeout, peers=node.peers, metrics=node.metrics)
-
-        async def indirect(helper: str, target: str, addrs: list[str], results: list[bool], scale: int) -> None:
-            try:
-                res = await call(node.host, helper, PROBE_PROTOCOL, PingRequest(target=target, addrs=addrs[:MAX_ADDRS]),
-                                 cfg.indirect_timeout * scale + DIAL_TIMEOUT + 1, reply=messages(PingResult, max_size=4096))
-                results.append(res.ok)
-            except CallFailure:
-                results.append(False)
-
-        async def probe(target: str, scale: int) -> None:
-            """Direct ping (a dial if we hold no connection), then indirect pings, then suspicion."""
-            addrs = svc.addrs_of(target)
-            started = trio.current_time()
-            if await ping_once(target, addrs, cfg.probe_timeout * scale):
-                table.on_probe_ok(target, trio.current_time())
-                return
-            svc.health.on_probe_missed()  # our own missed ack (Lifeguard): maybe we are the slow one
-            helpers = table.indirect_helpers(target, set(node.host.connected_peers()), cfg.indirect_probes)
-            results: list[bool] = []
-            async with trio.open_nursery() as n:
-                for h in helpers:
-                    n.start_soon(indirect, h, target, addrs, results, scale)
-            now = trio.current_time()
-            if any(results):
-                table.on_probe_ok(target, now)
-                return
-            if svc.watch.closed_on_purpose_since(target, started):
-                # The connection was closed on purpose while we probed (by us, or by the peer with
-                # its notice): the ping died with it, which says nothing about the peer.
-                return
-            acc = table.on_probe_failed(target, now)
-            if acc is not None:
-                log.info("suspect %s (no ack from %d helpers)", target[:16], len(helpers))
-                await publish(DOMAIN_SUSPECT, acc)
-
-        async def probe_loop() -> None:
-            while True:
-                before = trio.current_time()
-                await trio.sleep(cfg.probe_period)
-                svc.health.on_round(trio.current_time() - before - cfg.probe_period, cfg.probe_timeout / 2)
-                # Only members we hold a connection to: no dial per probe (see the module docstring).
-                # Not one whose connection is closing on purpose: it may still be listed as connected.
-                now = trio.current_time()
-                closing = svc.watch.closing(now)
-                connected = set(node.host.connected_peers())
-                node.host.forget_ping_streams(connected)
-                target = table.next_probe_target(connected - closing)
-                if target is not None:
-                    await probe(target, svc.health.scale())
-
-        async def tick_loop() -> None:
-            housekeeping_at = -math.inf
-            held: list[int] = []
-            starved = Rarely()  # out of descriptors: said once a minute while it lasts
-            while True:
-                await trio.sleep(TICK)
-                now = trio.current_time()
-                if now >= housekeeping_at:  # nothing here needs the tick's precision
-                    housekeeping_at = now + HOUSEKEEPING
-                    try:
-                        held = shards.versions_held()[-MAX_VERSIONS:]  # reads the data dir
-                    except OSError as e:  # issue 42: out of descriptors ended the node here
-                        if not out_of_files(e):
-                            raise
-                        if starved.due(now):
-                            log.warning("membership: cannot list the checkpoints held (%s); the record keeps the last list", e)
-                    # A relay reservation adds an address; a new checkpoint version changes what we hold.
-                    svc.update(addrs=advertised_addrs(node, relay), checkpoints=held)
-                    for state, count in table.counts().items():
-                        members_gauge.labels(state=state).set(count)
-                for acc in table.tick(now):
-                    log.info("dead %s", acc.target[:16])
-                    await publish(DOMAIN_DEAD, acc)
-                if len(svc.envelopes) > len(table.members):  # entries expired, evicted or forgotten
-                    for pid in [p for p in svc.envelopes if p not in table.members]:
-                        del svc.envelopes[pid]
-                connected = set(node.host.connected_peers())
-                for p in connected:
-                    table.on_reached(p, now)  # an authenticated connection: first-hand evidence
-                node.metrics.connections.set(len(connected))
-                for p in svc.watch.lost(connected, now, table.is_live):
-                    nursery.start_soon(probe, p, svc.health.scale())
-                # Full-table exchanges: with new connections while joining, then one random peer.
-                for p in svc.sync.plan(connected, now, cfg.sync_interval(table.size()), random):
-                    nursery.start_soon(push_pull, p)
-
-        async def connection_loop() -> None:
-            bootstrap = list(node.config.bootstrap)
-            while True:
-                now = trio.current_time()
-                connected = set(node.host.connected_peers())
-                if bootstrap and not (connected & {_peer_of(a) for a in bootstrap}) and len(connected) < cfg.conn_low:
-                    for addr in bootstrap:
-                        nursery.start_soon(dial_bootstrap, addr)
-                plan = svc.conn.plan(connected, svc.members(), protected(), now,
-                                     dialable=lambda p: any(svc.backoff.ready(a, now) for a in svc.addrs_of(p)))
-                for p in plan.dial:
-                    nursery.start_soon(dial_member, p)
-                for p in plan.prune:
-                    nursery.start_soon(prune, p)
-                await trio.sleep(2.0)
-
-        async def prune(peer: str) -> None:
-            """Close a connection on purpose, telling the peer first so it does not probe us for it."""
-            svc.watch.on_prune_sent(peer, trio.current_time())
-            # Wait for the peer to close its side, i.e. to have noted the prune: closing the
-            # connection at once dropped the frame before its handler read it.
-            try:
-                await call(node.host, peer, PROBE_PROTOCOL, Prune(), 2, reply=messages(PingResult, max_size=64))
-            except CallFailure as e:  # the expected end (closed without a reply), or it is gone already
-                log.debug("prune notice to %s: %s", peer[:16], e)
-            await node.host.disconnect(peer)
-
-        def protected() -> set[str]:
-            return {_peer_of(a) for a in node.config.bootstrap} | set(node.run.trainers) | set(node.run.validators)
-
-        async def dial_bootstrap(addr: str) -> None:
-            try:
-                with trio.fail_after(DIAL_TIMEOUT):
-                    await relay.connect_addr(addr)
-            except Exception as e:
-                log.info("bootstrap %s unreachable: %s", addr, type(e).__name__)
-
-        async def dial_member(peer: str) -> None:
-            try:
-                with trio.fail_after(DIAL_TIMEOUT):
-                    await dial_limited(peer, svc.addrs_of(peer))
-                svc.conn.on_connected(peer)
-            except Exception:
-                svc.conn.on_dial_failed(peer, trio.current_time())
-
-        node.host.set_handler(SYNC_PROTOCOL, handle_sync)
-        node.host.set_handler(PROBE_PROTOCOL, handle_probe)
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled, then publish a signed goodbye."""
+        sync_handler = partial(self.handle_sync)
+        sync_handler.inbound = self.sync_inbound  # the host lists it in status (streams)
+        self.node.host.set_handler(SYNC_PROTOCOL, sync_handler)
+        self.node.host.set_handler(PROBE_PROTOCOL, self.probe_handler())
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(read_topic)
-                nursery.start_soon(publish_record_loop)
-                nursery.start_soon(probe_loop)
-                nursery.start_soon(tick_loop)
-                nursery.start_soon(connection_loop)
-                svc.changed.set()
-                task_status.started(svc)
+            async with trio.open_nursery() as self.nursery:
+                for task in (self.serve_topic, self.serve_record, self.serve_probes, self.serve_tick,
+                             self.serve_connections):
+                    self.nursery.start_soon(task)
+                self.membership.changed.set()
+                task_status.started(self.membership)
         finally:
             with trio.CancelScope(shield=True):
                 with trio.move_on_after(1.0):
-                    await publish(DOMAIN_GOODBYE, Goodbye(run=run, peer_id=node.peer_id, seq=svc.record.seq))
+                    await self.publish(DOMAIN_GOODBYE, Goodbye(run=self.node.run.name, peer_id=self.node.peer_id,
+                                                               seq=self.membership.record.seq))
                     await trio.sleep(0.2)  # let the pubsub writer flush before the host closes
+
+    # The members topic
+
+    async def publish(self, domain: str, msg) -> None:
+        data = encode(seal(self.node.identity, domain, msg))
+        try:
+            await self.topic.publish(data)
+        except Exception as e:  # a publish failure is ours to log, not fatal
+            log.warning("publish failed: %s", e)
+
+    def apply(self, signed: Signed, now: float, source: str | None, exchange: bool = False) -> Verdict:
+        """One checked message; ``source``, ``exchange``: see MemberTable.on_record."""
+        msg, table, m = signed.message, self.table, self.membership
+        if isinstance(msg, PeerRecord):
+            verdict = table.on_record(msg, now, source, exchange)
+            if verdict in (Verdict.NEW, Verdict.UPDATED):
+                m.envelopes[msg.peer_id] = _envelope_bytes(signed)
+        elif isinstance(msg, Accusation):
+            verdict = table.on_accusation(msg, signed.domain == DOMAIN_DEAD, now)
+            # Refute above the accused seq: members accept an accusation of a seq a little
+            # ahead of what they hold (clock skew), so the answer must outbid it. Not one far
+            # beyond any seq we could have published, which no member accepts either: outbidding
+            # 2**63 - 1 overflowed our seq (and its bound) and made every later record invalid.
+            if verdict is Verdict.SELF and msg.seq >= m.record.seq:
+                if msg.seq <= m.record.seq + REFUTABLE_AHEAD_MS:
+                    m.refute(above=msg.seq)
+                table.note_refuted(msg.accuser, now)  # we are alive: we know it is false
+        else:
+            verdict = table.on_goodbye(msg, now)
+        self.verdicts.labels(verdict=verdict.value).inc()
+        if verdict is Verdict.STALE:
+            self.node.metrics.reject(self.topic.topic, "stale")
+        elif verdict in (Verdict.LIMITED, Verdict.DISTRUSTED):
+            self.node.metrics.reject(self.topic.topic, verdict.value)
+        for peer, reason in table.take_faults():
+            self.node.peers.report(peer, SOURCE, reason, now)
+        return verdict
+
+    async def serve_topic(self) -> None:
+        async for delivery in self.topic:
+            # The gossipsub author (signed: py-libp2p's strict signing), not the mesh peer that
+            # relayed it: an honest relay forwarding a flood is not its source.
+            self.apply(delivery.value, trio.current_time(), delivery.forwarder)
+
+    async def serve_record(self) -> None:
+        """Publish our record at once on a change, and at least once per refresh interval."""
+        m = self.membership
+        while True:
+            with trio.move_on_at(m.last_published + self.cfg.refresh_interval(self.table.size())):
+                await m.changed.wait()
+            m.changed = trio.Event()
+            await self.publish(DOMAIN_RECORD, m.record)
+            m.last_published = trio.current_time()
+
+    # Push-pull (full-table exchange)
+
+    async def handle_sync(self, stream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        try:
+            async with self.sync_inbound.open(stream, peer) as frames:
+                with trio.fail_after(10):
+                    await self.receive_batches(stream, peer, frames)
+                    await self.send_batches(stream)
+        except Refused as e:  # over the peer's share of streams or bytes, or no slot free
+            self.node.metrics.reject(SYNC_PROTOCOL, e.reason)
+        except (RemoteProtocolError, trio.TooSlowError) as e:
+            if getattr(e, "reason", "") != STALLED:  # a stall is counted and struck by Inbound
+                self.node.metrics.reject(SYNC_PROTOCOL, getattr(e, "reason", "timeout"))
+        finally:
+            await close(stream)
+
+    async def call_push_pull(self, peer: str) -> None:
+        # While joining, the exchanges we start bring the whole table from peers we chose:
+        # exempt from the new-member budget (the records still expire unless vouched for).
+        source = None if not self.membership.sync.joined else peer
+        try:
+            with trio.fail_after(10):
+                stream = await self.node.host.open_stream(peer, SYNC_PROTOCOL)
+                try:
+                    await self.send_batches(stream)
+                    await self.receive_batches(stream, source)
+                finally:
+                    await close(stream)
+        except RemoteProtocolError as e:
+            self.node.metrics.reject(SYNC_PROTOCOL, e.reason)
+        except Exception as e:  # peer gone, stream refused: try another next time
+            log.debug("push-pull with %s failed: %s", peer[:16], e)
+
+    async def send_batches(self, stream) -> None:
+        m = self.membership
+        envs = [m.signed_record()] + [
+            m.envelopes[p]
+            for p, member in self.table.members.items()
+            if member.state in (MemberState.ALIVE, MemberState.SUSPECT) and p in m.envelopes
+        ]
+        for i in range(0, max(len(envs), 1), SYNC_BATCH):
+            chunk = envs[i : i + SYNC_BATCH]
+            await write_frame(stream, MemberBatch(envelopes=chunk, last=i + SYNC_BATCH >= len(envs)))
+
+    async def receive_batches(self, stream, source: str | None, frames=None) -> None:
+        for _ in range(MAX_SYNC_FRAMES):
+            if frames is None:  # our own push-pull: the peer we asked answers
+                batch = await read_message(stream)
+            else:  # an inbound session: each frame under the budget and its header deadline
+                data = await frames.read()
+                batch = None if data is None else decode(data)
+            if batch is None:  # the peer went away (pruned, timed out): not garbage
+                raise RemoteProtocolError("truncated", "stream closed before the last batch")
+            if not isinstance(batch, MemberBatch):
+                raise RemoteProtocolError("wrong-type", "expected member.batch")
+            now = trio.current_time()
+            for env in batch.envelopes:
+                try:
+                    signed = open_membership(env, self.node.run.name)
+                except RemoteProtocolError as e:
+                    self.node.metrics.reject(SYNC_PROTOCOL, e.reason)
+                    continue
+                if signed.domain == DOMAIN_RECORD:
+                    self.apply(signed, now, source, exchange=True)
+            if batch.last:
+                self.membership.sync.on_synced()
+                return
+        raise RemoteProtocolError("oversized", "too many sync frames")
+
+    # Probes (SWIM: direct ping, then indirect ping-reqs) and the prune notice
+
+    def probe_handler(self):
+        """The ``PROBE_PROTOCOL`` stream handler: ping-reqs for others, and prune notices."""
+        timeout = self.cfg.indirect_timeout + DIAL_TIMEOUT + 2
+        return request_handler(PROBE_PROTOCOL, messages(PingRequest, Prune, max_size=4096), self.handle_probe,
+                               max_inflight=MAX_PROBE_REQS, wait_for_slot=False, timeout=timeout,
+                               stream_timeout=timeout, peers=self.node.peers, metrics=self.node.metrics)
+
+    async def handle_probe(self, peer: str, req) -> PingResult | None:
+        if isinstance(req, Prune):  # the peer is closing our connection on purpose
+            self.membership.watch.on_prune_received(peer, trio.current_time())
+            return None
+        # Only a member we know, at the addresses its own signed record gives: the request's
+        # addresses are the asker's word, and taking them would let anyone make us dial anywhere.
+        if self.table.state_of(req.target) not in (MemberState.ALIVE, MemberState.SUSPECT):
+            return PingResult(ok=False)
+        addrs = self.membership.addrs_of(req.target)
+        return PingResult(ok=await self.ping_once(req.target, addrs, self.cfg.indirect_timeout))
+
+    async def ping_once(self, peer: str, addrs: list[str], timeout: float) -> bool:
+        host = self.node.host
+        with trio.move_on_after(timeout + (0 if host.is_connected(peer) else DIAL_TIMEOUT)):
+            try:
+                if not host.is_connected(peer):
+                    await self.dial_limited(peer, addrs)
+                await host.ping(peer)
+                return True
+            except Exception:
+                return False
+        return False
+
+    async def call_indirect(self, helper: str, target: str, addrs: list[str], results: list[bool], scale: int) -> None:
+        try:
+            res = await call(self.node.host, helper, PROBE_PROTOCOL, PingRequest(target=target, addrs=addrs[:MAX_ADDRS]),
+                             self.cfg.indirect_timeout * scale + DIAL_TIMEOUT + 1,
+                             reply=messages(PingResult, max_size=4096))
+            results.append(res.ok)
+        except CallFailure:
+            results.append(False)
+
+    async def probe(self, target: str, scale: int) -> None:
+        """Direct ping (a dial if we hold no connection), then indirect pings, then suspicion."""
+        m, table = self.membership, self.table
+        addrs = m.addrs_of(target)
+        started = trio.current_time()
+        if await self.ping_once(target, addrs, self.cfg.probe_timeout * scale):
+            table.on_probe_ok(target, trio.current_time())
+            return
+        m.health.on_probe_missed()  # our own missed ack (Lifeguard): maybe we are the slow one
+        helpers = table.indirect_helpers(target, set(self.node.host.connected_peers()), self.cfg.indirect_probes)
+        results: list[bool] = []
+        async with trio.open_nursery() as n:
+            for h in helpers:
+                n.start_soon(self.call_indirect, h, target, addrs, results, scale)
+        now = trio.current_time()
+        if any(results):
+            table.on_probe_ok(target, now)
+            return
+        if m.watch.closed_on_purpose_since(target, started):
+            # The connection was closed on purpose while we probed (by us, or by the peer with
+            # its notice): the ping died with it, which says nothing about the peer.
+            return
+        acc = table.on_probe_failed(target, now)
+        if acc is not None:
+            log.info("suspect %s (no ack from %d helpers)", target[:16], len(helpers))
+            await self.publish(DOMAIN_SUSPECT, acc)
+
+    async def serve_probes(self) -> None:
+        m, cfg = self.membership, self.cfg
+        while True:
+            before = trio.current_time()
+            await trio.sleep(cfg.probe_period)
+            m.health.on_round(trio.current_time() - before - cfg.probe_period, cfg.probe_timeout / 2)
+            # Only members we hold a connection to: no dial per probe (see the module docstring).
+            # Not one whose connection is closing on purpose: it may still be listed as connected.
+            closing = m.watch.closing(trio.current_time())
+            connected = set(self.node.host.connected_peers())
+            self.node.host.forget_ping_streams(connected)
+            target = self.table.next_probe_target(connected - closing)
+            if target is not None:
+                await self.probe(target, m.health.scale())
+
+    # Timers: suspicion and expiry, lost connections, push-pull, our record's fields
+
+    async def serve_tick(self) -> None:
+        m, table = self.membership, self.table
+        housekeeping_at = -math.inf
+        while True:
+            await trio.sleep(TICK)
+            now = trio.current_time()
+            if now >= housekeeping_at:  # nothing here needs the tick's precision
+                housekeeping_at = now + HOUSEKEEPING
+                self.housekeeping(now)
+            for acc in table.tick(now):
+                log.info("dead %s", acc.target[:16])
+                await self.publish(DOMAIN_DEAD, acc)
+            if len(m.envelopes) > len(table.members):  # entries expired, evicted or forgotten
+                for pid in [p for p in m.envelopes if p not in table.members]:
+                    del m.envelopes[pid]
+            connected = set(self.node.host.connected_peers())
+            for p in connected:
+                table.on_reached(p, now)  # an authenticated connection: first-hand evidence
+            self.node.metrics.connections.set(len(connected))
+            for p in m.watch.lost(connected, now, table.is_live):
+                self.nursery.start_soon(self.probe, p, m.health.scale())
+            # Full-table exchanges: with new connections while joining, then one random peer.
+            for p in m.sync.plan(connected, now, self.cfg.sync_interval(table.size()), random):
+                self.nursery.start_soon(self.call_push_pull, p)
+
+    def housekeeping(self, now: float) -> None:
+        """Refresh our record's fields (a relay reservation adds an address; a new checkpoint version
+        changes what we hold) and the member gauges."""
+        try:
+            self.held = self.shards.versions_held()[-MAX_VERSIONS:]  # reads the data dir
+        except OSError as e:  # issue 42: out of descriptors ended the node here
+            if not out_of_files(e):
+                raise
+            if self.starved.due(now):
+                log.warning("membership: cannot list the checkpoints held (%s); the record keeps the last list", e)
+        self.membership.update(addrs=advertised_addrs(self.node, self.relay), checkpoints=self.held)
+        for state, count in self.table.counts().items():
+            self.members_gauge.labels(state=state).set(count)
+
+    # Connections: between conn_low and conn_high, the bootstrap peers until one answers
+
+    async def serve_connections(self) -> None:
+        m, node = self.membership, self.node
+        bootstrap = list(node.config.bootstrap)
+        while True:
+            now = trio.current_time()
+            connected = set(node.host.connected_peers())
+            if bootstrap and not (connected & {_peer_of(a) for a in bootstrap}) and len(connected) < self.cfg.conn_low:
+                for addr in bootstrap:
+                    self.nursery.start_soon(self.dial_bootstrap, addr)
+            plan = m.conn.plan(connected, m.members(), self.protected(), now,
+                               dialable=lambda p: any(m.backoff.ready(a, now) for a in m.addrs_of(p)))
+            for p in plan.dial:
+                self.nursery.start_soon(self.dial_member, p)
+            for p in plan.prune:
+                self.nursery.start_soon(self.call_prune, p)
+            await trio.sleep(CONNECTION_PERIOD)
+
+    def protected(self) -> set[str]:
+        """Peers the connection manager never prunes: bootstrap peers, the run's trainers and validators."""
+        node = self.node
+        return {_peer_of(a) for a in node.config.bootstrap} | set(node.run.trainers) | set(node.run.validators)
+
+    async def call_prune(self, peer: str) -> None:
+        """Close a connection on purpose, telling the peer first so it does not probe us for it."""
+        self.membership.watch.on_prune_sent(peer, trio.current_time())
+        # Wait for the peer to close its side, i.e. to have noted the prune: closing the
+        # connection at once dropped the frame before its handler read it.
+        try:
+            await call(self.node.host, peer, PROBE_PROTOCOL, Prune(), 2, reply=messages(PingResult, max_size=64))
+        except CallFailure as e:  # the expected end (closed without a reply), or it is gone already
+            log.debug("prune notice to %s: %s", peer[:16], e)
+        await self.node.host.disconnect(peer)
+
+    async def dial_bootstrap(self, addr: str) -> None:
+        try:
+            with trio.fail_after(DIAL_TIMEOUT):
+                await self.relay.connect_addr(addr)
+        except Exception as e:
+            log.info("bootstrap %s unreachable: %s", addr, type(e).__name__)
+
+    async def dial_member(self, peer: str) -> None:
+        conn = self.membership.conn
+        try:
+            with trio.fail_after(DIAL_TIMEOUT):
+                await self.dial_limited(peer, self.membership.addrs_of(peer))
+            conn.on_connected(peer)
+        except Exception:
+            conn.on_dial_failed(peer, trio.current_time())
+
+    async def dial_limited(self, peer: str, addrs: list[str]) -> None:
+        """:func:`dial` with only the addresses out of backoff; their outcome updates it."""
+        backoff, now = self.membership.backoff, trio.current_time()
+        ready = [a for a in addrs if backoff.try_dial(a, now)]
+        if not ready:
+            raise ConnectionError(f"every address of {peer[:16]} is in dial backoff")
+        try:
+            await dial(self.node, self.relay, peer, ready)
+        except BaseException:
+            for a in ready:
+                backoff.on_failed(a, trio.current_time())
+            raise
+        for a in ready:
+            backoff.on_connected(a)
+        self.table.on_reached(peer, trio.current_time())
 
 
 async def dial(node: NodeContext, relay: RelayAPI, peer: str, addrs: list[str]) -> None:
