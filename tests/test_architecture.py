@@ -338,3 +338,44 @@ def test_the_shards_package_has_no_import_circle():
 def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b": ["x"]}, "b": {"c": ["y"]}, "c": {"a": ["z"]}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": ["x"]}, "b": {}}) is None
+
+
+def test_the_pure_rule_finds_a_planted_import(tmp_path, monkeypatch):
+    """Planted in a copy of gossip/connections.py (the membership service's connection bookkeeping,
+    issue 44 item 4): a lazy trio import, and one that reaches I/O through the service, are caught."""
+    module = "node.gossip.connections"
+    imports, lines = plant(tmp_path, monkeypatch, module, "\n\ndef lazy():\n    import trio\n"
+                           "    from .service import Membership\n")
+    monkeypatch.setitem(IMPORTS, module, imports[module])
+    assert sorted(_io_paths(module)) == [f"{module} -> node.gossip.service (line {lines})",
+                                         f"{module} -> trio (line {lines - 1})"]
+
+
+# A service whose tasks share state is a class with a named method per task and handler (STYLE.md 4
+# and 10): serve_membership was one 341-line function of 21 closures over a mutable ``svc`` (issue
+# 44). A serve_* function may still wrap a handler or two.
+MAX_SERVE_CLOSURES = 2
+
+
+def closure_heavy_services(modules: dict[str, Path]) -> list[str]:
+    """serve_* functions in ``modules`` that nest more than ``MAX_SERVE_CLOSURES`` functions."""
+    out = []
+    for m, path in sorted(modules.items()):
+        for n in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("serve"):
+                nested = [d for d in ast.walk(n) if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef)) and d is not n]
+                if len(nested) > MAX_SERVE_CLOSURES:
+                    out.append(f"{m}:{n.lineno} {n.name} nests {len(nested)} functions")
+    return out
+
+
+def test_services_keep_their_state_in_a_class():
+    assert closure_heavy_services(MODULES) == []
+
+
+def test_the_service_rule_finds_a_planted_closure_heap(tmp_path, monkeypatch):
+    """Planted in a copy of gossip/service.py: a serve_* function of three closures."""
+    _, lines = plant(tmp_path, monkeypatch, "node.gossip.service", "\n\nasync def serve_heap():\n"
+                     "    def a():\n        pass\n\n    async def b():\n        pass\n\n    def c():\n        pass\n")
+    assert closure_heavy_services({"node.gossip.service": MODULES["node.gossip.service"]}) == [
+        f"node.gossip.service:{lines - 8} serve_heap nests 3 functions"]
