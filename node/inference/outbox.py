@@ -48,12 +48,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
-from ..net.reqres import CallFailure, FailureKind, call
+from ..net.reqres import CallFailure, FailureKind
 from ..wire import MAX_FRAME, LocalProtocolError
 from ..refusals import TRANSIENT_REASONS
-from ..rollouts.ack import ACK_CODEC
+from ..rollouts.protocols import ROLLOUTS
 from ..rollouts.steps import KEEPS_WINDOW, STEP_SLACK
-from ..rollouts.schema import ROLLOUTS_PROTOCOL, RolloutAck
+from ..rollouts.schema import RolloutAck
 
 # TRANSIENT_REASONS (node/refusals.py) say "not now" rather than "never": the batch goes back to the
 # queue and the trainer is backed off. Every other reason is final (the batch itself is bad or unwanted).
@@ -346,7 +346,7 @@ async def call_submit(host, trainer: str, batch_id: bytes, envelope: bytes, time
     """
     if len(envelope) > MAX_FRAME:
         raise LocalProtocolError(f"batch of {len(envelope)} bytes exceeds one frame: split it before signing")
-    ack = await call(host, trainer, ROLLOUTS_PROTOCOL, envelope, timeout, reply=ACK_CODEC)
+    ack = await ROLLOUTS.call(host, trainer, envelope, timeout)
     if ack.batch_id != batch_id:
         raise SubmitFailure(FailureKind.GARBAGE, "ack for another batch", "wrong-ack")
     return ack

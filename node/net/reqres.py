@@ -2,6 +2,11 @@
 
 How this works
 --------------
+* A protocol is one :class:`RequestResponse` value, defined once beside its messages and shared by
+  both ends (rust-libp2p's ``request_response`` Config and Codec): its id, how requests and replies
+  are read, its deadline and its inbound budget. The server makes its stream handler with
+  :meth:`RequestResponse.handler` and hands in only the node's wiring (peer table, metrics, the
+  ``[streams]`` deadlines) and its hooks; the client calls it with :meth:`RequestResponse.call`.
 * Every inbound stream of a budgeted protocol goes through its :class:`Inbound`, the trio edge of
   the pure accounting in node/net/budget.py: per-peer and total stream slots, a byte reservation
   of each frame's announced length before its body is read, a header deadline and a minimum body
@@ -55,6 +60,7 @@ from ..wire import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 CLOSE_TIMEOUT = 1.0  # a close or reset of a stream the peer no longer reads from
 # Refusals that are nobody's fault (a stream that broke, a peer too slow, our own load): counted,
 # never reported to the peer table by request_handler (node/refusals.py; a stall is struck by Inbound).
@@ -86,6 +92,63 @@ def messages(*types: type[Message], max_size: int = MAX_FRAME) -> Codec[Message]
         return msg
 
     return Codec(max_size, decode_one)
+
+
+@dataclass(frozen=True)
+class RequestResponse(Generic[T, R]):
+    """One request/response protocol: what its server and its clients share, so that each site
+    names the protocol once instead of repeating its codecs, deadlines and budget.
+
+    ``request`` reads what the server receives, ``reply`` what the client receives. ``timeout``
+    bounds one exchange: a client's wait for its reply, a server's wait for a frame after the first
+    (the first header is due within ``[streams] header_timeout``) and for its reply to go out.
+    The server's inbound budget is ``limits``, or by default ``max_inflight`` streams, a quarter per
+    peer, one frame of ``request.max_size`` per stream (node/net/budget.py ``limits``); a stream
+    carries up to ``per_stream`` exchanges, all within ``stream_timeout`` (None: unbounded);
+    ``wait_for_slot``: a stream over the budget waits for a slot (False: refused as "busy").
+    Faults are counted and reported under ``source`` (default: the protocol id).
+    """
+
+    protocol: str
+    request: Codec[T]
+    reply: Codec[R] | None  # None: a protocol only served here, never called
+    timeout: float
+    max_inflight: int = 0
+    limits: StreamLimits | None = None
+    per_stream: int = 1
+    stream_timeout: float | None = None
+    wait_for_slot: bool = True
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            object.__setattr__(self, "source", self.protocol)
+        if self.limits is not None and self.limits.frame_cap < self.request.max_size:
+            raise ValueError(f"{self.protocol}: frame cap {self.limits.frame_cap} below the codec's {self.request.max_size}")
+
+    def budget(self) -> StreamLimits:
+        """The server's inbound budget (see the class docstring)."""
+        if self.limits is not None:
+            return self.limits
+        if self.max_inflight < 1:  # our bug: a protocol served with no budget
+            raise ValueError(f"{self.protocol}: served without limits or max_inflight")
+        return default_limits(self.max_inflight, self.request.max_size)
+
+    def handler(self, answer: Handler, *, admit: Callable[[str], str | None] | None = None,
+                on_fault: Callable[[str, str], None] | None = None, peers=None, metrics=None,
+                streams: StreamsConfig | None = None) -> Callable[[object], Awaitable[None]]:
+        """The stream handler serving this protocol with ``answer(peer, request) -> reply``
+        (:func:`request_handler` says what ``admit`` and ``on_fault`` do)."""
+        return _handler_of(self, answer, admit=admit, on_fault=on_fault, peers=peers, metrics=metrics, streams=streams)
+
+    async def call(self, host, peer: str, request: Message | bytes, timeout: float | None = None, *,
+                   peers=None) -> R:
+        """One request and its reply on a new stream to ``peer``, within ``timeout`` (default: the
+        protocol's); CallFailure otherwise. A garbage reply is reported to ``peers``."""
+        if self.reply is None:  # our bug
+            raise LocalProtocolError(f"{self.protocol}: called without a reply codec")
+        return await call(host, peer, self.protocol, request, self.timeout if timeout is None else timeout,
+                          reply=self.reply, peers=peers, source=self.source)
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,7 +329,8 @@ def request_handler(
     limits: StreamLimits | None = None,
     streams: StreamsConfig | None = None,
 ) -> Callable[[object], Awaitable[None]]:
-    """The stream handler serving ``protocol`` (see the module docstring).
+    """The stream handler serving ``protocol`` (see the module docstring): the form of
+    :meth:`RequestResponse.handler` for protocols not yet written as one :class:`RequestResponse`.
 
     ``admit(peer)`` may refuse a stream before anything is read (its reason is counted, the stream
     reset). Remote faults and timeouts go to ``on_fault(peer, reason)``; by default they are counted
@@ -276,11 +340,17 @@ def request_handler(
     stream) and ``streams`` (the ``[streams]`` deadlines) make the :class:`Inbound` budget; stalls
     are struck through ``peers``. The handler's ``inbound`` attribute is that budget.
     """
-    source = source or protocol
-    limits = limits or default_limits(max_inflight, codec.max_size)
-    if limits.frame_cap < codec.max_size:
-        raise ValueError(f"{protocol}: frame cap {limits.frame_cap} below the codec's {codec.max_size}")
-    inbound = Inbound(protocol, limits, config=streams, peers=peers, metrics=metrics, source=source)
+    spec = RequestResponse(protocol, codec, None, timeout, max_inflight=max_inflight, limits=limits,
+                           per_stream=per_stream, stream_timeout=stream_timeout, wait_for_slot=wait_for_slot,
+                           source=source or "")
+    return _handler_of(spec, handler, admit=admit, on_fault=on_fault, peers=peers, metrics=metrics, streams=streams)
+
+
+def _handler_of(spec: RequestResponse, handler: Handler, *, admit: Callable[[str], str | None] | None,
+                on_fault: Callable[[str, str], None] | None, peers, metrics,
+                streams: StreamsConfig | None) -> Callable[[object], Awaitable[None]]:
+    protocol, codec, source, timeout = spec.protocol, spec.request, spec.source, spec.timeout
+    inbound = Inbound(protocol, spec.budget(), config=streams, peers=peers, metrics=metrics, source=source)
 
     def count(reason: str) -> None:
         if metrics is not None:
@@ -294,7 +364,7 @@ def request_handler(
     fault = on_fault or default_fault
 
     async def exchange(frames: Frames, stream, peer: str) -> None:
-        for i in range(per_stream):
+        for i in range(spec.per_stream):
             data = await frames.read(strict=i == 0, idle=timeout, max_size=codec.max_size)
             if data is None:
                 return
@@ -313,8 +383,8 @@ def request_handler(
             await reset(stream)
             return
         try:
-            async with inbound.open(stream, peer, wait=wait_for_slot) as frames:
-                with trio.fail_after(stream_timeout if stream_timeout is not None else float("inf")):
+            async with inbound.open(stream, peer, wait=spec.wait_for_slot) as frames:
+                with trio.fail_after(spec.stream_timeout if spec.stream_timeout is not None else float("inf")):
                     await exchange(frames, stream, peer)
         except Refused as e:
             count(e.reason)

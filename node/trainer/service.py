@@ -50,7 +50,7 @@ from ..gossip.api import MembershipAPI
 from ..hashes import digest
 from ..ledger.api import LedgerAPI
 from ..net.budget import limits
-from ..net.reqres import CallFailure, FailureKind, call, raw, request_handler
+from ..net.reqres import CallFailure, FailureKind, raw, request_handler
 from ..peers import ActionKind, FaultRule
 from ..ledger.sync import LedgerError
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
@@ -58,7 +58,7 @@ from ..proofs.config import ProofsConfig
 from ..rl.grpo import NonFiniteStep, TrainSample
 from ..rl.mismatch import MismatchWindow
 from ..rollouts.config import WorkerConfig
-from ..rollouts.ack import ACK_CODEC
+from ..rollouts.protocols import VERIFY
 from ..rollouts.schema import (
     MAX_BATCH_BYTES,
     ROLLOUTS_PROTOCOL,
@@ -446,8 +446,7 @@ class Trainer:
             return
         ok = False
         try:
-            ack = await call(self.node.host, validator, VERIFY_PROTOCOL, envelope, SEND_TIMEOUT, reply=ACK_CODEC,
-                             peers=self.node.peers)
+            ack = await VERIFY.call(self.node.host, validator, envelope, SEND_TIMEOUT, peers=self.node.peers)
             ok = ack.accepted and ack.batch_id == batch_id
             if not ok and ack.reason == UNJUDGED_NO_CHECKPOINT and ack.batch_id == batch_id:
                 self.gate.not_now(batch_id, validator, trio.current_time())  # "cannot judge yet": no blame
