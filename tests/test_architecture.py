@@ -19,8 +19,7 @@ NODE = Path(__file__).resolve().parents[1] / "node"
 
 # Protocol logic with no I/O: messages and the time go in, decisions come out (STYLE.md 1-2).
 # Neither they nor anything they import (transitively, inside node/) may reach an event loop, the
-# network or a database. inference/outbox.py is not here: its Outbox is pure, but the module also
-# holds the trio delivery call. rl/spec.py imports rl/sandbox.py, which runs verifier code in a
+# network or a database. rl/spec.py imports rl/sandbox.py, which runs verifier code in a
 # subprocess with limits: a blocking call the spec makes on purpose, not an I/O service.
 PURE = [
     "node.wire",
@@ -52,6 +51,8 @@ PURE = [
     "node.rl.grpo",
     "node.rollouts.assign",
     "node.rollouts.schema",
+    "node.inference.outbox",
+    "node.net.failure",
     "node.trainer.gate",
     "node.trainer.intake",
     "node.trainer.evaluation",

@@ -10,15 +10,9 @@ import trio
 
 from node.rollouts.config import WorkerConfig
 from node.rollouts.schema import RolloutAck
-from node.inference.outbox import (
-    BatchState,
-    FailureKind,
-    Outbox,
-    Pending,
-    SubmitFailure,
-    alive_trainers,
-    call_submit,
-)
+from node.inference.outbox import BatchState, Outbox, Pending, alive_trainers
+from node.inference.submit import SubmitFailure, call_submit
+from node.net.failure import FailureKind
 from node.wire import LocalProtocolError, encode
 
 

@@ -1,14 +1,9 @@
-"""Delivering signed rollout batches to trainers: the outbox (pure) and one submission (I/O).
+"""Delivering signed rollout batches to trainers: the outbox. Pure (no I/O, no clock).
 
 How this works:
 
-* The wire exchange (``/swarm/rollouts/1.0.0``, client side): open a stream to a trainer, write one
-  length-prefixed frame holding the encoded signed :class:`~node.wire.Envelope` of a
-  :class:`~node.rollouts.schema.RolloutBatch` (at most ``MAX_FRAME`` bytes: bigger step outputs are
-  split into several batches before signing), read one frame holding a
-  :class:`~node.rollouts.schema.RolloutAck` for that batch id, close. :func:`call_submit` does this
-  with a deadline and turns every way it can fail into a :class:`SubmitFailure` naming whose fault
-  it was.
+* One delivery is one call of ``/swarm/rollouts/1.0.0`` (node/inference/submit.py ``call_submit``),
+  which ends in an ack or a :class:`~node.net.failure.FailureKind` naming whose fault it was.
 * :class:`Outbox` is the pure state machine around it: a bounded queue of unsent batches (so a node
   with no reachable trainer keeps generating up to a bound, then waits: backpressure), per-trainer
   exponential backoff after failures (a dead or overloaded trainer is skipped, the batch goes to
@@ -48,10 +43,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
-from ..net.reqres import CallFailure, FailureKind
-from ..wire import MAX_FRAME, LocalProtocolError
+from ..net.failure import FailureKind
+from ..wire import LocalProtocolError
 from ..refusals import TRANSIENT_REASONS
-from ..rollouts.protocols import ROLLOUTS
 from ..rollouts.steps import KEEPS_WINDOW, STEP_SLACK
 from ..rollouts.schema import RolloutAck
 
@@ -68,10 +62,6 @@ class BatchState(enum.Enum):
     ACCEPTED = "accepted"
     REFUSED = "refused"
     DROPPED = "dropped"
-
-
-# Why a submission got no ack, and the exception that says so (node/net/reqres.py).
-SubmitFailure = CallFailure
 
 
 @dataclass
@@ -333,23 +323,6 @@ class Outbox:
 
     def _health_of(self, trainer: str) -> _TrainerHealth:
         return self._health.setdefault(trainer, _TrainerHealth())
-
-
-# --------------------------------------------------------------------------------------------
-# One submission over the network
-
-
-async def call_submit(host, trainer: str, batch_id: bytes, envelope: bytes, timeout: float) -> RolloutAck:
-    """Send one signed batch to ``trainer`` and return its ack; :class:`SubmitFailure` otherwise.
-
-    ``host`` is a :class:`~node.net.host.SwarmHost` (anything with ``open_stream(peer, protocol)``).
-    """
-    if len(envelope) > MAX_FRAME:
-        raise LocalProtocolError(f"batch of {len(envelope)} bytes exceeds one frame: split it before signing")
-    ack = await ROLLOUTS.call(host, trainer, envelope, timeout)
-    if ack.batch_id != batch_id:
-        raise SubmitFailure(FailureKind.GARBAGE, "ack for another batch", "wrong-ack")
-    return ack
 
 
 def alive_trainers(members: dict[str, str], trainers: Sequence[str], self_id: str) -> list[str]:

@@ -43,20 +43,14 @@ import trio
 from ..atomic import write_atomic
 from ..context import NodeContext
 from ..gossip.api import MembershipAPI
+from ..net.failure import FailureKind
 from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import ROLLOUTS_PROTOCOL
 from ..rollouts.steps import step_window_size
-from .outbox import (
-    BatchState,
-    FailureKind,
-    Outbox,
-    Pending,
-    SubmitFailure,
-    alive_trainers,
-    call_submit,
-)
 from ..shards.api import ShardsAPI
 from ..steptime import PhaseTimes
+from .outbox import BatchState, Outbox, Pending, alive_trainers
+from .submit import SubmitFailure, call_submit
 
 log = logging.getLogger(__name__)
 

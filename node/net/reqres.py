@@ -29,7 +29,6 @@ How this works
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -39,6 +38,7 @@ from typing import Generic, TypeVar
 import trio
 
 from .budget import STALLED, Budget, StreamLimits, StreamsConfig, limits as default_limits
+from .failure import CallFailure, FailureKind  # noqa: F401 — callers import them from here too
 from .host import OPEN_STREAM_TIMEOUT, STREAM_ERRORS
 from .. import refusals
 from ..dbthread import StoreClosed
@@ -473,23 +473,6 @@ def ping_handler(protocol: str, *, streams: StreamsConfig | None = None, peers=N
 
 # --------------------------------------------------------------------------------------------
 # Client side
-
-
-class FailureKind(enum.Enum):
-    """Why a call got no usable reply. All are the remote's or the network's doing, never ours."""
-
-    UNREACHABLE = "unreachable"  # could not open a stream
-    TIMEOUT = "timeout"  # no reply before the deadline
-    STREAM = "stream"  # the stream broke (reset, EOF before the reply)
-    GARBAGE = "garbage"  # a reply that does not decode, or answers another request
-
-
-class CallFailure(Exception):
-    def __init__(self, kind: FailureKind, detail: str = "", reason: str = "") -> None:
-        super().__init__(f"{kind.value}: {detail}")
-        self.kind = kind
-        self.detail = detail
-        self.reason = reason or kind.value  # the RemoteProtocolError reason for GARBAGE
 
 
 class Caller:
