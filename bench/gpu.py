@@ -23,7 +23,9 @@ Sections (``--sections`` picks some; each prints its ratio last):
   block mask) on 8 x 2048 tokens against a plain HF step (``model(input_ids, labels)``, unfused
   AdamW) on the same tokens; MFU = 6 x parameters x tokens/s / peak bf16 FLOP/s (``--peak-tflops``,
   989 for the H200's dense bf16; attention FLOPs not counted, as in the usual 6N estimate).
-  Goal >= 40 %.
+  Goal >= 40 %. Beside it, the trainer's per-step rescoring for each engine's log-prob mismatch
+  (node/rl/mismatch.py, ``[trainer] mismatch_samples`` samples, one forward each) as a fraction of
+  the step.
 
 ``--smoke`` shrinks everything to the tiny default shape on the CPU so the whole script runs in
 seconds (ratios then mean nothing; compiled decode falls back to the static cache without graphs).
@@ -249,6 +251,8 @@ def section_train(sz: Sizes, out: dict, peak_tflops: float) -> None:
 
     from node.rl.config import GRPOConfig
     from node.rl.grpo import TrainSample, make_optimizer, train_step
+    from node.rl.mismatch import step_mismatch
+    from node.trainer.config import TrainerConfig
 
     flash = sz.device.startswith("cuda") and importlib.util.find_spec("flash_attn") is not None
     model = make_model(sz, torch.float32, seed=1)  # fp32 master weights, bf16 compute under autocast
@@ -275,6 +279,13 @@ def section_train(sz: Sizes, out: dict, peak_tflops: float) -> None:
     tokens = sz.train_rows * sz.train_len  # every row is full: 4 samples of train_len / 4
     ours = tokens / t
 
+    def rescore():  # what the trainer adds to each step for the mismatch figures, at its default size
+        with amp:
+            return step_mismatch(model, samples, 0, TrainerConfig().mismatch_samples, cfg, 1.0)
+
+    rescore()
+    _, t_rescore = timed(rescore, sz.device)
+
     plain_model = make_model(sz, torch.float32, seed=1)
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-6)
     ids = torch.randint(1, sz.vocab - 1, (sz.train_rows, sz.train_len), generator=g, device=sz.device)
@@ -293,10 +304,12 @@ def section_train(sz: Sizes, out: dict, peak_tflops: float) -> None:
     out["train"] = {"params": n_params, "tokens": tokens, "grpo_tok_s": ours, "plain_tok_s": plain,
                     "grpo_mfu": 6 * n_params * ours / peak, "plain_mfu": 6 * n_params * plain / peak,
                     "attention": "flash_attention_2 varlen" if flash else "sdpa + block mask",
-                    "fused_adamw": bool(opt.param_groups[0].get("fused")), "grpo_over_plain": ours / plain}
+                    "fused_adamw": bool(opt.param_groups[0].get("fused")), "grpo_over_plain": ours / plain,
+                    "mismatch_rescore_s": t_rescore, "mismatch_rescore_over_step": t_rescore / t}
     print(f"train ({sz.train_rows} x {sz.train_len}, {n_params / 1e6:.0f}M params, {out['train']['attention']}): "
           f"GRPO step {ours:,.0f} tok/s MFU {100 * out['train']['grpo_mfu']:.1f} %, plain HF step {plain:,.0f} tok/s "
-          f"MFU {100 * out['train']['plain_mfu']:.1f} % -> {ours / plain:.2f}x")
+          f"MFU {100 * out['train']['plain_mfu']:.1f} % -> {ours / plain:.2f}x; mismatch rescore "
+          f"{t_rescore * 1e3:.0f} ms = {t_rescore / t:.2f} of the step")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,3 +24,4 @@ def test_the_gpu_bench_runs_in_smoke_mode_and_its_cuda_path_checks_hold_on_cpu(t
     assert c["fused_vs_unfused_max_diff"] == 0.0 and c["packed_vs_alone_logprob_sum_diff"] < 1e-3
     assert res["decode"]["compiled_path"] == "static"  # no graphs on a CPU
     assert res["train"]["grpo_tok_s"] > 0 and res["validate"]["prefill_tok_s"] > 0
+    assert 0 < res["train"]["mismatch_rescore_over_step"] < 10  # the trainer's per-step rescore ran

@@ -17,6 +17,7 @@ from waiting import wait_for
 
 from node.engines.model import create_tiny_model, load_model, load_tokenizer
 from node.identity import load_or_create_identity
+from node.rl.config import GRPOConfig
 from node.rl.grpo import TrainSample
 from node.rl.mismatch import (
     ADMISSION_STEPS,
@@ -78,8 +79,10 @@ def test_rescore_gives_the_log_probs_the_model_sampled_with():
         model = load_model(create_tiny_model(Path(tmp) / "m", seed=0)).eval()
     prompt, comps = [5, 6, 7], [[8, 9, 10, 11], [12, 13]]
     honest = [TrainSample(prompt, c, model_logprobs(model, prompt, c, 1.0), 0.5, 0, "torch") for c in comps]
-    mine = rescore(model, honest, temperature=1.0)
-    assert [m.shape[0] for m in mine] == [4, 2]
+    # packed in one row, or one per pass: each sample's tokens, in order
+    for cfg in (GRPOConfig(pack_length=16), GRPOConfig(pack_length=8, micro_batch_tokens=8)):
+        mine = rescore(model, honest, cfg)
+        assert [m.shape[0] for m in mine] == [4, 2]
     got = engine_mismatch(mine, [torch.tensor(s.old_logprobs, dtype=torch.float64) for s in honest],
                           [s.engine for s in honest], tolerance=1.0)
     assert got["torch"].tokens == 6 and got["torch"].max_abs < 1e-4 and got["torch"].kl < 1e-8

@@ -184,7 +184,7 @@ class Policy:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return {}  # sharded: a forward is a collective every rank must join (node/trainer/fsdp.py)
         with self._autocast():
-            return step_mismatch(self.model, samples, self.step, most, self.cfg.temperature, tolerance, self.pad_id)
+            return step_mismatch(self.model, samples, self.step, most, self.cfg, tolerance, self.pad_id)
 
     def non_finite(self, groups: list[list[TrainSample]]) -> list[int]:
         """Indexes of the sample groups (one per batch) whose loss alone is not finite (forward only)."""
