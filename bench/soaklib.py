@@ -1,0 +1,250 @@
+"""The pure half of bench/soak.py: its seeded fault schedule and its accounting (no I/O, no clock).
+
+How this works: :func:`make_schedule` turns a seed, a duration and the starting node names into
+the list of faults the soak injects, one every ``GAP_S`` (30-90 s), in rounds of a seeded order that each cover every
+kind once (kill -9 once per role, the trainer included); a node is
+never hit while an earlier fault on it still holds, and the last fault ends ``QUIET_TAIL_S`` before
+the run does so that the ledger replicas have time to agree. The rest are small functions over what
+the soak sampled: acked batches against what the trainer's spool did with them
+(:func:`account`), when each node was back to work after its fault (:func:`recovery_s`), the slope
+of a resource series after warm-up (:func:`slope_per_hour`), errors and tracebacks of the node
+logs by kind (:func:`count_errors`).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+GAP_S = (30.0, 90.0)  # seconds between two faults (issue 45)
+PARTITION_S = (30.0, 120.0)  # how long a partition lasts before it heals
+SIGSTOP_S = 60.0  # a validator silent this long
+DISK_FULL_S = 45.0  # a node's data disk full this long
+QUIET_TAIL_S = 120.0  # no fault holds in the run's last this many seconds: 60 s for the digests, and slack
+FIRST_EVENT_S = 60.0  # the swarm's first steps before anything breaks (model loads, first checkpoint)
+
+# What the soak can do to a node. Each kill-9 names the role it targets, so that every role is hit.
+KILL9, SIGTERM, PARTITION, PARTITION_GROUP, RELAY_REPLACE, SILENCE, DISK_FULL, LATE_JOIN, HOSTILE = (
+    "kill9", "sigterm", "partition", "partition-group", "relay-replace", "sigstop-validator", "disk-full",
+    "late-join", "hostile-burst")
+KINDS = (KILL9, SIGTERM, PARTITION, PARTITION_GROUP, RELAY_REPLACE, SILENCE, DISK_FULL, LATE_JOIN, HOSTILE)
+ROLES = ("relay", "trainer", "validator", "inference")
+
+
+@dataclass(frozen=True)
+class Event:
+    at: float  # seconds after the swarm is up
+    kind: str
+    targets: tuple[str, ...]  # the nodes it hits; for relay-replace (gone, new); late-join the new node
+    hold: float = 0.0  # seconds the fault lasts (partition, SIGSTOP, disk full); 0: at once
+
+    def describe(self) -> str:
+        hold = f" for {self.hold:.0f} s" if self.hold else ""
+        return f"t={self.at:6.0f}s {self.kind:<17} {','.join(self.targets)}{hold}"
+
+
+def role_of(name: str) -> str:
+    """A soak node's role from its name (``relay-2``, ``inference-4``, ``trainer``...)."""
+    return name.rsplit("-", 1)[0] if name[-1].isdigit() and "-" in name else name
+
+
+def make_schedule(seed: int, seconds: float, nodes: list[str], *, disk_node: str | None = None,
+                  can_partition: bool = True) -> list[Event]:
+    """The faults of a soak of ``seconds`` over ``nodes`` (names as :func:`role_of` reads them).
+
+    ``disk_node``: the node whose data dir is a small tmpfs (None: no disk-full events);
+    ``can_partition``: whether partitions can be made here (network namespaces). Deterministic
+    for a seed."""
+    rng = random.Random(seed)
+    live = list(nodes)
+    busy: dict[str, float] = {}  # node -> when its current fault ends
+    relays = sum(role_of(n) == "relay" for n in nodes)
+    late = sum(role_of(n) == "inference" for n in nodes)
+    kinds = [k for k in KINDS if (can_partition or k not in (PARTITION, PARTITION_GROUP))
+             and (disk_node is not None or k != DISK_FULL)]
+    round_ = [(KILL9, r) for r in ROLES] + [(k, None) for k in kinds if k != KILL9]
+    todo: list[tuple[str, str | None]] = []
+    events: list[Event] = []
+    t, misses = FIRST_EVENT_S, 0
+    while True:
+        if not todo:  # rounds in a seeded order, each of every kind (and of kill -9 once per role)
+            todo = rng.sample(round_, len(round_))
+        kind, role = todo.pop(0)
+        free = [n for n in live if busy.get(n, 0.0) <= t]
+
+        def pick(r: str) -> str | None:
+            pool = [n for n in free if role_of(n) == r]
+            return rng.choice(pool) if pool else None
+
+        hold, targets = 0.0, ()
+        if kind in (KILL9, SIGTERM):
+            name = pick(role or rng.choice(ROLES))
+            targets = (name,) if name else ()
+        elif kind == PARTITION:
+            hold = round(rng.uniform(*PARTITION_S))
+            name = rng.choice(free) if free else None
+            targets = (name,) if name else ()
+        elif kind == PARTITION_GROUP:  # two nodes cut off together: they still see each other
+            hold = round(rng.uniform(*PARTITION_S))
+            targets = tuple(rng.sample(free, 2)) if len(free) >= 2 else ()
+        elif kind == SILENCE:
+            hold = SIGSTOP_S
+            name = pick("validator")
+            targets = (name,) if name else ()
+        elif kind == DISK_FULL:
+            hold = DISK_FULL_S
+            targets = (disk_node,) if disk_node in free else ()
+        elif kind == RELAY_REPLACE:
+            gone = pick("relay")
+            if gone:
+                relays += 1
+                targets = (gone, f"relay-{relays}")
+        elif kind == LATE_JOIN:
+            late += 1
+            targets = (f"inference-{late}",)
+        elif kind == HOSTILE:
+            name = pick("trainer")
+            targets = (name,) if name else ()
+        if t + hold > seconds - QUIET_TAIL_S:
+            break
+        if not targets:  # nobody to hit now: the next kind, at the same time (at most a round of them)
+            misses += 1
+            if misses < len(round_):
+                continue
+        else:
+            events.append(Event(t, kind, targets, hold))
+            if kind == RELAY_REPLACE:
+                live.remove(targets[0])
+                live.append(targets[1])
+            elif kind == LATE_JOIN:
+                live.append(targets[0])
+            else:
+                for n in targets:
+                    busy[n] = t + hold
+        t, misses = t + round(rng.uniform(*GAP_S)), 0
+    return events
+
+
+# ---------------------------------------------------------------------------------- accounting
+
+
+class AckTally:
+    """Batches each worker saw acknowledged, summed over its processes: a worker's status counts
+    from 0 again after a restart, so the highest count seen per (worker, pid) is added up. A process
+    killed with -9 may have acked batches after its last sampled status: the sum is a lower bound."""
+
+    def __init__(self) -> None:
+        self._high: dict[tuple[str, int], int] = {}
+
+    def observe(self, worker: str, pid: int, accepted: int) -> None:
+        key = (worker, pid)
+        self._high[key] = max(self._high.get(key, 0), accepted)
+
+    def acked(self, worker: str) -> int:
+        return sum(v for (w, _), v in self._high.items() if w == worker)
+
+
+@dataclass(frozen=True)
+class SpoolRow:
+    worker: str  # peer id
+    state: str  # gated, ready, trained, rejected (node/trainer/spool.py)
+    reason: str
+    acked: bool  # acknowledged (accepted_step set) rather than refused at intake
+
+
+def account(acked_by: dict[str, int], rows: dict[bytes, SpoolRow]) -> dict[str, dict]:
+    """Per worker (peer id): what it saw acked against what the trainer's spool did with the batches it
+    acked: trained, rejected after the ack (by reason; "expired" is the trainer's delay), still
+    pending; ``lost``: acked by the worker's count but in no state of the spool."""
+    out: dict[str, dict] = {}
+    for worker in sorted(set(acked_by) | {r.worker for r in rows.values() if r.acked}):
+        mine = [r for r in rows.values() if r.worker == worker and r.acked]
+        rejected = Counter(r.reason for r in mine if r.state == "rejected")
+        row = {"acked": acked_by.get(worker, 0), "spooled": len(mine),
+               "trained": sum(r.state == "trained" for r in mine),
+               "rejected": sum(rejected.values()) - rejected.get("expired", 0),
+               "expired": rejected.get("expired", 0),
+               "pending": sum(r.state in ("gated", "ready") for r in mine),
+               "rejected_by_reason": dict(rejected)}
+        row["lost"] = max(0, row["acked"] - row["spooled"])
+        out[worker] = row
+    return out
+
+
+def recovery_s(samples: list[tuple[float, int, float]], pid_before: int, back_at: float) -> float | None:
+    """Seconds from ``back_at`` (restart, heal, SIGCONT) until the node's progress counter moved.
+
+    ``samples``: (time, pid, counter) of the node, in time order. The counter of the first sample at
+    or after ``back_at`` is the baseline (0 when the pid changed: a new process counts from 0); None
+    if it never moved again."""
+    baseline = None
+    for t, pid, value in samples:
+        if t < back_at:
+            continue
+        if baseline is None:
+            baseline = 0.0 if pid != pid_before else value
+        if value > baseline:
+            return t - back_at
+    return None
+
+
+def slope_per_hour(points: list[tuple[float, float]], warmup_s: float) -> float | None:
+    """Least-squares slope of (seconds, value) points after ``warmup_s``, per hour; None under 3 points."""
+    pts = [(t, v) for t, v in points if t >= warmup_s]
+    if len(pts) < 3:
+        return None
+    n = len(pts)
+    mt = sum(t for t, _ in pts) / n
+    mv = sum(v for _, v in pts) / n
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    if var == 0:
+        return None
+    return sum((t - mt) * (v - mv) for t, v in pts) / var * 3600.0
+
+
+_ERROR = re.compile(r"^\S+ (ERRO|CRIT) \S+ ([\w.]+): (.*)$")
+_LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d")  # node/log.py's text lines begin with the time
+_NUMBERS = re.compile(r"0x[0-9a-f]+|[0-9a-f]{8,}|\d+(\.\d+)?")
+
+
+def _exception_type(text: str) -> str | None:
+    """``KeyError`` of the line ``KeyError: 'x'`` that ends a traceback (None for any other line)."""
+    name = text.split(":", 1)[0].strip()
+    return name if re.fullmatch(r"[A-Za-z_][\w.]*(\[[\w.,]*\])?", name) and not _LOG_LINE.match(text) else None
+
+
+def count_errors(lines: list[str]) -> Counter:
+    """ERROR lines and tracebacks of a node log, by kind: ``ERROR <logger>: <message, numbers blanked>``
+    (cut to 80 characters) and ``traceback <type>`` (the type a traceback ends with; an exception
+    group as ``traceback ExceptionGroup[<leaf types>]``; ``(cut off)`` when the log goes on
+    without one, as a killed process leaves it)."""
+    kinds: Counter = Counter()
+    state, types = None, []  # None, "tb" (a plain traceback) or "group"; the exception types of a group
+    for line in lines + [""]:  # "": the end closes an open traceback
+        inside = line.startswith((" ", "\t")) and bool(line.strip())
+        if state == "group":
+            if inside:
+                content = line.split("|", 1)[1] if "|" in line else ""
+                if content[:1] == " " and content[1:2] not in (" ", "") and not content.strip().startswith("Traceback"):
+                    types.append(_exception_type(content) or "?")
+                continue
+            name = f"{types[0]}[{','.join(sorted(set(types[1:])))}]" if types else None
+            kinds[f"traceback {name or '(cut off)'}"] += 1
+            state = None
+        elif state == "tb":
+            if inside:
+                continue
+            name = _exception_type(line) if line else None
+            kinds[f"traceback {name or '(cut off)'}"] += 1
+            state = None
+            if name:
+                continue  # the line was the exception's own
+        if line.startswith("Traceback (most recent call last)"):
+            state = "tb"
+        elif line.lstrip().startswith("+ Exception Group Traceback"):
+            state, types = "group", []
+        elif m := _ERROR.match(line):
+            kinds[f"ERROR {m.group(2)}: {_NUMBERS.sub('N', m.group(3))[:80]}"] += 1
+    return kinds

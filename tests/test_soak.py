@@ -1,0 +1,126 @@
+"""bench/soaklib.py, the pure half of the soak benchmark (issue 45): its schedule and its accounting."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import soaklib  # noqa: E402
+from soaklib import (  # noqa: E402
+    AckTally, SpoolRow, account, count_errors, make_schedule, recovery_s, role_of, slope_per_hour,
+)
+
+NODES = ["relay-1", "relay-2", "trainer", "validator-1", "validator-2",
+         "inference-1", "inference-2", "inference-3", "inference-4"]
+
+
+def test_role_of_reads_the_soaks_node_names():
+    assert [role_of(n) for n in ("relay-12", "trainer", "validator-2", "inference-5")] == \
+        ["relay", "trainer", "validator", "inference"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32), minutes=st.floats(5, 90))
+def test_the_schedule_keeps_its_bounds_for_any_seed(seed, minutes):
+    seconds = minutes * 60
+    events = make_schedule(seed, seconds, NODES, disk_node="inference-4")
+    assert events == make_schedule(seed, seconds, NODES, disk_node="inference-4")  # seeded
+    live, busy = set(NODES), {}
+    for before, after in zip(events, events[1:]):
+        assert soaklib.GAP_S[0] <= after.at - before.at <= soaklib.GAP_S[1]
+    for e in events:
+        assert e.at >= soaklib.FIRST_EVENT_S and e.at + e.hold <= seconds - soaklib.QUIET_TAIL_S
+        hit = e.targets[:1] if e.kind == soaklib.RELAY_REPLACE else e.targets
+        if e.kind != soaklib.LATE_JOIN:
+            assert set(hit) <= live, (e, live)  # never a node gone for good or not yet there
+            assert all(busy.get(n, 0) <= e.at for n in hit), e  # never one still under a fault
+        if e.kind == soaklib.RELAY_REPLACE:
+            live.remove(e.targets[0])
+            live.add(e.targets[1])
+        elif e.kind == soaklib.LATE_JOIN:
+            assert e.targets[0] not in live
+            live.add(e.targets[0])
+        else:
+            busy.update({n: e.at + e.hold for n in hit})
+        if e.kind == soaklib.SILENCE:
+            assert role_of(e.targets[0]) == "validator" and e.hold == soaklib.SIGSTOP_S
+        if e.kind in (soaklib.PARTITION, soaklib.PARTITION_GROUP):
+            assert soaklib.PARTITION_S[0] <= e.hold <= soaklib.PARTITION_S[1]
+
+
+def test_a_half_hour_covers_every_kind_and_kills_every_role():
+    events = make_schedule(7, 30 * 60, NODES, disk_node="inference-4")
+    assert {e.kind for e in events} == set(soaklib.KINDS)
+    assert {role_of(e.targets[0]) for e in events if e.kind == soaklib.KILL9} == set(soaklib.ROLES)
+
+
+def test_without_namespaces_or_a_tmpfs_there_are_no_partitions_and_no_full_disk():
+    kinds = {e.kind for e in make_schedule(3, 60 * 60, NODES, disk_node=None, can_partition=False)}
+    assert not kinds & {soaklib.PARTITION, soaklib.PARTITION_GROUP, soaklib.DISK_FULL}
+    assert soaklib.KILL9 in kinds and soaklib.HOSTILE in kinds
+
+
+def test_acks_are_summed_over_a_workers_processes():
+    tally = AckTally()
+    for pid, counts in ((100, [0, 3, 5]), (200, [1, 2]), (300, [4])):  # a restart counts from 0 again
+        for c in counts:
+            tally.observe("w", pid, c)
+    tally.observe("other", 100, 9)
+    assert tally.acked("w") == 5 + 2 + 4 and tally.acked("nobody") == 0
+
+
+def test_account_finds_a_batch_acked_but_in_no_state_of_the_spool():
+    rows = {b"a": SpoolRow("w", "trained", "", True), b"b": SpoolRow("w", "rejected", "expired", True),
+            b"c": SpoolRow("w", "rejected", "verdict-failed", True), b"d": SpoolRow("w", "gated", "", True),
+            b"e": SpoolRow("w", "rejected", "too-far-ahead", False)}  # refused at intake: never acked
+    whole = account({"w": 4}, rows)["w"]
+    assert (whole["spooled"], whole["trained"], whole["rejected"], whole["expired"], whole["pending"], whole["lost"]) == \
+        (4, 1, 1, 1, 1, 0)
+    assert account({"w": 6}, rows)["w"]["lost"] == 2
+    assert account({}, rows)["w"]["acked"] == 0  # a worker seen only in the spool is listed too
+
+
+def test_recovery_counts_from_the_return_and_from_zero_for_a_new_process():
+    samples = [(0.0, 1, 5.0), (10.0, 1, 6.0), (20.0, 2, 1.0), (25.0, 2, 1.0), (30.0, 2, 2.0)]
+    assert recovery_s(samples, pid_before=1, back_at=15.0) == 5.0  # new pid: its first ack is progress
+    assert recovery_s(samples, pid_before=2, back_at=15.0) == 15.0  # same pid: it must move past 1
+    assert recovery_s(samples, pid_before=2, back_at=31.0) is None
+
+
+def test_slope_per_hour_ignores_the_warm_up():
+    points = [(t, 100.0 + (50.0 if t < 60 else 0.0) + t / 3600) for t in range(0, 600, 5)]
+    assert slope_per_hour(points, warmup_s=60) == pytest.approx(1.0)
+    assert slope_per_hour(points[:2], warmup_s=0) is None
+
+
+def test_errors_and_tracebacks_are_counted_by_kind():
+    log = """\
+08:00:01.000 INFO trainer node.trainer: step 3
+08:00:02.123 ERRO trainer node.trainer.service: spool commit failed after 3 tries (0xdeadbeef)
+08:00:03.000 ERRO trainer node.trainer.service: spool commit failed after 4 tries (0x1234abcd)
+Traceback (most recent call last):
+  File "x.py", line 1, in <module>
+    raise OSError(28, "No space left on device")
+OSError: [Errno 28] No space left on device
+08:00:04.000 WARN trainer node.net: slow
+Traceback (most recent call last):
+  File "y.py", line 2, in f
+08:00:05.000 INFO trainer node.trainer: step 4
+  + Exception Group Traceback (most recent call last):
+  |   File "z.py", line 3, in g
+  | ExceptionGroup: one (1 sub-exception)
+  +-+---------------- 1 ----------------
+    | Traceback (most recent call last):
+    |   File "z.py", line 4, in h
+    | KeyError: 'x'
+    +------------------------------------
+""".splitlines()
+    kinds = count_errors(log)
+    assert kinds == {"ERROR node.trainer.service: spool commit failed after N tries (N)": 2,
+                     "traceback OSError": 1, "traceback (cut off)": 1, "traceback ExceptionGroup[KeyError]": 1}
