@@ -48,6 +48,10 @@ class AddressBackoff:
         self._put(addr, failures, now + self.base)
         return True
 
+    def reserve(self, addrs: list[str], now: float) -> list[str]:
+        """Those of ``addrs`` we may dial now (out of backoff), each reserved for this dial."""
+        return [a for a in addrs if self.try_dial(a, now)]
+
     def on_failed(self, addr: str, now: float) -> None:
         failures = self._entries.pop(addr, (0, 0.0))[0] + 1
         self._put(addr, failures, now + min(self.cap, self.base * 2 ** min(failures - 1, 32)))
@@ -83,6 +87,11 @@ class ConnectionManager:
 
     def on_connected(self, peer_id: str) -> None:
         self._failed_at.pop(peer_id, None)
+
+    def needs_bootstrap(self, connected: set[str], bootstrap: set[str]) -> bool:
+        """Dial the bootstrap peers (again)? Only while we hold none of them and fewer than ``low``
+        connections in all: a node that holds one, or enough members, joins through those."""
+        return bool(bootstrap) and not connected & bootstrap and len(connected) < self.low
 
     def plan(
         self,

@@ -540,10 +540,11 @@ class MembershipService:
     async def serve_connections(self) -> None:
         m, node = self.membership, self.node
         bootstrap = list(node.config.bootstrap)
+        bootstrap_peers = {_peer_of(a) for a in bootstrap}
         while True:
             now = trio.current_time()
             connected = set(node.host.connected_peers())
-            if bootstrap and not (connected & {_peer_of(a) for a in bootstrap}) and len(connected) < self.cfg.conn_low:
+            if m.conn.needs_bootstrap(connected, bootstrap_peers):
                 for addr in bootstrap:
                     self.nursery.start_soon(self.dial_bootstrap, addr)
             plan = m.conn.plan(connected, m.members(), self.protected(), now,
@@ -588,8 +589,8 @@ class MembershipService:
 
     async def dial_limited(self, peer: str, addrs: list[str]) -> None:
         """:func:`dial` with only the addresses out of backoff; their outcome updates it."""
-        backoff, now = self.membership.backoff, trio.current_time()
-        ready = [a for a in addrs if backoff.try_dial(a, now)]
+        backoff = self.membership.backoff
+        ready = backoff.reserve(addrs, trio.current_time())
         if not ready:
             raise ConnectionError(f"every address of {peer[:16]} is in dial backoff")
         try:

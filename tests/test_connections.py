@@ -1,0 +1,26 @@
+"""The connection decisions the membership service used to make inline (issue 44, item 4), now
+pure in node/gossip/connections.py: when to dial the bootstrap peers again, and which addresses of
+a member a dial may use under the per-address backoff."""
+
+from node.gossip.connections import AddressBackoff, ConnectionManager
+
+BOOT = {"b1", "b2"}
+
+
+def test_bootstrap_is_dialled_while_we_hold_none_of_it_and_are_short():
+    cm = ConnectionManager(low=3, high=6, backoff=10)
+    assert cm.needs_bootstrap(set(), BOOT)
+    assert cm.needs_bootstrap({"m1", "m2"}, BOOT)  # short, and no bootstrap peer among them
+    assert not cm.needs_bootstrap({"m1", "b2"}, BOOT)  # one bootstrap peer is enough
+    assert not cm.needs_bootstrap({"m1", "m2", "m3"}, BOOT)  # not short: the members will do
+    assert not cm.needs_bootstrap(set(), set())  # a first node has none to dial
+
+
+def test_a_dial_reserves_the_addresses_out_of_backoff_and_only_those():
+    b = AddressBackoff(base=10, cap=40)
+    b.on_failed("a", now=0)  # waits until 10
+    assert b.reserve(["a", "b", "c"], now=5) == ["b", "c"]
+    assert b.reserve(["a", "b", "c"], now=6) == []  # b and c are being dialled; a still waits
+    b.on_connected("b")
+    assert b.reserve(["a", "b", "c"], now=10) == ["a", "b"]  # c's dial has no outcome yet, for base seconds
+    assert b.reserve(["c"], now=15) == ["c"]
