@@ -93,6 +93,7 @@ class GossipParams:
     gossip_threshold: float = -50.0
     publish_threshold: float = -80.0
     accept_px_threshold: float = -10.0
+    eclipse_protection: bool = True  # graft peers of other IPs into a mesh on fewer than 3 (py-libp2p's eclipse guard)
 
 
 def to_libp2p_keypair(identity: Identity) -> KeyPair:
@@ -369,8 +370,10 @@ async def open_swarm_host(
         do_px=gossip.do_px,
         prune_back_off=gossip.prune_back_off,
         score_params=_score_params(gossip, lambda peer_id: swarm_host.app_score(peer_id)),
-        # Loopback swarms put every peer on one IP; the eclipse guard would refuse them all.
-        eclipse_protection_enabled=False,
+        # It refuses no one: it grafts peers of new IPs into a mesh on fewer than 3 and prunes an
+        # over-represented IP first. On loopback every peer has one IP, so it has nothing to do
+        # there and tests need not turn it off (tests/test_gossip_eclipse.py).
+        eclipse_protection_enabled=gossip.eclipse_protection,
         # Its rate limit (10 messages a second per forwarder and topic) counts our own publishes and a
         # relay's honest forwarding of many authors alike: a trainer's burst of ledger entries lost
         # all but ten and scored itself down. Floods are bounded where the sender is known: each
