@@ -264,15 +264,6 @@ def plant(tmp_path, monkeypatch, module: str, code: str, *, type_only: bool = Fa
     return {module: imports_of(module, type_only=type_only)}, len(planted.read_text().splitlines())
 
 
-def test_the_patch_rule_finds_a_planted_import(tmp_path, monkeypatch):
-    """Planted in a copy of shards/client.py, both spellings are caught."""
-    imports, lines = plant(tmp_path, monkeypatch, "node.shards.client", "\n\ndef lazy():\n"
-                           "    from ..net.patches.speed import QuickLock\n    from ..net import patches\n")
-    assert patch_imports(imports) == [
-        f"node.shards.client:{lines - 1} imports node.net.patches.speed",
-        f"node.shards.client:{lines} imports node.net.patches"]
-
-
 def adversary_imports(imports: dict[str, list[tuple[str, int]]]) -> list[str]:
     """Imports of node/adversary/ (the deliberate cheats of ``[worker] cheat``) from below the top:
     components build the honest pieces and take cheating ones only as factories a role hands in
@@ -288,13 +279,20 @@ def test_components_never_import_the_adversary():
     assert "node.adversary.outbox" in {name for name, _ in IMPORTS["node.roles.inference"]}  # roles do
 
 
-def test_the_adversary_rule_finds_a_planted_import(tmp_path, monkeypatch):
-    """Planted in a copy of inference/service.py, a lazy import and a package import are both caught."""
-    imports, lines = plant(tmp_path, monkeypatch, "node.inference.service", "\n\ndef lazy():\n"
-                           "    from ..adversary.generator import make_generator\n    from .. import adversary\n")
-    assert adversary_imports(imports) == [
-        f"node.inference.service:{lines - 1} imports node.adversary.generator",
-        f"node.inference.service:{lines} imports node.adversary"]
+@pytest.mark.parametrize("rule,module,planted,caught", [
+    # a patch from shards/client.py, in both spellings
+    (patch_imports, "node.shards.client", ("from ..net.patches.speed import QuickLock", "from ..net import patches"),
+     ("node.net.patches.speed", "node.net.patches")),
+    # a cheat from inference/service.py, a module and the package
+    (adversary_imports, "node.inference.service", ("from ..adversary.generator import make_generator",
+                                                   "from .. import adversary"),
+     ("node.adversary.generator", "node.adversary")),
+])
+def test_the_import_rules_find_planted_imports(tmp_path, monkeypatch, rule, module, planted, caught):
+    """Planted as lazy imports in a copy of ``module``, each is caught on its own line."""
+    imports, lines = plant(tmp_path, monkeypatch, module, "\n\ndef lazy():\n" + "".join(f"    {p}\n" for p in planted))
+    first = lines - len(planted) + 1
+    assert rule(imports) == [f"{module}:{first + i} imports {name}" for i, name in enumerate(caught)]
 
 
 # The shards sessions (rust-libp2p's handlers: the download, the serving session, the delta part)
