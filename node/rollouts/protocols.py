@@ -22,7 +22,9 @@ from .schema import MAX_BATCH_BYTES, ROLLOUTS_PROTOCOL, VERDICTS_PROTOCOL, VERIF
 EXCHANGE_TIMEOUT = 30.0  # seconds a peer may take to send its frame, and to answer one
 MAX_BATCH_FRAME = min(MAX_FRAME, MAX_BATCH_BYTES)  # a batch must also fit one frame to a validator
 MAX_VERIFY_STREAMS = 16  # batches a validator reads from trainers at once (trainers are few; others wait)
-MAX_VERIFY_PER_TRAINER = 12  # of those, one trainer's
+# ... of which one trainer may hold: only trainers of the run are admitted, and a trainer hands
+# over batches in bursts, so its share is large, but never all (node/net/budget.py).
+MAX_VERIFY_PER_TRAINER = 12
 MAX_VERDICT_FRAME = 1024 * 1024
 MAX_VERDICT_STREAMS = 16  # verdict streams a trainer serves at once (validators are few; others wait)
 MAX_VERDICTS_PER_STREAM = 256  # verdict frames on one stream before the trainer closes it (bounded work)
