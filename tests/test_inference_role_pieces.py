@@ -255,3 +255,27 @@ def test_generator_step_on_code_tasks(tiny):
     sb, _ = _generate(path, "", ident, rl)
     assert len(sb.batch.samples) == 4 and sb.batch.taskset == "code"
     assert check_batch(sb, model, tok, ident.peer_id, 0, rl) == []  # rewards recomputed one by one
+
+
+def test_sybil_flood_cheat_signs_each_batch_with_a_fresh_key_and_is_refused_on_its_proofs(tiny):
+    """Issue 42: the flood of the fresh-identity pool. Each batch comes from a key nobody has seen
+    (not the node's), so each draws on the trainers' pool of new identities; the junk inside is
+    refused on its proofs (tests/test_sybil.py: the pool still gives an honest newcomer its share)."""
+    from node.validator.pipeline import BatchRules, CheckModel, judge_batch
+    from node.validator.tasks import RunTasks
+
+    path, model, tok = tiny
+    node_key = Identity.generate()
+    rl = RLConfig(**RL)
+    gen = make_generator(identity=node_key, run_name="test", rl=rl, proofs=ProofsConfig(),
+                         inference=InferenceConfig(engine="torch", device="cpu"), worker=WorkerConfig(cheat="sybil-flood"))
+    gen.follow(path)
+    batches = [open_batch(gen.run_step(step, 0, 0).sealed.envelope, "test").batch for step in (7, 8, 9)]
+    signers = {b.worker for b in batches}
+    assert len(signers) == 3 and node_key.peer_id not in signers
+    rules = BatchRules(run="test", taskset=rl.taskset, temperature=rl.temperature, top_p=rl.top_p,
+                       max_new_tokens=rl.max_new_tokens, group_size=rl.group_size,
+                       prompts_per_batch=rl.prompts_per_batch, async_level=2)
+    for b in batches:
+        j = judge_batch(b, rules, current_version=0, tasks=RunTasks(rl), model=CheckModel(model, tok, 0))
+        assert not j.accepted and all(r.startswith("proof") for r in j.reasons), j.reasons

@@ -22,6 +22,12 @@
   scored, the batch stating engine "vllm" where the run accepts it (issue 42 hole 1: such a batch
   once skipped the sampling replay on its own say-so). The replay must refuse it, whatever engine
   the batch names.
+* ``sybil-flood``: every batch is junk (``free-sandbox``'s) signed by a key made for it, so each one
+  draws on the trainers' fresh-identity pool (issue 42 hole 3: four keys once took the whole pool
+  at each interval's start and locked honest newcomers out). Sent through the node's outbox, which
+  keeps a refused batch and comes back exactly when the refusal's ``retry_after_ms`` says. The pool
+  must still give an honest newcomer its share (node/rollouts/quota.py), and the validators must
+  refuse the junk on its proofs, which bars each key from the pool.
 * ``drop-groups``: leave out the group of the prompt it did worst on (a worker hiding its failures
   to lift the reward it is credited with): the validator's complete-batch check must catch it.
 
@@ -35,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from ..identity import Identity
 from ..proofs.capture import logits_from_hidden, recompute_decode_states
 from ..rl.rollout import ScoredGroup
 from ..rl.spec import DrawnStep, group_advantages, score, step_key, token_logprobs, with_length_penalty
@@ -161,6 +168,12 @@ class FreeSandboxGenerator(RolloutGenerator):
         return out
 
 
+class SybilFloodGenerator(FreeSandboxGenerator):
+    def run_step(self, *args, **kwargs):
+        self.identity = Identity.generate()  # draw, seed and signature: a key nobody has seen
+        return super().run_step(*args, **kwargs)
+
+
 GENERATORS = {
     "": RolloutGenerator,
     "perturbed-model": PerturbedModelGenerator,
@@ -171,6 +184,7 @@ GENERATORS = {
     "drop-groups": DropGroupsGenerator,
     "free-sandbox": FreeSandboxGenerator,
     "pasted-answers": PastedAnswersGenerator,
+    "sybil-flood": SybilFloodGenerator,
 }
 
 

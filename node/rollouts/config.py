@@ -22,6 +22,7 @@ CHEATS = (
     "early-exit",  # completions that exit before the code tests, claimed at 1.0: reward check fails
     "free-sandbox",  # endless-loop code with garbage proofs: proof check fails before any sandbox runs
     "pasted-answers",  # right answers written in, re-proved, stated as vLLM's: the sampling replay fails
+    "sybil-flood",  # junk under a fresh key per batch into the fresh-identity pool: newcomers keep their share
 )
 
 
