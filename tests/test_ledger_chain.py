@@ -298,6 +298,30 @@ def test_a_worker_with_standing_cannot_mint_served_bytes_for_a_peer_that_served_
     assert led.totals(TRAINER.peer_id)[TRAINER.peer_id]["bytes_served"] == 500
 
 
+def test_many_workers_with_standing_together_still_mint_no_served_bytes_for_a_peer_that_served_nothing():
+    """Issue 42, the bound on minted bytes_served, checked at the size of a colluding group: five
+    workers, each with standing from one trained batch, all vouch that a Sybil served them every one
+    of five 1 GB checkpoints (25 GB claimed). Without a trainer's or validator's receipt showing the
+    Sybil serving, it is credited nothing; and once a validator's receipt shows it serving one
+    checkpoint, the group can add at most that checkpoint's size per member for it, nothing for the
+    other four."""
+    led = new_ledger()
+    t, v = Author(TRAINER), Author(VALIDATOR)
+    workers = [Author(Identity.from_seed(bytes([0x40 + i]) * 32)) for i in range(5)]
+    sybil = Identity.from_seed(b"S" * 32).peer_id
+    manifests = [bytes([0x10 + i]) * 32 for i in range(5)]
+    for m in manifests:
+        add(led, t.next(published(10**9, m)))
+    for w in workers:
+        add(led, t.next(rollouts(worker=w.identity)))
+        assert led.vouched(w.identity.peer_id)
+        add(led, w.next(Receipts(items=tuple(ReceiptItem(peer=sybil, manifest_id=m, nbytes=10**9, pieces=1)
+                                             for m in manifests))))
+    assert led.totals(sybil)[sybil]["bytes_served"] == 0  # 25 GB before the rule
+    add(led, v.next(Receipts(items=(ReceiptItem(peer=sybil, manifest_id=manifests[0], nbytes=1000, pieces=1),))))
+    assert led.totals(sybil)[sybil]["bytes_served"] == 1000 + 5 * 10**9
+
+
 def test_receipts_for_an_unpublished_manifest_count_once_it_is_published_in_any_order():
     t, w = Author(TRAINER), Author(WORKER)
     entries = [w.next(receipt(TRAINER, 700)), t.next(rollouts(worker=WORKER)), t.next(published(5000))]
