@@ -47,6 +47,7 @@ class LocalSwarm:
     extra_env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, Proc] = field(default_factory=dict)
     bootstrap_addr: str | None = None
+    log_dir: Path | None = None  # where <node>.log go (None: node.log in each node's data dir)
 
     def __enter__(self) -> "LocalSwarm":
         self.root.mkdir(parents=True, exist_ok=True)
@@ -95,7 +96,8 @@ class LocalSwarm:
         return proc
 
     def _spawn(self, proc: Proc) -> None:
-        proc.log_path = proc.data_dir / "node.log"
+        # Elsewhere when a node's disk is made to fill up (bench/soak.py): its log must not fill with it.
+        proc.log_path = self.log_dir / f"{proc.name}.log" if self.log_dir else proc.data_dir / "node.log"
         log = open(proc.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
         # A new session: Ctrl-C in the demo's terminal reaches us, and we stop children in order.
