@@ -60,7 +60,10 @@ CHEATS = {
     "free-sandbox": PROOF_REASONS | {"proof_count"},
     # Right answers written in and re-proved: only the sampling replay can tell (issue 42 hole 1).
     "pasted-answers": {"sampling_mismatch"},
+    # Junk under a fresh key per batch: refused on its proofs, each key penalised, not the node's own.
+    "sybil-flood": PROOF_REASONS | {"proof_count"},
 }
+FRESH_KEYS = {"sybil-flood"}  # cheats whose batches are signed by keys other than the node's
 
 
 def section(swarm: LocalSwarm, name: str, key: str) -> dict:
@@ -135,5 +138,10 @@ def test_validator_killed_mid_run_the_other_takes_over(tmp_path, cheat):
             report = collect(store, time.time())
         cheat_id = swarm.peer_id("cheat")
         honest_id = swarm.peer_id("honest")
-        assert any(p["peer"] == cheat_id and p["reason"] in CHEATS[cheat] for p in report["penalties"]), report
+        penalised = {p["peer"] for p in report["penalties"] if p["reason"] in CHEATS[cheat]}
+        if cheat in FRESH_KEYS:  # the flood's keys pay, and each failed one leaves the fresh-identity pool
+            assert penalised - {cheat_id, honest_id}, report
+            assert trainer["quota"]["barred"] >= 1, trainer["quota"]
+        else:
+            assert cheat_id in penalised, report
         assert not any(p["peer"] == honest_id for p in report["penalties"]), report
