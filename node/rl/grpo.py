@@ -9,7 +9,7 @@ How this works:
    0 for every sample and the attention mask is block-diagonal causal, so a packed row computes the
    same log-probs as each sample alone (tested); padding wastes nothing but the row's tail.
 3. :func:`token_logprobs` runs the policy once per row: log softmax(logits / T) at each next token
-   and the entropy of that distribution.
+   and the entropy of that distribution (logits only at the scored positions).
 4. :func:`grpo_loss` is the token-level objective (every completion token weighs the same, as in
    INTELLECT-2 / DAPO, rather than a mean per sequence):
 
@@ -185,21 +185,49 @@ def packed_attention(batch: PackedBatch, attn_implementation: str | None, dtype:
     return {"position_ids": batch.position_ids, "attention_mask": batch.attention_mask(dtype)}
 
 
+# Config fields of heads that scale or cap the logits after the linear layer: such a model keeps
+# its own forward (all positions) rather than the decoder-then-head shortcut below.
+_HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _decoder_and_head(model):
+    """(decoder, linear head) when the causal LM is exactly ``head(decoder(...))`` (Llama/Qwen2-style,
+    as the proofs assume: node/proofs/capture.py), else (None, None)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    config = getattr(model, "config", None)
+    if not isinstance(head, torch.nn.Linear) or decoder is None or decoder is model:
+        return None, None
+    if any(getattr(config, name, None) not in (None, 0, 1, 1.0) for name in _HEAD_EXTRAS):
+        return None, None
+    return decoder, head
+
+
 def token_logprobs(model, batch: PackedBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logp (R, S), entropy (R, S)) of each target under softmax(logits / T); 0 where IGNORE."""
+    """(logp (R, S), entropy (R, S)) of each target under softmax(logits / T); 0 where IGNORE.
+
+    Logits are taken only where a token is scored: a (tokens, vocab) tensor and its backward are
+    most of a step's memory, and RL rows are mostly prompt (SmolLM2's 49,152-entry vocabulary over
+    ~110-token chat prompts with 8-token answers: 14x fewer rows of logits)."""
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     attn = {k: (v.to(dev) if v is not None else None) for k, v in packed_attention(batch, impl, dtype).items()}
-    out = model(input_ids=batch.input_ids.to(dev), use_cache=False, **attn)
-    # at least float32 for the softmax (bf16 logits lose the small log-probs); float64 stays float64
-    logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)) / temperature  # (R, S, V)
-    logp_all = torch.log_softmax(logits, dim=-1)
     tgt = batch.targets.to(dev)
-    logp = logp_all.gather(-1, tgt.clamp(min=0)[..., None]).squeeze(-1)  # (R, S)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (R, S)
-    keep = (tgt != IGNORE).float()
-    return logp * keep, entropy * keep
+    keep = tgt != IGNORE
+    decoder, head = _decoder_and_head(model)
+    if decoder is not None:
+        hidden = decoder(input_ids=batch.input_ids.to(dev), use_cache=False, **attn).last_hidden_state
+        logits = head(hidden[keep])  # (N, V)
+    else:
+        logits = model(input_ids=batch.input_ids.to(dev), use_cache=False, **attn).logits[keep]
+    # at least float32 for the softmax (bf16 logits lose the small log-probs); float64 stays float64
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    lp = logp_all.gather(-1, tgt[keep][:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    zeros = torch.zeros(keep.shape, dtype=lp.dtype, device=dev)
+    return zeros.masked_scatter(keep, lp), zeros.masked_scatter(keep, ent)
 
 
 @dataclass
