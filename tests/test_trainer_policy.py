@@ -71,3 +71,37 @@ def test_a_torn_state_write_leaves_the_old_state(tmp_path):
     policy, _ = Policy.open(tmp_path, "", CFG, TCFG)
     (tmp_path / (checkpoints.STATE + ".tmp")).write_bytes(b"half a pickle")  # crash mid-write
     assert Policy.open(tmp_path, "", CFG, TCFG)[0].step == 0
+
+
+def test_bfloat16_publishing_keeps_the_float32_master_across_a_restart(tmp_path):
+    """[trainer] publish_dtype = "bfloat16": the folders nodes fetch hold bfloat16 weights (half
+    the bytes) and say so, while the trainer goes on from its float32 weights, restart included."""
+    from dataclasses import replace
+
+    from node.engines.model import load_model
+
+    tcfg = replace(TCFG, publish_dtype="bfloat16")
+    straight, _ = Policy.open(tmp_path / "a", "", CFG, TCFG)
+    data = [samples_for(straight, seed) for seed in (1, 2)]
+    for b in data:
+        straight.train(b)
+
+    p, _ = Policy.open(tmp_path / "b", "", CFG, tcfg)
+    p.train(data[0])
+    p.save()
+    del p
+    resumed, _ = Policy.open(tmp_path / "b", "", CFG, tcfg)
+    resumed.train(data[1])
+    folder = resumed.save()
+    published = load_model(folder)  # dtype "auto": what a worker's engine loads
+    assert {t.dtype for t in published.state_dict().values() if t.is_floating_point()} == {torch.bfloat16}
+    for (k, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert a.dtype == torch.float32 and torch.equal(a, b), k
+        assert torch.equal(published.state_dict()[k], a.to(torch.bfloat16)), k
+
+
+def test_publish_dtype_is_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="publish_dtype"):
+        TrainerConfig(publish_dtype="int8").validate()

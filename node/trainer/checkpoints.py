@@ -76,13 +76,21 @@ def versions_on_disk(root: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in base.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
 
 
-def write_model_folder(root: Path, version: int, model, tokenizer, state_dict: dict | None = None) -> Path:
+def write_model_folder(root: Path, version: int, model, tokenizer, state_dict: dict | None = None,
+                       dtype: str = "auto") -> Path:
     """Save ``model`` + ``tokenizer`` as the HF folder of ``version`` atomically; returns its path.
 
     ``state_dict``: full weights to write instead of the model's own (a sharded model's gathered state).
+    ``dtype``: ``[trainer] publish_dtype``: the floating-point weights are written in it (and the
+    folder's config says so, so a loader's "auto" picks it); "auto" keeps them as they are.
     """
+    import torch
+
     from ..engines.model import portable_tokenizer_config, save_model_folder
 
+    cast = getattr(torch, dtype) if dtype != "auto" else None
+    if cast is not None:  # cast before the check: float16 overflows to infinity above 65,504
+        state_dict = _cast(state_dict if state_dict is not None else model.state_dict(), cast)
     bad = non_finite_tensors(state_dict if state_dict is not None else model.state_dict())
     if bad:
         raise NonFiniteCheckpoint(f"v{version}: not written, {len(bad)} tensors hold NaN or infinity "
@@ -97,12 +105,42 @@ def write_model_folder(root: Path, version: int, model, tokenizer, state_dict: d
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         portable_tokenizer_config(tmp)
+    if cast is not None:
+        _set_config_dtype(tmp, dtype)
     _fsync_tree(tmp)
     if final.exists():  # a crash after the rename but before state.pt: the same step is redone
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(final.parent)
     return final
+
+
+def _cast(state_dict: dict, dtype) -> dict:
+    """Floating tensors in ``dtype``; tensors that share storage (tied embeddings) still share it, so
+    the tie is saved once, as from the model itself (SmolLM2's lm_head would add 57 MB)."""
+    done: dict = {}
+    out = {}
+    for k, v in state_dict.items():
+        if not v.is_floating_point():
+            out[k] = v
+            continue
+        key = (v.data_ptr(), tuple(v.shape), tuple(v.stride()))
+        if key not in done:
+            done[key] = v.to(dtype)
+        out[k] = done[key]
+    return out
+
+
+def _set_config_dtype(folder: Path, dtype: str) -> None:
+    """Name ``dtype`` in the folder's config.json (transformers 5 reads ``dtype``, 4.x ``torch_dtype``)."""
+    import json
+
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["dtype"] = dtype
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def prune_model_folders(root: Path, keep: int, protect: set[int] = frozenset()) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEVICES_HINT = "auto | cpu | cuda | cuda:N"
+PUBLISH_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -51,6 +52,11 @@ class TrainerConfig:
     eval_threads: int = 1  # torch threads of the evaluation process
     # Rescored before the update, among the samples the version held generated: one forward each.
     mismatch_samples: int = 8  # samples per step scored for each engine's log-prob mismatch (node/rl/mismatch.py); 0 = off
+    # The weights of published checkpoints. The trainer trains float32 master weights and keeps them
+    # in its state either way; bfloat16 halves the bytes every node fetches, and with a small learning
+    # rate most bfloat16 values stay the same from one version to the next, so deltas are small
+    # (node/shards/delta.py). Workers and validators then run what they fetched ([inference] dtype).
+    publish_dtype: str = "auto"  # auto (float32, as trained) | bfloat16 | float16 | float32
 
     def pacing_target(self) -> int:
         """Pending batches at which back-pressure starts, or its cap when adaptive (node/trainer/pacing.py)."""
@@ -87,5 +93,7 @@ class TrainerConfig:
             raise ValueError("eval_every: 0 (off) or every how many published versions to evaluate")
         if not 1 <= self.eval_tasks <= 4096 or not 1 <= self.eval_threads <= 256:
             raise ValueError("eval_tasks: 1..4096; eval_threads: 1..256")
+        if self.publish_dtype not in PUBLISH_DTYPES:
+            raise ValueError(f"publish_dtype: one of {' | '.join(PUBLISH_DTYPES)}")
         if not 0 <= self.mismatch_samples <= self.max_step_samples:
             raise ValueError(f"mismatch_samples: 0 (off)..max_step_samples ({self.max_step_samples})")

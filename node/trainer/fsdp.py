@@ -290,7 +290,7 @@ class FSDPPolicy(Policy):
         folder = self.folder()
         if dist.get_rank() == 0:
             folder = checkpoints.write_model_folder(self.root, self.step, self.model, self.tokenizer,
-                                                    state_dict=state["model"])
+                                                    state_dict=state["model"], dtype=self.tcfg.publish_dtype)
             checkpoints.save_state(self.root, state)
             protect = {0} if self.cfg.kl_coef > 0 else set()
             checkpoints.prune_model_folders(self.root, self.tcfg.keep_checkpoints, protect=protect | {self.step})

@@ -215,7 +215,8 @@ class Policy:
 
     def save(self) -> Path:
         """Write the model folder of the current version, then the training state; returns the folder."""
-        folder = checkpoints.write_model_folder(self.root, self.step, self.model, self.tokenizer)
+        folder = checkpoints.write_model_folder(self.root, self.step, self.model, self.tokenizer,
+                                                dtype=self.tcfg.publish_dtype)
         checkpoints.save_state(self.root, self.state())
         protect = {0} if self.cfg.kl_coef > 0 else set()
         checkpoints.prune_model_folders(self.root, self.tcfg.keep_checkpoints, protect=protect | {self.step})
