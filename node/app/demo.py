@@ -98,12 +98,14 @@ max_digits = 1
 # The tiny model's settings that a 135 M model on a CPU outgrows: its learning rate (rl-local on this
 # task: at 1e-5 the entropy collapsed within 14 steps, greedy held-out 0.06 -> 0.11; at 3e-6
 # 0.13 -> 0.34 in 46 steps, docs/benchmarks.md); eight AdamW
-# mini-batch steps (its backward pass is most of a step: two, on at most 32 samples a step, since a
-# mini-batch is one forward pass: a step of 8 batches in one pass took the trainer to 20 GB and
-# the kernel killed it); a 30 s verification timeout (one batch took a busy validator ~25 s, and
-# 20 batches were reassigned as timed out).
+# mini-batch steps (its backward pass is most of a step: two, on at most 32 samples a step, as
+# rl-local's 4 prompts x 8 took); a 30 s verification timeout (one batch took a busy validator ~25 s, and
+# 20 batches were reassigned as timed out). Checkpoints are published in bfloat16 (273 MB, and a
+# step at this learning rate changes few bfloat16 values, so nodes fetch small deltas: 540 MB of
+# float32 a version took 15-41 s per node) and run in float32 by workers and validators alike.
 REAL_SETTINGS = (("[grpo]\n", "[grpo]\nlr = 3e-6\n"), ("optimizer_steps = 8", "optimizer_steps = 2"),
-                 ("[trainer]\n", "[trainer]\nmax_step_samples = 32\n"),
+                 ("[trainer]\n", "[trainer]\nmax_step_samples = 32\npublish_dtype = \"bfloat16\"\n"),
+                 ("[worker]\n", "[inference]\ndtype = \"float32\"\n\n[worker]\n"),
                  ("verify_timeout_s = 30.0", "verify_timeout_s = 300.0"))
 
 
