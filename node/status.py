@@ -26,7 +26,7 @@ from .health import ProgressWatch, State
 from .summary import NO_TRAINER_GRACE, SummaryClock
 from .status_files import IDLE_EVERY, NODE_FILE, STATUS_FILE, watched  # noqa: F401  (NODE_FILE re-exported)
 from .net.budget import StreamLimits
-from .net.reqres import messages, request_handler
+from .net.reqres import RequestResponse, messages
 from .wire import Message, RemoteProtocolError, bounded, read_message, register, write_frame
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,12 @@ def with_health(watch: ProgressWatch, snap: dict, now: float) -> dict:
     return {**head, "health": health.as_dict(), **{k: v for k, v in snap.items() if k != "health"}}
 
 
+# A busy node refuses more status streams ("busy") instead of queueing them: a person asks again.
+STATUS: RequestResponse = RequestResponse(STATUS_PROTOCOL, messages(StatusRequest, max_size=MAX_REQUEST),
+                                          messages(StatusResponse, max_size=MAX_STATUS + 1024), STATUS_TIMEOUT,
+                                          limits=STATUS_LIMITS, wait_for_slot=False)
+
+
 def status_handler(node: NodeContext):
     """``/swarm/status/1.0.0``: one StatusRequest in, one StatusResponse out, under the protocol's
     per-peer and total budget (node/net/budget.py): one peer holding its streams silent is cut and
@@ -107,10 +113,7 @@ def status_handler(node: NodeContext):
     async def answer(peer: str, req: StatusRequest) -> StatusResponse:
         return StatusResponse(json=json.dumps(snapshot(node)))
 
-    return request_handler(STATUS_PROTOCOL, messages(StatusRequest, max_size=MAX_REQUEST), answer,
-                           max_inflight=MAX_STATUS_REQUESTS, timeout=STATUS_TIMEOUT, wait_for_slot=False,
-                           limits=STATUS_LIMITS, streams=node.run.section("streams"), peers=node.peers,
-                           metrics=node.metrics)
+    return STATUS.handler(answer, streams=node.run.section("streams"), peers=node.peers, metrics=node.metrics)
 
 
 async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

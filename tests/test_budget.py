@@ -1,5 +1,5 @@
 """Inbound stream budgets: the pure accounting (node/net/budget.py) and its trio edge (node/net/reqres.py
-``Inbound`` / ``request_handler``) on in-memory streams under trio's MockClock, so every deadline
+``Inbound`` / ``RequestResponse.handler``) on in-memory streams under trio's MockClock, so every deadline
 is exact virtual time and nothing sleeps."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from node.net.budget import (
     limits,
 )
 from node.dbthread import StoreClosed
-from node.net.reqres import Inbound, Refused, raw, request_handler
+from node.net.reqres import Inbound, Refused, RequestResponse, raw
 from node.peers import Peers
 from node.peers.service import STALL_SOURCE
 from node.metrics import Metrics
@@ -211,7 +211,7 @@ async def test_streams_wait_for_a_slot_and_get_it_when_one_frees(autojump_clock)
     assert inbound.budget.served == 0 and inbound.budget.streams_of == {}
 
 
-async def test_request_handler_serves_an_honest_peer_while_another_hogs_its_share(autojump_clock):
+async def test_a_protocol_handler_serves_an_honest_peer_while_another_hogs_its_share(autojump_clock):
     """The attack on /swarm/status/1.0.0 in miniature: one peer's silent streams take only its
     share; an honest request is answered at once, before the hog's header deadline."""
     peers = peers_table()
@@ -222,8 +222,8 @@ async def test_request_handler_serves_an_honest_peer_while_another_hogs_its_shar
         answered.append((peer, trio.current_time()))
         return b"ok:" + data
 
-    handle = request_handler("/p", raw(100), answer, max_inflight=4, timeout=5.0, peers=peers, streams=cfg,
-                             limits=lim(), metrics=Metrics())
+    handle = RequestResponse("/p", raw(100), None, 5.0, limits=lim()).handler(answer, peers=peers, streams=cfg,
+                                                                             metrics=Metrics())
     async with trio.open_nursery() as nursery:
         hogs = []
         for _ in range(6):
@@ -280,8 +280,8 @@ async def test_a_request_met_by_a_closing_store_resets_the_stream_and_blames_no_
     async def answer(peer: str, data: bytes) -> bytes:
         raise StoreClosed("the store is closing: the node is stopping")
 
-    handle = request_handler("/p", raw(100), answer, max_inflight=4, timeout=5.0, peers=peers, limits=lim(),
-                             metrics=metrics, source="p")
+    handle = RequestResponse("/p", raw(100), None, 5.0, limits=lim(), source="p").handler(answer, peers=peers,
+                                                                                         metrics=metrics)
     client, server = pair("w")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(handle, _Named(server, "w"))

@@ -117,7 +117,7 @@ NEVER_STRUCK = {"stopping", "no-checkpoint"}
 
 def test_fault_is_what_was_struck_and_reported():
     # Every reason either set saw is classified as it was; "stalled" is a fault, struck by the
-    # stream budget itself (it never reaches request_handler's fault report).
+    # stream budget itself (it never reaches a protocol handler's fault report).
     was_not = WAS_NOT_STRIKES | WAS_NOT_FAULTS - {"stalled"}
     assert Refusal.STALLED.fault
     transient = {r.value for r in Refusal if r.transient}

@@ -39,7 +39,7 @@ from .. import __version__
 from ..context import NodeContext
 from ..fds import Rarely, out_of_files
 from ..net.budget import STALLED, StreamLimits
-from ..net.reqres import CallFailure, Inbound, Refused, call, close, messages, request_handler
+from ..net.reqres import CallFailure, Inbound, Refused, RequestResponse, call, close, messages
 from ..peers import FaultRule
 from ..wire import (
     MAX_FRAME,
@@ -139,6 +139,13 @@ class Prune(Message):
 class PingResult(Message):
     TYPE: ClassVar[str] = "member.ping-res"
     ok: bool = False
+
+
+# SWIM's ping-req for others and the prune notice, served a few at once ("busy" beyond: the asker
+# has other helpers); the deadlines follow [membership] indirect_timeout (set when served).
+PROBE: RequestResponse = RequestResponse(PROBE_PROTOCOL, messages(PingRequest, Prune, max_size=4096),
+                                         messages(PingResult, max_size=4096), MembershipConfig.indirect_timeout + DIAL_TIMEOUT + 2,
+                                         max_inflight=MAX_PROBE_REQS, wait_for_slot=False)
 
 
 def wall_ms() -> int:
@@ -416,9 +423,8 @@ class MembershipService:
     def probe_handler(self):
         """The ``PROBE_PROTOCOL`` stream handler: ping-reqs for others, and prune notices."""
         timeout = self.cfg.indirect_timeout + DIAL_TIMEOUT + 2
-        return request_handler(PROBE_PROTOCOL, messages(PingRequest, Prune, max_size=4096), self.handle_probe,
-                               max_inflight=MAX_PROBE_REQS, wait_for_slot=False, timeout=timeout,
-                               stream_timeout=timeout, peers=self.node.peers, metrics=self.node.metrics)
+        probe = replace(PROBE, timeout=timeout, stream_timeout=timeout)
+        return probe.handler(self.handle_probe, peers=self.node.peers, metrics=self.node.metrics)
 
     async def handle_probe(self, peer: str, req) -> PingResult | None:
         if isinstance(req, Prune):  # the peer is closing our connection on purpose
@@ -445,9 +451,8 @@ class MembershipService:
 
     async def call_indirect(self, helper: str, target: str, addrs: list[str], results: list[bool], scale: int) -> None:
         try:
-            res = await call(self.node.host, helper, PROBE_PROTOCOL, PingRequest(target=target, addrs=addrs[:MAX_ADDRS]),
-                             self.cfg.indirect_timeout * scale + DIAL_TIMEOUT + 1,
-                             reply=messages(PingResult, max_size=4096))
+            res = await PROBE.call(self.node.host, helper, PingRequest(target=target, addrs=addrs[:MAX_ADDRS]),
+                                   self.cfg.indirect_timeout * scale + DIAL_TIMEOUT + 1)
             results.append(res.ok)
         except CallFailure:
             results.append(False)

@@ -37,7 +37,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import trio
@@ -46,7 +46,7 @@ from libp2p.exceptions import BaseLibp2pError
 from .. import hashes
 from ..dbthread import DbThread
 from ..net.budget import StreamLimits
-from ..net.reqres import CallFailure, FailureKind, messages, open_call, request_handler
+from ..net.reqres import CallFailure, FailureKind, RequestResponse, messages, open_call
 from ..peers import FaultRule
 from ..wire import (
     MAX_FRAME,
@@ -152,6 +152,13 @@ class EvidenceReply(Message):
 
 
 # --------------------------------------------------------------------------------------------
+
+
+# A session is a SyncHello, then up to MAX_REQUESTS_PER_STREAM range or evidence requests, each
+# answered by the reply of its own type; its deadlines are [ledger] sync_timeout (set when served).
+SYNC: RequestResponse = RequestResponse(PROTOCOL, messages(SyncHello, RangeRequest, EvidenceRequest), None,
+                                        LedgerConfig.sync_timeout, limits=SYNC_LIMITS,
+                                        per_stream=1 + MAX_REQUESTS_PER_STREAM)
 
 
 @dataclass
@@ -622,11 +629,9 @@ class LedgerService:
 
     def sync_handler(self):
         """The stream handler answering sync sessions on ``/swarm/ledger/1.0.0``."""
-        return request_handler(PROTOCOL, messages(SyncHello, RangeRequest, EvidenceRequest), self._answer,
-                               max_inflight=MAX_SYNC_SESSIONS, timeout=self.config.sync_timeout,
-                               stream_timeout=self.config.sync_timeout, per_stream=1 + MAX_REQUESTS_PER_STREAM,
-                               on_fault=self._sync_fault, limits=SYNC_LIMITS, streams=self.node.run.section("streams"),
-                               peers=self.node.peers, metrics=self.node.metrics, source=PROTOCOL)
+        sync = replace(SYNC, timeout=self.config.sync_timeout, stream_timeout=self.config.sync_timeout)
+        return sync.handler(self._answer, on_fault=self._sync_fault, streams=self.node.run.section("streams"),
+                            peers=self.node.peers, metrics=self.node.metrics)
 
     def _sync_fault(self, peer: str, reason: str) -> None:
         if reason == "timeout":

@@ -13,9 +13,8 @@ How this works
   rate. A peer that misses a deadline holds a slot without sending: its stream is cut and it is
   struck through the peer table (``Peers.strike_stalled``). Protocols that read frames themselves
   (shards sessions) use :class:`Inbound` directly.
-* Server side, :func:`request_handler` (or :func:`serve_requests`, which installs one and runs
-  until cancelled) turns ``handler(peer, request) -> reply`` into a stream handler: at most
-  ``max_inflight`` streams at once, a share of them per peer (the others wait, or are refused as
+* Server side, :meth:`RequestResponse.handler` turns ``answer(peer, request) -> reply`` into a
+  stream handler: at most the budget's streams at once, a share of them per peer (the others wait, or are refused as
   "busy"), then up to ``per_stream`` exchanges of one length-prefixed frame in (the first header
   within ``[streams] header_timeout``, later ones within ``timeout``; decoded by the
   :class:`Codec`) and the handler's reply out (None: no reply, the stream ends).
@@ -63,7 +62,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 CLOSE_TIMEOUT = 1.0  # a close or reset of a stream the peer no longer reads from
 # Refusals that are nobody's fault (a stream that broke, a peer too slow, our own load): counted,
-# never reported to the peer table by request_handler (node/refusals.py; a stall is struck by Inbound).
+# never reported to the peer table by a protocol's handler (node/refusals.py; a stall is struck by Inbound).
 NOT_FAULTS = refusals.NOT_FAULTS
 STALL_WEIGHT = 10.0  # score points one stall costs (decaying, node/peers/table.py)
 
@@ -138,7 +137,7 @@ class RequestResponse(Generic[T, R]):
                 on_fault: Callable[[str, str], None] | None = None, peers=None, metrics=None,
                 streams: StreamsConfig | None = None) -> Callable[[object], Awaitable[None]]:
         """The stream handler serving this protocol with ``answer(peer, request) -> reply``
-        (:func:`request_handler` says what ``admit`` and ``on_fault`` do)."""
+        (:func:`_handler_of` says what ``admit`` and ``on_fault`` do)."""
         return _handler_of(self, answer, admit=admit, on_fault=on_fault, peers=peers, metrics=metrics, streams=streams)
 
     async def call(self, host, peer: str, request: Message | bytes, timeout: float | None = None, *,
@@ -311,44 +310,15 @@ class Frames:
 Handler = Callable[[str, T], Awaitable[Message | bytes | None]]
 
 
-def request_handler(
-    protocol: str,
-    codec: Codec[T],
-    handler: Handler,
-    *,
-    max_inflight: int,
-    timeout: float,
-    per_stream: int = 1,
-    stream_timeout: float | None = None,
-    wait_for_slot: bool = True,
-    admit: Callable[[str], str | None] | None = None,
-    on_fault: Callable[[str, str], None] | None = None,
-    peers=None,
-    metrics=None,
-    source: str | None = None,
-    limits: StreamLimits | None = None,
-    streams: StreamsConfig | None = None,
-) -> Callable[[object], Awaitable[None]]:
-    """The stream handler serving ``protocol`` (see the module docstring): the form of
-    :meth:`RequestResponse.handler` for protocols not yet written as one :class:`RequestResponse`.
-
-    ``admit(peer)`` may refuse a stream before anything is read (its reason is counted, the stream
-    reset). Remote faults and timeouts go to ``on_fault(peer, reason)``; by default they are counted
-    in ``metrics`` under ``source`` (the protocol) and reported to ``peers`` (node/peers) unless in
-    NOT_FAULTS. ``stream_timeout`` bounds a whole stream of ``per_stream`` exchanges. ``limits``
-    (default: ``max_inflight`` streams, a quarter per peer, one frame of ``codec.max_size`` per
-    stream) and ``streams`` (the ``[streams]`` deadlines) make the :class:`Inbound` budget; stalls
-    are struck through ``peers``. The handler's ``inbound`` attribute is that budget.
-    """
-    spec = RequestResponse(protocol, codec, None, timeout, max_inflight=max_inflight, limits=limits,
-                           per_stream=per_stream, stream_timeout=stream_timeout, wait_for_slot=wait_for_slot,
-                           source=source or "")
-    return _handler_of(spec, handler, admit=admit, on_fault=on_fault, peers=peers, metrics=metrics, streams=streams)
-
-
 def _handler_of(spec: RequestResponse, handler: Handler, *, admit: Callable[[str], str | None] | None,
                 on_fault: Callable[[str, str], None] | None, peers, metrics,
                 streams: StreamsConfig | None) -> Callable[[object], Awaitable[None]]:
+    """:meth:`RequestResponse.handler`: ``admit(peer)`` may refuse a stream before anything is read
+    (its reason is counted, the stream reset). Remote faults and timeouts go to ``on_fault(peer,
+    reason)``; by default they are counted in ``metrics`` under the protocol's source and reported to
+    ``peers`` (node/peers) unless in NOT_FAULTS. The budget and ``streams`` (the ``[streams]``
+    deadlines) make the :class:`Inbound`; stalls are struck through ``peers``. The handler's
+    ``inbound`` attribute is that budget."""
     protocol, codec, source, timeout = spec.protocol, spec.request, spec.source, spec.timeout
     inbound = Inbound(protocol, spec.budget(), config=streams, peers=peers, metrics=metrics, source=source)
 
@@ -409,15 +379,6 @@ def _handler_of(spec: RequestResponse, handler: Handler, *, admit: Callable[[str
 
     handle.inbound = inbound
     return handle
-
-
-async def serve_requests(host, protocol: str, codec: Codec[T], handler: Handler, *, max_inflight: int,
-                         timeout: float, task_status=trio.TASK_STATUS_IGNORED, **options) -> None:
-    """Answer ``protocol`` on ``host`` with ``handler`` until cancelled (options: :func:`request_handler`)."""
-    host.set_handler(protocol, request_handler(protocol, codec, handler, max_inflight=max_inflight,
-                                               timeout=timeout, **options))
-    task_status.started()
-    await trio.sleep_forever()
 
 
 # --------------------------------------------------------------------------------------------

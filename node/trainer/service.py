@@ -41,6 +41,7 @@ import functools
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import trio
@@ -50,7 +51,7 @@ from ..gossip.api import MembershipAPI
 from ..hashes import digest
 from ..ledger.api import LedgerAPI
 from ..net.budget import limits
-from ..net.reqres import CallFailure, FailureKind, raw, request_handler
+from ..net.reqres import CallFailure, FailureKind
 from ..peers import ActionKind, FaultRule
 from ..ledger.sync import LedgerError
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
@@ -58,9 +59,8 @@ from ..proofs.config import ProofsConfig
 from ..rl.grpo import NonFiniteStep, TrainSample
 from ..rl.mismatch import MismatchWindow
 from ..rollouts.config import WorkerConfig
-from ..rollouts.protocols import VERIFY
+from ..rollouts.protocols import MAX_BATCH_FRAME, ROLLOUTS, VERDICTS, VERIFY
 from ..rollouts.schema import (
-    MAX_BATCH_BYTES,
     ROLLOUTS_PROTOCOL,
     UNJUDGED_NO_CHECKPOINT,
     VERDICTS_PROTOCOL,
@@ -73,7 +73,7 @@ from ..rollouts.quota import QuotaBook, QuotaConfig, QuotaRefusal, accepted_batc
 from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
 from ..steptime import PhaseTimes
-from ..wire import MAX_FRAME, RemoteProtocolError
+from ..wire import RemoteProtocolError
 from .checkpoints import NonFiniteCheckpoint, check_finite_folder
 from .config import TrainerConfig
 from .evaluation import EvalBook, EvalRecord
@@ -96,14 +96,9 @@ from .spool import BatchState, Spool, StepRecord, open_spool
 
 log = logging.getLogger("node.trainer")
 
-SOURCE = "rollouts"  # metrics label of refused batches
-VERDICT_SOURCE = "verdicts"
-MAX_INTAKE_FRAME = min(MAX_FRAME, MAX_BATCH_BYTES)  # a batch must also fit one frame to a validator
-MAX_VERDICT_FRAME = 1024 * 1024
-READ_TIMEOUT = 30.0  # seconds a peer may take to send its frame
+SOURCE = ROLLOUTS.source  # metrics label of refused batches, fault source in the peer table
+VERDICT_SOURCE = VERDICTS.source
 SEND_TIMEOUT = 30.0  # seconds to hand a batch to a validator and get its ack
-MAX_FRAMES_PER_STREAM = 256  # verdict frames on one stream before we close it (bounded work)
-MAX_VERDICT_STREAMS = 16  # verdict streams served at once (validators are few; others wait)
 LEDGER_CHUNK = 32  # ledger entries written per wake-up
 GATE_TICK = 1.0  # seconds between gate passes when nothing happens
 STATUS_STEPS = 200  # reward-curve points in status (longer runs are averaged into this many buckets)
@@ -357,12 +352,9 @@ class Trainer:
     def rollouts_handler(self):
         """``/swarm/rollouts/1.0.0``: one batch frame in, one ack frame out."""
         total = self.tcfg.max_concurrent_intake
-        return request_handler(ROLLOUTS_PROTOCOL, raw(MAX_INTAKE_FRAME), self._answer_rollouts,
-                               max_inflight=total, timeout=READ_TIMEOUT,
-                               admit=self._admit_rollouts, on_fault=self._rollouts_fault, source=SOURCE,
-                               limits=limits(total, MAX_INTAKE_FRAME, per_peer=self.tcfg.max_intake_per_peer),
-                               streams=self.node.run.section("streams"), peers=self.node.peers,
-                               metrics=self.node.metrics)
+        intake = replace(ROLLOUTS, limits=limits(total, MAX_BATCH_FRAME, per_peer=self.tcfg.max_intake_per_peer))
+        return intake.handler(self._answer_rollouts, admit=self._admit_rollouts, on_fault=self._rollouts_fault,
+                              streams=self.node.run.section("streams"), peers=self.node.peers, metrics=self.node.metrics)
 
     # ------------------------------------------------------------------ validator gate
 
@@ -376,11 +368,8 @@ class Trainer:
 
     def verdicts_handler(self):
         """``/swarm/verdicts/1.0.0``: signed verdict frames from a validator, one ack each."""
-        return request_handler(VERDICTS_PROTOCOL, raw(MAX_VERDICT_FRAME), self._answer_verdict,
-                               max_inflight=MAX_VERDICT_STREAMS, timeout=READ_TIMEOUT,
-                               per_stream=MAX_FRAMES_PER_STREAM, on_fault=self._verdicts_fault,
-                               source=VERDICT_SOURCE, streams=self.node.run.section("streams"),
-                               peers=self.node.peers, metrics=self.node.metrics)
+        return VERDICTS.handler(self._answer_verdict, on_fault=self._verdicts_fault, streams=self.node.run.section("streams"),
+                                peers=self.node.peers, metrics=self.node.metrics)
 
     async def on_verdict_bytes(self, data: bytes) -> tuple[bytes, bool, str]:
         """Check and apply one verdict; (batch id, recorded?, reason)."""

@@ -51,13 +51,12 @@ from ..ledger.api import LedgerAPI
 from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
 from ..ledger.sync import LedgerError
-from ..net.budget import limits
-from ..net.reqres import CallFailure, FailureKind, open_call, raw, request_handler
+from ..net.reqres import CallFailure, FailureKind, open_call
 from ..proofs.config import ProofsConfig
 from ..proofs.margins import ProofMargins
 from ..refusals import Refusal
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
-from ..rollouts.ack import ACK_CODEC
+from ..rollouts.protocols import VERDICTS, VERIFY
 from ..rollouts.schema import (
     DOMAIN_VERDICT,
     UNJUDGED_NO_CHECKPOINT,
@@ -98,12 +97,7 @@ log = logging.getLogger("node.validator")
 
 SOURCE = "validator"  # metrics label of rejections counted here
 ZERO_ID = bytes(32)
-READ_TIMEOUT = 30.0  # seconds a trainer has to send its batch frame
 ACK_TIMEOUT = 30.0  # seconds a trainer has to acknowledge a verdict frame
-MAX_VERIFY_STREAMS = 16  # batches read from trainers at once (trainers are few; others wait)
-# ... of which one trainer may hold: only trainers of the run are admitted, and a trainer hands
-# over batches in bursts, so its share is large, but never all (node/net/budget.py).
-MAX_VERIFY_PER_TRAINER = 12
 DELIVER_PER_STREAM = 64  # verdict frames sent on one delivery stream before it is closed
 BEHIND_FRACTION = 0.8  # queue fill at which status says "behind"
 LEDGER_STEP_MAX = 2**32  # the ledger's verdict body bounds the step
@@ -200,10 +194,8 @@ class ValidatorService:
 
     def verify_handler(self):
         """``/swarm/verify/1.0.0``: one signed batch from a trainer, one RolloutAck back."""
-        return request_handler(VERIFY_PROTOCOL, raw(MAX_FRAME), self._answer_verify, max_inflight=MAX_VERIFY_STREAMS,
-                               timeout=READ_TIMEOUT, admit=self._admit_verify, peers=self.node.peers,
-                               metrics=self.node.metrics, streams=self.node.run.section("streams"),
-                               limits=limits(MAX_VERIFY_STREAMS, MAX_FRAME, per_peer=MAX_VERIFY_PER_TRAINER))
+        return VERIFY.handler(self._answer_verify, admit=self._admit_verify, streams=self.node.run.section("streams"),
+                              peers=self.node.peers, metrics=self.node.metrics)
 
     def _admit_verify(self, peer: str) -> str | None:
         return None if peer in self.trainers else "not-trainer"
@@ -458,9 +450,9 @@ class ValidatorService:
         queue = self.pending[trainer]
         items = list(queue.items())[:DELIVER_PER_STREAM]
         try:
-            async with open_call(self.node.host, trainer, VERDICTS_PROTOCOL, peers=self.node.peers) as caller:
+            async with open_call(self.node.host, trainer, VERDICTS.protocol, peers=self.node.peers) as caller:
                 for batch_id, verdict in items:
-                    ack = await caller.ask(verdict, ACK_CODEC, ACK_TIMEOUT)
+                    ack = await caller.ask(verdict, VERDICTS.reply, ACK_TIMEOUT)
                     if ack.batch_id != batch_id and ack.batch_id != ZERO_ID:
                         raise caller.garbage("wrong-ack", ack.batch_id.hex()[:12])
                     if not ack.accepted and ack.reason:
