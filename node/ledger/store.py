@@ -58,6 +58,11 @@ class LedgerStoreError(DataDirError):
     """The database cannot be used (another run's database, unreadable file): an operator problem."""
 
 
+class StoreFull(LedgerStoreError):
+    """A commit found the disk full: nothing of it was written, and it can be tried again once there is
+    room (bench/soak.py's disk-full event: the error killed an inference node)."""
+
+
 class LedgerStore:
     """Accepted entries and evidence on disk; one per node.
 
@@ -126,9 +131,11 @@ class LedgerStore:
                 [(ev.author, ev.fork_seq, ev.a.raw, ev.b.raw) for ev in evidence],
             )
             self._db.execute("COMMIT")
-        except BaseException:
+        except BaseException as e:
             if self._db.in_transaction:
                 self._db.execute("ROLLBACK")
+            if isinstance(e, sqlite3.OperationalError) and e.sqlite_errorcode == sqlite3.SQLITE_FULL:
+                raise StoreFull(f"ledger database {self.path}: the disk is full") from None
             raise
 
     def truncate(self, author: str, from_seq: int) -> int:

@@ -72,7 +72,7 @@ from .entries import (
     make_entry,
     parse_entry,
 )
-from .store import LedgerStore, open_ledger_store, rebuild
+from .store import LedgerStore, StoreFull, open_ledger_store, rebuild
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,10 @@ class LedgerService:
         self.accepted: collections.Counter = collections.Counter()  # source -> entries accepted
         self._append_lock = trio.Lock()
         self._committing = 0  # entries of the ingest batch whose commit is in flight
+        # Entries and evidence the replica took in that a full disk kept out of the store; committed
+        # before anything else once there is room (bounded by the replica they are part of).
+        self._unstored: list[SignedEntry] = []
+        self._unstored_evidence: list[Evidence] = []
         self._store_lock = trio.Lock()  # check -> commit -> apply (or a range read) without interleaving
         self.db = DbThread()  # the store's writes, off the event loop
         self._validated: collections.OrderedDict[bytes, SignedEntry] = collections.OrderedDict()
@@ -263,7 +267,10 @@ class LedgerService:
                 if decision.outcome is not Outcome.ACCEPT:
                     raise LedgerError(f"cannot append {body.TYPE}: {decision.reason or decision.outcome.value}")
                 # Durable before anyone can see it.
-                await self.db.run(functools.partial(self.store.commit, [se], durable=True))
+                try:
+                    await self.db.run(functools.partial(self.store.commit, [se], durable=True))
+                except StoreFull as e:
+                    raise LedgerError(f"cannot append {body.TYPE}: {e}") from None
                 self.ledger.apply(decision)
             self._list_bans([se], self.now_ms())
             self._m_accepted.labels(source="local").inc()
@@ -350,7 +357,7 @@ class LedgerService:
 
     def stored_entries(self) -> int:
         """Entries in the replica that are also in the database (not the batch being committed)."""
-        return len(self.ledger) - self._committing
+        return len(self.ledger) - self._committing - len(self._unstored)
 
     def status(self) -> dict:
         """For ``swarm-node status``."""
@@ -415,7 +422,7 @@ class LedgerService:
         # still hold them; anti-entropy brings them back). Status counts only stored entries.
         self._committing = len(pending)
         try:
-            await self.db.run(self.store.commit, pending, evidence)
+            await self._store(pending, evidence)
         finally:
             self._committing = 0
         self._list_bans(pending, now)
@@ -425,9 +432,26 @@ class LedgerService:
         self._update_gauges()
         return report
 
+    async def _store(self, entries: list[SignedEntry], evidence: list[Evidence]) -> None:
+        """Commit what the replica took in, after anything a full disk held back. On a full disk the
+        node keeps running: all of it stays in memory until a later commit finds room (a restart
+        before then loses it from this replica; peers hold it and anti-entropy brings it back)."""
+        entries, evidence = self._unstored + entries, self._unstored_evidence + evidence
+        try:
+            await self.db.run(self.store.commit, entries, evidence)
+        except StoreFull as e:
+            if not self._unstored and not self._unstored_evidence:
+                log.warning("ledger: %s: entries are kept in memory until there is room", e)
+            self._unstored, self._unstored_evidence = entries, evidence
+            return
+        if self._unstored or self._unstored_evidence:
+            log.info("ledger: %d entries held back by a full disk are stored", len(self._unstored))
+        self._unstored, self._unstored_evidence = [], []
+
     def _evidence_for(self, decision: Decision, pending: dict[tuple[str, int], SignedEntry]) -> Evidence:
         se = decision.entry
-        ours = pending.get((se.author, decision.conflict_seq))
+        key = (se.author, decision.conflict_seq)
+        ours = pending.get(key) or next((u for u in self._unstored if (u.author, u.seq) == key), None)
         if ours is None:
             raw = self.store.get(se.author, decision.conflict_seq)
             if raw is None:
@@ -450,7 +474,7 @@ class LedgerService:
         except RemoteProtocolError as e:
             self._reject(source, e.reason)
             return False
-        await self.db.run(self.store.commit, [], [ev])
+        await self._store([], [ev])
         log.warning("ledger: %s equivocated at seq %d (evidence from %s)", ev.author, ev.fork_seq, source)
         self._update_gauges()
         return True

@@ -1,0 +1,92 @@
+"""A node whose disk fills up keeps running and gets back to work once there is room again
+(bench/soak.py's disk-full event: an inference node died of ``sqlite3.OperationalError: database or
+disk is full`` in its ledger store's commit when its data dir's tmpfs filled)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from node.app.demo import TINY_TASK, node_env
+from node.app.localswarm import LocalSwarm
+from node.ledger.sync import LedgerError
+from test_ledger_sync import TRAINER, WORKER, connect, ledger, open_ledger_node, rollouts
+from waiting import wait_for
+
+DISK_MB = 64
+UNLIMITED_PAGES = 1073741823  # SQLite's largest max_page_count
+
+
+async def test_a_full_disk_keeps_gossiped_entries_in_memory_and_stores_them_once_there_is_room(tmp_path):
+    async with open_ledger_node(tmp_path, "t", TRAINER) as t, open_ledger_node(tmp_path, "w", WORKER) as w:
+        await connect(t, w)
+        await ledger(t).append(rollouts(1))
+        await wait_for(lambda: ledger(w).digest() == ledger(t).digest())
+        # The worker's database may not grow by a page: SQLite answers SQLITE_FULL, as on a full disk.
+        db = ledger(w).store._db
+        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+        for i in range(40):
+            await ledger(t).append(rollouts(i + 2))
+        await wait_for(lambda: ledger(w).digest() == ledger(t).digest())  # its replica follows in memory
+        assert w.status["ledger"]()["entries"] < 41
+        with pytest.raises(LedgerError, match="disk is full"):  # its own entries are refused, not lost silently
+            ledger(w).note_received(TRAINER.peer_id, b"m" * 32, 5000)
+            await ledger(w).flush_receipts()
+        db.execute(f"PRAGMA max_page_count = {UNLIMITED_PAGES}")
+        await ledger(t).append(rollouts(99))
+        await wait_for(lambda: w.status["ledger"]()["entries"] == 42)
+    async with open_ledger_node(tmp_path, "w", WORKER) as w:
+        assert len(ledger(w).ledger) == 42  # all of it on disk
+
+
+def fill(folder: Path) -> None:
+    """A ballast file as large as ``folder``'s file system lets it be (bounded by DISK_MB)."""
+    with open(folder / "ballast", "wb") as f:
+        for _ in range(DISK_MB + 1):
+            try:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+            except OSError:
+                return
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root (a small tmpfs as the worker's data dir)")
+    where = tmp_path / "worker"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(where)], check=True)
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def acked(sw: LocalSwarm) -> int:
+    return ((sw.status("worker").get("inference") or {}).get("batches") or {}).get("accepted", 0)
+
+
+@pytest.mark.slow
+def test_a_worker_with_a_full_disk_stays_up_and_works_again_when_space_is_back(tmp_path, tmpfs):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with LocalSwarm(tmp_path, log_dir=logs, extra_env=node_env(1)) as sw:
+        sw.write_run_file(f'[run]\nname = "disk"\ntrainers = ["{sw.peer_id("trainer")}"]\n\n{TINY_TASK}')
+        sw.start("relay", "relay")
+        sw.start("trainer", "trainer")
+        sw.start("worker", "inference")
+        explain = lambda: sw.tail("worker") + "\n" + sw.tail("trainer")  # noqa: E731
+        sw.wait_until(lambda: acked(sw) >= 1, timeout=300, explain=explain)
+        fill(tmpfs)
+        step = (sw.status("trainer").get("trainer") or {}).get("step") or 0
+        # Two new versions published while the disk is full: the worker tries to fetch them.
+        sw.wait_until(lambda: ((sw.status("trainer").get("trainer") or {}).get("step") or 0) >= step + 2,
+                      timeout=300, explain=explain)
+        sw.wait_until(lambda: (sw.status("worker").get("shards") or {}).get("held") is not None, timeout=60)
+        assert sw.procs["worker"].alive(), sw.tail("worker", 80)
+        (tmpfs / "ballast").unlink()
+        before = acked(sw)
+        sw.wait_until(lambda: acked(sw) > before, timeout=300, explain=explain)
+        assert sw.procs["worker"].alive(), sw.tail("worker", 80)
