@@ -62,6 +62,17 @@ class StatusResponse(Message):
     json: str = bounded(max_len=MAX_STATUS)
 
 
+def trio_tasks() -> int:
+    """Tasks alive in this trio run, counted from the root task down: a leak shows as growth
+    (bench/soak.py samples it over hours)."""
+    todo, count = [trio.lowlevel.current_root_task()], 0
+    while todo:
+        task = todo.pop()
+        count += 1
+        todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+    return count
+
+
 def snapshot(node: NodeContext, *, stopped: bool = False) -> dict:
     out = {
         "peer_id": node.peer_id,
@@ -72,6 +83,7 @@ def snapshot(node: NodeContext, *, stopped: bool = False) -> dict:
         "addrs": node.host.listen_addrs(),
         "traffic": node.metrics.totals(),
         "handler_errors": {f"{p}/{e}": n for (p, e), n in node.host.handler_errors.counts.items()},
+        "tasks": trio_tasks(),
         "streams": {p: inbound.budget.snapshot() for p, inbound in node.host.inbound.items()},
         # Who the run file names, so a page can say "trainer 12D3…" instead of a bare peer id.
         "run_roles": {**{p: "validator" for p in node.run.validators}, **{p: "trainer" for p in node.run.trainers}},
