@@ -93,7 +93,10 @@ class GossipParams:
     gossip_threshold: float = -50.0
     publish_threshold: float = -80.0
     accept_px_threshold: float = -10.0
-    eclipse_protection: bool = True  # graft peers of other IPs into a mesh on fewer than 3 (py-libp2p's eclipse guard)
+    # py-libp2p's eclipse guard grafts peers of other IPs into a mesh on fewer than 3. Off: in 0.8.1
+    # its grafts ignore prune backoff, so a lone peer of a new IP that prunes us is grafted again every
+    # heartbeat, which gossipsub v1.1 peers score as misbehaviour (read in its code, not measured).
+    eclipse_protection: bool = False
 
 
 def to_libp2p_keypair(identity: Identity) -> KeyPair:
@@ -371,8 +374,7 @@ async def open_swarm_host(
         prune_back_off=gossip.prune_back_off,
         score_params=_score_params(gossip, lambda peer_id: swarm_host.app_score(peer_id)),
         # It refuses no one: it grafts peers of new IPs into a mesh on fewer than 3 and prunes an
-        # over-represented IP first. On loopback every peer has one IP, so it has nothing to do
-        # there and tests need not turn it off (tests/test_gossip_eclipse.py).
+        # over-represented IP first; on loopback it has nothing to do (tests/test_gossip_eclipse.py).
         eclipse_protection_enabled=gossip.eclipse_protection,
         # Its rate limit (10 messages a second per forwarder and topic) counts our own publishes and a
         # relay's honest forwarding of many authors alike: a trainer's burst of ledger entries lost
