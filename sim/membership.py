@@ -43,14 +43,13 @@ from node.gossip.membership import (
     next_seq,
 )
 from node.gossip.records import Accusation, Goodbye, PeerRecord
-from node.gossip.service import DIAL_TIMEOUT, HOUSEKEEPING, SYNC_BATCH, TICK
+from node.gossip.service import CONNECTION_PERIOD, DIAL_TIMEOUT, HOUSEKEEPING, SYNC_BATCH, TICK
 
 from .events import Simulation
 from .network import Endpoint, Network
 
 RUN = "sim"
 EPOCH_S = 1.8e9  # the simulated nodes' wall clock at virtual time 0 (seqs are wall-clock ms)
-CONNECTION_LOOP = 2.0  # seconds between connection manager plans (service.py's connection_loop)
 MESH_D, MESH_LO, MESH_HI = 6, 4, 12  # gossipsub mesh degree bounds (gossipsub v1.1 defaults)
 HEARTBEAT = 1.0  # gossipsub heartbeat, seconds
 SEEN_TTL = 120.0  # gossipsub seen-message cache, seconds
@@ -349,7 +348,7 @@ class SimNode:
         now = self.swarm.sim.now
         m = self.table.members.get(peer)
         addrs = list(m.record.addrs) if m else ([self.swarm.address_of(peer)] if peer in self.bootstrap else [])
-        ready = [a for a in addrs if self.backoff.try_dial(a, now)]
+        ready = self.backoff.reserve(addrs, now)
         if not ready:
             self.swarm.sim.after(0.0, done, False)
             return
@@ -409,14 +408,14 @@ class SimNode:
             self.table.on_record(r, now, source, exchange=True)
         self.sync.on_synced()
 
-    # ------------------------------------------------------------------ connections (service.py's connection_loop)
+    # ------------------------------------------------------------------ connections (service.py's serve_connections)
 
     def connection_loop(self) -> None:
         if not self.running:
             return
-        net, now, cfg = self.swarm.net, self.swarm.sim.now, self.swarm.config
+        net, now = self.swarm.net, self.swarm.sim.now
         connected = net.connected(self.pid)
-        if self.bootstrap and not (connected & set(self.bootstrap)) and len(connected) < cfg.conn_low:
+        if self.conn.needs_bootstrap(connected, set(self.bootstrap)):
             for b in self.bootstrap:
                 net.dial(self.pid, b, _noop)
         alive = {pid: self.table.members[pid].record.role for pid in self.table.alive()}
@@ -426,7 +425,7 @@ class SimNode:
             self.dial_member(p)
         for p in plan.prune:
             self.prune(p)
-        self.swarm.sim.after(CONNECTION_LOOP, self.connection_loop)
+        self.swarm.sim.after(CONNECTION_PERIOD, self.connection_loop)
 
     def dial_member(self, peer: str) -> None:
         def done(ok: bool) -> None:

@@ -120,3 +120,31 @@ def test_the_real_member_table_converges_and_declares_a_killed_node_dead_in_time
     assert all(n.table.state_of(leaver.pid) is MemberState.LEFT for n in others)
     assert swarm.view_floor(0) == (1.0, 0)
     assert not [s for s in swarm.counters.suspicions if s[3]]  # nobody live was suspected
+
+
+def test_the_simulated_node_takes_its_connection_decisions_from_the_real_pure_module(monkeypatch):
+    """sim/ must drive node/gossip/connections.py, not a copy of its rules (issue 46 item 1): the
+    bootstrap redial and the per-address dial backoff are the real ones, at the service's period."""
+    from node.gossip import connections
+    from node.gossip.service import CONNECTION_PERIOD
+
+    calls: dict[str, list[float]] = {"needs_bootstrap": [], "reserve": []}
+    real_needs, real_reserve = connections.ConnectionManager.needs_bootstrap, connections.AddressBackoff.reserve
+
+    def needs(self, connected, bootstrap):
+        calls["needs_bootstrap"].append(swarm.sim.now)
+        return real_needs(self, connected, bootstrap)
+
+    def reserve(self, addrs, now):
+        calls["reserve"].append(now)
+        return real_reserve(self, addrs, now)
+
+    monkeypatch.setattr(connections.ConnectionManager, "needs_bootstrap", needs)
+    monkeypatch.setattr(connections.AddressBackoff, "reserve", reserve)
+    swarm = Swarm(seed=5, profile=Profile(nat=0.3))
+    for i in range(8):
+        swarm.spawn(bootstrap=i == 0)
+    swarm.sim.run(10 * CONNECTION_PERIOD)
+    assert swarm.view_floor(0)[0] == 1.0 and calls["reserve"]  # members were dialled through the backoff
+    # Every node asks at every period once its loops run: 8 nodes, about 10 periods each.
+    assert 8 * 8 <= len(calls["needs_bootstrap"]) <= 8 * 11
