@@ -44,7 +44,7 @@ from node.ledger.entries import (
     make_entry,
 )
 from node.ledger.store import open_ledger_store
-from node.ledger.sync import LedgerService, serve_ledger
+from node.ledger.service import LedgerService, serve_ledger
 from node.wire import Envelope, decode_as
 from quick import parse_args  # bench/, the script's own folder
 

@@ -46,7 +46,7 @@ Route = Callable[[], tuple[str, bytes]]
 
 class LedgerTotals(Protocol):
     def totals(self) -> dict[str, dict[str, int]]:
-        """Contribution totals per peer id (node.ledger.sync.LedgerService)."""
+        """Contribution totals per peer id (node.ledger.service.LedgerService)."""
 
 
 def page_html() -> bytes:

@@ -271,7 +271,7 @@ def member_rows(status: dict) -> dict[str, dict]:
 async def test_relay_survives_floods_bloat_and_garbage(swarm):
     from node.gossip.records import DOMAIN_DEAD, DOMAIN_RECORD, DOMAIN_SUSPECT, Accusation, PeerRecord
     from node.gossip.service import PROBE_PROTOCOL, PingRequest, PingResult
-    from node.ledger.sync import PROTOCOL as LEDGER_PROTOCOL, SYNC_LIMITS
+    from node.ledger.service import PROTOCOL as LEDGER_PROTOCOL, SYNC_LIMITS
     from node.net.reqres import call, messages
     from node.shards.protocol import PROTOCOL as SHARDS_PROTOCOL
     from node.shards.service import GARBAGE_SOURCE

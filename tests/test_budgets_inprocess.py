@@ -24,7 +24,7 @@ from waiting import wait_for
 
 from node.config import RunConfig
 from node.identity import load_or_create_identity
-from node.ledger.sync import PROTOCOL as LEDGER_PROTOCOL, SYNC_LIMITS
+from node.ledger.service import PROTOCOL as LEDGER_PROTOCOL, SYNC_LIMITS
 from node.net.budget import PEER_BYTES, PEER_STREAMS
 from node.peers.service import STALL_SOURCE
 from node.net.reqres import Codec, call

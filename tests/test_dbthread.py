@@ -25,7 +25,7 @@ from node.identity import Identity
 from node.ledger.config import LedgerConfig
 from node.ledger.entries import RolloutsJudged
 from node.ledger.store import open_ledger_store
-from node.ledger.sync import LedgerService
+from node.ledger.service import LedgerService
 from node.rl.config import GRPOConfig
 from node.rollouts.schema import open_batch
 from node.trainer.config import TrainerConfig

@@ -50,7 +50,7 @@ from node.context import NodeContext
 from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.ledger.entries import Penalty, ReceiptItem, Receipts, RolloutsJudged
-from node.ledger.sync import serve_ledger
+from node.ledger.service import serve_ledger
 from libp2p.peer.id import ID
 
 args = json.loads(sys.argv[1])

@@ -24,7 +24,7 @@ from node.ledger.entries import (
 )
 from node.dbthread import StoreClosed
 from node.ledger.store import LedgerStore, open_ledger_store
-from node.ledger.sync import (
+from node.ledger.service import (
     PROTOCOL,
     LedgerError,
     LedgerService,
@@ -302,7 +302,7 @@ async def test_entries_past_a_fork_cost_only_the_equivocator_gossip_score(tmp_pa
     from libp2p.peer.id import ID
 
     from node.ledger.config import LedgerConfig
-    from node.ledger.sync import LedgerService
+    from node.ledger.service import LedgerService
 
     first = make_entry(TRAINER, RUN, 1, GENESIS, 1, rollouts(1))
     x = make_entry(TRAINER, RUN, 2, first.hash, 2, rollouts(10))
@@ -322,7 +322,7 @@ async def test_entries_past_a_fork_cost_only_the_equivocator_gossip_score(tmp_pa
 
 def test_note_received_refuses_impossible_receipts(tmp_path):
     from node.ledger.config import LedgerConfig
-    from node.ledger.sync import LedgerService
+    from node.ledger.service import LedgerService
 
     config = NodeConfig(data_dir=str(tmp_path), run=run_config())
     node = NodeContext(config, WORKER, host=None, data_dir=tmp_path)

@@ -404,7 +404,7 @@ async def test_ingest_refuses_and_never_stores_over_quota_entries_and_scores_the
     """Through the ledger service and its SQLite store: the flood is refused at ingest, not stored,
     and a sync peer that serves such entries (after we took its trusted authors' entries) loses score."""
     from node.ledger.store import open_ledger_store
-    from node.ledger.sync import PROTOCOL, LedgerService
+    from node.ledger.service import PROTOCOL, LedgerService
 
     metrics = Metrics()
     run = RunConfig(name=RUN, trainers=[TRAINER.peer_id], validators=[VALIDATOR.peer_id])
@@ -431,7 +431,7 @@ async def test_ingest_refuses_and_never_stores_over_quota_entries_and_scores_the
 
 async def test_own_receipts_stop_at_the_allowance_instead_of_failing(tmp_path: Path):
     from node.ledger.store import open_ledger_store
-    from node.ledger.sync import LedgerService
+    from node.ledger.service import LedgerService
 
     metrics = Metrics()
     run = RunConfig(name=RUN, trainers=[TRAINER.peer_id], validators=[VALIDATOR.peer_id])

@@ -1,4 +1,4 @@
-"""What other services may ask of the ledger (:class:`node.ledger.sync.LedgerService` is the real one).
+"""What other services may ask of the ledger (:class:`node.ledger.service.LedgerService` is the real one).
 
 A ``typing.Protocol`` so unit tests can hand a service a small fake instead of a running ledger.
 """

@@ -24,7 +24,7 @@ from ..context import NodeContext, RunningNode
 from ..gossip.service import Membership, serve_membership
 from ..net.host import PING_PROTOCOL, open_swarm_host
 from ..identity import load_or_create_identity
-from ..ledger.sync import LedgerService, serve_ledger
+from ..ledger.service import LedgerService, serve_ledger
 from ..net.reqres import ping_handler
 from ..peers import serve_peers
 from ..net.dialback import ReachabilityService, serve_dialback

@@ -273,7 +273,7 @@ class ShardsService:
 
     def credit(self, peer: str, root: bytes, nbytes: int) -> None:
         """``peer`` supplied ``nbytes`` of a piece that verified: count it and tell the ledger,
-        which batches these into signed receipts that credit the peer (node/ledger/sync.py)."""
+        which batches these into signed receipts that credit the peer (node/ledger/service.py)."""
         key = (peer, root.hex())
         self._receipts[key] = self._receipts.pop(key, 0) + nbytes
         while len(self._receipts) > MAX_RECEIPT_PAIRS:

@@ -96,7 +96,7 @@ def same_files(a: Path, b: Path) -> bool:
 
 @dataclass
 class ReceiptLog:
-    """The ledger's receipt intake (node/ledger/sync.py: note_received), recorded: the ledger a
+    """The ledger's receipt intake (node/ledger/service.py: note_received), recorded: the ledger a
     shards node without a ledger service credits."""
 
     received: dict[tuple[str, bytes], list[int]] = field(default_factory=dict)  # -> [bytes, pieces]

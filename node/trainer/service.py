@@ -53,7 +53,7 @@ from ..ledger.api import LedgerAPI
 from ..net.budget import limits
 from ..net.reqres import CallFailure, FailureKind
 from ..peers import ActionKind, FaultRule
-from ..ledger.sync import LedgerError
+from ..ledger.service import LedgerError
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 from ..proofs.config import ProofsConfig
 from ..rl.grpo import NonFiniteStep, TrainSample
