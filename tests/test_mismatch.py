@@ -160,3 +160,12 @@ async def test_a_trainer_reports_each_engines_mismatch_in_status_and_metrics(tmp
         metrics = tnode.metrics.render().decode()
         assert 'swarm_trainer_mismatch_kl_by_engine{engine="vllm"}' in metrics
         assert 'swarm_trainer_logprob_beyond_tolerance_fraction{engine="torch"} 0.0' in metrics
+
+
+def test_status_keeps_the_figures_of_engines_that_agree_to_a_millionth():
+    """float32 engines differ by ~1e-6 in a log-prob and ~1e-12 in KL: status keeps significant digits."""
+    w = MismatchWindow()
+    w.add({"vllm": figures(3.14159e-12, max_abs=1.23456e-6)})
+    s = w.status()["vllm"]
+    assert s["mean_kl"] == pytest.approx(3.142e-12, rel=1e-9) and s["max_abs"] == pytest.approx(1.235e-6, rel=1e-9)
+    assert figures(2.5e-9).figures()["kl"] == pytest.approx(2.5e-9)

@@ -32,6 +32,11 @@ from .losses import mismatch_kl
 
 # prime-rl's bar for admitting an inference setup: mismatch KL below this over 20 steps.
 PRIME_RL_ADMISSION_KL = 0.015
+FIGURE_DIGITS = 4  # significant digits in status (float32 engines agree to ~1e-6: decimals would show 0)
+
+
+def significant(x: float) -> float:
+    return float(f"{x:.{FIGURE_DIGITS}g}")
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,8 @@ class EngineMismatch:
     max_sample_mean: float  # largest mean |Δ log-prob| of one sample (the validator bounds it too)
 
     def figures(self) -> dict:
-        """Rounded, for status."""
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        """For status, to :data:`FIGURE_DIGITS` significant digits."""
+        return {k: (significant(v) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
 def engine_mismatch(trainer: Sequence[torch.Tensor], engine: Sequence[torch.Tensor], engines: Sequence[str],
@@ -138,10 +143,11 @@ class MismatchWindow:
             kls = [m.kl for m in ms]
             tokens = sum(m.tokens for m in ms)
             mean = sum(kls) / len(kls)
-            out[name] = {"steps": len(ms), "tokens": tokens, "mean_kl": round(mean, 6), "max_kl": round(max(kls), 6),
-                         "beyond": round(sum(m.beyond * m.tokens for m in ms) / tokens, 6),
-                         "max_abs": round(max(m.max_abs for m in ms), 6),
-                         "max_sample_mean": round(max(m.max_sample_mean for m in ms), 6),
+            out[name] = {"steps": len(ms), "tokens": tokens, "mean_kl": significant(mean),
+                         "max_kl": significant(max(kls)),
+                         "beyond": significant(sum(m.beyond * m.tokens for m in ms) / tokens),
+                         "max_abs": significant(max(m.max_abs for m in ms)),
+                         "max_sample_mean": significant(max(m.max_sample_mean for m in ms)),
                          # None until there are as many steps as the admission looks over
                          "admitted": mean < PRIME_RL_ADMISSION_KL if len(ms) >= self.steps else None}
         return out
