@@ -26,7 +26,7 @@ expired, pending; ``lost`` is acked but in no state), the recovery time of each 
 node's own progress counter moves: trainer step, acked batches, verdicts, relay connections),
 RSS / fds / threads / SQLite size with their slope after warm-up, steps per minute and the reward
 of the first and last 10 steps, every ERROR and traceback of the node logs by kind. A PNG of memory
-and steps over time and the raw samples (samples.jsonl) go to the run's folder.
+and steps over time, the raw samples (samples.jsonl) and the node logs (logs/) go to the run's folder.
 
 The baseline is the fault-free swarm: the rate of the first ``FIRST_EVENT_S`` seconds (steps per
 minute) against the rest of the run, printed as a ratio last.
@@ -71,6 +71,7 @@ PORT = 4001  # every node's port, on its namespace's own address
 MBIT = 1000  # each namespace's upload cap: not the bottleneck, a real link all the same
 SAMPLE_S = 5.0  # seconds between two samples of every node
 WARMUP_S = 300.0  # resource slopes are fitted after this much of a process's life (less in short runs)
+RESOURCES = ("rss_mb", "fds", "threads", "tasks", "sqlite_mb")  # sampled per process; slopes fitted
 STOP_WAIT_S = 30.0  # a node that has not exited this long after SIGTERM is a finding, then killed
 DIGEST_WAIT_S = 120.0  # how long the end waits for the replicas' digests to agree
 BRIDGE_IP = "10.77.0.254"  # this process's address on the bridge (the hostile peer dials from it)
@@ -174,12 +175,16 @@ def fill_disk(data_dir: Path) -> int:
     return written
 
 
-def hostile_burst(target: str, run_name: str, seconds: float = 30.0) -> dict:
+def hostile_burst(target: str, run_name: str, seconds: float) -> dict:
     """tests/hostile.py's peer at ``target`` (a multiaddr) for ``seconds``: 16 silent rollout streams,
     20 frames announcing 1 GiB, garbage on the members topic. What it saw, for the report."""
+    import logging
+
     import trio
 
     from hostile import frame, open_hostile
+
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # the attacker's own dial errors are no finding
     from node.rollouts.schema import ROLLOUTS_PROTOCOL
 
     seen = {"connected": False, "raw_answers": 0}
@@ -196,9 +201,7 @@ def hostile_burst(target: str, run_name: str, seconds: float = 30.0) -> dict:
                             seen["raw_answers"] += 1
                     for _ in range(20):
                         n.start_soon(raw)
-                    topic = f"/swarm/{run_name}/members/1"
-                    await mallory.host.pubsub.subscribe(topic)
-                    await mallory.publish_raw(topic, [os.urandom(200) for _ in range(60)])
+                    await mallory.publish_raw(f"/swarm/{run_name}/members/1", [os.urandom(200) for _ in range(60)])
             seen["failed_streams"] = mallory.failed
 
     try:
@@ -266,7 +269,8 @@ class Soak:
 
     def __init__(self, root: Path, minutes: float, seed: int, nets, schedule: list) -> None:
         self.root, self.seconds, self.seed = root, minutes * 60.0, seed
-        self.swarm = SoakSwarm(root, nets, log_level="info", extra_env=node_env(DEMO_THREADS))
+        (root / "logs").mkdir(parents=True, exist_ok=True)  # not in the data dirs: one of them fills up
+        self.swarm = SoakSwarm(root, nets, log_level="info", extra_env=node_env(DEMO_THREADS), log_dir=root / "logs")
         self.cuts = Partitions(self.swarm) if nets is not None else None
         self.disk = nets is not None  # a tmpfs needs root, as the namespaces do
         self.schedule = schedule
@@ -276,6 +280,8 @@ class Soak:
         self.rows: dict[bytes, SpoolRow] = {}
         self.results: list[dict] = []  # one per event: what was done, when it was back
         self.findings: list[str] = []  # what went wrong that the schedule did not inject
+        self.starting: dict[str, int] = {}  # node -> pid of a process started but not yet ready
+        self.ready_at: dict[int, float] = {}  # pid -> when its node.json appeared (it listens, its services run)
         self.t0 = 0.0
         self.out = open(root / "samples.jsonl", "w")
 
@@ -313,6 +319,7 @@ class Soak:
             if self.now() >= next_sample:
                 self.sample()
                 next_sample = self.now() + SAMPLE_S
+            self.watch_starting()
             time.sleep(0.2)
 
     def begin(self, event) -> dict | None:
@@ -328,7 +335,8 @@ class Soak:
             else:
                 sw.kill(name, signal.SIGKILL)
             sw.restart(name, wait=0)
-            rec.update(pid_before=pid, back_at=self.now())
+            self.started(name)
+            rec.update(pid_before=pid, pid_after=sw.procs[name].pid, back_at=self.now())
             return None
         if event.kind in (PARTITION, PARTITION_GROUP):
             self.cuts.cut(event.targets)
@@ -347,16 +355,19 @@ class Soak:
             sw.gone.add(name)
             new = rest[0]
             sw.launch(new)
-            rec.update(node=new, pid_before=-1, back_at=self.now(), gone=name)
+            self.started(new)
+            rec.update(node=new, pid_before=-1, pid_after=sw.procs[new].pid, back_at=self.now(), gone=name)
             return None
         if event.kind == LATE_JOIN:
             sw.launch(name)
-            rec.update(pid_before=-1, back_at=self.now())
+            self.started(name)
+            rec.update(pid_before=-1, pid_after=sw.procs[name].pid, back_at=self.now())
             return None
         if event.kind == HOSTILE:
             rec.update(pid_before=sw.procs[name].pid)
             target = sw.addr_of(name)
-            thread = threading.Thread(target=lambda: rec.update(hostile=hostile_burst(target, "demo")), daemon=True)
+            thread = threading.Thread(target=lambda: rec.update(hostile=hostile_burst(target, "demo", event.hold)),
+                                      daemon=True)
             thread.start()
             rec["thread"] = thread
             return rec
@@ -374,9 +385,28 @@ class Soak:
             if not sw.procs[name].alive():
                 self.findings.append(f"{name} exited while its disk was full (t={self.now():.0f}s): restarted")
                 sw.restart(name, wait=0)
-        elif event.kind == HOSTILE:
-            rec.pop("thread").join(timeout=60.0)
+                self.started(name)
+        elif event.kind == HOSTILE:  # the burst ends itself after the hold; finish() joins a late one
+            rec["thread"].join(timeout=5.0)
+            if not rec["thread"].is_alive():
+                del rec["thread"]
         rec["back_at"] = self.now()
+
+    def started(self, name: str) -> None:
+        self.starting[name] = self.swarm.procs[name].pid
+
+    def watch_starting(self) -> None:
+        """Note when each process started since the last tick wrote its node.json (it is ready)."""
+        for name, pid in list(self.starting.items()):
+            proc = self.swarm.procs[name]
+            try:
+                ready = json.loads((proc.data_dir / NODE_FILE).read_text()).get("pid") == pid
+            except (OSError, ValueError):
+                ready = False
+            if ready or proc.pid != pid or not proc.alive():
+                del self.starting[name]
+            if ready:
+                self.ready_at[pid] = self.now()
 
     def stop(self, name: str) -> float:
         """SIGTERM ``name`` and wait for it to exit; seconds it took (a finding past STOP_WAIT_S: killed)."""
@@ -397,7 +427,7 @@ class Soak:
                 continue
             st = self.swarm.status(name, wait=0.5)
             row = {"t": t, "node": name, "pid": proc.pid, **(proc_figures(proc.pid) or {}),
-                   "sqlite_mb": round(sqlite_mb(proc.data_dir), 3),
+                   "sqlite_mb": round(sqlite_mb(proc.data_dir), 3), "tasks": st.get("tasks"),
                    "progress": progress(proc.role, st) if st else None,  # {}: no status yet
                    "digest": (st.get("ledger") or {}).get("digest")}
             if row["progress"] is not None:
@@ -440,12 +470,14 @@ class Soak:
             if "back_at" in rec:
                 took = recovery_s(self.series[rec["node"]], rec["pid_before"], rec["back_at"])
                 rec["recovery_s"] = None if took is None else round(took, 1)
+                if rec.get("pid_after") in self.ready_at:  # a new process: how much of that was its start-up
+                    rec["ready_s"] = round(self.ready_at[rec["pid_after"]] - rec["back_at"], 1)
         workers = {sw.peer_id(n): n for n, p in sw.procs.items() if p.role == "inference"}
         ledger = account({pid: self.acks.acked(pid) for pid in workers}, self.rows)
         warmup = min(WARMUP_S, self.seconds / 4)
         resources = {}
         for name in sw.procs:
-            mine = [s for s in self.samples if s["node"] == name and "rss_mb" in s]
+            mine = [s for s in self.samples if s["node"] == name and "rss_mb" in s and s["tasks"] is not None]
             if not mine:
                 continue
             pid = Counter(s["pid"] for s in mine).most_common(1)[0][0]  # its longest-lived process
@@ -453,9 +485,8 @@ class Soak:
             t0 = life[0]["t"]
             resources[name] = {
                 "restarts": len({s["pid"] for s in mine}) - 1,
-                **{f"{k}_last": life[-1][k] for k in ("rss_mb", "fds", "threads", "sqlite_mb")},
-                **{f"{k}_per_h": slope_per_hour([(s["t"] - t0, s[k]) for s in life], warmup)
-                   for k in ("rss_mb", "fds", "threads", "sqlite_mb")},
+                **{f"{k}_last": life[-1][k] for k in RESOURCES},
+                **{f"{k}_per_h": slope_per_hour([(s["t"] - t0, s[k]) for s in life], warmup) for k in RESOURCES},
             }
         errors = {name: count_errors(p.log_path.read_text(errors="replace").splitlines())
                   for name, p in sw.procs.items() if p.log_path and p.log_path.exists()}
@@ -475,10 +506,12 @@ def steps_per_minute(step_t: list[tuple[float, int]], start: float, end: float) 
 
 def print_report(r: dict) -> None:
     print(f"\nsoak: seed {r['seed']}, {r['minutes']:.0f} min")
-    print("\nfaults and recovery (seconds until the node's own progress moved: step, acked batch, verdict, connection)")
+    print("\nfaults and recovery: seconds from the restart, heal or SIGCONT until the node's own progress moved\n"
+          "(trainer step, acked batch, verdict, relay connection); a new process's start-up in brackets")
     for e in r["events"]:
         rec = e.get("recovery_s")
-        extra = f" SIGTERM exit {e['stop_s']} s" if "stop_s" in e else ""
+        extra = f" (ready after {e['ready_s']} s)" if "ready_s" in e else ""
+        extra += f" SIGTERM exit {e['stop_s']} s" if "stop_s" in e else ""
         extra += f" hostile saw {e['hostile']}" if "hostile" in e else ""
         print(f"  {e['event']:<55} {'never' if rec is None and 'back_at' in e else rec} {extra}")
     print("\nacked batches (workers' count, summed over restarts) against the trainer's spool")
@@ -489,13 +522,15 @@ def print_report(r: dict) -> None:
     lost = sum(a["lost"] for a in r["accounting"].values())
     print(f"  lost (acked, in no state of the spool): {lost}")
     print("\nresources (last value; slope per hour of the longest-lived process after warm-up)")
-    print(f"  {'node':<13} {'restarts':>8} {'RSS MB':>8} {'MB/h':>7} {'fds':>5} {'fds/h':>7} {'thr':>4} {'thr/h':>6} {'sqlite MB':>10} {'MB/h':>7}")
+    print(f"  {'node':<13} {'restarts':>8} {'RSS MB':>8} {'MB/h':>7} {'fds':>5} {'fds/h':>7} {'thr':>4} {'thr/h':>6} "
+          f"{'tasks':>6} {'tasks/h':>8} {'sqlite MB':>10} {'MB/h':>7}")
 
     def f(x, spec=".1f"):
         return "-" if x is None else format(x, spec)
     for n, s in r["resources"].items():
         print(f"  {n:<13} {s['restarts']:>8} {f(s['rss_mb_last']):>8} {f(s['rss_mb_per_h']):>7} {s['fds_last']:>5} "
-              f"{f(s['fds_per_h']):>7} {s['threads_last']:>4} {f(s['threads_per_h']):>6} {f(s['sqlite_mb_last'], '.2f'):>10} "
+              f"{f(s['fds_per_h']):>7} {s['threads_last']:>4} {f(s['threads_per_h']):>6} {s['tasks_last']:>6} "
+              f"{f(s['tasks_per_h']):>8} {f(s['sqlite_mb_last'], '.2f'):>10} "
               f"{f(s['sqlite_mb_per_h'], '.2f'):>7}")
     print("\nERROR lines and tracebacks in the node logs, by kind")
     total = Counter()
@@ -503,6 +538,9 @@ def print_report(r: dict) -> None:
         total.update(c)
     for kind, k in total.most_common(25) or [("(none)", 0)]:
         print(f"  {k:>5}  {kind}")
+    print("  per node: " + ", ".join(
+        f"{n} {sum(v for k, v in c.items() if k.startswith('ERROR'))}/{sum(v for k, v in c.items() if k.startswith('traceback'))}"
+        for n, c in r["errors"].items()) + " (ERROR lines / tracebacks)")
     curve = [[s, m] for s, m in r["reward"]]
     ratio = reward_ratio(curve)
     if ratio:

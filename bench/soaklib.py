@@ -3,7 +3,7 @@
 How this works: :func:`make_schedule` turns a seed, a duration and the starting node names into
 the list of faults the soak injects, one every ``GAP_S`` (30-90 s), in rounds of a seeded order that each cover every
 kind once (kill -9 once per role, the trainer included); a node is
-never hit while an earlier fault on it still holds, and the last fault ends ``QUIET_TAIL_S`` before
+not hit again until ``SETTLE_S`` after its last fault ended, and the last fault ends ``QUIET_TAIL_S`` before
 the run does so that the ledger replicas have time to agree. The rest are small functions over what
 the soak sampled: acked batches against what the trainer's spool did with them
 (:func:`account`), when each node was back to work after its fault (:func:`recovery_s`), the slope
@@ -22,6 +22,8 @@ GAP_S = (30.0, 90.0)  # seconds between two faults (issue 45)
 PARTITION_S = (30.0, 120.0)  # how long a partition lasts before it heals
 SIGSTOP_S = 60.0  # a validator silent this long
 DISK_FULL_S = 45.0  # a node's data disk full this long
+HOSTILE_S = 30.0  # a burst of hostile traffic lasts this long
+SETTLE_S = 60.0  # a node is left alone this long after its fault ends, so that its recovery is its own
 QUIET_TAIL_S = 120.0  # no fault holds in the run's last this many seconds: 60 s for the digests, and slack
 FIRST_EVENT_S = 60.0  # the swarm's first steps before anything breaks (model loads, first checkpoint)
 
@@ -38,7 +40,7 @@ class Event:
     at: float  # seconds after the swarm is up
     kind: str
     targets: tuple[str, ...]  # the nodes it hits; for relay-replace (gone, new); late-join the new node
-    hold: float = 0.0  # seconds the fault lasts (partition, SIGSTOP, disk full); 0: at once
+    hold: float = 0.0  # seconds the fault lasts (partition, SIGSTOP, disk full, hostile burst); 0: at once
 
     def describe(self) -> str:
         hold = f" for {self.hold:.0f} s" if self.hold else ""
@@ -105,6 +107,7 @@ def make_schedule(seed: int, seconds: float, nodes: list[str], *, disk_node: str
             late += 1
             targets = (f"inference-{late}",)
         elif kind == HOSTILE:
+            hold = HOSTILE_S
             name = pick("trainer")
             targets = (name,) if name else ()
         if t + hold > seconds - QUIET_TAIL_S:
@@ -118,11 +121,13 @@ def make_schedule(seed: int, seconds: float, nodes: list[str], *, disk_node: str
             if kind == RELAY_REPLACE:
                 live.remove(targets[0])
                 live.append(targets[1])
+                busy[targets[1]] = t + SETTLE_S
             elif kind == LATE_JOIN:
                 live.append(targets[0])
+                busy[targets[0]] = t + SETTLE_S
             else:
                 for n in targets:
-                    busy[n] = t + hold
+                    busy[n] = t + hold + SETTLE_S
         t, misses = t + round(rng.uniform(*GAP_S)), 0
     return events
 
@@ -206,7 +211,18 @@ def slope_per_hour(points: list[tuple[float, float]], warmup_s: float) -> float 
 
 _ERROR = re.compile(r"^\S+ (ERRO|CRIT) \S+ ([\w.]+): (.*)$")
 _LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d")  # node/log.py's text lines begin with the time
-_NUMBERS = re.compile(r"0x[0-9a-f]+|[0-9a-f]{8,}|\d+(\.\d+)?")
+_VARIABLE = (  # what differs between two lines of one kind: peer ids, addresses, hashes, numbers
+    (re.compile(r"\b12D3KooW[1-9A-HJ-NP-Za-km-z]+"), "<peer>"),
+    (re.compile(r"\b\d+\.\d+\.\d+\.\d+(:\d+)?"), "<addr>"),
+    (re.compile(r"\b0x[0-9a-f]+\b|\b[0-9a-f]{8,}\b"), "<hex>"),
+    (re.compile(r"\b\d+(\.\d+)?\b"), "N"),
+)
+
+
+def _blanked(message: str) -> str:
+    for pattern, name in _VARIABLE:
+        message = pattern.sub(name, message)
+    return message
 
 
 def _exception_type(text: str) -> str | None:
@@ -216,7 +232,8 @@ def _exception_type(text: str) -> str | None:
 
 
 def count_errors(lines: list[str]) -> Counter:
-    """ERROR lines and tracebacks of a node log, by kind: ``ERROR <logger>: <message, numbers blanked>``
+    """ERROR lines and tracebacks of a node log, by kind: ``ERROR <logger>: <message, peers, addresses
+    and numbers blanked>``
     (cut to 80 characters) and ``traceback <type>`` (the type a traceback ends with; an exception
     group as ``traceback ExceptionGroup[<leaf types>]``; ``(cut off)`` when the log goes on
     without one, as a killed process leaves it)."""
@@ -246,5 +263,5 @@ def count_errors(lines: list[str]) -> Counter:
         elif line.lstrip().startswith("+ Exception Group Traceback"):
             state, types = "group", []
         elif m := _ERROR.match(line):
-            kinds[f"ERROR {m.group(2)}: {_NUMBERS.sub('N', m.group(3))[:80]}"] += 1
+            kinds[f"ERROR {m.group(2)}: {_blanked(m.group(3))[:80]}"] += 1
     return kinds
