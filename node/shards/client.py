@@ -34,6 +34,7 @@ from ..hashes import digest
 from ..net.host import widen_receive_window
 from ..wire import TRANSPORT_FAILURES, LocalProtocolError, Message, RemoteProtocolError, frame_of, write_frame
 from .config import ShardsConfig
+from .peering import session_to_end, sessions_to_open
 from .picker import Actions, Picker, PickerParams
 from .protocol import (
     BUSY,
@@ -154,27 +155,20 @@ class Download:
             self.done.set()
 
     def _connect_new(self, now: float) -> None:
-        # With more connected peers than max_peers, the first ones in py-libp2p's order got every
-        # session: at N = 24 most downloaders had none with the seed, whose every piece then went
-        # to the 3-5 that did. The announcer (the trainer, for a fresh version) comes first, then
-        # the peers downloading this version from us (see _make_room), the rest in a random order
-        # so that downloaders spread over different peers.
+        """Open sessions to the peers :func:`sessions_to_open` chooses (node/shards/peering.py says
+        why in that order), and free a slot when a peer downloading from us waits for one."""
         announced = self.owner.announced.get(self.vs.version)
         source = announced[1] if announced is not None and announced[0] == self.root else None
         served = self.owner.downloaders_of(self.root)
-        peers = self.owner.host.direct_peers()
-        self.owner.rng.shuffle(peers)
-        peers.sort(key=lambda p: (p != source, p not in served))  # stable: the shuffle stands behind
-        for peer in peers:
-            if peer in self.sessions or not self._may_dial(peer, now):
-                continue
-            if len(self.sessions) >= self.owner.cfg.max_peers:
-                if peer in served:
-                    self._make_room(served, source)
-                return
+        opened, waiting = sessions_to_open(self.owner.host.direct_peers(), self.sessions, source, served,
+                                           self.owner.cfg.max_peers, lambda p: self._may_dial(p, now),
+                                           self.owner.rng)
+        for peer in opened:
             self.refused[peer] = now  # until it answers; cleared on a good session
             self.sessions[peer] = None  # type: ignore[assignment]  # reserved while dialing
             self._nursery.start_soon(self._session, peer)
+        if waiting:
+            self._make_room(served, source)
 
     def _may_dial(self, peer: str, now: float) -> bool:
         if self.owner.is_banned(peer, now):
@@ -182,18 +176,12 @@ class Download:
         return now - self.refused.get(peer, -math.inf) >= self.backoff.get(peer, RETRY_PEER_AFTER)
 
     def _make_room(self, served: set[str], source: str | None) -> None:
-        """Every slot is taken and a peer downloading from us waits for one: end the session to a
-        peer that does not download from us, so that sessions pair up. Sessions carry blocks one
-        way, so a node's upload works only for the peers that chose it: drawn at random, a few
-        downloaders at N = 24 were chosen by 1-5 others and sent 10-25 MiB where the rest sent
-        25-35. Paired, every node is a source of as many peers as it downloads from, and it knows
-        what they hold (have suppression, ShardsService.on_piece_verified). Kept: the announcer
-        and peers holding every piece, which upload to whoever asks; of the rest, the one with
-        the fewest requests in flight. One per rescan; the pairs only grow, so this settles."""
-        one_way = [p for p, sess in self.sessions.items()
-                   if sess is not None and p != source and p not in served and not self.picker.holds_all(p)]
-        if one_way:
-            self._end_session(min(one_way, key=self.picker.in_flight))
+        """Every slot is taken and a peer downloading from us waits for one: end the session
+        :func:`session_to_end` chooses, so that sessions pair up (node/shards/peering.py)."""
+        held = [p for p, sess in self.sessions.items() if sess is not None]
+        peer = session_to_end(held, source, served, self.picker.holds_all, self.picker.in_flight)
+        if peer is not None:
+            self._end_session(peer)
 
     async def _session(self, peer: str) -> None:
         sess: ClientSession | None = None

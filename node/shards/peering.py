@@ -1,0 +1,63 @@
+"""Which peers a download opens transfer sessions to, and which session it ends to make room.
+
+Pure: the download (client.py) passes in the peers it could use, the sessions it holds, what it
+knows of each peer, and the service's random source; these functions return the choices. Moved out
+of :class:`node.shards.client.Download` so that the simulator (sim/shards.py, issue 46) drives the
+same choices on a thousand simulated peers.
+
+Why this order: with more connected peers than ``max_peers``, the first ones in py-libp2p's order
+got every session: at N = 24 most downloaders had none with the seed, whose every piece then went to
+the 3-5 that did. The announcer (the trainer, for a fresh version) comes first, then the peers
+downloading this version from us, the rest in a random order so that downloaders spread over
+different peers.
+
+Why make room: sessions carry blocks one way, so a node's upload works only for the peers that
+chose it: drawn at random, a few downloaders at N = 24 were chosen by 1-5 others and sent 10-25 MiB
+where the rest sent 25-35. When every slot is taken and a peer downloading from us waits for one,
+the session to a peer that does not download from us ends, so that sessions pair up: every node is
+a source of as many peers as it downloads from, and it knows what they hold (have suppression).
+Kept: the announcer and peers holding every piece, which upload to whoever asks; of the rest, the
+one with the fewest requests in flight. One per rescan; the pairs only grow, so this settles.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Collection, Iterable
+
+
+def sessions_to_open(
+    peers: Iterable[str],
+    sessions: Collection[str],
+    source: str | None,
+    served: Collection[str],
+    max_peers: int,
+    may_dial: Callable[[str], bool],
+    rng: random.Random,
+) -> tuple[list[str], bool]:
+    """Peers to open a session to now (``sessions``: those held or being opened), and whether a
+    peer downloading from us (``served``) waits for a slot, so that one should be freed."""
+    order = list(peers)
+    rng.shuffle(order)
+    order.sort(key=lambda p: (p != source, p not in served))  # stable: the shuffle stands behind
+    opened: list[str] = []
+    for peer in order:
+        if peer in sessions or not may_dial(peer):
+            continue
+        if len(sessions) + len(opened) >= max_peers:
+            return opened, peer in served
+        opened.append(peer)
+    return opened, False
+
+
+def session_to_end(
+    sessions: Iterable[str],
+    source: str | None,
+    served: Collection[str],
+    holds_all: Callable[[str], bool],
+    in_flight: Callable[[str], int],
+) -> str | None:
+    """The open session to end to make room: one-way (not a peer downloading from us), neither the
+    announcer nor a peer holding every piece; of those, the one with the fewest requests in flight."""
+    one_way = [p for p in sessions if p != source and p not in served and not holds_all(p)]
+    return min(one_way, key=in_flight) if one_way else None

@@ -1,0 +1,40 @@
+"""Which peers a download opens sessions to, and which it ends to make room (node/shards/peering.py)."""
+
+from __future__ import annotations
+
+import random
+
+from node.shards.peering import session_to_end, sessions_to_open
+
+PEERS = [f"p{i}" for i in range(12)]
+
+
+def test_the_announcer_comes_first_then_peers_downloading_from_us_then_the_rest_at_random():
+    served = {"p3", "p7"}
+    firsts = set()
+    for seed in range(20):
+        opened, waiting = sessions_to_open(PEERS, set(), "p9", served, 4, lambda p: True, random.Random(seed))
+        assert opened[0] == "p9" and set(opened[1:3]) == served and not waiting
+        firsts.add(opened[3])
+    assert len(firsts) > 3  # the fourth slot goes to different peers in different downloads
+
+
+def test_held_sessions_and_peers_not_to_dial_are_skipped_and_slots_are_never_exceeded():
+    held = {"p0", "p1"}
+    opened, _ = sessions_to_open(PEERS, held, None, set(), 5, lambda p: p != "p2", random.Random(1))
+    assert len(opened) == 3 and not set(opened) & (held | {"p2"})
+
+
+def test_a_peer_downloading_from_us_that_finds_every_slot_taken_asks_for_room_another_does_not():
+    held = {"p0", "p1"}
+    assert sessions_to_open(PEERS, held, None, {"p5"}, 2, lambda p: True, random.Random(0)) == ([], True)
+    assert sessions_to_open(PEERS, held, None, set(), 2, lambda p: True, random.Random(0)) == ([], False)
+    assert sessions_to_open(PEERS, held, None, {"p0"}, 2, lambda p: True, random.Random(0)) == ([], False)
+
+
+def test_room_is_made_by_ending_a_one_way_session_with_the_fewest_requests_in_flight():
+    in_flight = {"src": 0, "seed": 0, "mutual": 0, "a": 5, "b": 2, "c": 9}.get
+    holds_all = {"seed"}.__contains__
+    sessions = ["src", "seed", "mutual", "a", "b", "c"]
+    assert session_to_end(sessions, "src", {"mutual"}, holds_all, in_flight) == "b"
+    assert session_to_end(["src", "seed", "mutual"], "src", {"mutual"}, holds_all, in_flight) is None
