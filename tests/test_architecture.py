@@ -273,6 +273,32 @@ def adversary_imports(imports: dict[str, list[tuple[str, int]]]) -> list[str]:
             for name, line in imports[m] if _within(name, "node.adversary")]
 
 
+# The role services reach the running components through what they are handed: the component's
+# api.py (its Protocol and the errors it raises), its config.py, and the shared contracts named here
+# (the ledger's entry bodies, which LedgerAPI.append takes; the finite check every published
+# checkpoint folder passes, node/shards/finite.py). Never a component's service, nor one of its pure
+# internals such as the gossip record's bounds: issue 44 found the trainer importing LedgerError from
+# the ledger's service and MAX_VERSIONS from gossip/records.py. The roles' ``cli`` modules are
+# offline commands that read a store read-only (as the ledger's own does): app code, not services.
+ROLE_SERVICES = ("trainer", "validator", "inference")
+SERVICE_COMPONENTS = ("gossip", "shards", "ledger")
+CONTRACTS = ("node.ledger.entries", "node.shards.finite")
+
+
+def component_internals(imports: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """Imports by the role services of a component's modules other than its api, config and contracts."""
+    return [f"{m}:{line} imports {name}" for m in sorted(imports)
+            if _top(m) in ROLE_SERVICES and not m.endswith(".cli")
+            for name, line in imports[m] if name.startswith("node.") and _top(name) in SERVICE_COMPONENTS
+            and name not in (f"node.{_top(name)}.api", f"node.{_top(name)}.config") + CONTRACTS]
+
+
+def test_role_services_use_only_the_components_apis():
+    """Type-only imports included."""
+    assert component_internals({m: imports_of(m, type_only=True) for m in MODULES}) == []
+    assert "node.ledger.api" in {name for name, _ in IMPORTS["node.trainer.service"]}  # what they may
+
+
 def test_components_never_import_the_adversary():
     """Type-only imports included: a cheat's type has no business in a component either."""
     assert adversary_imports({m: imports_of(m, type_only=True) for m in MODULES}) == []
@@ -287,6 +313,10 @@ def test_components_never_import_the_adversary():
     (adversary_imports, "node.inference.service", ("from ..adversary.generator import make_generator",
                                                    "from .. import adversary"),
      ("node.adversary.generator", "node.adversary")),
+    # issue 44's two imports by trainer/service.py: the ledger's error from its service, a gossip bound
+    (component_internals, "node.trainer.service", ("from ..ledger.service import LedgerError",
+                                                   "from ..gossip.records import MAX_VERSIONS"),
+     ("node.ledger.service", "node.gossip.records")),
 ])
 def test_the_import_rules_find_planted_imports(tmp_path, monkeypatch, rule, module, planted, caught):
     """Planted as lazy imports in a copy of ``module``, each is caught on its own line."""

@@ -23,10 +23,10 @@ from node.ledger.entries import (
     parse_entry,
 )
 from node.dbthread import StoreClosed
+from node.ledger.api import LedgerError
 from node.ledger.store import LedgerStore, open_ledger_store
 from node.ledger.service import (
     PROTOCOL,
-    LedgerError,
     LedgerService,
     RangeReply,
     RangeRequest,

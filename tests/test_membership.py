@@ -10,7 +10,7 @@ from node.gossip.connections import ConnectionManager
 from node.gossip.membership import SEQ_CLOCK_SLACK_S, MembershipConfig, MemberState, MemberTable, Verdict, next_seq
 from node.gossip.records import Accusation, Goodbye, PeerRecord, open_membership, DOMAIN_RECORD, DOMAIN_GOODBYE
 from node.identity import Identity
-from node.wire import RemoteProtocolError, encode, seal
+from node.wire import RemoteProtocolError, decode_as, encode, seal
 
 RUN = "test"
 
@@ -456,3 +456,18 @@ def test_a_push_pull_table_over_the_budget_is_trimmed_without_blaming_its_sender
     assert got.count(Verdict.NEW) == table.config.new_member_burst
     assert table.take_faults() == []
     assert table.on_record(record("m29", 1), now=1, source="m29") is Verdict.NEW  # its own record, later
+
+
+def test_our_record_advertises_the_newest_checkpoint_versions_that_fit():
+    """A node may hold more versions than a record carries: membership keeps the newest
+    ``MAX_VERSIONS`` (the trainer trimmed them itself before issue 44; a caller that forgot would
+    have published a record no peer accepts), so the record still encodes."""
+    from node.gossip.records import MAX_VERSIONS
+    from node.gossip.service import Membership
+
+    table = MemberTable("me")
+    svc = Membership(None, table.config, table, record("me", 5))
+    held = list(range(3, 3 + 2 * MAX_VERSIONS + 5))
+    svc.update(checkpoints=held)
+    assert svc.record.checkpoints == held[-MAX_VERSIONS:] and svc.record.seq > 5
+    assert decode_as(PeerRecord, encode(svc.record)).checkpoints == held[-MAX_VERSIONS:]

@@ -12,7 +12,7 @@ import pytest
 
 from node.app.demo import TINY_TASK, node_env
 from node.app.localswarm import LocalSwarm
-from node.ledger.service import LedgerError
+from node.ledger.api import LedgerError
 from test_ledger_sync import TRAINER, WORKER, connect, ledger, open_ledger_node, rollouts
 from waiting import wait_for
 

@@ -17,7 +17,8 @@ class MembershipAPI(Protocol):
         """The addresses a member advertises in its record ([] if unknown)."""
 
     def update(self, **fields) -> None:
-        """Change our record (checkpoints held, load, capacity...); it is republished at once."""
+        """Change our record (checkpoints held, load, capacity...); it is republished at once. Hand
+        every checkpoint version held: the record keeps the newest that fit."""
 
 
 class RelayAPI(Protocol):

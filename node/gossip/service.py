@@ -176,7 +176,10 @@ class Membership:
         return self.watch.closes
 
     def update(self, **fields) -> None:
-        """Change our record (checkpoints held, load, capacity...); it is republished at once."""
+        """Change our record (checkpoints held, load, capacity...); it is republished at once. Of the
+        checkpoint versions, the newest ``MAX_VERSIONS`` are kept: callers hand every version they hold."""
+        if "checkpoints" in fields:
+            fields["checkpoints"] = list(fields["checkpoints"])[-MAX_VERSIONS:]
         new = replace(self.record, **fields)
         if new != self.record:
             self.record = replace(new, seq=next_seq(self.record.seq, wall_ms()))
@@ -530,7 +533,7 @@ class MembershipService:
         """Refresh our record's fields (a relay reservation adds an address; a new checkpoint version
         changes what we hold) and the member gauges."""
         try:
-            self.held = self.shards.versions_held()[-MAX_VERSIONS:]  # reads the data dir
+            self.held = self.shards.versions_held()  # reads the data dir
         except OSError as e:  # issue 42: out of descriptors ended the node here
             if not out_of_files(e):
                 raise

@@ -1,4 +1,5 @@
-"""What other services may ask of the ledger (:class:`node.ledger.service.LedgerService` is the real one).
+"""What other services may ask of the ledger (:class:`node.ledger.service.LedgerService` is the real one),
+and the error it answers a refused request with.
 
 A ``typing.Protocol`` so unit tests can hand a service a small fake instead of a running ledger.
 """
@@ -6,6 +7,10 @@ A ``typing.Protocol`` so unit tests can hand a service a small fake instead of a
 from __future__ import annotations
 
 from typing import Any, Protocol
+
+
+class LedgerError(Exception):
+    """A local caller asked for something the ledger refuses (e.g. a kind this node may not author)."""
 
 
 class LedgerAPI(Protocol):

@@ -57,6 +57,7 @@ from ..wire import (
     bounded,
     register,
 )
+from .api import LedgerError
 from .chain import Decision, Evidence, Head, Ledger, Outcome
 from .config import LedgerConfig
 from .entries import (
@@ -170,10 +171,6 @@ class IngestReport:
     gaps: list[str] = field(default_factory=list)  # authors we are behind on
     equivocations: int = 0
     rejected: collections.Counter = field(default_factory=collections.Counter)  # reason -> count
-
-
-class LedgerError(Exception):
-    """A local caller asked for something the ledger refuses (e.g. a kind this node may not author)."""
 
 
 class LedgerService:

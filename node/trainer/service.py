@@ -49,11 +49,10 @@ import trio
 from ..dbthread import DbThread
 from ..gossip.api import MembershipAPI
 from ..hashes import digest
-from ..ledger.api import LedgerAPI
+from ..ledger.api import LedgerAPI, LedgerError
 from ..net.budget import limits
 from ..net.reqres import CallFailure, FailureKind
 from ..peers import ActionKind, FaultRule
-from ..ledger.service import LedgerError
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 from ..proofs.config import ProofsConfig
 from ..rl.grpo import NonFiniteStep, TrainSample
@@ -668,11 +667,10 @@ class Trainer:
         self.published = version
         self.publish_error = ""
         self._wake("eval")
-        from ..gossip.records import MAX_VERSIONS
         from ..ledger.entries import CheckpointPublished
 
         # Advertise the versions we seed in our peer record.
-        self.membership.update(checkpoints=list(self.shards.versions_held())[-MAX_VERSIONS:])
+        self.membership.update(checkpoints=list(self.shards.versions_held()))
         if not ledger:
             return
         try:

@@ -47,10 +47,9 @@ import trio
 
 from ..dbthread import DbThread
 from ..hashes import digest
-from ..ledger.api import LedgerAPI
+from ..ledger.api import LedgerAPI, LedgerError
 from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
-from ..ledger.service import LedgerError
 from ..net.reqres import CallFailure, FailureKind, open_call
 from ..proofs.config import ProofsConfig
 from ..proofs.margins import ProofMargins
