@@ -528,3 +528,10 @@ def test_the_new_piece_is_one_of_the_rarest_a_peer_holds_drawn_evenly_among_them
         p.on_bitfield("B", {4, 5, 6, 7})
         counts[p._rarest_held(p.peers["A"].pieces)] += 1
     assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 25
+
+
+def test_the_super_seeders_budgets_are_bytes_whatever_the_piece_size():
+    small = SuperSeeder.for_pieces(256, 128 << 10)  # 512 KiB written, 1 MiB more unreported
+    assert (small.in_transit, small.max_unreported) == (4, 12)
+    large = SuperSeeder.for_pieces(256, 4 << 20)  # never fewer than 2 pieces in each
+    assert (large.in_transit, large.max_unreported) == (2, 4)

@@ -95,15 +95,6 @@ from .throttle import TokenBucket
 
 log = logging.getLogger(__name__)
 
-# Super-seeding (superseed.py), in bytes so that it holds for any piece size: what may be revealed
-# and not yet written (at least 2 pieces), and what may be written and not yet reported (have)
-# besides (at least 2 pieces). Measured in bench/shards.py swarm (N=8, 10 Mbit/s, 128 KiB pieces):
-# from a reveal to our last byte of that piece took 0.3-0.7 s (the reveal and the request each wait
-# behind ~0.1 s of queue on a busy link), from our last byte to the have 0.21 s (median) and up to
-# 0.63 s (~0.8 MB at 10 Mbit/s). With room for only 2 pieces in each, the seed's link was busy 85 %
-# of the time with 64 KiB pieces and 95 % with 128 KiB pieces; with these budgets 97 %.
-SUPER_SEED_WRITING_BYTES = 512 << 10
-SUPER_SEED_REPORT_BYTES = 1 << 20
 # Fault source, in the peer table, of garbage sent to our serving side (the picker's convictions of
 # bad pieces are SOURCE, one report a ban; garbage counts strikes: [shards] garbage_strikes).
 GARBAGE_SOURCE = "shards-garbage"
@@ -239,11 +230,8 @@ class ShardsService:
 
     def add_superseeder(self, signed: SignedManifest) -> None:
         """Serve the version (or delta) ``signed`` super-seeded: pieces revealed a few at a time."""
-        size = signed.manifest.piece_size
-        writing = max(2, -(-SUPER_SEED_WRITING_BYTES // size))
-        self.superseeders[signed.root] = SuperSeeder(
-            signed.manifest.num_pieces, in_transit=writing, rng=self.rng,
-            max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // size)))
+        self.superseeders[signed.root] = SuperSeeder.for_pieces(signed.manifest.num_pieces,
+                                                                signed.manifest.piece_size, self.rng)
 
     def fetch(self, version: int, root: bytes, source: str) -> None:
         """Download ``version`` (manifest root ``root``, first asked of ``source``) whatever the policy."""

@@ -30,7 +30,7 @@ Rules, each measured with 8 downloaders behind 10 Mbit/s upload caps (bench/shar
   than T_min (26.8 s), and everyone waited for its pieces: 1.50x T_min; 1.38x with this rule (and
   the budget below), same pieces.
 * The budget frees when a piece is SENT, not when it is HELD, and both budgets are sized in bytes
-  by the server (``SUPER_SEED_*_BYTES`` in service.py, with the measurements): from a reveal to our
+  by the server (``SUPER_SEED_*_BYTES`` below, with the measurements): from a reveal to our
   last byte of the piece took 0.3-0.7 s (the reveal and the request each wait behind queues on busy
   links), from our last byte to the ``have`` 0.2-0.6 s. Had the budget freed only on ``have``, it
   would need that many more pieces in transit to keep the link busy; what we have written and the
@@ -51,6 +51,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+
+# Super-seeding in bytes so that it holds for any piece size: what may be revealed
+# and not yet written (at least 2 pieces), and what may be written and not yet reported (have)
+# besides (at least 2 pieces). Measured in bench/shards.py swarm (N=8, 10 Mbit/s, 128 KiB pieces):
+# from a reveal to our last byte of that piece took 0.3-0.7 s (the reveal and the request each wait
+# behind ~0.1 s of queue on a busy link), from our last byte to the have 0.21 s (median) and up to
+# 0.63 s (~0.8 MB at 10 Mbit/s). With room for only 2 pieces in each, the seed's link was busy 85 %
+# of the time with 64 KiB pieces and 95 % with 128 KiB pieces; with these budgets 97 %.
+SUPER_SEED_WRITING_BYTES = 512 << 10
+SUPER_SEED_REPORT_BYTES = 1 << 20
 
 
 @dataclass
@@ -87,6 +97,14 @@ class SuperSeeder:
         self.last_sent = [0.0] * num_pieces  # when it was last revealed
         self.held = [0] * num_pieces  # downloaders known to hold it
         self.peers: dict[str, _Downloader] = {}
+
+    @classmethod
+    def for_pieces(cls, num_pieces: int, piece_size: int, rng: random.Random | None = None) -> "SuperSeeder":
+        """The super-seeder of a version of ``num_pieces`` pieces of ``piece_size`` bytes, its
+        budgets sized in bytes (SUPER_SEED_WRITING_BYTES, SUPER_SEED_REPORT_BYTES)."""
+        writing = max(2, -(-SUPER_SEED_WRITING_BYTES // piece_size))
+        return cls(num_pieces, in_transit=writing, rng=rng,
+                   max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // piece_size)))
 
     def _live(self, pieces: set[int], now: float | None) -> int:
         return sum(1 for i in pieces if now is None or now - self.last_sent[i] < self.stall_seconds)
