@@ -152,6 +152,33 @@ async def test_a_silent_stream_is_cut_at_the_header_deadline_and_struck(autojump
             pass
 
 
+async def test_a_deadline_our_own_loop_noticed_late_cuts_the_stream_but_strikes_no_one(mock_clock):
+    """Our loop blocked across the deadline (a checkpoint save on a busy machine): the peer's bytes
+    may have waited unread, so it is not struck; an honest worker was banned for ten minutes so."""
+    peers = peers_table()
+    cfg = StreamsConfig(header_timeout=3.0, stall_strikes=1)
+    inbound = Inbound("/p", lim(), config=cfg, peers=peers)
+
+    async def read_silent() -> None:
+        with pytest.raises(RemoteProtocolError) as e:
+            async with inbound.open(pair("slow")[1], "slow") as frames:
+                await frames.read()
+        assert e.value.reason == "stalled"
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_silent)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(10.0)  # the loop comes back 7 s after the deadline
+    assert inbound.budget.stalled == 1
+    assert "slow" not in peers.table.peers and not peers.is_banned("slow", STALL_SOURCE)
+
+    async with trio.open_nursery() as nursery:  # the same silence met on time is struck
+        nursery.start_soon(read_silent)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(3.0)
+    assert peers.is_banned("slow", STALL_SOURCE)
+
+
 async def test_a_body_below_the_minimum_rate_is_a_stall(autojump_clock):
     peers = peers_table()
     cfg = StreamsConfig(header_timeout=3.0, min_body_rate=1024.0, body_grace=1.0)

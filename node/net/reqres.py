@@ -193,6 +193,21 @@ class Refused(Exception):
         self.reason = reason
 
 
+# A deadline noticed this many seconds after it passed was missed by our own loop, not only by the
+# peer: a blocking call or a starved CPU (a trainer saving a checkpoint on a loaded machine) kept it
+# from running, and the peer's bytes may have sat unread in the socket meanwhile. Striking then
+# banned an honest worker for ten minutes in a SmolLM2 swarm on two busy cores. The stream is still
+# cut; the peer is not struck. A peer that is really silent is struck at the next deadline our loop
+# meets on time.
+LATE_WAKE_S = 0.5
+LATE = "late-deadline"  # counted reason of a stream cut at a deadline noticed late
+
+
+def missed_by_us(deadline: float) -> bool:
+    """Whether trio woke us more than :data:`LATE_WAKE_S` after ``deadline`` (call on waking)."""
+    return trio.current_time() - deadline > LATE_WAKE_S
+
+
 class Inbound:
     """One protocol's inbound streams: its :class:`~node.net.budget.Budget`, deadlines and blame."""
 
@@ -213,9 +228,15 @@ class Inbound:
         if self.metrics is not None:
             self.metrics.reject(self.source, reason)
 
-    def stalled(self, peer: str) -> None:
-        """``peer`` missed a deadline while holding a slot: counted and struck (the caller cuts the stream)."""
+    def stalled(self, peer: str, deadline: float) -> None:
+        """``peer`` missed ``deadline`` while holding a slot: counted and struck (the caller cuts the
+        stream), unless we noticed the deadline late (:func:`missed_by_us`): then only counted."""
         self.budget.note_stalled()
+        if missed_by_us(deadline):
+            self.count(LATE)
+            log.info("%s: %s's stream cut at a deadline our own loop noticed %.1fs late; not struck",
+                     self.protocol, peer[-8:], trio.current_time() - deadline)
+            return
         self.count(STALLED)
         log.info("%s: %s held a stream without sending; cut and struck", self.protocol, peer[-8:])
         if self.peers is not None:
@@ -261,8 +282,8 @@ class Frames:
             self.inbound.budget.release(self.peer, self._held)
             self._held = 0
 
-    def _stall(self, what: str) -> RemoteProtocolError:
-        self.inbound.stalled(self.peer)
+    def _stall(self, what: str, deadline: float) -> RemoteProtocolError:
+        self.inbound.stalled(self.peer, deadline)
         return RemoteProtocolError(STALLED, what)
 
     async def read(self, *, idle: float | None = None, strict: bool = True, max_size: int | None = None) -> bytes | None:
@@ -284,7 +305,7 @@ class Frames:
             n = await read_header(self.stream, cap if max_size is None else min(cap, max_size))
         if waited.cancelled_caught:
             if strict:
-                raise self._stall(f"no frame header within {cfg.header_timeout:g}s")
+                raise self._stall(f"no frame header within {cfg.header_timeout:g}s", deadline)
             raise trio.TooSlowError
         if n is None:
             return None
@@ -292,10 +313,11 @@ class Frames:
         if refusal is not None:
             raise Refused(refusal)
         self._held = n
-        with trio.move_on_at(cfg.body_deadline(n, trio.current_time())) as body:
+        body_deadline = cfg.body_deadline(n, trio.current_time())
+        with trio.move_on_at(body_deadline) as body:
             data = await read_exactly(self.stream, n) if n else b""
         if body.cancelled_caught:
-            raise self._stall(f"{n}-byte body slower than {cfg.min_body_rate:g} B/s")
+            raise self._stall(f"{n}-byte body slower than {cfg.min_body_rate:g} B/s", body_deadline)
         return data
 
     def answered(self) -> None:
@@ -412,7 +434,7 @@ def ping_handler(protocol: str, *, streams: StreamsConfig | None = None, peers=N
                                            if first and len(first) < PING_PAYLOAD else b"")
                     if waited.cancelled_caught:
                         if i == 0:
-                            inbound.stalled(peer)
+                            inbound.stalled(peer, deadline)
                         break
                     if not payload:
                         break
