@@ -33,6 +33,10 @@ class ProofsConfig:
     # by nats unless the replacement is about as likely as the sampled token.
     logprob_tolerance_mean: float = 0.1  # mean |claimed - recomputed| token log-prob allowed
     logprob_tolerance_max: float = 1.0  # largest single-token |claimed - recomputed| allowed
+    # The same when the batch states float32 and the validator prefills in float32: honest decoding
+    # then moves log-probs by < 1e-6, and a model fake-quantised to 8 bits by > 3e-3 (bench/cheap_model.py).
+    logprob_tolerance_mean_fp32: float = 1e-3  # mean |claimed - recomputed| token log-prob allowed, float32 on both sides
+    logprob_tolerance_max_fp32: float = 1e-2  # largest single-token |claimed - recomputed| allowed, float32 on both sides
     reward_tolerance: float = 1e-6  # |claimed - recomputed| reward allowed
     advantage_tolerance: float = 1e-4  # |claimed - (r - mean)/(std + 1e-6)| allowed
 
@@ -48,6 +52,8 @@ class ProofsConfig:
             "max_mantissa_median",
             "logprob_tolerance_mean",
             "logprob_tolerance_max",
+            "logprob_tolerance_mean_fp32",
+            "logprob_tolerance_max_fp32",
             "reward_tolerance",
             "advantage_tolerance",
         ):

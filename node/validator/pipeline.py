@@ -28,7 +28,8 @@ How this works (DESIGN.md "The loop", step 4; TOPLOC paper §3-§6; INTELLECT-2 
    model, nor edit a completion after proving it, nor pick among several samples (within the
    sensitivity measured in tests/test_validator_pipeline.py: on the tiny random-init default model,
    weights perturbed by 3% of their std still pass the paper's proof thresholds, 10% do not; the
-   thresholds a validator fits to accepted work, node/proofs/margins.py, catch 1%).
+   thresholds a validator fits to accepted work, node/proofs/margins.py, catch 1%; in float32 the
+   log-prob check, ``checks.logprob_tolerances``, catches 1% and an 8-bit copy, tests/test_cheap_model.py).
 4. **Per sample, the verifier, last**: the reward recomputed here on the decoded completion equals
    the claimed task reward, length penalty and total, and the advantage is
    ``(r - mean) / (std + 1e-6)`` of its group (the rules are node/rl/spec.py's, as the worker's).
@@ -186,6 +187,7 @@ class CheckModel:
         self.version = version
         self.eos_ids = frozenset({int(tokenizer.eos_token_id)})
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # the prefill's (log-prob tolerance)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     @torch.no_grad()
@@ -458,7 +460,8 @@ def model_results(
     if not samples:
         return {}
     recomputed = model.recompute([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
-    out = {i: _proof_and_logprob_checks(batch, s, r, rules, measured) for i, s, r in zip(samples_to_check, samples, recomputed)}
+    out = {i: _proof_and_logprob_checks(batch, s, r, rules, measured, model.dtype)
+           for i, s, r in zip(samples_to_check, samples, recomputed)}
     if rules.replays(batch.engine):
         todo = [(i, s, r) for i, s, r in zip(samples_to_check, samples, recomputed) if out[i].ok]
         replays = [Replay(r.logits, s.completion_ids, sequence_seed(batch.seed, s.prompt_index, s.sample_index))
@@ -470,7 +473,8 @@ def model_results(
 
 
 def _proof_and_logprob_checks(
-    batch: RolloutBatch, s: RolloutSample, r: Recomputed, rules: BatchRules, measured: list[tuple[ChunkResult, ...]]
+    batch: RolloutBatch, s: RolloutSample, r: Recomputed, rules: BatchRules, measured: list[tuple[ChunkResult, ...]],
+    prefill_dtype: str,
 ) -> CheckResult:
     n, width = len(s.completion_ids), r.hidden.shape[1]
     chunks = split_proofs(s.proof, n, width, rules.proofs.chunk_tokens, rules.proofs.topk)
@@ -481,9 +485,8 @@ def _proof_and_logprob_checks(
         return verdict.check
     measured.append(verdict.chunks)
     mine = token_logprobs(r.logits, torch.tensor(s.completion_ids), batch.temperature)
-    return checks.check_logprobs(
-        s.logprobs, mine, tolerance_mean=rules.proofs.logprob_tolerance_mean, tolerance_max=rules.proofs.logprob_tolerance_max
-    )
+    mean, most = checks.logprob_tolerances(rules.proofs, batch.dtype, prefill_dtype)
+    return checks.check_logprobs(s.logprobs, mine, tolerance_mean=mean, tolerance_max=most)
 
 
 # --------------------------------------------------------------------------------------------
