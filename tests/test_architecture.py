@@ -42,6 +42,7 @@ PURE = [
     "node.shards.finite",
     "node.ledger.chain",
     "node.ledger.entries",
+    "node.ledger.messages",
     "node.proofs.toploc",
     "node.proofs.checks",
     "node.proofs.margins",

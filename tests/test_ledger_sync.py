@@ -25,14 +25,8 @@ from node.ledger.entries import (
 from node.dbthread import StoreClosed
 from node.ledger.api import LedgerError
 from node.ledger.store import LedgerStore, open_ledger_store
-from node.ledger.service import (
-    PROTOCOL,
-    LedgerService,
-    RangeReply,
-    RangeRequest,
-    SyncHello,
-    serve_ledger,
-)
+from node.ledger.messages import PROTOCOL, RangeReply, RangeRequest, SyncHello
+from node.ledger.service import LedgerService, serve_ledger
 from node.wire import read_message, write_frame
 from test_dbthread import HeldWrite
 from waiting import wait_for

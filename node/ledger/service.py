@@ -14,8 +14,9 @@ How this works
   published them.
 * Anti-entropy on ``/swarm/ledger/1.0.0`` (pull, as in Demers et al., "Epidemic algorithms for
   replicated database maintenance", PODC 1987): every ``sync_interval`` (jittered) the node picks a
-  random connected peer, both send their per-author heads (:class:`SyncHello`), and the caller asks
-  for equivocation evidence it lacks, then for missing ranges in bounded batches
+  random connected peer, both send their per-author heads (:class:`SyncHello`; the messages are in
+  node/ledger/messages.py), and the caller asks for equivocation evidence it lacks, then for
+  missing ranges in bounded batches
   (:class:`RangeRequest`, at most ``sync_batch`` entries and :data:`MAX_REPLY_BYTES` per reply). The
   answering side, seeing the caller's heads, schedules a pull of its own from the caller when the
   caller has something it lacks (push-pull), so a healed partition converges in one round trip each way.
@@ -38,7 +39,6 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
 
 import trio
 from libp2p.exceptions import BaseLibp2pError
@@ -54,15 +54,12 @@ from ..wire import (
     LocalProtocolError,
     Message,
     RemoteProtocolError,
-    bounded,
-    register,
 )
 from .api import LedgerError
-from .chain import Decision, Evidence, Head, Ledger, Outcome
+from .chain import Decision, Evidence, Ledger, Outcome
 from .config import LedgerConfig
 from .entries import (
     GENESIS,
-    MAX_ENTRY,
     MAX_RECEIPT_ITEMS,
     Body,
     Penalty,
@@ -73,14 +70,20 @@ from .entries import (
     make_entry,
     parse_entry,
 )
+from .messages import (
+    MAX_AUTHORS,
+    MAX_REPLY_BYTES,
+    PROTOCOL,
+    EvidenceReply,
+    EvidenceRequest,
+    RangeReply,
+    RangeRequest,
+    SyncHello,
+)
 from .store import LedgerStore, StoreFull, open_ledger_store, rebuild
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "/swarm/ledger/1.0.0"
-MAX_AUTHORS = 20_000  # heads in one SyncHello (about 130 bytes each: well under the 4 MiB frame cap)
-MAX_REPLY_BYTES = 1024 * 1024  # entry bytes in one RangeReply
-MAX_REPLY_ENTRIES = 4096  # schema bound; sync_batch (config) is the working value
 MAX_REQUESTS_PER_STREAM = 1024  # requests one sync session may make; the next session continues
 VALIDATED_CACHE = 1024  # gossip entries parsed by the validator, awaiting the receive loop
 SYNC_HINTS = 16  # queued "sync with this peer soon" requests; extra hints are dropped
@@ -102,57 +105,6 @@ SYNC_LIMITS = StreamLimits(streams=MAX_SYNC_SESSIONS, streams_per_peer=4, frame_
 # "author-quota" too: a session takes the trusted authors' ranges first (_call_sync), so we know every
 # trusted entry the peer had, and an honest peer stores no receipts beyond what those allow.
 _SENDER_FAULTS = {"wrong-run", "unauthorized", "bad-link", "unrequested", "author-quota"}
-
-
-# --------------------------------------------------------------------------------------------
-# Sync protocol messages
-
-
-@register
-@dataclass(frozen=True)
-class SyncHello(Message):
-    """Both sides' first frame: every author's head as the sender sees it."""
-
-    TYPE: ClassVar[str] = "ledger-hello"
-    heads: tuple[Head, ...] = bounded(max_len=MAX_AUTHORS)
-
-
-@register
-@dataclass(frozen=True)
-class RangeRequest(Message):
-    TYPE: ClassVar[str] = "ledger-range?"
-    id: int = bounded(min=0, max=2**32)
-    author: str = bounded(max_len=64)
-    start: int = bounded(min=1, max=2**53)
-    end: int = bounded(min=1, max=2**53)
-
-
-@register
-@dataclass(frozen=True)
-class RangeReply(Message):
-    TYPE: ClassVar[str] = "ledger-range"
-    id: int = bounded(min=0, max=2**32)
-    entries: tuple[bytes, ...] = bounded(max_len=MAX_REPLY_ENTRIES, item_max_len=MAX_ENTRY)
-
-
-@register
-@dataclass(frozen=True)
-class EvidenceRequest(Message):
-    TYPE: ClassVar[str] = "ledger-evidence?"
-    id: int = bounded(min=0, max=2**32)
-    author: str = bounded(max_len=64)
-
-
-@register
-@dataclass(frozen=True)
-class EvidenceReply(Message):
-    TYPE: ClassVar[str] = "ledger-evidence"
-    id: int = bounded(min=0, max=2**32)
-    a: bytes = bounded(max_len=MAX_ENTRY)  # both empty: no evidence
-    b: bytes = bounded(max_len=MAX_ENTRY)
-
-
-# --------------------------------------------------------------------------------------------
 
 
 # A session is a SyncHello, then up to MAX_REQUESTS_PER_STREAM range or evidence requests, each
