@@ -27,21 +27,19 @@ from node.validator.tasks import RunTasks
 
 RUN = "cheap"
 VERSION = 1
-RULES = BatchRules(run=RUN, taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=16,
-                   group_size=4, prompts_per_batch=4, async_level=2)  # 16 completions a batch
+RL = RLConfig(group_size=4, prompts_per_batch=4, max_new_tokens=16)  # 16 completions a batch
+RULES = BatchRules(run=RUN, taskset=RL.taskset, temperature=RL.temperature, top_p=RL.top_p,
+                   max_new_tokens=RL.max_new_tokens, group_size=RL.group_size,
+                   prompts_per_batch=RL.prompts_per_batch, async_level=2)
 BATCHES = 4
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    folder = create_tiny_model(Path(tmp_path_factory.mktemp("model")))
     engine = TorchEngine("cpu")
-    engine.load(folder)
+    engine.load(create_tiny_model(Path(tmp_path_factory.mktemp("model"))))
     assert engine.dtype_name == "float32"  # the embedded model's checkpoint
-    tasks = RunTasks(RLConfig(group_size=RULES.group_size, prompts_per_batch=RULES.prompts_per_batch,
-                              max_new_tokens=RULES.max_new_tokens))
-    worker = Identity.from_seed(b"c" * 32)
-    return engine, tasks, worker, CheckModel(engine.model, engine.tokenizer, VERSION)
+    return engine, RunTasks(RL), Identity.from_seed(b"c" * 32), CheckModel(engine.model, engine.tokenizer, VERSION)
 
 
 def batches(engine, world, steps=range(BATCHES)):
