@@ -102,8 +102,10 @@ max_digits = 1
 # rl-local's 4 prompts x 8 took); a 30 s verification timeout (one batch took a busy validator ~25 s, and
 # 20 batches were reassigned as timed out). Checkpoints are published in bfloat16 (273 MB, and a
 # step at this learning rate changes few bfloat16 values, so nodes fetch small deltas: 540 MB of
-# float32 a version took 15-41 s per node) and run in float32 by workers and validators alike.
-REAL_SETTINGS = (("[grpo]\n", "[grpo]\nlr = 3e-6\n"), ("optimizer_steps = 8", "optimizer_steps = 2"),
+# float32 a version took 15-41 s per node) and run in float32 by workers and validators alike. A
+# forward/backward pass holds two packed rows (SmolLM2 trainer: 2.8 GB at two rows, 7.9 GB at four;
+# the kernel killed it at 7 GB on a 24 GB machine shared with other work).
+REAL_SETTINGS = (("[grpo]\n", "[grpo]\nlr = 3e-6\nmicro_batch_tokens = 1024\n"), ("optimizer_steps = 8", "optimizer_steps = 2"),
                  ("[trainer]\n", "[trainer]\nmax_step_samples = 32\npublish_dtype = \"bfloat16\"\n"),
                  ("[worker]\n", "[inference]\ndtype = \"float32\"\n\n[worker]\n"),
                  ("verify_timeout_s = 30.0", "verify_timeout_s = 300.0"))
