@@ -57,6 +57,7 @@ PURE = [
     "node.trainer.gate",
     "node.trainer.intake",
     "node.trainer.evaluation",
+    "node.trainer.figures",
     "node.validator.policy",
     "node.summary",
     "node.steptime",

@@ -65,9 +65,9 @@ async def test_the_trainer_does_not_publish_a_folder_with_nan(tmp_path):
             check_finite_folder(folders[1])
         await t.publish(1)
         assert wiring["shards"].held == [] and t.published is None
-        assert "NaN or infinity" in t.publish_error and "model.safetensors: w" in t.publish_error
+        assert "NaN or infinity" in t.figures.publish_error and "model.safetensors: w" in t.figures.publish_error
         await t.publish(2)
-        assert wiring["shards"].held == [2] and t.published == 2 and t.publish_error == ""
+        assert wiring["shards"].held == [2] and t.published == 2 and t.figures.publish_error == ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -331,7 +331,7 @@ def test_acknowledged_batch_survives_kill_9(tmp_path):
 
 
 def test_status_reward_curve_spans_the_whole_run():
-    from node.trainer.service import reward_points
+    from node.trainer.figures import reward_points
 
     curve = [(s, s / 1000) for s in range(1, 1001)]
     pts = reward_points(curve, 200)

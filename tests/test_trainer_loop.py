@@ -248,7 +248,7 @@ async def test_a_validator_that_cannot_judge_yet_is_asked_again_without_waiting_
         assert ack.accepted
         # A hang guard well under the verify timeout: without "not now" the batch would wait 600 s.
         # The verdict counted (after its spool write: waiting for the row alone raced the count).
-        await wait_for(lambda: trainer.verdicts["passed"] == 1, timeout=60, what="the batch verified on the third ask")
+        await wait_for(lambda: trainer.figures.verdicts["passed"] == 1, timeout=60, what="the batch verified on the third ask")
         assert asks == [ack.batch_id] * 3 and all(a.accepted for a in verdict_acks)
         gate = trainer.status()["gate"]
         assert gate["not_now"] == 2 and gate["timeouts"] == 0 and gate["verdicts"]["passed"] == 1

@@ -95,7 +95,7 @@ async def test_expired_batches_do_not_speed_up_the_measured_drain_rate(trainer):
         trainer.now[0] = t
         await trainer._expire(ids[i * 2:i * 2 + 2])
     assert trainer.pacer.seconds_per_batch(11.0) == DEFAULT_INTERVAL
-    assert trainer.sample_outcomes["expired"] == 4 * 8
+    assert trainer.figures.sample_outcomes["expired"] == 4 * 8
 
 
 async def test_a_batch_drains_when_trained_not_at_its_verdict(trainer):
@@ -160,3 +160,28 @@ def test_a_running_step_is_not_idle_time():
     assert idle_fraction(31.0, 0.0, None) == 1.0
     assert idle_fraction(31.0, 0.0, 279.0) == 0.1
     assert idle_fraction(30.0, 90.0, None) == 0.25
+
+
+async def test_each_verdict_is_answered_and_counted_by_what_it_did(trainer):
+    """The verdict paths of on_verdict_bytes (issue 44 flattened it): a verdict for no batch of ours, for
+    another worker's, "cannot judge yet", a pass, the same pass again (acknowledged: not the validator's
+    fault) and a failure, each with its ack and its count in status."""
+    ids = await _accept(trainer, range(2))
+
+    def signed(batch_id, worker=WORKER.peer_id, accepted=True, reasons=("ok",) * 8, unjudged=""):
+        verdict = Verdict(run=RUN, batch_id=batch_id, worker=worker, validator=VALIDATOR, accepted=accepted,
+                          reasons=list(reasons), policy_version=5, created_ms=0, unjudged=unjudged)
+        return encode(seal(VALIDATOR_ID, DOMAIN_VERDICT, verdict))
+
+    assert await trainer.on_verdict_bytes(signed(bytes(32))) == (bytes(32), False, "unknown-batch")
+    assert await trainer.on_verdict_bytes(signed(ids[0], worker=VALIDATOR)) == (ids[0], False, "wrong-worker")
+    unjudged = signed(ids[0], accepted=False, reasons=(), unjudged="no-checkpoint")
+    assert await trainer.on_verdict_bytes(unjudged) == (ids[0], True, "")
+    assert await trainer.on_verdict_bytes(signed(ids[0])) == (ids[0], True, "")
+    assert await trainer.on_verdict_bytes(signed(ids[0])) == (ids[0], True, "already-decided")
+    failed = signed(ids[1], accepted=False, reasons=["ok"] * 7 + ["bad-proof"])
+    assert await trainer.on_verdict_bytes(failed) == (ids[1], True, "")
+    assert trainer.status()["gate"]["verdicts"] == {"unknown-batch": 1, "wrong-worker": 1, "unjudged:no-checkpoint": 1,
+                                                    "passed": 1, "already-decided": 1, "failed": 1}
+    assert trainer.status()["sample_outcomes"] == {"verdict:bad-proof": 8}
+    assert trainer.spool.get(ids[0]).state.value == "ready" and trainer.spool.get(ids[1]).state.value == "rejected"

@@ -6,6 +6,7 @@
 * :mod:`node.trainer.gate` — pure state machine routing batches to validators and collecting verdicts.
 * :mod:`node.trainer.policy` — the model, optimizer and training state (torch, no network).
 * :mod:`node.trainer.checkpoints` — HF folders per version and atomic training-state files.
+* :mod:`node.trainer.figures` — what status and the metrics show of intake, verdicts and steps (pure).
 * :mod:`node.trainer.service` — the trio service (``serve_trainer``) wiring them to streams.
 * :mod:`node.trainer.fsdp` — several GPUs under ``torchrun`` with FSDP2 (launched by :mod:`node.app.torchrun`;
   rank 0 is the swarm node).

@@ -32,6 +32,9 @@ How this works
   waits for one inference node: whatever batches are ready make the step.
 * **Ledger** (:meth:`Trainer.ledger_loop`): one "rollouts" entry per judged batch (accepted when
   trained, rejected with its reason), written from the spool's ``ledger_due`` rows so none is lost.
+* **Loops and figures**: the train, gate, ledger and evaluation loops each wait on their own
+  :class:`Wakeup` (``Trainer.wake``), which the event that gives them work sets, or on their tick.
+  What status and the metrics show is kept in node/trainer/figures.py (pure; nothing decides on it).
 """
 
 from __future__ import annotations
@@ -40,8 +43,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import trio
@@ -77,7 +79,8 @@ from .checkpoints import NonFiniteCheckpoint, check_finite_folder
 from .config import TrainerConfig
 from .evaluation import EvalBook, EvalRecord
 from .evaluator import serve_evaluation
-from .gate import ValidatorGate
+from .figures import TrainerFigures, TrainerGauges, reward_points, step_figures
+from .gate import ValidatorGate, VerdictOutcome
 from .intake import (
     KEEPS_WINDOW,
     NOT_ATTRIBUTABLE,
@@ -91,7 +94,7 @@ from .pacing import Pacer
 from .progress import STALL_AFTER_S, Backlog, Progress, idle_fraction, stall_cause, stall_kind
 from .fsdp import open_policy
 from .policy import Policy, training_samples
-from .spool import BatchState, Spool, StepRecord, open_spool
+from .spool import BatchState, Spool, SpooledBatch, StepRecord, open_spool
 
 log = logging.getLogger("node.trainer")
 
@@ -102,7 +105,32 @@ LEDGER_CHUNK = 32  # ledger entries written per wake-up
 GATE_TICK = 1.0  # seconds between gate passes when nothing happens
 STATUS_STEPS = 200  # reward-curve points in status (longer runs are averaged into this many buckets)
 ZERO_ID = bytes(32)
-MAX_LIFE_TRACKED = 4096  # batches whose generated/acked/verified times are remembered until trained
+
+
+class Wakeup:
+    """One loop's wake-up: setting it ends the loop's current wait early; each wait arms it afresh."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout: float) -> None:
+        """Until set or ``timeout`` seconds have passed."""
+        with trio.move_on_after(timeout):
+            await self._event.wait()
+        self._event = trio.Event()
+
+
+@dataclass
+class Wakeups:
+    """What wakes each loop of the trainer before its tick: work for it has arrived."""
+
+    train: Wakeup = field(default_factory=Wakeup)  # a batch is READY (or a verdict passed one)
+    gate: Wakeup = field(default_factory=Wakeup)  # a batch is GATED, or a validator slot came free
+    ledger: Wakeup = field(default_factory=Wakeup)  # a judged batch is due its ledger entry
+    eval: Wakeup = field(default_factory=Wakeup)  # a version was published
 
 
 class Trainer:
@@ -142,7 +170,6 @@ class Trainer:
                                    run.section("inference", InferenceConfig).accepted_engines())
         # The step window (node/rollouts/steps.py) is sized by the run's [worker] table, as the workers' outboxes are.
         self.step_window = step_window_size(run.section("worker", WorkerConfig).max_pending_batches)
-        self.intake_slots = trio.Semaphore(tcfg.max_concurrent_intake)
         # Fresh identities get a small quota per interval until batches of theirs train (node/rollouts/quota.py).
         rl = run.section("rl", RLConfig)
         self.samples_per_batch = rl.prompts_per_batch * rl.group_size
@@ -150,73 +177,24 @@ class Trainer:
         node.peers.set_rule(SOURCE, FaultRule(strikes=tcfg.ban_after_strikes, window=tcfg.strike_window_s,
                                               ban_seconds=tcfg.ban_seconds))
         self._nursery: trio.Nursery | None = None
-        self.intake = Counter()  # "accepted" or refusal reason -> batches, since start
-        self.verdicts = Counter()  # verdict outcomes since start
         self._samples: dict[bytes, tuple[list[TrainSample], int]] = {}  # decoded READY batches (cache)
-        self._wake_train = trio.Event()
-        self._wake_gate = trio.Event()
-        self._wake_ledger = trio.Event()
-        self.idle_s = 0.0  # time the loop waited for rollouts since the first batch of this run arrived
-        self.busy_s = 0.0  # time spent in steps (train + save + publish)
-        # Seconds of step wall time by phase: train, save, publish (wait = idle_s); node/steptime.py.
-        self.phases = PhaseTimes(node.metrics.phase_seconds())
-        self.step_batches = 0  # rollout batches the steps timed in phases took
-        self.sample_outcomes = Counter()  # samples by what became of their batch since start: trained, <reason>
-        self._life: dict[bytes, tuple[float, float, float | None]] = {}  # batch -> (generated, acked, verified) wall s
-        self.life_s = Counter()  # summed seconds per stage of trained batches: queued (generated->acked), ...
-        self.life_n = 0  # trained batches in those sums
-        self.last_step: dict = {}
-        self.no_signal_batches = 0  # batches consumed with every group flat (nothing to learn from)
-        self.dropped_steps = 0  # steps whose loss or gradients were not finite (see _drop_step)
-        self.samples_in_hand = 0  # samples with signal the last pick found (a step needs min_batch_samples)
+        self.wake = Wakeups()
         self.published: int | None = None
-        self.publish_error = ""
-        self.reward_curve = [(r.step, r.mean_reward) for r in spool.steps()]  # every step of the run
+        self.figures = TrainerFigures(reward_curve=[(r.step, r.mean_reward) for r in spool.steps()])
+        self.gauges = TrainerGauges(node.metrics, policy.step)
+        # Seconds of step wall time by phase: train, save, publish (wait = figures.idle_s); node/steptime.py.
+        self.phases = PhaseTimes(node.metrics.phase_seconds())
         # Held-out scores of published versions, kept in the spool (node/trainer/evaluation.py).
         self.evals = EvalBook(tcfg.eval_every, tcfg.eval_tasks, spool.evals())
-        self._wake_eval = trio.Event()
-        m = node.metrics
-        self.m_batches = m.counter("trainer_batches_total", "Rollout batches judged at intake", ["outcome"])
-        self.m_step = m.gauge("trainer_step", "Policy version of the trainer")
-        self.m_tokens = m.counter("trainer_tokens_total", "Completion tokens trained on")
-        self.m_step.set(policy.step)
-        self.m_reward = m.gauge("trainer_reward", "Mean task reward of the samples in the last step")
-        self.m_loss = m.gauge("trainer_loss", "GRPO loss of the last step")
-        self.m_step_seconds = m.histogram("trainer_step_seconds", "Time of one optimizer step (training only)",
-                                          buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-        self.m_eval = m.gauge("trainer_eval_score", "Held-out greedy score of the last version evaluated")
-        self.m_eval_version = m.gauge("trainer_eval_version", "Policy version of the last held-out evaluation")
-        # The off-policy figures of the last step (node/rl/losses.py; prime-rl's names where it has one).
-        self.m_masked = m.gauge("trainer_masked_token_fraction", "Tokens the [grpo] loss clipped or masked, last step")
-        self.m_mismatch = m.gauge("trainer_mismatch_kl", "k3 KL between the engines' and the trainer's log-probs "
-                                  "at the weights trained, last step")
-        self.m_mismatch_same = m.gauge("trainer_mismatch_kl_same_version", "The same KL over tokens generated by "
-                                       "the version the trainer held, before its update (last step that had any)")
         # Each engine's log-prob mismatch at the weights that generated the samples (node/rl/mismatch.py).
         self.logprob_tolerance = run.section("proofs", ProofsConfig).logprob_tolerance_max
         self.mismatch = MismatchWindow()
-        self.m_engine_kl = m.gauge("trainer_mismatch_kl_by_engine", "k3 KL between an engine's log-probs and the "
-                                   "trainer's at the version that generated them, last step", ["engine"])
-        self.m_engine_beyond = m.gauge("trainer_logprob_beyond_tolerance_fraction", "Tokens of an engine whose "
-                                       "|log-prob - trainer's| exceeds [proofs] logprob_tolerance_max, last step",
-                                       ["engine"])
-        self.m_off_policy = m.gauge("trainer_off_policy_steps", "Version trained minus version that generated "
-                                    "each sample, last step", ["stat"])
 
     # ------------------------------------------------------------------ helpers
 
     @property
     def step(self) -> int:
         return self.policy.step
-
-    def _wake(self, which: str) -> None:
-        getattr(self, f"_wake_{which}").set()
-
-    async def _wait(self, which: str, timeout: float) -> None:
-        ev = getattr(self, f"_wake_{which}")
-        with trio.move_on_after(timeout):
-            await ev.wait()
-        setattr(self, f"_wake_{which}", trio.Event())
 
     def live_validators(self) -> list[str]:
         """Validators of the run that membership believes alive."""
@@ -268,25 +246,24 @@ class Trainer:
                     await self.db.run(functools.partial(
                         self.spool.add, signed, BatchState.REJECTED, reason=reason, ledger_due=sender == b.worker,
                         window=0 if reason in KEEPS_WINDOW else self.step_window))
-                    self._wake("ledger")
+                    self.wake.ledger.set()
                 return self._refuse(signed.batch_id, reason, sender)
             # Staleness was judged just now, against the step of this acknowledgement: from here on the
             # batch's wait is ours, and it is trainable until trainable_until() (intake.py).
             state = BatchState.GATED if self.gate is not None else BatchState.READY
             await self.db.run(functools.partial(self.spool.add, signed, state, window=self.step_window,
                                                 accepted_step=self.step))
-            if len(self._life) < MAX_LIFE_TRACKED:
-                self._life[signed.batch_id] = (b.created_ms / 1000.0, self.wall_clock(), None)
+            self.figures.on_acked(signed.batch_id, b.created_ms / 1000.0, self.wall_clock())
             if self.gate is not None:
                 self.gate.add(signed.batch_id, b.policy_version, self._expiry(b.policy_version, self.step))
-                self._wake("gate")
+                self.wake.gate.set()
             else:
-                self._wake("train")
+                self.wake.train.set()
             self.quota.take(b.worker, history, self.clock())
             self.progress.on_work(self.clock())
             wait = self.pacer.retry_after(pending + 1, self.clock())
-        self.intake["accepted"] += 1
-        self.m_batches.labels(outcome="accepted").inc()
+        self.figures.intake["accepted"] += 1
+        self.gauges.batches.labels(outcome="accepted").inc()
         return RolloutAck(batch_id=signed.batch_id, accepted=True, trainer_step=self.step,
                           retry_after_ms=int(wait * 1000))
 
@@ -294,8 +271,8 @@ class Trainer:
         return trainable_until(policy_version, accepted_step, self.cfg.async_level, self.cfg.grace_steps())
 
     def _refuse(self, batch_id: bytes, reason: str, sender: str, retry_after: float = 0.0) -> RolloutAck:
-        self.intake[reason] += 1
-        self.m_batches.labels(outcome=reason).inc()
+        self.figures.intake[reason] += 1
+        self.gauges.batches.labels(outcome=reason).inc()
         self.node.metrics.reject(SOURCE, reason)
         self._strike(sender, reason)
         return RolloutAck(batch_id=batch_id, accepted=False, reason=reason, trainer_step=self.step,
@@ -334,7 +311,7 @@ class Trainer:
 
     def _admit_rollouts(self, sender: str) -> str | None:
         if self.node.peers.is_banned(sender, SOURCE, self.clock()):
-            self.intake["banned"] += 1
+            self.figures.intake["banned"] += 1
             return "banned"
         return None
 
@@ -342,7 +319,7 @@ class Trainer:
         """A broken or slow rollouts frame (a spooled batch stays spooled)."""
         self.node.metrics.reject(SOURCE, reason)
         if reason != "timeout":
-            self.intake[reason] += 1
+            self.figures.intake[reason] += 1
             self._strike(sender, reason)
 
     async def _answer_rollouts(self, sender: str, data: bytes) -> RolloutAck:
@@ -375,43 +352,45 @@ class Trainer:
         try:
             verdict = open_verdict(data, self.run_name, self.validators)
         except RemoteProtocolError as e:
-            self.verdicts[e.reason] += 1
-            self.node.metrics.reject(VERDICT_SOURCE, e.reason)
-            return ZERO_ID, False, e.reason
+            return self._verdict_ignored(ZERO_ID, e.reason)
         async with self._spool_lock:  # the state read holds until the decision is spooled
             row = self.spool.get(verdict.batch_id)
-            if row is None:
-                reason = "unknown-batch"
-            elif row.worker != verdict.worker:
-                reason = "wrong-worker"
-            elif row.state is not BatchState.GATED or self.gate is None:
-                reason = "already-decided"
-            elif verdict.unjudged:  # "cannot judge yet": no verdict, no blame; the batch moves on
-                self.gate.not_now(verdict.batch_id, verdict.validator, trio.current_time())
-                self.verdicts[f"unjudged:{verdict.unjudged}"] += 1
-                self._wake("gate")
+            reason = verdict_mismatch(verdict, row, gated=self.gate is not None)
+            if reason:
+                return self._verdict_ignored(verdict.batch_id, reason)
+            if verdict.unjudged:  # "cannot judge yet": no verdict, no blame; the batch moves on
+                self._not_now(verdict.batch_id, verdict.validator, f"unjudged:{verdict.unjudged}")
                 return verdict.batch_id, True, ""
-            else:
-                outcome = self.gate.on_verdict(verdict.batch_id, verdict.accepted, verdict.reasons)
-                if not outcome.decided:
-                    reason = outcome.reason
-                else:
-                    await self.db.run(self.spool.decide, verdict.batch_id, outcome.passed, outcome.reason, data)
-                    self.verdicts["passed" if outcome.passed else "failed"] += 1
-                    if outcome.passed:
-                        life = self._life.get(verdict.batch_id)
-                        if life is not None:
-                            self._life[verdict.batch_id] = (life[0], life[1], self.wall_clock())
-                    else:
-                        self._gone([verdict.batch_id], row.samples, outcome.reason)
-                        self.quota.fail(row.worker, self.clock())  # a fresh key's junk costs it the pool
-                    self._wake("train" if outcome.passed else "ledger")
-                    self._wake("gate")  # a validator slot is free: send the next batch now, not at the next tick
-                    return verdict.batch_id, True, ""
-        self.verdicts[reason] += 1
+            outcome = self.gate.on_verdict(verdict.batch_id, verdict.accepted, verdict.reasons)
+            if not outcome.decided:
+                return self._verdict_ignored(verdict.batch_id, outcome.reason)
+            await self.db.run(self.spool.decide, verdict.batch_id, outcome.passed, outcome.reason, data)
+            self._decided(row, outcome)
+        return verdict.batch_id, True, ""
+
+    def _verdict_ignored(self, batch_id: bytes, reason: str) -> tuple[bytes, bool, str]:
+        self.figures.verdicts[reason] += 1
         self.node.metrics.reject(VERDICT_SOURCE, reason)
         # A repeated verdict is not the validator's fault: acknowledge it as recorded.
-        return verdict.batch_id, reason == "already-decided", reason
+        return batch_id, reason == "already-decided", reason
+
+    def _not_now(self, batch_id: bytes, validator: str, why: str) -> None:
+        """The validator cannot judge the batch yet (gate.py ``not_now``): no blame, the batch moves on."""
+        self.gate.not_now(batch_id, validator, trio.current_time())
+        self.figures.verdicts[why] += 1
+        self.wake.gate.set()
+
+    def _decided(self, row: SpooledBatch, outcome: VerdictOutcome) -> None:
+        """A verdict decided a gated batch (already spooled): figures, the quota, the loops it wakes."""
+        self.figures.verdicts["passed" if outcome.passed else "failed"] += 1
+        if outcome.passed:
+            self.figures.on_verified(row.batch_id, self.wall_clock())
+            self.wake.train.set()
+        else:
+            self._gone([row.batch_id], row.samples, outcome.reason)
+            self.quota.fail(row.worker, self.clock())  # a fresh key's junk costs it the pool
+            self.wake.ledger.set()
+        self.wake.gate.set()  # a validator slot is free: send the next batch now, not at the next tick
 
     async def gate_loop(self) -> None:
         """Send due batches to their validators; wake on new batches, deadlines or every GATE_TICK."""
@@ -425,7 +404,7 @@ class Trainer:
                 for batch_id, validator in self.gate.due(self.live_validators(), now):
                     nursery.start_soon(self._send_to_validator, batch_id, validator)
                 nxt = self.gate.next_deadline(now)
-                await self._wait("gate", GATE_TICK if nxt is None else max(0.0, min(GATE_TICK, nxt - now)))
+                await self.wake.gate.wait(GATE_TICK if nxt is None else max(0.0, min(GATE_TICK, nxt - now)))
 
     async def _send_to_validator(self, batch_id: bytes, validator: str) -> None:
         envelope = self.spool.envelope(batch_id)
@@ -437,9 +416,7 @@ class Trainer:
             ack = await VERIFY.call(self.node.host, validator, envelope, SEND_TIMEOUT, peers=self.node.peers)
             ok = ack.accepted and ack.batch_id == batch_id
             if not ok and ack.reason == UNJUDGED_NO_CHECKPOINT and ack.batch_id == batch_id:
-                self.gate.not_now(batch_id, validator, trio.current_time())  # "cannot judge yet": no blame
-                self.verdicts[f"unjudged:{ack.reason}"] += 1
-                self._wake("gate")
+                self._not_now(batch_id, validator, f"unjudged:{ack.reason}")
                 return
         except CallFailure as e:
             if e.kind is FailureKind.GARBAGE:
@@ -450,7 +427,7 @@ class Trainer:
             self.gate.sent(batch_id, trio.current_time())
         else:
             self.gate.send_failed(batch_id)
-            self._wake("gate")
+            self.wake.gate.set()
 
     # ------------------------------------------------------------------ training
 
@@ -499,12 +476,12 @@ class Trainer:
             await self._expire(gone)
         if flat:
             await self.db.run(self.spool.take, flat, self.step + 1)  # like any batch of that step: back to READY if it is lost
-            self.no_signal_batches += len(flat)
+            self.figures.no_signal_batches += len(flat)
             self._trained(flat)
-            self._wake("ledger")
+            self.wake.ledger.set()
         for bid in gone + flat:
             self._samples.pop(bid, None)
-        self.samples_in_hand = len(samples)
+        self.figures.samples_in_hand = len(samples)
         if len(samples) < self.cfg.min_batch_samples:
             return None
         return ids, samples, reward_sum / max(n_all, 1)
@@ -522,27 +499,16 @@ class Trainer:
     def _gone(self, batch_ids: list[bytes], samples: int, reason: str) -> None:
         """Acknowledged batches that left the queue untrained (figures, and pacing for those a verdict
         refused: an expired batch took no validator time, so it says nothing of the drain rate)."""
-        self.sample_outcomes[reason] += samples
+        self.figures.on_gone(batch_ids, samples, reason)
         if reason != "expired":
             self.pacer.on_drained(len(batch_ids), self.clock())
-        for bid in batch_ids:
-            self._life.pop(bid, None)
 
     def _trained(self, batch_ids: list[bytes]) -> None:
         """Batches consumed by the coming step: sample figures, the stages of their life, pacing."""
         now = self.wall_clock()
         for bid in batch_ids:
             row = self.spool.get(bid)
-            if row is not None:
-                self.sample_outcomes["trained"] += row.samples
-            life = self._life.pop(bid, None)
-            if life is not None:
-                generated, acked, verified = life
-                verified = acked if verified is None else verified  # no validators: ready at once
-                self.life_s["generated_to_acked"] += max(0.0, acked - generated)
-                self.life_s["acked_to_verified"] += verified - acked
-                self.life_s["verified_to_trained"] += now - verified
-                self.life_n += 1
+            self.figures.on_trained(bid, None if row is None else row.samples, now)
         self.pacer.on_drained(len(batch_ids), self.clock())
 
     async def train_loop(self) -> None:
@@ -550,13 +516,13 @@ class Trainer:
         while True:
             picked = await self.pick()
             if picked is not None and self._hold_step():
-                await self._wait("train", GATE_TICK)
+                await self.wake.train.wait(GATE_TICK)
                 continue
             if picked is None:
                 t0 = trio.current_time()
-                await self._wait("train", GATE_TICK)
-                if self.intake["accepted"] or self.spool.pending():  # idle = waiting once rollouts flow
-                    self.idle_s += trio.current_time() - t0
+                await self.wake.train.wait(GATE_TICK)
+                if self.figures.intake["accepted"] or self.spool.pending():  # idle = waiting once rollouts flow
+                    self.figures.idle_s += trio.current_time() - t0
                 continue
             self.stepping_since = self.clock()
             try:
@@ -589,7 +555,7 @@ class Trainer:
             return None
         seconds = trio.current_time() - t0
         self.phases.add("train", seconds)
-        self.step_batches += len(ids)
+        self.figures.step_batches += len(ids)
         record = StepRecord(version, mean_reward, len(samples), len(ids), stats.tokens, stats.loss, seconds)
         t1 = trio.current_time()
         await self.db.run(self.spool.record_step, record)  # then the model: never a saved model without its record
@@ -598,38 +564,19 @@ class Trainer:
         self.phases.add("save", trio.current_time() - t1)
         for bid in ids:
             self._samples.pop(bid, None)
-        self.reward_curve.append((version, mean_reward))
-        self.last_step = {"step": version, "samples": len(samples), "batches": len(ids), "tokens": stats.tokens,
-                          "loss": round(stats.loss, 5), "entropy": round(stats.entropy, 4),
-                          "clip_frac": round(stats.clip_frac, 4), "grad_norm": round(stats.grad_norm, 4),
-                          "lr": stats.lr, "seconds": round(seconds, 3),
-                          "tokens_per_s": round(stats.tokens / seconds, 1) if seconds > 0 else None,
-                          **off_policy_figures(stats),
-                          "mismatch_by_engine": {name: f.figures() for name, f in by_engine.items()}}
+        self.figures.reward_curve.append((version, mean_reward))
+        self.figures.last_step = step_figures(version, len(samples), len(ids), stats, seconds, by_engine)
         self.mismatch.add(by_engine)
-        for name, f in by_engine.items():
-            self.m_engine_kl.labels(engine=name).set(f.kl)
-            self.m_engine_beyond.labels(engine=name).set(f.beyond)
-        self.m_step.set(version)
-        self.m_tokens.inc(stats.tokens)
-        self.m_reward.set(mean_reward)
-        self.m_loss.set(stats.loss)
-        self.m_step_seconds.observe(seconds)
-        self.m_masked.set(stats.masked_frac)
-        self.m_mismatch.set(stats.mismatch_kl)
-        if stats.mismatch_kl_same_version is not None:
-            self.m_mismatch_same.set(stats.mismatch_kl_same_version)
-        self.m_off_policy.labels(stat="mean").set(stats.off_policy_mean)
-        self.m_off_policy.labels(stat="max").set(stats.off_policy_max)
+        self.gauges.on_step(version, stats, mean_reward, seconds, by_engine)
         log.info("trainer: step %d: %d samples from %d batches, mean reward %.3f, loss %.4f, %.2fs",
                  version, len(samples), len(ids), mean_reward, stats.loss, seconds)
         self._stepped()
         await self.db.run(self.spool.prune, version - self.cfg.off_policy_bound() - 1)
-        self._wake("ledger")
+        self.wake.ledger.set()
         t2 = trio.current_time()
         await self.publish(version)
         self.phases.add("publish", trio.current_time() - t2)
-        self.busy_s += trio.current_time() - t0
+        self.figures.busy_s += trio.current_time() - t0
         return record
 
     async def _drop_step(self, ids: list[bytes], error: NonFiniteStep) -> None:
@@ -645,13 +592,13 @@ class Trainer:
         if culprits:
             await self.db.run(self.spool.reject, culprits, "non_finite")
         # counted by _trained at the take; not trained after all
-        self.sample_outcomes["trained"] -= sum(r.samples for r in map(self.spool.get, ids) if r is not None)
+        self.figures.sample_outcomes["trained"] -= sum(r.samples for r in map(self.spool.get, ids) if r is not None)
         for bid in culprits:
             row = self.spool.get(bid)
             self._samples.pop(bid, None)
             if row is not None:
                 self._strike(row.worker, "non_finite")
-        self.dropped_steps += 1
+        self.figures.dropped_steps += 1
 
     async def publish(self, version: int, *, ledger: bool = True) -> None:
         """Announce the model folder of ``version`` through the shard swarm and (``ledger``) the ledger."""
@@ -661,12 +608,12 @@ class Trainer:
             await trio.to_thread.run_sync(check_finite_folder, folder)
             signed = await self.shards.publish(folder, version)
         except (PermissionError, OSError, ValueError, NonFiniteCheckpoint) as e:
-            self.publish_error = str(e)
+            self.figures.publish_error = str(e)
             log.error("trainer: publishing v%d failed: %s", version, e)
             return
         self.published = version
-        self.publish_error = ""
-        self._wake("eval")
+        self.figures.publish_error = ""
+        self.wake.eval.set()
         from ..ledger.entries import CheckpointPublished
 
         # Advertise the versions we seed in our peer record.
@@ -689,12 +636,11 @@ class Trainer:
         settings = {"rl": dataclasses.asdict(self.node.run.section("rl", RLConfig)), "tasks": self.tcfg.eval_tasks,
                     "device": self.tcfg.eval_device, "threads": self.tcfg.eval_threads}
         await serve_evaluation(self.evals, settings, self.policy.root, latest=lambda: self.published,
-                               record=self._record_eval, wait=functools.partial(self._wait, "eval"))
+                               record=self._record_eval, wait=self.wake.eval.wait)
 
     async def _record_eval(self, record: EvalRecord) -> None:
         await self.db.run(self.spool.record_eval, record)
-        self.m_eval.set(record.score)
-        self.m_eval_version.set(record.version)
+        self.gauges.on_eval(record.version, record.score)
 
     # ------------------------------------------------------------------ progress
 
@@ -715,7 +661,7 @@ class Trainer:
             stepping_s=None if self.stepping_since is None else self.clock() - self.stepping_since,
             gated_unsent=waiting.get("unassigned", 0), gated_sent=sent,
             ready=self.spool.counts().get(BatchState.READY.value, 0),
-            samples_in_hand=self.samples_in_hand, min_samples=self.cfg.min_batch_samples,
+            samples_in_hand=self.figures.samples_in_hand, min_samples=self.cfg.min_batch_samples,
             validators=len(self.validators), live_validators=len(self.live_validators()) if self.validators else 0)
 
     def stall(self) -> str:
@@ -750,7 +696,7 @@ class Trainer:
                     log.error("trainer: ledger refused rollouts entry for %s: %s", row.batch_id.hex()[:12], e)
                 await self.db.run(self.spool.mark_ledger_done, row.batch_id)
             if len(rows) < LEDGER_CHUNK:
-                await self._wait("ledger", 5.0)
+                await self.wake.ledger.wait(5.0)
 
     # ------------------------------------------------------------------ status
 
@@ -761,7 +707,7 @@ class Trainer:
             gate = "off (no validators in the run)"
         else:
             gate = {"live_validators": len(self.live_validators()), "validators": len(self.validators),
-                    **self.gate.status(), "verdicts": dict(self.verdicts)}
+                    **self.gate.status(), "verdicts": dict(self.figures.verdicts)}
         now = self.clock()
         running = now - self.stepping_since if self.stepping_since is not None else None
         last = self.progress.last_step()
@@ -780,55 +726,45 @@ class Trainer:
             "steps_per_min": None if per_min is None else round(per_min, 3),
             "stalled": self.stall(),
             "published": self.published,
-            "publish_error": self.publish_error,
+            "publish_error": self.figures.publish_error,
             "device": self.policy.device,
-            "intake": dict(self.intake),
+            "intake": dict(self.figures.intake),
             "banned": sum(SOURCE in b for b in self.node.peers.table.bans(self.clock()).values()),
             "batches": {
                 "gated": counts.get(BatchState.GATED.value, 0),
                 "ready": counts.get(BatchState.READY.value, 0),
                 "trained": counts.get(BatchState.TRAINED.value, 0),
                 "rejected": counts.get(BatchState.REJECTED.value, 0),
-                "no_signal": self.no_signal_batches,
+                "no_signal": self.figures.no_signal_batches,
             },
-            "samples_in_hand": [self.samples_in_hand, self.cfg.min_batch_samples],
-            "dropped_steps": self.dropped_steps,
+            "samples_in_hand": [self.figures.samples_in_hand, self.cfg.min_batch_samples],
+            "dropped_steps": self.figures.dropped_steps,
             "quota": self.quota.status(),
             "rejected_by_reason": self.spool.rejected_by_reason(),
             "gate": gate,
-            "reward": reward_points(self.reward_curve, STATUS_STEPS),
+            "reward": reward_points(self.figures.reward_curve, STATUS_STEPS),
             "eval": self.evals.status(),  # held-out scores by version (node/trainer/evaluation.py)
-            "last_step": self.last_step,
+            "last_step": self.figures.last_step,
             "mismatch_by_engine": self.mismatch.status(),  # over each engine's last 20 measured steps
-            "idle_fraction": idle_fraction(self.idle_s, self.busy_s, running),
-            "step_time_s": {"wait": round(self.idle_s, 2), **{k: round(v, 2) for k, v in self.phases.totals.items()}},
+            "idle_fraction": idle_fraction(self.figures.idle_s, self.figures.busy_s, running),
+            "step_time_s": {"wait": round(self.figures.idle_s, 2), **{k: round(v, 2) for k, v in self.phases.totals.items()}},
             "phases_s": self.phases.status(),
-            "step_batches": self.step_batches,
-            "sample_outcomes": dict(self.sample_outcomes),
-            "sample_life_s": {k: round(v / self.life_n, 3) for k, v in self.life_s.items()} if self.life_n else {},
+            "step_batches": self.figures.step_batches,
+            "sample_outcomes": dict(self.figures.sample_outcomes),
+            "sample_life_s": self.figures.sample_life(),
             "pacing": self.pacer.status(self.spool.pending(), self.clock()),
         }
 
 
-def off_policy_figures(stats) -> dict:
-    """A step's off-policy figures for status (``StepStats``: node/rl/grpo.py)."""
-    same = stats.mismatch_kl_same_version
-    return {"masked_frac": round(stats.masked_frac, 4), "mismatch_kl": round(stats.mismatch_kl, 6),
-            "mismatch_kl_same_version": None if same is None else round(same, 6),
-            "off_policy_steps": {"mean": round(stats.off_policy_mean, 3), "max": stats.off_policy_max}}
-
-
-def reward_points(curve: list[tuple[int, float]], most: int) -> list[list]:
-    """``[step, mean reward]`` for every step, or, past ``most`` steps, ``most`` consecutive buckets
-    (``[last step of the bucket, mean of its rewards]``) so the whole run fits in status."""
-    if len(curve) <= most:
-        return [[s, round(r, 4)] for s, r in curve]
-    size = -(-len(curve) // most)
-    out = []
-    for i in range(0, len(curve), size):
-        part = curve[i:i + size]
-        out.append([part[-1][0], round(sum(r for _, r in part) / len(part), 4)])
-    return out
+def verdict_mismatch(verdict, row: SpooledBatch | None, *, gated: bool) -> str:
+    """Why a checked verdict applies to no batch awaiting one ("" when it does)."""
+    if row is None:
+        return "unknown-batch"
+    if row.worker != verdict.worker:
+        return "wrong-worker"
+    if row.state is not BatchState.GATED or not gated:
+        return "already-decided"
+    return ""
 
 
 async def serve_trainer(node, shards: ShardsAPI, membership: MembershipAPI, ledger: LedgerAPI, *,
