@@ -281,7 +281,7 @@ def section_train(sz: Sizes, out: dict, peak_tflops: float) -> None:
 
     def rescore():  # what the trainer adds to each step for the mismatch figures, at its default size
         with amp:
-            return step_mismatch(model, samples, 0, TrainerConfig().mismatch_samples, cfg, 1.0)
+            return step_mismatch(model, samples, 0, TrainerConfig().mismatch_samples, cfg, lambda dtype: 1.0)
 
     rescore()
     _, t_rescore = timed(rescore, sz.device)

@@ -20,9 +20,10 @@ Then the log-prob mismatch, as the trainer measures it (node/rl/mismatch.py): ``
 steps, each a batch of ``--mismatch-batch`` fresh prompts and seeds sampled by each engine, rescored
 by the trainer's own function on a float32 torch copy of the checkpoint at the same weights. Printed
 per engine: mean and max over the steps of the k3 KL (prime-rl admits an inference setup below
-0.015 over 20 steps), the fraction of tokens beyond the validator's per-token tolerance
-(``[proofs] logprob_tolerance_max``), and the honest worst case against both tolerances: the largest
-token |Δ log-prob| and the largest per-sample mean, each as the tolerance's margin (tolerance / worst).
+0.015 over 20 steps), the fraction of tokens beyond the validator's per-token tolerance for the
+dtype (node/proofs/checks.py ``logprob_tolerances``: float32 on both sides gets the tight one), and
+the honest worst case against both tolerances: the largest token |Δ log-prob| and the largest
+per-sample mean, each as the tolerance's margin (tolerance / worst).
 ``--dtype bfloat16`` runs both engines in bfloat16 (vLLM's CPU build needs AVX-512 BF16 or AMX),
 the precision a GPU worker runs in.
 """
@@ -71,31 +72,32 @@ def mismatch(engines: dict, folder: Path, args) -> None:
     import torch
 
     from node.engines.model import load_model
+    from node.proofs.checks import logprob_tolerances
     from node.proofs.config import ProofsConfig
     from node.rl.config import GRPOConfig
     from node.rl.grpo import TrainSample
     from node.rl.mismatch import PRIME_RL_ADMISSION_KL, MismatchWindow, step_mismatch
 
-    tol = ProofsConfig()
+    tol_mean, tol_max = logprob_tolerances(ProofsConfig(), args.dtype, "float32")  # the engines' dtype, the scorer's
     scorer = load_model(folder, dtype=torch.float32)  # the trainer's weights: float32 masters
     cfg = GRPOConfig(temperature=1.0, pack_length=1024)
     window = MismatchWindow(args.mismatch_steps)
     tokenizer = engines["vllm"].tokenizer
     for step in range(args.mismatch_steps):
         prompts = prompts_of(tokenizer, args.mismatch_batch, seed=10_000 + step)
-        samples = [TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, 0.0, 0, name)
+        samples = [TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, 0.0, 0, name, args.dtype)
                    for name, engine in engines.items()
                    for g in engine.generate(prompts, 1, 1.0, 1.0, args.tokens, seed=step, capture_hidden=False)
                    for s in g]
-        window.add(step_mismatch(scorer, samples, 0, len(samples), cfg, tol.logprob_tolerance_max))
+        window.add(step_mismatch(scorer, samples, 0, len(samples), cfg, lambda dtype: tol_max))
     for name, f in window.status().items():
         print(f"mismatch {name:>5} ({args.dtype}, {f['steps']} steps, {f['tokens']} tokens): KL mean {f['mean_kl']:.2e} "
               f"max {f['max_kl']:.2e} (prime-rl admits < {PRIME_RL_ADMISSION_KL}: "
               f"{'yes' if f['mean_kl'] < PRIME_RL_ADMISSION_KL else 'no'}); tokens beyond "
-              f"{tol.logprob_tolerance_max}: {f['beyond']:.4f}; largest |Δ| {f['max_abs']:.2e} "
-              f"(margin {tol.logprob_tolerance_max / max(f['max_abs'], 1e-12):.3g}x), largest sample mean |Δ| "
-              f"{f['max_sample_mean']:.2e} against {tol.logprob_tolerance_mean} "
-              f"(margin {tol.logprob_tolerance_mean / max(f['max_sample_mean'], 1e-12):.3g}x)")
+              f"{tol_max}: {f['beyond']:.4f}; largest |Δ| {f['max_abs']:.2e} "
+              f"(margin {tol_max / max(f['max_abs'], 1e-12):.3g}x), largest sample mean |Δ| "
+              f"{f['max_sample_mean']:.2e} against {tol_mean} "
+              f"(margin {tol_mean / max(f['max_sample_mean'], 1e-12):.3g}x)")
 
 
 def run(args) -> None:

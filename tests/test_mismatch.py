@@ -44,7 +44,7 @@ def k3(p, q):  # KL estimate of one token: r - log r - 1, log r = trainer - engi
 def test_figures_are_split_by_engine():
     trainer = [t(-1.0, -2.0), t(-0.5), t(-3.0, -1.0, -2.0)]
     engine = [t(-1.0, -3.5), t(-0.5), t(-3.2, -1.0, -2.0)]
-    got = engine_mismatch(trainer, engine, ["vllm", "torch", "vllm"], tolerance=1.0)
+    got = engine_mismatch(trainer, engine, ["vllm", "torch", "vllm"], [1.0] * 3)
     assert set(got) == {"torch", "vllm"}
     assert got["torch"] == EngineMismatch(samples=1, tokens=1, kl=0.0, beyond=0.0, max_abs=0.0, max_sample_mean=0.0)
     v = got["vllm"]
@@ -56,9 +56,18 @@ def test_figures_are_split_by_engine():
 
 
 def test_an_engine_without_tokens_is_absent_and_lengths_must_agree():
-    assert engine_mismatch([t()], [t()], ["vllm"], tolerance=1.0) == {}
+    assert engine_mismatch([t()], [t()], ["vllm"], [1.0]) == {}
     with pytest.raises(ValueError):
-        engine_mismatch([t(-1.0)], [], ["torch"], tolerance=1.0)
+        engine_mismatch([t(-1.0)], [], ["torch"], [1.0])
+    with pytest.raises(ValueError):
+        engine_mismatch([t(-1.0)], [t(-1.0)], ["torch"], [])
+
+
+def test_each_sample_is_judged_by_its_own_tolerance():
+    """A float32 batch gets the validator's tight tolerance, a bfloat16 one the loose: the same 0.05
+    nat is beyond the first and within the second."""
+    got = engine_mismatch([t(-1.0), t(-1.0)], [t(-1.05), t(-1.05)], ["vllm", "vllm"], [1e-2, 1.0])["vllm"]
+    assert got.beyond == pytest.approx(0.5)
 
 
 def sample(version, engine, n=1):
@@ -84,12 +93,13 @@ def test_rescore_gives_the_log_probs_the_model_sampled_with():
         mine = rescore(model, honest, cfg)
         assert [m.shape[0] for m in mine] == [4, 2]
     got = engine_mismatch(mine, [torch.tensor(s.old_logprobs, dtype=torch.float64) for s in honest],
-                          [s.engine for s in honest], tolerance=1.0)
+                          [s.engine for s in honest], [1.0] * 2)
     assert got["torch"].tokens == 6 and got["torch"].max_abs < 1e-4 and got["torch"].kl < 1e-8
     # the same tokens claimed at another temperature are measured as a mismatch
     hot = [dataclasses.replace(s, old_logprobs=model_logprobs(model, prompt, s.completion_ids, 2.0), engine="vllm")
            for s in honest]
-    far = engine_mismatch(mine, [torch.tensor(s.old_logprobs, dtype=torch.float64) for s in hot], ["vllm"] * 2, 1.0)
+    far = engine_mismatch(mine, [torch.tensor(s.old_logprobs, dtype=torch.float64) for s in hot], ["vllm"] * 2,
+                          [1.0] * 2)
     assert far["vllm"].kl > 1e-3 and far["vllm"].max_abs > 0.1
 
 
@@ -129,7 +139,9 @@ def test_training_samples_carry_their_batchs_engine():
     batch = reversal_batch(ident, "test", step=0, policy_version=2, tokenizer=tok, seed=1)
     for engine in ("torch", "vllm"):
         samples, _ = training_samples(dataclasses.replace(batch, engine=engine))
-        assert samples and {(s.engine, s.version) for s in samples} == {(engine, 2)}
+        assert samples and {(s.engine, s.version, s.dtype) for s in samples} == {(engine, 2, "float32")}
+    samples, _ = training_samples(dataclasses.replace(batch, dtype="bfloat16"))
+    assert {s.dtype for s in samples} == {"bfloat16"}
 
 
 async def test_a_trainer_reports_each_engines_mismatch_in_status_and_metrics(tmp_path):
@@ -155,6 +167,7 @@ async def test_a_trainer_reports_each_engines_mismatch_in_status_and_metrics(tmp
         assert set(last) == {"torch", "vllm"} and last["torch"]["samples"] == last["vllm"]["samples"] == 3
         assert last["torch"]["kl"] < 1e-6 and last["torch"]["beyond"] == 0.0  # the trainer's own log-probs
         assert last["vllm"]["kl"] > 100 * max(last["torch"]["kl"], 1e-8) and last["vllm"]["max_abs"] > 0.01
+        assert last["vllm"]["beyond"] > 0.5  # float32 batches: the validator's tight tolerance (1e-2)
         window = trainer.status()["mismatch_by_engine"]
         assert window["vllm"]["steps"] == 1 and window["vllm"]["admitted"] is None
         metrics = tnode.metrics.render().decode()

@@ -65,6 +65,7 @@ class TrainSample:
     advantage: float
     version: int = 0  # policy version that generated it (staleness bookkeeping)
     engine: str = "torch"  # inference engine that generated it (its batch's; node/rl/mismatch.py)
+    dtype: str = "float32"  # the dtype that engine ran the model in (its batch's; sets the validator's tolerance)
 
     def __post_init__(self):
         if len(self.old_logprobs) != len(self.completion_ids):

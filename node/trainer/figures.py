@@ -135,7 +135,7 @@ class TrainerGauges:
         self.engine_kl = m.gauge("trainer_mismatch_kl_by_engine", "k3 KL between an engine's log-probs and the "
                                  "trainer's at the version that generated them, last step", ["engine"])
         self.engine_beyond = m.gauge("trainer_logprob_beyond_tolerance_fraction", "Tokens of an engine whose "
-                                     "|log-prob - trainer's| exceeds [proofs] logprob_tolerance_max, last step",
+                                     "|log-prob - trainer's| exceeds the validator's per-token tolerance for its dtype, last step",
                                      ["engine"])
         self.off_policy = m.gauge("trainer_off_policy_steps", "Version trained minus version that generated "
                                   "each sample, last step", ["stat"])

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ..proofs.checks import logprob_tolerances
+from ..proofs.config import ProofsConfig
 from ..rl.config import GRPOConfig
 from ..rl.grpo import StepStats, TrainSample, batch_loss, make_optimizer, pack, train_step
 from ..rl.mismatch import EngineMismatch, step_mismatch
@@ -49,7 +51,7 @@ def training_samples(batch: RolloutBatch) -> tuple[list[TrainSample], int]:
             continue
         out.extend(
             TrainSample(list(s.prompt_ids), list(s.completion_ids), list(s.logprobs), s.advantage, batch.policy_version,
-                        batch.engine)
+                        batch.engine, batch.dtype)
             for s in members
         )
     return out, dropped
@@ -178,11 +180,17 @@ class Policy:
         self.step += 1
         return stats
 
-    def mismatch(self, samples: list[TrainSample], most: int, tolerance: float) -> dict[str, EngineMismatch]:
+    def mismatch(self, samples: list[TrainSample], most: int, proofs: ProofsConfig) -> dict[str, EngineMismatch]:
         """Each engine's log-prob mismatch against these weights, before :meth:`train` updates them,
-        over up to ``most`` of the samples this version generated (node/rl/mismatch.py)."""
+        over up to ``most`` of the samples this version generated (node/rl/mismatch.py); a token is
+        beyond tolerance as the validator would judge it, by the sample's dtype and ours."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return {}  # sharded: a forward is a collective every rank must join (node/trainer/fsdp.py)
+        ours = "bfloat16" if self.device.startswith("cuda") else "float32"  # what _autocast computes in
+
+        def tolerance(dtype: str) -> float:
+            return logprob_tolerances(proofs, dtype, ours)[1]
+
         with self._autocast():
             return step_mismatch(self.model, samples, self.step, most, self.cfg, tolerance, self.pad_id)
 

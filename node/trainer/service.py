@@ -187,7 +187,7 @@ class Trainer:
         # Held-out scores of published versions, kept in the spool (node/trainer/evaluation.py).
         self.evals = EvalBook(tcfg.eval_every, tcfg.eval_tasks, spool.evals())
         # Each engine's log-prob mismatch at the weights that generated the samples (node/rl/mismatch.py).
-        self.logprob_tolerance = run.section("proofs", ProofsConfig).logprob_tolerance_max
+        self.proofs = run.section("proofs", ProofsConfig)  # the validator's log-prob tolerances
         self.mismatch = MismatchWindow()
 
     # ------------------------------------------------------------------ helpers
@@ -547,7 +547,7 @@ class Trainer:
         self._trained(ids)
         t0 = trio.current_time()
         by_engine = await trio.to_thread.run_sync(self.policy.mismatch, samples, self.tcfg.mismatch_samples,
-                                                  self.logprob_tolerance)
+                                                  self.proofs)
         try:
             stats = await trio.to_thread.run_sync(self.policy.train, samples)
         except NonFiniteStep as e:
