@@ -313,7 +313,9 @@ def test_super_seeder_sends_each_piece_once_two_at_a_time() -> None:
             assert not s.revealed_to(p) - {x for q, x in new if q == p}
         shown += new
     assert s.sent == [1] * 12  # every piece went out exactly once; the rest is peer to peer
-    assert s.reveal(t + 100.0) == []  # everything is held by someone: nothing to re-send
+    # Everything is held by someone: nothing to re-send while it may be spreading (past
+    # stall_seconds, a piece no one got from its holder goes out again: the test below).
+    assert s.reveal(t + 5.0) == []
     counts = Counter(len(d.holds) for d in s.peers.values())
     assert sum(k * v for k, v in counts.items()) == 12 and max(counts) - min(counts) <= 1  # spread evenly
 
@@ -535,3 +537,27 @@ def test_the_super_seeders_budgets_are_bytes_whatever_the_piece_size():
     assert (small.in_transit, small.max_unreported) == (4, 12)
     large = SuperSeeder.for_pieces(256, 4 << 20)  # never fewer than 2 pieces in each
     assert (large.in_transit, large.max_unreported) == (2, 4)
+
+
+def test_super_seeder_shows_again_a_piece_that_never_spread_from_the_one_that_holds_it() -> None:
+    """A NAT'd downloader whose only direct peer is the origin holds its piece for good: nobody can
+    open a transfer session to it. Found by simulation (bench/sim_shards.py, issue 46): 39 of 40
+    downloaders waited forever for the one piece it was shown."""
+    s = SuperSeeder(1, in_transit=1, stall_seconds=10.0, rng=random.Random(2))
+    ((first, piece),) = s.on_bitfield("a", set(), 0.0)
+    assert s.on_bitfield("b", set(), 0.0) == []
+    s.on_sent(first, piece, 0.5)
+    assert s.on_have(first, piece, 1.0) == []  # held, by the one we gave it to
+    assert s.reveal(5.0) == []  # not stalled yet: it may be spreading
+    other = "b" if first == "a" else "a"
+    assert s.reveal(10.0) == [(other, piece)]  # no one got it from its holder: shown to another
+
+
+def test_super_seeder_leaves_alone_a_piece_that_spread() -> None:
+    s = SuperSeeder(1, in_transit=1, stall_seconds=10.0, rng=random.Random(2))
+    ((first, piece),) = s.on_bitfield("a", set(), 0.0)
+    s.on_bitfield("b", set(), 0.0)
+    s.on_sent(first, piece, 0.5)
+    s.on_have(first, piece, 1.0)
+    s.on_have("b" if first == "a" else "a", piece, 3.0)  # the other got it from the first
+    assert s.reveal(100.0) == [] and s.sent[piece] == 1

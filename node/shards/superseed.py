@@ -16,9 +16,13 @@ SENT (every byte written to the downloader's stream: it is draining through buff
 
 Rules, each measured with 8 downloaders behind 10 Mbit/s upload caps (bench/shards.py swarm):
 
-* A piece is shown to a second downloader only when its first recipient left, or sat on it for
-  ``stall_seconds`` without reporting it. Showing "least-sent first" instead made the seed upload
-  1.47x the checkpoint.
+* A piece is shown to a second downloader only when its first recipient left, sat on it for
+  ``stall_seconds`` without reporting it, or reported it but in ``stall_seconds`` no downloader has
+  reported it save those we gave it to. Showing "least-sent first" instead made the seed upload
+  1.47x the checkpoint. The last case is a holder that can pass it to nobody: a NAT'd downloader
+  whose only direct peer is the origin accepts no transfer session (relay circuits carry no
+  checkpoint bytes), and in simulation (bench/sim_shards.py, 40 downloaders, half NAT'd) the other
+  39 waited forever for the one piece it held.
 * At most ``in_transit`` pieces are SHOWN at once, over all downloaders. Showing two pieces to each
   of 8 downloaders made the seed split its upload 16 ways, so the first piece finished — and could
   be passed on — only after ~16 piece-times; with 2 in transit, a piece is complete and tradable
@@ -187,9 +191,9 @@ class SuperSeeder:
 
     def _next(self, now: float) -> tuple[str, int] | None:
         fresh = [i for i in range(self.num_pieces) if self.sent[i] == 0 and self.held[i] == 0]
-        stuck = [
+        stuck = [  # no one has it but those we gave it to (if anyone), for stall_seconds
             i for i in range(self.num_pieces)
-            if self.held[i] == 0 and self.sent[i] > 0 and now - self.last_sent[i] >= self.stall_seconds
+            if 0 < self.sent[i] >= self.held[i] and now - self.last_sent[i] >= self.stall_seconds
         ]
         pieces = fresh or sorted(stuck, key=lambda i: (self.sent[i], self.last_sent[i]))[:1]
         if not pieces:
