@@ -24,3 +24,18 @@ def test_a_dial_reserves_the_addresses_out_of_backoff_and_only_those():
     b.on_connected("b")
     assert b.reserve(["a", "b", "c"], now=10) == ["a", "b"]  # c's dial has no outcome yet, for base seconds
     assert b.reserve(["c"], now=15) == ["c"]
+
+
+def test_a_seeded_manager_prunes_the_same_peers_whatever_the_interpreters_hash_seed():
+    """The simulator (sim/, issue 46) and the tests seed the manager's rng; its prune choice must not
+    also depend on the order Python happens to iterate a set of peer ids in (PYTHONHASHSEED)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import random; from node.gossip.connections import ConnectionManager as M; "
+            "m = M(2, 4, 1.0, rng=random.Random(7)); peers = {f'peer{i}' for i in range(40)}; "
+            "print(m.plan(peers, dict.fromkeys(peers, 'worker'), set(), 0.0).prune)")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
+    assert len(outs) == 1, outs

@@ -128,7 +128,7 @@ class ConnectionManager:
 
     def _prune(self, connected: set[str], roles: dict[str, str], protected: set[str], k: int) -> list[str]:
         have = Counter(roles.get(p, "?") for p in connected)
-        pool = [p for p in connected if p not in protected]
+        pool = sorted(p for p in connected if p not in protected)  # set order varies with the hash seed
         self.rng.shuffle(pool)
         out: list[str] = []
         while pool and len(out) < k:
