@@ -1,0 +1,47 @@
+"""The checkpoint swarm simulator (sim/shards.py): the real picker, super-seeder and peering choices
+on the simulated network, against Kumar & Ross's bound (issue 46 item 3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.shards import ORIGIN, Distribution, Links, Topology, kumar_ross
+
+MiB = 1 << 20
+
+
+def test_the_bound_is_whichever_of_seed_upload_slowest_download_and_total_upload_binds():
+    assert kumar_ross(100, 1, [10, 10], [1e9, 1e9]) == 100  # the seed's upload
+    assert kumar_ross(100, 100, [10, 10], [4, 1e9]) == 25  # the slowest download
+    assert kumar_ross(100, 20, [10, 10, 10], [1e9] * 3) == pytest.approx(300 / 50)  # everyone's upload
+
+
+def test_every_downloader_gets_every_piece_no_sooner_than_the_bound_allows_and_not_much_later():
+    topo = Topology(8, Links.namespaces(10.0), seed=2)
+    full = Distribution(topo, 4 * MiB)
+    t = full.run(limit=120.0)
+    assert t is not None
+    assert all(len(h.verified) == full.num_pieces for h in full.holders.values())
+    assert full.bound() <= t <= 1.5 * full.bound()
+
+
+def test_checkpoint_bytes_never_cross_a_relay_circuit():
+    topo = Topology(40, Links(nat=0.5), seed=3)
+    e = topo.net.endpoints
+    natted = [p for p in topo.peers if e[p].nat]
+    assert natted
+    for p in natted:  # a NAT'd node's direct peers are public nodes it dialled
+        assert not [q for q in topo.direct[p] if e[q].nat]
+    assert len(topo.stranded) < len(natted) / 4  # those with none get nothing (left out of the run)
+    full = Distribution(topo, 2 * MiB)
+    assert full.run(limit=300.0) is not None
+    assert sum(e[p].relayed_bytes for p in topo.peers) == 0
+
+
+@pytest.mark.parametrize("super_seed", [True, False])
+def test_a_super_seeding_origin_uploads_about_one_copy_an_ordinary_seed_many(super_seed):
+    topo = Topology(12, Links.namespaces(10.0), seed=4)
+    full = Distribution(topo, 4 * MiB, super_seed=super_seed)
+    assert full.run(limit=120.0) is not None
+    copies = topo.net.endpoints[ORIGIN].sent_bytes / (4 * MiB)
+    assert copies < 1.3 if super_seed else copies > 2
