@@ -9,6 +9,7 @@ tables are public information already (they travel on gossip); nothing secret is
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -151,8 +152,8 @@ async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORE
                         write_atomic(path, data, durable=False)
                     else:
                         await trio.to_thread.run_sync(lambda: write_atomic(path, data, durable=False))
-                except OSError as e:  # issue 42: out of descriptors ended the node here; next turn
-                    if not out_of_files(e):
+                except OSError as e:  # out of descriptors (issue 42) or a full disk (issue 45) ended the node here; next turn
+                    if not (out_of_files(e) or e.errno in (errno.ENOSPC, errno.EDQUOT)):
                         raise
                     if starved.due(now):
                         log.warning("status: cannot write %s (%s); the last one stays", path.name, e)

@@ -61,6 +61,7 @@ RATE_SMOOTHING = 0.3  # weight of the newest step in the tokens/s moving average
 ADVERTISE_CHANGE = 0.25  # republish capacity when it moved by more than this fraction
 ADVERTISE_MIN_INTERVAL_S = 10.0  # at most one record change per this many seconds (gossip cost)
 STEP_ERROR_PAUSE_S = 2.0  # pause after a failed step (a bug or a bad checkpoint) before trying again
+STEP_WRITE_RETRY_S = 5.0  # a step not written to disk (disk full) is not generated: tried again after this
 
 
 def advertise_due(old: tuple[float, float], new: tuple[float, float], since_last: float) -> bool:
@@ -155,6 +156,7 @@ class InferenceService:
                                     step_window=step_window_size(self.cfg.max_pending_batches),
                                     first_step=self.next_step, counted_step=None if counted < 0 else counted)
         self.step_held = False  # waiting for an ack before the next step (issue 39, step headroom)
+        self.step_unwritten: str | None = None  # why the next step could not be persisted (disk full), if so
         self.version: int | None = None  # policy version loaded in the engine
         self.stats = Stats()
         self.phases = PhaseTimes(node.metrics.phase_seconds())  # seconds per batch and per version (node/steptime.py)
@@ -278,8 +280,22 @@ class InferenceService:
                 continue
             self.step_held = False
             step = self.next_step
+            try:
+                await trio.to_thread.run_sync(self._persist_steps, step + 1, self.outbox.counted_step)
+            except OSError as e:
+                # Generated without being on disk, the step could be drawn again after a restart (a
+                # replay the trainer refuses). A full disk (bench/soak.py's disk-full event ended the
+                # node here) is waited out instead.
+                if self.step_unwritten is None:
+                    log.warning("inference: step %d not generated: cannot write %s (%s); trying again every %.0f s",
+                                step, self.step_file, e.strerror or e, STEP_WRITE_RETRY_S)
+                self.step_unwritten = str(e.strerror or e)
+                await trio.sleep(STEP_WRITE_RETRY_S)
+                continue
+            if self.step_unwritten is not None:
+                log.info("inference: the step file is written again; generating")
+                self.step_unwritten = None
             self.next_step = step + 1
-            await trio.to_thread.run_sync(self._persist_steps, self.next_step, self.outbox.counted_step)
             async with self.engine_lock:
                 version = self.version
                 root = self.policy_root(version)
@@ -431,6 +447,7 @@ class InferenceService:
             "policy_version": self.version,
             "steps": st.steps,
             "next_step": self.next_step,
+            "step_unwritten": self.step_unwritten,  # why no step is generated now (its step file cannot be written)
             "step_window": {"counted": self.outbox.counted_step, "held": self.step_held,
                       "step_ahead_refusals": self.outbox.step_ahead_refusals},
             "samples": st.samples,

@@ -450,6 +450,10 @@ class ShardsService:
                     except StoreConflict as e:
                         log.warning("shards: %s", e)
                         return
+                    except OSError as e:  # a full disk ended the node here (issue 45's soak): the next announcement retries
+                        log.error("shards: v%d: cannot create its store (%s); the download stopped (it resumes at "
+                                  "the next announcement or start)", version, e.strerror or e)
+                        return
                 self.serve(vs)
                 await self.deltas.fill(vs)  # from a delta against a version we hold, when offered
                 dl = Download(self, vs)
@@ -466,7 +470,12 @@ class ShardsService:
                 if problems:
                     await self._refuse(vs, problems)
                     return
-                await trio.to_thread.run_sync(vs.finish)  # fsyncs the whole checkpoint: off the event loop
+                try:
+                    await trio.to_thread.run_sync(vs.finish)  # fsyncs the whole checkpoint: off the event loop
+                except OSError as e:  # disk full: as a failed download
+                    log.error("shards: v%d: cannot finish it (%s); the download stopped (it resumes at the next "
+                              "announcement or start)", version, e.strerror or e)
+                    return
                 log.info("shards: v%d complete in %.1fs (%d pieces re-fetched after bad hashes)",
                          version, trio.current_time() - dl.started, dl.refetched_pieces)
                 self.phases.add("transfer", trio.current_time() - started)  # manifest to the last piece synced
