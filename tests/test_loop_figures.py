@@ -5,7 +5,11 @@ from __future__ import annotations
 from rich.text import Text
 
 from node.app.demo import describe, health_cell
-from node.app.loopfigures import StallWatch, format_figures, loop_figures, reward_ratio
+from node.app.loopfigures import (StallWatch, cheater_keys, format_figures, format_ledger_totals, judged_samples,
+                                  loop_figures, reward_ratio)
+from node.identity import Identity
+from node.ledger.chain import Ledger
+from node.ledger.entries import GENESIS, Penalty, RolloutsJudged, entry_to_json, make_entry
 
 
 def statuses():
@@ -88,3 +92,87 @@ def test_the_summary_says_the_last_steps_off_policy_figures():
     text = format_figures(loop_figures(s, seconds=60.0))
     assert ("last step: loss dppo-tv, off-policy 1.9 mean / 4 max (bound 8), masked 6.4 %, "
             "mismatch KL 0.016 (same version 0.0001)") in text
+
+
+# -- a cheater's work apart from the honest swarm's (demo --cheat) -----------------------------------
+
+TRAINER_ID = Identity.from_seed(b"T" * 32)
+VALIDATOR_ID = Identity.from_seed(b"V" * 32)
+HONEST_ID = Identity.from_seed(b"H" * 32)
+CHEATER_ID = Identity.from_seed(b"C" * 32)
+FLOOD = [Identity.from_seed(bytes([i]) * 32) for i in range(5)]  # sybil-flood: a fresh key per batch
+NAMES = {TRAINER_ID.peer_id: "t", VALIDATOR_ID.peer_id: "v", HONEST_ID.peer_id: "i1", CHEATER_ID.peer_id: "cheater"}
+
+
+def ledger_of_a_flood():
+    """A real ledger replica (totals) and its export (entries) after a sybil-flood: the trainer trained
+    the honest worker's samples, rejected the cheater's and each flood key's on their proofs, and the
+    validator penalised each flood key."""
+    ledger = Ledger("run", [TRAINER_ID.peer_id], [VALIDATOR_ID.peer_id], 0)
+    chains = {TRAINER_ID.peer_id: (TRAINER_ID, [0, GENESIS]), VALIDATOR_ID.peer_id: (VALIDATOR_ID, [0, GENESIS])}
+    entries = []
+
+    def add(author, body):
+        identity, head = chains[author.peer_id]
+        se = make_entry(identity, "run", head[0] + 1, head[1], 0, body)
+        head[:] = [se.seq, se.hash]
+        ledger.apply(ledger.check(se, 0))
+        entries.append(entry_to_json(se))
+
+    def judged(worker, samples, reason=""):
+        add(TRAINER_ID, RolloutsJudged(worker=worker.peer_id, step=1, accepted=not reason, samples=samples, tokens=10,
+                                       batch_hash=len(entries).to_bytes(32, "big"), reason=reason))
+
+    judged(HONEST_ID, 192)
+    judged(HONEST_ID, 16, "verdict:proof_exponent")  # an honest batch past the float tolerance: honest waste
+    judged(CHEATER_ID, 8, "verdict:reward")
+    for key in FLOOD:
+        judged(key, 16, "verdict:proof_exponent")
+        add(VALIDATOR_ID, Penalty(peer=key.peer_id, reason="verdict", points=10))
+    return ledger.totals(), entries
+
+
+def test_the_cheaters_rejected_samples_are_not_counted_as_honest_losses():
+    totals, entries = ledger_of_a_flood()
+    keys = cheater_keys(totals, NAMES, "cheater")
+    assert keys == {CHEATER_ID.peer_id} | {k.peer_id for k in FLOOD}  # its own key and every key of no demo node
+    judged = judged_samples(entries, keys, {TRAINER_ID.peer_id})
+    assert judged == {"verdict:proof_exponent": 80, "verdict:reward": 8}
+    s = statuses()
+    s["t"][1]["trainer"]["sample_outcomes"] = {"trained": 192, "expired": 32, "verdict:proof_exponent": 96,
+                                               "verdict:reward": 8}
+    s["i1"][1]["inference"]["samples"] = 400
+    f = loop_figures(s, seconds=60.0, cheater_judged=judged)
+    assert f["lost_fraction"] == {"expired": 0.08, "trainer:stale": 0.08, "verdict:proof_exponent": 0.04,
+                                  "worker:stale": 0.08}  # only the honest batch's 16 of 400
+    assert f["trained_fraction"] == 0.48
+    assert f["cheater"] == {"name": "cheater", "kind": "fake-rewards", "samples": 999, "trained": 0,
+                            "rejected": {"verdict:proof_exponent": 80, "verdict:reward": 8}}
+    text = format_figures(f)
+    assert "lost, by reason: expired 8.0 %, trainer:stale 8.0 %, verdict:proof_exponent 4.0 %, worker:stale 8.0 %" in text
+    assert ("the cheater (fake-rewards, not counted above): 999 samples generated; trained 0; "
+            "rejected by the trainer: verdict:proof_exponent 80, verdict:reward 8") in text
+
+
+def test_a_cheaters_trained_samples_are_not_honest_work_trained():
+    s = statuses()
+    f = loop_figures(s, seconds=60.0, cheater_judged={"trained": 32})
+    assert f["trained_fraction"] == 0.5 and f["cheater"]["trained"] == 32  # 160 of the 192 were honest
+    assert loop_figures(s, seconds=60.0)["cheater"] is None  # no ledger read: nothing to set apart
+
+
+def test_the_ledger_table_puts_the_floods_keys_in_one_row():
+    totals, _ = ledger_of_a_flood()
+    stranger = Identity.from_seed(b"S" * 32).peer_id  # a key of no demo node with samples accepted: shown alone
+    totals[stranger] = {**totals[HONEST_ID.peer_id]}
+    text = format_ledger_totals(totals, NAMES)
+    lines = text.splitlines()
+    assert lines[0].split() == ["peer", "entries", "ckpts", "accepted", "rejected", "tokens", "verdicts", "failed",
+                                "served", "penalty", "bans"]
+    flood = next(line for line in lines if line.startswith("5 other keys*"))
+    assert flood.split()[-7:-3] == ["80", "0", "0", "0"]  # rejected, tokens, verdicts, failed: summed over the keys
+    assert flood.split()[-2] == "50"  # the penalty points summed over the 5 keys
+    assert lines[-1] == "* 5 keys of no node of this swarm, each penalised with nothing accepted, summed in one row"
+    assert sum(1 for line in lines if stranger[:8] in line) == 1 and any(line.startswith("i1 ") for line in lines)
+    assert len(lines) == 1 + 4 + 1 + 1 + 1  # header, t v i1 cheater, the stranger, the flood's row, its note
+    assert "other keys" not in format_ledger_totals({HONEST_ID.peer_id: totals[HONEST_ID.peer_id]}, NAMES)

@@ -20,7 +20,14 @@ they mean (issue 15):
 * **eval**: the trainer's held-out evaluation (node/trainer/evaluation.py): the base's score, the
   last and the best version's, their change, and the scored points;
 * **stalls** (issue 39): per node, how often its ``health`` (node/health.py) read "stalled" while
-  the demo watched (:class:`StallWatch`), the longest such stretch and its cause.
+  the demo watched (:class:`StallWatch`), the longest such stretch and its cause;
+* **the cheater** (``demo --cheat``): its samples and what the trainer made of them, apart from the
+  honest figures. The trainer counts fates, not whose batch each was, so the cheater's share comes
+  from the ledger, where the trainer signs each batch's judgement with its worker
+  (:func:`judged_samples`): the cheater's key and, since only the cheater makes keys in the demo,
+  every key of no demo node (``sybil-flood`` signs each batch with a fresh one; :func:`cheater_keys`).
+  Its judged samples are taken off the trainer's fates; batches that expired unjudged (no ledger
+  entry) cannot be told apart and stay in the honest figures.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..health import State
+from ..ledger.cli import _SHORT, _short_peer
+from ..ledger.entries import TOTAL_FIELDS
 
 
 def health_of(status: dict) -> tuple[str, str]:
@@ -87,9 +96,41 @@ def _honest(role: str, st: dict) -> bool:
     return role == "inference" and not (st.get("inference") or {}).get("cheat")
 
 
-def loop_figures(statuses: dict[str, tuple[str, dict]], seconds: float, stalls: dict | None = None) -> dict:
+def cheater_keys(totals: dict[str, dict], names: dict[str, str], cheater: str) -> set[str]:
+    """The keys whose work is the cheater's: the key of the node named ``cheater`` and every key in the
+    ledger ``totals`` that is no demo node's (``names``: peer id -> node name)."""
+    return {p for p, name in names.items() if name == cheater} | (set(totals) - set(names))
+
+
+def judged_samples(entries: list[dict], keys: set[str], trainers: set[str]) -> dict[str, int]:
+    """Samples of ``keys``' batches by the ``trainers``' judgement in the ledger's ``entries`` (as
+    ``swarm-node ledger export`` writes them): "trained", or the reason it was rejected for."""
+    out: dict[str, int] = {}
+    for e in entries:
+        body = e.get("body") or {}
+        if e.get("kind") == "rollouts" and e.get("author") in trainers and body.get("worker") in keys:
+            fate = "trained" if body.get("accepted") else body.get("reason") or "?"
+            out[fate] = out.get(fate, 0) + body.get("samples", 0)
+    return out
+
+
+def _cheater(statuses: dict[str, tuple[str, dict]], judged: dict[str, int] | None) -> dict | None:
+    """The cheating node's figures from its status and its ``judged`` samples (None: no cheater, or
+    no ledger read to tell its samples apart)."""
+    found = next(((name, st.get("inference") or {}) for name, (role, st) in statuses.items()
+                  if role == "inference" and not _honest(role, st)), None)
+    if found is None or judged is None:
+        return None
+    name, inference = found
+    return {"name": name, "kind": inference.get("cheat"), "samples": inference.get("samples", 0),
+            "trained": judged.get("trained", 0), "rejected": {k: n for k, n in sorted(judged.items()) if k != "trained"}}
+
+
+def loop_figures(statuses: dict[str, tuple[str, dict]], seconds: float, stalls: dict | None = None,
+                 cheater_judged: dict[str, int] | None = None) -> dict:
     """The figures of one run of ``seconds`` wall time (see the module docstring); ``stalls``:
-    :meth:`StallWatch.summary` (None: the run was not watched)."""
+    :meth:`StallWatch.summary` (None: the run was not watched); ``cheater_judged``: the cheater's
+    samples by the trainer's judgement (:func:`judged_samples`; None: not known)."""
     trainer = next((st.get("trainer") or {} for role, st in statuses.values() if role == "trainer"), {})
     validators = [st.get("validator") or {} for role, st in statuses.values() if role == "validator"]
     honest = [st.get("inference") or {} for role, st in statuses.values() if _honest(role, st)]
@@ -102,13 +143,16 @@ def loop_figures(statuses: dict[str, tuple[str, dict]], seconds: float, stalls: 
             state, _, reason = key.partition("/")
             name = f"worker:{reason}" if state == "dropped" else f"trainer:{reason}"
             fates[name] = fates.get(name, 0) + n
+    cheater = _cheater(statuses, cheater_judged)
+    theirs = cheater_judged if cheater is not None else {}
     outcomes = trainer.get("sample_outcomes") or {}
-    trained = outcomes.get("trained", 0)
+    # Only honest work is in the denominator: the cheater's judged samples come off the trainer's fates
+    # (a ledger read after the trainer's last status may hold a few more: never below zero).
+    trained = max(0, outcomes.get("trained", 0) - theirs.get("trained", 0))
     for key, n in outcomes.items():
+        n = max(0, n - theirs.get(key, 0))
         if key != "trained" and n:
             fates[key] = fates.get(key, 0) + n
-    # Only honest work is in the denominator; a cheater's rejected samples are not honest waste. With a
-    # cheating node, trainer-side fates may include its samples: they are shown, not hidden.
     in_pipeline = max(0, generated - trained - sum(fates.values()))
     share = (lambda n: round(n / generated, 4)) if generated else (lambda n: None)
     steps = trainer.get("step", 0) or 0
@@ -131,6 +175,7 @@ def loop_figures(statuses: dict[str, tuple[str, dict]], seconds: float, stalls: 
         "stalls": stalls,
         "eval": trainer.get("eval"),  # held-out scores by version (node/trainer/evaluation.py)
         "off_policy": off_policy_summary(trainer),
+        "cheater": cheater,
     }
 
 
@@ -169,10 +214,37 @@ def format_figures(f: dict) -> str:
         lines.append(f"last step: loss {off['loss']}, off-policy {off['mean_steps']} mean / {off['max_steps']} max "
                      f"(bound {off['bound']}), masked {pct(off['masked'])}, mismatch KL {off['mismatch_kl']}"
                      + (f" (same version {same})" if same is not None else ""))
+    c = f.get("cheater")
+    if c:
+        lines.append(f"the {c['name']} ({c['kind']}, not counted above): {c['samples']} samples generated; "
+                     f"trained {c['trained']}; rejected by the trainer: "
+                     + (", ".join(f"{k} {n}" for k, n in c["rejected"].items()) or "none"))
     stalls = f.get("stalls")
     if stalls is not None:
         lines.append("stalls: " + (", ".join(f"{name} {s['stalls']} (longest {s['longest_s']:.0f} s: {s['cause'] or '?'})"
                                               for name, s in stalls.items()) or "none"))
+    return "\n".join(lines)
+
+
+def format_ledger_totals(totals: dict[str, dict], names: dict[str, str]) -> str:
+    """The ledger totals (``swarm-node ledger --json``'s) as a table: the demo's nodes by name; the keys
+    of no demo node that were penalised and had nothing accepted (``sybil-flood``'s, a fresh one per
+    batch) summed in one row; any other key in a row of its own."""
+    rows: list[tuple[str, dict]] = []
+    flood: list[dict] = []
+    for peer, t in totals.items():
+        if peer not in names and t["penalties"] and not t["rollouts_accepted"]:
+            flood.append(t)
+        else:
+            rows.append((names.get(peer) or _short_peer(peer), t))
+    rows.sort(key=lambda r: (r[0] not in names.values(), r[0]))
+    if flood:
+        rows.append((f"{len(flood)} other keys*", {f: sum(t[f] for t in flood) for f in TOTAL_FIELDS}))
+    table = [["peer"] + [_SHORT[f] for f in TOTAL_FIELDS]] + [[label] + [str(t[f]) for f in TOTAL_FIELDS] for label, t in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table]
+    if flood:
+        lines.append(f"* {len(flood)} keys of no node of this swarm, each penalised with nothing accepted, summed in one row")
     return "\n".join(lines)
 
 
