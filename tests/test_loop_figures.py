@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from node.app.demo import describe, health_cell
+from node.app.demo import describe, health_cell, ledger_text, read_ledger
 from node.app.loopfigures import (StallWatch, cheater_keys, format_figures, format_ledger_totals, judged_samples,
                                   loop_figures, reward_ratio)
+from node.config import RunConfig, write_run_record
 from node.identity import Identity
 from node.ledger.chain import Ledger
 from node.ledger.entries import GENESIS, Penalty, RolloutsJudged, entry_to_json, make_entry
+from node.ledger.store import open_ledger_store
 
 
 def statuses():
@@ -110,7 +112,7 @@ def ledger_of_a_flood():
     validator penalised each flood key."""
     ledger = Ledger("run", [TRAINER_ID.peer_id], [VALIDATOR_ID.peer_id], 0)
     chains = {TRAINER_ID.peer_id: (TRAINER_ID, [0, GENESIS]), VALIDATOR_ID.peer_id: (VALIDATOR_ID, [0, GENESIS])}
-    entries = []
+    entries, signed = [], []
 
     def add(author, body):
         identity, head = chains[author.peer_id]
@@ -118,6 +120,7 @@ def ledger_of_a_flood():
         head[:] = [se.seq, se.hash]
         ledger.apply(ledger.check(se, 0))
         entries.append(entry_to_json(se))
+        signed.append(se)
 
     def judged(worker, samples, reason=""):
         add(TRAINER_ID, RolloutsJudged(worker=worker.peer_id, step=1, accepted=not reason, samples=samples, tokens=10,
@@ -129,11 +132,11 @@ def ledger_of_a_flood():
     for key in FLOOD:
         judged(key, 16, "verdict:proof_exponent")
         add(VALIDATOR_ID, Penalty(peer=key.peer_id, reason="verdict", points=10))
-    return ledger.totals(), entries
+    return ledger.totals(), entries, signed
 
 
 def test_the_cheaters_rejected_samples_are_not_counted_as_honest_losses():
-    totals, entries = ledger_of_a_flood()
+    totals, entries, _ = ledger_of_a_flood()
     keys = cheater_keys(totals, NAMES, "cheater")
     assert keys == {CHEATER_ID.peer_id} | {k.peer_id for k in FLOOD}  # its own key and every key of no demo node
     judged = judged_samples(entries, keys, {TRAINER_ID.peer_id})
@@ -162,7 +165,7 @@ def test_a_cheaters_trained_samples_are_not_honest_work_trained():
 
 
 def test_the_ledger_table_puts_the_floods_keys_in_one_row():
-    totals, _ = ledger_of_a_flood()
+    totals, _, _ = ledger_of_a_flood()
     stranger = Identity.from_seed(b"S" * 32).peer_id  # a key of no demo node with samples accepted: shown alone
     totals[stranger] = {**totals[HONEST_ID.peer_id]}
     text = format_ledger_totals(totals, NAMES)
@@ -176,3 +179,20 @@ def test_the_ledger_table_puts_the_floods_keys_in_one_row():
     assert sum(1 for line in lines if stranger[:8] in line) == 1 and any(line.startswith("i1 ") for line in lines)
     assert len(lines) == 1 + 4 + 1 + 1 + 1  # header, t v i1 cheater, the stranger, the flood's row, its note
     assert "other keys" not in format_ledger_totals({HONEST_ID.peer_id: totals[HONEST_ID.peer_id]}, NAMES)
+
+
+def test_the_demo_reads_the_trainers_ledger_database_and_names_its_nodes(tmp_path):
+    """The demo's summary reads the trainer's replica with `swarm-node ledger` (--json and export) after the stop."""
+    totals, entries, signed = ledger_of_a_flood()
+    write_run_record(tmp_path, RunConfig(name="run", trainers=[TRAINER_ID.peer_id], validators=[VALIDATOR_ID.peer_id]))
+    with open_ledger_store(tmp_path) as store:
+        store.bind_run("run")
+        store.commit(signed)
+    ledger = read_ledger(tmp_path)
+    assert ledger[0]["totals"] == totals
+    assert sorted(ledger[1], key=lambda e: e["hash"]) == sorted(entries, key=lambda e: e["hash"])
+    text = ledger_text(ledger, NAMES)
+    assert "\n5 other keys*" in text and "\ncheater " in text
+    assert f"\n{len(entries)} entries from 2 authors; digest {ledger[0]['digest'][:16]}" in text
+    missing = read_ledger(tmp_path / "no-node-here")  # why it could not be read, in the summary's place
+    assert isinstance(missing, str) and missing.startswith("swarm-node ledger: error:")

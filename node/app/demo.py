@@ -37,7 +37,8 @@ from ..steptime import format_step_time, step_time_figures
 from ..trainer.evaluation import format_eval
 from .errors import UsageError
 from .localswarm import LocalSwarm
-from .loopfigures import StallWatch, format_figures, health_of, loop_figures, reward_ratio
+from .loopfigures import (StallWatch, cheater_keys, format_figures, format_ledger_totals, health_of, judged_samples,
+                          loop_figures, reward_ratio)
 
 TINY_TASK = """\
 [rl]
@@ -261,13 +262,30 @@ def reward_plot(curve: list[list[float]], width: int = 60, height: int = 10) -> 
     return "\n".join(rows)
 
 
-def ledger_totals(data_dir: Path) -> str:
-    """The ledger totals as printed by `swarm-node ledger` against one node's replica."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "node", "ledger", "--data-dir", str(data_dir)],
-        capture_output=True, text=True, timeout=60,
-    )
-    return proc.stdout if proc.returncode == 0 else proc.stderr
+def read_ledger(data_dir: Path) -> tuple[dict, list[dict]] | str:
+    """One node's ledger replica: its totals (`swarm-node ledger --json`) and its entries (`swarm-node
+    ledger export`), or why they could not be read."""
+    out = []
+    for command in (["ledger", "--json"], ["ledger", "export"]):
+        proc = subprocess.run([sys.executable, "-m", "node", *command, "--data-dir", str(data_dir)],
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            return proc.stderr
+        out.append(proc.stdout)
+    return json.loads(out[0]), [json.loads(line) for line in out[1].splitlines() if line.strip()]
+
+
+def ledger_text(ledger: tuple[dict, list[dict]] | str, names: dict[str, str]) -> str:
+    """The ledger totals table with the demo's node names (node/app/loopfigures.py), its size and digest."""
+    if isinstance(ledger, str):
+        return ledger
+    totals, entries = ledger
+    authors = {e["author"] for e in entries if "author" in e}
+    lines = [format_ledger_totals(totals["totals"], names),
+             f"\n{totals['entries']} entries from {len(authors)} authors; digest {totals['digest'][:16]}"]
+    lines += [f"EQUIVOCATION: {names.get(a, a)} signed two entries at seq {seq}; its entries from there on are excluded"
+              for a, seq in totals["flagged"].items()]
+    return "\n".join(lines)
 
 
 def _free_or_other(port: int) -> int:
@@ -356,7 +374,13 @@ def run_demo(args) -> int:
         console.print(f"mean reward, first 10 steps {first:.3f}, last 10 steps {last:.3f}"
                       + (f" ({times:.2f}×)" if times is not None else ""))
     console.print(format_eval((final["trainer"][1].get("trainer") or {}).get("eval")), markup=False)
-    figures = loop_figures(final, seconds, stalled)
+    names = {swarm.peer_id(name): name for name in swarm.procs}
+    ledger = read_ledger(root / "trainer")  # whose batches the trainer judged: the cheater's apart (loopfigures)
+    judged = None
+    if args.cheat and not isinstance(ledger, str):
+        keys = cheater_keys(ledger[0]["totals"], names, "cheater")
+        judged = judged_samples(ledger[1], keys, {swarm.peer_id("trainer")})
+    figures = loop_figures(final, seconds, stalled, judged)
     console.print(Text("\nwhere the work went", style="bold"))
     console.print(format_figures(figures), markup=False)
     # Each role's phase timings from its status (node/steptime.py): what a step costs on this model and machine.
@@ -370,7 +394,7 @@ def run_demo(args) -> int:
         capture_output=True, text=True, timeout=60,
     )
     console.print(Text("\nledger totals (the trainer's replica)", style="bold"))
-    console.print(ledger_totals(root / "trainer"))
+    console.print(ledger_text(ledger, names), markup=False)
     saved = f"{root / 'reward.png'} and {root / 'reward.json'}" if png.returncode == 0 else str(root / "reward.json")
     console.print(f"reward curve saved to {saved}")
     return 0
