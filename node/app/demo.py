@@ -12,8 +12,10 @@ rejected, and the reward; the demo ends with the trainer's reward curve (and the
 first and last 10 steps), the held-out score of the base and of the last version evaluated, where
 the honest work went (node/app/loopfigures.py: trained and lost fractions, trainer idle, validator
 utilisation, the trainer's time by phase, a sample's life, the stalls seen while it ran: how many
-per node, the longest and its cause), where a step's time goes (node/steptime.py: each phase of
-each role, per batch, step or version, and its share of a trainer step) and the ledger totals.
+per node, the longest and its cause; with ``--cheat``, the cheater's samples and what the trainer
+made of them on a line apart, told by the trainer's ledger entries), where a step's time goes
+(node/steptime.py: each phase of each role, per batch, step or version, and its share of a trainer
+step) and the ledger totals by node name (a ``sybil-flood``'s keys summed in one row).
 Those figures are also written to ``<data root>/figures.json``.
 """
 
