@@ -253,6 +253,18 @@ def spool_rows(path: Path) -> dict[bytes, SpoolRow]:
     return {bytes(b): SpoolRow(w, s, r, a is not None) for b, w, s, r, a in rows}
 
 
+def ledger_head(data_dir: Path, author: str) -> int | None:
+    """``author``'s last seq in the node's stored ledger (read-only, once the node stopped)."""
+    try:
+        db = sqlite3.connect(f"file:{data_dir / 'ledger.sqlite'}?mode=ro", uri=True, timeout=5.0)
+        try:
+            return db.execute("SELECT max(seq) FROM entries WHERE author = ?", (author,)).fetchone()[0]
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
+
+
 def trainer_steps(path: Path) -> list[tuple[int, float]]:
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
@@ -460,9 +472,7 @@ class Soak:
                 break
             time.sleep(1.0)
         self.rows.update(spool_rows(sw.procs["trainer"].data_dir / "trainer" / "spool.sqlite"))
-        last = (sw.status("trainer", wait=0).get("ledger") or {}).get("digest")  # written as it stopped
-        return {"trainer_stop_s": trainer_stop, "digests_agreed_s": agreed, "last_digests": digests,
-                "trainer_digest_equal": agreed is not None and last in digests.values()}
+        return {"trainer_stop_s": trainer_stop, "digests_agreed_s": agreed, "last_digests": digests}
 
     # -- the report ----------------------------------------------------------------------------
 
@@ -493,10 +503,15 @@ class Soak:
         errors = {name: count_errors(p.log_path.read_text(errors="replace").splitlines())
                   for name, p in sw.procs.items() if p.log_path and p.log_path.exists()}
         steps = trainer_steps(sw.procs["trainer"].data_dir / "trainer" / "spool.sqlite")
+        # Every replica stored the trainer's whole chain? (Digests differ once the trainer stopped: the
+        # others still append verdicts and receipts, and flush some as they stop.)
+        trainer_id = sw.peer_id("trainer")
+        heads = {n: ledger_head(p.data_dir, trainer_id) for n, p in sw.procs.items() if n not in sw.gone}
         step_t = [(s["t"], s["step"]) for s in self.samples if s.get("step") is not None]
         return {"seed": self.seed, "minutes": self.seconds / 60, "events": self.results, "findings": self.findings,
                 "accounting": {workers.get(w, w[-8:]): r for w, r in ledger.items()}, "resources": resources,
-                "errors": {n: dict(c) for n, c in errors.items()}, "reward": steps, "step_t": step_t, **end}
+                "errors": {n: dict(c) for n, c in errors.items()}, "reward": steps, "step_t": step_t,
+                "trainer_heads": heads, **end}
 
 
 def steps_per_minute(step_t: list[tuple[float, int]], start: float, end: float) -> float | None:
@@ -551,7 +566,11 @@ def print_report(r: dict) -> None:
     agreed = r["digests_agreed_s"]
     print(f"\nledger: trainer stopped in {r['trainer_stop_s']} s; every other replica's digest equal "
           + (f"{agreed} s later" if agreed is not None else f"NOT within {DIGEST_WAIT_S:.0f} s: {r['last_digests']}")
-          + ("; the trainer's last one is that digest too" if r["trainer_digest_equal"] else "; the trainer's last one differs"))
+          )
+    heads = r["trainer_heads"]
+    whole = sum(h == heads.get("trainer") for h in heads.values())
+    print(f"ledger: the trainer's chain (its last seq {heads.get('trainer')}) whole on {whole} of {len(heads)} stored replicas"
+          + ("" if whole == len(heads) else f": {heads}"))
     for line in r["findings"]:
         print(f"finding: {line}")
     calm = steps_per_minute(r["step_t"], 0, FIRST_EVENT_S)
