@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
 
+from ..hashes import digest
+from ..ledger.entries import Penalty, is_peer_id
 from ..rl.spec import group_advantages
 from ..rollouts.schema import DOMAIN_BATCH, RolloutBatch, RolloutSample
+from ..shards.config import ShardsConfig
 from ..wire import encode, seal
 
 
@@ -90,19 +95,31 @@ def sign_batch(identity, batch: RolloutBatch) -> bytes:
 
 
 # -- stand-ins for the services a Trainer is wired to (node/roles/trainer.py wires the real ones) --
+# tests/test_fakes_conformance.py runs each against the real service, and names what each lacks.
 
 
 class FakeLedger:
-    """Records appended entries; bans whom ``bans`` names (peer -> ban); ``accepted`` gives peers an
-    accepted history (peer -> samples)."""
+    """Records appended entries and what the real ledger derives from them: a penalty with
+    ``ban_seconds`` bans its peer (for good: the fake has no clock), an accepted rollouts entry adds to
+    its worker's history, each batch counted once. ``bans`` (peer -> ban) and ``accepted`` (peer ->
+    samples) start with what they name. Unlike the real one it takes every kind of entry (the real
+    one refuses what this node's role may not author)."""
 
     def __init__(self, bans: dict | None = None, accepted: dict | None = None) -> None:
         self.entries: list = []
         self.bans = dict(bans or {})
         self.accepted = dict(accepted or {})
+        self._batches: dict[tuple[str, bytes], int] = {}  # (worker, batch) -> samples credited
 
     async def append(self, body):
         self.entries.append(body)
+        if isinstance(body, Penalty) and body.ban_seconds:
+            self.bans.setdefault(body.peer, body)
+        for c in body.credits(""):  # the entry's own credit rules (node/ledger/entries.py)
+            if c.field == "rollouts_accepted":
+                before = self._batches.get((c.peer, c.batch), 0)
+                self._batches[(c.peer, c.batch)] = max(before, c.amount)  # as the chain: the largest claim
+                self.accepted[c.peer] = self.accepted.get(c.peer, 0) + max(0, c.amount - before)
         return body
 
     def ban_of(self, peer: str):
@@ -112,45 +129,60 @@ class FakeLedger:
         return self.accepted.get(peer, 0)
 
     def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
-        pass
+        if not is_peer_id(peer) or len(manifest_id) != 32 or nbytes < 0 or pieces < 0:  # a caller's bug
+            raise ValueError(f"note_received: bad receipt ({peer[:20]!r}, {len(manifest_id)}-byte id, {nbytes}, {pieces})")
 
 
 class FakeMembership:
-    """``alive`` (peer id -> role) are the members; our record's updates are kept in ``record``."""
+    """``alive`` (peer id -> role) are the members, ``addrs`` (peer id -> addresses) what they
+    advertise; our record's updates are kept in ``record`` as handed (the real record keeps the newest
+    versions that fit and only its own fields: node/gossip/records.py, which a role may not import)."""
 
-    def __init__(self, alive: dict[str, str] | None = None) -> None:
+    def __init__(self, alive: dict[str, str] | None = None, addrs: dict[str, list[str]] | None = None) -> None:
         self.alive = dict(alive or {})
+        self.addrs = dict(addrs or {})
         self.record: dict = {}
 
     def members(self) -> dict[str, str]:
         return dict(self.alive)
 
     def addrs_of(self, peer_id: str) -> list[str]:
-        return []
+        return list(self.addrs.get(peer_id, []))
 
     def update(self, **fields) -> None:
         self.record.update(fields)
 
 
 class FakeShards:
-    """Takes published versions without hashing or seeding them (their manifests are stand-ins)."""
+    """Takes published versions without hashing or seeding them: the root names the version and
+    folder, ``path_of`` is the folder handed in, and the newest ``keep_versions`` are held (as the real
+    store prunes). ``peer_id`` is the publisher the announcements name."""
 
-    def __init__(self) -> None:
-        self.held: list[int] = []
+    def __init__(self, peer_id: str = "", keep_versions: int | None = None) -> None:
+        self.peer_id = peer_id
+        self.keep_versions = keep_versions or ShardsConfig.keep_versions
+        self.folders: dict[int, Path] = {}  # version -> folder, the newest keep_versions
         self.announced: dict[int, tuple[bytes, str]] = {}  # version -> (root, announcer), as ShardsAPI
 
-    def path_of(self, version: int):
-        return None
+    @property
+    def held(self) -> list[int]:
+        return sorted(self.folders)
+
+    def path_of(self, version: int) -> Path | None:
+        return self.folders.get(version)
 
     def versions_held(self) -> list[int]:
-        return list(self.held)
+        return self.held
 
     async def publish(self, folder, version: int):
-        from types import SimpleNamespace
-
-        self.held.append(version)
-        self.announced[version] = (bytes(32), "")
-        return SimpleNamespace(root=bytes(32), manifest=SimpleNamespace(total_size=0))
+        folder = Path(folder)
+        root = digest(f"{version}:{folder.resolve()}".encode())
+        self.folders[version] = folder
+        for old in self.held[:-self.keep_versions]:
+            del self.folders[old]
+        self.announced.setdefault(version, (root, self.peer_id))  # the first announcement stands
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        return SimpleNamespace(root=root, manifest=SimpleNamespace(total_size=size))
 
 
 def fake_wiring() -> dict:
