@@ -25,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
+
 
 def child(args) -> dict:
     import torch
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--optimizer-steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--micro", type=int, default=0, help=argparse.SUPPRESS)  # set in the children
-    args = ap.parse_args(argv)
+    args = parse_args(ap, {"samples": 32}, argv)
     if args.micro:
         print(json.dumps(child(args)))
         return
