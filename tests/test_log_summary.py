@@ -44,6 +44,29 @@ logging.getLogger("node.x").info("ours", extra={"peer": "p"})
     assert not any("Loading weights" in l or "Writing model shards" in l for l in lines)
 
 
+def test_py_libp2p_peer_failures_are_debug_lines_and_its_other_errors_stay():
+    """A dial to a peer that is down is reported by our code (INFO, with what it cost); py-libp2p's
+    own ERROR copy of it is shown only at DEBUG. Its other errors still show."""
+    code = r'''
+import logging, sys
+from node.log import setup_logging
+setup_logging(sys.argv[1], False, "n")
+import libp2p
+logging.getLogger("libp2p.transport.tcp.tcp").error("Failed to connect: refused")
+logging.getLogger("libp2p.host.basic_host").error("Failed to open stream to peer")
+logging.getLogger("libp2p.pubsub.gossipsub").error("gossipsub broke")
+'''
+    def lines(level: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", code, level], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    info, debug = lines("info"), lines("debug")
+    assert "gossipsub broke" in info and "gossipsub broke" in debug
+    assert "Failed to connect" not in info and "Failed to open stream" not in info
+    assert "Failed to connect" in debug and "Failed to open stream" in debug
+
+
 def snap(role="inference", members=(), **sections) -> dict:
     return {"role": role, "peer_id": "12D3KooWme",
             "membership": {"connections": 3, "counts": {"alive": len(members)}, "members": list(members)},
