@@ -561,3 +561,19 @@ def test_super_seeder_leaves_alone_a_piece_that_spread() -> None:
     s.on_have(first, piece, 1.0)
     s.on_have("b" if first == "a" else "a", piece, 3.0)  # the other got it from the first
     assert s.reveal(100.0) == [] and s.sent[piece] == 1
+
+
+def test_a_request_times_out_at_the_deadline_the_picker_gave_whatever_the_float_rounding() -> None:
+    """The download polls again at ``next_deadline()``; a request sent at 510.588... with a 10 s
+    timeout was not late there ((t + 10) - t < 10 in floats), so the deadline stayed now and the
+    loop spun without time passing (found by the simulator, issue 46: a virtual clock never moves)."""
+    sent = 510.5880801746119
+    assert (sent + 10.0) - sent < 10.0  # the rounding this test is about
+    p = picker(4, initial_depth=1, request_timeout=10.0)
+    p.on_bitfield("A", set(range(4)))
+    (req,) = p.poll(sent).requests
+    due = p.next_deadline()
+    assert due == sent + 10.0
+    acts = p.poll(due)
+    assert [(c.piece, c.offset) for c in acts.cancels] == [(req.piece, req.offset)]
+    assert p.next_deadline() > due

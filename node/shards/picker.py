@@ -645,9 +645,10 @@ class Picker:
         acts = Actions()
         limit = self.params.request_timeout
         for peer, st in list(self.peers.items()):
-            if not st.in_flight or now - _oldest(st) < limit:
+            # sent + limit, as next_deadline computes it: now - sent may round below limit there
+            if not st.in_flight or now < _oldest(st) + limit:
                 continue  # polled on every wake-up: most peers have nothing late, and this says so in O(1)
-            late = [k for k, sent in st.in_flight.items() if now - sent >= limit]
+            late = [k for k, sent in st.in_flight.items() if now >= sent + limit]
             for piece, offset in late:
                 self._cancel(peer, st, piece, offset, acts)
                 self._release(peer, piece, offset)
