@@ -577,3 +577,18 @@ def test_a_request_times_out_at_the_deadline_the_picker_gave_whatever_the_float_
     acts = p.poll(due)
     assert [(c.piece, c.offset) for c in acts.cancels] == [(req.piece, req.offset)]
     assert p.next_deadline() > due
+
+
+def test_super_seeder_shows_a_stalled_piece_the_downloader_lacks_not_only_the_most_stalled_one() -> None:
+    """Only the most stalled piece was considered: when the downloader that lacked a piece held
+    that one, nothing was shown, and a NAT'd downloader reachable only by the origin waited
+    forever (bench/sim_shards.py, N = 100, issue 46)."""
+    s = SuperSeeder(2, in_transit=1, stall_seconds=10.0, rng=random.Random(3))
+    ((_, x),) = s.on_bitfield("b", set(), 0.0)  # x to b
+    assert s.on_bitfield("a", set(), 0.5) == []  # budget used
+    ((_, y),) = [r for r in s.on_sent("b", x, 1.0) if r[0] == "a"]  # y to a, with nothing from us
+    s.on_sent("a", y, 1.5)
+    s.on_have("a", y, 2.0)
+    s.on_have("b", x, 2.0)
+    s.on_peer_gone("a", 3.0)  # y is held by no one now; x by b, who got it from us
+    assert s.reveal(30.0) == [("b", y)]  # x is the most stalled, but b holds it

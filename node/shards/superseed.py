@@ -195,7 +195,9 @@ class SuperSeeder:
             i for i in range(self.num_pieces)
             if 0 < self.sent[i] >= self.held[i] and now - self.last_sent[i] >= self.stall_seconds
         ]
-        pieces = fresh or sorted(stuck, key=lambda i: (self.sent[i], self.last_sent[i]))[:1]
+        # Stalled: the least sent, longest ago, that the downloader lacks (not only the first:
+        # the one downloader left may hold it).
+        pieces = fresh or sorted(stuck, key=lambda i: (self.sent[i], self.last_sent[i]))
         if not pieces:
             return None
         # Downloaders with nothing in transit from us first, then those with the least
@@ -205,5 +207,5 @@ class SuperSeeder:
             d = self.peers[peer]
             options = [i for i in pieces if i not in d.holds and i not in d.unreported]
             if options:
-                return peer, self.rng.choice(options)
+                return peer, self.rng.choice(options) if fresh else options[0]
         return None
