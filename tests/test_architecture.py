@@ -34,6 +34,7 @@ PURE = [
     "node.gossip.records",
     "node.gossip.connections",
     "node.shards.picker",
+    "node.shards.peering",
     "node.shards.manifest",
     "node.shards.delta",
     "node.shards.protocol",
