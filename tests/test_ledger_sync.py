@@ -96,7 +96,9 @@ async def test_three_nodes_offline_node_catches_up(tmp_path):
             await connect(w, t)
             await wait_for(lambda: ledger(w).digest() == ledger(t).digest())
             assert len(ledger(w).ledger) == 40
-            assert ledger(w).accepted[PROTOCOL] > 0  # at least part came by anti-entropy
+            # By anti-entropy or by gossipsub's IHAVE of its recent messages, whichever comes first
+            # (the latter took all 40 in about one run of ten); anti-entropy alone is tested below,
+            # on entries that were never gossiped (test_gossip_gap_triggers_sync_without_periodic_rounds).
             assert ledger(w).totals() == ledger(t).totals()
             assert ledger(w).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == sum(range(1, 21))
             # nothing was rejected along the way
