@@ -191,9 +191,20 @@ def packed_attention(batch: PackedBatch, attn_implementation: str | None, dtype:
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
+def _sharded(model) -> bool:
+    """Whether ``model`` is an FSDP2 module: called piecewise it would skip the root's unshard."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def _decoder_and_head(model):
     """(decoder, linear head) when the causal LM is exactly ``head(decoder(...))`` (Llama/Qwen2-style,
     as the proofs assume: node/proofs/capture.py), else (None, None)."""
+    if _sharded(model):  # FSDP2 unshards the root's own parameters (embeddings, head) in its forward
+        return None, None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     config = getattr(model, "config", None)
