@@ -225,7 +225,17 @@ def proc_figures(pid: int) -> dict | None:
 
 
 def sqlite_mb(data_dir: Path) -> float:
-    return sum(p.stat().st_size for p in data_dir.rglob("*.sqlite*") if p.is_file()) / 1e6
+    """The node's SQLite files in MB. A running node deletes folders meanwhile (an old checkpoint
+    version), so the walk skips what vanished under it rather than failing the sample."""
+    total = 0
+    for root, _dirs, files in os.walk(data_dir, onerror=lambda e: None):
+        for name in files:
+            if ".sqlite" in name:
+                try:
+                    total += os.stat(os.path.join(root, name)).st_size
+                except OSError:
+                    pass
+    return total / 1e6
 
 
 def progress(role: str, status: dict) -> float:
