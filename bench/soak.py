@@ -630,7 +630,7 @@ def main() -> None:
     root = args.keep or Path(tempfile.mkdtemp(prefix="soak-"))
     if root.exists() and args.keep:
         shutil.rmtree(root)
-    root.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)  # mkdtemp made it already
     schedule = make_schedule(args.seed, args.minutes * 60, START_NODES, disk_node=None if why else DISK_NODE,
                              can_partition=not why)
     joining = sum(e.kind in (RELAY_REPLACE, LATE_JOIN) for e in schedule)  # each in a namespace of its own
