@@ -2,7 +2,7 @@
 shared by its server and its clients (DESIGN.md steps 3-5), all answered with the ack of
 node/rollouts/ack.py:
 
-* ``/swarm/rollouts/1.0.0``: a worker hands a signed batch to a trainer (node/inference/outbox.py
+* ``/swarm/rollouts/1.0.0``: a worker hands a signed batch to a trainer (node/inference/submit.py
   ``call_submit``); the trainer sizes its intake budget from ``[trainer]`` when it serves it;
 * ``/swarm/verify/1.0.0``: a trainer hands a spooled batch to the validator the gate assigned;
 * ``/swarm/verdicts/1.0.0``: a validator delivers its signed verdicts, many on one stream.
