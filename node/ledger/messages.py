@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from ..wire import Message, bounded, register
 from .chain import Head
-from .entries import MAX_ENTRY
+from .entries import MAX_ENTRY, MAX_PEER_ID
 
 PROTOCOL = "/swarm/ledger/1.0.0"
 MAX_AUTHORS = 20_000  # heads in one SyncHello (about 130 bytes each: well under the 4 MiB frame cap)
@@ -37,7 +37,7 @@ class SyncHello(Message):
 class RangeRequest(Message):
     TYPE: ClassVar[str] = "ledger-range?"
     id: int = bounded(min=0, max=2**32)
-    author: str = bounded(max_len=64)
+    author: str = bounded(max_len=MAX_PEER_ID)
     start: int = bounded(min=1, max=2**53)
     end: int = bounded(min=1, max=2**53)
 
@@ -55,7 +55,7 @@ class RangeReply(Message):
 class EvidenceRequest(Message):
     TYPE: ClassVar[str] = "ledger-evidence?"
     id: int = bounded(min=0, max=2**32)
-    author: str = bounded(max_len=64)
+    author: str = bounded(max_len=MAX_PEER_ID)
 
 
 @register
