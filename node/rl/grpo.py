@@ -103,6 +103,11 @@ class PackedBatch:
                            self.loss_mask[lo:hi], num_samples=0,
                            versions=None if self.versions is None else self.versions[lo:hi])
 
+    def passes(self, per: int) -> list[PackedBatch]:
+        """The batch in micro-batches of ``per`` rows (itself when it fits one)."""
+        R = self.input_ids.shape[0]
+        return [self] if R <= per else [self.rows(lo, lo + per) for lo in range(0, R, per)]
+
     def attention_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(R, 1, S, S) additive mask: 0 where query i may see key j (same sample, j <= i), else -inf.
 
@@ -360,9 +365,7 @@ def accumulate(model, batch: PackedBatch, cfg: GRPOConfig, ref_model=None, versi
     gradient is the whole mini-batch's, while memory (the (rows, S, vocab) logits and their
     backward) grows with ``rows``, not with the step's samples. 128 SmolLM2 samples in one pass
     took 20 GB."""
-    per = rows or rows_per_pass(cfg)
-    R = batch.input_ids.shape[0]
-    slices = [batch.rows(lo, lo + per) for lo in range(0, R, per)] if R > per else [batch]
+    slices = batch.passes(rows or rows_per_pass(cfg))
     counts = [float(b.loss_mask.sum()) for b in slices]
     total = sum(counts) or 1.0
     parts = []

@@ -105,9 +105,8 @@ def rescore(model, samples: Sequence[TrainSample], cfg: GRPOConfig, pad_id: int 
     # pack() stamps each target position with its sample's version: stamped with the sample's index
     # instead, the packed rows say which sample every scored token belongs to.
     batch = pack([replace(s, version=i) for i, s in enumerate(samples)], cfg.pack_length, pad_id=pad_id)
-    per, rows = rows_per_pass(cfg), batch.input_ids.shape[0]
-    logp = torch.cat([token_logprobs(model, batch.rows(lo, lo + per), cfg.temperature)[0].double().cpu()
-                      for lo in range(0, rows, per)])  # (R, S), 0 where no completion token
+    logp = torch.cat([token_logprobs(model, b, cfg.temperature)[0].double().cpu()
+                      for b in batch.passes(rows_per_pass(cfg))])  # (R, S), 0 where no completion token
     # a sample's targets are contiguous and in order within its row: row-major order keeps them in order
     return [logp[batch.versions == i] for i in range(len(samples))]
 
