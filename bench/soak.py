@@ -250,40 +250,33 @@ def progress(role: str, status: dict) -> float:
     return float((status.get("membership") or {}).get("connections") or 0)  # a relay: the peers it holds
 
 
-def spool_rows(path: Path) -> dict[bytes, SpoolRow]:
-    """The trainer spool's batch rows (read-only: safe while it runs); {} when it cannot be read now."""
+def read_only(path: Path, sql: str, params: tuple = (), timeout: float = 5.0) -> list[tuple] | None:
+    """The rows of ``sql`` in the SQLite file ``path`` opened read-only (safe while its node runs);
+    None when it cannot be read now."""
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2.0)
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout)
         try:
-            rows = db.execute("SELECT batch_id, worker, state, reason, accepted_step FROM batches").fetchall()
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return {}
-    return {bytes(b): SpoolRow(w, s, r, a is not None) for b, w, s, r, a in rows}
-
-
-def ledger_head(data_dir: Path, author: str) -> int | None:
-    """``author``'s last seq in the node's stored ledger (read-only, once the node stopped)."""
-    try:
-        db = sqlite3.connect(f"file:{data_dir / 'ledger.sqlite'}?mode=ro", uri=True, timeout=5.0)
-        try:
-            return db.execute("SELECT max(seq) FROM entries WHERE author = ?", (author,)).fetchone()[0]
+            return db.execute(sql, params).fetchall()
         finally:
             db.close()
     except sqlite3.Error:
         return None
 
 
+def spool_rows(path: Path) -> dict[bytes, SpoolRow]:
+    """The trainer spool's batch rows; {} when it cannot be read now."""
+    rows = read_only(path, "SELECT batch_id, worker, state, reason, accepted_step FROM batches", timeout=2.0)
+    return {bytes(b): SpoolRow(w, s, r, a is not None) for b, w, s, r, a in rows or ()}
+
+
+def ledger_head(data_dir: Path, author: str) -> int | None:
+    """``author``'s last seq in the node's stored ledger (once the node stopped)."""
+    rows = read_only(data_dir / "ledger.sqlite", "SELECT max(seq) FROM entries WHERE author = ?", (author,))
+    return rows[0][0] if rows else None
+
+
 def trainer_steps(path: Path) -> list[tuple[int, float]]:
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
-        try:
-            return db.execute("SELECT step, mean_reward FROM steps ORDER BY step").fetchall()
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return []
+    return read_only(path, "SELECT step, mean_reward FROM steps ORDER BY step") or []
 
 
 class Soak:
