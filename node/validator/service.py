@@ -96,7 +96,6 @@ log = logging.getLogger("node.validator")
 
 SOURCE = "validator"  # metrics label of rejections counted here
 ZERO_ID = bytes(32)
-ACK_TIMEOUT = 30.0  # seconds a trainer has to acknowledge a verdict frame
 DELIVER_PER_STREAM = 64  # verdict frames sent on one delivery stream before it is closed
 BEHIND_FRACTION = 0.8  # queue fill at which status says "behind"
 LEDGER_STEP_MAX = 2**32  # the ledger's verdict body bounds the step
@@ -451,7 +450,7 @@ class ValidatorService:
         try:
             async with open_call(self.node.host, trainer, VERDICTS.protocol, peers=self.node.peers) as caller:
                 for batch_id, verdict in items:
-                    ack = await caller.ask(verdict, VERDICTS.reply, ACK_TIMEOUT)
+                    ack = await caller.ask(verdict, VERDICTS.reply, VERDICTS.timeout)
                     if ack.batch_id != batch_id and ack.batch_id != ZERO_ID:
                         raise caller.garbage("wrong-ack", ack.batch_id.hex()[:12])
                     if not ack.accepted and ack.reason:
