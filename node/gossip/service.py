@@ -39,7 +39,7 @@ from .. import __version__
 from ..context import NodeContext
 from ..fds import Rarely, out_of_files
 from ..net.budget import STALLED, StreamLimits
-from ..net.reqres import CallFailure, Inbound, Refused, RequestResponse, call, close, messages
+from ..net.reqres import CallFailure, Inbound, Refused, RequestResponse, close, messages
 from ..peers import FaultRule
 from ..wire import (
     MAX_FRAME,
@@ -574,7 +574,7 @@ class MembershipService:
         # Wait for the peer to close its side, i.e. to have noted the prune: closing the
         # connection at once dropped the frame before its handler read it.
         try:
-            await call(self.node.host, peer, PROBE_PROTOCOL, Prune(), 2, reply=messages(PingResult, max_size=64))
+            await PROBE.call(self.node.host, peer, Prune(), 2)
         except CallFailure as e:  # the expected end (closed without a reply), or it is gone already
             log.debug("prune notice to %s: %s", peer[:16], e)
         await self.node.host.disconnect(peer)
