@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..net.failure import CallFailure, FailureKind
 from ..rollouts.protocols import ROLLOUTS
 from ..rollouts.schema import RolloutAck
-from ..wire import MAX_FRAME, LocalProtocolError
+from ..wire import LocalProtocolError
 
 # Why a submission got no ack, and the exception that says so (node/net/failure.py).
 SubmitFailure = CallFailure
@@ -25,7 +25,7 @@ async def call_submit(host, trainer: str, batch_id: bytes, envelope: bytes, time
 
     ``host`` is a :class:`~node.net.host.SwarmHost` (anything with ``open_stream(peer, protocol)``).
     """
-    if len(envelope) > MAX_FRAME:
+    if len(envelope) > ROLLOUTS.request.max_size:  # what the trainer reads (node/rollouts/protocols.py)
         raise LocalProtocolError(f"batch of {len(envelope)} bytes exceeds one frame: split it before signing")
     ack = await ROLLOUTS.call(host, trainer, envelope, timeout)
     if ack.batch_id != batch_id:
