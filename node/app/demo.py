@@ -376,11 +376,11 @@ def run_demo(args) -> int:
         console.print(f"mean reward, first 10 steps {first:.3f}, last 10 steps {last:.3f}"
                       + (f" ({times:.2f}×)" if times is not None else ""))
     console.print(format_eval((final["trainer"][1].get("trainer") or {}).get("eval")), markup=False)
-    names = {swarm.peer_id(name): name for name in swarm.procs}
+    peer_names = {swarm.peer_id(name): name for name in swarm.procs}
     ledger = read_ledger(root / "trainer")  # whose batches the trainer judged: the cheater's apart (loopfigures)
     judged = None
     if args.cheat and not isinstance(ledger, str):
-        keys = cheater_keys(ledger[0]["totals"], names, "cheater")
+        keys = cheater_keys(ledger[0]["totals"], peer_names, "cheater")
         judged = judged_samples(ledger[1], keys, {swarm.peer_id("trainer")})
     figures = loop_figures(final, seconds, stalled, judged)
     console.print(Text("\nwhere the work went", style="bold"))
@@ -396,7 +396,7 @@ def run_demo(args) -> int:
         capture_output=True, text=True, timeout=60,
     )
     console.print(Text("\nledger totals (the trainer's replica)", style="bold"))
-    console.print(ledger_text(ledger, names), markup=False)
+    console.print(ledger_text(ledger, peer_names), markup=False)
     saved = f"{root / 'reward.png'} and {root / 'reward.json'}" if png.returncode == 0 else str(root / "reward.json")
     console.print(f"reward curve saved to {saved}")
     return 0
