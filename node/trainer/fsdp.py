@@ -264,6 +264,10 @@ class FSDPPolicy(Policy):
             _broadcast((NONFINITE, groups))
         return Policy.non_finite(self, groups)
 
+    def mismatch(self, samples: list[TrainSample], most: int, proofs) -> dict:
+        """Not measured: a forward is a collective every rank must join, and rank 0 alone calls this."""
+        return {}
+
     def state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

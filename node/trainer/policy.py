@@ -184,8 +184,6 @@ class Policy:
         """Each engine's log-prob mismatch against these weights, before :meth:`train` updates them,
         over up to ``most`` of the samples this version generated (node/rl/mismatch.py); a token is
         beyond tolerance as the validator would judge it, by the sample's dtype and ours."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return {}  # sharded: a forward is a collective every rank must join (node/trainer/fsdp.py)
         ours = "bfloat16" if self.device.startswith("cuda") else "float32"  # what _autocast computes in
 
         def tolerance(dtype: str) -> float:
