@@ -108,4 +108,3 @@ def check_model_source(source: str) -> Path:
     from .model import check_model_folder
 
     return check_gguf(Path(source)) if is_gguf_path(source) else check_model_folder(source)
-
