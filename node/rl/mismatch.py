@@ -72,12 +72,13 @@ def engine_mismatch(trainer: Sequence[torch.Tensor], engine: Sequence[torch.Tens
             continue
         mine = torch.cat([t for t, _, _ in rows])
         theirs = torch.cat([e for _, e, _ in rows])
-        diff = (mine - theirs).abs()
-        beyond = sum(int(((t - e).abs() > tol).sum()) for t, e, tol in rows)
+        per_sample = [(t - e).abs() for t, e, _ in rows]
+        diff = torch.cat(per_sample)
+        beyond = sum(int((d > tol).sum()) for d, (_, _, tol) in zip(per_sample, rows))
         out[name] = EngineMismatch(
             samples=len(rows), tokens=int(diff.numel()), kl=float(mismatch_kl(mine, theirs).mean()),
             beyond=beyond / diff.numel(), max_abs=float(diff.max()),
-            max_sample_mean=max(float((t - e).abs().mean()) for t, e, _ in rows))
+            max_sample_mean=max(float(d.mean()) for d in per_sample))
     return out
 
 
