@@ -1,6 +1,6 @@
-"""Ledger benchmark: ingest rate vs raw Ed25519 verification; sync time vs a raw libp2p stream copy.
+"""Ledger benchmark: ingest rate vs raw Ed25519 verification; sync time vs a raw libp2p stream copy; a long run's size.
 
-    .venv/bin/python bench/ledger.py [--ingest 20000] [--sync 100000]
+    .venv/bin/python bench/ledger.py [--ingest 20000] [--sync 100000] [--scale] [--workers 1000] [--days 7]
 
 1. Entries verified and stored per second: the node's real ingest path (parse + schema + canonical
    form + Ed25519 signature + chain rules + SQLite commit per batch of 512, as sync does), beside
@@ -11,16 +11,31 @@
    between the same two hosts, and beside N / (the ingest rate of 1.): sync must verify every
    entry, so the byte copy is a floor it cannot approach on CPU-bound machines.
 
+3. ``--scale`` (issue 46 item 4): the ledger of a long run, at the demo's rates (:data:`PROFILES`,
+   read from node/app/demo.py's run files and its measured runs in docs/benchmarks.md), for
+   ``--workers`` workers over ``--days``, beside the same at ``--baseline-workers``. A sample of
+   the run's real signed entries (``--sample`` of them, at most one simulated hour) goes through the
+   node's real ingest path into a real SQLite file; the sample's measured bytes per entry (on the
+   wire as sync sends them, in the file, in the replica's memory) and its verify-and-apply rate are
+   then extrapolated linearly to the whole run, and the output says so. Catch-up for a new node is
+   the sync bytes over a ``--link-mbit`` link plus the CPU to verify and apply every entry, beside
+   the issue's goal (60 s on 100 Mbit/s whatever the history): the ratio to the goal is printed last.
+
 The machine is shared and noisy: compare the ratios, not the absolute figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
+import math
 import sys
 import tempfile
 import time
+import tomllib
+import tracemalloc
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -29,28 +44,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from node import hashes
+from node.app.demo import REAL_TASK, TINY_TASK
 from node.config import NodeConfig, RunConfig
 from node.context import NodeContext
 from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.ledger.config import LedgerConfig
+from node.ledger.chain import Ledger
 from node.ledger.entries import (
     DOMAIN,
     GENESIS,
+    MAX_RECEIPT_ITEMS,
     CheckpointPublished,
     ReceiptItem,
     Receipts,
     RolloutsJudged,
+    Verdict,
     make_entry,
 )
-from node.ledger.store import open_ledger_store
+from node.ledger.messages import RangeReply, SyncHello
+from node.ledger.store import DB_FILE, open_ledger_store, rebuild
 from node.ledger.service import LedgerService, serve_ledger
-from node.wire import Envelope, decode_as
+from node.wire import Envelope, decode_as, encode
 from quick import parse_args  # bench/, the script's own folder
 
 RUN = "bench"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TRAINER = Identity.from_seed(b"B" * 32)
+VALIDATOR = Identity.from_seed(b"V" * 32)
 WORKERS = [Identity.from_seed(bytes([i]) * 32) for i in range(1, 9)]
 BATCH = 512
 CHECKPOINT = 32 << 20  # bytes of each published checkpoint (and of each receipt: one whole download)
@@ -84,12 +106,28 @@ def make_history(n: int) -> list:
 
 
 def run_config() -> RunConfig:
-    return RunConfig(name=RUN, trainers=[TRAINER.peer_id],
+    return RunConfig(name=RUN, trainers=[TRAINER.peer_id], validators=[VALIDATOR.peer_id],
                      tables={"ledger": {"sync_interval": 3600.0, "sync_timeout": 3600.0}})
 
 
 async def bench_ingest(entries: list) -> tuple[float, float]:
     """(entries/s through LedgerService.ingest, raw Ed25519 verifications/s)."""
+    rate, raw_rate, _replica = await measure_ingest(entries)
+    return rate, raw_rate
+
+
+@dataclass(frozen=True)
+class Replica:
+    """What a replica of some entries costs, measured: the SQLite file and the in-memory chain state."""
+
+    db_bytes: int  # ledger.sqlite (and any -wal) after the store is closed
+    empty_db_bytes: int  # the same file with the schema and no entries
+    ram_bytes: int  # Python memory the chain state (node/ledger/chain.py Ledger) holds after loading them
+    hello_bytes: int  # the SyncHello a node sends with these heads
+
+
+async def measure_ingest(entries: list) -> tuple[float, float, Replica]:
+    """(entries/s through LedgerService.ingest, raw Ed25519 verifications/s, what the replica costs)."""
     raws = [se.raw for se in entries]
     # baseline: raw verification of exactly the bytes the ledger verifies
     jobs = []
@@ -114,7 +152,34 @@ async def bench_ingest(entries: list) -> tuple[float, float]:
                 assert report.accepted == len(raws[i:i + BATCH]), report
             rate = len(raws) / (time.perf_counter() - t0)
             assert store.count() == len(raws)
-    return rate, raw_rate
+            hello_bytes = len(encode(SyncHello(heads=tuple(service.ledger.heads()))))
+            ram_bytes = replica_memory(store, config.run)
+        db_bytes = db_size(Path(tmp))
+        empty = Path(tmp) / "empty"
+        with open_ledger_store(empty) as store:
+            store.bind_run(RUN)
+        empty_bytes = db_size(empty)
+    return rate, raw_rate, Replica(db_bytes, empty_bytes, ram_bytes, hello_bytes)
+
+
+def db_size(data_dir: Path) -> int:
+    return sum(p.stat().st_size for p in data_dir.glob(DB_FILE + "*"))
+
+
+def replica_memory(store, run: RunConfig) -> int:
+    """Bytes of Python memory a fresh chain state holds once it has loaded ``store`` (as a node does on start)."""
+    cfg = LedgerConfig()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        ledger = Ledger(run.name, run.trainers, run.validators, int(cfg.max_clock_skew * 1000), cfg.limits())
+        skipped = rebuild(store, ledger)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert not skipped, skipped
+    return held
 
 
 async def bench_sync(entries: list) -> tuple[float, float, int]:
@@ -169,11 +234,262 @@ async def bench_sync(entries: list) -> tuple[float, float, int]:
     return sync_s, copy_s, nbytes
 
 
-def main() -> None:
+# ---------------------------------------------------------------------------------------- a long run
+
+
+def batch_samples(task: str) -> int:
+    """Samples in one worker batch of a demo run file's [rl] table: group_size x prompts_per_batch."""
+    rl = tomllib.loads(task)["rl"]
+    return rl["group_size"] * rl["prompts_per_batch"]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What a run writes to the ledger, from a measured demo run (docs/benchmarks.md, the row named).
+
+    Per batch a worker sends, the trainer signs one ``rollouts`` entry (node/trainer/service.py
+    ledger_loop) and each judging validator one ``verdict`` (node/validator/service.py
+    record_in_ledger); per step, the trainer publishes one checkpoint; every downloader (the
+    workers and the validator) flushes its byte receipts once per ``receipt_interval`` or at
+    MAX_RECEIPT_ITEMS (peer, manifest) pairs (node/ledger/service.py note_received). Penalties
+    (cheaters only) are left out. The per-worker rates stay the demo's at any number of workers,
+    and so does the trainer's step rate: the issue's "the demo's rates", not a model of how a
+    trainer would keep up with a thousand workers.
+    """
+
+    name: str
+    steps_per_min: float  # trainer steps (= checkpoints published) per minute in the measured demo
+    samples_per_step: float  # samples the trainer takes a step
+    batch_samples: int  # samples a worker batch holds (the demo's run file)
+    demo_workers: int  # inference nodes in the measured demo
+    checkpoint_bytes: int  # one published checkpoint (a receipt's byte count is a share of it)
+    sources: int = 4  # peers a downloader fetches one checkpoint's pieces from (assumed)
+    verdicts_per_batch: float = 1.0  # the demo's one validator judges every batch
+    receipt_interval: float = LedgerConfig().receipt_interval
+
+    @property
+    def batches_per_worker_min(self) -> float:
+        return self.steps_per_min * self.samples_per_step / self.batch_samples / self.demo_workers
+
+    @property
+    def receipts_per_downloader_min(self) -> float:
+        """Receipts entries one downloader writes a minute: a flush per interval with anything pending
+        (at most one per checkpoint), more when the pairs outrun MAX_RECEIPT_ITEMS per entry."""
+        flushes = min(60.0 / self.receipt_interval, self.steps_per_min)
+        return max(flushes, self.steps_per_min * self.sources / MAX_RECEIPT_ITEMS)
+
+    @property
+    def items_per_receipt(self) -> int:
+        pairs = self.steps_per_min * self.sources / self.receipts_per_downloader_min
+        return max(1, min(MAX_RECEIPT_ITEMS, round(pairs)))
+
+    def per_minute(self, workers: int) -> dict[str, float]:
+        """Entries a minute by kind for ``workers`` workers, one trainer and one validator."""
+        batches = workers * self.batches_per_worker_min
+        return {
+            CheckpointPublished.TYPE: self.steps_per_min,
+            RolloutsJudged.TYPE: batches,
+            Verdict.TYPE: batches * self.verdicts_per_batch,
+            Receipts.TYPE: (workers + 1) * self.receipts_per_downloader_min,
+        }
+
+    def describe(self) -> str:
+        return (f"{self.steps_per_min:.1f} checkpoints/min; {self.batches_per_worker_min:.1f} batches/worker/min "
+                f"({self.steps_per_min:.1f} steps/min x {self.samples_per_step:.0f} samples / {self.batch_samples} "
+                f"per batch / {self.demo_workers} workers); {self.verdicts_per_batch:g} verdict/batch; "
+                f"{self.receipts_per_downloader_min:.2f} receipts/downloader/min of {self.items_per_receipt} items "
+                f"(assumed {self.sources} sources per checkpoint, a flush per {self.receipt_interval:.0f} s "
+                f"or per {MAX_RECEIPT_ITEMS} items)")
+
+
+PROFILES = (
+    # `swarm-node demo --duration 300`: 163-176 steps in 300 s with 2 inference nodes; a step takes
+    # every verified batch, ~190 samples (node/app/demo.py's run file).
+    Traffic("the demo (tiny model)", steps_per_min=170 / 5, samples_per_step=190,
+            batch_samples=batch_samples(TINY_TASK), demo_workers=2, checkpoint_bytes=CHECKPOINT),
+    # `swarm-node demo --model .models/smollm2-135m-instruct`: a step every 37 s of 32 samples
+    # (max_step_samples), checkpoints of 273 MB in bfloat16, 2 inference nodes.
+    Traffic("the demo --model SmolLM2-135M", steps_per_min=60 / 37, samples_per_step=32,
+            batch_samples=batch_samples(REAL_TASK), demo_workers=2, checkpoint_bytes=273_000_000),
+)
+START_MS = 1_700_000_000_000  # the sample's first time stamp (Unix ms: 2023, in the past as a replay's are)
+
+
+def worker_ids(n: int) -> list[Identity]:
+    return [Identity.from_seed(hashes.digest(b"bench-worker %d" % i)) for i in range(n)]
+
+
+def make_sample(traffic: Traffic, workers: list[Identity], n: int) -> tuple[list, float]:
+    """About ``n`` signed entries of ``traffic`` at ``len(workers)`` workers in time order, and the
+    simulated seconds they span (at most an hour). Each kind's events are spread evenly over the span;
+    batch i is worker i mod W's, and its verdict names the same batch; receipt j is downloader j mod
+    (W + 1)'s and vouches for ``sources`` other workers per checkpoint, the latest checkpoints first."""
+    rates = traffic.per_minute(len(workers))
+    seconds = min(3600.0, 60.0 * n / sum(rates.values()))
+    events = []
+    for kind, rate in rates.items():
+        count = max(1, round(rate * seconds / 60))
+        events += [((i + 0.5) * seconds / count, kind, i) for i in range(count)]
+    events.sort()
+    downloaders = workers + [VALIDATOR]
+    heads = {}
+    out = []
+    published = 0
+
+    def add(author: Identity, t: float, body) -> None:
+        seq, prev = heads.get(author.peer_id, (0, GENESIS))
+        se = make_entry(author, RUN, seq + 1, prev, START_MS + int(t * 1000), body)
+        heads[author.peer_id] = (se.seq, se.hash)
+        out.append(se)
+
+    def manifest(version: int) -> bytes:
+        return hashes.digest(b"bench-manifest %d" % max(0, version))
+
+    share = traffic.checkpoint_bytes // traffic.sources
+    for t, kind, i in events:
+        if kind == CheckpointPublished.TYPE:
+            add(TRAINER, t, CheckpointPublished(version=i, manifest_id=manifest(i), total_bytes=traffic.checkpoint_bytes))
+            published = i + 1
+        elif kind in (RolloutsJudged.TYPE, Verdict.TYPE):
+            worker = workers[i % len(workers)].peer_id
+            batch = hashes.digest(b"bench-batch %d" % i)
+            if kind == RolloutsJudged.TYPE:
+                add(TRAINER, t, RolloutsJudged(worker=worker, step=published, accepted=True, samples=traffic.batch_samples,
+                                               tokens=traffic.batch_samples * 16, batch_hash=batch))
+            else:
+                add(VALIDATOR, t, Verdict(worker=worker, step=published, batch_hash=batch, ok=True, reasons=("ok",)))
+        else:
+            me = i % len(downloaders)
+            items = tuple(ReceiptItem(peer=workers[(me + 1 + k % traffic.sources) % len(workers)].peer_id,
+                                      manifest_id=manifest(published - 1 - k // traffic.sources), nbytes=share,
+                                      pieces=max(1, share >> 20))
+                          for k in range(traffic.items_per_receipt))
+            add(downloaders[me], t, Receipts(items=items))
+    return out, seconds
+
+
+def sync_bytes(entries: list, batch: int = LedgerConfig().sync_batch) -> int:
+    """Bytes of the RangeReply frames that carry ``entries`` to a new node (``batch`` per reply, + 4-byte length prefixes)."""
+    return sum(len(encode(RangeReply(id=1, entries=tuple(se.raw for se in entries[i:i + batch])))) + 4
+               for i in range(0, len(entries), batch))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Measured costs of a sample of a run's entries: per entry, and the rate they verify and apply at."""
+
+    entries: int
+    seconds: float  # simulated seconds the sample spans
+    wire: float  # sync bytes per entry
+    disk: float  # SQLite bytes per entry (the empty file's bytes left out)
+    ram: float  # replica memory per entry
+    rate: float  # entries/s through LedgerService.ingest (parse, signature, chain rules, SQLite commit)
+    replica: Replica
+
+
+def measure_sample(traffic: Traffic, workers: int, n: int) -> Sample:
+    entries, seconds = make_sample(traffic, worker_ids(workers), n)
+    rate, _raw, replica = trio.run(measure_ingest, entries)
+    k = len(entries)
+    return Sample(k, seconds, sync_bytes(entries) / k, (replica.db_bytes - replica.empty_db_bytes) / k,
+                  replica.ram_bytes / k, rate, replica)
+
+
+@dataclass(frozen=True)
+class LongRun:
+    """A run's ledger after ``days``, extrapolated linearly from a measured :class:`Sample`."""
+
+    workers: int
+    per_day: float  # entries
+    entries: float
+    disk_bytes: float
+    ram_bytes: float
+    sync_bytes: float
+    transfer_s: float
+    verify_s: float
+
+    @property
+    def catch_up_s(self) -> float:
+        """Sync as node/ledger/service.py runs it today: a range is requested, then verified and
+        applied, then the next requested, so transfer and CPU add up (round trips left out)."""
+        return self.transfer_s + self.verify_s
+
+
+def long_run(traffic: Traffic, workers: int, sample: Sample, days: float, link_mbit: float) -> LongRun:
+    per_day = sum(traffic.per_minute(workers).values()) * 1440
+    n = per_day * days
+    wire = n * sample.wire + sample.replica.hello_bytes
+    return LongRun(workers, per_day, n, n * sample.disk, n * sample.ram, wire, wire * 8 / (link_mbit * 1e6),
+                   n / sample.rate)
+
+
+def human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "k", "M", "G", "T", "P"):
+        if abs(n) < 1000 or prefix == "P":
+            return f"{n:.3g} {prefix}{unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def duration(s: float) -> str:
+    return f"{s:.3g} s" if s < 600 else f"{s / 3600:.3g} h" if s < 2 * 86400 else f"{s / 86400:.3g} days"
+
+
+GOAL_S = 60.0  # issue 46: a new node caught up within 60 s of a 100 Mbit/s link, whatever the history
+
+
+def scale_report(traffic: Traffic, workers: int, baseline: int, n: int, days: float, link_mbit: float) -> float:
+    """Print one profile's table; returns the catch-up time at ``workers`` over the goal."""
+    print(f"\n{traffic.name}: {traffic.describe()}")
+    runs = []
+    for w in (baseline, workers):
+        t0 = time.perf_counter()
+        sample = measure_sample(traffic, w, n)
+        print(f"  sample at {w} workers: {sample.entries} real signed entries = {sample.seconds:.1f} simulated s, "
+              f"measured: {sample.wire:.0f} B/entry on the wire, {sample.disk:.0f} B/entry in SQLite, "
+              f"{sample.ram:.0f} B/entry of replica RAM, {sample.rate:.0f} entries/s verified+applied+stored "
+              f"({time.perf_counter() - t0:.1f} s)")
+        runs.append(long_run(traffic, w, sample, days, link_mbit))
+    base, big = runs
+    rows = [
+        ("entries per day", human(base.per_day, ""), human(big.per_day, ""), big.per_day / base.per_day),
+        (f"entries after {days:g} days", human(base.entries, ""), human(big.entries, ""), big.entries / base.entries),
+        ("replica: SQLite file", human(base.disk_bytes), human(big.disk_bytes), big.disk_bytes / base.disk_bytes),
+        ("replica: chain state in RAM", human(base.ram_bytes), human(big.ram_bytes), big.ram_bytes / base.ram_bytes),
+        ("catch-up: bytes synced", human(base.sync_bytes), human(big.sync_bytes), big.sync_bytes / base.sync_bytes),
+        (f"catch-up: transfer at {link_mbit:g} Mbit/s", duration(base.transfer_s), duration(big.transfer_s),
+         big.transfer_s / base.transfer_s),
+        ("catch-up: verify+apply (CPU)", duration(base.verify_s), duration(big.verify_s), big.verify_s / base.verify_s),
+        ("catch-up: total", duration(base.catch_up_s), duration(big.catch_up_s), big.catch_up_s / base.catch_up_s),
+    ]
+    print(f"  after {days:g} days, extrapolated linearly from the samples' measured per-entry figures:")
+    print(f"  {'':34}{f'{baseline} workers':>16}{f'{workers} workers':>16}{'ratio':>10}")
+    for name, a, b, ratio in rows:
+        print(f"  {name:34}{a:>16}{b:>16}{ratio:>10.1f}")
+    print(f"  {f'ratio catch-up / goal ({GOAL_S:.0f} s)':34}{base.catch_up_s / GOAL_S:16.3g}{big.catch_up_s / GOAL_S:16.3g}")
+    return big.catch_up_s / GOAL_S
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ingest", type=int, default=20_000, help="entries for the ingest benchmark")
     parser.add_argument("--sync", type=int, default=100_000, help="entries for the sync benchmark")
-    args = parse_args(parser, {"ingest": 2000, "sync": 2000})
+    parser.add_argument("--scale", action="store_true", help="only the long run's figures (3. of the docstring)")
+    parser.add_argument("--workers", type=int, default=1000, help="workers of the long run")
+    parser.add_argument("--baseline-workers", type=int, default=10, help="workers of the baseline beside it")
+    parser.add_argument("--days", type=float, default=7.0, help="length of the long run")
+    parser.add_argument("--sample", type=int, default=20_000,
+                        help="real signed entries measured per profile and worker count (at most one simulated hour)")
+    parser.add_argument("--link-mbit", type=float, default=100.0, help="a new node's download link")
+    args = parse_args(parser, {"ingest": 2000, "sync": 2000, "sample": 1000}, argv)
+    if min(args.workers, args.baseline_workers) <= max(p.sources for p in PROFILES):
+        parser.error(f"--workers and --baseline-workers: more than {max(p.sources for p in PROFILES)} "
+                     "(each receipt vouches for that many other workers)")
+    if args.sample < 100 or args.days <= 0 or args.link_mbit <= 0:
+        parser.error("--sample: at least 100; --days and --link-mbit: more than 0")
+    if args.scale:
+        scale(args)
+        return
 
     t0 = time.perf_counter()
     entries = make_history(max(args.ingest, args.sync))
@@ -195,6 +511,13 @@ def main() -> None:
     # what the protocol (round trips, framing, the serving side in the same process) adds on top.
     print(f"  ratio sync / ingest-bound   {sync_s / (args.sync / rate):10.2f}")
     print(f"  ratio sync / raw copy       {sync_s / copy_s:10.1f}")
+    scale(args)
+
+
+def scale(args: argparse.Namespace) -> None:
+    print(f"a long run's ledger (one trainer, one validator, the workers; {args.sample} entries measured per column):")
+    for traffic in PROFILES:
+        scale_report(traffic, args.workers, args.baseline_workers, args.sample, args.days, args.link_mbit)
 
 
 if __name__ == "__main__":
