@@ -185,3 +185,16 @@ async def test_each_verdict_is_answered_and_counted_by_what_it_did(trainer):
                                                     "passed": 1, "already-decided": 1, "failed": 1}
     assert trainer.status()["sample_outcomes"] == {"verdict:bad-proof": 8}
     assert trainer.spool.get(ids[0]).state.value == "ready" and trainer.spool.get(ids[1]).state.value == "rejected"
+
+
+@pytest.mark.parametrize("reason, barred", [("stale_policy", 0), ("step_ahead", 0), ("bad-proof", 1)])
+async def test_only_a_verdict_that_is_the_workers_fault_costs_a_fresh_key_the_pool(trainer, reason, barred):
+    """A batch that went stale waiting for its verdict (a fast trainer, a slow validator) is lost, but
+    its worker did nothing wrong: barring its key from the pool for ten intervals locked an honest
+    newcomer out for lack of history it was trying to earn."""
+    ids = await _accept(trainer, range(1))
+    verdict = Verdict(run=RUN, batch_id=ids[0], worker=WORKER.peer_id, validator=VALIDATOR, accepted=False,
+                      reasons=["ok"] * 7 + [reason], policy_version=5, created_ms=0)
+    assert (await trainer.on_verdict_bytes(encode(seal(VALIDATOR_ID, DOMAIN_VERDICT, verdict))))[1]
+    assert trainer.spool.get(ids[0]).state.value == "rejected"
+    assert trainer.status()["quota"]["barred"] == barred

@@ -50,6 +50,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from ..rollouts.assign import assign_validator
+from ..validator.policy import BENIGN  # verdict reasons the worker does not answer for
 
 MAX_DECIDED = 65536  # batch ids remembered as decided, to answer duplicate verdicts cheaply
 
@@ -81,6 +82,7 @@ class VerdictOutcome:
     decided: bool
     passed: bool = False
     reason: str = ""
+    workers_fault: bool = False  # a failure the worker answers for (not staleness, a missing checkpoint...)
 
 
 class ValidatorGate:
@@ -221,8 +223,8 @@ class ValidatorGate:
             self.decided.pop(next(iter(self.decided)))
         if accepted:
             return VerdictOutcome(True, True)
-        bad = next((r for r in reasons if r != "ok"), "rejected")
-        return VerdictOutcome(True, False, f"verdict:{bad}"[:64])
+        bad = [r for r in reasons if r != "ok"] or ["rejected"]
+        return VerdictOutcome(True, False, f"verdict:{bad[0]}"[:64], workers_fault=any(r not in BENIGN for r in bad))
 
     def status(self) -> dict:
         by_phase: dict[str, int] = {}

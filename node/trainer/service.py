@@ -388,7 +388,8 @@ class Trainer:
             self.wake.train.set()
         else:
             self._gone([row.batch_id], row.samples, outcome.reason)
-            self.quota.fail(row.worker, self.clock())  # a fresh key's junk costs it the pool
+            if outcome.workers_fault:  # a fresh key's junk costs it the pool; a stale batch does not
+                self.quota.fail(row.worker, self.clock())
             self.wake.ledger.set()
         self.wake.gate.set()  # a validator slot is free: send the next batch now, not at the next tick
 

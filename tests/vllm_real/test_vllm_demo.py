@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from node.validator.policy import BENIGN
+
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make vllm-test` runs these in .vllm-venv")
 
 DURATION_S = 330
@@ -46,8 +48,13 @@ def test_the_vllm_nodes_batches_are_verified_and_trained_and_the_reward_rises(tm
     assert vllm_node["engine"] == "vllm" and torch_node["engine"] == "torch"
     assert vllm_node["errors"] == {"step": 0, "load": 0} and vllm_node["weight_swaps"] >= 5
     assert vllm_node["batches"]["accepted"] >= 20 and not vllm_node["batches"]["refused"], vllm_node["batches"]
-    trainer = read_status(root, "trainer")["trainer"]["batches"]
-    assert trainer["rejected"] == 0 and trainer["trained"] >= vllm_node["batches"]["accepted"], trainer
+    trainer_status = read_status(root, "trainer")["trainer"]
+    trainer = trainer_status["batches"]
+    # A batch may go stale waiting for its verdict on a fast machine (a step every 2 s): lost, not
+    # refused as a cheat. Any rejection the worker answers for fails the test, with its reason.
+    reasons = trainer_status["rejected_by_reason"]
+    assert not {r: n for r, n in reasons.items() if r.removeprefix("verdict:") not in BENIGN}, (reasons, trainer)
+    assert trainer["trained"] >= vllm_node["batches"]["accepted"], trainer
     curve = json.loads((root / "reward.json").read_text())  # [step, mean reward] per training step
     first, last = [sum(r for _, r in part) / len(part) for part in (curve[:10], curve[-10:])]
     assert len(curve) >= 30 and last > first, (first, last)
