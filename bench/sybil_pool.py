@@ -2,11 +2,19 @@
 
 A pure simulation of the real QuotaBook (node/rollouts/quota.py ``simulate_flood``): ``n`` fresh keys
 send junk back to back and retry at exactly the time the trainer's refusal names; one honest
-newcomer samples a batch every ``--honest-every`` seconds. Printed per ``n``: the newcomer's batches
-taken per minute, its fair share (the pool split equally among the ``n + 1`` keys, or what it wants
-if less), and their ratio, without a validator (the worst case) and with one that fails each junk
-batch ``--fail-after`` seconds after intake. The baseline of fixed intervals served first come,
-first served gave the newcomer 1 of 24 batches in two minutes against 4 keys.
+newcomer, at an address of its own, samples a batch every ``--honest-every`` seconds. Printed per
+``n``: the newcomer's fair share (the pool split equally among the ``n + 1`` parties, or what it
+wants if less) and its batches taken per minute when
+
+* ``keys``: each Sybil key counts for itself (loopback, where every node has one address), no validator;
+* ``keys+fail``: the same with a validator that fails each junk batch ``--fail-after`` s after intake;
+* ``new key/try``: each Sybil signs every attempt with a new key, keys counted for themselves
+  (the lockout of sharing per key: the baseline of the per-address rule);
+* ``1 addr``: the same key-making, all from one address, the pool shared per address;
+* ``n addrs``: the same from ``n`` addresses.
+
+The baseline of fixed intervals served first come, first served gave the newcomer 1 of 24 batches
+in two minutes against 4 keys.
 """
 
 from __future__ import annotations
@@ -31,14 +39,17 @@ def main(argv: list[str] | None = None) -> None:
     cfg = QuotaConfig()
     wants = cfg.interval_s / args.honest_every
     print(f"pool {cfg.new_total} batches / {cfg.interval_s:.0f} s, newcomer wants {wants:.1f}/min, {args.minutes:g} min each")
-    print(f"{'sybils':>6} {'fair/min':>9} {'no validator':>13} {'ratio':>6} {'junk fails':>11} {'ratio':>6}")
+    cases = {"keys": {}, "keys+fail": {"fail_after_s": args.fail_after}, "new key/try": {"key_making": True},
+             "1 addr": {"key_making": True, "origins": 1}, "n addrs": {"key_making": True, "origins": 0}}
+    print(f"{'sybils':>6} {'fair/min':>9} " + " ".join(f"{name:>11}" for name in cases))
+    seconds = args.minutes * cfg.interval_s
     for n in (int(x) for x in args.sybils.split(",")):
         fair = min(wants, cfg.new_total / (n + 1))
-        seconds = args.minutes * cfg.interval_s
-        worst = simulate_flood(cfg, n, seconds, args.honest_every) / args.minutes
-        caught = simulate_flood(cfg, n, seconds, args.honest_every, args.fail_after) / args.minutes
-        print(f"{n:>6} {fair:>9.2f} {worst:>13.2f} {worst / fair:>6.2f} {caught:>11.2f} {caught / fair:>6.2f}")
-
+        got = []
+        for kw in cases.values():
+            kw = kw | ({"origins": n} if kw.get("origins") == 0 else {})
+            got.append(simulate_flood(cfg, n, seconds, args.honest_every, **kw) / args.minutes)
+        print(f"{n:>6} {fair:>9.2f} " + " ".join(f"{g:>11.2f}" for g in got))
 
 if __name__ == "__main__":
     main()

@@ -129,3 +129,10 @@ async def test_a_host_installs_every_patch_of_the_package():
     assert defined == set(PATCHES)
     async with open_swarm_host(Identity.generate(), LOOPBACK):
         assert all(p.__dict__.get("_installed") for p in PATCHES)
+
+
+async def test_remote_ip_is_the_address_our_connection_to_the_peer_comes_from():
+    """What the fresh-identity pool counts origins by (node/net/origins.py): read from the socket."""
+    async with connected_hosts() as (a, b):
+        assert a.remote_ip(b.peer_id) == "127.0.0.1" and b.remote_ip(a.peer_id) == "127.0.0.1"
+        assert a.remote_ip(Identity.generate().peer_id) is None  # no connection, no address

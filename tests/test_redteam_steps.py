@@ -15,11 +15,10 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from node.config import NodeConfig, RunConfig
+from node.config import RunConfig
 from node.identity import Identity
 from node.metrics import Metrics
 from node.engines.model import build_tokenizer
-from node.peers import Peers
 from node.rl import spec
 from node.rl.config import GRPOConfig, RLConfig
 from node.rl.tasks import load_taskset
@@ -29,7 +28,7 @@ from node.rollouts.steps import VALIDATOR_WINDOW, StepWindow, step_window_size
 from node.trainer.config import TrainerConfig
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
-from node.trainer.testing import FakeLedger, fake_wiring, reversal_batch, sign_batch
+from node.trainer.testing import FakeLedger, fake_context, fake_wiring, reversal_batch, sign_batch
 from node.validator import testing as VT
 from node.validator.config import ValidatorConfig
 from node.validator.pipeline import BatchReason, BatchRules
@@ -107,9 +106,7 @@ def test_honest_step_sequences_never_trip_the_window():
 
 
 def _fake_node():
-    run = RunConfig(name=RUN)
-    metrics = Metrics()
-    return SimpleNamespace(config=NodeConfig(run=run), metrics=metrics, status={}, peer_id="me", peers=Peers(None, metrics))
+    return fake_context(RunConfig(name=RUN))
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from node.trainer.config import TrainerConfig
 from node.trainer.intake import KEEPS_WINDOW, NOT_ATTRIBUTABLE, NOT_STRIKES
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
-from node.trainer.testing import FakeLedger, fake_wiring, reversal_batch, sign_batch
+from node.trainer.testing import FakeLedger, fake_context, fake_wiring, reversal_batch, sign_batch
 
 RUN = "test"
 TOK = build_tokenizer()
@@ -153,10 +153,8 @@ def test_a_worker_refused_by_the_quota_keeps_its_batch_and_spends_no_attempt():
 # ---------------------------------------------------------------- trainer intake
 
 
-def _trainer(spool, ledger, clock, **quota):
-    run = RunConfig(name=RUN, tables={"quota": quota} if quota else {})
-    metrics = Metrics()
-    node = SimpleNamespace(config=NodeConfig(run=run), metrics=metrics, status={}, peer_id="me", peers=Peers(None, metrics))
+def _trainer(spool, ledger, clock, remote_ip=lambda peer: "127.0.0.1", **quota):
+    node = fake_context(RunConfig(name=RUN, tables={"quota": quota} if quota else {}), remote_ip=remote_ip)
     policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
     wiring = fake_wiring() | {"ledger": ledger}
     return Trainer(node, policy, spool, GRPOConfig(async_level=2, pack_length=64),
@@ -221,6 +219,24 @@ async def test_sybils_flooding_the_trainer_at_its_own_retry_after_leave_a_newcom
         for s in sybils:  # the Sybils come back at the same moment
             await trainer.judge(_batch(s, step), s.peer_id)
             step += 1
+        assert (await trainer.judge(_batch(newcomer, 0), newcomer.peer_id)).accepted
+
+
+async def test_a_node_signing_every_batch_with_a_new_key_gets_one_addresss_share(tmp_path: Path):
+    """The key-making lockout (issue 42 hole 3, left open by per-key sharing): one address, a fresh key
+    per batch. Its keys draw on that address's share alone, so a newcomer at another address is
+    taken at once; on loopback every key still counts for itself."""
+    clock = SimpleNamespace(now=100.0)
+    newcomer = Identity.generate()
+    where = lambda peer: "198.51.100.9" if peer == newcomer.peer_id else "203.0.113.7"  # noqa: E731
+    with open_spool(tmp_path / "spool.sqlite") as spool:
+        trainer = _trainer(spool, FakeLedger(), clock, remote_ip=where)
+        taken = 0
+        for _ in range(2 * CFG.new_total):
+            s = Identity.generate()
+            taken += (await trainer.judge(_batch(s, 0), s.peer_id)).accepted
+        assert taken == CFG.new_batches  # the address's welcome, however many keys
+        assert trainer.status()["quota"]["fresh_origins"] == 1
         assert (await trainer.judge(_batch(newcomer, 0), newcomer.peer_id)).accepted
 
 

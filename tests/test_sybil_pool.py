@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.rollouts.quota import MAX_FRESH_KEYS, QuotaBook, QuotaConfig, simulate_flood
+from node.rollouts.quota import MAX_ORIGINS, QuotaBook, QuotaConfig, simulate_flood
 
 CFG = QuotaConfig()
 WANTS_PER_MIN = CFG.interval_s / 5.0  # the newcomer samples a batch every 5 s
@@ -57,11 +57,11 @@ def test_a_barred_key_stays_out_of_the_pool_and_a_key_with_history_is_unaffected
     assert book.check("junk", 3, 30.0) is None  # history: the pool is not consulted
 
 
-def test_the_pool_holds_a_bounded_number_of_keys():
+def test_the_pool_holds_a_bounded_number_of_origins():
     book = QuotaBook(CFG)
-    for i in range(MAX_FRESH_KEYS + 10):
+    for i in range(MAX_ORIGINS + 10):
         book.check(f"k{i}", 0, 0.0)
-    assert book.status()["fresh_keys"] == MAX_FRESH_KEYS
+    assert book.status()["fresh_origins"] == MAX_ORIGINS
     assert book.check("late", 0, 0.0).retry_after_s == CFG.interval_s
     assert book.check("late", 0, 2 * CFG.interval_s) is None  # the quiet keys were dropped
 
@@ -79,3 +79,38 @@ def test_a_key_whose_bar_just_ended_joins_with_a_welcome_not_an_open_tap():
         pool.take("junk", end)
         taken += 1
     assert taken == CFG.new_batches  # its welcome, as any new key
+
+
+@pytest.mark.parametrize("sybils", [4, 16, 64])
+def test_a_node_making_a_key_for_every_attempt_from_one_address_leaves_a_newcomer_its_batches(sybils):
+    """The lockout left open by per-key sharing: keys that were only ever refused took the pool's key
+    table and the welcome bucket. Shared per address, one address is one share however many keys."""
+    minutes = 10
+    got = simulate_flood(CFG, sybils, minutes * CFG.interval_s, origins=1, key_making=True) / minutes
+    assert got >= 0.9 * WANTS_PER_MIN
+
+
+@pytest.mark.parametrize("addresses", [4, 16])
+def test_key_making_from_many_addresses_holds_one_share_per_address(addresses):
+    minutes = 10
+    got = simulate_flood(CFG, addresses, minutes * CFG.interval_s, origins=addresses, key_making=True) / minutes
+    assert 0.9 * _fair(addresses) <= got <= 1.2 * _fair(addresses) + 1
+
+
+def test_keys_from_one_address_take_one_slot_and_one_welcome():
+    book = QuotaBook(CFG)
+    taken = 0
+    for i in range(10 * MAX_ORIGINS):  # a new key per attempt, all from one address
+        if book.check(f"sybil-{i}", 0, 0.0, "203.0.113.7") is None:
+            book.take(f"sybil-{i}", 0, 0.0, "203.0.113.7")
+            taken += 1
+    assert taken == CFG.new_batches and book.status()["fresh_origins"] == 1  # one welcome, one slot
+    assert book.check("newcomer", 0, 0.0, "198.51.100.9") is None  # the welcome bucket still holds its batches
+
+
+def test_a_failed_verdict_bars_the_key_not_its_address():
+    """An honest worker may share an address (a NAT, a relay) with a cheat: the bar is the key's."""
+    book = QuotaBook(CFG)
+    book.fail("cheat", 0.0)
+    assert book.check("cheat", 0, 1.0, "203.0.113.7").reason == "quota-new"
+    assert book.check("honest", 0, 1.0, "203.0.113.7") is None

@@ -11,18 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from node.config import NodeConfig, RunConfig
+from node.config import RunConfig
 from node.identity import Identity
-from node.metrics import Metrics
 from node.engines.model import build_tokenizer
 from node.rl.config import GRPOConfig
 from node.rollouts.schema import MAX_BATCH_BYTES, open_batch
 from node.trainer.config import TrainerConfig
-from node.peers import FaultRule, Peers, PeerTable
+from node.peers import FaultRule, PeerTable
 from node.trainer.intake import NOT_STRIKES, IntakeLimits, expired, intake_reason, staleness_reason, trainable_until
 from node.trainer.service import Trainer
 from node.trainer.spool import BatchState, SpoolError, open_spool
-from node.trainer.testing import fake_wiring, reversal_batch, sign_batch
+from node.trainer.testing import fake_context, fake_wiring, reversal_batch, sign_batch
 from node.wire import Envelope, decode_as, encode
 
 RUN = "test"
@@ -36,9 +35,7 @@ def batch(step=0, version=5, ident=WORKER, **kw):
 
 
 def fake_node(validators=()):
-    run = RunConfig(name=RUN, validators=list(validators))
-    metrics = Metrics()
-    return SimpleNamespace(config=NodeConfig(run=run), metrics=metrics, status={}, peer_id="me", peers=Peers(None, metrics))
+    return fake_context(RunConfig(name=RUN, validators=list(validators)))
 
 
 @pytest.fixture

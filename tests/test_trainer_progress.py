@@ -6,11 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from node.config import NodeConfig, RunConfig
+from node.config import RunConfig
 from node.engines.model import build_tokenizer
 from node.identity import Identity
-from node.metrics import Metrics
-from node.peers import Peers
 from node.rl.config import GRPOConfig
 from node.trainer.config import TrainerConfig
 from node.trainer.pacing import DEFAULT_INTERVAL
@@ -18,7 +16,7 @@ from node.trainer.progress import STALL_AFTER_S, STALL_KINDS, Backlog, Progress,
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
 from node.rollouts.schema import DOMAIN_VERDICT, Verdict
-from node.trainer.testing import fake_wiring, reversal_batch, sign_batch
+from node.trainer.testing import fake_context, fake_wiring, reversal_batch, sign_batch
 from node.wire import encode, seal
 
 RUN = "test"
@@ -65,10 +63,7 @@ def test_each_stall_names_what_the_trainer_waits_for(kw, kind):
 def trainer(tmp_path):
     """A trainer of a run with one validator, clock in our hands."""
     now = [0.0]
-    run = RunConfig(name=RUN, validators=[VALIDATOR])
-    metrics = Metrics()
-    node = SimpleNamespace(config=NodeConfig(run=run), run=run, metrics=metrics, status={}, peer_id="me",
-                           peers=Peers(None, metrics))
+    node = fake_context(RunConfig(name=RUN, validators=[VALIDATOR]))
     policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
     with open_spool(tmp_path / "spool.sqlite") as spool:
         t = Trainer(node, policy, spool, GRPOConfig(async_level=2, pack_length=64), TrainerConfig(),

@@ -197,6 +197,23 @@ class SwarmHost:
                 out.append(pid.to_base58())
         return out
 
+    def remote_ip(self, peer_id: str) -> str | None:
+        """The IP our connection to ``peer_id`` comes from: the peer's own on a direct connection, the
+        relay's on a relayed one (a circuit runs over our connection to the relay); None if none."""
+        try:
+            conns = self.host.get_network().connections.get(ID.from_base58(peer_id))
+        except ValueError:
+            return None
+        conns = conns if isinstance(conns, (list, tuple, set)) else [conns] if conns else []
+        for conn in sorted(conns, key=is_relayed):  # a direct connection first
+            try:
+                addr = conn.muxed_conn.get_remote_address()
+            except Exception:  # a connection closing under us, or a transport that does not say
+                continue
+            if addr:
+                return str(addr[0])
+        return None
+
     def is_connected(self, peer_id: str) -> bool:
         return ID.from_base58(peer_id) in self.host.get_network().connections
 

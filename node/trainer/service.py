@@ -53,6 +53,7 @@ from ..gossip.api import MembershipAPI
 from ..hashes import digest
 from ..ledger.api import LedgerAPI, LedgerError
 from ..net.budget import limits
+from ..net.origins import address_group
 from ..net.reqres import CallFailure, FailureKind
 from ..peers import ActionKind, FaultRule
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
@@ -235,8 +236,10 @@ class Trainer:
                 root_ok=announced is None or announced[0] == b.policy_root,
             )
             history = accepted_batches(self.ledger.accepted_samples(b.worker), self.samples_per_batch)
+            # The pool of fresh keys is shared per address, not per key (keys are free): quota.py.
+            origin = address_group(self.node.host.remote_ip(sender)) if history <= 0 else None
             if reason is None:
-                refusal = self.quota.check(b.worker, history, self.clock())
+                refusal = self.quota.check(b.worker, history, self.clock(), origin)
                 if refusal is not None:
                     return self._refuse_quota(signed.batch_id, refusal, sender)
             if reason is not None:
@@ -259,7 +262,7 @@ class Trainer:
                 self.wake.gate.set()
             else:
                 self.wake.train.set()
-            self.quota.take(b.worker, history, self.clock())
+            self.quota.take(b.worker, history, self.clock(), origin)
             self.progress.on_work(self.clock())
             wait = self.pacer.retry_after(pending + 1, self.clock())
         self.figures.intake["accepted"] += 1
