@@ -15,6 +15,12 @@ sim/shards.py drives the real picker, super-seeder and session choices over sim/
   and the last NAT'd downloader (a picker that starves NAT'd peers shows here), the origin's upload
   in checkpoints, the delta's time and its ratio to T (goal <= 0.15), and the wall time.
 
+The super-seeding origin turns ordinary seed once every piece is held by a downloader
+(``--no-hand-over``: super-seeding to the end), and a download short of ``max_peers`` direct peers
+dials public ones (``--no-dial-direct``: it does not, and NAT'd nodes holding only relay circuits
+are left out of the run). Both off is the code before issue 46's fixes; the real node has the
+hand-over (node/shards/superseed.py), the dials only the simulator so far (sim/shards.py says why).
+
     .venv/bin/python bench/sim_shards.py                                   # agreement, then N = 100, 1000
     .venv/bin/python bench/sim_shards.py --agreement "" --sizes 100 --piece-mib 4
 """
@@ -38,10 +44,11 @@ REAL = {8: "1.10-1.12", 16: "1.18", 24: "1.21"}
 DELTA_RATIO = 590e3 / (32 * MiB)
 
 
-def agreement(n: int, seed: int) -> tuple[float, float]:
+def agreement(n: int, args) -> tuple[float, float]:
     """bench/shards.py swarm's scenario simulated: (distribution time, its ratio to T_min)."""
-    topo = Topology(n, Links.namespaces(10.0), seed=seed)
-    full = Distribution(topo, 32 * MiB)
+    topo = Topology(n, Links.namespaces(10.0), seed=args.seed)
+    full = Distribution(topo, 32 * MiB, super_seed=args.super_seed, hand_over=args.hand_over,
+                        dial_direct=args.dial_direct)
     t = full.run(limit=600.0)
     return t, t / full.bound()
 
@@ -51,7 +58,8 @@ def scale(n: int, args) -> dict:
     topo = Topology(n, Links(nat=args.nat), seed=args.seed)
     size = args.size_mib * MiB
     piece = args.piece_mib * MiB if args.piece_mib else 0
-    full = Distribution(topo, size, piece_size=piece, block_size=piece or None, super_seed=args.super_seed)
+    full = Distribution(topo, size, piece_size=piece, block_size=piece or None, super_seed=args.super_seed,
+                        hand_over=args.hand_over, dial_direct=args.dial_direct)
     t = full.run(limit=args.limit)
     if t is None:
         return {"n": n, "t": None, "wall_s": time.monotonic() - wall}
@@ -61,8 +69,9 @@ def scale(n: int, args) -> dict:
     public = [d for p, d in done.items() if not e[p].nat]
     out = {"n": n, "t": t, "t_min": full.bound(), "pieces": full.num_pieces,
            "last_public": max(public), "last_nat": max(nat) if nat else float("nan"),
-           "origin_up": e[ORIGIN].sent_bytes / size, "stranded": len(topo.stranded)}
-    delta = Distribution(topo, int(size * args.delta_ratio), super_seed=args.super_seed)
+           "origin_up": e[ORIGIN].sent_bytes / size, "stranded": len(full.left_out)}
+    delta = Distribution(topo, int(size * args.delta_ratio), super_seed=args.super_seed, hand_over=args.hand_over,
+                         dial_direct=args.dial_direct)
     out["delta_t"] = delta.run(limit=args.limit)
     out["wall_s"] = time.monotonic() - wall
     out["events"] = topo.sim.events_run
@@ -81,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=float, default=3600.0, help="virtual seconds a distribution may take")
     ap.add_argument("--super-seed", action=argparse.BooleanOptionalAction, default=True,
                     help="the origin super-seeds ([shards] super_seed, on by default)")
+    ap.add_argument("--hand-over", action=argparse.BooleanOptionalAction, default=True,
+                    help="the super-seeding origin turns ordinary seed once every piece is held by a downloader")
+    ap.add_argument("--dial-direct", action=argparse.BooleanOptionalAction, default=True,
+                    help="a download short of max_peers direct peers dials public ones (NAT'd nodes)")
     ap.add_argument("--seed", type=int, default=1)
     args = parse_args(ap, {"sizes": "20", "agreement": "8", "size_mib": 64}, argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -91,13 +104,15 @@ def main(argv: list[str] | None = None) -> int:
               "32 MiB, 10 Mbit/s up each")
         print(f"{'N':>4} {'T s':>7} {'T/T_min':>8} {'real':>10}")
         for n in agree:
-            t, ratio = agreement(n, args.seed)
+            t, ratio = agreement(n, args)
             print(f"{n:>4} {t:>7.1f} {ratio:>8.2f} {REAL.get(n, '-'):>10}", flush=True)
 
     rows = []
     if sizes:
+        seeding = "off" if not args.super_seed else "on" if args.hand_over else "on (to the end)"
         print(f"\nscale: {args.size_mib} MiB, {'automatic pieces' if not args.piece_mib else f'{args.piece_mib} MiB pieces'}, "
-              f"{args.nat:.0%} of slow downloaders behind NAT, super-seeding {'on' if args.super_seed else 'off'}, delta {args.delta_ratio:.2%} of the checkpoint")
+              f"{args.nat:.0%} of slow downloaders behind NAT, super-seeding {seeding}, "
+              f"{'' if args.dial_direct else 'no '}dials for direct peers, delta {args.delta_ratio:.2%} of the checkpoint")
         print(f"{'N':>6} {'pieces':>6} {'T s':>7} {'T_min s':>8} {'last public':>11} {'last NAT':>9} "
               f"{'origin up x':>11} {'delta s':>8} {'delta/T':>8} {'wall s':>7} {'T/T_min':>8}")
     for n in sizes:

@@ -20,7 +20,9 @@ called with the arguments the sessions use; what stands in for I/O:
   never dialled it, have only a relay circuit, which carries no checkpoint bytes.
 * connections: every node dials the origin (its bootstrap peer) and then the peers the real
   :class:`ConnectionManager` plans (``conn_low``), before the version is published; the origin
-  prunes itself down to ``conn_high`` by the same manager. They do not change during a transfer.
+  prunes itself down to ``conn_high`` by the same manager. A download short of ``max_peers`` direct
+  peers then dials public ones (:func:`direct_peers_to_dial`); nothing else changes during a transfer.
+  The real node does not make these dials yet (ShardsService has no membership to find addresses in).
 * no loss: the transfer runs on TCP, which turns loss into delay; links are the profile's.
 
 The bound, Kumar & Ross (IEEE HotWeb 2006), for a file of F bytes from a seed of upload u_s to N
@@ -43,7 +45,7 @@ from node.gossip.membership import MembershipConfig
 from node.shards.client import RESCAN_INTERVAL, RETRY_PEER_AFTER
 from node.shards.config import ShardsConfig
 from node.shards.manifest import choose_piece_size, pieces_for
-from node.shards.peering import session_to_end, sessions_to_open
+from node.shards.peering import direct_peers_to_dial, session_to_end, sessions_to_open
 from node.shards.picker import Actions, Picker, PickerParams, Request
 from node.shards.server import HAVE_DELAY, SEND_BATCH
 from node.shards.superseed import SuperSeeder
@@ -117,6 +119,9 @@ class Holder:
         d = self.dist
         self.started = d.sim.now
         self.picker = Picker(d.piece_lengths, d.params, rng=random.Random(d.rng.random()))
+        if d.dial_direct:
+            for q in direct_peers_to_dial(d.direct[self.pid], d.topo.public, d.cfg.max_peers, d.rng):
+                d.topo.dial_direct(self.pid, q)
         self.rescan()
 
     def rescan(self) -> None:
@@ -313,7 +318,7 @@ class Distribution:
     :class:`Topology`; ``run()`` returns when every one holds it, or at ``limit``."""
 
     def __init__(self, topo: "Topology", size: int, *, piece_size: int = 0, block_size: int | None = None,
-                 super_seed: bool = True):
+                 super_seed: bool = True, hand_over: bool = True, dial_direct: bool = True):
         self.topo, self.sim, self.net, self.rng = topo, topo.sim, topo.net, topo.rng
         self.cfg, self.direct = topo.cfg, topo.direct
         self.size = size
@@ -324,8 +329,13 @@ class Distribution:
         self.params = PickerParams(block_size=min(block_size or self.cfg.block_size, ps),
                                    request_timeout=self.cfg.request_timeout, ban_seconds=self.cfg.ban_seconds,
                                    max_request=max(PickerParams.max_request, min(block_size or 0, ps)))
-        self.seeder = SuperSeeder.for_pieces(n, ps, random.Random(self.rng.random())) if super_seed else None
+        self.seeder = (SuperSeeder.for_pieces(n, ps, random.Random(self.rng.random()), hand_over=hand_over)
+                       if super_seed else None)
         self.holders = {p: Holder(self, p, p == ORIGIN) for p in topo.peers}
+        # Downloads short of direct peers dial public ones (peering.direct_peers_to_dial); without
+        # that, NAT'd nodes holding only relay circuits get nothing and are left out of the run.
+        self.dial_direct = dial_direct
+        self.left_out = set() if dial_direct else topo.stranded
         self.t0 = self.sim.now
 
     def send(self, a: str, b: str, nbytes: int, deliver, *args) -> None:
@@ -360,14 +370,14 @@ class Distribution:
             self.sim.after(self.seeder.stall_seconds / 4, self._stalled)
 
     def done(self) -> bool:
-        """Every node holds the version, but those no transfer session can reach (Topology.stranded)."""
-        return all(h.done_at is not None for p, h in self.holders.items() if p not in self.topo.stranded)
+        """Every node holds the version, but those left out (no transfer session can reach them)."""
+        return all(h.done_at is not None for p, h in self.holders.items() if p not in self.left_out)
 
     def run(self, limit: float, announce_hops: int = 2) -> float | None:
         """Announce (gossip: ``announce_hops`` one-way trips from the origin), then run until every
         node holds the version; the time from the announcement, or None past ``limit``."""
         for p, h in self.holders.items():
-            if p != ORIGIN and p not in self.topo.stranded:
+            if p != ORIGIN and p not in self.left_out:
                 self.sim.after(announce_hops * self.net.one_way(ORIGIN, p), h.start)
         if self.seeder is not None:
             self.sim.after(self.seeder.stall_seconds / 4, self._stalled)
@@ -380,7 +390,7 @@ class Distribution:
 
     def bound(self) -> float:
         e = self.net.endpoints
-        others = [p for p in self.holders if p != ORIGIN and p not in self.topo.stranded]
+        others = [p for p in self.holders if p != ORIGIN and p not in self.left_out]
         return kumar_ross(self.size, e[ORIGIN].up, [e[p].up for p in others], [e[p].down for p in others])
 
 
@@ -408,6 +418,18 @@ class Topology:
         self.direct = {p: [q for q, relay in self.net.links[p].items() if relay is None] for p in self.peers}
         # NAT'd nodes whose every connection is a relay circuit: no transfer session can reach them.
         self.stranded = {p for p in self.peers if not self.direct[p]}
+        self.public = [p for p in self.peers if not self.net.endpoints[p].nat]
+
+    def dial_direct(self, a: str, b: str) -> None:
+        """``a`` dials public ``b``'s direct address; a relay circuit between them gives way to the
+        direct connection once it is up (a circuit carries no checkpoint bytes)."""
+        def done(ok: bool) -> None:
+            if ok and b not in self.direct[a]:
+                self.direct[a].append(b)
+                self.direct[b].append(a)
+        if self.net.links[a].get(b) is not None:
+            self.net.close(a, b)
+        self.net.dial(a, b, done)
 
     def _connect(self, members: MembershipConfig) -> None:
         """Every node dials its bootstrap peer (the origin), then as the ConnectionManager plans;

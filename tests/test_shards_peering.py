@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from node.shards.peering import session_to_end, sessions_to_open
+from node.shards.peering import direct_peers_to_dial, session_to_end, sessions_to_open
 
 PEERS = [f"p{i}" for i in range(12)]
 
@@ -38,3 +38,19 @@ def test_room_is_made_by_ending_a_one_way_session_with_the_fewest_requests_in_fl
     sessions = ["src", "seed", "mutual", "a", "b", "c"]
     assert session_to_end(sessions, "src", {"mutual"}, holds_all, in_flight) == "b"
     assert session_to_end(["src", "seed", "mutual"], "src", {"mutual"}, holds_all, in_flight) is None
+
+
+def test_a_download_short_of_direct_peers_dials_public_members_until_it_has_max_peers():
+    """Found by simulation (bench/sim_shards.py, N = 100, issue 46): a NAT'd node's only direct
+    peers are the public ones it dialled for membership (a median of 3 against 7 for public nodes,
+    some just 1), since its inbound connections are relay circuits, which carry no checkpoint
+    bytes; the last NAT'd node finished 1.5x later than the last public one."""
+    public = [f"pub{i}" for i in range(10)]
+    chosen = set()
+    for seed in range(20):
+        dial = direct_peers_to_dial(["pub0", "pub1"], public + ["pub0"], 5, random.Random(seed))
+        assert len(dial) == 3 and len(set(dial)) == 3 and not {"pub0", "pub1"} & set(dial)
+        chosen |= set(dial)
+    assert len(chosen) > 5  # different downloaders spread over different public peers
+    assert direct_peers_to_dial(public[:5], public, 5, random.Random(0)) == []  # enough already
+    assert direct_peers_to_dial([], ["pub3"], 5, random.Random(0)) == ["pub3"]  # as many as there are

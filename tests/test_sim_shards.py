@@ -32,7 +32,7 @@ def test_checkpoint_bytes_never_cross_a_relay_circuit():
     assert natted
     for p in natted:  # a NAT'd node's direct peers are public nodes it dialled
         assert not [q for q in topo.direct[p] if e[q].nat]
-    assert len(topo.stranded) < len(natted) / 4  # those with none get nothing (left out of the run)
+    assert len(topo.stranded) < len(natted) / 4  # those with none dial public nodes for the download
     full = Distribution(topo, 2 * MiB)
     assert full.run(limit=300.0) is not None
     assert sum(e[p].relayed_bytes for p in topo.peers) == 0
@@ -41,7 +41,33 @@ def test_checkpoint_bytes_never_cross_a_relay_circuit():
 @pytest.mark.parametrize("super_seed", [True, False])
 def test_a_super_seeding_origin_uploads_about_one_copy_an_ordinary_seed_many(super_seed):
     topo = Topology(12, Links.namespaces(10.0), seed=4)
-    full = Distribution(topo, 4 * MiB, super_seed=super_seed)
+    full = Distribution(topo, 4 * MiB, super_seed=super_seed, hand_over=False)
     assert full.run(limit=120.0) is not None
     copies = topo.net.endpoints[ORIGIN].sent_bytes / (4 * MiB)
     assert copies < 1.3 if super_seed else copies > 2
+
+
+def test_an_origin_faster_than_its_downloaders_keeps_uploading_once_one_copy_is_out():
+    """The super-seeder turns ordinary seed once every piece is held by a downloader
+    (node/shards/superseed.py SeedMode): kept super-seeding to the end, a 1 Gbit/s origin idled."""
+    times, copies = {}, {}
+    for hand_over in (False, True):
+        topo = Topology(30, Links(nat=0.3), seed=5)
+        full = Distribution(topo, 16 * MiB, hand_over=hand_over)
+        times[hand_over] = full.run(limit=300.0)
+        copies[hand_over] = topo.net.endpoints[ORIGIN].sent_bytes / (16 * MiB)
+    assert copies[False] < 1.3 < 2 < copies[True]
+    assert times[True] < 0.95 * times[False]
+
+
+def test_nat_d_downloaders_dial_public_peers_until_they_hold_max_peers_direct_ones():
+    """peering.direct_peers_to_dial: without it, NAT'd nodes held a median of 3 direct peers and
+    those holding only relay circuits got nothing (bench/sim_shards.py, issue 46)."""
+    topo = Topology(40, Links(nat=0.5), seed=3)
+    e = topo.net.endpoints
+    assert topo.stranded  # some start with relay circuits only
+    full = Distribution(topo, 4 * MiB)
+    assert full.run(limit=300.0) is not None
+    assert all(len(h.verified) == full.num_pieces for h in full.holders.values())  # the stranded too
+    assert all(len(topo.direct[p]) >= full.cfg.max_peers for p in topo.peers if e[p].nat)
+    assert sum(e[p].relayed_bytes for p in topo.peers) == 0

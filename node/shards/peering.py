@@ -18,6 +18,15 @@ the session to a peer that does not download from us ends, so that sessions pair
 a source of as many peers as it downloads from, and it knows what they hold (have suppression).
 Kept: the announcer and peers holding every piece, which upload to whoever asks; of the rest, the
 one with the fewest requests in flight. One per rescan; the pairs only grow, so this settles.
+
+Why dial for a download: sessions run only on direct connections (host.direct_peers), and a NAT'd
+node's are only those it opened itself; its inbound connections are relay circuits, which carry
+no checkpoint bytes. Its membership dials (the ConnectionManager counts circuits as connections)
+left it a median of 3 direct peers against 7 for a public node, some only 1, in simulation
+(bench/sim_shards.py, N = 100, 30 % of slow nodes NAT'd), and the last NAT'd node finished 1.5x
+later than the last public one. A download short of ``max_peers`` direct peers dials public
+members (members with a direct address) up to that many, at random so that downloaders spread
+over them: what a peer can upload is not known before it has served us.
 """
 
 from __future__ import annotations
@@ -61,3 +70,17 @@ def session_to_end(
     announcer nor a peer holding every piece; of those, the one with the fewest requests in flight."""
     one_way = [p for p in sessions if p != source and p not in served and not holds_all(p)]
     return min(one_way, key=in_flight) if one_way else None
+
+
+def direct_peers_to_dial(
+    direct: Collection[str],
+    public: Iterable[str],
+    want: int,
+    rng: random.Random,
+) -> list[str]:
+    """Public members to dial so that a download holds ``want`` direct peers (see the module
+    docstring): none when it has that many, else as many of ``public`` not already direct, at random."""
+    held = set(direct)
+    pool = sorted({p for p in public if p not in held})  # sorted: the caller's order does not matter
+    rng.shuffle(pool)
+    return pool[:max(0, want - len(held))]

@@ -41,11 +41,14 @@ Rules, each measured with 8 downloaders behind 10 Mbit/s upload caps (bench/shar
   link has not yet carried covers the round trip instead. ``max_unreported`` bounds SHOWN + SENT,
   so deep send buffers cannot turn this into many pieces sharing the link.
 
-Not done: once every piece has gone out, the seed idles while the last pieces spread from their
-single holders. Showing everything to everyone at that point (the seed turning ordinary seed) did
-not help in one pair of runs on a loaded machine: 35.2 s without, 37.6 s with it, 1 MiB pieces,
-N=8 (each downloader queued blocks at the seed, whose upload they then shared eight ways); with
-the automatic 128 KiB pieces (manifest.py) that tail is ~1 s.
+The seeder is in one of two modes (:class:`SeedMode`): SUPER as above until every piece is held
+by at least one downloader, then ORDINARY for good: each downloader is shown every piece it lacks
+(a peer that comes later, everything at once), the budgets no longer apply, and the origin serves
+like any other holder. Kept SUPER to the end, the origin idled once one copy was out: in simulation
+(bench/sim_shards.py, N = 100, 256 MiB, a 1 Gbit/s origin) it sent nothing for 7 s while the swarm
+traded, then served only pieces shown again after ``stall_seconds``. An earlier pair of runs at
+N = 8 on one 10 Mbit/s bridge saw no gain (35.2 s without, 37.6 s with, 1 MiB pieces on a loaded
+machine): there the origin's uplink is no larger than anyone's.
 
 Pure: the server feeds it what each downloader holds, with the time, and is told which pieces to
 reveal to whom, as ``(peer, piece)`` pairs.
@@ -53,6 +56,7 @@ reveal to whom, as ``(peer, piece)`` pairs.
 
 from __future__ import annotations
 
+import enum
 import random
 from dataclasses import dataclass, field
 
@@ -67,12 +71,18 @@ SUPER_SEED_WRITING_BYTES = 512 << 10
 SUPER_SEED_REPORT_BYTES = 1 << 20
 
 
+class SeedMode(enum.Enum):
+    SUPER = "super"  # pieces shown a few at a time, each to the downloader that lacks it most usefully
+    ORDINARY = "ordinary"  # every piece held by some downloader: everything shown to everyone
+
+
 @dataclass
 class _Downloader:
     holds: set[int] = field(default_factory=set)
     shown: set[int] = field(default_factory=set)  # revealed, not all bytes written yet
     sent: set[int] = field(default_factory=set)  # revealed, every byte written, not reported yet
     from_us: set[int] = field(default_factory=set)  # reported after we revealed it: it got it from us
+    revealed: set[int] = field(default_factory=set)  # every piece ever shown to it
 
     @property
     def unreported(self) -> set[int]:
@@ -89,6 +99,7 @@ class SuperSeeder:
         stall_seconds: float = 15.0,
         rng: random.Random | None = None,
         max_unreported: int = 4,
+        hand_over: bool = True,
     ) -> None:
         if in_transit < 1 or max_unreported < in_transit:
             raise ValueError("need 1 <= in_transit <= max_unreported")
@@ -101,13 +112,16 @@ class SuperSeeder:
         self.last_sent = [0.0] * num_pieces  # when it was last revealed
         self.held = [0] * num_pieces  # downloaders known to hold it
         self.peers: dict[str, _Downloader] = {}
+        self.hand_over = hand_over  # turn ORDINARY once every piece is held (False: SUPER to the end)
+        self.mode = SeedMode.SUPER
 
     @classmethod
-    def for_pieces(cls, num_pieces: int, piece_size: int, rng: random.Random | None = None) -> "SuperSeeder":
+    def for_pieces(cls, num_pieces: int, piece_size: int, rng: random.Random | None = None,
+                   hand_over: bool = True) -> "SuperSeeder":
         """The super-seeder of a version of ``num_pieces`` pieces of ``piece_size`` bytes, its
         budgets sized in bytes (SUPER_SEED_WRITING_BYTES, SUPER_SEED_REPORT_BYTES)."""
         writing = max(2, -(-SUPER_SEED_WRITING_BYTES // piece_size))
-        return cls(num_pieces, in_transit=writing, rng=rng,
+        return cls(num_pieces, in_transit=writing, rng=rng, hand_over=hand_over,
                    max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // piece_size)))
 
     def _live(self, pieces: set[int], now: float | None) -> int:
@@ -176,7 +190,12 @@ class SuperSeeder:
         return set() if d is None else d.unreported
 
     def reveal(self, now: float) -> list[tuple[str, int]]:
-        """Fill the in-transit budget: (peer, piece) pairs to advertise now."""
+        """Fill the in-transit budget: (peer, piece) pairs to advertise now; once every piece is
+        held by some downloader, every piece each downloader lacks and was not shown (ORDINARY)."""
+        if self.hand_over and self.mode is SeedMode.SUPER and min(self.held, default=1) >= 1:
+            self.mode = SeedMode.ORDINARY
+        if self.mode is SeedMode.ORDINARY:
+            return self._show_the_rest()
         out: list[tuple[str, int]] = []
         while self.writing(now) < self.in_transit and self.outstanding(now) < self.max_unreported:
             pick = self._next(now)
@@ -184,9 +203,18 @@ class SuperSeeder:
                 break
             peer, piece = pick
             self.peers[peer].shown.add(piece)
+            self.peers[peer].revealed.add(piece)
             self.sent[piece] += 1
             self.last_sent[piece] = now
             out.append(pick)
+        return out
+
+    def _show_the_rest(self) -> list[tuple[str, int]]:
+        out = []
+        for peer, d in self.peers.items():
+            rest = sorted(set(range(self.num_pieces)) - d.holds - d.revealed)
+            d.revealed.update(rest)
+            out += [(peer, i) for i in rest]
         return out
 
     def _next(self, now: float) -> tuple[str, int] | None:
