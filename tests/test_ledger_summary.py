@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from node.identity import Identity
 from node.ledger.chain import Ledger, Outcome
@@ -100,10 +102,15 @@ def test_the_rows_say_what_the_replica_says():
     assert summarise(ledger, NOW + 2 * 86_400_000).row(BANNED.peer_id).ban_until_ms == 0
 
 
-def test_replicas_that_got_the_entries_in_other_orders_sign_the_same_bytes():
-    entries = history(3)
+HISTORY = history(3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=2**32 - 1))
+def test_replicas_that_got_the_entries_in_other_orders_sign_the_same_bytes(seed):
+    entries = HISTORY
     shuffled = list(entries)
-    random.Random(7).shuffle(shuffled)
+    random.Random(seed).shuffle(shuffled)
     other = new_ledger()
     pending = shuffled
     for _round in range(len(entries)):  # deliver what fits, retry the rest (gaps), as anti-entropy would
@@ -134,6 +141,11 @@ def test_a_new_node_opens_only_a_trainers_summary_of_its_run():
     with pytest.raises(RemoteProtocolError) as e:
         open_summary(sign_summary(TRAINER, summary), "another-run", trainers)
     assert e.value.reason == "wrong-run"
+    swapped = Summary(run=summary.run, time_ms=summary.time_ms, digest=summary.digest,
+                      rows=(summary.rows[1], summary.rows[0]) + summary.rows[2:])
+    with pytest.raises(RemoteProtocolError) as e:
+        open_summary(sign_summary(TRAINER, swapped), RUN, trainers)
+    assert e.value.reason == "unsorted-rows"  # Summary.row() looks peers up by bisection
     raw = bytearray(sign_summary(TRAINER, summary))
     at = raw.index(WORKERS[0].peer_id.encode()) + 10  # inside a row of the signed payload
     raw[at] ^= 1
