@@ -60,6 +60,7 @@ PURE = [
     "node.trainer.evaluation",
     "node.trainer.figures",
     "node.validator.policy",
+    "node.ledger.summary",
     "node.summary",
     "node.steptime",
 ]

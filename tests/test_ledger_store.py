@@ -12,7 +12,7 @@ from node.identity import Identity
 from node.ledger import cli
 from node.ledger.chain import Evidence, Ledger
 from node.ledger.entries import GENESIS, Penalty, RolloutsJudged, make_entry
-from node.ledger.store import DB_FILE, LedgerStoreError, open_ledger_store, rebuild
+from node.ledger.store import DB_FILE, PAGE_SIZE, LedgerStoreError, open_ledger_store, rebuild
 
 RUN = "store-test"
 TRAINER = Identity.from_seed(b"s" * 32)
@@ -54,6 +54,21 @@ def test_commit_is_one_transaction(tmp_path):
             store.commit(entries[3:] + [entries[0]])  # the duplicate fails the whole batch
         assert store.count() == 3
         assert store.heads() == {TRAINER.peer_id: 3}
+
+
+def test_a_new_database_has_8_kib_pages_and_an_old_one_keeps_its_own(tmp_path):
+    """Receipts entries spilled out of 4 KiB pages into overflow pages (bench/ledger.py --scale)."""
+    write_db(tmp_path / "new", chain(TRAINER, 3))
+    assert sqlite3.connect(tmp_path / "new" / DB_FILE).execute("PRAGMA page_size").fetchone()[0] == PAGE_SIZE == 8192
+    (tmp_path / "old").mkdir()
+    old = sqlite3.connect(tmp_path / "old" / DB_FILE)
+    old.execute("PRAGMA page_size=4096")
+    old.execute("PRAGMA journal_mode=WAL")
+    old.close()
+    write_db(tmp_path / "old", chain(TRAINER, 3))  # an existing database opens as it is
+    with open_ledger_store(tmp_path / "old") as store:
+        assert store.count() == 3
+    assert sqlite3.connect(tmp_path / "old" / DB_FILE).execute("PRAGMA page_size").fetchone()[0] == 4096
 
 
 def test_rebuild_and_bounded_range(tmp_path):
