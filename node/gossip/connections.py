@@ -10,6 +10,11 @@ Dials are also limited per *address* (:class:`AddressBackoff`): records are anyo
 900 throwaway identities advertising one address made a relay dial it 202 times in 15 s (issue
 14); a per-peer backoff cannot see that they are one target. One dial to an address at a time,
 and after each failure a wait that doubles from ``dial_backoff`` up to ``dial_backoff_max``.
+
+After a partition (issue 45's soak) a node held its connections across it, closed by neither side,
+and so dialled nobody until TCP retransmitted into them, 16-40 s after the heal. Connections to
+members declared dead are closed (:meth:`ConnectionManager.stale`), and the bootstrap peers are
+redialled on a short, jittered, capped backoff while we hold no connection (:class:`BootstrapRedial`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MAX_BACKOFF_ADDRS = 4096  # addresses whose failures are remembered; the oldest is forgotten first
+BOOTSTRAP_FIRST_S = 2.0  # the wait after a first bootstrap redial (one connection period)
+BOOTSTRAP_ISOLATED_CAP_S = 8.0  # the cap of the wait while we hold no connection at all
+BOOTSTRAP_CAP_S = 60.0  # the cap while some connections are left (members come through them)
+BOOTSTRAP_JITTER = 0.25  # each wait is drawn within +-25 %, so nodes cut off together do not redial in step
 
 
 @dataclass
@@ -66,6 +75,49 @@ class AddressBackoff:
 
 
 @dataclass
+class BootstrapRedial:
+    """When to dial the bootstrap peers again (pure: time passed in).
+
+    While they are needed (:meth:`ConnectionManager.needs_bootstrap`) the first dial is at once and
+    each later one waits twice as long as the one before, from ``first`` up to a cap, drawn within
+    ``jitter``. The cap is short while we hold no connection at all: the bootstrap peers are then our
+    only way back, so a node cut off by a partition is back within about ``isolated_cap`` of the
+    heal, and a bootstrap that is really down still gets one dial per ``isolated_cap`` from it.
+    With connections left, members come through those and the cap is ``cap``. The schedule starts
+    over only after ``isolated_cap`` without need, so a bootstrap that takes us and drops us again
+    at once does not get a dial per connection period.
+    """
+
+    first: float = BOOTSTRAP_FIRST_S
+    isolated_cap: float = BOOTSTRAP_ISOLATED_CAP_S
+    cap: float = BOOTSTRAP_CAP_S
+    jitter: float = BOOTSTRAP_JITTER
+    rng: random.Random = field(default_factory=random.Random)
+    _dials: int = 0  # redials since the schedule started
+    _last: float = -math.inf  # when the last one was due
+    _factor: float = 1.0  # the last wait's jitter
+
+    def wait(self, isolated: bool) -> float:
+        """Seconds from the last redial to the next one."""
+        cap = self.isolated_cap if isolated else self.cap
+        return min(cap, self.first * 2 ** min(max(self._dials - 1, 0), 32)) * self._factor
+
+    def due(self, needed: bool, isolated: bool, now: float) -> bool:
+        """Dial the bootstrap peers now? ``needed``: needs_bootstrap's answer; ``isolated``: we hold
+        no connection at all."""
+        if not needed:
+            if now - self._last >= self.isolated_cap:
+                self._dials = 0
+            return False
+        if self._dials and now < self._last + self.wait(isolated):
+            return False
+        self._dials += 1
+        self._last = now
+        self._factor = self.rng.uniform(1 - self.jitter, 1 + self.jitter)
+        return True
+
+
+@dataclass
 class ConnectionPlan:
     dial: list[str]
     prune: list[str]
@@ -92,6 +144,17 @@ class ConnectionManager:
         """Dial the bootstrap peers (again)? Only while we hold none of them and fewer than ``low``
         connections in all: a node that holds one, or enough members, joins through those."""
         return bool(bootstrap) and not connected & bootstrap and len(connected) < self.low
+
+    def stale(self, connected_since: dict[str, float], died_at: Callable[[str], float | None]) -> list[str]:
+        """Connections to close: those held since before their member was declared dead
+        (``connected_since``: peer -> when we first saw the connection; ``died_at``: when the member
+        was declared dead, None while it is not). Across a partition a TCP connection is closed by
+        neither side (nothing reaches the other), so it stays listed, and after the heal it carries
+        nothing until TCP retransmits, which its backoff puts tens of seconds later (issue 45's soak:
+        16-40 s); listed, it also kept us from dialling anyone, the bootstrap peers included. A
+        connection made after the death is kept: it is fresh evidence, and the member's next record
+        revives it."""
+        return sorted(p for p, since in connected_since.items() if (at := died_at(p)) is not None and since <= at)
 
     def plan(
         self,

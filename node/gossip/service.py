@@ -54,7 +54,7 @@ from ..wire import (
     write_frame,
 )
 from .api import HeldVersions, RelayAPI
-from .connections import AddressBackoff, CloseWatch, ConnectionManager
+from .connections import AddressBackoff, BootstrapRedial, CloseWatch, ConnectionManager
 from .membership import (
     SEQ_CLOCK_SLACK_S,
     LocalHealth,
@@ -277,6 +277,8 @@ class MembershipService:
         self.held: list[int] = []  # checkpoint versions in our record: the last list read from the data dir
         self.starved = Rarely()  # out of descriptors: said once a minute while it lasts
         self.nursery: trio.Nursery | None = None  # run()'s, for the probes and dials the loops start
+        self.bootstrap_dials: set[str] = set()  # bootstrap addresses being dialled now
+        self.closing_stale: set[str] = set()  # peers whose connection close_stale is closing now
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled, then publish a signed goodbye."""
@@ -549,12 +551,19 @@ class MembershipService:
         m, node = self.membership, self.node
         bootstrap = list(node.config.bootstrap)
         bootstrap_peers = {_peer_of(a) for a in bootstrap}
+        redial = BootstrapRedial()
+        connected_since: dict[str, float] = {}  # peer -> when this loop first saw its connection
         while True:
             now = trio.current_time()
             connected = set(node.host.connected_peers())
-            if m.conn.needs_bootstrap(connected, bootstrap_peers):
+            connected_since = {p: connected_since.get(p, now) for p in connected}
+            for p in m.conn.stale(connected_since, self.died_at):
+                connected.discard(p)
+                self.nursery.start_soon(self.close_stale, p)
+            if redial.due(m.conn.needs_bootstrap(connected, bootstrap_peers), not connected, now):
                 for addr in bootstrap:
-                    self.nursery.start_soon(self.dial_bootstrap, addr)
+                    if addr not in self.bootstrap_dials:  # one dial per address at a time
+                        self.nursery.start_soon(self.dial_bootstrap, addr)
             plan = m.conn.plan(connected, m.members(), self.protected(), now,
                                dialable=lambda p: any(m.backoff.ready(a, now) for a in m.addrs_of(p)))
             for p in plan.dial:
@@ -562,6 +571,11 @@ class MembershipService:
             for p in plan.prune:
                 self.nursery.start_soon(self.call_prune, p)
             await trio.sleep(CONNECTION_PERIOD)
+
+    def died_at(self, peer: str) -> float | None:
+        """When ``peer`` was declared dead; None while it is not."""
+        m = self.table.members.get(peer)
+        return m.since if m is not None and m.state is MemberState.DEAD else None
 
     def protected(self) -> set[str]:
         """Peers the connection manager never prunes: bootstrap peers, the run's trainers and validators."""
@@ -579,12 +593,27 @@ class MembershipService:
             log.debug("prune notice to %s: %s", peer[:16], e)
         await self.node.host.disconnect(peer)
 
+    async def close_stale(self, peer: str) -> None:
+        """Close the connection to a member declared dead (ConnectionManager.stale says why)."""
+        if peer in self.closing_stale:
+            return
+        self.closing_stale.add(peer)
+        try:
+            log.info("closing the connection to %s: declared dead", peer[:16])
+            with trio.move_on_after(DIAL_TIMEOUT):
+                await self.node.host.disconnect(peer)
+        finally:
+            self.closing_stale.discard(peer)
+
     async def dial_bootstrap(self, addr: str) -> None:
+        self.bootstrap_dials.add(addr)
         try:
             with trio.fail_after(DIAL_TIMEOUT):
                 await self.relay.connect_addr(addr)
         except Exception as e:
             log.info("bootstrap %s unreachable: %s", addr, type(e).__name__)
+        finally:
+            self.bootstrap_dials.discard(addr)
 
     async def dial_member(self, peer: str) -> None:
         conn = self.membership.conn
