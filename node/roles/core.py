@@ -36,6 +36,7 @@ from ..rl.tasks import TaskFormatError, load_run_tasks, runs_code
 from ..shards.service import ShardsService, serve_shards
 from ..status import serve_status
 from ..web import serve_web
+from .sections import RunSections
 
 log = logging.getLogger("node")
 
@@ -56,8 +57,10 @@ SHUTDOWN_GRACE = 5.0  # seconds for services to finish after a signal before we 
 
 @dataclass
 class CoreNode(RunningNode):
-    """A started node: the APIs of the core services every role runs (roles add their own)."""
+    """A started node: the run's typed sections and the APIs of the core services every role runs
+    (roles add their own)."""
 
+    sections: RunSections
     ledger: LedgerService
     shards: ShardsService
     relay: RelayClient | RelayHop
@@ -78,10 +81,11 @@ async def start_core(
     dial-back (node/net/dialback.py), which answers peers asking whether they are reachable and,
     off the relay role, finds our own reachability and reserves relay slots when we are private;
     and, when ``http_port`` is set, the web status page (node/web.py), which reads the ledger's
-    totals."""
+    totals. The run's sections are built here, once; the roles hand each service the ones it reads."""
+    sections = RunSections.of(node.run)
     await nursery.start(serve_peers, node)
     # libp2p ping under a per-peer budget (node/net/reqres.py) instead of py-libp2p's unbounded handler
-    node.host.set_handler(PING_PROTOCOL, ping_handler(PING_PROTOCOL, streams=node.run.section("streams"),
+    node.host.set_handler(PING_PROTOCOL, ping_handler(PING_PROTOCOL, streams=sections.streams,
                                                       peers=node.peers, metrics=node.metrics))
     await nursery.start(serve_status, node)
     ledger = await nursery.start(serve_ledger, node)
@@ -91,7 +95,7 @@ async def start_core(
     reachability = await nursery.start(serve_dialback, node, relay, membership)
     if node.config.http_port:  # the web status page reads status providers at each request
         await nursery.start(serve_web, node, ledger)
-    return CoreNode(node, ledger, shards, relay, membership, reachability)
+    return CoreNode(node, sections, ledger, shards, relay, membership, reachability)
 
 
 def check_code_sandbox(config: NodeConfig) -> None:
