@@ -59,16 +59,17 @@ def run(args) -> None:
     from node.rl.spec import OFFLINE_ROOT
     from node.rollouts.config import WorkerConfig
     from node.rollouts.schema import open_batch
-    from node.validator.config import ValidatorConfig
+    from node.roles.sections import RunSections
+    from node.validator.config import ValidatorSections
     from node.validator.pipeline import CheckModel, judge_batch
-    from node.validator.service import rules_from_run
+    from node.validator.service import batch_rules
     from node.validator.tasks import RunTasks
     from node.validator.testing import perturbed_model
 
     torch.set_num_threads(args.threads)
     run_cfg = RunConfig(name=RUN, tables={"rl": {"group_size": args.group_size, "prompts_per_batch": args.prompts,
                                                  "max_new_tokens": args.tokens}, "inference": {"dtype": args.dtype}})
-    rules = rules_from_run(run_cfg, ValidatorConfig())
+    rules = batch_rules(RUN, RunSections.of(run_cfg).pick(ValidatorSections))
     one = replace(rules, proofs=replace(rules.proofs, logprob_tolerance_mean_fp32=rules.proofs.logprob_tolerance_mean,
                                         logprob_tolerance_max_fp32=rules.proofs.logprob_tolerance_max))
     tasks = RunTasks(run_cfg.section("rl", RLConfig))

@@ -53,9 +53,10 @@ def run(args) -> None:
     from node.rollouts.config import WorkerConfig
     from node.rollouts.schema import open_batch
     from node.validator import testing as T
-    from node.validator.config import ValidatorConfig
+    from node.roles.sections import RunSections
+    from node.validator.config import ValidatorSections
     from node.validator.pipeline import CheckModel, judge_batch
-    from node.validator.service import rules_from_run
+    from node.validator.service import batch_rules
     from node.validator.tasks import RunTasks
 
     identity = Identity.from_seed(bytes(range(32)))
@@ -64,7 +65,7 @@ def run(args) -> None:
         runs = {e: RunConfig(name=RUN, tables={
             "rl": {"group_size": args.group_size, "prompts_per_batch": args.prompts, "max_new_tokens": args.tokens},
             "inference": {"engine": e, "engines": ["torch", "vllm"], "dtype": "float32"}}) for e in ("vllm", "torch")}
-        rules = rules_from_run(runs["vllm"], ValidatorConfig())
+        rules = batch_rules(RUN, RunSections.of(runs["vllm"]).pick(ValidatorSections))
         exact = replace(rules, sampling_tolerance=0.0)
         assert rules.replays("vllm") and rules.replays("torch")
         tasks = RunTasks(runs["vllm"].section("rl", RLConfig))

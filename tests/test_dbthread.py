@@ -28,7 +28,7 @@ from node.ledger.store import open_ledger_store
 from node.ledger.service import LedgerService
 from node.rl.config import GRPOConfig
 from node.rollouts.schema import open_batch
-from node.trainer.config import TrainerConfig
+from node.trainer.config import TrainerSections
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
 from node.trainer.testing import fake_wiring, sign_batch
@@ -111,7 +111,7 @@ async def while_write_is_held(conn: sqlite3.Connection, write: Callable[[], Awai
 async def test_trainer_intake_runs_on_while_the_spool_commits(tmp_path):
     policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
     with open_spool(tmp_path / "spool.sqlite") as spool:
-        trainer = Trainer(fake_node(), policy, spool, GRPOConfig(async_level=2, pack_length=64), TrainerConfig(),
+        trainer = Trainer(fake_node(), policy, spool, TrainerSections(grpo=GRPOConfig(async_level=2, pack_length=64)),
                           clock=lambda: 0.0, **fake_wiring())
         data = sign_batch(WORKER, batch())
         batch_id = open_batch(data, RUN).batch_id

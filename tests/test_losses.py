@@ -169,12 +169,13 @@ def test_the_trainer_and_the_validator_stop_at_the_same_bound():
     """A batch acknowledged at the edge of async_level is trained at most max_off_policy_steps behind,
     and a validator refuses as stale exactly the versions the trainer can no longer train."""
     from node.trainer.intake import expired
-    from node.validator.config import ValidatorConfig
-    from node.validator.service import rules_from_run
+    from node.roles.sections import RunSections
+    from node.validator.config import ValidatorSections
+    from node.validator.service import batch_rules
 
     run = RunConfig(tables={"grpo": {"async_level": 2, "verify_grace_steps": 4, "max_off_policy_steps": 4}})
     cfg = run.section("grpo", GRPOConfig)
     # version 0, acknowledged at step 2: trainable at step 4 (4 behind), not at 5 (grace alone said 6)
     assert not expired(0, 2, 4, cfg.async_level, cfg.grace_steps())
     assert expired(0, 2, 5, cfg.async_level, cfg.grace_steps())
-    assert rules_from_run(run, ValidatorConfig()).async_level == 4
+    assert batch_rules(run.name, RunSections.of(run).pick(ValidatorSections)).async_level == 4

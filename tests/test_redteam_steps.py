@@ -25,12 +25,12 @@ from node.rl.tasks import load_taskset
 from node.rollouts.config import WorkerConfig
 from node.rollouts.schema import UNJUDGED_NO_CHECKPOINT
 from node.rollouts.steps import VALIDATOR_WINDOW, StepWindow, step_window_size
-from node.trainer.config import TrainerConfig
+from node.trainer.config import TrainerConfig, TrainerSections
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
 from node.trainer.testing import FakeLedger, fake_context, fake_wiring, reversal_batch, sign_batch
 from node.validator import testing as VT
-from node.validator.config import ValidatorConfig
+from node.validator.config import ValidatorSections
 from node.validator.pipeline import BatchReason, BatchRules
 from node.validator.service import ValidatorService
 from node.validator.store import ValidatorStore
@@ -109,14 +109,17 @@ def _fake_node():
     return fake_context(RunConfig(name=RUN))
 
 
+_SECTIONS = TrainerSections(grpo=GRPOConfig(async_level=2, pack_length=64),
+                            trainer=TrainerConfig(max_pending_batches=64))
+
+
 @pytest.fixture
 def trainer(tmp_path):
     policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
     wiring = fake_wiring()
     wiring["shards"].announced = {v: (ROOT, "t") for v in range(6)}
     with open_spool(tmp_path / "spool.sqlite") as spool:
-        yield Trainer(_fake_node(), policy, spool, GRPOConfig(async_level=2, pack_length=64),
-                      TrainerConfig(max_pending_batches=64), clock=lambda: 0.0, **wiring)
+        yield Trainer(_fake_node(), policy, spool, _SECTIONS, clock=lambda: 0.0, **wiring)
 
 
 def _batch(step, root=ROOT, seed=0):
@@ -135,8 +138,7 @@ async def test_trainer_step_window_survives_a_restart(tmp_path):
     policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
     for attempt, (step, ok) in enumerate([(3, True), (FAR, False)]):
         with open_spool(tmp_path / "spool.sqlite") as spool:
-            t = Trainer(_fake_node(), policy, spool, GRPOConfig(async_level=2, pack_length=64),
-                        TrainerConfig(max_pending_batches=64), clock=lambda: 0.0, **fake_wiring())
+            t = Trainer(_fake_node(), policy, spool, _SECTIONS, clock=lambda: 0.0, **fake_wiring())
             assert (await t.judge(sign_batch(WORKER, _batch(step)), WORKER.peer_id)).accepted is ok, attempt
 
 
@@ -187,7 +189,7 @@ def _validator(tmp_path: Path, store: ValidatorStore) -> ValidatorService:
                            metrics=Metrics(), status={}, data_dir=tmp_path)
     rules = BatchRules(run=RUN, taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
-    return ValidatorService(node, run.section("validator", ValidatorConfig), rules, _NoTasks(), store,
+    return ValidatorService(node, ValidatorSections(), rules, _NoTasks(), store,
                             shards=_Versions(0, {0: (ROOT, "t")}), ledger=FakeLedger(), wall_clock=lambda: 1000.0)
 
 

@@ -21,7 +21,7 @@ from node.peers import Peers
 from node.rl.config import GRPOConfig
 from node.rollouts.quota import QuotaBook, QuotaConfig, allowance, fresh_gain_per_hour, validator_scale
 from node.inference.outbox import TRANSIENT_REASONS
-from node.trainer.config import TrainerConfig
+from node.trainer.config import TrainerConfig, TrainerSections
 from node.trainer.intake import KEEPS_WINDOW, NOT_ATTRIBUTABLE, NOT_STRIKES
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
@@ -154,11 +154,12 @@ def test_a_worker_refused_by_the_quota_keeps_its_batch_and_spends_no_attempt():
 
 
 def _trainer(spool, ledger, clock, remote_ip=lambda peer: "127.0.0.1", **quota):
-    node = fake_context(RunConfig(name=RUN, tables={"quota": quota} if quota else {}), remote_ip=remote_ip)
+    node = fake_context(RunConfig(name=RUN), remote_ip=remote_ip)
     policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
     wiring = fake_wiring() | {"ledger": ledger}
-    return Trainer(node, policy, spool, GRPOConfig(async_level=2, pack_length=64),
-                   TrainerConfig(max_pending_batches=1000, ban_after_strikes=3), clock=lambda: clock.now, **wiring)
+    sections = TrainerSections(grpo=GRPOConfig(async_level=2, pack_length=64), quota=QuotaConfig(**quota),
+                               trainer=TrainerConfig(max_pending_batches=1000, ban_after_strikes=3))
+    return Trainer(node, policy, spool, sections, clock=lambda: clock.now, **wiring)
 
 
 def _batch(ident, step):
@@ -253,7 +254,8 @@ async def test_the_quota_is_a_run_setting(tmp_path: Path):
 
 
 def test_the_validator_backstops_a_trainer_that_lets_too_much_through(tmp_path: Path):
-    from node.validator.config import ValidatorConfig
+    from node.roles.sections import RunSections
+    from node.validator.config import ValidatorSections
     from node.validator.pipeline import BatchRules
     from node.validator.service import ValidatorService
     from node.validator.store import ValidatorStore
@@ -267,7 +269,7 @@ def test_the_validator_backstops_a_trainer_that_lets_too_much_through(tmp_path: 
                            metrics=Metrics(), status={}, data_dir=tmp_path)
     rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
-    svc = ValidatorService(node, run.section("validator", ValidatorConfig), rules, _NoTasks(),
+    svc = ValidatorService(node, RunSections.of(run).pick(ValidatorSections), rules, _NoTasks(),
                            ValidatorStore(tmp_path / "v.sqlite"), shards=_Versions(0, {}, held={0}), ledger=FakeLedger())
     sybil = Identity.generate()
     answers = [svc.submit(trainer, T.sign_batch(sybil, _tiny_batch(sybil.peer_id, step)).envelope, 30.0)

@@ -22,7 +22,7 @@ from node.rl.config import GRPOConfig
 from node.rollouts.schema import open_batch
 from node.trainer import checkpoints
 from node.trainer.checkpoints import NonFiniteCheckpoint, check_finite_folder
-from node.trainer.config import TrainerConfig
+from node.trainer.config import TrainerConfig, TrainerSections
 from node.trainer.policy import Policy
 from node.trainer.service import Trainer
 from node.trainer.spool import BatchState, open_spool
@@ -60,7 +60,7 @@ async def test_the_trainer_does_not_publish_a_folder_with_nan(tmp_path):
     policy = SimpleNamespace(step=2, vocab_size=len(TOK), device="cpu", folder=folders.__getitem__)
     with open_spool(tmp_path / "spool.sqlite") as spool:
         wiring = fake_wiring()
-        t = Trainer(fake_node(), policy, spool, CFG, TrainerConfig(), clock=lambda: 0.0, **wiring)
+        t = Trainer(fake_node(), policy, spool, TrainerSections(grpo=CFG), clock=lambda: 0.0, **wiring)
         with pytest.raises(NonFiniteCheckpoint):
             check_finite_folder(folders[1])
         await t.publish(1)
@@ -78,7 +78,7 @@ def spool_with_acked_batch(path: Path) -> bytes:
     """A spool that acknowledged one batch (through the trainer's intake), closed cleanly."""
     with open_spool(path) as spool:
         t = Trainer(fake_node(), SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu"), spool,
-                    GRPOConfig(pack_length=64), TrainerConfig(), clock=lambda: 0.0, **fake_wiring())
+                    TrainerSections(grpo=GRPOConfig(pack_length=64)), clock=lambda: 0.0, **fake_wiring())
         ack = trio.run(t.judge, sign_batch(WORKER, batch()), WORKER.peer_id)
         assert ack.accepted
         return ack.batch_id

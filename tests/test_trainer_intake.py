@@ -16,7 +16,7 @@ from node.identity import Identity
 from node.engines.model import build_tokenizer
 from node.rl.config import GRPOConfig
 from node.rollouts.schema import MAX_BATCH_BYTES, open_batch
-from node.trainer.config import TrainerConfig
+from node.trainer.config import TrainerConfig, TrainerSections
 from node.peers import FaultRule, PeerTable
 from node.trainer.intake import NOT_STRIKES, IntakeLimits, expired, intake_reason, staleness_reason, trainable_until
 from node.trainer.service import Trainer
@@ -44,8 +44,9 @@ def trainer(tmp_path):
     policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
     with open_spool(tmp_path / "spool.sqlite") as spool:
         clock = SimpleNamespace(now=0.0)
-        yield Trainer(fake_node(), policy, spool, GRPOConfig(async_level=2, pack_length=64),
-                      TrainerConfig(max_pending_batches=4, ban_after_strikes=3, strike_window_s=60, ban_seconds=100),
+        tcfg = TrainerConfig(max_pending_batches=4, ban_after_strikes=3, strike_window_s=60, ban_seconds=100)
+        sections = TrainerSections(grpo=GRPOConfig(async_level=2, pack_length=64), trainer=tcfg)
+        yield Trainer(fake_node(), policy, spool, sections,
                       clock=lambda: clock.now, **fake_wiring())
 
 
@@ -300,14 +301,14 @@ KILL_AFTER_ACK = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_trainer_intake import fake_node, batch, WORKER, TOK
     from node.rl.config import GRPOConfig
-    from node.trainer.config import TrainerConfig
+    from node.trainer.config import TrainerSections
     from node.trainer.service import Trainer
     from node.trainer.spool import open_spool
     from node.trainer.testing import fake_wiring, sign_batch
     from node.wire import encode
     with open_spool({db!r}) as spool:
         t = Trainer(fake_node(), SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu"), spool,
-                    GRPOConfig(pack_length=64), TrainerConfig(), clock=lambda: 0.0, **fake_wiring())
+                    TrainerSections(grpo=GRPOConfig(pack_length=64)), clock=lambda: 0.0, **fake_wiring())
         ack = trio.run(t.judge, sign_batch(WORKER, batch()), WORKER.peer_id)
         sys.stdout.write(ack.batch_id.hex() + "\\n")
         sys.stdout.flush()

@@ -10,7 +10,7 @@ from node.config import RunConfig
 from node.engines.model import build_tokenizer
 from node.identity import Identity
 from node.rl.config import GRPOConfig
-from node.trainer.config import TrainerConfig
+from node.trainer.config import TrainerSections
 from node.trainer.pacing import DEFAULT_INTERVAL
 from node.trainer.progress import STALL_AFTER_S, STALL_KINDS, Backlog, Progress, stall_cause, stall_kind
 from node.trainer.service import Trainer
@@ -66,7 +66,7 @@ def trainer(tmp_path):
     node = fake_context(RunConfig(name=RUN, validators=[VALIDATOR]))
     policy = SimpleNamespace(step=5, vocab_size=len(TOK), device="cpu")
     with open_spool(tmp_path / "spool.sqlite") as spool:
-        t = Trainer(node, policy, spool, GRPOConfig(async_level=2, pack_length=64), TrainerConfig(),
+        t = Trainer(node, policy, spool, TrainerSections(grpo=GRPOConfig(async_level=2, pack_length=64)),
                     clock=lambda: now[0], **fake_wiring())
         t.now = now
         yield t

@@ -22,6 +22,7 @@ from node.identity import Identity, load_or_create_identity
 from node.metrics import Metrics
 from node.engines.model import create_tiny_model
 from node.rl.config import RLConfig
+from node.roles.sections import RunSections
 from node.rl.spec import sampling_seed, step_key
 from node.trainer.testing import FakeLedger
 from node.rollouts.schema import (
@@ -33,9 +34,9 @@ from node.rollouts.schema import (
 )
 from node.validator import testing as T
 from node.validator.cli import cmd_penalties
-from node.validator.config import ValidatorConfig
+from node.validator.config import ValidatorSections
 from node.validator.pipeline import BatchReason, BatchRules
-from node.validator.service import ValidatorService, rules_from_run
+from node.validator.service import ValidatorService, batch_rules
 from node.validator.store import ValidatorStore
 from node.validator.tasks import RunTasks
 from node.wire import decode_as, read_frame, write_frame
@@ -61,8 +62,7 @@ async def test_verdicts_reach_the_trainer_and_the_ledger_and_cheats_get_banned(t
     folder = create_tiny_model(tmp_path / "model")
     engine = TorchEngine("cpu")
     engine.load(folder)
-    cfg = ValidatorConfig()
-    rules = rules_from_run(run, cfg)
+    rules = batch_rules(run.name, RunSections.of(run).pick(ValidatorSections))
     tasks = RunTasks(RLConfig(**RL))
     honest_w, cheat_w = Identity.generate(), Identity.generate()
     honest, cheats = [], []
@@ -173,10 +173,10 @@ class _NoTasks:
 def test_full_queue_answers_busy_and_status_says_behind(tmp_path: Path) -> None:
     trainer = Identity.generate().peer_id
     node = _stub_node(tmp_path, trainer, queue_size=2)
-    cfg = node.config.run.section("validator", ValidatorConfig)
+    sections = RunSections.of(node.config.run).pick(ValidatorSections)
     rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
-    svc = ValidatorService(node, cfg, rules, _NoTasks(), ValidatorStore(tmp_path / "v.sqlite"),
+    svc = ValidatorService(node, sections, rules, _NoTasks(), ValidatorStore(tmp_path / "v.sqlite"),
                            shards=_Versions(0, {}, held={0}), ledger=FakeLedger())
     worker = Identity.generate()
     batches = [T.sign_batch(worker, _tiny_batch(worker.peer_id, step)) for step in range(3)]
@@ -220,10 +220,10 @@ class _Versions:
 
 def _stub_service(tmp_path: Path, trainer: str, store: ValidatorStore, shards=None) -> ValidatorService:
     node = _stub_node(tmp_path, trainer, queue_size=4)
-    cfg = node.config.run.section("validator", ValidatorConfig)
+    sections = RunSections.of(node.config.run).pick(ValidatorSections)
     rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
-    return ValidatorService(node, cfg, rules, _NoTasks(), store, shards=shards or _Versions(None, {}),
+    return ValidatorService(node, sections, rules, _NoTasks(), store, shards=shards or _Versions(None, {}),
                             ledger=FakeLedger(), wall_clock=lambda: 1000.0)
 
 
@@ -307,7 +307,7 @@ def test_a_validator_refuses_as_stale_only_what_the_trainer_could_no_longer_trai
     from node.proofs.checks import check_policy_version
 
     run = RunConfig(name="test", tables={"rl": RL, "grpo": {"async_level": 2, "verify_grace_steps": 3}})
-    rules = rules_from_run(run, ValidatorConfig())
+    rules = batch_rules(run.name, RunSections.of(run).pick(ValidatorSections))
     assert rules.async_level == 5
     assert check_policy_version(5, current_step=10, async_level=rules.async_level).ok  # 5 behind: still usable
     assert not check_policy_version(4, current_step=10, async_level=rules.async_level).ok
@@ -336,5 +336,5 @@ def test_the_scoring_budget_comes_from_the_run_file(tmp_path) -> None:
     path = tmp_path / "run.toml"
     path.write_text('[run]\nname = "test"\n[validator]\nscore_budget_s = 7.5\n')
     cfg = load_config(path, {}, {"data_dir": str(tmp_path)})
-    assert rules_from_run(cfg.run, cfg.run.section("validator", ValidatorConfig)).score_budget_s == 7.5
-    assert rules_from_run(cfg.run, ValidatorConfig()).score_budget_s == BatchRules.score_budget_s
+    assert batch_rules(cfg.run.name, RunSections.of(cfg.run).pick(ValidatorSections)).score_budget_s == 7.5
+    assert batch_rules(cfg.run.name, ValidatorSections()).score_budget_s == BatchRules.score_budget_s

@@ -200,9 +200,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     require_run(config, args)
     check_code_sandbox(config)  # before a key is made: a node that cannot start should leave nothing
     if config.role == "inference":  # nor an inference node that cannot run the engine its run selects
-        from ..inference.generate import check_engine
+        from ..inference.generate import choose_engine
+        from ..roles.sections import RunSections
 
-        check_engine(config)
+        choose_engine(RunSections.of(config.run).inference)
     check_trusted_role(config)
     check_model(config)
     setup_logging(config.log_level, config.log_json)  # what opening the data dir logs is formatted too

@@ -78,13 +78,6 @@ def choose_engine(cfg) -> str:
     return name
 
 
-def check_engine(config) -> None:
-    """Refuse to start an inference node that cannot run the engine its run selects (ConfigError)."""
-    from ..rl.config import InferenceConfig
-
-    choose_engine(config.run.section("inference", InferenceConfig))
-
-
 def open_engine(cfg):
     """The engine named by ``[inference]`` (see :func:`choose_engine`). Not loaded yet."""
     if choose_engine(cfg) == "vllm":

@@ -44,11 +44,11 @@ from ..atomic import write_atomic
 from ..context import NodeContext
 from ..gossip.api import MembershipAPI
 from ..net.failure import FailureKind
-from ..rollouts.config import WorkerConfig
 from ..rollouts.schema import ROLLOUTS_PROTOCOL
 from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
 from ..steptime import PhaseTimes
+from .config import InferenceSections
 from .outbox import BatchState, Outbox, Pending, alive_trainers
 from .submit import SubmitFailure, call_submit
 
@@ -129,20 +129,16 @@ class InferenceService:
     """The running role, handed back by :func:`serve_inference`: it follows the checkpoints of
     ``shards`` and finds trainers (and advertises its capacity) in ``membership``."""
 
-    def __init__(self, node: NodeContext, shards: ShardsAPI, membership: MembershipAPI, makers: Makers = Makers(),
-                 generator=None) -> None:
-        from ..proofs.config import ProofsConfig
-        from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
-
-        run = node.run
+    def __init__(self, node: NodeContext, sections: InferenceSections, shards: ShardsAPI, membership: MembershipAPI,
+                 makers: Makers = Makers(), generator=None) -> None:
         self.node = node
         self.shards = shards
         self.membership = membership
-        self.rl = run.section("rl", RLConfig)
-        self.inference_cfg = run.section("inference", InferenceConfig)
-        self.proofs_cfg = run.section("proofs", ProofsConfig)
-        self.async_level = run.section("grpo", GRPOConfig).async_level
-        self.cfg: WorkerConfig = run.section("worker", WorkerConfig)
+        self.rl = sections.rl
+        self.inference_cfg = sections.inference
+        self.proofs_cfg = sections.proofs
+        self.async_level = sections.grpo.async_level
+        self.cfg = sections.worker
         self.generator = generator  # built in run() (loads torch) unless a test gives one
         self.step_file = Path(node.data_dir) / STEP_FILE
         self.next_step = read_step(self.step_file)
@@ -476,8 +472,9 @@ class InferenceService:
         }
 
 
-async def serve_inference(node: NodeContext, shards: ShardsAPI, membership: MembershipAPI, makers: Makers = Makers(), *,
-                          task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_inference(node: NodeContext, sections: InferenceSections, shards: ShardsAPI, membership: MembershipAPI,
+                          makers: Makers = Makers(), *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run the inference role until cancelled (see the module docstring); hands back the
-    :class:`InferenceService` once it runs. ``makers`` builds its generator and outbox."""
-    await InferenceService(node, shards, membership, makers).run(task_status=task_status)
+    :class:`InferenceService` once it runs. ``sections`` are the run's tables it reads; ``makers``
+    builds its generator and outbox."""
+    await InferenceService(node, sections, shards, membership, makers).run(task_status=task_status)

@@ -12,8 +12,8 @@ import trio
 
 from ..adversary.outbox import make_outbox
 from ..context import NodeContext
+from ..inference.config import InferenceSections
 from ..inference.service import InferenceService, Makers, serve_inference
-from ..rollouts.config import WorkerConfig
 from .core import CoreNode, start_core
 
 
@@ -38,6 +38,7 @@ def makers_for(cheat: str) -> Makers:
 async def start(nursery: trio.Nursery, node: NodeContext) -> InferenceNode:
     """The inference role: the core, then the generator fed by the core's shards and membership."""
     core = await start_core(nursery, node)
-    makers = makers_for(node.run.section("worker", WorkerConfig).cheat)
-    inference = await nursery.start(serve_inference, node, core.shards, core.membership, makers)
+    sections = core.sections.pick(InferenceSections)
+    makers = makers_for(sections.worker.cheat)
+    inference = await nursery.start(serve_inference, node, sections, core.shards, core.membership, makers)
     return InferenceNode(**vars(core), inference=inference)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import trio
 
 from ..context import NodeContext
+from ..trainer.config import TrainerSections
 from ..trainer.service import Trainer, serve_trainer
 from .core import CoreNode, start_core
 
@@ -19,5 +20,6 @@ class TrainerNode(CoreNode):
 
 async def start(nursery: trio.Nursery, node: NodeContext) -> TrainerNode:
     core = await start_core(nursery, node)
-    trainer = await nursery.start(serve_trainer, node, core.shards, core.membership, core.ledger)
+    trainer = await nursery.start(serve_trainer, node, core.sections.pick(TrainerSections), core.shards,
+                                  core.membership, core.ledger)
     return TrainerNode(**vars(core), trainer=trainer)

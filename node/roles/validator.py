@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import trio
 
 from ..context import NodeContext
+from ..validator.config import ValidatorSections
 from ..validator.service import ValidatorService, serve_validator
 from .core import CoreNode, start_core
 
@@ -23,5 +24,6 @@ class ValidatorNode(CoreNode):
 
 async def start(nursery: trio.Nursery, node: NodeContext) -> ValidatorNode:
     core = await start_core(nursery, node)
-    validator = await nursery.start(serve_validator, node, core.shards, core.ledger)
+    validator = await nursery.start(serve_validator, node, core.sections.pick(ValidatorSections), core.shards,
+                                    core.ledger)
     return ValidatorNode(**vars(core), validator=validator)

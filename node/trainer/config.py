@@ -7,7 +7,13 @@ Kept free of torch and libp2p so ``node.config`` can build it cheaply.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ..net.budget import StreamsConfig
+from ..proofs.config import ProofsConfig
+from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
+from ..rollouts.config import WorkerConfig
+from ..rollouts.quota import QuotaConfig
 
 DEVICES_HINT = "auto | cpu | cuda | cuda:N"
 PUBLISH_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -97,3 +103,18 @@ class TrainerConfig:
             raise ValueError(f"publish_dtype: one of {' | '.join(PUBLISH_DTYPES)}")
         if not 0 <= self.mismatch_samples <= self.max_step_samples:
             raise ValueError(f"mismatch_samples: 0 (off)..max_step_samples ({self.max_step_samples})")
+
+
+@dataclass(frozen=True)
+class TrainerSections:
+    """The run's tables the trainer reads, handed in by its role (node/roles/trainer.py); each
+    defaults to a run file without that table."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # this table
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # the GRPO hyper-parameters and staleness bounds
+    rl: RLConfig = field(default_factory=RLConfig)  # batch shape (prompts x group) and the evaluation's tasks
+    inference: InferenceConfig = field(default_factory=InferenceConfig)  # the engines whose batches it takes
+    worker: WorkerConfig = field(default_factory=WorkerConfig)  # the workers' outbox, which sizes the step window
+    quota: QuotaConfig = field(default_factory=QuotaConfig)  # fresh identities' intake allowance
+    proofs: ProofsConfig = field(default_factory=ProofsConfig)  # the validator's log-prob tolerances (mismatch figures)
+    streams: StreamsConfig = field(default_factory=StreamsConfig)  # per-peer stream budgets of its handlers

@@ -56,11 +56,8 @@ from ..net.budget import limits
 from ..net.origins import address_group
 from ..net.reqres import CallFailure, FailureKind
 from ..peers import ActionKind, FaultRule
-from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
-from ..proofs.config import ProofsConfig
 from ..rl.grpo import NonFiniteStep, TrainSample
 from ..rl.mismatch import MismatchWindow
-from ..rollouts.config import WorkerConfig
 from ..rollouts.protocols import MAX_BATCH_FRAME, ROLLOUTS, VERDICTS, VERIFY
 from ..rollouts.schema import (
     ROLLOUTS_PROTOCOL,
@@ -71,13 +68,13 @@ from ..rollouts.schema import (
     open_batch,
     open_verdict,
 )
-from ..rollouts.quota import QuotaBook, QuotaConfig, QuotaRefusal, accepted_batches
+from ..rollouts.quota import QuotaBook, QuotaRefusal, accepted_batches
 from ..rollouts.steps import step_window_size
 from ..shards.api import ShardsAPI
 from ..steptime import PhaseTimes
 from ..wire import RemoteProtocolError
 from .checkpoints import NonFiniteCheckpoint, check_finite_folder
-from .config import TrainerConfig
+from .config import TrainerSections
 from .evaluation import EvalBook, EvalRecord
 from .evaluator import serve_evaluation
 from .figures import TrainerFigures, TrainerGauges, reward_points, step_figures
@@ -138,7 +135,7 @@ class Trainer:
     """The running trainer, handed back by :func:`serve_trainer`. It publishes each new version
     through ``shards``, advertises it in ``membership`` and records its work in ``ledger``."""
 
-    def __init__(self, node, policy: Policy, spool: Spool, cfg: GRPOConfig, tcfg: TrainerConfig, *,
+    def __init__(self, node, policy: Policy, spool: Spool, sections: TrainerSections, *,
                  shards: ShardsAPI, membership: MembershipAPI, ledger: LedgerAPI,
                  clock=trio.current_time) -> None:
         self.node = node
@@ -150,8 +147,9 @@ class Trainer:
         self.spool = spool  # queried here on its WAL reader; written only through self.db
         self.db = DbThread()  # the spool's writes, off the event loop (node/dbthread.py)
         self._spool_lock = trio.Lock()  # held from a spool read to the write it decides
-        self.cfg = cfg
-        self.tcfg = tcfg
+        self.sections = sections
+        self.cfg = cfg = sections.grpo
+        self.tcfg = tcfg = sections.trainer
         run = node.config.run
         self.run_name = run.name
         self.validators = set(run.validators)
@@ -168,13 +166,12 @@ class Trainer:
         self.stall_logged = ""  # the stall cause last logged ("" while stepping)
         self.wall_clock = time.time  # the sample-life figures compare with workers' created_ms stamps
         self.limits = IntakeLimits(policy.vocab_size, cfg.pack_length, cfg.temperature, cfg.async_level,
-                                   run.section("inference", InferenceConfig).accepted_engines())
+                                   sections.inference.accepted_engines())
         # The step window (node/rollouts/steps.py) is sized by the run's [worker] table, as the workers' outboxes are.
-        self.step_window = step_window_size(run.section("worker", WorkerConfig).max_pending_batches)
+        self.step_window = step_window_size(sections.worker.max_pending_batches)
         # Fresh identities get a small quota per interval until batches of theirs train (node/rollouts/quota.py).
-        rl = run.section("rl", RLConfig)
-        self.samples_per_batch = rl.prompts_per_batch * rl.group_size
-        self.quota = QuotaBook(run.section("quota", QuotaConfig))
+        self.samples_per_batch = sections.rl.prompts_per_batch * sections.rl.group_size
+        self.quota = QuotaBook(sections.quota)
         node.peers.set_rule(SOURCE, FaultRule(strikes=tcfg.ban_after_strikes, window=tcfg.strike_window_s,
                                               ban_seconds=tcfg.ban_seconds))
         self._nursery: trio.Nursery | None = None
@@ -188,7 +185,7 @@ class Trainer:
         # Held-out scores of published versions, kept in the spool (node/trainer/evaluation.py).
         self.evals = EvalBook(tcfg.eval_every, tcfg.eval_tasks, spool.evals())
         # Each engine's log-prob mismatch at the weights that generated the samples (node/rl/mismatch.py).
-        self.proofs = run.section("proofs", ProofsConfig)  # the validator's log-prob tolerances
+        self.proofs = sections.proofs  # the validator's log-prob tolerances
         self.mismatch = MismatchWindow()
 
     # ------------------------------------------------------------------ helpers
@@ -333,7 +330,7 @@ class Trainer:
         total = self.tcfg.max_concurrent_intake
         intake = replace(ROLLOUTS, limits=limits(total, MAX_BATCH_FRAME, per_peer=self.tcfg.max_intake_per_peer))
         return intake.handler(self._answer_rollouts, admit=self._admit_rollouts, on_fault=self._rollouts_fault,
-                              streams=self.node.run.section("streams"), peers=self.node.peers, metrics=self.node.metrics)
+                              streams=self.sections.streams, peers=self.node.peers, metrics=self.node.metrics)
 
     # ------------------------------------------------------------------ validator gate
 
@@ -347,7 +344,7 @@ class Trainer:
 
     def verdicts_handler(self):
         """``/swarm/verdicts/1.0.0``: signed verdict frames from a validator, one ack each."""
-        return VERDICTS.handler(self._answer_verdict, on_fault=self._verdicts_fault, streams=self.node.run.section("streams"),
+        return VERDICTS.handler(self._answer_verdict, on_fault=self._verdicts_fault, streams=self.sections.streams,
                                 peers=self.node.peers, metrics=self.node.metrics)
 
     async def on_verdict_bytes(self, data: bytes) -> tuple[bytes, bool, str]:
@@ -637,7 +634,7 @@ class Trainer:
         (node/trainer/evaluator.py: a separate process at the lowest CPU priority)."""
         import dataclasses
 
-        settings = {"rl": dataclasses.asdict(self.node.run.section("rl", RLConfig)), "tasks": self.tcfg.eval_tasks,
+        settings = {"rl": dataclasses.asdict(self.sections.rl), "tasks": self.tcfg.eval_tasks,
                     "device": self.tcfg.eval_device, "threads": self.tcfg.eval_threads}
         await serve_evaluation(self.evals, settings, self.policy.root, latest=lambda: self.published,
                                record=self._record_eval, wait=self.wake.eval.wait)
@@ -771,22 +768,21 @@ def verdict_mismatch(verdict, row: SpooledBatch | None, *, gated: bool) -> str:
     return ""
 
 
-async def serve_trainer(node, shards: ShardsAPI, membership: MembershipAPI, ledger: LedgerAPI, *,
-                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_trainer(node, sections: TrainerSections, shards: ShardsAPI, membership: MembershipAPI,
+                        ledger: LedgerAPI, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run the trainer role's service until cancelled (see the module docstring); hands back the
-    :class:`Trainer` once it takes batches."""
+    :class:`Trainer` once it takes batches. ``sections`` are the run's tables it reads."""
     if node.peer_id not in node.run.trainers:
         log.error("trainer: this node (%s) is not in run.trainers: peers will refuse its checkpoints; "
                   "add its peer id to the run file", node.peer_id)
-    cfg: GRPOConfig = node.run.section("grpo", GRPOConfig)
-    tcfg: TrainerConfig = node.run.section("trainer", TrainerConfig)
+    cfg, tcfg = sections.grpo, sections.trainer
     root = Path(node.data_dir) / "trainer"
     policy, created = await trio.to_thread.run_sync(open_policy, root, node.run.model, cfg, tcfg)
     with open_spool(root / "spool.sqlite") as spool, contextlib.closing(policy):
         returned = await trio.to_thread.run_sync(spool.recover, policy.step)
         if returned:
             log.warning("trainer: %d batches of an unsaved step go back to the queue", returned)
-        trainer = Trainer(node, policy, spool, cfg, tcfg, shards=shards, membership=membership, ledger=ledger)
+        trainer = Trainer(node, policy, spool, sections, shards=shards, membership=membership, ledger=ledger)
         if trainer.gate is not None:
             for row in spool.in_state(BatchState.GATED):
                 trainer.gate.add(row.batch_id, row.policy_version, trainer._expiry(row.policy_version, row.accepted_step))

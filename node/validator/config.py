@@ -7,7 +7,12 @@ the run's sampling parameters and task set in ``[rl]``; the staleness bound in `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ..net.budget import StreamsConfig
+from ..proofs.config import ProofsConfig
+from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
+from ..rollouts.quota import QuotaConfig
 
 
 @dataclass
@@ -52,3 +57,17 @@ class ValidatorConfig:
             raise ValueError(f"ban_seconds: 0..2592000 (30 days), got {self.ban_seconds}")
         if self.max_pending_verdicts < 1:
             raise ValueError("max_pending_verdicts: >= 1")
+
+
+@dataclass(frozen=True)
+class ValidatorSections:
+    """The run's tables the validator reads, handed in by its role (node/roles/validator.py); each
+    defaults to a run file without that table."""
+
+    validator: ValidatorConfig = field(default_factory=ValidatorConfig)  # this table
+    rl: RLConfig = field(default_factory=RLConfig)  # the sampling parameters and task set every batch must carry
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # the staleness bound
+    inference: InferenceConfig = field(default_factory=InferenceConfig)  # accepted engines and the prefill dtype
+    proofs: ProofsConfig = field(default_factory=ProofsConfig)  # TOPLOC thresholds and tolerances
+    quota: QuotaConfig = field(default_factory=QuotaConfig)  # the trainers' intake quota, scaled up as a backstop
+    streams: StreamsConfig = field(default_factory=StreamsConfig)  # per-peer stream budgets of its handler

@@ -51,10 +51,8 @@ from ..ledger.api import LedgerAPI, LedgerError
 from ..ledger.entries import MAX_VERDICT_REASONS, Penalty
 from ..ledger.entries import Verdict as LedgerVerdict
 from ..net.reqres import CallFailure, FailureKind, open_call
-from ..proofs.config import ProofsConfig
 from ..proofs.margins import ProofMargins
 from ..refusals import Refusal
-from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 from ..rollouts.protocols import VERDICTS, VERIFY
 from ..rollouts.schema import (
     DOMAIN_VERDICT,
@@ -65,7 +63,7 @@ from ..rollouts.schema import (
     SignedBatch,
     Verdict,
 )
-from ..rollouts.quota import QuotaBook, QuotaConfig, accepted_batches, validator_scale
+from ..rollouts.quota import QuotaBook, accepted_batches, validator_scale
 from ..rollouts.steps import VALIDATOR_WINDOW
 from ..shards.api import ShardsAPI
 from ..steptime import PhaseTimes
@@ -77,7 +75,7 @@ from ..wire import (
     encode,
     seal,
 )
-from .config import ValidatorConfig
+from .config import ValidatorSections
 from .pipeline import (
     BatchReason,
     BatchRules,
@@ -115,19 +113,17 @@ class Job:
     received_at: float
 
 
-def rules_from_run(run, cfg: ValidatorConfig) -> BatchRules:
+def batch_rules(run_name: str, sections: ValidatorSections) -> BatchRules:
     """The run's sampling, task and proof parameters every batch must carry."""
-    rl = run.section("rl", RLConfig)
-    grpo = run.section("grpo", GRPOConfig)
-    inference = run.section("inference", InferenceConfig)
+    rl, grpo, inference, cfg = sections.rl, sections.grpo, sections.inference, sections.validator
     return BatchRules(
-        run=run.name, taskset=rl.taskset, temperature=rl.temperature, top_p=rl.top_p,
+        run=run_name, taskset=rl.taskset, temperature=rl.temperature, top_p=rl.top_p,
         max_new_tokens=rl.max_new_tokens, group_size=rl.group_size, prompts_per_batch=rl.prompts_per_batch,
         # The trainer judged staleness at intake and keeps an acknowledged batch trainable for
         # verify_grace_steps more steps, within max_off_policy_steps (node/trainer/intake.py): only a
         # batch older than that bound can no longer be trained, and only that one is refused here
         # (benign, no penalty), still before any prefill is spent on it.
-        async_level=grpo.off_policy_bound(), proofs=run.section("proofs", ProofsConfig),
+        async_level=grpo.off_policy_bound(), proofs=sections.proofs,
         sampling_tolerance=cfg.sampling_tolerance, check_sampling=cfg.check_sampling, check_seed=cfg.check_seed,
         engines=inference.accepted_engines(), replay_engines=inference.replayed_engines(),
         dtype=None if inference.dtype == "auto" else inference.dtype, score_budget_s=cfg.score_budget_s,
@@ -144,12 +140,13 @@ class ValidatorService:
     """Everything the validator does, handed back by :func:`serve_validator`. Checkpoints come from
     ``shards``; verdicts and penalties go to ``ledger``."""
 
-    def __init__(self, node, cfg: ValidatorConfig, rules: BatchRules, tasks: TaskSet, store: ValidatorStore, *,
+    def __init__(self, node, sections: ValidatorSections, rules: BatchRules, tasks: TaskSet, store: ValidatorStore, *,
                  shards: ShardsAPI, ledger: LedgerAPI, wall_clock=time.time) -> None:
         self.node = node
         self.shards = shards
         self.ledger = ledger
-        self.cfg = cfg
+        self.sections = sections
+        self.cfg = cfg = sections.validator
         self.rules = rules
         self.tasks = tasks
         self.store = store  # queried here on its WAL reader; written only through self.db
@@ -162,7 +159,7 @@ class ValidatorService:
         self.step_window = VALIDATOR_WINDOW
         self.book = PenaltyBook(cfg)
         # The trainers' intake quota for fresh identities, scaled up: a backstop (node/rollouts/quota.py).
-        self.quota = QuotaBook(run.section("quota", QuotaConfig), validator_scale(len(self.trainers)))
+        self.quota = QuotaBook(sections.quota, validator_scale(len(self.trainers)))
         self.samples_per_batch = rules.prompts_per_batch * rules.group_size
         for peer, until, reason in store.bans(wall_clock()):
             self.book.apply_ban(peer, reason, until)
@@ -192,7 +189,7 @@ class ValidatorService:
 
     def verify_handler(self):
         """``/swarm/verify/1.0.0``: one signed batch from a trainer, one RolloutAck back."""
-        return VERIFY.handler(self._answer_verify, admit=self._admit_verify, streams=self.node.run.section("streams"),
+        return VERIFY.handler(self._answer_verify, admit=self._admit_verify, streams=self.sections.streams,
                               peers=self.node.peers, metrics=self.node.metrics)
 
     def _admit_verify(self, peer: str) -> str | None:
@@ -395,7 +392,7 @@ class ValidatorService:
         from ..engines.model import load_model, load_tokenizer
 
         # Prefill in the precision the workers generate in: TOPLOC tells bf16 from fp32 apart (paper §5).
-        name = self.cfg.dtype if self.cfg.dtype != "auto" else self.node.config.run.section("inference", InferenceConfig).dtype
+        name = self.cfg.dtype if self.cfg.dtype != "auto" else self.sections.inference.dtype
         model = load_model(path, device=pick_device(self.cfg.device), dtype=_dtype(name))
         return CheckModel(model, load_tokenizer(path), version)
 
@@ -501,18 +498,17 @@ def _payload_id(data: bytes) -> bytes:
         return ZERO_ID
 
 
-async def serve_validator(node, shards: ShardsAPI, ledger: LedgerAPI, *, task_status=trio.TASK_STATUS_IGNORED,
-                          tasks: TaskSet | None = None) -> None:
+async def serve_validator(node, sections: ValidatorSections, shards: ShardsAPI, ledger: LedgerAPI, *,
+                          task_status=trio.TASK_STATUS_IGNORED, tasks: TaskSet | None = None) -> None:
     """Run the validator until cancelled (``tasks`` overrides the run's task set, for tests); hands
-    back the :class:`ValidatorService` once it takes batches."""
-    cfg: ValidatorConfig = node.config.run.section("validator", ValidatorConfig)
-    rules = rules_from_run(node.config.run, cfg)
+    back the :class:`ValidatorService` once it takes batches. ``sections`` are the run's tables it reads."""
+    rules = batch_rules(node.run.name, sections)
     if tasks is None:
         from .tasks import RunTasks
 
-        tasks = RunTasks(node.config.run.section("rl", RLConfig))
+        tasks = RunTasks(sections.rl)
     store = ValidatorStore(node.data_dir / DB_FILE)
-    svc = ValidatorService(node, cfg, rules, tasks, store, shards=shards, ledger=ledger)
+    svc = ValidatorService(node, sections, rules, tasks, store, shards=shards, ledger=ledger)
     if not svc.is_validator:
         log.warning("validator: %s is not in the run's validators; trainers and the ledger will refuse its verdicts",
                     node.peer_id)

@@ -34,9 +34,10 @@ from node.rl.config import InferenceConfig, RLConfig  # noqa: E402
 from node.rl.spec import OFFLINE_ROOT  # noqa: E402
 from node.rollouts.config import WorkerConfig  # noqa: E402
 from node.rollouts.schema import open_batch  # noqa: E402
-from node.validator.config import ValidatorConfig  # noqa: E402
+from node.roles.sections import RunSections  # noqa: E402
+from node.validator.config import ValidatorSections  # noqa: E402
 from node.validator.pipeline import CheckModel, judge_batch  # noqa: E402
-from node.validator.service import rules_from_run  # noqa: E402
+from node.validator.service import batch_rules  # noqa: E402
 from node.validator.tasks import RunTasks  # noqa: E402
 
 RUN = "vllm-cpu"
@@ -120,7 +121,7 @@ def flat(groups):
 def test_a_torch_validator_accepts_the_vllm_engines_batches(generator, run, refs):
     """Whole steps of the inference role on vLLM (draw, sample, score, prove, sign), judged by the
     validator's pipeline with the run's rules on its own torch copy of the checkpoint."""
-    rules = rules_from_run(run, ValidatorConfig())
+    rules = batch_rules(run.name, RunSections.of(run).pick(ValidatorSections))
     tasks = RunTasks(run.section("rl", RLConfig))
     model = CheckModel(refs[0].engine.model, refs[0].engine.tokenizer, 0)
     assert rules.replays("vllm")  # vLLM samples with our rule: its batches get the replay too
@@ -203,7 +204,7 @@ def test_tampered_vllm_batches_are_rejected_by_the_replay(generator, run, refs, 
 
     from node.validator import testing as T
 
-    rules = rules_from_run(run, ValidatorConfig())
+    rules = batch_rules(run.name, RunSections.of(run).pick(ValidatorSections))
     tasks = RunTasks(run.section("rl", RLConfig))
     model = CheckModel(refs[0].engine.model, refs[0].engine.tokenizer, 0)
     me = generator.identity
