@@ -44,7 +44,7 @@ def run_config(tmp_path, fast_membership, trainers: list[str], **worker) -> RunC
         "shards": {"announce_interval": 1.0},
         "rl": dict(RL),
         "inference": {"engine": "torch", "device": "cpu"},
-        "worker": {"checkpoint_poll_s": 0.1, "backoff_s": 0.2, "backoff_max_s": 1.0, "submit_timeout_s": 10.0, **worker},
+        "worker": {"backoff_s": 0.2, "backoff_max_s": 1.0, "submit_timeout_s": 10.0, **worker},
     })
 
 

@@ -23,7 +23,7 @@ async def test_trainer_and_inference_close_the_loop(tmp_path, fast_membership):
         "grpo": {"min_batch_samples": 4, "optimizer_steps": 1},
         "trainer": {"init_warmup_steps": 0, "device": "cpu"},
         "inference": {"engine": "torch", "device": "cpu"},
-        "worker": {"checkpoint_poll_s": 0.1, "backoff_s": 0.2, "backoff_max_s": 1.0},
+        "worker": {"backoff_s": 0.2, "backoff_max_s": 1.0},
     })
     cheater_run = copy.deepcopy(run)
     cheater_run.tables["worker"]["cheat"] = "replay"  # node-local: only this node's run file says so

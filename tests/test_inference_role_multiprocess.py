@@ -44,7 +44,6 @@ engine = "torch"
 device = "cpu"
 
 [worker]
-checkpoint_poll_s = 0.2
 backoff_s = 0.2
 backoff_max_s = 2.0
 """

@@ -97,3 +97,16 @@ def test_the_lookup_rule_finds_a_planted_lookup(tmp_path):
     lines = len(planted.read_text().splitlines())
     assert section_lookups([planted], tmp_path) == [f"node/trainer/service.py:{lines - 1}",
                                                     f"node/trainer/service.py:{lines}"]
+
+
+@pytest.mark.parametrize("table,setting", [("worker", "checkpoint_poll_s"), ("validator", "checkpoint_timeout")])
+def test_a_dropped_setting_is_refused_by_name(tmp_path, table, setting):
+    """Issue 44: settings nothing read are gone (checkpoints are delivered, and a batch whose checkpoint
+    is not held is handed back at once); a run file still setting one is told which line to delete,
+    as for any unknown setting, rather than have it seem to take effect."""
+    from node.config import load_config
+
+    path = tmp_path / "run.toml"
+    path.write_text(f'[run]\nname = "test"\n[{table}]\n{setting} = 1.0\n')
+    with pytest.raises(ConfigError, match=rf"^run\.{table}\.{setting}: unknown setting$"):
+        load_config(path, {}, {"data_dir": str(tmp_path)})

@@ -35,15 +35,14 @@ class WorkerConfig:
     max_attempts: int = 6  # failures after reaching a trainer (reset, timeout, bad ack) before a batch is dropped
     backoff_s: float = 1.0  # first wait before retrying a trainer that failed; doubles per failure
     backoff_max_s: float = 30.0  # cap of that wait
-    checkpoint_poll_s: float = 0.5  # unused: new checkpoints are delivered (kept so run files setting it load)
     max_batch_bytes: int = 4 * 1024 * 1024 - 4096  # signed batch size cap; bigger step outputs are split
     cheat: str = ""  # "" (honest) or one of CHEATS: a deliberately dishonest node for demos and tests
 
     def validate(self) -> None:
         if not 1 <= self.max_pending_batches <= 1024:
             raise ValueError("max_pending_batches: 1..1024")
-        if self.submit_timeout_s <= 0 or self.checkpoint_poll_s <= 0:
-            raise ValueError("submit_timeout_s and checkpoint_poll_s: > 0")
+        if self.submit_timeout_s <= 0:
+            raise ValueError("submit_timeout_s: > 0")
         if self.max_attempts < 1:
             raise ValueError("max_attempts: >= 1")
         if not 0 < self.backoff_s <= self.backoff_max_s:

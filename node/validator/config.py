@@ -21,7 +21,6 @@ class ValidatorConfig:
 
     queue_size: int = 64  # batches waiting to be checked; a full queue answers "busy" (trainer tries the next)
     keep_models: int = 2  # checkpoint versions kept loaded in memory (a batch may be async_level old)
-    checkpoint_timeout: float = 120.0  # unused: a batch whose checkpoint is not on disk is handed back at once (kept so run files setting it load)
     device: str = "auto"  # where the validator's prefill runs: auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # prefill dtype: auto (the run's [inference] dtype) | float32 | bfloat16 | float16
     # Gumbel-max replay (TOPLOC2-style): the sampled token's score may trail the best score by at
@@ -46,7 +45,7 @@ class ValidatorConfig:
             raise ValueError(f"keep_models: 1..16, got {self.keep_models}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: auto | float32 | bfloat16 | float16, got {self.dtype!r}")
-        for name in ("checkpoint_timeout", "penalty_window", "deliver_retry", "score_budget_s"):
+        for name in ("penalty_window", "deliver_retry", "score_budget_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if not self.sampling_tolerance >= 0:

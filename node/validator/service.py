@@ -21,9 +21,9 @@ How this works (DESIGN.md "The loop" step 4; the trainer side is node/trainer/ga
 * **Cannot judge** (the checkpoint was pruned from our disk while the batch waited, or never came):
   a signed verdict of the ``unjudged`` kind goes to the trainer at once, and a fetch of the version
   starts; never a wait for the download in the check slot, which held every batch behind it for
-  ``checkpoint_timeout`` and, for a version no peer held any more, for nothing (issue 39). It is
-  neither stored nor in the ledger (it judges nothing, and the batch may be judged later, here or
-  elsewhere).
+  120 s (the old ``checkpoint_timeout``) and, for a version no peer held any more, for nothing
+  (issue 39). It is neither stored nor in the ledger (it judges nothing, and the batch may be
+  judged later, here or elsewhere).
 * **Verdict**: signed (domain ``verdict``), stored with the batch's task slots in one SQLite
   transaction (node/validator/store.py), appended to the ledger as a ``verdict`` entry, and, for a
   rejected batch, a ``penalty`` entry (and a ban past the threshold, node/validator/policy.py).
