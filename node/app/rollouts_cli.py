@@ -85,11 +85,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 def _generator(run):
     from ..identity import Identity
-    from ..proofs.config import ProofsConfig
-    from ..rl.config import InferenceConfig, RLConfig
     from ..adversary.generator import make_generator
-    from ..rollouts.config import WorkerConfig
+    from ..roles.sections import RunSections
 
-    return make_generator(identity=Identity.generate(), run_name=run.name, rl=run.section("rl", RLConfig),
-                          proofs=run.section("proofs", ProofsConfig), inference=run.section("inference", InferenceConfig),
-                          worker=run.section("worker", WorkerConfig))
+    s = RunSections.of(run)
+    return make_generator(identity=Identity.generate(), run_name=run.name, rl=s.rl, proofs=s.proofs,
+                          inference=s.inference, worker=s.worker)

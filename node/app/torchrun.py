@@ -11,9 +11,8 @@ import sys
 
 import torch.distributed as dist
 
-from ..rl.config import GRPOConfig
+from ..roles.sections import RunSections
 from ..trainer import fsdp
-from ..trainer.config import TrainerConfig
 from .cli import build_parser, config_from_args
 from .cli import main as node_main
 
@@ -28,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:  # also when the node failed before its trainer opened the policy
                 fsdp.stop_followers()
         config = config_from_args(build_parser().parse_args(argv))
-        return fsdp.follow(config.run.section("grpo", GRPOConfig), config.run.section("trainer", TrainerConfig))
+        sections = RunSections.of(config.run)
+        return fsdp.follow(sections.grpo, sections.trainer)
     finally:
         fsdp.leave()
 

@@ -30,7 +30,6 @@ from ..peers import serve_peers
 from ..net.dialback import ReachabilityService, serve_dialback
 from ..net.ports import check_port_free
 from ..net.relay import RelayClient, RelayHop, serve_relay_client
-from ..rl.config import RLConfig
 from ..rl.sandbox import require_isolation
 from ..rl.tasks import TaskFormatError, load_run_tasks, runs_code
 from ..shards.service import ShardsService, serve_shards
@@ -103,7 +102,7 @@ def check_code_sandbox(config: NodeConfig) -> None:
     ``SandboxUnavailable`` (which says how to fix it) rather than score code with less isolation."""
     if config.role not in SCORING_ROLES:
         return
-    rl = config.run.section("rl", RLConfig)
+    rl = RunSections.of(config.run).rl
     try:
         taskset = load_run_tasks(rl)
     except TaskFormatError as e:
