@@ -14,6 +14,7 @@ from node.shards.protocol import SOURCE
 from node.shards.service import ShardsService
 from node.shards.testing import bf16_values, next_step, open_shards_swarm, same_files, write_bf16_checkpoint
 from test_shards_swarm import FAST, connect_all
+from waiting import wait_for
 
 N = 1 << 20  # bf16 values per checkpoint: a 2 MiB weight file
 
@@ -131,7 +132,11 @@ async def test_peer_serving_bad_delta_pieces_is_banned_and_the_delta_still_rebui
             assert t.shards.serving[delta_root].manifest.num_pieces >= 3
             d = await swarm.add(tmp_path / "d", trainers=tr, role="relay", **SMALL)
             await d.shards.seed(v1, s1)  # holds v1 already (copied out of band)
-            await connect_all([t, flip, d])
+            # The liar first: with the trainer there too, its super-seeder (ordinary seed once the
+            # liar held every piece) could hand d the whole delta before d asks the liar anything.
+            await connect_all([flip, d])
+            await wait_for(lambda: d.shards.is_banned(flip.peer_id, trio.current_time()), what="liar banned")
+            await connect_all([t, d])
             assert same_files(v2, await d.shards.wait_version(2))
             assert d.shards.deltas.rebuilt == {2: t.shards.serving[delta_root].manifest.total_size}
             assert d.shards.is_banned(flip.peer_id, trio.current_time())
