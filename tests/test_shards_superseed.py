@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import random
 
 from node.shards.superseed import SeedMode, SuperSeeder
@@ -37,3 +38,49 @@ def test_until_every_piece_is_held_by_a_downloader_pieces_go_out_one_at_a_time()
     s.on_sent(peer, piece, 0.1)
     assert len(s.on_have(peer, piece, 0.2)) == 1  # the next piece, to one downloader
     assert s.mode is SeedMode.SUPER and sum(s.sent) == 2
+
+
+
+def run_reports(s: SuperSeeder, piece_seconds: float, latency: float, until: float) -> list[int]:
+    """The origin's uplink writes revealed pieces one after another, ``piece_seconds`` each, and
+    their downloaders report them ``latency`` later; the budget (max_unreported) after each report."""
+    events: list[tuple[float, int, str, int]] = []  # (when, 0 written / 1 reported, peer, piece)
+    link_free, now, budgets = 0.0, 0.0, []
+
+    def write(reveals: list[tuple[str, int]]) -> None:
+        nonlocal link_free
+        for peer, piece in reveals:
+            link_free = max(now + latency, link_free) + piece_seconds  # the request comes back first
+            heapq.heappush(events, (link_free, 0, peer, piece))
+
+    write([r for p in "abcdefgh" for r in s.on_bitfield(p, set(), 0.0)])
+    while events and now < until:
+        now, kind, peer, piece = heapq.heappop(events)
+        if kind == 0:
+            heapq.heappush(events, (now + latency, 1, peer, piece))
+            write(s.on_sent(peer, piece, now))
+        else:
+            write(s.on_have(peer, piece, now))
+            budgets.append(s.max_unreported)
+    return budgets
+
+
+def test_the_budget_grows_while_more_pieces_in_flight_do_not_lengthen_the_round_trip():
+    """Found by simulation (bench/sim_shards.py, N = 100, issue 46): a 1 Gbit/s origin with 5-60 ms
+    to its downloaders ran at 60-90 Mbit/s until one copy was out, its budget sized for 10 Mbit/s
+    links. A round trip that stays at its shortest means the uplink has room (TCP Vegas)."""
+    s = SuperSeeder(4096, in_transit=2, max_unreported=4, rng=random.Random(1), grow_to=64, hand_over=False)
+    budgets = run_reports(s, piece_seconds=0.008, latency=0.05, until=10.0)  # 1 MiB at 1 Gbit/s
+    # Around what the link carries in a round trip (0.108 s / 0.008 s = 13.5 pieces), not to the cap.
+    late = budgets[len(budgets) // 2:]
+    assert budgets[0] <= 5 and 10 <= sum(late) / len(late) <= 20 and max(budgets) < 32
+
+
+def test_the_budget_stays_put_when_each_piece_more_in_flight_lengthens_the_round_trip():
+    """A full uplink: each more piece in flight waits behind the others (128 KiB pieces at 10 Mbit/s:
+    0.1 s each), the case bench/shards.py swarm measured the budgets in."""
+    s = SuperSeeder(4096, in_transit=4, max_unreported=12, rng=random.Random(1), grow_to=64, hand_over=False)
+    budgets = run_reports(s, piece_seconds=0.1, latency=0.05, until=60.0)
+    # A downloader's first round trip already waited behind others, so it reads a little room:
+    # the budget swings a few pieces above its floor and back, never far.
+    assert sum(budgets) / len(budgets) <= 1.4 * 12 and max(budgets) <= 2 * 12

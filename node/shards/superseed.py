@@ -40,6 +40,14 @@ Rules, each measured with 8 downloaders behind 10 Mbit/s upload caps (bench/shar
   would need that many more pieces in transit to keep the link busy; what we have written and the
   link has not yet carried covers the round trip instead. ``max_unreported`` bounds SHOWN + SENT,
   so deep send buffers cannot turn this into many pieces sharing the link.
+* Both budgets grow while more pieces in flight do not lengthen the round trip from a reveal to its
+  ``have``, as TCP Vegas grows its window (Brakmo & Peterson, IEEE JSAC 1995): with the base round
+  trip the shortest seen to that downloader (they are 10-240 ms apart on the internet),
+  ``max_unreported * (1 - base / round_trip)`` pieces wait in queues; under
+  ``VEGAS_ALPHA`` the budget grows by a piece, over ``VEGAS_BETA`` it shrinks by one, never below
+  the sizes above (a full 10 Mbit/s link keeps them) nor above ``SUPER_SEED_MAX_BYTES``. Sized for
+  10 Mbit/s, a 1 Gbit/s origin 5-60 ms from its downloaders ran at 60-90 Mbit/s until one copy was
+  out (bench/sim_shards.py, N = 100, issue 46): the budget covered a round trip at 10 Mbit/s only.
 
 The seeder is in one of two modes (:class:`SeedMode`): SUPER as above until every piece is held
 by at least one downloader, then ORDINARY for good: each downloader is shown every piece it lacks
@@ -57,6 +65,7 @@ reveal to whom, as ``(peer, piece)`` pairs.
 from __future__ import annotations
 
 import enum
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -69,6 +78,9 @@ from dataclasses import dataclass, field
 # of the time with 64 KiB pieces and 95 % with 128 KiB pieces; with these budgets 97 %.
 SUPER_SEED_WRITING_BYTES = 512 << 10
 SUPER_SEED_REPORT_BYTES = 1 << 20
+SUPER_SEED_MAX_BYTES = 64 << 20  # what the budgets may grow to (see the module docstring)
+VEGAS_ALPHA = 1.0  # pieces queued below which the budget grows
+VEGAS_BETA = 2.0  # pieces queued above which it shrinks
 
 
 class SeedMode(enum.Enum):
@@ -83,6 +95,7 @@ class _Downloader:
     sent: set[int] = field(default_factory=set)  # revealed, every byte written, not reported yet
     from_us: set[int] = field(default_factory=set)  # reported after we revealed it: it got it from us
     revealed: set[int] = field(default_factory=set)  # every piece ever shown to it
+    base_round_trip: float = math.inf  # shortest from a reveal to its have
 
     @property
     def unreported(self) -> set[int]:
@@ -100,12 +113,15 @@ class SuperSeeder:
         rng: random.Random | None = None,
         max_unreported: int = 4,
         hand_over: bool = True,
+        grow_to: int = 0,
     ) -> None:
         if in_transit < 1 or max_unreported < in_transit:
             raise ValueError("need 1 <= in_transit <= max_unreported")
         self.num_pieces = num_pieces
         self.in_transit = in_transit  # pieces SHOWN (bytes still to write), over all downloaders
         self.max_unreported = max_unreported  # pieces SHOWN or SENT, over all downloaders
+        self.floor = (in_transit, max_unreported)  # the budgets never shrink below these
+        self.grow_to = max(grow_to, max_unreported)  # nor grow past this (max_unreported; 0: no growth)
         self.stall_seconds = stall_seconds
         self.rng = rng or random.Random()
         self.sent = [0] * num_pieces  # times revealed (≈ times uploaded by us)
@@ -122,7 +138,8 @@ class SuperSeeder:
         budgets sized in bytes (SUPER_SEED_WRITING_BYTES, SUPER_SEED_REPORT_BYTES)."""
         writing = max(2, -(-SUPER_SEED_WRITING_BYTES // piece_size))
         return cls(num_pieces, in_transit=writing, rng=rng, hand_over=hand_over,
-                   max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // piece_size)))
+                   max_unreported=writing + max(2, -(-SUPER_SEED_REPORT_BYTES // piece_size)),
+                   grow_to=SUPER_SEED_MAX_BYTES // piece_size)
 
     def _live(self, pieces: set[int], now: float | None) -> int:
         return sum(1 for i in pieces if now is None or now - self.last_sent[i] < self.stall_seconds)
@@ -164,9 +181,24 @@ class SuperSeeder:
             self.held[piece] += 1
         if piece in d.unreported:
             d.from_us.add(piece)
+            self._on_round_trip(d, now - self.last_sent[piece])
         d.shown.discard(piece)
         d.sent.discard(piece)
         return self.reveal(now)
+
+    def _on_round_trip(self, d: _Downloader, seconds: float) -> None:
+        """A piece we revealed to ``d`` was reported ``seconds`` later: resize the budgets (TCP
+        Vegas, see the module docstring), against the downloader's own shortest round trip."""
+        if seconds <= 0 or self.mode is not SeedMode.SUPER:
+            return
+        d.base_round_trip = min(d.base_round_trip, seconds)
+        queued = self.max_unreported * (1 - d.base_round_trip / seconds)
+        if queued < VEGAS_ALPHA:
+            self.max_unreported = min(self.grow_to, self.max_unreported + 1)
+        elif queued > VEGAS_BETA:
+            self.max_unreported = max(self.floor[1], self.max_unreported - 1)
+        # The writing budget in proportion, as the two were sized together.
+        self.in_transit = max(self.floor[0], self.max_unreported * self.floor[0] // self.floor[1])
 
     def on_peer_gone(self, peer: str, now: float) -> list[tuple[str, int]]:
         d = self.peers.pop(peer, None)
