@@ -68,6 +68,7 @@ OPEN_STREAM_TIMEOUT = 10.0
 
 # What opening or using a stream raises when the other side is gone, unreachable or too slow.
 STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError)
+LISTENER_CLOSE_S = 2.0  # at most this long closing the listeners when a host stops
 MAX_PENDING_INBOUND = 64  # inbound connections in their handshake at once (as rust-libp2p's max_pending_incoming)
 MAX_KEPT_PING_STREAMS = 64  # one per peer we ping; SWIM probes only connected members (<= conn_high)
 ADDRS_TTL = 10.0  # seconds our own addresses are reused for (SwarmHost._addrs_of)
@@ -334,24 +335,50 @@ def guard_inbound(host) -> None:
     """Admit an inbound TCP connection only while fewer than ``MAX_PENDING_INBOUND`` are still in
     their Noise/Yamux handshake and the process keeps its descriptor reserve (node/fds.py); others
     are closed at once. py-libp2p bounds a handshake only in time (10 s), so silent connections held
-    a descriptor each without limit (issue 42: running out ended the node)."""
+    a descriptor each without limit (issue 42: running out ended the node).
+
+    py-libp2p's inbound handler, once the upgrade is done, waits for the *swarm* to stop (the
+    "intentional barrier" in ``Swarm._do_handle_inbound_connection``), not for the connection: each
+    inbound connection a node ever accepted kept a task, and kept its place here, so the 65th of a
+    node's life was refused (issue 45's soak: tasks grew by hundreds an hour under churn). So the
+    upgrade is wrapped: a finished handshake frees its place, and the connection's close ends its
+    handler."""
     fds.quiet_accept_errors()
-    pending = 0
-    for listener in host.get_network().listeners.values():
+    swarm = host.get_network()
+    handshaking: set[int] = set()  # id() of the raw streams in their handshake
+    holders: dict[int, trio.CancelScope] = {}  # raw stream -> the scope its handler runs in
+    upgrade_raw = swarm.upgrade_inbound_raw_conn
+
+    async def upgrade_until_closed(raw_conn, maddr):
+        key = id(getattr(raw_conn, "stream", None))  # the stream ``admitted`` got
+        if key not in holders:  # not from our TCP listeners (a relay circuit, a hole punch): callers await the upgrade
+            return await upgrade_raw(raw_conn, maddr)
+        try:
+            muxed = await upgrade_raw(raw_conn, maddr)
+        finally:
+            handshaking.discard(key)
+        await muxed.event_closed.wait()
+        holders[key].cancel()  # ends the handler at the swarm's barrier, instead of at its stop
+        return muxed
+
+    swarm.upgrade_inbound_raw_conn = upgrade_until_closed
+    for listener in swarm.listeners.values():
         upgrade = getattr(listener, "handler", None)  # TCP listeners; a relay's circuits have their own limits
         if upgrade is None:
             continue
 
         async def admitted(raw, upgrade=upgrade) -> None:
-            nonlocal pending
-            if pending >= MAX_PENDING_INBOUND or not fds.room_for_remote():
+            if len(handshaking) >= MAX_PENDING_INBOUND or not fds.room_for_remote():
                 await raw.close()
                 return
-            pending += 1
+            key = id(raw)
+            handshaking.add(key)
             try:
-                await upgrade(raw)  # returns once the connection runs in the swarm (or failed)
+                with trio.CancelScope() as holders[key]:
+                    await upgrade(raw)  # returns when the upgrade failed; cancelled when the connection closes
             finally:
-                pending -= 1
+                handshaking.discard(key)
+                del holders[key]
 
         listener.handler = admitted
 
@@ -411,4 +438,13 @@ async def open_swarm_host(
                 yield swarm_host
     finally:
         KeptReceiveWindow.reporters.pop(swarm_host.peer_id, None)
+        await close_listeners(host)
+
+
+async def close_listeners(host) -> None:
+    """Stop listening. py-libp2p's TCP listener runs as a trio system task that the host's stop
+    leaves running: a stopped host kept accepting connections on its port, and kept three tasks."""
+    with trio.CancelScope(shield=True), trio.move_on_after(LISTENER_CLOSE_S):
+        for listener in list(host.get_network().listeners.values()):
+            await listener.close()
 
