@@ -48,6 +48,9 @@ Rules, each measured with 8 downloaders behind 10 Mbit/s upload caps (bench/shar
   the sizes above (a full 10 Mbit/s link keeps them) nor above ``SUPER_SEED_MAX_BYTES``. Sized for
   10 Mbit/s, a 1 Gbit/s origin 5-60 ms from its downloaders ran at 60-90 Mbit/s until one copy was
   out (bench/sim_shards.py, N = 100, issue 46): the budget covered a round trip at 10 Mbit/s only.
+  A downloader's first round trip may already have waited behind others', so on a full link the
+  budget swings a few pieces above its floor and back (bench/shards.py swarm's scenario, simulated:
+  1.03-1.13x T_min before, 1.04-1.12x after).
 
 The seeder is in one of two modes (:class:`SeedMode`): SUPER as above until every piece is held
 by at least one downloader, then ORDINARY for good: each downloader is shown every piece it lacks
@@ -130,6 +133,7 @@ class SuperSeeder:
         self.peers: dict[str, _Downloader] = {}
         self.hand_over = hand_over  # turn ORDINARY once every piece is held (False: SUPER to the end)
         self.mode = SeedMode.SUPER
+        self._to_show: set[str] = set()  # ORDINARY: downloaders not yet shown every piece
 
     @classmethod
     def for_pieces(cls, num_pieces: int, piece_size: int, rng: random.Random | None = None,
@@ -156,6 +160,8 @@ class SuperSeeder:
     def on_bitfield(self, peer: str, pieces: set[int], now: float) -> list[tuple[str, int]]:
         """A downloader connected and told us what it holds."""
         d = self.peers.setdefault(peer, _Downloader())
+        if self.mode is SeedMode.ORDINARY:
+            self._to_show.add(peer)
         for i in pieces:
             if 0 <= i < self.num_pieces and i not in d.holds:
                 d.holds.add(i)
@@ -226,6 +232,7 @@ class SuperSeeder:
         held by some downloader, every piece each downloader lacks and was not shown (ORDINARY)."""
         if self.hand_over and self.mode is SeedMode.SUPER and min(self.held, default=1) >= 1:
             self.mode = SeedMode.ORDINARY
+            self._to_show.update(self.peers)
         if self.mode is SeedMode.ORDINARY:
             return self._show_the_rest()
         out: list[tuple[str, int]] = []
@@ -242,11 +249,15 @@ class SuperSeeder:
         return out
 
     def _show_the_rest(self) -> list[tuple[str, int]]:
+        """ORDINARY: every piece to the downloaders not yet shown everything (each once: this
+        runs on every have, and the origin hears one per piece per downloader)."""
         out = []
-        for peer, d in self.peers.items():
+        for peer in sorted(self._to_show & self.peers.keys()):
+            d = self.peers[peer]
             rest = sorted(set(range(self.num_pieces)) - d.holds - d.revealed)
             d.revealed.update(rest)
             out += [(peer, i) for i in rest]
+        self._to_show.clear()
         return out
 
     def _next(self, now: float) -> tuple[str, int] | None:
