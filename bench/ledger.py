@@ -67,6 +67,7 @@ from node.ledger.messages import RangeReply, SyncHello
 from node.ledger.store import DB_FILE, open_ledger_store, rebuild
 from node.ledger.summary import sign_summary, summarise
 from node.ledger.service import LedgerService, serve_ledger
+from node.roles.sections import RunSections
 from node.wire import Envelope, decode_as, encode
 from quick import parse_args  # bench/, the script's own folder
 
@@ -196,8 +197,9 @@ async def bench_sync(entries: list) -> tuple[float, float, int]:
             n1 = NodeContext(NodeConfig(data_dir=str(seed_dir), run=run_config()), h1.identity, h1, seed_dir)
             n2 = NodeContext(NodeConfig(data_dir=str(fresh_dir), run=run_config()), h2.identity, h2, fresh_dir)
             async with trio.open_nursery() as nursery:
-                seed = await nursery.start(serve_ledger, n1)
-                fresh = await nursery.start(serve_ledger, n2)
+                sections = RunSections.of(run_config())
+                seed = await nursery.start(serve_ledger, n1, sections.ledger, sections.streams)
+                fresh = await nursery.start(serve_ledger, n2, sections.ledger, sections.streams)
                 peer = await h2.connect(h1.listen_addrs()[0])
                 t0 = time.perf_counter()
                 while len(fresh.ledger) < len(entries):

@@ -51,6 +51,7 @@ from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.ledger.entries import Penalty, ReceiptItem, Receipts, RolloutsJudged
 from node.ledger.service import serve_ledger
+from node.roles.sections import RunSections
 from libp2p.peer.id import ID
 
 args = json.loads(sys.argv[1])
@@ -97,7 +98,8 @@ async def main():
                 await trio.sleep(delay)
 
         async with trio.open_nursery() as nursery:
-            svc = await nursery.start(serve_ledger, node)
+            sections = RunSections.of(run)
+            svc = await nursery.start(serve_ledger, node, sections.ledger, sections.streams)
             nursery.start_soon(partition_guard)
             reply({"addr": host.listen_addrs()[0], "peer": ident.peer_id})
             while True:

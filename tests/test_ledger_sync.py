@@ -26,7 +26,10 @@ from node.dbthread import StoreClosed
 from node.ledger.api import LedgerError
 from node.ledger.store import LedgerStore, open_ledger_store
 from node.ledger.messages import PROTOCOL, RangeReply, RangeRequest, SyncHello
+from node.ledger.config import LedgerConfig
 from node.ledger.service import LedgerService, serve_ledger
+from node.net.budget import StreamsConfig
+from node.roles.sections import RunSections
 from node.wire import read_message, write_frame
 from test_dbthread import HeldWrite
 from waiting import wait_for
@@ -45,6 +48,12 @@ def run_config(**ledger) -> RunConfig:
     )
 
 
+def ledger_sections(run: RunConfig) -> tuple[LedgerConfig, StreamsConfig]:
+    """What serve_ledger reads of ``run`` (as node/roles/core.py hands it)."""
+    sections = RunSections.of(run)
+    return sections.ledger, sections.streams
+
+
 @dataclass
 class LedgerNode(RunningNode):
     ledger: LedgerService
@@ -58,7 +67,7 @@ async def open_ledger_node(tmp_path, name: str, identity: Identity | None = None
     async with open_swarm_host(identity, LOOPBACK) as host:
         node = NodeContext(config, identity, host, tmp_path / name)
         async with trio.open_nursery() as nursery:
-            yield LedgerNode(node, await nursery.start(serve_ledger, node))
+            yield LedgerNode(node, await nursery.start(serve_ledger, node, *ledger_sections(config.run)))
             nursery.cancel_scope.cancel()
 
 
@@ -353,7 +362,7 @@ async def test_the_store_stays_open_until_an_append_in_flight_has_committed(tmp_
         node = NodeContext(config, TRAINER, host, tmp_path / "t")
         async with trio.open_nursery() as outer:
             async with trio.open_nursery() as services:
-                svc = await services.start(serve_ledger, node)
+                svc = await services.start(serve_ledger, node, *ledger_sections(config.run))
                 held = HeldWrite(svc.store._db)
                 outer.start_soon(svc.append, rollouts(8))  # as the trainer does, from its own task
                 assert await held.entered(), "the append never committed"

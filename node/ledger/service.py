@@ -45,7 +45,7 @@ from libp2p.exceptions import BaseLibp2pError
 
 from .. import hashes
 from ..dbthread import DbThread
-from ..net.budget import StreamLimits
+from ..net.budget import StreamLimits, StreamsConfig
 from ..net.reqres import CallFailure, FailureKind, RequestResponse, messages, open_call
 from ..peers import FaultRule
 from ..wire import (
@@ -139,10 +139,12 @@ class LedgerService:
         config: LedgerConfig,
         wall_clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        streams: StreamsConfig | None = None,
     ) -> None:
         self.node = node
         self.store = store
         self.config = config
+        self.streams = streams or StreamsConfig()  # the sync handler's per-peer stream budgets (serve_ledger: the run's)
         self.topic = node.topic("ledger")
         self._wall_clock = wall_clock
         self._rng = rng or random.Random()
@@ -603,7 +605,7 @@ class LedgerService:
     def sync_handler(self):
         """The stream handler answering sync sessions on ``/swarm/ledger/1.0.0``."""
         sync = replace(SYNC, timeout=self.config.sync_timeout, stream_timeout=self.config.sync_timeout)
-        return sync.handler(self._answer, on_fault=self._sync_fault, streams=self.node.run.section("streams"),
+        return sync.handler(self._answer, on_fault=self._sync_fault, streams=self.streams,
                             peers=self.node.peers, metrics=self.node.metrics)
 
     def _sync_fault(self, peer: str, reason: str) -> None:
@@ -654,15 +656,17 @@ def _merge(into: IngestReport, other: IngestReport) -> None:
 
 async def serve_ledger(
     node,
+    config: LedgerConfig,
+    streams: StreamsConfig,
     *,
     wall_clock: Callable[[], float] = time.time,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the ledger of ``node`` until cancelled (see the module docstring)."""
-    config: LedgerConfig = node.run.section("ledger")
+    """Run the ledger of ``node`` until cancelled (see the module docstring): ``config`` is the run's
+    ``[ledger]`` table, ``streams`` its per-peer stream budgets."""
     with open_ledger_store(node.data_dir) as store:
         await trio.to_thread.run_sync(store.bind_run, node.run.name)
-        service = LedgerService(node, store, config, wall_clock=wall_clock)
+        service = LedgerService(node, store, config, wall_clock=wall_clock, streams=streams)
         problems = await service.load()
         if problems:
             log.warning("ledger: repaired %d broken author tails on open", len(problems))

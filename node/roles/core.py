@@ -87,7 +87,7 @@ async def start_core(
     node.host.set_handler(PING_PROTOCOL, ping_handler(PING_PROTOCOL, streams=sections.streams,
                                                       peers=node.peers, metrics=node.metrics))
     await nursery.start(serve_status, node)
-    ledger = await nursery.start(serve_ledger, node)
+    ledger = await nursery.start(serve_ledger, node, sections.ledger, sections.streams)
     shards = await nursery.start(serve_shards, node, ledger)
     relay = await nursery.start(serve_relay, node)
     membership = await nursery.start(serve_membership, node, relay, shards)
