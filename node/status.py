@@ -26,7 +26,7 @@ from .fds import Rarely, out_of_files
 from .health import ProgressWatch, State
 from .summary import NO_TRAINER_GRACE, SummaryClock
 from .status_files import IDLE_EVERY, NODE_FILE, STATUS_FILE, watched  # noqa: F401  (NODE_FILE re-exported)
-from .net.budget import StreamLimits
+from .net.budget import StreamLimits, StreamsConfig
 from .net.reqres import RequestResponse, messages
 from .wire import Message, RemoteProtocolError, bounded, read_message, register, write_frame
 
@@ -118,19 +118,19 @@ STATUS: RequestResponse = RequestResponse(STATUS_PROTOCOL, messages(StatusReques
                                           limits=STATUS_LIMITS, wait_for_slot=False)
 
 
-def status_handler(node: NodeContext):
+def status_handler(node: NodeContext, streams: StreamsConfig):
     """``/swarm/status/1.0.0``: one StatusRequest in, one StatusResponse out, under the protocol's
-    per-peer and total budget (node/net/budget.py): one peer holding its streams silent is cut and
-    struck, and never takes the slots of everyone else."""
+    per-peer and total budget (node/net/budget.py; ``streams``, the run's): one peer holding its
+    streams silent is cut and struck, and never takes the slots of everyone else."""
 
     async def answer(peer: str, req: StatusRequest) -> StatusResponse:
         return StatusResponse(json=json.dumps(snapshot(node)))
 
-    return STATUS.handler(answer, streams=node.run.section("streams"), peers=node.peers, metrics=node.metrics)
+    return STATUS.handler(answer, streams=streams, peers=node.peers, metrics=node.metrics)
 
 
-async def serve_status(node: NodeContext, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    handle = status_handler(node)
+async def serve_status(node: NodeContext, streams: StreamsConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    handle = status_handler(node, streams)
     node.host.set_handler(STATUS_PROTOCOL, handle)
     info = {"peer_id": node.peer_id, "role": node.config.role, "addrs": node.host.listen_addrs(), "pid": os.getpid()}
     write_atomic(node.data_dir / NODE_FILE, json.dumps(info).encode(), durable=False)

@@ -17,6 +17,7 @@ import trio.testing
 from node.config import NodeConfig
 from node.context import NodeContext
 from node.identity import Identity
+from node.net.budget import StreamsConfig
 from node.status import WANT_CHECK_EVERY, serve_status
 from node.status_files import (IDLE_EVERY, NODE_FILE, STATUS_FILE, WANT_FILE, WATCHED_FOR, read_status,
                                want_status)
@@ -51,7 +52,7 @@ def test_unread_status_is_written_every_ten_seconds_and_every_second_while_read(
             return written_at_clock(tmp_path) == pytest.approx(t, abs=0.06)
 
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_status, node)
+            await nursery.start(serve_status, node, StreamsConfig())
             await trio.sleep(0.6)
             assert written_at(0.0)
             await trio.sleep(IDLE_EVERY - 1.5)  # t=9.1: nobody reads, so nothing was written

@@ -86,7 +86,7 @@ async def start_core(
     # libp2p ping under a per-peer budget (node/net/reqres.py) instead of py-libp2p's unbounded handler
     node.host.set_handler(PING_PROTOCOL, ping_handler(PING_PROTOCOL, streams=sections.streams,
                                                       peers=node.peers, metrics=node.metrics))
-    await nursery.start(serve_status, node)
+    await nursery.start(serve_status, node, sections.streams)
     ledger = await nursery.start(serve_ledger, node, sections.ledger, sections.streams)
     shards = await nursery.start(serve_shards, node, ledger)
     relay = await nursery.start(serve_relay, node)
