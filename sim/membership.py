@@ -1,7 +1,7 @@
 """Membership on the simulated network: node/gossip/membership.py's own state machines, driven.
 
 Each :class:`SimNode` holds what a running node's ``serve_membership`` holds (node/gossip/service.py):
-the MemberTable, SyncPlanner, ConnectionManager, AddressBackoff, CloseWatch and LocalHealth, all
+the MemberTable, SyncPlanner, ConnectionManager, AddressBackoff, BootstrapRedial, CloseWatch and LocalHealth, all
 imported, never re-implemented, and called at the moments and with the arguments the service uses
 (its loops become timers: a probe round per ``probe_period``, a tick per ``TICK``, the connection
 manager every 2 s, the record at once on a change and every ``refresh_interval(size)``).
@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from node.gossip.connections import AddressBackoff, CloseWatch, ConnectionManager
+from node.gossip.connections import AddressBackoff, BootstrapRedial, CloseWatch, ConnectionManager
 from node.gossip.membership import (
     GOSSIP_ID_BYTES,
     GOSSIP_LAZY,
@@ -93,6 +93,7 @@ class SimNode:
         self.sync = SyncPlanner()
         self.conn = ConnectionManager(cfg.conn_low, cfg.conn_high, cfg.dial_backoff, rng=random.Random(rng.random()))
         self.backoff = AddressBackoff(cfg.dial_backoff, cfg.dial_backoff_max)
+        self.redial = BootstrapRedial(rng=random.Random(pid))  # its own stream: the seeded draws above stay as they were
         self.watch = CloseWatch()
         self.health = LocalHealth()
         self.record = PeerRecord(run=RUN, peer_id=pid, role="relay", addrs=[swarm.address_of(pid)],
@@ -415,7 +416,7 @@ class SimNode:
             return
         net, now = self.swarm.net, self.swarm.sim.now
         connected = net.connected(self.pid)
-        if self.conn.needs_bootstrap(connected, set(self.bootstrap)):
+        if self.redial.due(self.conn.needs_bootstrap(connected, set(self.bootstrap)), not connected, now):
             for b in self.bootstrap:
                 net.dial(self.pid, b, _noop)
         alive = {pid: self.table.members[pid].record.role for pid in self.table.alive()}
