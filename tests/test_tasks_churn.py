@@ -42,7 +42,7 @@ async def test_a_host_that_stopped_leaves_no_listener_behind():
     before = trio_tasks()
     async with open_swarm_host(Identity.generate(), LOOPBACK) as host:
         port = int(host.listen_addrs()[0].split("/tcp/")[1].split("/")[0])
-    assert trio_tasks() == before
+    await wait_for(lambda: trio_tasks() == before, what=f"the tasks back to the {before} before the host")
     try:
         stream = await trio.open_tcp_stream("127.0.0.1", port)
     except OSError:
