@@ -11,6 +11,7 @@ while cut is accepted and never answered.
 from __future__ import annotations
 
 import random
+import socket
 
 import multiaddr
 import trio
@@ -26,7 +27,9 @@ from node.gossip.connections import (
 )
 from node.gossip.membership import MemberState
 from node.gossip.service import CONNECTION_PERIOD, DIAL_TIMEOUT
+from node.net.host import TCP_KEEPALIVE_IDLE_S, TCP_USER_TIMEOUT_S, tcp_socket_of
 
+from hosts import connected_hosts
 from swarmtest import node_config, open_nodes
 from waiting import wait_for
 
@@ -209,3 +212,16 @@ async def test_a_node_cut_off_from_its_bootstrap_reconnects_once_the_link_heals(
             assert took < BOOTSTRAP_ISOLATED_CAP_S * (1 + BOOTSTRAP_JITTER) + DIAL_TIMEOUT + CONNECTION_PERIOD + 10
             print(f"reconnected {took:.1f} s after the heal")
         nursery.cancel_scope.cancel()
+
+
+async def test_every_tcp_connection_is_left_to_the_kernel_to_abort_once_unacknowledged():
+    """Across a partition no connection ends by itself (a cut link says nothing): the kernel aborts
+    those whose data or keepalive probes go unacknowledged for TCP_USER_TIMEOUT_S, dialled or accepted,
+    so a node cut off from everyone holds no connection soon and redials its bootstrap peers."""
+    async with connected_hosts() as (a, b):
+        for host in (a, b):
+            [conn] = host.host.get_network().get_connections()
+            sock = tcp_socket_of(conn.muxed_conn.secured_conn.conn.conn)
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == TCP_USER_TIMEOUT_S * 1000
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == TCP_KEEPALIVE_IDLE_S

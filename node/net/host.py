@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import secrets
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -68,6 +69,12 @@ OPEN_STREAM_TIMEOUT = 10.0
 
 # What opening or using a stream raises when the other side is gone, unreachable or too slow.
 STREAM_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError)
+# A TCP connection across a partition is closed by neither side and carries nothing until TCP
+# retransmits, its backoff doubling up to minutes (issue 45's soak: 16-40 s after a heal). The kernel
+# aborts one whose sent data (or keepalive probe) stays unacknowledged this long; a busy peer's
+# kernel still acknowledges, so only an unreachable one trips it.
+TCP_USER_TIMEOUT_S = 15.0
+TCP_KEEPALIVE_IDLE_S = 5  # an idle connection is probed after this many seconds, then every as many
 LISTENER_CLOSE_S = 2.0  # at most this long closing the listeners when a host stops
 MAX_PENDING_INBOUND = 64  # inbound connections in their handshake at once (as rust-libp2p's max_pending_incoming)
 MAX_KEPT_PING_STREAMS = 64  # one per peer we ping; SWIM probes only connected members (<= conn_high)
@@ -383,6 +390,42 @@ def guard_inbound(host) -> None:
         listener.handler = admitted
 
 
+def tcp_socket_of(raw_conn):
+    """The socket under a py-libp2p raw connection (RawConnection -> TrioTCPStream -> SocketStream), or
+    None for one that is not plain TCP (a relay circuit)."""
+    return getattr(getattr(getattr(raw_conn, "stream", None), "stream", None), "socket", None)
+
+
+def abort_when_unreachable(sock) -> None:
+    """Let the kernel abort ``sock`` once the peer has not acknowledged for ``TCP_USER_TIMEOUT_S``,
+    idle or not (Linux; elsewhere only keepalive, at the system's intervals)."""
+    opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", TCP_KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", TCP_KEEPALIVE_IDLE_S),
+                        ("TCP_USER_TIMEOUT", int(TCP_USER_TIMEOUT_S * 1000))):
+        if hasattr(socket, name):
+            opts.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, opt, value in opts:
+        with contextlib.suppress(OSError):  # a socket already closed by the peer
+            sock.setsockopt(level, opt, value)
+
+
+def watch_links(host) -> None:
+    """Every TCP connection of ``host``, dialled or accepted, gets :func:`abort_when_unreachable`
+    before its handshake: a partition then ends its connections within ``TCP_USER_TIMEOUT_S``, and
+    the membership service redials (the bootstrap peers too, node/gossip/connections.py)."""
+    swarm = host.get_network()
+
+    def watched(upgrade):
+        async def upgrade_watched(raw_conn, *args, **kwargs):
+            if (sock := tcp_socket_of(raw_conn)) is not None:
+                abort_when_unreachable(sock)
+            return await upgrade(raw_conn, *args, **kwargs)
+        return upgrade_watched
+
+    swarm.upgrade_inbound_raw_conn = watched(swarm.upgrade_inbound_raw_conn)
+    swarm.upgrade_outbound_raw_conn = watched(swarm.upgrade_outbound_raw_conn)
+
+
 @asynccontextmanager
 async def open_swarm_host(
     identity: Identity,
@@ -432,6 +475,7 @@ async def open_swarm_host(
     KeptReceiveWindow.reporters[swarm_host.peer_id] = lambda peer, reason: swarm_host.on_peer_fault(peer, reason)
     try:
         async with host.run(addrs):
+            watch_links(host)
             guard_inbound(host)
             async with background_trio_service(pubsub), background_trio_service(router):
                 await pubsub.wait_until_ready()
