@@ -1,12 +1,14 @@
 """How long after a partition heals a node talks to its bootstrap peer again (issue 45).
 
-Two real nodes (a relay and an inference node that bootstraps from it) in one process, in a network
-namespace of their own: an nftables rule there drops every TCP packet, as the soak's partitions do,
+Real nodes (a relay, ``--others`` more relays, and an inference node that bootstraps from the first)
+in one process, in a network namespace of their own: an nftables rule there drops every TCP packet, as the soak's partitions do,
 for ``--cut`` seconds; then it is deleted. What is measured: the seconds from the heal until a
 libp2p ping from the node to its bootstrap peer, over a connection the node holds, is answered
 (no dial of our own: only the node's connection manager dials). Prints one line per run.
 
-Needs root, ``ip`` and ``nft``. Run: ``.venv/bin/python bench/partition_heal.py --cut 60 --runs 2``.
+With others the node holds more connections across the cut, and probes them one per round.
+
+Needs root, ``ip`` and ``nft``. Run: ``.venv/bin/python bench/partition_heal.py --cut 60 --runs 2 [--others 6]``.
 """
 
 from __future__ import annotations
@@ -28,16 +30,16 @@ def nft(*args: str) -> None:
     subprocess.run(["nft", *args], check=True, capture_output=True)
 
 
-async def one_run(cut: float, data: Path) -> float:
+async def one_run(cut: float, others: int, data: Path) -> float:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from swarmtest import node_config, open_nodes  # noqa: E402  (the tests' helpers: real nodes on loopback)
 
-    boot_cfg = node_config(data, "boot", "relay")
-    async with open_nodes([boot_cfg]) as [boot]:
+    configs = [node_config(data, f"relay{i}", "relay") for i in range(others + 1)]
+    async with open_nodes(configs) as [boot, *rest]:
         cfg = node_config(data, "node", "inference", bootstrap=boot.host.listen_addrs()[:1])
         async with open_nodes([cfg]) as [node]:
-            with trio.fail_after(60):
-                while boot.peer_id not in node.membership.members():
+            with trio.fail_after(120):
+                while not {boot.peer_id, *(r.peer_id for r in rest)} <= set(node.membership.members()):
                     await trio.sleep(0.1)
             nft("add", "table", "inet", TABLE)
             nft("add", "chain", "inet", TABLE, "in", "{ type filter hook input priority 0 ; policy accept ; }")
@@ -63,8 +65,8 @@ def inside(args) -> None:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as d:
-            took = trio.run(one_run, args.cut, Path(d))
-        print(f"run {i + 1}: partition {args.cut:.0f} s, talking to the bootstrap again {took:.1f} s after the heal",
+            took = trio.run(one_run, args.cut, args.others, Path(d))
+        print(f"run {i + 1}: {args.others + 2} nodes, partition {args.cut:.0f} s, talking to the bootstrap again {took:.1f} s after the heal",
               flush=True)
 
 
@@ -72,6 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cut", type=float, default=60.0, help="seconds the partition lasts")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--others", type=int, default=0, help="more relays, all connected to the node across the cut")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inside:
@@ -83,7 +86,7 @@ def main() -> None:
     subprocess.run(["ip", "netns", "add", NS], check=True)
     try:
         cmd = ["ip", "netns", "exec", NS, sys.executable, __file__, "--inside", "--cut", str(args.cut),
-               "--runs", str(args.runs)]
+               "--runs", str(args.runs), "--others", str(args.others)]
         sys.exit(subprocess.run(cmd).returncode)
     finally:
         subprocess.run(["ip", "netns", "del", NS], capture_output=True)
