@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import trio
+from quick import parse_args  # bench/, the script's own folder
 
 NS = "swarmheal"
 TABLE = "swarmheal"
@@ -76,7 +77,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--others", type=int, default=0, help="more relays, all connected to the node across the cut")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = parse_args(ap, {"cut": 10.0, "runs": 1})
     if args.inside:
         inside(args)
         return
