@@ -16,11 +16,23 @@ import sys
 
 import pytest
 
+from node.refusals import Refusal
 from node.validator.policy import BENIGN
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make vllm-test` runs these in .vllm-venv")
 
 DURATION_S = 330
+
+
+def workers_fault(reason: str) -> bool:
+    """Whether a trainer's rejection reason (its spool's ``rejected_by_reason`` key) is one the worker
+    answers for: a verdict's by the validator's BENIGN set, an intake refusal's by node/refusals.py."""
+    if reason.startswith("verdict:"):
+        return reason.removeprefix("verdict:") not in BENIGN
+    try:
+        return Refusal(reason).fault
+    except ValueError:  # a reason outside the table counts as the sender's fault (refusals.py)
+        return True
 
 
 def read_status(root, node: str) -> dict:
@@ -50,10 +62,10 @@ def test_the_vllm_nodes_batches_are_verified_and_trained_and_the_reward_rises(tm
     assert vllm_node["batches"]["accepted"] >= 20 and not vllm_node["batches"]["refused"], vllm_node["batches"]
     trainer_status = read_status(root, "trainer")["trainer"]
     trainer = trainer_status["batches"]
-    # A batch may go stale waiting for its verdict on a fast machine (a step every 2 s): lost, not
-    # refused as a cheat. Any rejection the worker answers for fails the test, with its reason.
+    # A batch may go stale at intake or while it waits for its verdict on a fast machine (a step every
+    # 2 s): lost, not refused as a cheat. Any rejection the worker answers for fails the test, with its reason.
     reasons = trainer_status["rejected_by_reason"]
-    assert not {r: n for r, n in reasons.items() if r.removeprefix("verdict:") not in BENIGN}, (reasons, trainer)
+    assert not {r: n for r, n in reasons.items() if workers_fault(r)}, (reasons, trainer)
     assert trainer["trained"] >= vllm_node["batches"]["accepted"], trainer
     curve = json.loads((root / "reward.json").read_text())  # [step, mean reward] per training step
     first, last = [sum(r for _, r in part) / len(part) for part in (curve[:10], curve[-10:])]
