@@ -31,7 +31,7 @@ from libp2p.peer.id import ID
 
 from ..peers.table import FaultRule
 from ..wire import Message, RemoteProtocolError, bounded, decode_as, register, write_frame
-from .host import STREAM_ERRORS, SwarmHost, is_relayed, parse_multiaddr
+from .host import STREAM_ERRORS, SwarmHost, is_relayed, parse_multiaddr, remote_ip_of
 from .relay import RelayClient, RelayError, relay_peer_id_of
 from .reachability import (
     ASK_PEERS,
@@ -109,13 +109,7 @@ class MembersAPI(Protocol):
 
 def observed_ip(stream) -> str | None:
     """The IP the asker's connection comes from; None over a relay (that would be the relay's)."""
-    if is_relayed(stream.muxed_conn):
-        return None
-    try:
-        addr = stream.get_remote_address()
-    except Exception:
-        return None
-    return str(addr[0]) if addr else None
+    return None if is_relayed(stream.muxed_conn) else remote_ip_of(stream)
 
 
 async def dial_verified(host: SwarmHost, peer_id: str, addr: str, timeout: float = DIAL_TIMEOUT_S) -> bool:

@@ -130,6 +130,16 @@ def is_relayed(conn) -> bool:
     return any("/p2p-circuit" in str(a) for a in addrs)
 
 
+def remote_ip_of(endpoint) -> str | None:
+    """The IP the TCP connection under a py-libp2p stream or muxed connection comes from (over a
+    relay circuit, the relay's); None when it does not say."""
+    try:
+        addr = endpoint.get_remote_address()
+    except Exception:  # closing under us, or a transport that does not say
+        return None
+    return str(addr[0]) if addr else None
+
+
 def peer_info_of(addr: str) -> PeerInfo:
     """PeerInfo from ``/ip4/.../tcp/.../p2p/<id>``; ValueError if the /p2p part is missing."""
     try:
@@ -213,14 +223,8 @@ class SwarmHost:
         except ValueError:
             return None
         conns = conns if isinstance(conns, (list, tuple, set)) else [conns] if conns else []
-        for conn in sorted(conns, key=is_relayed):  # a direct connection first
-            try:
-                addr = conn.muxed_conn.get_remote_address()
-            except Exception:  # a connection closing under us, or a transport that does not say
-                continue
-            if addr:
-                return str(addr[0])
-        return None
+        ips = (remote_ip_of(conn.muxed_conn) for conn in sorted(conns, key=is_relayed))  # a direct one first
+        return next((ip for ip in ips if ip), None)
 
     def is_connected(self, peer_id: str) -> bool:
         return ID.from_base58(peer_id) in self.host.get_network().connections

@@ -56,7 +56,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from ..identity import public_key_of
 from ..wire import RemoteProtocolError
-from .host import SwarmHost, parse_multiaddr
+from .host import SwarmHost, parse_multiaddr, remote_ip_of
 
 if TYPE_CHECKING:  # the services take the node's context; net/ sits below it at run time
     from ..context import NodeContext
@@ -262,7 +262,7 @@ class _SwarmCircuitProtocol(CircuitV2Protocol):
             msg.ClearField("peer")
         peer = stream.muxed_conn.peer_id
         self._drop_dead_reservations()
-        ip = _remote_ip(stream)
+        ip = remote_ip_of(stream)
         table = self.resource_manager._reservations
         if peer not in table and ip is not None:
             same_ip = sum(1 for p in table if self._reservation_ip.get(p) == ip)
@@ -342,14 +342,6 @@ class _SwarmCircuitProtocol(CircuitV2Protocol):
             await self._close_stream(stream)
             return
         await super()._handle_stop_stream(stream)
-
-
-def _remote_ip(stream) -> str | None:
-    try:
-        addr = stream.get_remote_address()  # (ip, port) of the underlying TCP connection
-    except Exception:
-        return None
-    return str(addr[0]) if addr else None
 
 
 def _peer_of(msg: HopMessage) -> ID | None:
