@@ -39,17 +39,17 @@ def main(argv: list[str] | None = None) -> None:
     cfg = QuotaConfig()
     wants = cfg.interval_s / args.honest_every
     print(f"pool {cfg.new_total} batches / {cfg.interval_s:.0f} s, newcomer wants {wants:.1f}/min, {args.minutes:g} min each")
-    cases = {"keys": {}, "keys+fail": {"fail_after_s": args.fail_after}, "new key/try": {"key_making": True},
-             "1 addr": {"key_making": True, "origins": 1}, "n addrs": {"key_making": True, "origins": 0}}
+    cases = {  # column -> simulate_flood's keywords for n flooding parties
+        "keys": lambda n: {}, "keys+fail": lambda n: {"fail_after_s": args.fail_after},
+        "new key/try": lambda n: {"key_making": True}, "1 addr": lambda n: {"key_making": True, "origins": 1},
+        "n addrs": lambda n: {"key_making": True, "origins": n}}
     print(f"{'sybils':>6} {'fair/min':>9} " + " ".join(f"{name:>11}" for name in cases))
     seconds = args.minutes * cfg.interval_s
     for n in (int(x) for x in args.sybils.split(",")):
         fair = min(wants, cfg.new_total / (n + 1))
-        got = []
-        for kw in cases.values():
-            kw = kw | ({"origins": n} if kw.get("origins") == 0 else {})
-            got.append(simulate_flood(cfg, n, seconds, args.honest_every, **kw) / args.minutes)
+        got = [simulate_flood(cfg, n, seconds, args.honest_every, **kw(n)) / args.minutes for kw in cases.values()]
         print(f"{n:>6} {fair:>9.2f} " + " ".join(f"{g:>11.2f}" for g in got))
+
 
 if __name__ == "__main__":
     main()
