@@ -282,8 +282,8 @@ def adversary_imports(imports: dict[str, list[tuple[str, int]]]) -> list[str]:
 # (the ledger's entry bodies, which LedgerAPI.append takes; the finite check every published
 # checkpoint folder passes, node/shards/finite.py). Never a component's service, nor one of its pure
 # internals such as the gossip record's bounds: issue 44 found the trainer importing LedgerError from
-# the ledger's service and MAX_VERSIONS from gossip/records.py. The roles' ``cli`` modules are
-# offline commands that read a store read-only (as the ledger's own does): app code, not services.
+# the ledger's service and MAX_VERSIONS from gossip/records.py. Subcommands are app code
+# (node/app/commands/), so no component module is exempt.
 ROLE_SERVICES = ("trainer", "validator", "inference")
 SERVICE_COMPONENTS = ("gossip", "shards", "ledger")
 CONTRACTS = ("node.ledger.entries", "node.shards.finite")
@@ -292,7 +292,7 @@ CONTRACTS = ("node.ledger.entries", "node.shards.finite")
 def component_internals(imports: dict[str, list[tuple[str, int]]]) -> list[str]:
     """Imports by the role services of a component's modules other than its api, config and contracts."""
     return [f"{m}:{line} imports {name}" for m in sorted(imports)
-            if _top(m) in ROLE_SERVICES and not m.endswith(".cli")
+            if _top(m) in ROLE_SERVICES
             for name, line in imports[m] if name.startswith("node.") and _top(name) in SERVICE_COMPONENTS
             and name not in (f"node.{_top(name)}.api", f"node.{_top(name)}.config") + CONTRACTS]
 

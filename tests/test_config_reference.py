@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from node.config import load_config
-from node.app.config_reference import reference
+from node.app.commands.config_reference import reference
 
 REFERENCE_DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

@@ -217,7 +217,7 @@ def test_generator_step_with_length_reward(tiny):
 def _cli(*argv: str) -> int:
     import argparse
 
-    from node.app.rollouts_cli import add_commands
+    from node.app.commands.rollout import add_commands
 
     parser = argparse.ArgumentParser(prog="swarm-node")
     add_commands(parser.add_subparsers())

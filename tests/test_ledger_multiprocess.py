@@ -238,7 +238,7 @@ def wait_until(predicate, timeout: float = 90.0, step: float = 0.3):
 
 
 def cli(*argv) -> subprocess.CompletedProcess:
-    code = "import sys, argparse; from node.ledger import cli; p = argparse.ArgumentParser(); cli.add_commands(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
+    code = "import sys, argparse; from node.app.commands import ledger as cli; p = argparse.ArgumentParser(); cli.add_commands(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
     return subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
 
 

@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 
 from node.identity import Identity
-from node.ledger import cli
+from node.app.commands import ledger as cli
 from node.ledger.chain import Evidence, Ledger
 from node.ledger.entries import GENESIS, Penalty, RolloutsJudged, make_entry
 from node.ledger.store import DB_FILE, PAGE_SIZE, LedgerStoreError, open_ledger_store, rebuild

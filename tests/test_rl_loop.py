@@ -16,7 +16,7 @@ from node.engines.model import (
     is_model_folder,
 )
 from node.rl.warmup import create_default_model
-from node.rl.cli import add_commands
+from node.app.commands.rl import add_commands
 from node.rl.config import GRPOConfig, RLConfig
 from node.rl.loop import run_local_loop
 from node.rl.rollout import make_groups, train_samples

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from node.identity import load_or_create_identity
-from node.app.shards_cli import add_commands
+from node.app.commands.checkpoints import add_commands
 from node.shards.testing import safetensors_bytes, write_checkpoint
 
 

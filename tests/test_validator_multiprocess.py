@@ -18,7 +18,7 @@ import pytest
 
 from node.ledger.store import open_ledger_store
 from node.app.localswarm import LocalSwarm
-from node.validator.cli import collect
+from node.app.commands.penalties import collect
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,7 @@ from node.rollouts.schema import (
     open_verdict,
 )
 from node.validator import testing as T
-from node.validator.cli import cmd_penalties
+from node.app.commands.penalties import cmd_penalties
 from node.validator.config import ValidatorSections
 from node.validator.pipeline import BatchReason, BatchRules
 from node.validator.service import ValidatorService, batch_rules

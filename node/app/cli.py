@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import json
 import os
 import sys
@@ -24,15 +23,12 @@ from ..log import setup_logging
 from ..net.ports import PortUnavailable, check_listen_ports, check_port_free
 from ..rl.sandbox import SandboxUnavailable
 from ..rollouts.config import CHEATS
+from .commands import COMMANDS
 from .errors import RuntimeFailure, UsageError
 
 # Imported inside the commands on purpose: trio and libp2p (roles, status, status_view's remote
 # fetch) and the demo's swarm cost start-up time that ``--help``, ``keygen`` and ``id`` should not pay.
 
-# Modules that add subcommands (each has add_commands(subparsers)). Those that only read a data dir
-# live with their component; those that start a node or build a generator live here in app/.
-COMMAND_MODULES: list[str] = ["node.ledger.cli", "node.app.shards_cli", "node.rl.cli", "node.validator.cli",
-                              "node.app.rollouts_cli", "node.trainer.cli", "node.app.config_reference"]
 
 EPILOG = """\
 examples:
@@ -146,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the trainer's web status page on 127.0.0.1 (default 8080; 0 = off)")
     p.set_defaults(func=cmd_demo)
 
-    for mod in COMMAND_MODULES:
-        importlib.import_module(mod).add_commands(sub)
+    for module in COMMANDS:
+        module.add_commands(sub)
     return parser
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..health import State
-from ..ledger.cli import _SHORT, _short_peer
+from .commands.ledger import _SHORT, _short_peer
 from ..ledger.entries import TOTAL_FIELDS
 
 

@@ -5,5 +5,5 @@
 * :mod:`node.ledger.store` — SQLite persistence in the data dir.
 * :mod:`node.ledger.messages` — the anti-entropy sync's wire messages (pure).
 * :mod:`node.ledger.service` — the trio service: gossip, anti-entropy, the API other roles call.
-* :mod:`node.ledger.cli` — ``swarm-node ledger [verify|export]``.
+* ``swarm-node ledger [verify|export]`` is :mod:`node.app.commands.ledger` (every subcommand lives in node/app/commands/).
 """

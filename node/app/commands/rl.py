@@ -74,7 +74,7 @@ def _fail(msg: str) -> int:
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
-    from .warmup import DEFAULT_WARMUP_STEPS, create_default_model
+    from ...rl.warmup import DEFAULT_WARMUP_STEPS, create_default_model
 
     out = Path(args.out).expanduser()
     if args.from_gguf:
@@ -96,7 +96,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def _init_from_gguf(path: Path, out: Path, replace: bool) -> int:
-    from ..engines.gguf_folder import GGUFError, convert_gguf
+    from ...engines.gguf_folder import GGUFError, convert_gguf
 
     try:
         folder, params = convert_gguf(path, out, replace=replace)
@@ -118,13 +118,13 @@ def cmd_rl_local(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..engines.torch_engine import TorchEngine
-    from ..engines.model import ModelFolderError, check_model_folder
-    from .config import GRPOConfig, RLConfig
-    from .loop import greedy_score, run_local_loop
-    from .sandbox import SandboxUnavailable, require_isolation
-    from .tasks import TaskFormatError, load_run_tasks, load_taskset, runs_code
-    from .warmup import create_default_model
+    from ...engines.torch_engine import TorchEngine
+    from ...engines.model import ModelFolderError, check_model_folder
+    from ...rl.config import GRPOConfig, RLConfig
+    from ...rl.loop import greedy_score, run_local_loop
+    from ...rl.sandbox import SandboxUnavailable, require_isolation
+    from ...rl.tasks import TaskFormatError, load_run_tasks, load_taskset, runs_code
+    from ...rl.warmup import create_default_model
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -14,8 +14,8 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from .evaluation import EvalRecord, eval_summary
-from .spool import Spool
+from ...trainer.evaluation import EvalRecord, eval_summary
+from ...trainer.spool import Spool
 
 
 def add_commands(sub) -> None:
@@ -30,7 +30,7 @@ def add_commands(sub) -> None:
 
 
 def cmd_steps(args) -> int:
-    from ..config import ConfigError, load_config
+    from ...config import ConfigError, load_config
 
     try:
         config = load_config(args.run, dict(os.environ), {"data_dir": args.data_dir})
@@ -52,7 +52,7 @@ def cmd_steps(args) -> int:
         print(f"swarm-node: error: cannot read {path}: {e}", file=sys.stderr)
         return 2
     if args.png:
-        from .plot import write_curve_png
+        from ...trainer.plot import write_curve_png
 
         write_curve_png([(s.step, s.mean_reward) for s in steps], args.png,
                         evals=[(e.version, e.score) for e in evals])

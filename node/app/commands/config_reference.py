@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from ..config import SECTIONS, NodeConfig, RunConfig
+from ...config import SECTIONS, NodeConfig, RunConfig
 
 _FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^=]+?(?:=\s*(.*?))?\s*(?:#\s*(.*))?$")
 _COMMENT = re.compile(r"^\s+#\s?(.*)$")
@@ -102,7 +102,7 @@ def cmd_config(args) -> int:
     if args.run is None and not args.effective:
         print(reference(), end="")
         return 0
-    from .cli import config_from_args
+    from ..cli import config_from_args
 
     print(effective(config_from_args(args)), end="")
     return 0

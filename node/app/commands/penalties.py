@@ -25,9 +25,9 @@ def add_commands(sub) -> None:
 
 def collect(store, now_s: float) -> dict:
     """Penalty entries, active bans and failed-verdict reasons from a ledger store."""
-    from ..ledger.chain import Ledger
-    from ..ledger.entries import Penalty, Verdict, parse_entry
-    from ..ledger.store import rebuild
+    from ...ledger.chain import Ledger
+    from ...ledger.entries import Penalty, Verdict, parse_entry
+    from ...ledger.store import rebuild
 
     penalties, failed = [], collections.defaultdict(collections.Counter)
     for _author, _seq, _hash, raw in store.iter_raw():
@@ -54,8 +54,8 @@ def collect(store, now_s: float) -> dict:
 
 
 def cmd_penalties(args) -> int:
-    from ..config import ConfigError, load_config
-    from ..ledger.store import LedgerStoreError, open_ledger_store
+    from ...config import ConfigError, load_config
+    from ...ledger.store import LedgerStoreError, open_ledger_store
 
     try:
         config = load_config(args.run, dict(os.environ), {"data_dir": args.data_dir})

@@ -28,9 +28,9 @@ def add_commands(sub) -> None:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from ..config import ConfigError, RunConfig, build, read_run_file, split_run_table
-    from ..engines.model import is_model_folder
-    from ..rl.tasks import TaskFormatError
+    from ...config import ConfigError, RunConfig, build, read_run_file, split_run_table
+    from ...engines.model import is_model_folder
+    from ...rl.tasks import TaskFormatError
 
     def fail(msg: str) -> int:
         print(f"swarm-node rollout: {msg}", file=sys.stderr)
@@ -54,7 +54,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from ..engines.model import create_tiny_model
+            from ...engines.model import create_tiny_model
 
             model = create_tiny_model(Path(tmp) / "tiny")
         try:
@@ -84,9 +84,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def _generator(run):
-    from ..identity import Identity
-    from ..adversary.generator import make_generator
-    from ..roles.sections import RunSections
+    from ...identity import Identity
+    from ...adversary.generator import make_generator
+    from ...roles.sections import RunSections
 
     s = RunSections.of(run)
     return make_generator(identity=Identity.generate(), run_name=run.name, rl=s.rl, proofs=s.proofs,

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import LOG_LEVELS, ConfigError, load_config
+from ...config import LOG_LEVELS, ConfigError, load_config
 
 
 def add_commands(sub) -> None:
@@ -46,8 +46,8 @@ def _config(args: argparse.Namespace, role: str):
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from ..shards.finite import non_finite_in_folder
-    from ..shards.manifest import FolderError, folder_files
+    from ...shards.finite import non_finite_in_folder
+    from ...shards.manifest import FolderError, folder_files
 
     try:
         config = _config(args, "trainer")
@@ -67,8 +67,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
         return 2
     import trio
 
-    from ..atomic import DataDirError, hold_data_dir
-    from ..identity import IdentityError, load_or_create_identity
+    from ...atomic import DataDirError, hold_data_dir
+    from ...identity import IdentityError, load_or_create_identity
 
     try:
         # The trainer's data dir, held for the whole publish: a trainer running on it (or a second
@@ -92,8 +92,8 @@ async def _publish(config, path: Path, version: int, seed_for: float) -> int:
 
     import trio
 
-    from ..log import setup_logging
-    from ..roles.core import run_node, start_core
+    from ...log import setup_logging
+    from ...roles.core import run_node, start_core
 
     setup_logging(config.log_level, config.log_json)
     async with trio.open_nursery() as nursery:
@@ -120,7 +120,7 @@ async def _publish(config, path: Path, version: int, seed_for: float) -> int:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from ..shards.store import PieceStore, read_verified_log
+    from ...shards.store import PieceStore, read_verified_log
 
     try:
         config = _config(args, None)

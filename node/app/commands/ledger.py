@@ -13,9 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from .chain import Evidence, Ledger
-from .entries import TOTAL_FIELDS, entry_to_json, parse_entry
-from .store import LedgerStore, LedgerStoreError, open_ledger_store, rebuild
+from ...ledger.chain import Evidence, Ledger
+from ...ledger.entries import TOTAL_FIELDS, entry_to_json, parse_entry
+from ...ledger.store import LedgerStore, LedgerStoreError, open_ledger_store, rebuild
 
 _SHORT = {  # column headers for the totals table
     "entries": "entries",
@@ -71,7 +71,7 @@ class _Usage(Exception):
 def _config(args):
     """The run file's config; without one (no --run, no $SWARM_RUN), the run the data dir's node last
     served (its run.json), so totals are judged as that node judges them."""
-    from ..config import RUN_FILE_ENV, ConfigError, load_config, read_run_record
+    from ...config import RUN_FILE_ENV, ConfigError, load_config, read_run_record
 
     try:
         config = load_config(getattr(args, "run", None), dict(os.environ), {"data_dir": getattr(args, "data_dir", None)})
