@@ -65,10 +65,12 @@ def test_a_bundle_naming_no_section_of_the_run_is_refused():
     assert sections.pick(Right).grpo is sections.grpo
 
 
-# The role services read the run's tables they are handed (issue 44 item 5): none of their modules
-# looks a section up by name, so what a service reads is in its signature.
+# The services read the run's tables they are handed (issue 44 item 5): none of their modules looks a
+# section up by name, so what a service reads is in its signature. The role services, membership, the
+# ledger (the offline ``swarm-node ledger`` command is app code, node/app/commands/) and the reach
+# services (relay, dial-back).
 NODE = Path(__file__).resolve().parents[1] / "node"
-HANDED_IN = ("trainer", "validator", "inference")
+HANDED_IN = ("trainer", "validator", "inference", "gossip", "ledger")
 
 
 def section_lookups(paths: list[Path], root: Path = NODE.parent) -> list[str]:

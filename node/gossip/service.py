@@ -38,7 +38,7 @@ import trio
 from .. import __version__
 from ..context import NodeContext
 from ..fds import Rarely, out_of_files
-from ..net.budget import STALLED, StreamLimits
+from ..net.budget import STALLED, StreamLimits, StreamsConfig
 from ..net.reqres import CallFailure, Inbound, Refused, RequestResponse, close, messages
 from ..peers import FaultRule
 from ..wire import (
@@ -243,18 +243,18 @@ def own_record(node: NodeContext, relay: RelayAPI, seq: int) -> PeerRecord:
     )
 
 
-async def serve_membership(node: NodeContext, relay: RelayAPI, shards: HeldVersions, *,
-                           task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run membership until cancelled; hands back the :class:`Membership` API once it runs. Our
-    record advertises ``relay``'s circuit addresses and the versions ``shards`` holds."""
-    cfg = node.run.section("membership", MembershipConfig)
+async def serve_membership(node: NodeContext, cfg: MembershipConfig, streams: StreamsConfig, relay: RelayAPI,
+                           shards: HeldVersions, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run membership until cancelled; hands back the :class:`Membership` API once it runs. ``cfg``
+    is the run's ``[membership]`` table, ``streams`` its per-peer stream budgets. Our record
+    advertises ``relay``'s circuit addresses and the versions ``shards`` holds."""
     membership = Membership(node, cfg, MemberTable(node.peer_id, cfg), own_record(node, relay, next_seq(0, wall_ms())))
     membership.conn = ConnectionManager(cfg.conn_low, cfg.conn_high, cfg.dial_backoff)
     membership.backoff = AddressBackoff(cfg.dial_backoff, cfg.dial_backoff_max)
     node.peers.set_rule(SOURCE, FaultRule(weight=FAULT_WEIGHT))
     node.status["membership"] = membership.status
     async with open_checked_topic(node, node.topic("members"), partial(open_membership, run=node.run.name)) as topic:
-        await MembershipService(node, relay, shards, topic, membership).run(task_status=task_status)
+        await MembershipService(node, streams, relay, shards, topic, membership).run(task_status=task_status)
 
 
 class MembershipService:
@@ -266,13 +266,14 @@ class MembershipService:
     remote peer, ``call_*`` ask one.
     """
 
-    def __init__(self, node: NodeContext, relay: RelayAPI, shards: HeldVersions, topic, membership: Membership):
+    def __init__(self, node: NodeContext, streams: StreamsConfig, relay: RelayAPI, shards: HeldVersions, topic,
+                 membership: Membership):
         self.node, self.relay, self.shards, self.topic = node, relay, shards, topic
         self.membership = membership
         self.cfg, self.table = membership.config, membership.table
         self.members_gauge = node.metrics.gauge("members", "Known members by state", ["state"])
         self.verdicts = node.metrics.counter("membership_events_total", "Member table inputs by verdict", ["verdict"])
-        self.sync_inbound = Inbound(SYNC_PROTOCOL, SYNC_LIMITS, config=node.run.section("streams"), peers=node.peers,
+        self.sync_inbound = Inbound(SYNC_PROTOCOL, SYNC_LIMITS, config=streams, peers=node.peers,
                                     metrics=node.metrics)
         self.held: list[int] = []  # checkpoint versions in our record: the last list read from the data dir
         self.starved = Rarely()  # out of descriptors: said once a minute while it lasts

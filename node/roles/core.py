@@ -90,7 +90,7 @@ async def start_core(
     ledger = await nursery.start(serve_ledger, node, sections.ledger, sections.streams)
     shards = await nursery.start(serve_shards, node, ledger)
     relay = await nursery.start(serve_relay, node)
-    membership = await nursery.start(serve_membership, node, relay, shards)
+    membership = await nursery.start(serve_membership, node, sections.membership, sections.streams, relay, shards)
     reachability = await nursery.start(serve_dialback, node, relay, membership)
     if node.config.http_port:  # the web status page reads status providers at each request
         await nursery.start(serve_web, node, ledger)
