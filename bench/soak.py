@@ -56,7 +56,8 @@ from loop import set_run_values  # noqa: E402  (bench/, the script's own folder)
 from quick import parse_args  # noqa: E402
 from soaklib import (  # noqa: E402
     DISK_FULL, FIRST_EVENT_S, HOSTILE, KILL9, LATE_JOIN, PARTITION, PARTITION_GROUP, RELAY_REPLACE, SIGTERM,
-    SILENCE, AckTally, SpoolRow, account, count_errors, make_schedule, recovery_s, role_of, slope_per_hour,
+    SILENCE, AckTally, SpoolRow, account, count_errors, make_schedule, recovery_s, replication_lag, role_of,
+    slope_per_hour,
 )
 from node.app.demo import DEMO_THREADS, demo_run_text, node_env  # noqa: E402
 from node.app.localswarm import LocalSwarm, Proc  # noqa: E402
@@ -73,6 +74,7 @@ SAMPLE_S = 5.0  # seconds between two samples of every node
 WARMUP_S = 300.0  # resource slopes are fitted after this much of a process's life (less in short runs)
 RESOURCES = ("rss_mb", "fds", "threads", "tasks", "sqlite_mb")  # sampled per process; slopes fitted
 STOP_WAIT_S = 30.0  # a node that has not exited this long after SIGTERM is a finding, then killed
+LAG_GRACE_S = 60.0  # the issue's bound: every replica holds the trainer's chain this long after the last heal
 DIGEST_WAIT_S = 120.0  # how long the end waits for the replicas' digests to agree
 BRIDGE_IP = "10.77.0.254"  # this process's address on the bridge (the hostile peer dials from it)
 
@@ -437,6 +439,7 @@ class Soak:
 
     def sample(self) -> None:
         t = round(self.now(), 1)
+        trainer_id = self.swarm.peer_id("trainer")
         for name, proc in self.swarm.procs.items():
             if not proc.alive():
                 continue
@@ -444,7 +447,8 @@ class Soak:
             row = {"t": t, "node": name, "pid": proc.pid, **(proc_figures(proc.pid) or {}),
                    "sqlite_mb": round(sqlite_mb(proc.data_dir), 3), "tasks": st.get("tasks"),
                    "progress": progress(proc.role, st) if st else None,  # {}: no status yet
-                   "digest": (st.get("ledger") or {}).get("digest")}
+                   "digest": (st.get("ledger") or {}).get("digest"),
+                   "trainer_seq": ((st.get("ledger") or {}).get("trusted_heads") or {}).get(trainer_id)}
             if row["progress"] is not None:
                 self.series[name].append((t, proc.pid, row["progress"]))
                 if proc.role == "inference":
@@ -510,11 +514,31 @@ class Soak:
         # others still append verdicts and receipts, and flush some as they stop.)
         trainer_id = sw.peer_id("trainer")
         heads = {n: ledger_head(p.data_dir, trainer_id) for n, p in sw.procs.items() if n not in sw.gone}
+        last_back = max((rec["back_at"] for rec in self.results if "back_at" in rec), default=0.0)
         step_t = [(s["t"], s["step"]) for s in self.samples if s.get("step") is not None]
         return {"seed": self.seed, "minutes": self.seconds / 60, "events": self.results, "findings": self.findings,
                 "accounting": {workers.get(w, w[-8:]): r for w, r in ledger.items()}, "resources": resources,
                 "errors": {n: dict(c) for n, c in errors.items()}, "reward": steps, "step_t": step_t,
-                "trainer_heads": heads, **end}
+                "trainer_heads": heads, "lag": self.lag(last_back), **end}
+
+    def lag(self, last_back: float) -> dict:
+        """Each replica's lag behind the trainer's chain while it writes (soaklib.replication_lag):
+        its 95th percentile over the run, and its largest from LAG_GRACE_S after the last restart or
+        heal on (the issue's 60 s), with that time."""
+        writer = [(s["t"], s["trainer_seq"]) for s in self.samples
+                  if s["node"] == "trainer" and s.get("trainer_seq") is not None]
+        out = {}
+        for name in self.swarm.procs:
+            if name == "trainer":
+                continue
+            mine = [(s["t"], s["trainer_seq"]) for s in self.samples
+                    if s["node"] == name and s.get("trainer_seq") is not None]
+            lags = [lag for _, lag in replication_lag(writer, mine)]
+            late = [lag for t, lag in replication_lag(writer, mine) if t >= last_back + LAG_GRACE_S]
+            if lags:
+                out[name] = {"p95_s": round(sorted(lags)[int(0.95 * (len(lags) - 1))], 1),
+                             "after_last_heal_max_s": round(max(late), 1) if late else None}
+        return {"last_back_s": round(last_back, 1), "grace_s": LAG_GRACE_S, "replicas": out}
 
 
 def steps_per_minute(step_t: list[tuple[float, int]], start: float, end: float) -> float | None:
@@ -570,6 +594,13 @@ def print_report(r: dict) -> None:
     print(f"\nledger: trainer stopped in {r['trainer_stop_s']} s; every other replica's digest equal "
           + (f"{agreed} s later" if agreed is not None else f"NOT within {DIGEST_WAIT_S:.0f} s: {r['last_digests']}")
           )
+    lag = r["lag"]
+    worst = max((v["after_last_heal_max_s"] or 0.0 for v in lag["replicas"].values()), default=None)
+    print(f"ledger: replicas' lag behind the trainer's chain while it writes, 95th percentile over the run: "
+          + ", ".join(f"{n} {v['p95_s']}" for n, v in lag["replicas"].items()) + " s")
+    print(f"ledger: largest lag from {lag['grace_s']:.0f} s after the last restart or heal "
+          f"(t={lag['last_back_s']:.0f} s) to the end: {f(worst)} s (0: every replica held every entry the trainer "
+          "had reported by its sample)")
     heads = r["trainer_heads"]
     whole = sum(h == heads.get("trainer") for h in heads.values())
     print(f"ledger: the trainer's chain (its last seq {heads.get('trainer')}) whole on {whole} of {len(heads)} stored replicas"

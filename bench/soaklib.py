@@ -209,6 +209,21 @@ def slope_per_hour(points: list[tuple[float, float]], warmup_s: float) -> float 
     return sum((t - mt) * (v - mv) for t, v in pts) / var * 3600.0
 
 
+def replication_lag(writer: list[tuple[float, int]], replica: list[tuple[float, int]]) -> list[tuple[float, float]]:
+    """How far one replica trails a writing author, at each of its samples: (time, seconds).
+
+    ``writer``: (time, seq) of the author's own head; ``replica``: (time, seq) of that author's head
+    as the replica holds it. The lag at a replica sample is the age of the oldest entry it is
+    missing: the time since the writer first reported a head past the replica's (0 when the replica
+    holds everything the writer had reported by then). Sampling can overstate it by one writer
+    sample interval; it never hides a replica that stays behind."""
+    out = []
+    for t, seq in replica:
+        past = [wt for wt, wseq in writer if wt <= t and wseq > seq]
+        out.append((t, t - min(past) if past else 0.0))
+    return out
+
+
 _ERROR = re.compile(r"^\S+ (ERRO|CRIT) \S+ ([\w.]+): (.*)$")
 _LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d")  # node/log.py's text lines begin with the time
 _VARIABLE = (  # what differs between two lines of one kind: peer ids, addresses, hashes, numbers

@@ -375,3 +375,14 @@ async def test_the_store_stays_open_until_an_append_in_flight_has_committed(tmp_
             await svc.append(rollouts(1))
     with open_ledger_store(tmp_path / "t") as store:
         assert store.count() == 1
+
+
+async def test_status_shows_the_trusted_authors_heads_as_this_replica_holds_them(tmp_path):
+    first = make_entry(TRAINER, RUN, 1, GENESIS, 1, rollouts(1))
+    second = make_entry(TRAINER, RUN, 2, first.hash, 2, rollouts(2))
+    node = NodeContext(NodeConfig(data_dir=str(tmp_path), run=run_config()), WORKER, host=None, data_dir=tmp_path)
+    with open_ledger_store(tmp_path) as store:
+        svc = LedgerService(node, store, LedgerConfig())
+        assert svc.status()["trusted_heads"] == {TRAINER.peer_id: 0, VALIDATOR.peer_id: 0}
+        await svc.ingest([first.raw, second.raw], "test")
+        assert svc.status()["trusted_heads"] == {TRAINER.peer_id: 2, VALIDATOR.peer_id: 0}

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import soaklib  # noqa: E402
 from soaklib import (  # noqa: E402
-    AckTally, SpoolRow, account, count_errors, make_schedule, recovery_s, role_of, slope_per_hour,
+    AckTally, SpoolRow, account, count_errors, make_schedule, recovery_s, replication_lag, role_of,
+    slope_per_hour,
 )
 
 NODES = ["relay-1", "relay-2", "trainer", "validator-1", "validator-2",
@@ -141,3 +142,13 @@ async def test_status_counts_the_trio_tasks_of_the_node():
         await trio.testing.wait_all_tasks_blocked()
         assert trio_tasks() == before + 3
         nursery.cancel_scope.cancel()
+
+
+def test_replication_lag_is_the_age_of_the_oldest_entry_a_replica_misses():
+    writer = [(0.0, 1), (10.0, 3), (20.0, 5), (30.0, 5)]
+    # Caught up at 5 (holds 1 of 1), then behind since the writer passed 1 at 10 s, then caught up.
+    replica = [(5.0, 1), (15.0, 1), (25.0, 3), (35.0, 5)]
+    assert replication_lag(writer, replica) == [(5.0, 0.0), (15.0, 5.0), (25.0, 5.0), (35.0, 0.0)]
+    # A replica that never moves trails by ever more; one ahead of the writer's last report trails by 0.
+    assert [lag for _, lag in replication_lag(writer, [(12.0, 0), (40.0, 0)])] == [12.0, 40.0]
+    assert replication_lag(writer, [(11.0, 4)]) == [(11.0, 0.0)]

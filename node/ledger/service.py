@@ -317,6 +317,9 @@ class LedgerService:
             "entries": self.stored_entries(),
             "authors": len(self.ledger.authors()),
             "own_seq": self.ledger.head_of(me),
+            # The trainers' and validators' heads as this replica holds them: how far behind their
+            # writers the replicas are, while they write (bench/soak.py's replication lag).
+            "trusted_heads": {a: self.ledger.head_of(a) for a in sorted(self.ledger.trusted)},
             "digest": self.ledger.digest().hex()[:16],
             "flagged": self.ledger.flagged(),
             "bans": {p: {"seconds_left": round((b.until_ms - now) / 1000), "reason": b.reason, "by": b.by}
