@@ -4,7 +4,7 @@ Arrows run down: app -> roles -> services -> pure logic -> wire. Every module un
 with ``ast`` (imports inside functions included, since a lazy import is still a dependency) and
 the rules below are checked on the result; nothing is imported, so the test is fast and needs no
 ML stack. Imports under ``if TYPE_CHECKING:`` never run and are left out: they name a type for
-readers and checkers (net/relay.py's services take the node context that sits above net/).
+readers and checkers; the rules that type-only imports break as well read them too (``type_only``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ PURE = [
     "node.net.multiaddrs",
     "node.net.counters",
     "node.net.budget",
-    "node.net.reachability",
+    "node.reach.reachability",
     "node.peers.table",
     "node.gossip.membership",
     "node.gossip.records",
@@ -66,15 +66,15 @@ PURE = [
 ]
 # What pure code may not import: third-party I/O, and node's own I/O layers.
 IO_LIBRARIES = ("trio", "libp2p", "sqlite3", "socket")
-IO_MODULES = ("node.net.host", "node.net.relay", "node.net.reqres", "node.net.patches", "node.context",
-              "node.status", "node.roles", "node.app")
+IO_MODULES = ("node.net.host", "node.net.reqres", "node.net.patches", "node.reach.relay", "node.reach.dialback",
+              "node.context", "node.status", "node.roles", "node.app")
 IO_SUFFIXES = (".service", ".sync", ".store")  # the trio services and the SQLite/piece stores
 
 # Layers below the roles and the program: they never import them.
-LOWER = ("gossip", "shards", "proofs", "ledger", "peers", "net", "rl", "engines", "rollouts", "adversary",
+LOWER = ("gossip", "shards", "proofs", "ledger", "peers", "net", "reach", "rl", "engines", "rollouts", "adversary",
          "trainer", "validator", "inference")
 # Components that talk only through each other's typed APIs (``api.py`` Protocols) or pure modules.
-COMPONENTS = ("gossip", "shards", "ledger", "proofs")
+COMPONENTS = ("gossip", "shards", "ledger", "proofs", "reach")
 # The top: the program (``python -m node`` is node/__main__.py), the app and the role compositions.
 TOP = ("__main__", "app", "roles")
 # Top-level package edges that form a cycle and cannot be fixed yet: (importer, imported, why).

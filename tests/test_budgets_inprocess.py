@@ -135,7 +135,7 @@ async def test_silent_status_streams_do_not_deny_status_to_another_peer(tmp_path
 
 def relay_protocols() -> list[str]:
     from node.gossip.service import PROBE_PROTOCOL, SYNC_PROTOCOL
-    from node.net.dialback import DIALBACK_PROTOCOL
+    from node.reach.dialback import DIALBACK_PROTOCOL
     from node.net.host import PING_PROTOCOL
     from node.shards.protocol import PROTOCOL as SHARDS_PROTOCOL
 

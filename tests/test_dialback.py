@@ -1,4 +1,4 @@
-"""Reachability by dial-back (node/net/reachability.py, node/net/dialback.py).
+"""Reachability by dial-back (node/reach/reachability.py, node/reach/dialback.py).
 
 Pure tests drive the vote counting, the dialer's address filter and the relay choice; the
 in-process tests use real hosts on loopback (127.0.0.1, with 127.0.0.2 standing in for a third
@@ -12,7 +12,7 @@ from contextlib import AsyncExitStack
 import pytest
 import trio
 
-from node.net.dialback import (
+from node.reach.dialback import (
     DIALBACK_PROTOCOL,
     DialBackReply,
     DialBackRequest,
@@ -20,7 +20,7 @@ from node.net.dialback import (
     ReachabilityService,
     serve_dialback,
 )
-from node.net.reachability import (
+from node.reach.reachability import (
     MAX_DIAL_PORTS,
     PRIVATE,
     PUBLIC,
@@ -31,7 +31,7 @@ from node.net.reachability import (
     choose_relays,
     dialback_targets,
 )
-from node.net.relay import circuit_addr, connect_addr, serve_relay_client, serve_relay_hop
+from node.reach.relay import circuit_addr, connect_addr, serve_relay_client, serve_relay_hop
 from node.net.reqres import call, messages
 from node.gossip.records import PeerRecord
 from node.wire import encode, write_frame
@@ -217,7 +217,7 @@ async def test_a_garbage_request_scores_the_asker_down(tmp_path):
         a = await stack.enter_async_context(open_node(tmp_path, "a"))
         b = await stack.enter_async_context(open_node(tmp_path, "b"))
         await _server(b)
-        b.context.peers.set_rule("dialback", __import__("node.net.dialback", fromlist=["FAULT_RULE"]).FAULT_RULE)
+        b.context.peers.set_rule("dialback", __import__("node.reach.dialback", fromlist=["FAULT_RULE"]).FAULT_RULE)
         await a.host.connect(b.host.listen_addrs()[0])
         stream = await a.host.open_stream(b.peer_id, DIALBACK_PROTOCOL)
         await write_frame(stream, encode(PeerRecord(run="r", peer_id=PID, role="x", addrs=[], software="x", seq=1)))
@@ -248,7 +248,7 @@ async def test_a_private_node_reserves_on_two_relays_from_the_table_and_drops_th
         n = await stack.enter_async_context(open_node(tmp_path, "n", serve_relay_client, relays=[]))
         table = {r.peer_id: r.host.transport_addrs() for r in (r1, r2, r3)}
         svc = ReachabilityService(n.context, n.relay, FakeMembers(table))
-        with caplog.at_level("WARNING", logger="node.net.dialback"):
+        with caplog.at_level("WARNING", logger="node.reach.dialback"):
             await svc.follow(PRIVATE)
         assert len(svc.auto_relays) == 2 and svc.auto_relays <= set(table)
         assert all(n.relay.has_reservation_on(r) for r in svc.auto_relays)
@@ -281,7 +281,7 @@ async def test_serve_dialback_publishes_reachability_in_status_and_record(tmp_pa
 
 async def test_a_dial_back_must_prove_the_askers_peer_id(tmp_path):
     """Another peer answering on the asker's port is not the asker: not reached."""
-    from node.net.dialback import dial_verified
+    from node.reach.dialback import dial_verified
 
     async with AsyncExitStack() as stack:
         a = await stack.enter_async_context(open_node(tmp_path, "a"))
@@ -295,7 +295,7 @@ async def test_a_dial_back_must_prove_the_askers_peer_id(tmp_path):
 async def test_rounds_repeat_until_the_verdict_is_backed_then_only_rarely(monkeypatch, autojump_clock):
     """The asking schedule on a mock clock: every RETRY_ROUND_S while votes are missing, then
     every RECHECK_ROUND_S."""
-    from node.net import dialback
+    from node.reach import dialback
 
     host = type("H", (), {"direct_peers": lambda self: ["p1", "p2"]})()
     svc = ReachabilityService(type("N", (), {"host": host})(), None, None)

@@ -70,7 +70,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from node.identity import Identity
 from node.net.host import open_swarm_host
 from node.net.host import is_relayed
-from node.net.relay import connect_addr
+from node.reach.relay import connect_addr
 
 async def main(listen, addr, peer):
     async with open_swarm_host(Identity.generate(), [listen]) as host:

@@ -23,12 +23,12 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 import multiaddr
 
-from node.net import relay
+from node.reach import relay
 from node.config import NodeConfig
 from node.context import NodeContext, RunningNode
 from node.net.host import is_relayed, open_swarm_host
 from node.identity import Identity
-from node.net.relay import (
+from node.reach.relay import (
     RelayClient,
     RelayError,
     RelayHop,

@@ -11,7 +11,7 @@ import trio
 
 from node.identity import Identity
 from node.net.host import is_relayed
-from node.net.relay import circuit_addr, connect_addr, serve_relay_client, serve_relay_hop
+from node.reach.relay import circuit_addr, connect_addr, serve_relay_client, serve_relay_hop
 from node.shards.protocol import PROTOCOL, RELAYED, Data, Have, Hello, Reject, read_shards_message
 from node.shards.server import ServerSession
 from node.shards.service import ShardsService
@@ -371,7 +371,7 @@ async def test_the_service_offers_every_member_its_sessions_see(tmp_path: Path) 
     from node.shards.testing import open_shards_node
 
     members = {n: m for cls in (SessionOwner, DeltaOwner) for n, m in vars(cls).items() if not n.startswith("_")}
-    assert len(members) == 15
+    assert len(members) == 16
     async with open_shards_node(tmp_path / "a", trainers=[Identity.generate().peer_id], **FAST) as a:
         svc = a.shards
         for name, member in members.items():

@@ -22,7 +22,7 @@ class MembershipAPI(Protocol):
 
 
 class RelayAPI(Protocol):
-    """The relay side of this node (client or HOP: :mod:`node.net.relay`)."""
+    """The relay side of this node (client or HOP: :mod:`node.reach.relay`)."""
 
     def circuit_addrs(self) -> list[str]:
         """Relayed addresses others can dial us on ([] when we hold no reservation)."""

@@ -18,7 +18,7 @@ MAX_ADDR_LEN = 256
 MAX_PEER_ID = 64
 MAX_RECORD_BYTES = 4096  # one envelope on the members topic
 MAX_VERSIONS = 16  # checkpoint versions advertised in a record
-REACHABILITY = ("public", "private", "unknown")  # node/net/reachability.py's states
+REACHABILITY = ("public", "private", "unknown")  # node/reach/reachability.py's states
 
 DOMAIN_RECORD = "member-record"
 DOMAIN_SUSPECT = "member-suspect"
@@ -42,7 +42,7 @@ class PeerRecord(Message):
     checkpoints: list[int] = bounded(max_len=MAX_VERSIONS, default_factory=list)  # versions held
     load: float = bounded(min=0.0, max=1e9, default=0.0)  # role-defined (queue depth, GPU busy...)
     capacity: float = bounded(min=0.0, max=1e12, default=0.0)  # role-defined (tokens/s, upload B/s)
-    # Can peers dial us directly? ``public | private | unknown`` (node/net/reachability.py); a
+    # Can peers dial us directly? ``public | private | unknown`` (node/reach/reachability.py); a
     # private peer is reached through the /p2p-circuit addresses among ``addrs``.
     reachability: str = bounded(max_len=16, default="unknown")
 

@@ -27,9 +27,9 @@ from ..identity import load_or_create_identity
 from ..ledger.service import LedgerService, serve_ledger
 from ..net.reqres import ping_handler
 from ..peers import serve_peers
-from ..net.dialback import ReachabilityService, serve_dialback
 from ..net.ports import check_port_free
-from ..net.relay import RelayClient, RelayHop, serve_relay_client
+from ..reach.dialback import ReachabilityService, serve_dialback
+from ..reach.relay import RelayClient, RelayHop, serve_relay_client
 from ..rl.sandbox import require_isolation
 from ..rl.tasks import TaskFormatError, load_run_tasks, runs_code
 from ..shards.service import ShardsService, serve_shards
@@ -77,7 +77,7 @@ async def start_core(
     bytes they verify in the ledger; the relay side (``serve_relay_client``: accept relayed
     connections and reserve when behind NAT; the relay role runs the HOP service instead);
     membership, whose record advertises the relay's circuit addresses and the versions held;
-    dial-back (node/net/dialback.py), which answers peers asking whether they are reachable and,
+    dial-back (node/reach/dialback.py), which answers peers asking whether they are reachable and,
     off the relay role, finds our own reachability and reserves relay slots when we are private;
     and, when ``http_port`` is set, the web status page (node/web.py), which reads the ledger's
     totals. The run's sections are built here, once; the roles hand each service the ones it reads."""

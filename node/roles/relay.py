@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 
 from ..context import NodeContext
-from ..net.relay import serve_relay_hop
+from ..reach.relay import serve_relay_hop
 from .core import CoreNode, start_core
 
 

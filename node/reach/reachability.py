@@ -1,4 +1,4 @@
-"""Reachability: can other peers dial us? Pure decisions for the dial-back protocol (node/net/dialback.py).
+"""Reachability: can other peers dial us? Pure decisions for the dial-back protocol (node/reach/dialback.py).
 
 libp2p AutoNAT's idea, in our own small protocol: a node asks up to :data:`ASK_PEERS` connected
 peers to dial it back on its advertised TCP ports. Each answer is a vote (reached / not reached);

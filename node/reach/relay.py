@@ -38,7 +38,6 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import multiaddr
 import trio
@@ -54,12 +53,10 @@ from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.anyio_service import background_trio_service
 
+from ..context import NodeContext
 from ..identity import public_key_of
+from ..net.host import SwarmHost, parse_multiaddr, remote_ip_of
 from ..wire import RemoteProtocolError
-from .host import SwarmHost, parse_multiaddr, remote_ip_of
-
-if TYPE_CHECKING:  # the services take the node's context; net/ sits below it at run time
-    from ..context import NodeContext
 
 log = logging.getLogger(__name__)
 

@@ -4,15 +4,15 @@ The protocol (``/swarm/dialback/1.0.0``, one request and one reply on a stream):
 
 * the asker sends :class:`DialBackRequest` with its advertised TCP addresses;
 * the dialer dials **the asker's observed IP** (its connection's remote address) on the ports
-  those addresses name, at most :data:`~node.net.reachability.MAX_DIAL_PORTS` of them, each on a
+  those addresses name, at most :data:`~node.reach.reachability.MAX_DIAL_PORTS` of them, each on a
   fresh TCP connection with a full Noise handshake that must prove the asker's peer id, and
   answers :class:`DialBackReply` (reached or not). The IPs in the request are never dialled
-  (:func:`~node.net.reachability.dialback_targets`): nobody can point us at a third party. A
+  (:func:`~node.reach.reachability.dialback_targets`): nobody can point us at a third party. A
   request over a relayed connection has no observed IP of its own and is refused.
 
 The asker (every role but ``relay``, which must be dialable to do its job) asks up to
-:data:`~node.net.reachability.ASK_PEERS` directly connected peers per round, counts the answers
-in :class:`~node.net.reachability.Reachability`, and when the verdict is ``private`` reserves slots
+:data:`~node.reach.reachability.ASK_PEERS` directly connected peers per round, counts the answers
+in :class:`~node.reach.reachability.Reachability`, and when the verdict is ``private`` reserves slots
 on two relays from the membership table (different IPs first) through the relay client, which
 advertises the ``/p2p-circuit`` addresses and renews them. It logs one line of advice. Nothing
 needs configuring; ``relay_via`` relays given by hand are kept as they are.
@@ -24,14 +24,17 @@ import contextvars
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import trio
 from libp2p.peer.id import ID
 
+from ..context import NodeContext
+from ..net.budget import STALLED, limits
+from ..net.host import STREAM_ERRORS, SwarmHost, is_relayed, parse_multiaddr, remote_ip_of
+from ..net.reqres import CallFailure, Inbound, Refused, call, close, messages, peer_of, reset
 from ..peers.table import FaultRule
 from ..wire import Message, RemoteProtocolError, bounded, decode_as, register, write_frame
-from .host import STREAM_ERRORS, SwarmHost, is_relayed, parse_multiaddr, remote_ip_of
 from .relay import RelayClient, RelayError, relay_peer_id_of
 from .reachability import (
     ASK_PEERS,
@@ -46,11 +49,6 @@ from .reachability import (
     dialback_targets,
     tcp_port_of,
 )
-from .budget import STALLED, limits
-from .reqres import CallFailure, Inbound, Refused, call, close, messages, peer_of, reset
-
-if TYPE_CHECKING:
-    from ..context import NodeContext
 
 log = logging.getLogger(__name__)
 
