@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from node.trainer import cli
+from node.app.commands import trainer_steps as cli
 from node.trainer.plot import HEIGHT, WIDTH, render_curve
 from node.trainer.spool import StepRecord, open_spool
 
