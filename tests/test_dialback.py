@@ -32,6 +32,7 @@ from node.reach.reachability import (
     dialback_targets,
 )
 from node.reach.relay import circuit_addr, connect_addr, serve_relay_client, serve_relay_hop
+from node.net.budget import StreamsConfig
 from node.net.reqres import call, messages
 from node.gossip.records import PeerRecord
 from node.wire import encode, write_frame
@@ -260,6 +261,22 @@ async def test_a_private_node_reserves_on_two_relays_from_the_table_and_drops_th
         assert svc.auto_relays == set() and n.relay.circuit_addrs() == []
 
 
+async def test_a_private_node_handed_relays_reserves_none_of_its_own(tmp_path):
+    """Relays handed to the relay client (the run's ``relay_via``, passed in by the role) are the
+    operator's choice: dial-back keeps them and picks none from the table. What decides is the list
+    the client was handed, not a field read off the node's config (which says none here)."""
+    async with AsyncExitStack() as stack:
+        r1 = await stack.enter_async_context(open_node(tmp_path, "r1", serve_relay_hop))
+        r2 = await stack.enter_async_context(open_node(tmp_path, "r2", serve_relay_hop))
+        given = r1.host.listen_addrs()[0]
+        n = await stack.enter_async_context(open_node(tmp_path, "n", serve_relay_client, relays=[given]))
+        assert n.context.config.relay_via == []
+        svc = ReachabilityService(n.context, n.relay, FakeMembers({r2.peer_id: r2.host.transport_addrs()}))
+        await svc.follow(PRIVATE)
+        assert svc.auto_relays == set() and list(n.relay.held) == [r1.peer_id]
+        assert n.relay.has_reservation_on(r1.peer_id)
+
+
 async def test_serve_dialback_publishes_reachability_in_status_and_record(tmp_path):
     async with AsyncExitStack() as stack:
         b = await stack.enter_async_context(open_node(tmp_path, "b"))
@@ -271,7 +288,8 @@ async def test_serve_dialback_publishes_reachability_in_status_and_record(tmp_pa
         nursery = await stack.enter_async_context(trio.open_nursery())
         await a.host.connect(b.host.listen_addrs()[0])
         await a.host.connect(c.host.listen_addrs()[0])
-        svc = await nursery.start(lambda task_status: serve_dialback(a.context, a.relay, members, task_status=task_status))
+        svc = await nursery.start(lambda task_status: serve_dialback(a.context, StreamsConfig(), a.relay, members,
+                                                                   task_status=task_status))
         await wait_for(lambda: members.fields.get("reachability") == PUBLIC, what="public in the record")
         status = a.context.status["reachability"]()
         assert status["reachability"] == PUBLIC and status["advice"] is None

@@ -70,7 +70,7 @@ def test_a_bundle_naming_no_section_of_the_run_is_refused():
 # ledger (the offline ``swarm-node ledger`` command is app code, node/app/commands/) and the reach
 # services (relay, dial-back).
 NODE = Path(__file__).resolve().parents[1] / "node"
-HANDED_IN = ("trainer", "validator", "inference", "gossip", "ledger")
+HANDED_IN = ("trainer", "validator", "inference", "gossip", "ledger", "reach")
 
 
 def section_lookups(paths: list[Path], root: Path = NODE.parent) -> list[str]:

@@ -15,7 +15,7 @@ The asker (every role but ``relay``, which must be dialable to do its job) asks 
 in :class:`~node.reach.reachability.Reachability`, and when the verdict is ``private`` reserves slots
 on two relays from the membership table (different IPs first) through the relay client, which
 advertises the ``/p2p-circuit`` addresses and renews them. It logs one line of advice. Nothing
-needs configuring; ``relay_via`` relays given by hand are kept as they are.
+needs configuring; ``relay_via`` relays given by hand (the relay client's ``given``) are kept as they are.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import trio
 from libp2p.peer.id import ID
 
 from ..context import NodeContext
-from ..net.budget import STALLED, limits
+from ..net.budget import STALLED, StreamsConfig, limits
 from ..net.host import STREAM_ERRORS, SwarmHost, is_relayed, parse_multiaddr, remote_ip_of
 from ..net.reqres import CallFailure, Inbound, Refused, call, close, messages, peer_of, reset
 from ..peers.table import FaultRule
@@ -358,7 +358,7 @@ class ReachabilityService:
         if not self.advised:
             log.warning(advice(state, self.my_ports()))
             self.advised = True
-        if self.members is None or getattr(self.node.config, "relay_via", None):
+        if self.members is None or self.relay.given:
             return  # relays given by hand: the relay client keeps those
         held = [r for r in self.relay.held if self.relay.has_reservation_on(r)]
         if len(held) >= MAX_RELAYS_CHOSEN:
@@ -417,13 +417,14 @@ class ReachabilityService:
             await trio.sleep(max(1.0, wait))
 
 
-async def serve_dialback(node: NodeContext, relay, members: MembersAPI | None, *,
+async def serve_dialback(node: NodeContext, streams: StreamsConfig, relay, members: MembersAPI | None, *,
                          task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Answer dial-back requests; on every role but relay also find our own reachability (and
-    reserve relay slots when private). Hands back the :class:`ReachabilityService`."""
+    """Answer dial-back requests under ``streams`` (the run's per-peer stream budgets); on every
+    role but relay also find our own reachability (and reserve relay slots when private). Hands
+    back the :class:`ReachabilityService`."""
     node.peers.set_rule(SOURCE, FAULT_RULE)
     server = DialBackServer(node.host, node.peers,
-                            Inbound(DIALBACK_PROTOCOL, DIALBACK_LIMITS, config=node.run.section("streams"),
+                            Inbound(DIALBACK_PROTOCOL, DIALBACK_LIMITS, config=streams,
                                     peers=node.peers, metrics=node.metrics, source=SOURCE))
 
     async def handle(stream) -> None:

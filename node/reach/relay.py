@@ -485,6 +485,7 @@ class RelayClient:
 
     host: SwarmHost
     my_peer_id: str
+    given: tuple[str, ...] = ()  # the relays the role handed in (the run's relay_via): kept as they are
     held: dict[str, _Held] = field(default_factory=dict)  # relay peer id -> state
     dcutr: DCUtRProtocol | None = None  # hole punching (None: off)
 
@@ -582,8 +583,8 @@ class RelayClient:
 
 async def serve_relay_client(
     node: NodeContext,
+    relays: list[str],
     *,
-    relays: list[str] | None = None,
     hole_punch: bool = True,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -592,14 +593,15 @@ async def serve_relay_client(
     drives an attempt for every relayed connection it sees and closes the circuit once a direct
     connection verifies).
 
-    ``relays`` (full relay multiaddrs) defaults to ``node.config.relay_via`` when that field
-    exists; an empty list means "directly reachable": the STOP side still runs (it accepts only
-    relays we reserved on, so it is inert), and nothing is reserved.
+    ``relays`` (full relay multiaddrs) are the run's ``relay_via``, handed in by the role's
+    composition; an empty list means "directly reachable, or reachability will find relays": the
+    STOP side still runs (it accepts only relays we reserved on, so it is inert), and nothing is
+    reserved until dial-back (node/reach/dialback.py) finds us private.
     """
-    relays = list(relays if relays is not None else getattr(node.config, "relay_via", []) or [])
+    relays = list(relays)
     if len(relays) > MAX_RELAYS:
         raise ValueError(f"relay_via: at most {MAX_RELAYS} relays, got {len(relays)}")
-    client = RelayClient(node.host, node.peer_id)
+    client = RelayClient(node.host, node.peer_id, given=tuple(relays))
     for addr in relays:
         client.held[relay_peer_id_of(addr)] = _Held(addr)  # ValueError on a bad address
     protocol = _SwarmCircuitProtocol(node.host.host, None, allow_hop=False,

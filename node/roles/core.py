@@ -16,6 +16,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
@@ -70,12 +71,13 @@ class CoreNode(RunningNode):
 async def start_core(
     nursery: trio.Nursery,
     node: NodeContext,
-    serve_relay: Callable[..., Awaitable[None]] = serve_relay_client,
+    serve_relay: Callable[..., Awaitable[None]] | None = None,
 ) -> CoreNode:
     """Start the core services in dependency order: the peer table's edge (every component reports
     remote faults to ``node.peers``); status; the ledger; shards, which credit the
     bytes they verify in the ledger; the relay side (``serve_relay_client``: accept relayed
-    connections and reserve when behind NAT; the relay role runs the HOP service instead);
+    connections and reserve on the run's ``relay_via`` relays, handed in here, or on those dial-back
+    picks when behind NAT; the relay role hands in the HOP service as ``serve_relay`` instead);
     membership, whose record advertises the relay's circuit addresses and the versions held;
     dial-back (node/reach/dialback.py), which answers peers asking whether they are reachable and,
     off the relay role, finds our own reachability and reserves relay slots when we are private;
@@ -89,9 +91,9 @@ async def start_core(
     await nursery.start(serve_status, node, sections.streams)
     ledger = await nursery.start(serve_ledger, node, sections.ledger, sections.streams)
     shards = await nursery.start(serve_shards, node, ledger)
-    relay = await nursery.start(serve_relay, node)
+    relay = await nursery.start(serve_relay or partial(serve_relay_client, relays=node.config.relay_via), node)
     membership = await nursery.start(serve_membership, node, sections.membership, sections.streams, relay, shards)
-    reachability = await nursery.start(serve_dialback, node, relay, membership)
+    reachability = await nursery.start(serve_dialback, node, sections.streams, relay, membership)
     if node.config.http_port:  # the web status page reads status providers at each request
         await nursery.start(serve_web, node, ledger)
     return CoreNode(node, sections, ledger, shards, relay, membership, reachability)
