@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import trio
 import trio.testing
 
-from node.shards.client import Download
+from node.shards.client import DIAL_AGAIN_AFTER, Download
 from node.shards.protocol import MAX_SHARDS_FRAME, Data, Have, Reject, Request
 from node.shards.server import HAVE_DELAY, SEND_BATCH, ServerSession, Uploads
 from node.shards.throttle import TokenBucket
@@ -85,20 +85,23 @@ async def test_queued_blocks_go_out_together_up_to_the_batch():
 
 
 def fake_download(peers: list[str], announcer: str, *, max_peers: int, rng_seed: int = 0,
-                  served: set[str] = frozenset()) -> Download:
-    """A Download with everything but its choice of peers faked: ``served`` download from us;
-    ``started`` lists the sessions it began, ``ended`` those it ended."""
+                  served: set[str] = frozenset(), public: dict[str, list[str]] | None = None,
+                  banned: set[str] = frozenset()) -> Download:
+    """A Download with everything but its choice of peers faked: ``served`` download from us,
+    ``public`` are the members with a direct address; ``started`` lists the sessions it began,
+    ``dials`` the members it dialled, ``ended`` the sessions it ended."""
     dl = object.__new__(Download)
     dl.owner = SimpleNamespace(
         host=SimpleNamespace(direct_peers=lambda: list(peers)),
         cfg=SimpleNamespace(max_peers=max_peers), rng=random.Random(rng_seed),
-        announced={7: (b"r" * 32, announcer)}, is_banned=lambda peer, now: False,
-        downloaders_of=lambda root: set(served))
+        announced={7: (b"r" * 32, announcer)}, is_banned=lambda peer, now: peer in banned,
+        downloaders_of=lambda root: set(served), public_members=lambda: dict(public or {}))
     dl.vs = SimpleNamespace(version=7, signed=SimpleNamespace(root=b"r" * 32))
     dl.picker = SimpleNamespace(holds_all=lambda peer: False, in_flight=lambda peer: 0)
-    dl.sessions, dl.refused, dl.backoff = {}, {}, {}
-    dl.started, dl.ended = [], []
-    dl._nursery = SimpleNamespace(start_soon=lambda fn, peer: dl.started.append(peer))
+    dl.sessions, dl.refused, dl.backoff, dl.dialled, dl.dialling = {}, {}, {}, {}, set()
+    dl.started, dl.dials, dl.ended = [], [], []
+    dl._nursery = SimpleNamespace(
+        start_soon=lambda fn, peer, *args: dl.dials.append((peer, *args)) if fn == dl._dial else dl.started.append(peer))
     dl._end_session = dl.ended.append
     return dl
 
@@ -116,6 +119,35 @@ def test_a_download_opens_a_session_to_the_announcer_and_spreads_over_the_rest()
     assert all(len(c) == 4 and seed in c for c in chosen)
     assert len(set().union(*chosen) - {seed}) > 3, "every download picked the same peers"
     assert all(sorted(dl.started) == sorted(dl.sessions) for dl in downloads)
+
+
+def test_a_download_short_of_direct_peers_dials_public_members_at_most_once_per_period():
+    """Sessions run only on direct connections, and a NAT'd node's are only those it opened: in
+    simulation its membership dials left it a median of 3 direct peers against 7 for a public node
+    (node/shards/peering.py). Short of ``max_peers``, a download dials public members (banned ones
+    not), counting its dials in flight, and dials one again only after ``DIAL_AGAIN_AFTER``."""
+    public = {f"m{i}": [f"/ip4/10.0.0.{i}/tcp/4001"] for i in range(6)} | {"origin": ["/ip4/10.0.0.99/tcp/4001"]}
+    dl = fake_download(["origin"], "origin", max_peers=4, public=public, banned={"m0"})
+    dl._connect_new(0.0)
+    dialled = [peer for peer, _ in dl.dials]
+    assert len(dialled) == 3 and not {"origin", "m0"} & set(dialled)  # 1 direct + 3 = max_peers
+    assert all(addrs == public[peer] for peer, addrs in dl.dials)
+    assert dl.started == ["origin"]
+    dl._connect_new(1.0)  # three dials still in flight: no more
+    assert len(dl.dials) == 3
+    dl.dialling.clear()  # they failed
+    dl._connect_new(2.0)  # the other two, not those dialled 2 s ago
+    assert sorted(p for p, _ in dl.dials[3:]) == sorted(set(public) - {"origin", "m0"} - set(dialled))
+    dl.dialling.clear()
+    dl._connect_new(1.0 + DIAL_AGAIN_AFTER)  # the first three again
+    assert sorted(p for p, _ in dl.dials[5:]) == sorted(dialled)
+
+
+def test_a_download_with_max_peers_direct_peers_dials_nobody():
+    peers = [f"p{i}" for i in range(4)]
+    dl = fake_download(peers, "p0", max_peers=4, public={"m": ["/ip4/10.0.0.1/tcp/4001"]})
+    dl._connect_new(0.0)
+    assert dl.dials == [] and sorted(dl.started) == peers
 
 
 def test_peers_downloading_from_us_are_chosen_after_the_announcer():

@@ -38,3 +38,17 @@ class ShardsAPI(Protocol):
 
     async def publish(self, folder: Path, version: int) -> Any:
         """Hash, store, seed and announce ``folder`` as ``version``; returns the signed manifest."""
+
+
+class MemberAddrs(Protocol):
+    """What the shards service reads of membership (:class:`node.gossip.service.Membership` is the
+    real one): the live members and the addresses their records advertise, so that a download short
+    of direct peers dials public ones (node/shards/peering.py). Handed to a running service with
+    :meth:`node.shards.service.ShardsService.use_members`: membership starts after shards, since
+    its record lists the versions shards holds."""
+
+    def members(self) -> dict[str, str]:
+        """Alive peer id -> role."""
+
+    def addrs_of(self, peer_id: str) -> list[str]:
+        """The addresses a member advertises in its record ([] if unknown)."""

@@ -84,3 +84,9 @@ def direct_peers_to_dial(
     pool = sorted({p for p in public if p not in held})  # sorted: the caller's order does not matter
     rng.shuffle(pool)
     return pool[:max(0, want - len(held))]
+
+
+def direct_addrs(addrs: Iterable[str]) -> list[str]:
+    """The addresses of a member's record that reach it directly, not through a relay: a member
+    with one is public (a NAT'd member advertises only its relayed ``/p2p-circuit`` ones)."""
+    return [a for a in addrs if "/p2p-circuit" not in a]

@@ -72,11 +72,13 @@ from ..peers import FaultRule
 from ..steptime import PhaseTimes
 from ..wire import TRANSPORT_FAILURES, LocalProtocolError, RemoteProtocolError, decode, write_frame
 from .announce import announce, fetch_manifest, fetch_policy, follow_announcements, reannounce_loop, validate_announce
+from .api import MemberAddrs
 from .client import Download, progress_bar
 from .config import ShardsConfig, kept_versions
 from .finite import non_finite_in_folder
 from .deltasync import DeltaSync
 from .manifest import SignedManifest, build_manifest, sign_manifest
+from .peering import direct_addrs
 from .protocol import (
     BANNED,
     PROTOCOL,
@@ -141,6 +143,7 @@ class ShardsService:
         self._damaged_manifests: dict[int, bytes | None] = {}  # found at start: version -> root from COMPLETE
         self._refused: OrderedDict[bytes, str] = OrderedDict()  # root -> why (non-finite values)
         self.published: SignedManifest | None = None
+        self.members: MemberAddrs | None = None  # membership's view, once it runs (use_members)
         # Inbound streams: per-peer and total slots, header deadline, byte budget (node/net/budget.py).
         self.inbound = Inbound(PROTOCOL, SERVER_LIMITS, config=run.section("streams"), peers=node.peers,
                                metrics=node.metrics, source=SOURCE)
@@ -275,6 +278,19 @@ class ShardsService:
     def downloaders_of(self, root: bytes) -> set[str]:
         """The peers downloading version ``root`` from us."""
         return {sess.peer for sess in self.server_sessions.get(root, ())}
+
+    def use_members(self, members: MemberAddrs) -> None:
+        """Membership's view, handed in once membership runs (it starts after us: its record lists
+        the versions we hold). From then on a download short of direct peers dials public members."""
+        self.members = members
+
+    def public_members(self) -> dict[str, list[str]]:
+        """Live members other than us with a direct address: peer id -> those addresses."""
+        if self.members is None:
+            return {}
+        me = self.node.peer_id
+        found = ((peer, direct_addrs(self.members.addrs_of(peer))) for peer in self.members.members() if peer != me)
+        return {peer: addrs for peer, addrs in found if addrs}
 
     def on_piece_verified(self, vs: VersionStore, piece: int) -> None:
         """Tell every peer downloading ``vs`` from us that we now serve ``piece``, but those that

@@ -56,6 +56,9 @@ class SessionOwner(Protocol):
     def downloaders_of(self, root: bytes) -> set[str]:
         """The peers downloading the version (or delta) ``root`` from us."""
 
+    def public_members(self) -> dict[str, list[str]]:
+        """Members with a direct address, peer id -> those addresses (none before membership runs)."""
+
     # Events the sessions report.
 
     def on_piece_verified(self, vs: VersionStore, piece: int) -> None:
