@@ -93,6 +93,7 @@ async def start_core(
     shards = await nursery.start(serve_shards, node, ledger)
     relay = await nursery.start(serve_relay or partial(serve_relay_client, relays=node.config.relay_via), node)
     membership = await nursery.start(serve_membership, node, sections.membership, sections.streams, relay, shards)
+    shards.use_members(membership)  # late: membership's record lists what shards holds, so it starts after
     reachability = await nursery.start(serve_dialback, node, sections.streams, relay, membership)
     if node.config.http_port:  # the web status page reads status providers at each request
         await nursery.start(serve_web, node, ledger)
