@@ -154,6 +154,28 @@ def test_help_lists_roles_and_commands():
         assert word in proc.stdout
 
 
+# Every subcommand, in the order --help lists them (issue 44 item 8: they had two homes, loaded by
+# module-name strings; a module dropped from the registration would lose its commands silently).
+SUBCOMMANDS = ["keygen", "id", "status", "demo", "ledger", "publish", "checkpoints", "init-model", "rl-local",
+               "penalties", "rollout", "trainer-steps", "config"]
+
+
+def test_every_subcommand_lives_in_app_commands_and_help_lists_each():
+    import argparse
+    import pkgutil
+
+    from node.app import commands
+    from node.app.cli import build_parser
+
+    homes = {m.name for m in pkgutil.iter_modules(commands.__path__)}
+    assert homes == {m.__name__.rsplit(".", 1)[1] for m in commands.COMMANDS}  # each module registered
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(subparsers.choices) == SUBCOMMANDS
+    rows = run_cli("--help").stdout.splitlines()
+    listed = [r.split()[0] for r in rows if r.startswith("    ") and not r.startswith("     ")]  # not wrapped help
+    assert [w for w in listed if w in SUBCOMMANDS] == SUBCOMMANDS
+
+
 def test_damaged_state_files_are_refused_with_one_line(tmp_path):
     """A damaged database or training state stops the node with one clear line and exit 2, never a
     traceback and never a silent fresh start over acknowledged work (issue 14)."""

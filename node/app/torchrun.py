@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from ..roles.sections import RunSections
 from ..trainer import fsdp
-from .cli import build_parser, config_from_args
+from .cli import build_parser
 from .cli import main as node_main
+from .options import config_from_args
 
 
 def main(argv: list[str] | None = None) -> int:

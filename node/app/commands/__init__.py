@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import checkpoints, config_reference, ledger, penalties, rl, rollout, trainer_steps
+from . import checkpoints, config_reference, demo, keys, ledger, penalties, rl, rollout, status, trainer_steps
 
 COMMANDS: tuple[ModuleType, ...] = (
+    keys,              # keygen, id: the node's key and the addresses to give other peers
+    status,            # status: the member table of a running node
+    demo,              # demo: a local swarm on loopback
     ledger,            # ledger, ledger verify, ledger export: the local ledger replica
     checkpoints,       # publish, checkpoints: a model folder as a checkpoint version; the versions held
     rl,                # init-model, rl-local: the embedded model; the RL loop in one process

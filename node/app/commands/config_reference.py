@@ -102,7 +102,7 @@ def cmd_config(args) -> int:
     if args.run is None and not args.effective:
         print(reference(), end="")
         return 0
-    from ..cli import config_from_args
+    from ..options import config_from_args
 
     print(effective(config_from_args(args)), end="")
     return 0
