@@ -309,6 +309,51 @@ def test_components_never_import_the_adversary():
     assert "node.adversary.outbox" in {name for name, _ in IMPORTS["node.roles.inference"]}  # roles do
 
 
+def context_imports(imports: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """Imports of the node's context (node/context.py) under node/net/: net/ is the transport every
+    service dials and streams through, and takes a host, a stream, budgets, never the running node.
+    The services that did (the relay, the dial-back) are node/reach/ (issue 44 item 8)."""
+    return [f"{m}:{line} imports {name}" for m in sorted(imports) if _within(m, "node.net")
+            for name, line in imports[m] if _within(name, "node.context")]
+
+
+def test_nothing_in_net_takes_the_node_context():
+    """Type-only imports included: net/relay.py took the context for a type, net/ sitting below it."""
+    assert context_imports({m: imports_of(m, type_only=True) for m in MODULES}) == []
+    assert "node.context" in {name for name, _ in IMPORTS["node.reach.relay"]}  # the services above it do
+
+
+# The base modules every layer imports: the wire, identity, hashes, atomic files, config, logging,
+# metrics. They import each other, the refusal table (node/refusals.py, what the wire's acks carry;
+# it imports nothing) and from net/ only the pure multiaddr check config.py validates addresses
+# with; never a component (config.py reaches the component tables through its string registry).
+BASE = ("node.wire", "node.identity", "node.hashes", "node.atomic", "node.config", "node.log", "node.metrics")
+BASE_MAY_IMPORT = BASE + ("node.refusals", "node.net.multiaddrs")
+# Imports that break the rule today, each (importer, imported, why); the test fails once one is gone,
+# so the entry goes with it.
+BASE_ALLOWED: list[tuple[str, str, str]] = [
+    ("node.metrics", "node.net.counters", "the process-wide byte counts the py-libp2p patches add to "
+     "(pure data, issue 44 item 2: to be owned by metrics or per host; node/shards/testing.py reads them too)"),
+]
+
+
+def base_imports(imports: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """Imports by the base modules of node's modules other than those they may import."""
+    allowed = {(m, name) for m, name, _why in BASE_ALLOWED}
+    return [f"{m}:{line} imports {name}" for m in sorted(imports) if m in BASE
+            for name, line in imports[m] if _within(name, "node") and name not in BASE_MAY_IMPORT
+            and (m, name) not in allowed]
+
+
+def test_base_modules_import_no_component():
+    """Type-only imports included."""
+    assert all(m in MODULES for m in BASE_MAY_IMPORT), [m for m in BASE_MAY_IMPORT if m not in MODULES]
+    imports = {m: imports_of(m, type_only=True) for m in BASE}
+    assert base_imports(imports) == []
+    assert [(m, name) for m, name, _ in BASE_ALLOWED if name not in {n for n, _ in imports[m]}] == []  # still needed
+    assert "node.net.multiaddrs" in {name for name, _ in IMPORTS["node.config"]}  # what they may
+
+
 @pytest.mark.parametrize("rule,module,planted,caught", [
     # a patch from shards/client.py, in both spellings
     (patch_imports, "node.shards.client", ("from ..net.patches.speed import QuickLock", "from ..net import patches"),
@@ -321,12 +366,25 @@ def test_components_never_import_the_adversary():
     (component_internals, "node.trainer.service", ("from ..ledger.service import LedgerError",
                                                    "from ..gossip.records import MAX_VERSIONS"),
      ("node.ledger.service", "node.gossip.records")),
+    # the node's context in net/, as a module and from the package
+    (context_imports, "node.net.reqres", ("from ..context import NodeContext", "from .. import context"),
+     ("node.context", "node.context")),
+    # config.py importing a component's table instead of naming it in its registry, and the host
+    (base_imports, "node.config", ("from .shards.config import ShardsConfig", "from .net.host import SwarmHost"),
+     ("node.shards.config", "node.net.host")),
 ])
 def test_the_import_rules_find_planted_imports(tmp_path, monkeypatch, rule, module, planted, caught):
     """Planted as lazy imports in a copy of ``module``, each is caught on its own line."""
     imports, lines = plant(tmp_path, monkeypatch, module, "\n\ndef lazy():\n" + "".join(f"    {p}\n" for p in planted))
     first = lines - len(planted) + 1
     assert rule(imports) == [f"{module}:{first + i} imports {name}" for i, name in enumerate(caught)]
+
+
+def test_the_context_rule_finds_the_old_relay_layout(tmp_path, monkeypatch):
+    """net/relay.py as it was: the context imported for a type only, under ``if TYPE_CHECKING:``."""
+    imports, lines = plant(tmp_path, monkeypatch, "node.net.host", "\n\nif TYPE_CHECKING:  # the services take the "
+                           "node's context\n    from ..context import NodeContext\n", type_only=True)
+    assert context_imports(imports) == [f"node.net.host:{lines} imports node.context"]
 
 
 # The shards sessions (rust-libp2p's handlers: the download, the serving session, the delta part)
