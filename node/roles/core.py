@@ -33,6 +33,7 @@ from ..reach.dialback import ReachabilityService, serve_dialback
 from ..reach.relay import RelayClient, RelayHop, serve_relay_client
 from ..rl.sandbox import require_isolation
 from ..rl.tasks import TaskFormatError, load_run_tasks, runs_code
+from ..shards.config import ShardsSections
 from ..shards.service import ShardsService, serve_shards
 from ..status import serve_status
 from ..web import serve_web
@@ -90,7 +91,7 @@ async def start_core(
                                                       peers=node.peers, metrics=node.metrics))
     await nursery.start(serve_status, node, sections.streams)
     ledger = await nursery.start(serve_ledger, node, sections.ledger, sections.streams)
-    shards = await nursery.start(serve_shards, node, ledger)
+    shards = await nursery.start(serve_shards, node, sections.pick(ShardsSections), ledger)
     relay = await nursery.start(serve_relay or partial(serve_relay_client, relays=node.config.relay_via), node)
     membership = await nursery.start(serve_membership, node, sections.membership, sections.streams, relay, shards)
     shards.use_members(membership)  # late: membership's record lists what shards holds, so it starts after

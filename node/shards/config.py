@@ -5,7 +5,10 @@ Kept free of libp2p and torch so ``node.config`` can build it anywhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+
+from ..net.budget import StreamsConfig
+from ..rl.config import GRPOConfig
 
 FETCH_POLICIES = ("auto", "all", "newest", "none")
 DELTA_CODECS = ("lzma", "zlib")  # node/shards/delta.py CODECS
@@ -93,6 +96,22 @@ class ShardsConfig:
         for name in ("request_timeout", "ban_seconds", "announce_interval", "garbage_window", "delta_stall_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ShardsSections:
+    """The run's tables the shards service reads, handed in by the core (node/roles/core.py); each
+    defaults to a run file without that table."""
+
+    shards: ShardsConfig = field(default_factory=ShardsConfig)  # this table
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # the staleness bounds, which set the versions kept (kept_versions)
+    streams: StreamsConfig = field(default_factory=StreamsConfig)  # per-peer stream budgets of its handler
+
+    def kept(self) -> ShardsConfig:
+        """The ``[shards]`` table with ``keep_versions`` raised to what the run's batches may refer to."""
+        grpo = self.grpo
+        return replace(self.shards, keep_versions=kept_versions(self.shards.keep_versions, grpo.async_level,
+                                                                 grpo.verify_grace_steps))
 
 
 def kept_versions(keep_versions: int, async_level: int, verify_grace_steps: int) -> int:

@@ -55,7 +55,6 @@ Status in ``node.status["shards"]``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from collections import OrderedDict
@@ -65,7 +64,7 @@ from typing import Any
 import trio
 
 from ..ledger.api import LedgerAPI
-from ..net.budget import STALLED
+from ..net.budget import STALLED, StreamsConfig
 from ..net.host import is_relayed
 from ..net.reqres import Inbound, Refused, peer_of, reset
 from ..peers import FaultRule
@@ -74,7 +73,7 @@ from ..wire import TRANSPORT_FAILURES, LocalProtocolError, RemoteProtocolError, 
 from .announce import announce, fetch_manifest, fetch_policy, follow_announcements, reannounce_loop, validate_announce
 from .api import MemberAddrs
 from .client import Download, progress_bar
-from .config import ShardsConfig, kept_versions
+from .config import ShardsConfig, ShardsSections
 from .finite import non_finite_in_folder
 from .deltasync import DeltaSync
 from .manifest import SignedManifest, build_manifest, sign_manifest
@@ -116,7 +115,7 @@ class ShardsService:
     server_session_class = ServerSession
     deltas_class = DeltaSync  # tests swap in a publisher of bad deltas
 
-    def __init__(self, node, cfg: ShardsConfig, ledger: LedgerAPI) -> None:
+    def __init__(self, node, cfg: ShardsConfig, ledger: LedgerAPI, streams: StreamsConfig) -> None:
         self.node = node
         self.cfg = cfg
         self.ledger = ledger  # credited with the verified bytes each peer sent us
@@ -145,7 +144,7 @@ class ShardsService:
         self.published: SignedManifest | None = None
         self.members: MemberAddrs | None = None  # membership's view, once it runs (use_members)
         # Inbound streams: per-peer and total slots, header deadline, byte budget (node/net/budget.py).
-        self.inbound = Inbound(PROTOCOL, SERVER_LIMITS, config=run.section("streams"), peers=node.peers,
+        self.inbound = Inbound(PROTOCOL, SERVER_LIMITS, config=streams, peers=node.peers,
                                metrics=node.metrics, source=SOURCE)
         mt = node.metrics
         # Shared by every serving session: max_serving slots, the optional upload token bucket.
@@ -687,12 +686,10 @@ async def _quietly(fn, *args) -> None:
         pass
 
 
-async def serve_shards(node, ledger: LedgerAPI, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_shards(node, sections: ShardsSections, ledger: LedgerAPI, *,
+                       task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run the shards service for ``node`` until cancelled (see the module docstring); hands back
-    the :class:`ShardsService` once it serves. ``ledger`` is credited with verified bytes."""
-    run = node.config.run
-    cfg = run.section("shards")
-    grpo = run.section("grpo")  # by name: the staleness bounds are the run's, read through its registry
-    cfg = dataclasses.replace(cfg, keep_versions=kept_versions(cfg.keep_versions, grpo.async_level,
-                                                               grpo.verify_grace_steps))
-    await ShardsService(node, cfg, ledger).run(task_status=task_status)
+    the :class:`ShardsService` once it serves. ``sections``: the run's ``[shards]`` table, the
+    ``[grpo]`` staleness bounds that set how many versions are kept, and the stream budgets;
+    ``ledger`` is credited with verified bytes."""
+    await ShardsService(node, sections.kept(), ledger, sections.streams).run(task_status=task_status)

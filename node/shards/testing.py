@@ -9,8 +9,9 @@ from pathlib import Path
 
 import trio
 
-from ..config import NodeConfig, RunConfig
+from ..config import NodeConfig, RunConfig, build
 from ..context import NodeContext, RunningNode
+from ..net.budget import StreamsConfig
 from ..net.counters import TcpBytes
 from ..net.host import GossipParams, open_swarm_host
 from ..identity import Identity
@@ -132,14 +133,14 @@ async def open_shards_node(
     tables = {"shards": dict(shards)}
     config = NodeConfig(role=role, listen=[listen], data_dir=str(data_dir),
                         run=RunConfig(name=run, trainers=trainers, tables=tables))
-    cfg = config.run.section("shards", ShardsConfig)
+    cfg = build(ShardsConfig, tables["shards"], "run.shards")  # as the run file's table is built at load
     os.makedirs(data_dir, exist_ok=True)
     async with open_swarm_host(identity, [listen], GossipParams()) as host:
         node = NodeContext(config=config, identity=identity, host=host, data_dir=Path(data_dir))
         ledger = ReceiptLog()
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_peers, node)
-            svc = await nursery.start(service_class(node, cfg, ledger).run)
+            svc = await nursery.start(service_class(node, cfg, ledger, StreamsConfig()).run)
             try:
                 yield ShardsNode(node, svc, ledger)
             finally:
