@@ -10,8 +10,6 @@ Children are reaped even when a test fails.
 from __future__ import annotations
 
 import json
-import os
-import select
 import signal
 import sqlite3
 import subprocess
@@ -21,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from node.app.localswarm import Proc
 from node.identity import Identity
 from node.ledger.entries import GENESIS, RolloutsJudged, make_entry
 from node.ledger.store import DB_FILE, open_ledger_store
@@ -48,6 +47,7 @@ from pathlib import Path
 from node.config import NodeConfig, RunConfig
 from node.context import NodeContext
 from node.net.host import open_swarm_host
+from node.app.localswarm import Proc
 from node.identity import Identity
 from node.ledger.entries import Penalty, ReceiptItem, Receipts, RolloutsJudged
 from node.ledger.service import serve_ledger
@@ -143,7 +143,7 @@ trio.run(main)
 
 
 class Child:
-    """One ledger node process, driven over stdin/stdout."""
+    """One ledger node process, driven over stdin/stdout (node/app/localswarm.py's Proc talking)."""
 
     def __init__(self, tmp_path: Path, index: int) -> None:
         self.index = index
@@ -151,66 +151,36 @@ class Child:
         self.data_dir.mkdir(exist_ok=True)
         others = [i.peer_id for j, i in enumerate(IDS[:5]) if j != index]
         arg = json.dumps({"seed": SEEDS[index].hex(), "run": RUN_TABLE, "data_dir": str(self.data_dir), "others": others})
-        self.log = open(tmp_path / f"n{index}.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, arg],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        self._buf = b""
+        self.proc = Proc(f"node {index}", "", self.data_dir, [sys.executable, "-c", CHILD, arg])
+        self.proc.spawn(tmp_path / f"n{index}.log", {"PYTHONPATH": str(ROOT)}, talk=True, cwd=ROOT)
         self.appended: list[int] = []  # own seqs whose append() returned (durable by then)
         hello = self.read(lambda m: "addr" in m, timeout=60)
         self.addr, self.peer = hello["addr"], hello["peer"]
 
     def read(self, want, timeout: float = 30.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            while b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                msg = json.loads(line)
-                if "appended" in msg:
-                    self.appended.append(msg["appended"])
-                if want(msg):
-                    return msg
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"node {self.index}: no reply")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
-            if ready:
-                chunk = os.read(self.proc.stdout.fileno(), 65536)
-                if not chunk:
-                    raise RuntimeError(f"node {self.index} exited (rc={self.proc.poll()})")
-                self._buf += chunk
+        return self.proc.read(lambda m: self._note(m) or want(m), timeout)
+
+    def _note(self, msg: dict) -> bool:
+        if "appended" in msg:
+            self.appended.append(msg["appended"])
+        return False
 
     def call(self, op: str, key: str = "ok", **kw) -> dict:
-        self.proc.stdin.write((json.dumps({"op": op, **kw}) + "\n").encode())
-        self.proc.stdin.flush()
+        self.proc.send({"op": op, **kw})
         return self.read(lambda m: key in m or "error" in m)
 
     def state(self) -> dict:
         return self.call("state", key="digest")
 
     def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
+        self.proc.kill(signal.SIGKILL, wait=10)
         try:  # replies it wrote before dying are still in the pipe
             self.read(lambda m: False, timeout=5)
         except RuntimeError:
             pass
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(b'{"op": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
+        self.proc.stop(10, request={"op": "quit"})
 
 
 @pytest.fixture

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from node.app.localswarm import Proc
 from node.identity import Identity
 from node.shards.store import read_verified_log
 from node.shards.testing import same_files, write_checkpoint
@@ -34,6 +34,9 @@ PHASE_SECONDS = 90
 
 
 class Child:
+    """One shards node process (node/shards/testing.py's main): a JSON line on stdout when it listens
+    and when it completes; node/app/localswarm.py's Proc runs it."""
+
     def __init__(self, name: str, tmp: Path, role: str, connect: list[str], *, publish: Path | None = None,
                  shards: dict | None = None, seed: str | None = None, extra: list[str] = ()) -> None:
         self.name, self.data = name, tmp / name
@@ -44,28 +47,14 @@ class Child:
         if publish is not None:
             cmd += ["--publish", str(publish)]
         cmd += list(extra)
-        self.log = open(tmp / f"{name}.err", "w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        hello = json.loads(self._line(30))
+        self.proc = Proc(name, role, self.data, cmd)
+        self.proc.spawn(tmp / f"{name}.err", talk=True, cwd=REPO)
+        hello = self.proc.read(lambda m: True, 30)
         self.addr, self.resumed = hello["addr"], hello["resumed"]
         self.complete: dict | None = None
 
-    def _line(self, timeout: float) -> str:
-        import select
-
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError(f"{self.name}: no output in {timeout}s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.name} exited ({self.proc.poll()}); see {self.log.name}")
-        return line
-
     def poll_complete(self) -> bool:
-        import select
-
-        while self.complete is None and select.select([self.proc.stdout], [], [], 0)[0]:
-            msg = json.loads(self._line(1))
+        while self.complete is None and (msg := self.proc.next_message(0)) is not None:
             if "complete" in msg:
                 self.complete = msg
         return self.complete is not None
@@ -79,22 +68,13 @@ class Child:
         return read_verified_log(folder, root, PIECES)
 
     def log_tail(self, lines: int = 30) -> str:
-        self.log.flush()
-        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
+        return self.proc.tail(lines)
 
     def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.kill(signal.SIGKILL, wait=10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
+        self.proc.stop(5)
 
 
 def test_seven_processes_kill_seeder_and_resume_downloader(tmp_path: Path) -> None:

@@ -7,8 +7,10 @@ errors, when used as a context manager). Nothing here listens beyond 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -22,14 +24,25 @@ from ..status_files import FRESH_WAIT, NODE_FILE, STATUS_FILE, read_status, want
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
+MAX_LINE = 1 << 20  # bytes of one JSON line a talking child may write
+
+
 @dataclass
 class Proc:
+    """One child process we started, known by its PID: spawned into a session of its own, its stderr
+    (and its stdout, unless it talks) appended to ``log_path``, and reaped by :meth:`stop` even when
+    it will not end. The swarm's nodes are Procs, and so are the tests' stand-alone children
+    (tests/test_ledger_multiprocess.py, test_shards_multiprocess.py), which talk: they take one JSON
+    command a line on stdin and write one JSON message a line on stdout. ``role`` is the node's
+    ``--role`` ("" for a child that is not a ``swarm-node``)."""
+
     name: str
     role: str
     data_dir: Path
     args: list[str]
     popen: subprocess.Popen | None = None
     log_path: Path | None = None
+    _unread: bytes = b""  # what a talking child wrote past its last whole line
 
     @property
     def pid(self) -> int:
@@ -37,6 +50,100 @@ class Proc:
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
+
+    def spawn(self, log_path: Path, env: dict[str, str] | None = None, *, talk: bool = False,
+              cwd: Path | None = None) -> None:
+        """Start ``args``; ``env`` is added to ours; ``talk``: pipes on stdin and stdout."""
+        self.log_path, self._unread = log_path, b""
+        with open(log_path, "ab") as log:
+            # A new session: Ctrl-C in the demo's terminal reaches us, and we stop children in order.
+            self.popen = subprocess.Popen(
+                self.args, stdin=subprocess.PIPE if talk else None, stdout=subprocess.PIPE if talk else log,
+                stderr=log, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                start_new_session=True)
+
+    # ------------------------------------------------------------------ talking
+
+    def send(self, message: dict) -> None:
+        self.popen.stdin.write((json.dumps(message) + "\n").encode())
+        self.popen.stdin.flush()
+
+    def next_message(self, timeout: float) -> dict | None:
+        """The next JSON line the child wrote, waiting up to ``timeout`` seconds (0: only what is
+        there); None if none came. RuntimeError once the child has closed its stdout."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._unread:
+            left = max(0.0, deadline - time.monotonic())
+            if not select.select([self.popen.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.popen.stdout.fileno(), 65536)
+            if not chunk:  # its stdout closed: it ends, or has
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.popen.wait(timeout=5)
+                raise RuntimeError(f"{self.name} exited (rc={self.popen.poll()}); its log ends:\n{self.tail()}")
+            self._unread += chunk
+            if len(self._unread) > MAX_LINE and b"\n" not in self._unread:
+                raise RuntimeError(f"{self.name} wrote a line over {MAX_LINE} bytes")
+        line, self._unread = self._unread.split(b"\n", 1)
+        return json.loads(line)
+
+    def read(self, want, timeout: float) -> dict:
+        """The first message for which ``want(message)`` holds (the ones before it are passed over);
+        TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self.next_message(max(0.0, deadline - time.monotonic()))
+            if message is None:
+                raise TimeoutError(f"{self.name}: no reply in {timeout}s")
+            if want(message):
+                return message
+
+    # ------------------------------------------------------------------ ending
+
+    def kill(self, sig: int = signal.SIGKILL, wait: float = 15.0) -> None:
+        """Send ``sig`` and wait for the process to end (a signal that ends it, then)."""
+        if self.alive():
+            os.kill(self.pid, sig)
+            self.popen.wait(timeout=wait)
+
+    def ask_to_stop(self, request: dict | None = None) -> None:
+        """The JSON ``request`` on a talking child's stdin, else (or if its stdin is gone) SIGTERM."""
+        if not self.alive():
+            return
+        if request is not None:
+            try:
+                self.send(request)
+                return
+            except OSError:
+                pass
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def reap(self, deadline: float) -> None:
+        """Wait for the end until ``deadline`` (time.monotonic()), then SIGKILL. Always reaps."""
+        if self.popen is None:
+            return
+        try:
+            self.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.kill(self.pid, signal.SIGKILL)  # not yet reaped, so the PID is still its own
+            self.popen.wait()
+        for pipe in (self.popen.stdin, self.popen.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+    def stop(self, grace: float = 8.0, request: dict | None = None) -> None:
+        """:meth:`ask_to_stop`, then :meth:`reap` after ``grace`` seconds at most."""
+        self.ask_to_stop(request)
+        self.reap(time.monotonic() + grace)
+
+    def tail(self, lines: int = 30) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
 @dataclass
@@ -97,12 +204,7 @@ class LocalSwarm:
 
     def _spawn(self, proc: Proc) -> None:
         # Elsewhere when a node's disk is made to fill up (bench/soak.py): its log must not fill with it.
-        proc.log_path = self.log_dir / f"{proc.name}.log" if self.log_dir else proc.data_dir / "node.log"
-        log = open(proc.log_path, "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
-        # A new session: Ctrl-C in the demo's terminal reaches us, and we stop children in order.
-        proc.popen = subprocess.Popen(proc.args, stdout=log, stderr=log, env=env, start_new_session=True)
-        log.close()
+        proc.spawn(self.log_dir / f"{proc.name}.log" if self.log_dir else proc.data_dir / "node.log", self.extra_env)
 
     def restart(self, name: str, wait: float = 30.0) -> Proc:
         proc = self.procs[name]
@@ -129,28 +231,15 @@ class LocalSwarm:
         raise TimeoutError(f"{name} not ready after {timeout}s:\n{self.tail(name)}")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[name]
-        if proc.alive():
-            os.kill(proc.pid, sig)
-            proc.popen.wait(timeout=15)
+        self.procs[name].kill(sig)
 
     def close(self, grace: float = 8.0) -> None:
         """SIGTERM every child we started, wait, then SIGKILL stragglers. Always reaps."""
         for proc in self.procs.values():
-            if proc.alive():
-                try:
-                    os.kill(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            proc.ask_to_stop()
         deadline = time.monotonic() + grace
         for proc in self.procs.values():
-            if proc.popen is None:
-                continue
-            try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.popen.wait()
+            proc.reap(deadline)
 
     # ------------------------------------------------------------------ observing
 
@@ -181,10 +270,7 @@ class LocalSwarm:
         return {r["peer_id"]: r["state"] for r in rows}
 
     def tail(self, name: str, lines: int = 30) -> str:
-        path = self.procs[name].log_path
-        if not path or not path.exists():
-            return ""
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return self.procs[name].tail(lines)
 
     def wait_until(self, predicate, timeout: float, poll: float = 0.25, explain=None) -> float:
         """Poll until ``predicate()`` is true; returns seconds waited; TimeoutError otherwise, with
