@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from node.shards.peering import direct_peers_to_dial, session_to_end, sessions_to_open
+from node.shards.peering import direct_peers_to_dial, public_members, session_to_end, sessions_to_open
 
 PEERS = [f"p{i}" for i in range(12)]
 
@@ -54,3 +54,19 @@ def test_a_download_short_of_direct_peers_dials_public_members_until_it_has_max_
     assert len(chosen) > 5  # different downloaders spread over different public peers
     assert direct_peers_to_dial(public[:5], public, 5, random.Random(0)) == []  # enough already
     assert direct_peers_to_dial([], ["pub3"], 5, random.Random(0)) == ["pub3"]  # as many as there are
+
+
+def test_public_members_are_those_with_a_direct_address_that_do_not_say_they_are_private():
+    """A NAT'd member's record lists its private listen address beside its relayed ones (records
+    advertise every transport address): dialled, that address leads nowhere on the internet, so a
+    member whose record says it is private is not public, whatever its addresses. One whose
+    reachability is not known yet (dial-back has not answered) is tried."""
+    records = {
+        "pub": ("public", ["/ip4/10.78.0.2/tcp/4001"]),
+        "new": ("unknown", ["/ip4/10.78.0.3/tcp/4001"]),
+        "nat": ("private", ["/ip4/192.168.1.2/tcp/4001", "/ip4/10.78.0.1/tcp/4001/p2p/R/p2p-circuit"]),
+        "circuit-only": ("unknown", ["/ip4/10.78.0.1/tcp/4001/p2p/R/p2p-circuit"]),
+        "me": ("public", ["/ip4/10.78.0.9/tcp/4001"]),
+    }
+    found = public_members(records, lambda p: records[p][1], lambda p: records[p][0], me="me")
+    assert found == {"pub": ["/ip4/10.78.0.2/tcp/4001"], "new": ["/ip4/10.78.0.3/tcp/4001"]}

@@ -202,6 +202,11 @@ class Membership:
         m = self.table.members.get(peer_id)
         return list(m.record.addrs) if m else []
 
+    def reachability_of(self, peer_id: str) -> str:
+        """What a member's record says of it: public, private (behind NAT) or unknown."""
+        m = self.table.members.get(peer_id)
+        return m.record.reachability if m else "unknown"
+
     def status(self) -> dict:
         now = trio.current_time()
         run = self.node.run

@@ -52,3 +52,6 @@ class MemberAddrs(Protocol):
 
     def addrs_of(self, peer_id: str) -> list[str]:
         """The addresses a member advertises in its record ([] if unknown)."""
+
+    def reachability_of(self, peer_id: str) -> str:
+        """What a member's record says of it: ``public``, ``private`` (behind NAT) or ``unknown``."""

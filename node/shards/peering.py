@@ -25,8 +25,9 @@ no checkpoint bytes. Its membership dials (the ConnectionManager counts circuits
 left it a median of 3 direct peers against 7 for a public node, some only 1, in simulation
 (bench/sim_shards.py, N = 100, 30 % of slow nodes NAT'd), and the last NAT'd node finished 1.5x
 later than the last public one. A download short of ``max_peers`` direct peers dials public
-members (members with a direct address) up to that many, at random so that downloaders spread
-over them: what a peer can upload is not known before it has served us.
+members (members with a direct address whose record does not say they are private) up to that
+many, at random so that downloaders spread over them: what a peer can upload is not known before
+it has served us.
 """
 
 from __future__ import annotations
@@ -86,7 +87,22 @@ def direct_peers_to_dial(
     return pool[:max(0, want - len(held))]
 
 
-def direct_addrs(addrs: Iterable[str]) -> list[str]:
-    """The addresses of a member's record that reach it directly, not through a relay: a member
-    with one is public (a NAT'd member advertises only its relayed ``/p2p-circuit`` ones)."""
-    return [a for a in addrs if "/p2p-circuit" not in a]
+def public_members(
+    members: Iterable[str],
+    addrs_of: Callable[[str], list[str]],
+    reachability_of: Callable[[str], str],
+    me: str,
+) -> dict[str, list[str]]:
+    """Members other than ``me`` that a download may dial directly: peer id -> the addresses of its
+    record that do not run through a relay. A member whose record says it is ``private`` is left
+    out whatever it lists: records advertise every transport address, a NAT'd node's private one
+    too, which leads nowhere from outside its network. ``unknown`` (dial-back has not answered
+    yet) is tried."""
+    out: dict[str, list[str]] = {}
+    for peer in members:
+        if peer == me or reachability_of(peer) == "private":
+            continue
+        direct = [a for a in addrs_of(peer) if "/p2p-circuit" not in a]
+        if direct:
+            out[peer] = direct
+    return out

@@ -77,7 +77,7 @@ from .config import ShardsConfig, ShardsSections
 from .finite import non_finite_in_folder
 from .deltasync import DeltaSync
 from .manifest import SignedManifest, build_manifest, sign_manifest
-from .peering import direct_addrs
+from .peering import public_members
 from .protocol import (
     BANNED,
     PROTOCOL,
@@ -284,12 +284,12 @@ class ShardsService:
         self.members = members
 
     def public_members(self) -> dict[str, list[str]]:
-        """Live members other than us with a direct address: peer id -> those addresses."""
+        """Live members other than us a download may dial directly: peer id -> their direct addresses
+        (node/shards/peering.py ``public_members``)."""
         if self.members is None:
             return {}
-        me = self.node.peer_id
-        found = ((peer, direct_addrs(self.members.addrs_of(peer))) for peer in self.members.members() if peer != me)
-        return {peer: addrs for peer, addrs in found if addrs}
+        m = self.members
+        return public_members(m.members(), m.addrs_of, m.reachability_of, self.node.peer_id)
 
     def on_piece_verified(self, vs: VersionStore, piece: int) -> None:
         """Tell every peer downloading ``vs`` from us that we now serve ``piece``, but those that
