@@ -15,6 +15,8 @@ import dataclasses
 from contextlib import asynccontextmanager
 
 import pytest
+import trio
+import trio.testing
 
 from node.gossip.api import MembershipAPI
 from node.gossip.membership import MemberTable
@@ -42,12 +44,7 @@ def test_the_fakes_lack_only_the_api_members_listed():
         fake.__name__: sorted(m for m in api_members(api) if not hasattr(fake(), m))
         for fake, api in [(FakeLedger, LedgerAPI), (FakeMembership, MembershipAPI), (FakeShards, ShardsAPI)]
     }
-    # FakeShards publishes; it never downloads or waits for a version (no caller of the fake does).
-    assert lacking == {
-        "FakeLedger": [],
-        "FakeMembership": [],
-        "FakeShards": ["fetch", "latest", "wait_announced", "wait_newer", "wait_version"],
-    }
+    assert lacking == {"FakeLedger": [], "FakeMembership": [], "FakeShards": []}
 
 
 # ----------------------------------------------------------------------------------------- ledger
@@ -204,8 +201,47 @@ async def test_shards_publish_holds_announces_and_serves_the_folder(kind, tmp_pa
 @pytest.mark.parametrize("kind", KINDS)
 async def test_shards_keep_the_newest_versions_oldest_first(kind, tmp_path):
     async with open_shards(kind, tmp_path) as shards:
+        assert shards.latest() is None
         folder = write_checkpoint(tmp_path / "model", 4096)
         for v in [2, 1, 3, 4, 5, 5]:  # out of order, and one twice
             await shards.publish(folder, v)
-        assert shards.versions_held() == [3, 4, 5]
+        assert shards.versions_held() == [3, 4, 5] and shards.latest() == 5
         assert shards.path_of(2) is None and shards.path_of(5) is not None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_shards_waits_return_at_once_when_so_and_else_when_a_publish_makes_it_so(kind, tmp_path):
+    async with open_shards(kind, tmp_path) as shards:
+        folder = write_checkpoint(tmp_path / "model", 4096)
+        await shards.publish(folder, 1)
+        got = {}
+
+        async def wait(name, call, version):
+            got[name] = await call(version)
+
+        with trio.fail_after(60):
+            assert await shards.wait_announced(0) == 1 and await shards.wait_newer(None) == 1
+            assert await shards.wait_version(1) == shards.path_of(1)
+            async with trio.open_nursery() as nursery:
+                for name, call in [("announced", shards.wait_announced), ("newer", shards.wait_newer),
+                                   ("version", shards.wait_version)]:
+                    nursery.start_soon(wait, name, call, 1 if name != "version" else 2)
+                await trio.testing.wait_all_tasks_blocked()
+                assert got == {}  # nothing newer than 1 yet
+                await shards.publish(folder, 2)
+        assert got == {"announced": 2, "newer": 2, "version": shards.path_of(2)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_shards_fetch_notes_the_first_announcement_and_leaves_it_missing(kind, tmp_path):
+    """A fetch names the version's root and a peer to ask: that is an announcement (the first one of
+    a version stands). Neither service holds it at once (the fake never will)."""
+    async with open_shards(kind, tmp_path) as shards:
+        signed = await shards.publish(write_checkpoint(tmp_path / "model", 4096), 1)
+        shards.fetch(1, b"x" * 32, WORKER.peer_id)  # held: a fetch changes nothing
+        shards.fetch(2, b"r" * 32, WORKER.peer_id)
+        shards.fetch(2, b"s" * 32, TRAINER.peer_id)
+        assert shards.announced[1] == (signed.root, TRAINER.peer_id)
+        assert shards.announced[2] == (b"r" * 32, WORKER.peer_id)
+        assert shards.path_of(2) is None and shards.versions_held() == [1]
+        assert await shards.wait_announced(1) == 2

@@ -28,7 +28,7 @@ from node.rollouts.steps import VALIDATOR_WINDOW, StepWindow, step_window_size
 from node.trainer.config import TrainerConfig, TrainerSections
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
-from node.trainer.testing import FakeLedger, fake_context, fake_wiring, reversal_batch, sign_batch
+from node.trainer.testing import FakeLedger, FakeShards, fake_context, fake_wiring, reversal_batch, sign_batch
 from node.validator import testing as VT
 from node.validator.config import ValidatorSections
 from node.validator.pipeline import BatchReason, BatchRules
@@ -151,27 +151,6 @@ async def test_trainer_refuses_a_batch_claiming_another_versions_root(trainer):
 # -- the validator --------------------------------------------------------------------------------
 
 
-class _Versions:
-    def __init__(self, latest, announced):
-        self._latest, self.announced = latest, announced
-        self.fetched: list[int] = []
-
-    def fetch(self, version, root, source):
-        self.fetched.append(version)
-
-    async def wait_version(self, version):
-        await trio.sleep_forever()
-
-    def latest(self):
-        return self._latest
-
-    def path_of(self, version):
-        return None
-
-    async def wait_announced(self, version):
-        await trio.sleep_forever()
-
-
 class _NoTasks:
     def draw(self, key, index):
         raise AssertionError("the step window is checked before any draw")
@@ -190,7 +169,7 @@ def _validator(tmp_path: Path, store: ValidatorStore) -> ValidatorService:
     rules = BatchRules(run=RUN, taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
     return ValidatorService(node, ValidatorSections(), rules, _NoTasks(), store,
-                            shards=_Versions(0, {0: (ROOT, "t")}), ledger=FakeLedger(), wall_clock=lambda: 1000.0)
+                            shards=FakeShards(announced={0: (ROOT, "t")}), ledger=FakeLedger(), wall_clock=lambda: 1000.0)
 
 
 def _tiny(step, root=ROOT):
@@ -240,7 +219,7 @@ async def test_validator_says_cannot_judge_at_once_when_the_checkpoint_is_gone(t
     t0 = trio.current_time()
     assert await svc.judge(job) == UNJUDGED_NO_CHECKPOINT
     assert trio.current_time() == t0
-    assert svc.shards.fetched == [0]
+    assert svc.shards.fetches == [0]
 
 
 async def test_validator_rejects_a_batch_claiming_another_versions_root(tmp_path: Path, autojump_clock) -> None:

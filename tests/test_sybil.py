@@ -25,7 +25,7 @@ from node.trainer.config import TrainerConfig, TrainerSections
 from node.trainer.intake import KEEPS_WINDOW, NOT_ATTRIBUTABLE, NOT_STRIKES
 from node.trainer.service import Trainer
 from node.trainer.spool import open_spool
-from node.trainer.testing import FakeLedger, fake_context, fake_wiring, reversal_batch, sign_batch
+from node.trainer.testing import FakeLedger, FakeShards, fake_context, fake_wiring, reversal_batch, sign_batch
 
 RUN = "test"
 TOK = build_tokenizer()
@@ -260,7 +260,7 @@ def test_the_validator_backstops_a_trainer_that_lets_too_much_through(tmp_path: 
     from node.validator.service import ValidatorService
     from node.validator.store import ValidatorStore
     from node.validator import testing as T
-    from test_validator_service import _NoTasks, _tiny_batch, _Versions
+    from test_validator_service import _NoTasks, _tiny_batch, held_nowhere
 
     trainer = Identity.generate().peer_id
     ident = Identity.generate()
@@ -270,7 +270,7 @@ def test_the_validator_backstops_a_trainer_that_lets_too_much_through(tmp_path: 
     rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
     svc = ValidatorService(node, RunSections.of(run).pick(ValidatorSections), rules, _NoTasks(),
-                           ValidatorStore(tmp_path / "v.sqlite"), shards=_Versions(0, {}, held={0}), ledger=FakeLedger())
+                           ValidatorStore(tmp_path / "v.sqlite"), shards=FakeShards(held=held_nowhere(0)), ledger=FakeLedger())
     sybil = Identity.generate()
     answers = [svc.submit(trainer, T.sign_batch(sybil, _tiny_batch(sybil.peer_id, step)).envelope, 30.0)
                for step in range(40)]

@@ -24,7 +24,7 @@ from node.engines.model import create_tiny_model
 from node.rl.config import RLConfig
 from node.roles.sections import RunSections
 from node.rl.spec import sampling_seed, step_key
-from node.trainer.testing import FakeLedger
+from node.trainer.testing import FakeLedger, FakeShards
 from node.rollouts.schema import (
     UNJUDGED_NO_CHECKPOINT,
     VERDICTS_PROTOCOL,
@@ -177,7 +177,7 @@ def test_full_queue_answers_busy_and_status_says_behind(tmp_path: Path) -> None:
     rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
     svc = ValidatorService(node, sections, rules, _NoTasks(), ValidatorStore(tmp_path / "v.sqlite"),
-                           shards=_Versions(0, {}, held={0}), ledger=FakeLedger())
+                           shards=FakeShards(held=held_nowhere(0)), ledger=FakeLedger())
     worker = Identity.generate()
     batches = [T.sign_batch(worker, _tiny_batch(worker.peer_id, step)) for step in range(3)]
     answers = [svc.submit(trainer, b.envelope, 0.0) for b in batches]
@@ -198,24 +198,9 @@ def _tiny_batch(worker: str, step: int):
                         temperature=1.0, top_p=1.0, max_new_tokens=8, group_size=1, created_ms=0, samples=[s])
 
 
-class _Versions:
-    """The shards service as far as the validator asks: what is known, and nothing newer ever comes."""
-
-    def __init__(self, latest: int | None, announced: dict, held: set[int] = frozenset()) -> None:
-        self._latest, self.announced, self.held = latest, announced, set(held)
-        self.fetches: list[int] = []
-
-    def latest(self) -> int | None:
-        return self._latest
-
-    def path_of(self, version: int) -> Path | None:
-        return Path(f"/nonexistent/v{version}") if version in self.held else None
-
-    def fetch(self, version: int, root: bytes, source: str) -> None:
-        self.fetches.append(version)
-
-    async def wait_announced(self, version: int) -> int:
-        await trio.sleep_forever()
+def held_nowhere(*versions: int) -> dict[int, Path]:
+    """Versions the fake shards hold, at folders no check gets to load here."""
+    return {v: Path(f"/nonexistent/v{v}") for v in versions}
 
 
 def _stub_service(tmp_path: Path, trainer: str, store: ValidatorStore, shards=None) -> ValidatorService:
@@ -223,7 +208,7 @@ def _stub_service(tmp_path: Path, trainer: str, store: ValidatorStore, shards=No
     sections = RunSections.of(node.config.run).pick(ValidatorSections)
     rules = BatchRules(run="test", taskset="synthetic", temperature=1.0, top_p=1.0, max_new_tokens=8,
                        group_size=1, prompts_per_batch=1, async_level=2)
-    return ValidatorService(node, sections, rules, _NoTasks(), store, shards=shards or _Versions(None, {}),
+    return ValidatorService(node, sections, rules, _NoTasks(), store, shards=shards or FakeShards(),
                             ledger=FakeLedger(), wall_clock=lambda: 1000.0)
 
 
@@ -244,7 +229,7 @@ def test_bans_and_undelivered_verdicts_survive_a_restart(tmp_path: Path) -> None
 async def test_a_batch_for_an_unknown_checkpoint_is_left_to_another_validator(tmp_path: Path, autojump_clock) -> None:
     """No verdict (the worker may be honest and we just lack the version): the trainer re-assigns."""
     trainer = Identity.generate().peer_id
-    shards = _Versions(None, {})
+    shards = FakeShards()
     svc = _stub_service(tmp_path, trainer, ValidatorStore(tmp_path / "v.sqlite"), shards=shards)
     worker = Identity.generate()
     job = SimpleNamespace(trainer=trainer, signed=T.sign_batch(worker, _tiny_batch(worker.peer_id, 0)), received_at=0.0)
@@ -257,7 +242,7 @@ def test_a_batch_whose_checkpoint_is_not_held_is_refused_at_once_and_its_fetch_s
     """Issue 15: "cannot judge yet" at intake, not a place in the queue while a download runs (which
     held the trainer's slot on us until its verify timeout). No quota is taken, nothing is recorded."""
     trainer = Identity.generate().peer_id
-    shards = _Versions(1, {1: (b"r" * 32, "trainer-peer")}, held={0})
+    shards = FakeShards(held=held_nowhere(0), announced={1: (b"r" * 32, "trainer-peer")})
     ledger = FakeLedger()
     svc = _stub_service(tmp_path, trainer, ValidatorStore(tmp_path / "v.sqlite"), shards=shards)
     svc.ledger = ledger
@@ -267,7 +252,7 @@ def test_a_batch_whose_checkpoint_is_not_held_is_refused_at_once_and_its_fetch_s
     assert shards.fetches == [1] and svc.status()["queue"] == 0 and ledger.entries == []
     v0 = T.sign_batch(worker, _tiny_batch(worker.peer_id, 1))
     assert svc.submit(trainer, v0.envelope, 0.0)[1:] == (True, "")  # a held version is queued as before
-    shards.held.add(1)  # the download finished: the same batch is taken when the trainer asks again
+    shards.hold(1, held_nowhere(1)[1])  # the download finished: the same batch is taken when the trainer asks again
     assert svc.submit(trainer, v1.envelope, 3.0)[1:] == (True, "")
 
 
@@ -276,7 +261,7 @@ async def test_a_batch_that_cannot_be_judged_gets_a_signed_unjudged_verdict_at_o
     act on, neither stored as a verdict nor in the ledger (no blame on the worker)."""
     trainer = Identity.generate().peer_id
     store = ValidatorStore(tmp_path / "v.sqlite")
-    svc = _stub_service(tmp_path, trainer, store, shards=_Versions(None, {}))
+    svc = _stub_service(tmp_path, trainer, store, shards=FakeShards())
     worker = Identity.generate()
     signed = T.sign_batch(worker, _tiny_batch(worker.peer_id, 0))
     await svc.check_one(SimpleNamespace(trainer=trainer, signed=signed, received_at=0.0))
@@ -289,7 +274,7 @@ async def test_a_batch_that_cannot_be_judged_gets_a_signed_unjudged_verdict_at_o
 
 async def test_a_batch_claiming_a_future_version_is_rejected_after_the_grace(tmp_path: Path, autojump_clock) -> None:
     trainer = Identity.generate().peer_id
-    shards = _Versions(3, {3: (b"r", "p")})
+    shards = FakeShards(announced={3: (b"r", "p")})
     svc = _stub_service(tmp_path, trainer, ValidatorStore(tmp_path / "v.sqlite"), shards=shards)
     worker = Identity.generate()
     batch = replace(_tiny_batch(worker.peer_id, 0), policy_version=9,

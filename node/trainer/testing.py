@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
+import trio
+
 from ..hashes import digest
 from ..ledger.entries import Penalty, is_peer_id
 from ..rl.spec import group_advantages
@@ -156,17 +158,28 @@ class FakeMembership:
 class FakeShards:
     """Takes published versions without hashing or seeding them: the root names the version and
     folder, ``path_of`` is the folder handed in, and the newest ``keep_versions`` are held (as the real
-    store prunes). ``peer_id`` is the publisher the announcements name."""
+    store prunes). ``peer_id`` is the publisher the announcements name. ``held`` (version -> folder)
+    and ``announced`` start with what they name; :meth:`hold` is a download completing. :meth:`fetch`
+    notes the announcement as the real one does, and lists the version in ``fetches`` where the real
+    one would start its download (nothing is downloaded: a fetched version stays missing)."""
 
-    def __init__(self, peer_id: str = "", keep_versions: int | None = None) -> None:
+    def __init__(self, peer_id: str = "", keep_versions: int | None = None, *, held: dict[int, Path] | None = None,
+                 announced: dict[int, tuple[bytes, str]] | None = None) -> None:
         self.peer_id = peer_id
         self.keep_versions = keep_versions or ShardsConfig.keep_versions
         self.folders: dict[int, Path] = {}  # version -> folder, the newest keep_versions
-        self.announced: dict[int, tuple[bytes, str]] = {}  # version -> (root, announcer), as ShardsAPI
+        self.announced: dict[int, tuple[bytes, str]] = dict(announced or {})  # version -> (root, announcer)
+        self.fetches: list[int] = []  # versions whose download the real service would have started
+        self._news = trio.Event()
+        for version, folder in (held or {}).items():
+            self.hold(version, folder)
 
     @property
     def held(self) -> list[int]:
         return sorted(self.folders)
+
+    def latest(self) -> int | None:
+        return self.held[-1] if self.folders else None
 
     def path_of(self, version: int) -> Path | None:
         return self.folders.get(version)
@@ -174,15 +187,49 @@ class FakeShards:
     def versions_held(self) -> list[int]:
         return self.held
 
+    def hold(self, version: int, folder) -> None:
+        """``version`` is complete here, in ``folder``."""
+        self.folders[version] = Path(folder)
+        for old in self.held[:-self.keep_versions]:
+            del self.folders[old]
+        self._tell_news()
+
     async def publish(self, folder, version: int):
         folder = Path(folder)
         root = digest(f"{version}:{folder.resolve()}".encode())
-        self.folders[version] = folder
-        for old in self.held[:-self.keep_versions]:
-            del self.folders[old]
-        self.announced.setdefault(version, (root, self.peer_id))  # the first announcement stands
+        self.hold(version, folder)
+        self._note_announced(version, root, self.peer_id)
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
         return SimpleNamespace(root=root, manifest=SimpleNamespace(total_size=size))
+
+    def fetch(self, version: int, root: bytes, source: str) -> None:
+        self._note_announced(version, root, source)
+        if self.path_of(version) is None and version not in self.fetches:
+            self.fetches.append(version)
+
+    async def wait_version(self, version: int) -> Path:
+        while (path := self.path_of(version)) is None:
+            await self._news.wait()
+        return path
+
+    async def wait_newer(self, version: int | None) -> int:
+        while (latest := self.latest()) is None or (version is not None and latest <= version):
+            await self._news.wait()
+        return latest
+
+    async def wait_announced(self, version: int) -> int:
+        while not self.announced or max(self.announced) <= version:
+            await self._news.wait()
+        return max(self.announced)
+
+    def _note_announced(self, version: int, root: bytes, source: str) -> None:
+        if version not in self.announced:  # the first announcement stands
+            self.announced[version] = (root, source)
+            self._tell_news()
+
+    def _tell_news(self) -> None:
+        self._news.set()
+        self._news = trio.Event()
 
 
 def fake_wiring() -> dict:
