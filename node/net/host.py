@@ -240,6 +240,25 @@ class SwarmHost:
         info = PeerInfo(ID.from_base58(peer_id), [parse_multiaddr(a) for a in addrs])
         await self.host.connect(info)
 
+    async def connect_direct(self, peer_id: str, addrs: list[str]) -> None:
+        """Hold a direct connection to ``peer_id``, dialling the given transport addresses even
+        while a relayed one is held: py-libp2p's connect returns at once on any connection, and
+        only direct ones carry bulk data (:meth:`direct_peers`). Nothing is dialled when one is held."""
+        if not self.is_connected(peer_id):
+            await self.connect_peer(peer_id, addrs)
+            return
+        if peer_id in self.direct_peers():
+            return
+        pid = ID.from_base58(peer_id)
+        failures = []
+        for addr in addrs:
+            try:
+                await self.host.get_network().dial_addr(parse_multiaddr(addr), pid)
+                return
+            except Exception as e:  # libp2p raises many types for "could not connect"
+                failures.append(f"{addr}: {e}")
+        raise ConnectionError(f"no direct connection to {peer_id}: {'; '.join(failures) or 'no address'}")
+
     async def disconnect(self, peer_id: str) -> None:
         await self.host.disconnect(ID.from_base58(peer_id))
 

@@ -194,7 +194,7 @@ class Download:
     async def _dial(self, peer: str, addrs: list[str]) -> None:
         try:
             with trio.fail_after(DIAL_TIMEOUT):
-                await self.owner.host.connect_peer(peer, addrs)
+                await self.owner.host.connect_direct(peer, addrs)
         except Exception as e:  # libp2p raises many types for "could not connect"; asked again later
             log.debug("shards: dial of %s for v%d failed: %r", peer[-8:], self.vs.version, e)
         finally:
