@@ -5,8 +5,9 @@ trainer, validator and sybil tests. Each set of checks below is what those calle
 once and run against the fake AND the real service (trio's ``check_two_way_stream`` is the model):
 a fake that drifts from the real thing fails here, not silently in the tests that trust it.
 
-Where a fake implements only part of an API, :func:`test_the_fakes_lack_only_the_api_members_listed`
-names what it lacks, so adding a member (to the API or to a fake) shows up here.
+:func:`test_each_fake_has_every_member_of_the_apis_it_stands_for` checks each fake has every member of the
+APIs it stands for (a member added to an API shows up here); where a fake is looser than the real
+service, a ``test_fake_*`` below says how.
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ from node.gossip.api import MembershipAPI
 from node.gossip.membership import MemberTable
 from node.gossip.records import MAX_VERSIONS
 from node.gossip.service import Membership
+from node.identity import Identity
 from node.ledger.api import LedgerAPI, LedgerError
-from node.ledger.entries import Penalty, Verdict
+from node.ledger.entries import TOTAL_FIELDS, Penalty, Verdict
 from node.shards.api import ShardsAPI
 from node.shards.testing import open_shards_node, same_files, write_checkpoint
 from node.trainer.testing import FakeLedger, FakeMembership, FakeShards
+from node.web import LedgerTotals
 from test_ledger_sync import TRAINER, WORKER, open_ledger_node, rollouts
 from test_membership import record
 
 KINDS = ["fake", "real"]
 KEEP = 3  # [shards] keep_versions of both shards services here
+STRANGER = Identity.from_seed(b"\x07" * 32).peer_id  # a peer no entry names
 
 
 def api_members(protocol: type) -> set[str]:
@@ -39,12 +43,11 @@ def api_members(protocol: type) -> set[str]:
     return {n for n in vars(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
 
 
-def test_the_fakes_lack_only_the_api_members_listed():
-    lacking = {
-        fake.__name__: sorted(m for m in api_members(api) if not hasattr(fake(), m))
-        for fake, api in [(FakeLedger, LedgerAPI), (FakeMembership, MembershipAPI), (FakeShards, ShardsAPI)]
-    }
-    assert lacking == {"FakeLedger": [], "FakeMembership": [], "FakeShards": []}
+def test_each_fake_has_every_member_of_the_apis_it_stands_for():
+    pairs = [(FakeLedger, LedgerAPI), (FakeLedger, LedgerTotals), (FakeMembership, MembershipAPI), (FakeShards, ShardsAPI)]
+    lacking = {f"{fake.__name__} as {api.__name__}": sorted(m for m in api_members(api) if not hasattr(fake(), m))
+               for fake, api in pairs}
+    assert lacking == {name: [] for name in lacking}
 
 
 # ----------------------------------------------------------------------------------------- ledger
@@ -54,7 +57,7 @@ def test_the_fakes_lack_only_the_api_members_listed():
 async def open_ledger(kind: str, tmp_path):
     """A ledger whose own entries a trainer (TRAINER) may author."""
     if kind == "fake":
-        yield FakeLedger()
+        yield FakeLedger(peer_id=TRAINER.peer_id)
         return
     async with open_ledger_node(tmp_path, "t", TRAINER) as node:
         yield node.ledger
@@ -82,6 +85,23 @@ async def test_ledger_accepted_samples_add_up_the_batches_trained(kind, tmp_path
         await ledger.append(dataclasses.replace(rollouts(7), accepted=False, reason="bad"))  # refused: no history
         assert ledger.accepted_samples(WORKER.peer_id) == 8
         assert ledger.accepted_samples(TRAINER.peer_id) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_ledger_totals_add_up_each_entrys_credits_and_count_its_author(kind, tmp_path):
+    """What the web page's /ledger.json shows (node/web.py LedgerTotals)."""
+    async with open_ledger(kind, tmp_path) as ledger:
+        assert ledger.totals() == {}
+        judged = rollouts(3)
+        for body in [rollouts(5), judged, judged, dataclasses.replace(rollouts(7), accepted=False, reason="bad"),
+                     dataclasses.replace(judged, samples=4, tokens=10),  # one batch counted at its largest claim
+                     Penalty(peer=WORKER.peer_id, reason="forged", points=3, ban_seconds=3600)]:
+            await ledger.append(body)
+        zero = dict.fromkeys(TOTAL_FIELDS, 0)
+        worker = {**zero, "rollouts_accepted": 9, "rollouts_rejected": 7, "tokens": 80, "penalties": 3, "bans": 1}
+        assert ledger.totals() == {TRAINER.peer_id: {**zero, "entries": 6}, WORKER.peer_id: worker}
+        assert ledger.totals(WORKER.peer_id) == {WORKER.peer_id: worker}
+        assert ledger.totals(STRANGER) == {STRANGER: zero}  # asked for: a row, even empty
 
 
 @pytest.mark.parametrize("kind", KINDS)

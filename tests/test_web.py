@@ -15,7 +15,10 @@ import pytest
 import trio
 
 from node.health import ProgressWatch
+from node.identity import Identity
+from node.ledger.entries import RolloutsJudged
 from node.status import with_health
+from node.trainer.testing import FakeLedger
 from node.web import MAX_REQUEST_BYTES, node_routes, page_html, serve_http
 from waiting import wait_until
 
@@ -29,22 +32,29 @@ def get(url: str, method: str = "GET") -> tuple[int, object, bytes]:
         return e.code, e.headers, e.read()
 
 
-class FakeLedger:
+PEER_A = Identity.from_seed(b"\x0a" * 32).peer_id
+
+
+class CountingLedger(FakeLedger):
+    """The ledger's stand-in (tests/test_fakes_conformance.py checks its totals), counting the reads."""
+
     def __init__(self):
+        super().__init__()
         self.calls = 0
 
-    def totals(self):
+    def totals(self, peer=None):
         self.calls += 1
-        return {"12D3KooWpeerA": {"rollouts_accepted": 16, "tokens": 100}}
+        return super().totals(peer)
 
 
 def routes(ledger=None):
     status = {"peer_id": "12D3KooWself", "role": "relay", "membership": {"members": []}}
-    return node_routes(lambda: status, lambda: b"swarm_up 1\n", ledger or FakeLedger(), 0.0)
+    return node_routes(lambda: status, lambda: b"swarm_up 1\n", ledger or CountingLedger(), 0.0)
 
 
 async def test_routes_over_a_real_socket():
-    ledger = FakeLedger()
+    ledger = CountingLedger()
+    await ledger.append(RolloutsJudged(worker=PEER_A, step=0, accepted=True, samples=16, tokens=100, batch_hash=bytes(32)))
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve_http, "127.0.0.1", 0, routes(ledger))
         base = f"http://127.0.0.1:{port}"
@@ -58,7 +68,7 @@ async def test_routes_over_a_real_socket():
         assert got["/"][2] == page_html() and b"<script>" in got["/"][2]
         assert json.loads(got["/status.json"][2])["peer_id"] == "12D3KooWself"
         assert got["/status.json?x=1"][0] == 200
-        assert json.loads(got["/ledger.json"][2])["totals"]["12D3KooWpeerA"]["tokens"] == 100
+        assert json.loads(got["/ledger.json"][2])["totals"][PEER_A]["tokens"] == 100
         assert got["/metrics"][2] == b"swarm_up 1\n" and "version=0.0.4" in got["/metrics"][1]["Content-Type"]
         assert json.loads(got["/healthz"][2])["ok"] is True
         assert got["/nope"][0] == 404

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import trio
 
 from ..hashes import digest
-from ..ledger.entries import Penalty, is_peer_id
+from ..ledger.entries import TOTAL_FIELDS, Penalty, is_peer_id
 from ..rl.spec import group_advantages
 from ..rollouts.schema import DOMAIN_BATCH, RolloutBatch, RolloutSample
 from ..shards.config import ShardsConfig
@@ -102,33 +102,50 @@ def sign_batch(identity, batch: RolloutBatch) -> bytes:
 
 class FakeLedger:
     """Records appended entries and what the real ledger derives from them: a penalty with
-    ``ban_seconds`` bans its peer (for good: the fake has no clock), an accepted rollouts entry adds to
-    its worker's history, each batch counted once. ``bans`` (peer -> ban) and ``accepted`` (peer ->
-    samples) start with what they name. Unlike the real one it takes every kind of entry (the real
-    one refuses what this node's role may not author)."""
+    ``ban_seconds`` bans its peer (for good: the fake has no clock), and each entry's credits
+    (node/ledger/entries.py) add up in :meth:`totals`, a batch's at its largest claim, with one
+    ``entries`` to ``peer_id``, the author. ``bans`` (peer -> ban) and ``accepted`` (peer -> samples of
+    history) start with what they name. Unlike the real one it takes every kind of entry (the real
+    one refuses what this node's role may not author), and bytes served are not capped at the
+    checkpoint's published size."""
 
-    def __init__(self, bans: dict | None = None, accepted: dict | None = None) -> None:
+    def __init__(self, bans: dict | None = None, accepted: dict | None = None, peer_id: str = "") -> None:
         self.entries: list = []
         self.bans = dict(bans or {})
         self.accepted = dict(accepted or {})
-        self._batches: dict[tuple[str, bytes], int] = {}  # (worker, batch) -> samples credited
+        self.peer_id = peer_id
+        self._totals: dict[str, dict[str, int]] = {}  # peer -> field -> amount
+        self._claims: dict[tuple[str, str, bytes], int] = {}  # (peer, field, batch) -> amount counted
 
     async def append(self, body):
         self.entries.append(body)
         if isinstance(body, Penalty) and body.ban_seconds:
             self.bans.setdefault(body.peer, body)
-        for c in body.credits(""):  # the entry's own credit rules (node/ledger/entries.py)
-            if c.field == "rollouts_accepted":
-                before = self._batches.get((c.peer, c.batch), 0)
-                self._batches[(c.peer, c.batch)] = max(before, c.amount)  # as the chain: the largest claim
-                self.accepted[c.peer] = self.accepted.get(c.peer, 0) + max(0, c.amount - before)
+        self._add(self.peer_id, "entries", 1)
+        for c in body.credits(self.peer_id):
+            if c.field not in TOTAL_FIELDS:  # the published size: a cap the fake does not apply
+                continue
+            if c.batch is None:
+                self._add(c.peer, c.field, c.amount)
+                continue
+            before = self._claims.get((c.peer, c.field, c.batch), 0)  # as the chain: the largest claim
+            self._claims[(c.peer, c.field, c.batch)] = max(before, c.amount)
+            self._add(c.peer, c.field, max(0, c.amount - before))
         return body
+
+    def _add(self, peer: str, field: str, amount: int) -> None:
+        self._totals.setdefault(peer, dict.fromkeys(TOTAL_FIELDS, 0))[field] += amount
+
+    def totals(self, peer: str | None = None) -> dict[str, dict[str, int]]:
+        if peer is not None:
+            return {peer: dict(self._totals.get(peer) or dict.fromkeys(TOTAL_FIELDS, 0))}
+        return {p: dict(t) for p, t in sorted(self._totals.items()) if any(t.values())}
 
     def ban_of(self, peer: str):
         return self.bans.get(peer)
 
     def accepted_samples(self, peer: str) -> int:
-        return self.accepted.get(peer, 0)
+        return self.accepted.get(peer, 0) + self._totals.get(peer, {}).get("rollouts_accepted", 0)
 
     def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
         if not is_peer_id(peer) or len(manifest_id) != 32 or nbytes < 0 or pieces < 0:  # a caller's bug
