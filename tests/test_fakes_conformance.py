@@ -27,7 +27,7 @@ from node.identity import Identity
 from node.ledger.api import LedgerAPI, LedgerError
 from node.ledger.entries import TOTAL_FIELDS, Penalty, Verdict
 from node.shards.api import ShardsAPI
-from node.shards.testing import open_shards_node, same_files, write_checkpoint
+from node.shards.testing import ReceiptLog, open_shards_node, same_files, write_checkpoint
 from node.trainer.testing import FakeLedger, FakeMembership, FakeShards
 from node.web import LedgerTotals
 from test_ledger_sync import TRAINER, WORKER, open_ledger_node, rollouts
@@ -58,6 +58,9 @@ async def open_ledger(kind: str, tmp_path):
     """A ledger whose own entries a trainer (TRAINER) may author."""
     if kind == "fake":
         yield FakeLedger(peer_id=TRAINER.peer_id)
+        return
+    if kind == "receipt-log":
+        yield ReceiptLog()
         return
     async with open_ledger_node(tmp_path, "t", TRAINER) as node:
         yield node.ledger
@@ -104,7 +107,14 @@ async def test_ledger_totals_add_up_each_entrys_credits_and_count_its_author(kin
         assert ledger.totals(STRANGER) == {STRANGER: zero}  # asked for: a row, even empty
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# The shards tests hand their service node/shards/testing.py's ReceiptLog as its ledger (it only
+# calls note_received). It takes any receipt: the fix (the same check) is in the shards package,
+# another change's this session; strict, so the fix shows here.
+RECEIPT_KINDS = KINDS + [pytest.param("receipt-log", marks=pytest.mark.xfail(
+    strict=True, reason="ReceiptLog records a receipt the real ledger refuses"))]
+
+
+@pytest.mark.parametrize("kind", RECEIPT_KINDS)
 async def test_ledger_note_received_takes_verified_bytes_and_refuses_a_receipt_that_could_never_be_valid(kind, tmp_path):
     async with open_ledger(kind, tmp_path) as ledger:
         ledger.note_received(TRAINER.peer_id, b"m" * 32, 4096)
