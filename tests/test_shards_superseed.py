@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import random
 
-from node.shards.superseed import SeedMode, SuperSeeder
+from node.shards.superseed import SeedMode, SuperSeeder, super_seeding_pays
 
 
 def test_once_every_piece_is_held_by_a_downloader_the_origin_shows_everyone_everything():
@@ -84,3 +84,22 @@ def test_the_budget_stays_put_when_each_piece_more_in_flight_lengthens_the_round
     # A downloader's first round trip already waited behind others, so it reads a little room:
     # the budget swings a few pieces above its floor and back, never far.
     assert sum(budgets) / len(budgets) <= 1.4 * 12 and max(budgets) <= 2 * 12
+
+
+def test_super_seeding_pays_only_where_the_origin_s_upload_is_the_binding_term_of_the_bound():
+    """Kumar & Ross: T_min = max(F/u_s, F/min d_i, N F/(u_s + sum u_i)). Super-seeding makes the seed
+    send each piece about once, which reaches F/u_s; where another term binds, it holds back an
+    origin that could send more (simulated N = 100, a 1 Gbit/s origin: 2.41x the bound without,
+    2.72x with)."""
+    mbit = 1e6 / 8
+    # bench/shards.py swarm's scenario: every uplink 10 Mbit/s, so the origin's is the binding term.
+    for n in (8, 16, 24):
+        assert super_seeding_pays(10 * mbit, [10 * mbit] * n, [10 * mbit] * n)
+    # Issue 46's scale scenario: a 1 Gbit/s origin, 10 % of 100 downloaders at 1 Gbit/s, the rest 10-100.
+    ups = [1000 * mbit] * 10 + [(10 + i) * mbit for i in range(90)]
+    assert not super_seeding_pays(1000 * mbit, ups, [300 * mbit] * 100)
+    # A fast origin and two slow downlinks: the downloads bind, the origin just sends to both.
+    assert not super_seeding_pays(1000 * mbit, [100 * mbit] * 2, [100 * mbit] * 2)
+    # Where the origin's term ties with the swarm's, it still binds: every byte it sends counts.
+    assert super_seeding_pays(10 * mbit, [5 * mbit, 5 * mbit], [1000 * mbit] * 2) is True
+    assert super_seeding_pays(10 * mbit, [], []) is True  # nobody to hold back from
