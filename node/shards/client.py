@@ -3,7 +3,9 @@
 How this works
 --------------
 A download opens a :class:`ClientSession` to every directly connected peer (up to ``max_peers``;
-never over a relay circuit, whose bandwidth is the relay's and whose bytes it caps), feeds
+never over a relay circuit, whose bandwidth is the relay's and whose bytes it caps), and short of
+that many direct peers it dials public members from membership's view (node/shards/peering.py
+says why: a NAT'd node's direct peers are only those it dialled itself); it feeds
 what they say (bitfields, haves, data, rejects) into the pure :class:`Picker`, sends the requests
 and cancels the picker decides, assembles blocks in memory, hash-checks each piece, writes it to
 the :class:`VersionStore` and tells everyone ``Have`` through the shards service (which serves it
