@@ -225,19 +225,19 @@ class FakeShards:
             self.fetches.append(version)
 
     async def wait_version(self, version: int) -> Path:
-        while (path := self.path_of(version)) is None:
-            await self._news.wait()
-        return path
+        return await self._until(lambda: self.path_of(version))
 
     async def wait_newer(self, version: int | None) -> int:
-        while (latest := self.latest()) is None or (version is not None and latest <= version):
-            await self._news.wait()
-        return latest
+        return await self._until(lambda: _newer(self.held, version))
 
     async def wait_announced(self, version: int) -> int:
-        while not self.announced or max(self.announced) <= version:
+        return await self._until(lambda: _newer(sorted(self.announced), version))
+
+    async def _until(self, answer):
+        """``answer()`` once it is not None, asked again at each change."""
+        while (value := answer()) is None:
             await self._news.wait()
-        return max(self.announced)
+        return value
 
     def _note_announced(self, version: int, root: bytes, source: str) -> None:
         if version not in self.announced:  # the first announcement stands
@@ -247,6 +247,11 @@ class FakeShards:
     def _tell_news(self) -> None:
         self._news.set()
         self._news = trio.Event()
+
+
+def _newer(versions: list[int], than: int | None) -> int | None:
+    """The newest of ``versions`` (sorted) if newer than ``than`` (any, if None), else None."""
+    return versions[-1] if versions and (than is None or versions[-1] > than) else None
 
 
 def fake_wiring() -> dict:
