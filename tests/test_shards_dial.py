@@ -14,15 +14,14 @@ from pathlib import Path
 import trio
 
 from node.config import RunConfig
-from node.identity import Identity, load_or_create_identity
-from node.reach.relay import circuit_addr, connect_addr, serve_relay_client, serve_relay_hop
+from node.identity import load_or_create_identity
 from node.shards.testing import open_shards_swarm, same_files, write_checkpoint
 
 from swarmtest import node_config, open_nodes
+from test_shards_swarm import reached_over_a_circuit
 from waiting import wait_for
 
 MiB = 1 << 20
-FAST = dict(announce_interval=0.5, request_timeout=2.0, progress=False)
 
 
 async def test_a_download_dials_a_public_member_it_learned_of_through_membership(tmp_path: Path) -> None:
@@ -67,22 +66,10 @@ async def test_a_download_dials_a_public_member_it_holds_only_a_relay_circuit_to
     address), which carry no checkpoint bytes. Its download dials such a member's direct address all
     the same: the circuit no longer stands for a connection (py-libp2p's connect returned at once
     on any connection, so the dial did nothing and the member's upload was lost to it)."""
-    trainer = Identity.generate()
-    tr = [trainer.peer_id]
     src = write_checkpoint(tmp_path / "ckpt", 4 * MiB, seed=6)
     with trio.fail_after(90):
         async with open_shards_swarm() as swarm, trio.open_nursery() as services:
-            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", upload_rate=MiB, **FAST)
-            await services.start(lambda task_status: serve_relay_hop(r.context, task_status=task_status))
-            r_addr = r.host.listen_addrs()[0]
-            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **FAST)
-            d = await swarm.add(tmp_path / "d", trainers=tr, role="inference", **FAST)
-            await t.host.connect(r_addr)
-            await services.start(lambda task_status: serve_relay_client(t.context, relays=[r_addr], hole_punch=False,
-                                                                        task_status=task_status))
-            await d.host.connect(r_addr)
-            assert await connect_addr(d.host, circuit_addr(r_addr, t.peer_id)) == t.peer_id
-            assert t.peer_id not in d.host.direct_peers() and d.host.is_connected(t.peer_id)
+            r, _, t, d = await reached_over_a_circuit(swarm, services, tmp_path, upload_rate=MiB)
             d.shards.use_members(Members({t.peer_id: ("public", t.host.transport_addrs()),
                                           r.peer_id: ("public", r.host.transport_addrs())}))
 

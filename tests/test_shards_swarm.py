@@ -457,29 +457,36 @@ async def test_a_failing_disk_stops_the_download_not_the_node(tmp_path: Path, mo
             assert same_files(src, await r.shards.wait_version(1))
 
 
+async def reached_over_a_circuit(swarm, services: trio.Nursery, tmp_path: Path, **relay_shards):
+    """A relay (its HOP service in ``services``), a trainer reachable only through its reservation on
+    the relay, and a downloader connected to the relay directly and to the trainer over that circuit
+    alone; returns (relay, HOP service, trainer, downloader)."""
+    trainer = Identity.generate()
+    tr = [trainer.peer_id]
+    r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **FAST | relay_shards)
+    hop = await services.start(lambda task_status: serve_relay_hop(r.context, task_status=task_status))
+    r_addr = r.host.listen_addrs()[0]
+    t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **FAST)
+    d = await swarm.add(tmp_path / "d", trainers=tr, role="inference", **FAST)
+    await t.host.connect(r_addr)
+    await services.start(lambda task_status: serve_relay_client(t.context, relays=[r_addr], hole_punch=False,
+                                                                task_status=task_status))
+    await d.host.connect(r_addr)
+    assert await connect_addr(d.host, circuit_addr(r_addr, t.peer_id)) == t.peer_id
+    assert t.peer_id not in d.host.direct_peers() and d.host.is_connected(t.peer_id)
+    return r, hop, t, d
+
+
 async def test_pieces_never_ride_a_relay_circuit(tmp_path: Path) -> None:
     """A private trainer reachable only through a relay circuit (its reservation on the relay) and a
     downloader connected to it over that circuit: the downloader opens no transfer session over the
     circuit, which would spend the relay's bandwidth and its per-circuit byte limit; it gets every
     byte from the relay, directly. A session asked over a circuit anyway is refused (the NAT test
     once saw a home node fetch 3 MB of pieces from another through the relay)."""
-    trainer = Identity.generate()
-    tr = [trainer.peer_id]
     src = write_checkpoint(tmp_path / "ckpt", 6 * MiB, seed=5)
     with trio.fail_after(90):
         async with open_shards_swarm() as swarm, trio.open_nursery() as services:
-            r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **FAST)
-            hop = await services.start(lambda task_status: serve_relay_hop(r.context, task_status=task_status))
-            r_addr = r.host.listen_addrs()[0]
-            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=tr, role="trainer", **FAST)
-            d = await swarm.add(tmp_path / "d", trainers=tr, role="inference", **FAST)
-            await t.host.connect(r_addr)
-            await services.start(lambda task_status: serve_relay_client(t.context, relays=[r_addr], hole_punch=False,
-                                                                        task_status=task_status))
-            await d.host.connect(r_addr)
-            assert await connect_addr(d.host, circuit_addr(r_addr, t.peer_id)) == t.peer_id
-            assert t.peer_id not in d.host.direct_peers() and d.host.is_connected(t.peer_id)
-
+            r, hop, t, d = await reached_over_a_circuit(swarm, services, tmp_path)
             signed = await t.shards.publish(src, 3)
             path = await d.shards.wait_version(3)
             assert same_files(src, path)
