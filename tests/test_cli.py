@@ -176,6 +176,18 @@ def test_every_subcommand_lives_in_app_commands_and_help_lists_each():
     assert [w for w in listed if w in SUBCOMMANDS] == SUBCOMMANDS
 
 
+def test_help_loads_no_model_or_network_stack():
+    """The commands are registered by importing their modules: what a command needs beyond argparse
+    (torch, transformers, libp2p) is imported when it runs, so `swarm-node --help` stays fast."""
+    code = ("import sys\n"
+            "from node.app.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'libp2p'}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]"
+
+
 def test_damaged_state_files_are_refused_with_one_line(tmp_path):
     """A damaged database or training state stops the node with one clear line and exit 2, never a
     traceback and never a silent fresh start over acknowledged work (issue 14)."""
