@@ -470,3 +470,22 @@ def test_the_service_rule_finds_a_planted_closure_heap(tmp_path, monkeypatch):
                      "    def a():\n        pass\n\n    async def b():\n        pass\n\n    def c():\n        pass\n")
     assert closure_heavy_services({"node.gossip.service": MODULES["node.gossip.service"]}) == [
         f"node.gossip.service:{lines - 8} serve_heap nests 3 functions"]
+
+
+# Every ``swarm-node`` subcommand lives in node/app/commands/, registered in its COMMANDS: issue 44
+# item 8 found them in two homes (four components' cli.py and app/*_cli.py), loaded by module names.
+def subcommands_elsewhere(modules: dict[str, Path]) -> list[str]:
+    """``add_parser`` calls outside node/app/commands/ (the top-level parser in app/cli.py adds none)."""
+    return [f"{m}:{n.lineno}" for m, path in sorted(modules.items()) if not _within(m, "node.app.commands")
+            for n in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "add_parser"]
+
+
+def test_subcommands_live_in_app_commands():
+    assert subcommands_elsewhere(MODULES) == []
+
+
+def test_the_subcommand_rule_finds_a_planted_one(tmp_path, monkeypatch):
+    """Planted in a copy of ledger/store.py: a subcommand beside the component again."""
+    _, lines = plant(tmp_path, monkeypatch, "node.ledger.store", "\n\ndef add_commands(sub):\n    sub.add_parser('x')\n")
+    assert subcommands_elsewhere({"node.ledger.store": MODULES["node.ledger.store"]}) == [f"node.ledger.store:{lines}"]
