@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Timer:
     """A scheduled callback; ``cancel()`` makes it a no-op (it stays in the heap until its time)."""
 
@@ -44,14 +44,15 @@ class Simulation:
 
     def run(self, until: float) -> None:
         """Run every event due at or before ``until``, then leave the clock at ``until``."""
-        heap = self._heap
+        heap, pop, run = self._heap, heapq.heappop, 0  # locals: this loop is the simulator's hot path
         while heap and heap[0][0] <= until:
-            time, _, timer = heapq.heappop(heap)
+            time, _, timer = pop(heap)
             if timer.cancelled:
                 continue
             self.now = time
-            self.events_run += 1
+            run += 1
             timer.fn(*timer.args)
+        self.events_run += run
         self.now = max(self.now, until)
 
     def pending(self) -> int:

@@ -21,6 +21,7 @@ What stands in for I/O:
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -150,7 +151,15 @@ class SimNode:
         self.seen[(self.pid, self.counter)] = self.swarm.sim.now
         self.window[-1].append(msg)
         for p in self.swarm.net.connected(self.pid):  # flood publishing (gossipsub v1.1)
-            self.swarm.net.send(self.pid, p, msg.size, self.swarm.nodes[p].on_gossip, msg, self.pid)
+            self.forward(p, msg)
+
+    def forward(self, peer: str, msg: Gossip) -> None:
+        other = self.swarm.nodes[peer]
+        self.swarm.net.send(self.pid, peer, msg.size, other.on_gossip, msg, self.pid, skip=other.has_seen)
+
+    def has_seen(self, msg: Gossip, _sender: str = "") -> bool:
+        """A copy of ``msg`` would change nothing here (on_gossip drops it unread)."""
+        return (msg.author, msg.counter) in self.seen
 
     def on_gossip(self, msg: Gossip, sender: str) -> None:
         if not self.running:
@@ -164,7 +173,7 @@ class SimNode:
         self.apply(msg, now)
         for p in self.mesh:
             if p != sender and p != msg.author:
-                self.swarm.net.send(self.pid, p, msg.size, self.swarm.nodes[p].on_gossip, msg, self.pid)
+                self.forward(p, msg)
 
     def apply(self, msg: Gossip, now: float) -> None:
         """What the service's ``apply`` does with one checked message from the topic."""
@@ -231,8 +240,10 @@ class SimNode:
                 net.send(self.pid, p, RPC_BYTES + len(have) * GOSSIP_ID_BYTES, self.swarm.nodes[p].on_ihave,
                          self.pid, have)
         self.window = self.window[1:] + [[]]
-        if len(self.seen) > 64:
-            self.seen = {k: t for k, t in self.seen.items() if now - t < SEEN_TTL}
+        if len(self.seen) > 64:  # entries are added in time order: the expired ones come first
+            expired = list(itertools.takewhile(lambda kt: now - kt[1] >= SEEN_TTL, self.seen.items()))
+            for k, _ in expired:
+                del self.seen[k]
         self.swarm.sim.after(HEARTBEAT, self.heartbeat)
 
     def on_ihave(self, peer: str, have: list[Gossip]) -> None:
@@ -247,7 +258,7 @@ class SimNode:
     def on_iwant(self, peer: str, want: list[Gossip]) -> None:
         if self.running:
             for m in want:
-                self.swarm.net.send(self.pid, peer, m.size, self.swarm.nodes[peer].on_gossip, m, self.pid)
+                self.forward(peer, m)
 
     def on_graft(self, peer: str) -> None:
         if self.running and len(self.mesh) < MESH_HI and self.swarm.net.is_connected(self.pid, peer):

@@ -70,13 +70,19 @@ class Network:
             return e[a].latency + e[b].latency
         return e[a].latency + 2 * e[relay].latency + e[b].latency
 
-    def send(self, a: str, b: str, nbytes: int, deliver: Callable[..., object], *args, lossy: bool = True) -> bool:
+    def send(self, a: str, b: str, nbytes: int, deliver: Callable[..., object], *args, lossy: bool = True,
+             skip: Callable[..., bool] | None = None) -> bool:
         """Send one message on the a-b connection; ``deliver(*args)`` runs at b when it arrives.
         Returns False (nothing sent) if a holds no connection to b.
 
         Each link is a FIFO served in the order messages reach it: the sender's uplink now, each
         downlink (and a relay's uplink) when the message gets there, not when it was sent (a
-        reservation made in advance would make earlier arrivals wait behind later ones)."""
+        reservation made in advance would make earlier arrivals wait behind later ones).
+
+        ``skip(*args)``, asked when the message reaches b: True when handing it over could change
+        nothing (a gossip copy b has already seen, which stays seen). It is then counted and takes
+        its downlink time all the same, but no delivery is scheduled: most gossip copies are such
+        duplicates, and their delivery events were a third of a large swarm's events."""
         links = self.links.get(a)
         if links is None or b not in links:
             return False
@@ -88,16 +94,16 @@ class Network:
             return True
         relay = links[b]
         hops = (a, b) if relay is None else (a, relay, b)
-        self._up(hops, 0, nbytes, deliver, args)
+        self._up(hops, 0, nbytes, deliver, args, skip)
         return True
 
-    def _up(self, hops: tuple[str, ...], i: int, nbytes: int, deliver, args) -> None:
+    def _up(self, hops: tuple[str, ...], i: int, nbytes: int, deliver, args, skip) -> None:
         e, now = self.endpoints, self.sim.now
         s, d = e[hops[i]], e[hops[i + 1]]
         s.up_free = max(now, s.up_free) + nbytes / s.up
-        self.sim.at(s.up_free + s.latency + d.latency, self._down, hops, i + 1, nbytes, deliver, args)
+        self.sim.at(s.up_free + s.latency + d.latency, self._down, hops, i + 1, nbytes, deliver, args, skip)
 
-    def _down(self, hops: tuple[str, ...], i: int, nbytes: int, deliver, args) -> None:
+    def _down(self, hops: tuple[str, ...], i: int, nbytes: int, deliver, args, skip) -> None:
         e, now = self.endpoints, self.sim.now
         node = hops[i]
         d = e.get(node)
@@ -110,10 +116,11 @@ class Network:
         if i < len(hops) - 1:  # a relay: forwarded once received, on its own uplink
             d.relayed_bytes += 2 * nbytes
             d.sent_bytes += nbytes
-            self.sim.at(d.down_free, self._up, hops, i, nbytes, deliver, args)
+            self.sim.at(d.down_free, self._up, hops, i, nbytes, deliver, args, skip)
             return
         d.recv_msgs += 1
-        self.sim.at(d.down_free, deliver, *args)
+        if skip is None or not skip(*args):
+            self.sim.at(d.down_free, deliver, *args)
 
     def dial(self, a: str, b: str, done: Callable[[bool], object]) -> None:
         """Open a connection from a to b; ``done(True)`` when it is up, ``done(False)`` when refused

@@ -62,6 +62,19 @@ def test_a_lost_message_is_paid_for_but_never_arrives_and_no_connection_sends_no
     assert arrived == [] and net.endpoints["a"].sent_bytes == 50 and net.dropped == 1
 
 
+def test_a_skipped_message_is_counted_and_holds_the_downlink_but_is_never_handed_over():
+    sim, net = two()
+    connect(sim, net, "a", "b")
+    net.endpoints["a"].up = 1e9
+    t0, arrived, asked = sim.now, [], []
+    net.send("a", "b", 100, arrived.append, "dup", skip=lambda x: asked.append(sim.now - t0) or True)
+    net.send("a", "b", 100, lambda: arrived.append(sim.now - t0))
+    sim.run(sim.now + 10)
+    # Asked on arrival (10 + 20 ms); the next message still waits for its 50 ms on b's downlink.
+    assert asked == [pytest.approx(0.03, abs=1e-6)] and arrived == [pytest.approx(0.03 + 0.05 + 0.05, abs=1e-6)]
+    assert net.endpoints["b"].recv_msgs == 2 and net.endpoints["b"].recv_bytes == 200
+
+
 def test_a_natted_endpoint_is_reached_through_its_relay_which_carries_the_bytes():
     sim = Simulation()
     net = Network(sim)
