@@ -25,6 +25,14 @@ class CountingDict(dict):
         CountingDict.walks += 1
         return super().values()
 
+    def items(self):
+        CountingDict.walks += 1
+        return super().items()
+
+    def __iter__(self):
+        CountingDict.walks += 1
+        return super().__iter__()
+
 
 def test_a_quiet_table_is_not_walked_at_every_tick():
     table = MemberTable("me", MembershipConfig())
@@ -37,6 +45,43 @@ def test_a_quiet_table_is_not_walked_at_every_tick():
         table.tick(k * 0.25)
         assert table.size() == 1001
     assert CountingDict.walks <= 2  # was 200: one walk in tick and one in size at each call
+
+
+def big_table(n: int, connected: int) -> tuple[MemberTable, set[str]]:
+    table = MemberTable("me", MembershipConfig(), rng=random.Random(7))
+    table.members = CountingDict()
+    for i in range(n):
+        table.on_record(record(f"p{i}", 1), 0.0, None, exchange=True)
+    return table, {f"p{i}" for i in range(0, n, n // connected)}
+
+
+def test_probing_among_our_connections_does_not_walk_the_table():
+    """The probe loop picks among the members we hold a connection to; refilling its round from a
+    walk of every entry cost each node N / connections entry visits per probe (issue 46: ~800 a
+    second at N = 10,000 with 12 connections)."""
+    table, connected = big_table(1000, 12)
+    CountingDict.walks = 0
+    picks = [table.next_probe_target(connected) for _ in range(10 * len(connected))]
+    assert CountingDict.walks == 0  # was 10: one walk per round
+    assert sorted(picks) == sorted(list(connected) * 10)  # still each connection once per round
+
+
+def test_indirect_helpers_come_from_our_connections_without_walking_the_table():
+    """A missed direct probe (1 % loss makes a few a minute per node) asks k helpers; while our
+    connections can supply them, the table is not walked for the others."""
+    table, connected = big_table(1000, 12)
+    target = sorted(connected)[0]
+    CountingDict.walks = 0
+    seen: set[str] = set()
+    for _ in range(50):
+        helpers = table.indirect_helpers(target, connected, k=3)
+        assert len(set(helpers)) == 3 and set(helpers) <= connected - {target}
+        seen.update(helpers)
+    assert CountingDict.walks == 0  # was 50: one walk per missed probe
+    assert seen == connected - {target}  # every connection gets asked in turn (random choice)
+    few = set(sorted(connected)[:2])  # one helper short among the connections: then the rest of the table
+    helpers = table.indirect_helpers(target, few, k=3)
+    assert helpers[:1] == sorted(few - {target}) and helpers[1] not in connected and len(set(helpers)) == 3
 
 
 def recount(table: MemberTable) -> int:
