@@ -16,6 +16,7 @@ from pathlib import Path
 from ...ledger.chain import Evidence, Ledger
 from ...ledger.entries import TOTAL_FIELDS, entry_to_json, parse_entry
 from ...ledger.store import LedgerStore, LedgerStoreError, open_ledger_store, rebuild
+from ...roles.sections import RunSections
 
 _SHORT = {  # column headers for the totals table
     "entries": "entries",
@@ -93,7 +94,7 @@ def _open(args) -> tuple[LedgerStore, object]:
 def _replica(store: LedgerStore, config) -> Ledger:
     run = config.run
     name = store.run() or run.name
-    ledger = Ledger(name, run.trainers, run.validators, max_skew_ms=0, limits=run.section("ledger").limits())
+    ledger = Ledger(name, run.trainers, run.validators, max_skew_ms=0, limits=RunSections.of(run).ledger.limits())
     for author, (seq, reason) in rebuild(store, ledger).items():
         print(f"warning: {author} not counted from seq {seq} ({reason}); run `swarm-node ledger verify`", file=sys.stderr)
     return ledger
