@@ -430,8 +430,7 @@ class SimNode:
         if self.redial.due(self.conn.needs_bootstrap(connected, set(self.bootstrap)), not connected, now):
             for b in self.bootstrap:
                 net.dial(self.pid, b, _noop)
-        alive = {pid: self.table.members[pid].record.role for pid in self.table.alive()}
-        plan = self.conn.plan(connected, alive, set(self.bootstrap), now,
+        plan = self.conn.plan(connected, self.table.alive_roles(), set(self.bootstrap), now,
                               dialable=lambda p: any(self.backoff.ready(a, now) for a in self.table.members[p].record.addrs))
         for p in plan.dial:
             self.dial_member(p)

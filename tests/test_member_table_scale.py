@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+from node.gossip.connections import ConnectionManager, ConnectionPlan
 from node.gossip.membership import MembershipConfig, MemberState, MemberTable
 from node.gossip.records import Accusation, Goodbye, PeerRecord
 
@@ -82,6 +83,25 @@ def test_indirect_helpers_come_from_our_connections_without_walking_the_table():
     few = set(sorted(connected)[:2])  # one helper short among the connections: then the rest of the table
     helpers = table.indirect_helpers(target, few, k=3)
     assert helpers[:1] == sorted(few - {target}) and helpers[1] not in connected and len(set(helpers)) == 3
+
+
+def test_the_connection_plan_reads_the_table_only_to_dial():
+    """Every connection period plans; with enough connections it must not cost a walk of the table
+    (the services built a dict of every alive member for it: N entry visits a period per node)."""
+    table, connected = big_table(1000, 12)
+    manager = ConnectionManager(low=8, high=24, backoff=10.0, rng=random.Random(1))
+    CountingDict.walks = 0
+    assert manager.plan(connected, table.alive_roles(), set(), now=1.0) == ConnectionPlan([], [])
+    crowded = {f"p{i}" for i in range(30)}
+    assert len(manager.plan(crowded, table.alive_roles(), set(), now=1.0).prune) == 30 - 24
+    assert CountingDict.walks == 0
+    few = set(sorted(connected)[:3])  # below low: the dial candidates are every alive member we lack
+    table.on_goodbye(Goodbye(run=RUN, peer_id="p1", seq=1), now=1.0)
+    roles = table.alive_roles()
+    assert dict(roles) == {p: "relay" for p, m in table.members.items() if m.state is MemberState.ALIVE}
+    assert "p1" not in roles and roles.get("p1") is None and roles["p2"] == "relay"
+    dial = manager.plan(few, roles, set(), now=1.0).dial
+    assert len(dial) == 8 - 3 and not set(dial) & (few | {"p1"})
 
 
 def recount(table: MemberTable) -> int:

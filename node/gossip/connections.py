@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 MAX_BACKOFF_ADDRS = 4096  # addresses whose failures are remembered; the oldest is forgotten first
@@ -159,7 +159,7 @@ class ConnectionManager:
     def plan(
         self,
         connected: set[str],
-        alive: dict[str, str],  # peer id -> role, live members
+        alive: Mapping[str, str],  # peer id -> role, live members (MemberTable.alive_roles: a view)
         protected: set[str],
         now: float,
         dialable: Callable[[str], bool] | None = None,  # e.g. has an address out of AddressBackoff
@@ -177,7 +177,7 @@ class ConnectionManager:
             return ConnectionPlan([], self._prune(connected, alive, protected, n - self.high))
         return ConnectionPlan([], [])
 
-    def _diverse_sample(self, candidates: list[str], roles: dict[str, str], connected: set[str], k: int) -> list[str]:
+    def _diverse_sample(self, candidates: list[str], roles: Mapping[str, str], connected: set[str], k: int) -> list[str]:
         have = Counter(roles.get(p, "?") for p in connected)
         self.rng.shuffle(candidates)
         chosen: list[str] = []
@@ -189,7 +189,7 @@ class ConnectionManager:
             have[roles.get(best, "?")] += 1
         return chosen
 
-    def _prune(self, connected: set[str], roles: dict[str, str], protected: set[str], k: int) -> list[str]:
+    def _prune(self, connected: set[str], roles: Mapping[str, str], protected: set[str], k: int) -> list[str]:
         have = Counter(roles.get(p, "?") for p in connected)
         pool = sorted(p for p in connected if p not in protected)  # set order varies with the hash seed
         self.rng.shuffle(pool)

@@ -93,7 +93,7 @@ import enum
 import itertools
 import math
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from .records import Accusation, Goodbye, PeerRecord
@@ -576,6 +576,10 @@ class MemberTable:
     def alive(self) -> list[str]:
         return [pid for pid, m in self.members.items() if m.state is MemberState.ALIVE]
 
+    def alive_roles(self) -> "AliveRoles":
+        """Alive member -> role, as a view of the table (see :class:`AliveRoles`)."""
+        return AliveRoles(self.members)
+
     def size(self) -> int:
         """Swarm size estimate used to scale timers: live members plus ourselves."""
         return 1 + self._live
@@ -607,6 +611,30 @@ class MemberTable:
             for m in self.members.values()
         ]
         return sorted(rows, key=lambda r: (r["role"], r["peer_id"]))
+
+
+class AliveRoles(Mapping[str, str]):
+    """Alive peer id -> role, read from the member table when asked, not copied.
+
+    The connection manager plans every connection period, and looks at the members only to dial
+    (below ``conn_low``: a walk) or prune (above ``conn_high``: its connections' roles). Handing it
+    a dict built from every entry cost each node N entry visits a period however many connections
+    it held (issue 46). Use it at once: it shows the table as it is when read."""
+
+    def __init__(self, members: dict[str, Member]):
+        self._members = members
+
+    def __getitem__(self, peer_id: str) -> str:
+        m = self._members.get(peer_id)
+        if m is None or m.state is not MemberState.ALIVE:
+            raise KeyError(peer_id)
+        return m.record.role
+
+    def __iter__(self) -> Iterator[str]:
+        return (pid for pid, m in self._members.items() if m.state is MemberState.ALIVE)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def unlisted_role(role: str, peer_id: str, trainers: Collection[str], validators: Collection[str]) -> bool:

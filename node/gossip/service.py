@@ -570,7 +570,7 @@ class MembershipService:
                 for addr in bootstrap:
                     if addr not in self.bootstrap_dials:  # one dial per address at a time
                         self.nursery.start_soon(self.dial_bootstrap, addr)
-            plan = m.conn.plan(connected, m.members(), self.protected(), now,
+            plan = m.conn.plan(connected, self.table.alive_roles(), self.protected(), now,
                                dialable=lambda p: any(m.backoff.ready(a, now) for a in m.addrs_of(p)))
             for p in plan.dial:
                 self.nursery.start_soon(self.dial_member, p)
