@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import resource
 import statistics
 import sys
 import time
@@ -85,7 +86,7 @@ def agreement(n: int, steady: float, seed: int) -> dict:
 
 def scale(n: int, args) -> dict:
     """One swarm of ``n`` under loss and churn; see the module docstring for what is measured."""
-    wall = time.monotonic()
+    wall, cpu = time.monotonic(), time.process_time()
     swarm = Swarm(seed=args.seed, loss=args.loss, profile=Profile(nat=args.nat), tick=args.tick)
     rng = swarm.rng
     swarm.spawn(bootstrap=True)
@@ -158,6 +159,8 @@ def scale(n: int, args) -> dict:
     out["view_floor"] = floor
     out["dead_while_live"] = dead_live_max
     out["wall_s"] = time.monotonic() - wall
+    out["cpu_s"] = time.process_time() - cpu  # the simulator's own cost (wall time depends on the machine's load)
+    out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # so far in this process
     out["events"] = swarm.sim.events_run
     return out
 
@@ -203,21 +206,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nscale: loss {args.loss:.0%}, churn {args.churn:.0%}/node-hour, {args.nat:.0%} behind NAT, "
               f"{args.duration:.0f} virtual s per size, tick {args.tick} s")
         print(f"{'N':>6} {'join99 s p50/max':>17} {'detect s p50/max':>17} {'false susp/node-h':>18} "
-              f"{'dead-while-live':>16} {'B/s/node':>9} {'max':>8} {'msg/s':>6} {'view min':>9} {'wall s':>7}")
+              f"{'dead-while-live':>16} {'B/s/node':>9} {'max':>8} {'msg/s':>6} {'view min':>9} {'wall s':>7} {'cpu s':>7} {'MiB':>6}")
     for n in sizes:
         r = scale(n, args)
         rows.append(r)
         j, d = r["join_s"], r["detect_s"]
         print(f"{n:>6} {pct(j, .5):>8.1f}/{pct(j, 1):<8.1f} {pct(d, .5):>8.1f}/{pct(d, 1):<8.1f} "
               f"{r['false_susp_per_node_h']:>18.2f} {r['dead_while_live']:>16} {r['bytes_s']:>9.0f} "
-              f"{r['bytes_s_max']:>8.0f} {r['msgs_s']:>6.1f} {r['view_floor']:>9.3f} {r['wall_s']:>7.0f}", flush=True)
+              f"{r['bytes_s_max']:>8.0f} {r['msgs_s']:>6.1f} {r['view_floor']:>9.3f} {r['wall_s']:>7.0f} "
+              f"{r['cpu_s']:>7.0f} {r['peak_mib']:>6.0f}", flush=True)
         print(f"       ({len(j)} joins, {len(d)} crashes measured; last start at {r['ramp_s']:.0f} s, every view "
               f">= 99 % at {r['converge_s']:.0f} s (virtual); {r['events']} events)")
         if r["undetected"] or r["unjoined"]:
             print(f"       ({r['undetected']} crashes still held live, {r['unjoined']} joins not yet at 99 % when the window ended)")
     failed = [r["n"] for r in rows if r["view_floor"] < 0.99]
     if len(rows) >= 2:
-        print(f"\nper-node bytes/s, N = {rows[-1]['n']} over N = {rows[0]['n']}: "
+        print(f"\nper-node messages/s, N = {rows[-1]['n']} over N = {rows[0]['n']}: "
+              f"{rows[-1]['msgs_s'] / rows[0]['msgs_s']:.2f}")
+        print(f"per-node bytes/s, N = {rows[-1]['n']} over N = {rows[0]['n']}: "
               f"{rows[-1]['bytes_s'] / rows[0]['bytes_s']:.2f} (goal <= 2)")
     if failed:
         print(f"bench/sim_membership.py: a live node held fewer than 99 % of live nodes at N = {failed}", file=sys.stderr)
