@@ -18,6 +18,7 @@ import trio
 from libp2p.transport.tcp.tcp import TCP
 
 from node.gossip.connections import (
+    RejoinBook,
     BOOTSTRAP_CAP_S,
     BOOTSTRAP_FIRST_S,
     BOOTSTRAP_ISOLATED_CAP_S,
@@ -132,10 +133,13 @@ class Blackhole:
 
     @staticmethod
     async def pump(src: trio.SocketStream, dst: trio.SocketStream, frozen: list[bool]) -> None:
-        while data := await src.receive_some(65536):
-            if frozen[0]:
-                await trio.sleep_forever()
-            await dst.send_all(data)
+        try:
+            while data := await src.receive_some(65536):
+                if frozen[0]:
+                    await trio.sleep_forever()
+                await dst.send_all(data)
+        except trio.BrokenResourceError:  # an end reset its side (a node closing a dead member's connection)
+            pass
         await trio.sleep_forever()  # a close is not carried either: the link is what we model
 
 
@@ -222,3 +226,44 @@ async def test_every_tcp_connection_is_left_to_the_kernel_to_abort_once_unacknow
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == TCP_USER_TIMEOUT_S * 1000
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == TCP_KEEPALIVE_IDLE_S
+
+
+def test_the_rejoin_book_keeps_the_members_last_held_most_recent_first():
+    book = RejoinBook(size=2)
+    book.note("A", ["/ip4/10.0.0.1/tcp/1"], 1.0)
+    book.note("B", ["/ip4/10.0.0.2/tcp/2/p2p/B"], 2.0)
+    book.note("C", [], 3.0)  # no address: nothing to dial it by
+    assert book.addresses(skip=set()) == ["/ip4/10.0.0.2/tcp/2/p2p/B", "/ip4/10.0.0.1/tcp/1/p2p/A"]
+    book.note("A", ["/ip4/10.0.0.1/tcp/1"], 4.0)  # seen again: the most recent
+    book.note("D", ["/ip4/10.0.0.4/tcp/4"], 5.0)  # full: B, the longest unseen, goes
+    assert book.addresses(skip={"A"}) == ["/ip4/10.0.0.4/tcp/4/p2p/D"]
+
+
+async def test_a_node_whose_bootstrap_is_gone_for_good_rejoins_through_the_members_it_held(tmp_path, fast_membership,
+                                                                                            monkeypatch):
+    """Issue 45's soak: a worker whose both bootstrap relays had been replaced was cut off by a
+    partition and, after the heal, redialled only them: alone for the rest of the run. Here the
+    bootstrap stays behind the cut and the member table has forgotten the other member (a short
+    tombstone_ttl stands in for a long cut); the node must still find its way back to it."""
+    membership = {**fast_membership, "tombstone_ttl": 2.0, "conn_low": 2}
+    boot_cfg = node_config(tmp_path, "boot", "relay", membership=membership)
+    async with open_nodes([boot_cfg]) as [boot], trio.open_nursery() as nursery:
+        link = Link(nursery)
+        await link.add(boot)
+        link.reroute(monkeypatch)
+        first = boot.host.listen_addrs()[:1]
+        cfgs = [node_config(tmp_path, "other", "relay", bootstrap=first, membership=membership),
+                node_config(tmp_path, "node", "inference", bootstrap=first, membership=membership)]
+        async with open_nodes(cfgs) as [other, node]:
+            await link.add(other)
+            await link.add(node)
+            await wait_for(lambda: node.host.is_connected(other.peer_id), what="the node holds the other member")
+            link.cut()
+            await wait_for(lambda: not node.host.connected_peers(), what="the node alone behind the cut")
+            await wait_for(lambda: other.peer_id not in node.membership.table.members,
+                           what="the other member's tombstone forgotten")
+            for n in (other, node):  # the bootstrap stays cut: gone for good
+                link.holes[port_of(n.host.listen_addrs()[0])].heal()
+            await wait_for(lambda: node.host.is_connected(other.peer_id), what="back with the other member")
+            assert not node.host.is_connected(boot.peer_id)
+        nursery.cancel_scope.cancel()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 MAX_BACKOFF_ADDRS = 4096  # addresses whose failures are remembered; the oldest is forgotten first
 BOOTSTRAP_FIRST_S = 2.0  # the wait after a first bootstrap redial (one connection period)
 BOOTSTRAP_ISOLATED_CAP_S = 8.0  # the cap of the wait while we hold no connection at all
+REJOIN_PEERS = 8  # members last held, redialled with the bootstrap peers while we hold no connection
 BOOTSTRAP_CAP_S = 60.0  # the cap while some connections are left (members come through them)
 BOOTSTRAP_JITTER = 0.25  # each wait is drawn within +-25 %, so nodes cut off together do not redial in step
 
@@ -115,6 +116,41 @@ class BootstrapRedial:
         self._last = now
         self._factor = self.rng.uniform(1 - self.jitter, 1 + self.jitter)
         return True
+
+
+@dataclass
+class RejoinBook:
+    """The members we last held connections to, with their addresses: the way back besides the
+    bootstrap peers for a node that lost every connection (pure).
+
+    The bootstrap list is set once at start, and in a long run its peers can be gone for good
+    (issue 45's soak: both relays a worker was started with were replaced before a partition cut it
+    off; after the heal it redialled only them and stayed alone for the last 40 minutes). The member
+    table is no help by then: a cut-off node declares everyone dead and forgets the tombstones after
+    ``tombstone_ttl``. The book keeps the ``size`` members most recently seen connected, whatever the
+    table says, so the node dials them with its bootstrap peers. Only peers whose identity a
+    connection proved and whose addresses their own signed record gave are noted.
+    """
+
+    size: int = REJOIN_PEERS
+    _seen: dict[str, tuple[float, tuple[str, ...]]] = field(default_factory=dict)  # peer -> (when, addrs)
+
+    def note(self, peer: str, addrs: list[str], now: float) -> None:
+        """``peer`` is connected now and its record lists ``addrs``."""
+        if not addrs:
+            return
+        self._seen[peer] = (now, tuple(addrs))
+        if len(self._seen) > self.size:
+            del self._seen[min(self._seen, key=lambda p: self._seen[p][0])]  # the longest unseen
+
+    def addresses(self, skip: set[str]) -> list[str]:
+        """Full multiaddrs (``/p2p/`` included) of the members in the book, most recently seen
+        first, except ``skip``'s peers (the bootstrap peers, dialled anyway)."""
+        out = []
+        for peer, (_, addrs) in sorted(self._seen.items(), key=lambda kv: -kv[1][0]):
+            if peer not in skip:
+                out += [a if "/p2p/" in a else f"{a}/p2p/{peer}" for a in addrs]
+        return out
 
 
 @dataclass

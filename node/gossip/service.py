@@ -54,7 +54,7 @@ from ..wire import (
     write_frame,
 )
 from .api import HeldVersions, RelayAPI
-from .connections import AddressBackoff, BootstrapRedial, CloseWatch, ConnectionManager
+from .connections import AddressBackoff, BootstrapRedial, CloseWatch, ConnectionManager, RejoinBook
 from .membership import (
     SEQ_CLOCK_SLACK_S,
     LocalHealth,
@@ -557,7 +557,7 @@ class MembershipService:
         m, node = self.membership, self.node
         bootstrap = list(node.config.bootstrap)
         bootstrap_peers = {_peer_of(a) for a in bootstrap}
-        redial = BootstrapRedial()
+        redial, rejoin = BootstrapRedial(), RejoinBook()
         connected_since: dict[str, float] = {}  # peer -> when this loop first saw its connection
         while True:
             now = trio.current_time()
@@ -566,8 +566,12 @@ class MembershipService:
             for p in m.conn.stale(connected_since, self.died_at):
                 connected.discard(p)
                 self.nursery.start_soon(self.close_stale, p)
+            for p in connected:
+                rejoin.note(p, m.addrs_of(p), now)
             if redial.due(m.conn.needs_bootstrap(connected, bootstrap_peers), not connected, now):
-                for addr in bootstrap:
+                # Alone, the members we last held are a way back too: the bootstrap peers may be gone.
+                extra = rejoin.addresses(skip=bootstrap_peers) if not connected else []
+                for addr in bootstrap + extra:
                     if addr not in self.bootstrap_dials:  # one dial per address at a time
                         self.nursery.start_soon(self.dial_bootstrap, addr)
             plan = m.conn.plan(connected, self.table.alive_roles(), self.protected(), now,
