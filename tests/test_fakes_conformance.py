@@ -108,10 +108,8 @@ async def test_ledger_totals_add_up_each_entrys_credits_and_count_its_author(kin
 
 
 # The shards tests hand their service node/shards/testing.py's ReceiptLog as its ledger (it only
-# calls note_received). It takes any receipt: the fix (the same check) is in the shards package,
-# another change's this session; strict, so the fix shows here.
-RECEIPT_KINDS = KINDS + [pytest.param("receipt-log", marks=pytest.mark.xfail(
-    strict=True, reason="ReceiptLog records a receipt the real ledger refuses"))]
+# calls note_received): it must refuse what the real ledger refuses.
+RECEIPT_KINDS = KINDS + ["receipt-log"]
 
 
 @pytest.mark.parametrize("kind", RECEIPT_KINDS)

@@ -83,6 +83,13 @@ def is_peer_id(value: str) -> bool:
         return False
 
 
+def check_receipt(peer: str, manifest_id: bytes, nbytes: int, pieces: int) -> None:
+    """ValueError for a received-bytes note that could never make a valid receipt (a caller's bug):
+    what the ledger's ``note_received`` and its stand-ins refuse alike."""
+    if not isinstance(peer, str) or not is_peer_id(peer) or len(manifest_id) != 32 or nbytes < 0 or pieces < 0:
+        raise ValueError(f"note_received: bad receipt ({str(peer)[:20]!r}, {len(manifest_id)}-byte id, {nbytes}, {pieces})")
+
+
 def _check_peer_id(name: str, value: str) -> None:
     if not is_peer_id(value):
         raise ValueError(f"{name} is not an Ed25519 peer id")

@@ -66,7 +66,7 @@ from .entries import (
     ReceiptItem,
     Receipts,
     SignedEntry,
-    is_peer_id,
+    check_receipt,
     make_entry,
     parse_entry,
 )
@@ -255,8 +255,7 @@ class LedgerService:
         Called by the shard downloader for every verified piece; cheap, never blocks. ValueError for
         arguments that could never make a valid receipt (a caller's bug).
         """
-        if not isinstance(peer, str) or not is_peer_id(peer) or len(manifest_id) != 32 or nbytes < 0 or pieces < 0:
-            raise ValueError(f"note_received: bad receipt ({peer[:20]!r}, {len(manifest_id)}-byte id, {nbytes}, {pieces})")
+        check_receipt(peer, manifest_id, nbytes, pieces)
         if peer == self.node.peer_id or nbytes == 0:
             return
         key = (peer, manifest_id)

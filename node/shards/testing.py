@@ -15,6 +15,7 @@ from ..net.budget import StreamsConfig
 from ..net.counters import TcpBytes
 from ..net.host import GossipParams, open_swarm_host
 from ..identity import Identity
+from ..ledger.entries import check_receipt
 from ..peers import serve_peers
 from .config import ShardsConfig
 from .service import ShardsService
@@ -103,6 +104,7 @@ class ReceiptLog:
     received: dict[tuple[str, bytes], list[int]] = field(default_factory=dict)  # -> [bytes, pieces]
 
     def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
+        check_receipt(peer, manifest_id, nbytes, pieces)
         acc = self.received.setdefault((peer, manifest_id), [0, 0])
         acc[0] += nbytes
         acc[1] += pieces

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import trio
 
 from ..hashes import digest
-from ..ledger.entries import TOTAL_FIELDS, Penalty, is_peer_id
+from ..ledger.entries import TOTAL_FIELDS, Penalty, check_receipt
 from ..rl.spec import group_advantages
 from ..rollouts.schema import DOMAIN_BATCH, RolloutBatch, RolloutSample
 from ..shards.config import ShardsConfig
@@ -148,8 +148,7 @@ class FakeLedger:
         return self.accepted.get(peer, 0) + self._totals.get(peer, {}).get("rollouts_accepted", 0)
 
     def note_received(self, peer: str, manifest_id: bytes, nbytes: int, pieces: int = 1) -> None:
-        if not is_peer_id(peer) or len(manifest_id) != 32 or nbytes < 0 or pieces < 0:  # a caller's bug
-            raise ValueError(f"note_received: bad receipt ({peer[:20]!r}, {len(manifest_id)}-byte id, {nbytes}, {pieces})")
+        check_receipt(peer, manifest_id, nbytes, pieces)
 
 
 class FakeMembership:
