@@ -65,7 +65,7 @@ from netns import Namespaces  # noqa: E402  (shared with the NAT test)
 from procstat import cpu_seconds  # noqa: E402  (bench/, the script's own folder)
 from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
 from node.net.host import open_swarm_host  # noqa: E402
-from node.net.counters import TcpBytes  # noqa: E402
+from node.counters import TcpBytes  # noqa: E402
 from node.identity import Identity  # noqa: E402
 from node.shards.testing import open_shards_swarm, same_files, write_checkpoint  # noqa: E402
 from node.wire import read_frame, write_frame  # noqa: E402

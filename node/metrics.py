@@ -20,7 +20,7 @@ prometheus_client.disable_created_metrics()  # process-wide; see the module docs
 
 # The byte counts the py-libp2p patches fill (node/net/patches/counting.py); that module imports no
 # libp2p, so metrics stay importable without the network stack.
-from .net.counters import StreamBytes, TcpBytes
+from .counters import StreamBytes, TcpBytes
 
 
 PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)  # seconds: tiny model to a big one on a CPU

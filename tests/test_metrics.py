@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from node.metrics import Metrics
-from node.net.counters import StreamBytes
+from node.counters import StreamBytes
 
 
 def families(body: str) -> dict:

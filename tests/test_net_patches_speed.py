@@ -643,7 +643,7 @@ async def test_parts_written_as_one_arrive_joined_in_whole_noise_messages(monkey
     """write_parts hands a Yamux stream its parts without joining them first (a seeder's header
     and 1 MiB block): the bytes arrive as the join would, each frame still one Noise message, and
     the stream's byte count is the bytes, not the number of parts."""
-    from node.net.counters import StreamBytes
+    from node.counters import StreamBytes
     from node.wire import write_parts
 
     sizes = noise_message_sizes(monkeypatch)

@@ -12,7 +12,7 @@ import trio
 from ..config import NodeConfig, RunConfig, build
 from ..context import NodeContext, RunningNode
 from ..net.budget import StreamsConfig
-from ..net.counters import TcpBytes
+from ..counters import TcpBytes
 from ..net.host import GossipParams, open_swarm_host
 from ..identity import Identity
 from ..ledger.entries import check_receipt

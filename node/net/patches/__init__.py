@@ -6,13 +6,13 @@ Three kinds, one module each:
   (:class:`~.safety.CancelSafeFrames`, :class:`~.safety.KeptReceiveWindow`, and per host
   :func:`~.safety.guard_handlers` and :func:`~.safety.disable_auto_connect`).
 * :mod:`.speed`: each removes a measured cost per byte, message or wake-up (eleven of them).
-* :mod:`.counting`: the byte counts py-libp2p does not keep, added to :mod:`node.net.counters`.
+* :mod:`.counting`: the byte counts py-libp2p does not keep, added to :mod:`node.counters`.
 
 :func:`install_all` makes the process-wide ones, once per process (all its hosts share them), and
 :func:`node.net.host.open_swarm_host` calls it and applies the per-host ones to the host it builds;
 nothing else should need to. Nothing outside node/net/ imports this package
 (tests/test_architecture.py): the rest of the node reads the byte counts from
-:mod:`node.net.counters` and widens a stream's receive window through
+:mod:`node.counters` and widens a stream's receive window through
 :func:`node.net.host.widen_receive_window`. (The ping that reuses one stream per peer and survives a
 cut round trip lives in :meth:`node.net.host.SwarmHost.ping`.)
 """

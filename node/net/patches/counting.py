@@ -1,15 +1,15 @@
 """The patches that count bytes: py-libp2p keeps no such count, so the first host wraps
-``TrioTCPStream.read/write`` and ``NetStream.read/write`` once, adding to :mod:`node.net.counters`."""
+``TrioTCPStream.read/write`` and ``NetStream.read/write`` once, adding to :mod:`node.counters`."""
 
 from __future__ import annotations
 
 from ...wire import Gather
-from ..counters import StreamBytes, TcpBytes
+from ...counters import StreamBytes, TcpBytes
 from .patch import Patch
 
 
 class CountTcpBytes(Patch):
-    """Add every TCP read and write of libp2p to :class:`~node.net.counters.TcpBytes`."""
+    """Add every TCP read and write of libp2p to :class:`~node.counters.TcpBytes`."""
 
     @classmethod
     def _patch(cls) -> None:
@@ -39,7 +39,7 @@ def _count_io(stream_cls, count) -> None:
 
 
 class CountStreamBytes(Patch):
-    """Add every libp2p stream's reads and writes to :class:`~node.net.counters.StreamBytes`, by protocol."""
+    """Add every libp2p stream's reads and writes to :class:`~node.counters.StreamBytes`, by protocol."""
 
     @classmethod
     def _patch(cls) -> None:
