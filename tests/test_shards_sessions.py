@@ -86,7 +86,7 @@ async def test_queued_blocks_go_out_together_up_to_the_batch():
 
 def fake_download(peers: list[str], announcer: str, *, max_peers: int, rng_seed: int = 0,
                   served: set[str] = frozenset(), public: dict[str, list[str]] | None = None,
-                  banned: set[str] = frozenset()) -> Download:
+                  banned: set[str] = frozenset(), banned_elsewhere: set[str] = frozenset()) -> Download:
     """A Download with everything but its choice of peers faked: ``served`` download from us,
     ``public`` are the members with a direct address; ``started`` lists the sessions it began,
     ``dials`` the members it dialled, ``ended`` the sessions it ended."""
@@ -95,6 +95,7 @@ def fake_download(peers: list[str], announcer: str, *, max_peers: int, rng_seed:
         host=SimpleNamespace(direct_peers=lambda: list(peers)),
         cfg=SimpleNamespace(max_peers=max_peers), rng=random.Random(rng_seed),
         announced={7: (b"r" * 32, announcer)}, is_banned=lambda peer, now: peer in banned,
+        banned_anywhere=lambda peer, now: peer in banned or peer in banned_elsewhere,
         downloaders_of=lambda root: set(served), public_members=lambda: dict(public or {}))
     dl.vs = SimpleNamespace(version=7, signed=SimpleNamespace(root=b"r" * 32))
     dl.picker = SimpleNamespace(holds_all=lambda peer: False, in_flight=lambda peer: 0)
@@ -141,6 +142,15 @@ def test_a_download_short_of_direct_peers_dials_public_members_at_most_once_per_
     dl.dialling.clear()
     dl._connect_new(1.0 + DIAL_AGAIN_AFTER)  # the first three again
     assert sorted(p for p, _ in dl.dials[5:]) == sorted(dialled)
+
+
+def test_a_download_dials_no_member_another_part_of_the_node_banned():
+    """A peer banned by the muxer, the stream budgets, membership or a ledger penalty is not one a
+    download may dial: before it dials, shards met only peers on connections that already existed."""
+    public = {"m0": ["/ip4/10.0.0.1/tcp/4001"], "m1": ["/ip4/10.0.0.2/tcp/4001"]}
+    dl = fake_download(["origin"], "origin", max_peers=4, public=public, banned_elsewhere={"m0"})
+    dl._connect_new(0.0)
+    assert [peer for peer, _ in dl.dials] == ["m1"]
 
 
 def test_a_download_with_max_peers_direct_peers_dials_nobody():

@@ -187,7 +187,7 @@ class Download:
             return
         public = self.owner.public_members()
         ready = [p for p in public
-                 if now - self.dialled.get(p, -math.inf) >= DIAL_AGAIN_AFTER and not self.owner.is_banned(p, now)]
+                 if now - self.dialled.get(p, -math.inf) >= DIAL_AGAIN_AFTER and not self.owner.banned_anywhere(p, now)]
         for peer in direct_peers_to_dial(set(direct) | self.dialling, ready, want, self.owner.rng):
             self.dialled[peer] = now
             self.dialling.add(peer)

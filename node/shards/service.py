@@ -253,6 +253,12 @@ class ShardsService:
         peers = self.node.peers
         return peers.is_banned(peer, SOURCE, now) or peers.is_banned(peer, GARBAGE_SOURCE, now)
 
+    def banned_anywhere(self, peer: str, now: float) -> bool:
+        """Banned by any part of the node (muxer, stream budgets, membership, ledger, us): a peer we
+        only meet on a connection it opened is ours to judge, but one we would dial is not to be
+        dialled while anyone bans it."""
+        return self.node.peers.is_banned(peer, None, now)
+
     def ban(self, peer: str, reason: str, now: float) -> None:
         """Ban ``peer`` for ``cfg.ban_seconds`` (the peer table scores it down and disconnects it)."""
         if self.is_banned(peer, now):

@@ -53,6 +53,9 @@ class SessionOwner(Protocol):
     def is_banned(self, peer: str, now: float) -> bool:
         """Whether ``peer`` is banned from checkpoint transfers."""
 
+    def banned_anywhere(self, peer: str, now: float) -> bool:
+        """Whether any part of the node bans ``peer`` (a download dials no such member)."""
+
     def downloaders_of(self, root: bytes) -> set[str]:
         """The peers downloading the version (or delta) ``root`` from us."""
 
