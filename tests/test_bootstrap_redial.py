@@ -230,13 +230,32 @@ async def test_every_tcp_connection_is_left_to_the_kernel_to_abort_once_unacknow
 
 def test_the_rejoin_book_keeps_the_members_last_held_most_recent_first():
     book = RejoinBook(size=2)
-    book.note("A", ["/ip4/10.0.0.1/tcp/1"], 1.0)
-    book.note("B", ["/ip4/10.0.0.2/tcp/2/p2p/B"], 2.0)
-    book.note("C", [], 3.0)  # no address: nothing to dial it by
-    assert book.addresses(skip=set()) == ["/ip4/10.0.0.2/tcp/2/p2p/B", "/ip4/10.0.0.1/tcp/1/p2p/A"]
-    book.note("A", ["/ip4/10.0.0.1/tcp/1"], 4.0)  # seen again: the most recent
-    book.note("D", ["/ip4/10.0.0.4/tcp/4"], 5.0)  # full: B, the longest unseen, goes
-    assert book.addresses(skip={"A"}) == ["/ip4/10.0.0.4/tcp/4/p2p/D"]
+    book.note("A", ["/ip4/10.0.0.1/tcp/1"], 1.0, since=0.0)
+    book.note("B", ["/ip4/10.0.0.2/tcp/2/p2p/B"], 2.0, since=0.0)
+    book.note("C", [], 3.0, since=0.0)  # no address: nothing to dial it by
+    assert book.addresses(skip=lambda p: False) == ["/ip4/10.0.0.2/tcp/2/p2p/B", "/ip4/10.0.0.1/tcp/1/p2p/A"]
+    book.note("A", ["/ip4/10.0.0.1/tcp/1"], 4.0, since=0.0)  # seen again: the most recent
+    book.note("D", ["/ip4/10.0.0.4/tcp/4"], 5.0, since=5.0)  # full: B, the longest unseen, goes
+    assert book.addresses(skip=lambda p: p == "A") == ["/ip4/10.0.0.4/tcp/4/p2p/D"]
+
+
+def test_a_burst_of_fresh_connections_does_not_push_out_members_held_for_long():
+    book = RejoinBook(size=2)
+    book.note("old", ["/ip4/10.0.0.1/tcp/1"], 100.0, since=0.0)  # held since the start
+    for i in range(5):  # connected at 99 s, all noted in the same period as the old one
+        book.note(f"new{i}", [f"/ip4/10.0.1.{i}/tcp/1"], 100.0, since=99.0)
+    assert book.addresses(skip=lambda p: False)[0] == "/ip4/10.0.0.1/tcp/1/p2p/old"
+
+
+def test_the_rejoin_book_dials_a_member_only_at_its_own_addresses():
+    book = RejoinBook()
+    book.note("M", ["/ip4/10.0.0.1/tcp/1/p2p/VICTIM",  # another peer's id: dropped
+                    "/ip4/10.0.0.2/tcp/2/p2p/M",
+                    "/ip4/10.0.0.3/tcp/3/p2p/RELAY/p2p-circuit",  # through a relay, to M
+                    "/ip4/10.0.0.3/tcp/3/p2p/RELAY/p2p-circuit/p2p/OTHER"], 1.0, since=0.0)
+    assert book.addresses(skip=lambda p: False) == [
+        "/ip4/10.0.0.2/tcp/2/p2p/M", "/ip4/10.0.0.3/tcp/3/p2p/RELAY/p2p-circuit/p2p/M"]
+    assert book.addresses(skip=lambda p: p == "M") == []  # e.g. banned since
 
 
 async def test_a_node_whose_bootstrap_is_gone_for_good_rejoins_through_the_members_it_held(tmp_path, fast_membership,

@@ -133,23 +133,37 @@ class RejoinBook:
     """
 
     size: int = REJOIN_PEERS
-    _seen: dict[str, tuple[float, tuple[str, ...]]] = field(default_factory=dict)  # peer -> (when, addrs)
+    _seen: dict[str, tuple[float, float, tuple[str, ...]]] = field(default_factory=dict)  # peer -> (seen, since, addrs)
 
-    def note(self, peer: str, addrs: list[str], now: float) -> None:
-        """``peer`` is connected now and its record lists ``addrs``."""
+    def note(self, peer: str, addrs: list[str], now: float, since: float) -> None:
+        """``peer`` is connected at ``now``, on a connection we first saw at ``since``, and its
+        record lists ``addrs``."""
         if not addrs:
             return
-        self._seen[peer] = (now, tuple(addrs))
+        self._seen[peer] = (now, since, tuple(addrs))
         if len(self._seen) > self.size:
-            del self._seen[min(self._seen, key=lambda p: self._seen[p][0])]  # the longest unseen
+            del self._seen[min(self._seen, key=self._rank)]
 
-    def addresses(self, skip: set[str]) -> list[str]:
-        """Full multiaddrs (``/p2p/`` included) of the members in the book, most recently seen
-        first, except ``skip``'s peers (the bootstrap peers, dialled anyway)."""
+    def _rank(self, peer: str) -> tuple[float, float]:
+        """Higher is kept and dialled first: seen more recently, then held longer (a burst of fresh
+        connections does not push out members held for hours)."""
+        seen, since, _ = self._seen[peer]
+        return seen, -since
+
+    def addresses(self, skip: Callable[[str], bool]) -> list[str]:
+        """Full multiaddrs (``/p2p/`` included) of the members in the book, best first, except the
+        peers ``skip`` names (the bootstrap peers, dialled anyway; the banned). An address that
+        names another peer is dropped: a member vouches only for its own."""
         out = []
-        for peer, (_, addrs) in sorted(self._seen.items(), key=lambda kv: -kv[1][0]):
-            if peer not in skip:
-                out += [a if "/p2p/" in a else f"{a}/p2p/{peer}" for a in addrs]
+        for peer in sorted(self._seen, key=self._rank, reverse=True):
+            if skip(peer):
+                continue
+            for a in self._seen[peer][2]:
+                target = a.rpartition("/p2p-circuit")[2] if "/p2p-circuit" in a else a  # past the relay
+                named = target.partition("/p2p/")[2].split("/")[0]
+                if named and named != peer:
+                    continue
+                out.append(a if named else f"{a}/p2p/{peer}")
         return out
 
 

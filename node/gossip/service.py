@@ -567,10 +567,11 @@ class MembershipService:
                 connected.discard(p)
                 self.nursery.start_soon(self.close_stale, p)
             for p in connected:
-                rejoin.note(p, m.addrs_of(p), now)
+                rejoin.note(p, m.addrs_of(p), now, connected_since[p])
             if redial.due(m.conn.needs_bootstrap(connected, bootstrap_peers), not connected, now):
                 # Alone, the members we last held are a way back too: the bootstrap peers may be gone.
-                extra = rejoin.addresses(skip=bootstrap_peers) if not connected else []
+                extra = (rejoin.addresses(skip=lambda p: p in bootstrap_peers or node.peers.is_banned(p))
+                         if not connected else [])
                 for addr in bootstrap + extra:
                     if addr not in self.bootstrap_dials:  # one dial per address at a time
                         self.nursery.start_soon(self.dial_bootstrap, addr)
