@@ -533,8 +533,9 @@ class Soak:
                 continue
             mine = [(s["t"], s["trainer_seq"]) for s in self.samples
                     if s["node"] == name and s.get("trainer_seq") is not None]
-            lags = [lag for _, lag in replication_lag(writer, mine)]
-            late = [lag for t, lag in replication_lag(writer, mine) if t >= last_back + LAG_GRACE_S]
+            timed = replication_lag(writer, mine)
+            lags = [lag for _, lag in timed]
+            late = [lag for t, lag in timed if t >= last_back + LAG_GRACE_S]
             if lags:
                 out[name] = {"p95_s": round(sorted(lags)[int(0.95 * (len(lags) - 1))], 1),
                              "after_last_heal_max_s": round(max(late), 1) if late else None}

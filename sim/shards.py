@@ -22,7 +22,7 @@ called with the arguments the sessions use; what stands in for I/O:
   :class:`ConnectionManager` plans (``conn_low``), before the version is published; the origin
   prunes itself down to ``conn_high`` by the same manager. A download short of ``max_peers`` direct
   peers then dials public ones (:func:`direct_peers_to_dial`); nothing else changes during a transfer.
-  The real node does not make these dials yet (ShardsService has no membership to find addresses in).
+  The node makes the same dials (ShardsService reads membership's view once membership runs).
 * no loss: the transfer runs on TCP, which turns loss into delay; links are the profile's.
 
 The bound, Kumar & Ross (IEEE HotWeb 2006), for a file of F bytes from a seed of upload u_s to N

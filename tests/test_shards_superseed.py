@@ -103,3 +103,10 @@ def test_super_seeding_pays_only_where_the_origin_s_upload_is_the_binding_term_o
     # Where the origin's term ties with the swarm's, it still binds: every byte it sends counts.
     assert super_seeding_pays(10 * mbit, [5 * mbit, 5 * mbit], [1000 * mbit] * 2) is True
     assert super_seeding_pays(10 * mbit, [], []) is True  # nobody to hold back from
+
+
+def test_super_seeding_pays_is_defined_for_zero_rates_and_no_downloads():
+    """Rates measured as 0 (a stalled link) or no download rates at all must decide, not raise."""
+    assert super_seeding_pays(0.0, [1e6], [1e6])  # an origin that cannot send: nothing to weigh
+    assert not super_seeding_pays(1e6, [1e6], [0.0])  # a download that takes nothing binds
+    assert super_seeding_pays(1e6, [1e6], [])

@@ -95,10 +95,10 @@ def super_seeding_pays(seed_up: float, ups: Sequence[float], downs: Sequence[flo
     it holds back an origin that could send more: simulated (bench/sim_shards.py, N = 100, 256 MiB,
     a 1 Gbit/s origin, 10 % of downloaders at 1 Gbit/s and the rest 10-100 Mbit/s up) 2.41x the bound
     without against 2.72x with. A tie counts as binding; with no downloader there is nothing to hold."""
-    if not ups:
-        return True
-    seed_term = 1 / seed_up
-    return seed_term >= max(1 / min(downs), len(ups) / (seed_up + sum(ups)))
+    if not ups or not downs or seed_up <= 0:
+        return True  # no downloader, or an origin that cannot send: nothing to weigh
+    # 1/seed_up >= max(1/min(downs), n/(seed_up + sum(ups))), multiplied out: no division by a zero rate
+    return seed_up <= min(downs) and seed_up * len(ups) <= seed_up + sum(ups)
 
 
 class SeedMode(enum.Enum):
