@@ -64,7 +64,7 @@ async def main(spec):
             tmp = data / "probe.json.tmp"
             tmp.write_text(json.dumps(view))
             tmp.replace(data / "probe.json")
-            await trio.sleep(0.5)
+            await trio.sleep(0.5)  # the child's report period; the test waits on what the report says
 
 trio.run(main, sys.argv[1])
 """

@@ -622,7 +622,7 @@ class MembershipService:
             with trio.fail_after(DIAL_TIMEOUT):
                 await self.relay.connect_addr(addr)
         except Exception as e:
-            log.info("bootstrap %s unreachable: %s", addr, type(e).__name__)
+            log.info("redial of %s (a bootstrap peer or one we last held) failed: %s", addr, type(e).__name__)
         finally:
             self.bootstrap_dials.discard(addr)
 
