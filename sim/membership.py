@@ -39,6 +39,7 @@ from node.gossip.membership import (
     MembershipConfig,
     MemberState,
     MemberTable,
+    RecordRefresh,
     SyncPlanner,
     Verdict,
     next_seq,
@@ -104,8 +105,7 @@ class SimNode:
         self.seen: dict[tuple[str, int], float] = {}
         self.window: list[list[Gossip]] = [[] for _ in range(GOSSIP_WINDOW)]  # seen per heartbeat (mcache)
         self.counter = 0
-        self.last_published = -math.inf
-        self.publish_timer = None
+        self.refresh = RecordRefresh()
         self.running = True
         self.started = swarm.sim.now
         self.ready: float | None = None  # when its loops started (after the bootstrap dial)
@@ -203,16 +203,12 @@ class SimNode:
         self.publish_record()
 
     def publish_record(self) -> None:
-        """The service's publish_record_loop: at once on a change, else every refresh interval."""
+        """The service's serve_record: at start and at once on a change; the tick republishes it
+        when RecordRefresh says the refresh is due."""
         if not self.running:
             return
-        if self.publish_timer is not None:
-            self.publish_timer.cancel()
+        self.refresh.on_published(self.swarm.sim.now)
         self.publish("record", self.record, RECORD_BYTES)
-        now = self.swarm.sim.now
-        self.last_published = now
-        self.publish_timer = self.swarm.sim.after(self.swarm.config.refresh_interval(self.table.size()),
-                                                  self.publish_record)
 
     def heartbeat(self) -> None:
         """Gossipsub's heartbeat: keep the mesh between D_lo and D_hi, send IHAVE, expire seen ids."""
@@ -386,6 +382,8 @@ class SimNode:
         now = sim.now
         for acc in self.table.tick(now):
             self.publish("dead", acc, ACCUSATION_BYTES)
+        if self.refresh.due(now, self.table.size(), cfg):
+            self.publish_record()
         connected = net.connected(self.pid)
         for p in connected:
             self.table.on_reached(p, now)

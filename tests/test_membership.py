@@ -250,6 +250,40 @@ def test_sync_planner_syncs_new_connections_only_while_joining() -> None:
     assert sp.plan({"s"}, 41.0, 30.0, rng) == ["s"]
 
 
+def test_the_random_exchange_waits_the_interval_of_the_table_it_holds_now_not_of_the_one_it_started_with() -> None:
+    """Issue 46: a node starts alone (sync_interval(1) = 30 s) and its join exchange brings 1,000
+    members; the deadline fixed at start made it push-pull a full table again at 30 s, one more
+    exchange per join for the whole swarm, where its interval is now 1,000 s."""
+    from node.gossip.membership import SyncPlanner
+
+    cfg, rng, sp = MembershipConfig(), random.Random(1), SyncPlanner()
+    assert sp.plan({"boot"}, 0.0, cfg.sync_interval(1), rng) == ["boot"]  # joining, alone
+    sp.on_synced()
+    peers, big = {"boot", "p1", "p2"}, cfg.sync_interval(1000)
+    for t in (0.25, 30.0, 31.0, 600.0, 999.75):
+        assert sp.plan(peers, t, big, rng) == [], t
+    assert len(sp.plan(peers, 1000.0, big, rng)) == 1
+    # The swarm shrinks: the interval of the smaller table counts from that exchange.
+    assert sp.plan(peers, 1029.0, cfg.sync_interval(10), rng) == []
+    assert len(sp.plan(peers, 1030.0, cfg.sync_interval(10), rng)) == 1
+
+
+def test_our_record_is_refreshed_at_the_interval_of_the_table_it_holds_now() -> None:
+    """Issue 46: the record published at start, alone, was due again at min_refresh (30 s) however
+    many members the node learned meanwhile: every join flooded the swarm twice."""
+    from node.gossip.membership import RecordRefresh
+
+    cfg, r = MembershipConfig(), RecordRefresh()
+    assert r.due(0.0, 1, cfg)  # never published
+    r.on_published(0.0)
+    assert not r.due(29.9, 1, cfg) and r.due(30.0, 1, cfg)  # alone: min_refresh
+    assert not r.due(30.0, 1000, cfg) and not r.due(3599.0, 1000, cfg)  # it learned 999 members
+    assert r.due(3600.0, 1000, cfg)
+    assert not r.due(399.0, 100, cfg) and r.due(400.0, 100, cfg)  # shrunk to 100: 400 s from the last one
+    r.on_published(400.0)
+    assert not r.due(429.0, 1, cfg) and r.due(430.0, 1, cfg)
+
+
 def test_an_accusation_of_an_incarnation_nobody_has_seen_is_ignored(table):
     """The attack of issue 14: signed SUSPECT/DEAD messages at seq 2**63 - 1 were applied, and the
     victim could never publish a higher seq to refute them. Seqs are wall-clock ms: an accused seq

@@ -721,10 +721,15 @@ class SyncPlanner:
     """
 
     joined: bool = False
-    next_random: float | None = None
+    last_random: float | None = None  # when the interval last began (first plan, then each random pick)
     tried: set[str] = field(default_factory=set)
 
     def plan(self, connected: set[str], now: float, interval: float, rng: random.Random) -> list[str]:
+        """``interval``: ``sync_interval`` of the table's size now. The next random exchange is due
+        ``interval`` after the last one by the interval of each call, not of the call that began it: a
+        node that starts alone (30 s) and learns 1,000 members in its join exchange waits 1,000 s,
+        where a deadline fixed at start made every join cost the swarm one more full-table exchange
+        at 30 s (issue 46)."""
         if not connected:
             self.joined = False
             self.tried.clear()
@@ -733,10 +738,10 @@ class SyncPlanner:
         if not self.joined:
             out = sorted(connected - self.tried)[:JOIN_SYNC_FANOUT]
             self.tried.update(out)
-        if self.next_random is None:
-            self.next_random = now + interval
-        elif now >= self.next_random:
-            self.next_random = now + interval
+        if self.last_random is None:
+            self.last_random = now
+        elif now >= self.last_random + interval:
+            self.last_random = now
             pick = rng.choice(sorted(connected))
             if pick not in out:
                 out.append(pick)
@@ -746,6 +751,25 @@ class SyncPlanner:
         """A full table arrived (from an exchange we started or one a peer started)."""
         self.joined = True
         self.tried.clear()
+
+
+@dataclass
+class RecordRefresh:
+    """When our own record is republished though it did not change: ``refresh_interval`` of the
+    table's size *now* after the last publication (a change publishes at once and restarts it).
+
+    Asked on every tick, so the deadline follows the table: a node publishes at start with only
+    itself in its table (30 s), and a deadline fixed then republished every joiner's record to the
+    whole swarm 30 s later, at 1,000 members where the interval is an hour (issue 46). Shared by
+    the service (serve_tick) and the simulator (sim/membership.py), so both time it alike."""
+
+    last_published: float = -math.inf
+
+    def due(self, now: float, size: int, config: MembershipConfig) -> bool:
+        return now >= self.last_published + config.refresh_interval(size)
+
+    def on_published(self, now: float) -> None:
+        self.last_published = now
 
 
 SEQ_CLOCK_SLACK_S = 300.0  # how far members' wall clocks (and so their seqs) may disagree

@@ -61,6 +61,7 @@ from .membership import (
     MemberState,
     MembershipConfig,
     MemberTable,
+    RecordRefresh,
     SyncPlanner,
     Verdict,
     next_seq,
@@ -163,7 +164,7 @@ class Membership:
     record: PeerRecord
     envelopes: dict[str, bytes] = field(default_factory=dict)  # peer id -> latest record envelope
     changed: trio.Event = field(default_factory=trio.Event)
-    last_published: float = -1e18
+    refresh: RecordRefresh = field(default_factory=RecordRefresh)  # when our record is next republished unchanged
     sync: SyncPlanner = field(default_factory=SyncPlanner)
     watch: CloseWatch = field(default_factory=CloseWatch)  # announced closes and lost connections
     conn: ConnectionManager | None = None
@@ -350,14 +351,14 @@ class MembershipService:
             self.apply(delivery.value, trio.current_time(), delivery.forwarder)
 
     async def serve_record(self) -> None:
-        """Publish our record at once on a change, and at least once per refresh interval."""
+        """Publish our record at start and at once on a change; serve_tick sets ``changed`` when the
+        refresh is due (RecordRefresh: the interval follows the table's size as it grows)."""
         m = self.membership
         while True:
-            with trio.move_on_at(m.last_published + self.cfg.refresh_interval(self.table.size())):
-                await m.changed.wait()
             m.changed = trio.Event()
+            m.refresh.on_published(trio.current_time())  # before the await: a tick meanwhile finds it fresh
             await self.publish(DOMAIN_RECORD, m.record)
-            m.last_published = trio.current_time()
+            await m.changed.wait()
 
     # Push-pull (full-table exchange)
 
@@ -524,6 +525,8 @@ class MembershipService:
             for acc in table.tick(now):
                 log.info("dead %s", acc.target[:16])
                 await self.publish(DOMAIN_DEAD, acc)
+            if m.refresh.due(now, table.size(), self.cfg):
+                m.changed.set()  # serve_record republishes
             if len(m.envelopes) > len(table.members):  # entries expired, evicted or forgotten
                 for pid in [p for p in m.envelopes if p not in table.members]:
                     del m.envelopes[pid]

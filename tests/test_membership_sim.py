@@ -1,0 +1,41 @@
+"""The membership service's timers as the simulator runs them (sim/membership.py drives the real
+pure modules): what a join costs the swarm after the join itself (issue 46)."""
+
+from __future__ import annotations
+
+from node.gossip.membership import MembershipConfig
+from sim.membership import Profile, SimNode, Swarm
+
+N = 60  # refresh_interval(60) = 240 s, sync_interval(60) = 60 s: both well past min_refresh / min_sync (30 s)
+
+
+def test_a_join_floods_its_record_and_exchanges_its_table_once_not_again_at_the_lone_nodes_interval(monkeypatch):
+    """Each node starts alone in its table, where both intervals are 30 s; a deadline fixed then
+    republished every record and started a full-table exchange ~30 s after each join, at any N."""
+    cfg = MembershipConfig()
+    assert cfg.refresh_interval(N) > 60 and cfg.sync_interval(N) >= 60
+    records: list[tuple[str, float]] = []
+    exchanges: list[tuple[str, float]] = []
+    publish, push_pull = SimNode.publish, SimNode.push_pull
+
+    def counted_publish(self, domain, message, size):
+        if domain == "record":
+            records.append((self.pid, self.swarm.sim.now))
+        return publish(self, domain, message, size)
+
+    def counted_push_pull(self, peer):
+        exchanges.append((self.pid, self.swarm.sim.now))
+        return push_pull(self, peer)
+
+    monkeypatch.setattr(SimNode, "publish", counted_publish)
+    monkeypatch.setattr(SimNode, "push_pull", counted_push_pull)
+    swarm = Swarm(seed=3, profile=Profile.loopback())
+    swarm.spawn(bootstrap=True)
+    for _ in range(N - 1):
+        swarm.sim.run(swarm.sim.now + 0.05)
+        swarm.spawn()
+    swarm.sim.run(55.0)  # every node started by 3 s: past their lone-node deadlines, short of sync_interval(N)
+    assert all(n.running and n.table.size() == N for n in swarm.nodes.values())
+    assert len(records) == N  # one publication each, at start
+    assert all(t < 4.0 for _, t in records)
+    assert not [e for e in exchanges if e[1] > 10.0]  # only the join exchanges, in the first seconds
