@@ -1,6 +1,7 @@
 """Ledger benchmark: ingest rate vs raw Ed25519 verification; sync time vs a raw libp2p stream copy; a long run's size.
 
     .venv/bin/python bench/ledger.py [--ingest 20000] [--sync 100000] [--scale] [--workers 1000] [--days 7]
+    .venv/bin/python bench/ledger.py --memory DATA_DIR
 
 1. Entries verified and stored per second: the node's real ingest path (parse + schema + canonical
    form + Ed25519 signature + chain rules + SQLite commit per batch of 512, as sync does), beside
@@ -21,15 +22,25 @@
    the sync bytes over a ``--link-mbit`` link plus the CPU to verify and apply every entry, beside
    the issue's goal (60 s on 100 Mbit/s whatever the history): the ratio to the goal is printed last.
 
+4. ``--memory DATA_DIR`` (issue 45: RSS grew with the ledger during an hour-long soak): a node's
+   own ``ledger.sqlite`` (copied to a temporary dir first; the data dir is only read) loaded into a
+   fresh replica as the node does on start, under tracemalloc. Prints the replica's bytes per entry
+   beside the baseline of the entries themselves (their canonical signed bytes, as stored and synced),
+   the parts of the replica by structure (deep ``sys.getsizeof`` walks; shared objects counted once, in
+   the first part that reaches them), and what that costs per hour at the database's own entry rate
+   (entries / the span of their timestamps) beside the issue's goal of 5 MB per hour per node.
+
 The machine is shared and noisy: compare the ratios, not the absolute figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import itertools
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -46,7 +57,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from node import hashes
 from node.app.demo import REAL_TASK, TINY_TASK
-from node.config import NodeConfig, RunConfig
+from node.config import NodeConfig, RunConfig, read_run_record
 from node.context import NodeContext
 from node.net.host import open_swarm_host
 from node.identity import Identity
@@ -62,6 +73,7 @@ from node.ledger.entries import (
     RolloutsJudged,
     Verdict,
     make_entry,
+    parse_entry,
 )
 from node.ledger.messages import RangeReply, SyncHello
 from node.ledger.store import DB_FILE, open_ledger_store, rebuild
@@ -524,6 +536,77 @@ def scale_report(traffic: Traffic, workers: int, baseline: int, n: int, days: fl
     return big.catch_up_s / GOAL_S
 
 
+MEMORY_GOAL_MB_H = 5.0  # issue 45: RSS slope per node after warm-up
+
+
+def deep_size(obj, seen: set[int]) -> int:
+    """Bytes of ``obj`` and everything it holds that ``seen`` does not list yet (``sys.getsizeof``
+    of each object once; functions, methods and classes are not followed)."""
+    total, stack = 0, [obj]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, type) or callable(o):
+            continue
+        seen.add(id(o))
+        total += sys.getsizeof(o)
+        if isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif hasattr(o, "__dict__"):
+            stack.append(vars(o))
+        elif hasattr(type(o), "__slots__"):
+            stack.extend(getattr(o, name) for name in type(o).__slots__ if hasattr(o, name))
+    return total
+
+
+def memory_report(data_dir: Path) -> float:
+    """Print what a replica loaded from ``data_dir``'s ledger costs per entry (4. of the docstring);
+    returns the replica's bytes per entry over the entries' own bytes."""
+    run = read_run_record(data_dir)
+    if run is None:
+        sys.exit(f"--memory: {data_dir} holds no run record (run.json); give a node's data dir")
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in data_dir.glob(DB_FILE + "*"):
+            shutil.copy2(path, tmp)
+        with open_ledger_store(Path(tmp), read_only=True) as store:
+            raw_bytes, kinds, times = 0, collections.Counter(), []
+            for _author, _seq, _hash, raw in store.iter_raw():
+                se = parse_entry(raw, verify_signature=False)
+                raw_bytes += len(raw)
+                kinds[se.kind] += 1
+                times.append(se.time_ms)
+            cfg = RunSections.of(run).ledger
+            gc.collect()
+            tracemalloc.start()
+            try:
+                ledger = Ledger(store.run() or run.name, run.trainers, run.validators,
+                                int(cfg.max_clock_skew * 1000), cfg.limits(), history=store.entries)
+                skipped = rebuild(store, ledger)
+                gc.collect()
+                held = tracemalloc.get_traced_memory()[0]
+            finally:
+                tracemalloc.stop()
+    n = len(ledger)
+    if not n or skipped:
+        sys.exit(f"--memory: {data_dir}: {n} entries loaded, not loaded: {skipped}")
+    hours = (max(times) - min(times)) / 3.6e6
+    print(f"replica of {data_dir}: {n} entries by {len(ledger.authors())} authors over {hours:.2f} h of "
+          f"timestamps ({', '.join(f'{k} {v}' for k, v in kinds.most_common())})")
+    seen: set[int] = set()
+    parts = {name: deep_size(value, seen) for name, value in sorted(vars(ledger).items(),
+                                                                   key=lambda kv: kv[0] != "_logs")}
+    print(f"  {'baseline: entries as stored (raw)':44}{raw_bytes / n:10.0f} B/entry")
+    print(f"  {'replica chain state (tracemalloc)':44}{held / n:10.0f} B/entry  "
+          f"= {held / n * n / hours / 1e6:.1f} MB/h at this database's rate (goal {MEMORY_GOAL_MB_H:g} MB/h)")
+    for name, size in sorted(parts.items(), key=lambda kv: -kv[1]):
+        if size / n >= 1:
+            print(f"    {name:42}{size / n:10.0f} B/entry  (sys.getsizeof walk)")
+    print(f"  {'ratio replica / raw entries':44}{held / raw_bytes:10.2f}")
+    return held / raw_bytes
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ingest", type=int, default=20_000, help="entries for the ingest benchmark")
@@ -537,12 +620,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--link-mbit", type=float, default=100.0, help="a new node's download link")
     parser.add_argument("--summary-every", type=float, default=100_000,
                         help="entries between trainer-signed summaries, for the proposal's figures")
+    parser.add_argument("--memory", type=Path, metavar="DATA_DIR",
+                        help="only the replica memory of a node's ledger database (4. of the docstring)")
     args = parse_args(parser, {"ingest": 2000, "sync": 2000, "sample": 1000}, argv)
     if min(args.workers, args.baseline_workers) <= max(p.sources for p in PROFILES):
         parser.error(f"--workers and --baseline-workers: more than {max(p.sources for p in PROFILES)} "
                      "(each receipt vouches for that many other workers)")
     if args.sample < 100 or args.days <= 0 or args.link_mbit <= 0 or args.summary_every < 1:
         parser.error("--sample: at least 100; --days and --link-mbit: more than 0; --summary-every: at least 1")
+    if args.memory:
+        memory_report(args.memory)
+        return
     if args.scale:
         scale(args)
         return

@@ -744,3 +744,113 @@ def test_trainers_counting_one_batch_differently_agree_on_the_largest_in_any_ord
         for se in order:
             add(led, se)
         assert led.accepted_samples(WORKER.peer_id) == 64
+
+
+# ------------------------------------------------------------------ issue 45: what the replica keeps per entry
+
+def mixed_history(n_steps: int):
+    """``n_steps`` steps of a run as two trainers and two validators write it: checkpoints, batches
+    (some recorded by both trainers, some rejected), verdicts (some failed), receipts of workers and
+    of a validator, penalties with bans. Returns the entries in the order they were written."""
+    t1, t2, v1, v2 = Author(TRAINER), Author(TRAINER2), Author(VALIDATOR), Author(VALIDATOR2)
+    w, o = Author(WORKER), Author(OTHER)
+    out = []
+    for step in range(n_steps):
+        manifest = step.to_bytes(32, "big")
+        out.append(t1.next(CheckpointPublished(version=step, manifest_id=manifest, total_bytes=10_000), NOW + step))
+        for k, worker in enumerate((WORKER, OTHER)):
+            batch = bytes([step % 256, k]) * 16
+            out.append(t1.next(rollouts(samples=8 + k, tokens=100 + step, accepted=step % 5 != 4, worker=worker,
+                                        batch=batch), NOW + step))
+            if step % 3 == 0:  # the other trainer records it too, counting it differently
+                out.append(t2.next(rollouts(samples=6 + k, tokens=90, worker=worker, batch=batch), NOW + step))
+            judge = v1 if k == 0 else v2
+            out.append(judge.next(Verdict(worker=worker.peer_id, step=step, batch_hash=batch, ok=step % 7 != 6,
+                                          reasons=() if step % 7 != 6 else ("toploc",)), NOW + step))
+        items = lambda *peers: Receipts(items=tuple(  # noqa: E731
+            ReceiptItem(peer=p.peer_id, manifest_id=manifest, nbytes=3000, pieces=3) for p in peers))
+        out.append(w.next(items(TRAINER, OTHER), NOW + step))
+        out.append(v1.next(items(WORKER, OTHER), NOW + step))
+        if step % 2:
+            out.append(o.next(items(WORKER), NOW + step))
+        if step % 4 == 1:
+            out.append(v2.next(Penalty(peer=OTHER.peer_id, reason="slow", points=2, ban_seconds=60 + step), NOW + step))
+    return out
+
+
+def forks_of(entries, authors):
+    """For each of ``authors``, a second entry at the seq of its middle entry: evidence of a fork there."""
+    out = []
+    for identity in authors:
+        own = [se for se in entries if se.author == identity.peer_id]
+        a = own[len(own) // 2]
+        b = make_entry(identity, RUN, a.seq, a.prev, a.time_ms, Penalty(peer=WORKER.peer_id, reason="fork", points=1))
+        out.append(Evidence(a, b))
+    return out
+
+
+def four_roles(history=None) -> Ledger:
+    return Ledger(RUN, [TRAINER.peer_id, TRAINER2.peer_id], [VALIDATOR.peer_id, VALIDATOR2.peer_id], SKEW,
+                  history=history)
+
+
+def replica_view(led: Ledger, now: int) -> tuple:
+    authors = led.authors()
+    return (led.totals(), led.digest(), led.heads(), led.flagged(), led.bans(now),
+            {a: led.accepted_samples(a) for a in authors})
+
+
+@pytest.mark.parametrize("forked", [[TRAINER], [VALIDATOR], [WORKER], [TRAINER2, VALIDATOR2, OTHER]],
+                         ids=lambda f: "+".join(i.peer_id[-4:] for i in f))
+def test_evidence_after_many_entries_takes_back_exactly_what_evidence_known_first_never_gave(forked):
+    """The replica no longer keeps each entry's credits to take them back when a fork turns up: it
+    re-reads the entries past the fork point from its history (the store) and subtracts what they
+    added. The result is the replica that knew the fork from the start and never counted them."""
+    entries = mixed_history(40)
+    now = NOW + 50
+    evidence = forks_of(entries, forked)
+    by_author = {}
+    for se in entries:
+        by_author.setdefault(se.author, []).append(se)
+    reads = []
+
+    def history(author, start, end):
+        reads.append((author, start, end))
+        return by_author[author][start - 1:end]
+
+    late, early, kept = four_roles(history), four_roles(), four_roles()
+    for ev in evidence:
+        early.add_evidence(ev)
+    for led in (late, early, kept):
+        for se in entries:
+            assert add(led, se, now).outcome is (Outcome.REJECT if led is early and se.author in early.flagged()
+                                                 and se.seq >= early.flagged()[se.author] else Outcome.ACCEPT)
+    before = replica_view(late, now)
+    for led in (late, kept):
+        for ev in evidence:
+            assert led.add_evidence(ev) is True
+    assert replica_view(late, now) == replica_view(early, now) == replica_view(kept, now) != before
+    # (an equivocator's receipts past the fork still fill its quota where they were taken in)
+    assert {a: late.receipts_left(a) for a in late.authors()} == {a: kept.receipts_left(a) for a in kept.authors()}
+    # it read each forked author's entries from the fork point to its head, once
+    assert sorted(reads) == sorted((ev.author, ev.fork_seq, len(by_author[ev.author])) for ev in evidence)
+    # and the figures are what the entries before the forks say (the trainer's: its checkpoints)
+    if forked == [TRAINER]:
+        published = sum(se.kind == CheckpointPublished.TYPE and se.seq < evidence[0].fork_seq
+                        for se in by_author[TRAINER.peer_id])
+        assert late.totals(TRAINER.peer_id)[TRAINER.peer_id]["checkpoints"] == published < 40
+
+
+def test_a_history_that_does_not_give_back_the_entries_held_is_our_bug():
+    """A store that lost or changed rows the replica counted: crash loudly (ValueError), not a
+    quietly wrong total."""
+    entries = mixed_history(6)
+    ev = forks_of(entries, [TRAINER])[0]
+    own = [se for se in entries if se.author == TRAINER.peer_id]
+    for history in (lambda a, s, e: own[s - 1:e - 1],  # the last one missing
+                     lambda a, s, e: [ev.b] + own[s:e]):  # another entry in place of the one held
+        led = four_roles(history)
+        for se in entries:
+            add(led, se)
+        with pytest.raises(ValueError, match="history of"):
+            led.add_evidence(ev)

@@ -13,6 +13,7 @@ from node.app.commands import ledger as cli
 from node.ledger.chain import Evidence, Ledger
 from node.ledger.entries import GENESIS, Penalty, RolloutsJudged, make_entry
 from node.ledger.store import DB_FILE, PAGE_SIZE, LedgerStoreError, open_ledger_store, rebuild
+from test_ledger_chain import NOW, TRAINER2, VALIDATOR, add, forks_of, four_roles, mixed_history, replica_view
 
 RUN = "store-test"
 TRAINER = Identity.from_seed(b"s" * 32)
@@ -210,3 +211,29 @@ def test_cli_totals_are_judged_as_the_node_judged_them(tmp_path, capsys):
     assert served_by_relay("--run", str(run_file)) == (5000, "")
     write_run_record(data, RunConfig(name=RUN, trainers=[TRAINER.peer_id], validators=[validator.peer_id]))
     assert served_by_relay() == (5000, "")  # as the node that served the run counts it
+
+
+def test_a_replica_on_its_store_restarts_into_the_state_it_held_and_unwinds_a_later_fork_from_it(tmp_path):
+    """A node's replica re-reads the entries past a fork point from its store (issue 45: it keeps no
+    credits per entry): loaded from the store, given evidence later, and restarted with that evidence,
+    it holds what a replica that kept every entry in memory holds."""
+    entries = mixed_history(30)
+    now = NOW + 40
+    evidence = forks_of(entries, [TRAINER2, VALIDATOR])
+    kept = four_roles()
+    for se in entries:
+        add(kept, se, now)
+    write_db(tmp_path, entries)
+    with open_ledger_store(tmp_path) as store:
+        led = four_roles(store.entries)
+        assert rebuild(store, led) == {}
+        assert replica_view(led, now) == replica_view(kept, now)
+        store.commit([], evidence)
+        for replica in (led, kept):
+            assert all(replica.add_evidence(ev) for ev in evidence)
+        assert replica_view(led, now) == replica_view(kept, now)
+    with open_ledger_store(tmp_path) as store:  # a restart: entries first, then the evidence, from the store
+        again = four_roles(store.entries)
+        assert rebuild(store, again) == {}
+        assert replica_view(again, now) == replica_view(kept, now)
+        assert again.flagged() == {ev.author: ev.fork_seq for ev in evidence}

@@ -386,3 +386,34 @@ async def test_status_shows_the_trusted_authors_heads_as_this_replica_holds_them
         assert svc.status()["trusted_heads"] == {TRAINER.peer_id: 0, VALIDATOR.peer_id: 0}
         await svc.ingest([first.raw, second.raw], "test")
         assert svc.status()["trusted_heads"] == {TRAINER.peer_id: 2, VALIDATOR.peer_id: 0}
+
+
+async def test_a_fork_found_later_takes_back_entries_stored_held_back_by_a_full_disk_and_in_the_same_batch(tmp_path):
+    """The replica re-reads the entries past a new fork point to take back their credits (issue 45: it
+    no longer keeps them in memory). Here they are in three places at once: stored, held in memory by
+    a full disk, and in the batch being ingested; a restart reads them all back from the store."""
+    t = [make_entry(TRAINER, RUN, 1, GENESIS, 1, rollouts(1))]
+    for i in range(2, 41):
+        t.append(make_entry(TRAINER, RUN, i, t[-1].hash, i, rollouts(i)))
+    fork = make_entry(TRAINER, RUN, 2, t[0].hash, 2, rollouts(500))
+    async with open_ledger_node(tmp_path, "v", VALIDATOR) as v:
+        assert (await ledger(v).ingest([se.raw for se in t[:3]], "test")).accepted == 3
+        db = ledger(v).store._db
+        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")  # the disk is full
+        assert (await ledger(v).ingest([se.raw for se in t[3:33]], "test")).accepted == 30
+        assert ledger(v).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == sum(range(1, 34))
+        report = await ledger(v).ingest([se.raw for se in t[33:]] + [fork.raw], "test")
+        assert (report.accepted, report.equivocations) == (7, 1)
+        assert ledger(v).ledger.flagged() == {TRAINER.peer_id: 2}
+        assert ledger(v).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == 1  # only seq 1 counts
+        assert ledger(v).totals(TRAINER.peer_id)[TRAINER.peer_id]["entries"] == 1
+        with open_ledger_store(v.data_dir) as store:
+            assert store.count() < 33  # the page that had room took a few; the rest wait in memory
+        db.execute("PRAGMA max_page_count = 1073741823")  # room again: the next commit stores what was held
+        await ledger(v).ingest([], "test")
+        with open_ledger_store(v.data_dir) as store:
+            assert store.count() == 40 and len(list(store.iter_evidence())) == 1
+        digest, totals = ledger(v).digest(), ledger(v).totals()
+    async with open_ledger_node(tmp_path, "v", VALIDATOR) as v:
+        assert ledger(v).ledger.flagged() == {TRAINER.peer_id: 2}
+        assert (ledger(v).digest(), ledger(v).totals()) == (digest, totals)

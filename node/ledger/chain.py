@@ -78,6 +78,13 @@ consult at intake, so a ban given by any one of them holds at all of them once t
 The state digest hashes every author's (capped) head and fork seq in author order, so two replicas
 with the same entries and evidence have the same digest, whatever order they learned them in.
 
+Memory (issue 45: an hour-long soak grew each node's RSS by ~41 MB/h, 2.1 kB per entry of replica):
+the replica keeps per entry only its hash (32 bytes in one ``bytearray`` per author) and what the
+entry adds to the derived state (batch claims, vouched bytes). It does not keep each entry's credits
+to unwind them when evidence arrives: evidence is rare, so :meth:`Ledger.add_evidence` re-reads the
+entries past the new fork point from ``history`` (the store, node/ledger/store.py) and subtracts what
+they had added, exactly as they added it. ``bench/ledger.py --memory DATA_DIR`` measures it.
+
 Pure: time comes in as ``now_ms``; no I/O.
 """
 
@@ -85,7 +92,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
@@ -107,6 +115,11 @@ from .entries import (
 
 _U64 = struct.Struct(">Q")
 DIGEST_DOMAIN = b"swarm-node/ledger-state/v1\x00"
+HASH_LEN = len(GENESIS)  # bytes of an entry hash
+
+# Entries ``start..end`` (inclusive) of an author, in seq order, as the replica took them in: what
+# add_evidence re-reads to unwind the credits of entries past a new fork point.
+History = Callable[[str, int, int], Iterable[SignedEntry]]
 
 
 class Outcome(enum.Enum):
@@ -222,10 +235,9 @@ assert tuple(f.name for f in fields(PeerTotals)) == TOTAL_FIELDS
 
 @dataclass
 class _Log:
-    """What the replica remembers of one author (entry bytes stay in the store)."""
+    """What the replica remembers of one author (entry bytes and credits stay in the store)."""
 
-    hashes: list[bytes] = field(default_factory=list)  # hashes[i] is the hash of seq i + 1
-    credits: list[tuple[Credit, ...]] = field(default_factory=list)  # credits[i]: credits of seq i + 1
+    hashes: bytearray = field(default_factory=bytearray)  # the hashes of seq 1, 2, ..., HASH_LEN bytes each
     last_time_ms: int = 0
     receipts: int = 0  # receipts entries in the log (the per-author bound of the module docstring)
     fork_seq: int = 0  # 0 = not flagged
@@ -233,7 +245,11 @@ class _Log:
 
     @property
     def head(self) -> int:
-        return len(self.hashes)
+        return len(self.hashes) // HASH_LEN
+
+    def hash_at(self, seq: int) -> bytes:
+        """Hash of ``seq`` (1..head); GENESIS for seq 0."""
+        return bytes(self.hashes[(seq - 1) * HASH_LEN:seq * HASH_LEN]) if seq else GENESIS
 
     def usable(self) -> int:
         """Highest seq that counts: everything before the fork point."""
@@ -244,7 +260,9 @@ class Ledger:
     """An in-memory replica of every author's log, checked against the run's rules."""
 
     def __init__(self, run: str, trainers: Iterable[str], validators: Iterable[str], max_skew_ms: int,
-                 limits: AuthorLimits = AuthorLimits()) -> None:
+                 limits: AuthorLimits = AuthorLimits(), history: History | None = None) -> None:
+        """``history`` re-reads entries the replica holds (a store's :meth:`LedgerStore.entries`);
+        without one the replica keeps every entry it takes in, in memory (tests, short-lived tools)."""
         self.run = run
         self.trainers = frozenset(trainers)
         self.validators = frozenset(validators)
@@ -261,6 +279,8 @@ class Ledger:
         self._published: dict[bytes, dict[int, int]] = {}
         # Credits for one rollout batch, per (peer, field, batch id): {amount: usable entries claiming it}.
         self._batch_claims: dict[tuple[str, str, bytes], dict[int, int]] = {}
+        self._kept: dict[str, list[SignedEntry]] | None = None if history else {}
+        self._history: History = history or (lambda author, start, end: self._kept.get(author, [])[start - 1:end])
 
     # ---------------------------------------------------------------- adding entries
 
@@ -287,14 +307,14 @@ class Ledger:
         log = self._logs.get(se.author)
         head = log.head if log else 0
         if se.seq <= head:
-            if log.hashes[se.seq - 1] == se.hash:
+            if log.hash_at(se.seq) == se.hash:
                 return Decision(Outcome.DUPLICATE, se)
             return Decision(Outcome.EQUIVOCATION, se, "equivocation", conflict_seq=se.seq)
         if log and log.fork_seq and se.seq >= log.fork_seq:
             return Decision(Outcome.REJECT, se, "equivocator")
         if se.seq > head + 1:
             return Decision(Outcome.GAP, se, "gap")
-        if se.prev != (log.hashes[-1] if head else GENESIS):
+        if se.prev != (log.hash_at(head) if head else GENESIS):
             if head:
                 return Decision(Outcome.EQUIVOCATION, se, "equivocation", conflict_seq=head)
             return Decision(Outcome.REJECT, se, "bad-link")
@@ -331,54 +351,57 @@ class Ledger:
             raise ValueError(f"apply() takes accepted entries, got {decision.outcome}")
         se = decision.entry
         log = self._logs.setdefault(se.author, _Log())
-        if se.seq != log.head + 1 or se.prev != (log.hashes[-1] if log.head else GENESIS):
+        if se.seq != log.head + 1 or se.prev != log.hash_at(log.head):
             raise ValueError("apply() of an entry that no longer fits; check() and apply() interleaved")
         self._append(log, se)
 
     def restore(self, se: SignedEntry) -> None:
         """Re-load an entry from our own store on start (it passed check() when stored)."""
         log = self._logs.setdefault(se.author, _Log())
-        if se.seq != log.head + 1 or se.prev != (log.hashes[-1] if log.head else GENESIS):
+        if se.seq != log.head + 1 or se.prev != log.hash_at(log.head):
             raise ValueError(f"stored chain of {se.author} is broken at seq {se.seq}")
         self._append(log, se)
 
     def _append(self, log: _Log, se: SignedEntry) -> None:
-        credits = (Credit(se.author, "entries", 1), *se.body.credits(se.author))
-        log.hashes.append(se.hash)
-        log.credits.append(credits)
+        log.hashes += se.hash
+        if self._kept is not None:
+            self._kept.setdefault(se.author, []).append(se)
         log.last_time_ms = max(log.last_time_ms, se.time_ms)
         log.receipts += se.kind == Receipts.TYPE
         if not log.fork_seq or se.seq < log.fork_seq:
-            self._credit(se.author, credits, +1)
+            self._credit(se.author, _credits_of(se), +1)
         body = se.body
         if isinstance(body, Penalty) and body.ban_seconds:
             until = se.time_ms + 1000 * body.ban_seconds
             self._bans.setdefault(body.peer, []).append(LedgerBan(body.peer, until, body.reason, se.author, se.seq))
 
-    def _credit(self, author: str, credits: tuple[Credit, ...], sign: int) -> None:
+    def _credit(self, author: str, credits: Iterable[Credit], sign: int) -> None:
+        # Peer ids are interned: the derived state names a few peers in many keys (issue 45, memory).
+        author = sys.intern(author)
         for c in credits:
+            peer = sys.intern(c.peer)
             if c.field == PUBLISHED:
                 sizes = self._published.setdefault(c.manifest, {})
                 sizes[c.amount] = sizes.get(c.amount, 0) + sign
             elif c.manifest is not None:  # bytes vouched for: capped when totals are read
                 claims = self._vouched.setdefault((author, c.manifest), {})
-                claims[c.peer] = claims.get(c.peer, 0) + sign * c.amount
+                claims[peer] = claims.get(peer, 0) + sign * c.amount
                 if author in self.trusted:
-                    self._trusted_vouched[c.peer] = self._trusted_vouched.get(c.peer, 0) + sign * c.amount
+                    self._trusted_vouched[peer] = self._trusted_vouched.get(peer, 0) + sign * c.amount
             elif c.batch is not None:
-                self._credit_batch(c, sign)
+                self._credit_batch(peer, c, sign)
             else:
-                self._add(c.peer, c.field, sign * c.amount)
+                self._add(peer, c.field, sign * c.amount)
 
     def _add(self, peer: str, name: str, amount: int) -> None:
         t = self._totals.setdefault(peer, PeerTotals())
         setattr(t, name, getattr(t, name) + amount)
 
-    def _credit_batch(self, c: Credit, sign: int) -> None:
+    def _credit_batch(self, peer: str, c: Credit, sign: int) -> None:
         """Count a batch's credit once: the largest amount any usable entry claims for (peer, field,
         batch). The largest, not the first, so that replicas agree whatever order entries came in
         (two trainers may count one batch differently, e.g. after dropping zero-advantage groups)."""
-        key = (c.peer, c.field, c.batch)
+        key = (peer, c.field, c.batch)
         claims = self._batch_claims.setdefault(key, {})  # amount -> usable entries claiming it
         before = max(claims, default=0)
         left = claims.get(c.amount, 0) + sign
@@ -389,7 +412,7 @@ class Ledger:
         after = max(claims, default=0)
         if not claims:
             del self._batch_claims[key]
-        self._add(c.peer, c.field, after - before)
+        self._add(peer, c.field, after - before)
 
     def _bytes_served(self) -> dict[str, int]:
         """Vouched bytes, capped per voucher and checkpoint at the checkpoint's published size.
@@ -443,9 +466,22 @@ class Ledger:
         old_usable = log.usable()
         log.fork_seq = ev.fork_seq
         log.evidence = ev
-        for seq in range(log.usable() + 1, old_usable + 1):
-            self._credit(ev.author, log.credits[seq - 1], -1)
+        self._unwind(ev.author, log, log.usable() + 1, old_usable)
         return True
+
+    def _unwind(self, author: str, log: _Log, start: int, end: int) -> None:
+        """Take back the credits of ``author``'s entries ``start..end``, re-read from the history
+        (a ValueError when it does not give back the entries the replica holds: we are wrong)."""
+        if start > end:
+            return
+        seq = start
+        for se in self._history(author, start, end):
+            if se.author != author or se.seq != seq or se.hash != log.hash_at(seq):
+                raise ValueError(f"history of {author} at seq {seq} is not the entry the replica holds")
+            self._credit(author, _credits_of(se), -1)
+            seq += 1
+        if seq <= end:
+            raise ValueError(f"history of {author} lacks seq {seq}..{end}, whose credits the replica counted")
 
     # ---------------------------------------------------------------- views
 
@@ -459,7 +495,7 @@ class Ledger:
 
     def hash_at(self, author: str, seq: int) -> bytes | None:
         log = self._logs.get(author)
-        return log.hashes[seq - 1] if log and 1 <= seq <= log.head else None
+        return log.hash_at(seq) if log and 1 <= seq <= log.head else None
 
     def __len__(self) -> int:
         return sum(log.head for log in self._logs.values())
@@ -473,7 +509,7 @@ class Ledger:
         for author in sorted(self._logs):
             log = self._logs[author]
             seq = log.usable()
-            out.append(Head(author, seq, log.hashes[seq - 1] if seq else GENESIS, log.fork_seq))
+            out.append(Head(author, seq, log.hash_at(seq), log.fork_seq))
         return out
 
     def digest(self) -> bytes:
@@ -542,6 +578,11 @@ class Ledger:
                 limit = min(limit, log.fork_seq - 1)
             if limit > ours:
                 wants.append(Want(head.author, ours + 1, limit))
-            elif 1 <= head.seq <= ours and log.hashes[head.seq - 1] != head.hash:
+            elif 1 <= head.seq <= ours and log.hash_at(head.seq) != head.hash:
                 wants.append(Want(head.author, head.seq, head.seq))  # will show the fork
         return wants, evidence
+
+
+def _credits_of(se: SignedEntry) -> list[Credit]:
+    """What one entry adds to the totals: one entry for its author, and its body's credits."""
+    return [Credit(se.author, "entries", 1), *se.body.credits(se.author)]

@@ -56,7 +56,7 @@ from ..wire import (
     RemoteProtocolError,
 )
 from .api import LedgerError
-from .chain import Decision, Evidence, Ledger, Outcome
+from .chain import Evidence, Ledger, Outcome
 from .config import LedgerConfig
 from .entries import (
     GENESIS,
@@ -149,7 +149,8 @@ class LedgerService:
         self._wall_clock = wall_clock
         self._rng = rng or random.Random()
         run = node.config.run
-        self.ledger = Ledger(run.name, run.trainers, run.validators, int(config.max_clock_skew * 1000), config.limits())
+        self.ledger = Ledger(run.name, run.trainers, run.validators, int(config.max_clock_skew * 1000), config.limits(),
+                             history=self._entries)
         self.rejections: collections.Counter = collections.Counter()  # "source/reason" -> count
         self.accepted: collections.Counter = collections.Counter()  # source -> entries accepted
         self._append_lock = trio.Lock()
@@ -158,6 +159,7 @@ class LedgerService:
         # before anything else once there is room (bounded by the replica they are part of).
         self._unstored: list[SignedEntry] = []
         self._unstored_evidence: list[Evidence] = []
+        self._pending: dict[tuple[str, int], SignedEntry] = {}  # the ingest batch the replica took in, not yet stored
         self._store_lock = trio.Lock()  # check -> commit -> apply (or a range read) without interleaving
         self.db = DbThread()  # the store's writes, off the event loop
         self._validated: collections.OrderedDict[bytes, SignedEntry] = collections.OrderedDict()
@@ -339,7 +341,7 @@ class LedgerService:
     async def _ingest_locked(self, items: Iterable[bytes | SignedEntry], source: str) -> IngestReport:
         report = IngestReport()
         pending: list[SignedEntry] = []
-        pending_by_key: dict[tuple[str, int], SignedEntry] = {}
+        self._pending = pending_by_key = {}
         evidence: list[Evidence] = []
         now = self.now_ms()
         for item in items:
@@ -361,7 +363,7 @@ class LedgerService:
                 if se.author not in report.gaps:
                     report.gaps.append(se.author)
             elif decision.outcome is Outcome.EQUIVOCATION:
-                ev = self._evidence_for(decision, pending_by_key)
+                ev = Evidence(self._entries(se.author, decision.conflict_seq, decision.conflict_seq)[0], se)
                 if self.ledger.add_evidence(ev):
                     evidence.append(ev)
                     log.warning("ledger: %s equivocated at seq %d", se.author, ev.fork_seq)
@@ -378,6 +380,7 @@ class LedgerService:
             await self._store(pending, evidence)
         finally:
             self._committing = 0
+            self._pending = {}
         self._list_bans(pending, now)
         if report.accepted:
             self._m_accepted.labels(source=source).inc(report.accepted)
@@ -401,16 +404,19 @@ class LedgerService:
             log.info("ledger: %d entries held back by a full disk are stored", len(self._unstored))
         self._unstored, self._unstored_evidence = [], []
 
-    def _evidence_for(self, decision: Decision, pending: dict[tuple[str, int], SignedEntry]) -> Evidence:
-        se = decision.entry
-        key = (se.author, decision.conflict_seq)
-        ours = pending.get(key) or next((u for u in self._unstored if (u.author, u.seq) == key), None)
-        if ours is None:
-            raw = self.store.get(se.author, decision.conflict_seq)
-            if raw is None:
-                raise LocalProtocolError(f"ledger holds {se.author} seq {decision.conflict_seq} but the store does not")
-            ours = parse_entry(raw, verify_signature=False)
-        return Evidence(ours, se)
+    def _entries(self, author: str, start: int, end: int) -> list[SignedEntry]:
+        """Entries ``start..end`` of ``author`` that the replica holds, wherever they are now: in the
+        ingest batch not yet committed, held back by a full disk, or stored (the replica's history)."""
+        held = {key: u for u in self._unstored if (key := (u.author, u.seq))[0] == author}
+        held.update(self._pending)
+        stored = {se.seq: se for se in self.store.entries(author, start, end)}
+        out = []
+        for seq in range(start, end + 1):
+            se = held.get((author, seq)) or stored.get(seq)
+            if se is None:
+                raise LocalProtocolError(f"ledger holds {author} seq {seq} but the store does not")
+            out.append(se)
+        return out
 
     async def ingest_evidence(self, raw_a: bytes, raw_b: bytes, source: str) -> bool:
         """Check and store an equivocation proof from a peer. True if it lowered a fork point."""

@@ -177,6 +177,12 @@ class LedgerStore:
             size += len(raw)
         return out
 
+    def entries(self, author: str, start: int, end: int) -> list[SignedEntry]:
+        """Entries ``start..end`` of ``author`` in seq order, parsed (the replica's history,
+        node/ledger/chain.py ``History``; their signatures were checked before they were stored)."""
+        return [parse_entry(raw, verify_signature=False) for (raw,) in self._read.execute(
+            "SELECT raw FROM entries WHERE author=? AND seq BETWEEN ? AND ? ORDER BY seq", (author, start, end))]
+
     def iter_raw(self) -> Iterator[tuple[str, int, bytes, bytes]]:
         """(author, seq, hash, raw) of every entry, by author then seq."""
         yield from self._read.execute("SELECT author, seq, hash, raw FROM entries ORDER BY author, seq")
