@@ -9,13 +9,14 @@ membership's records alone.
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import trio
 
 from node.config import RunConfig
-from node.identity import load_or_create_identity
-from node.shards.testing import open_shards_swarm, same_files, write_checkpoint
+from node.identity import Identity, load_or_create_identity
+from node.shards.testing import StaticMembers, open_shards_swarm, same_files, write_checkpoint
 
 from swarmtest import node_config, open_nodes
 from test_shards_swarm import reached_over_a_circuit
@@ -45,33 +46,17 @@ async def test_a_download_dials_a_public_member_it_learned_of_through_membership
             assert h.peer_id in d.host.direct_peers()
 
 
-class Members:
-    """A membership view (node/shards/api.py MemberAddrs) of the given records."""
-
-    def __init__(self, records: dict[str, tuple[str, list[str]]]) -> None:
-        self.records = records  # peer id -> (reachability, addresses)
-
-    def members(self) -> dict[str, str]:
-        return {peer: "relay" for peer in self.records}
-
-    def addrs_of(self, peer_id: str) -> list[str]:
-        return self.records[peer_id][1]
-
-    def reachability_of(self, peer_id: str) -> str:
-        return self.records[peer_id][0]
-
-
-async def test_a_download_dials_a_public_member_it_holds_only_a_relay_circuit_to(tmp_path: Path) -> None:
-    """A NAT'd node's connections from public members are relay circuits (they dialled its relayed
-    address), which carry no checkpoint bytes. Its download dials such a member's direct address all
-    the same: the circuit no longer stands for a connection (py-libp2p's connect returned at once
-    on any connection, so the dial did nothing and the member's upload was lost to it)."""
+async def download_past_a_circuit(tmp_path: Path, fakes: dict[str, tuple[str, list[str]]]) -> None:
+    """The downloader holds a relay circuit to the trainer and nothing else but the relay; its
+    membership view lists the trainer, the relay and ``fakes``. It must get bytes from the trainer,
+    directly: the trainer's dial is not lost among the fakes'."""
     src = write_checkpoint(tmp_path / "ckpt", 4 * MiB, seed=6)
     with trio.fail_after(90):
         async with open_shards_swarm() as swarm, trio.open_nursery() as services:
             r, _, t, d = await reached_over_a_circuit(swarm, services, tmp_path, upload_rate=MiB)
-            d.shards.use_members(Members({t.peer_id: ("public", t.host.transport_addrs()),
-                                          r.peer_id: ("public", r.host.transport_addrs())}))
+            d.shards.rng.seed(4)
+            d.shards.use_members(StaticMembers({t.peer_id: ("public", t.host.transport_addrs()),
+                                                r.peer_id: ("public", r.host.transport_addrs())} | fakes))
 
             signed = await t.shards.publish(src, 3)
             assert same_files(src, await d.shards.wait_version(3))
@@ -79,3 +64,25 @@ async def test_a_download_dials_a_public_member_it_holds_only_a_relay_circuit_to
             assert received.get(t.peer_id, 0) > 0, received
             assert t.peer_id in d.host.direct_peers()
             services.cancel_scope.cancel()
+
+
+async def test_a_download_dials_a_public_member_it_holds_only_a_relay_circuit_to(tmp_path: Path) -> None:
+    """A NAT'd node's connections from public members are relay circuits (they dialled its relayed
+    address), which carry no checkpoint bytes. Its download dials such a member's direct address all
+    the same: the circuit no longer stands for a connection (py-libp2p's connect returned at once
+    on any connection, so the dial did nothing and the member's upload was lost to it)."""
+    await download_past_a_circuit(tmp_path, {})
+
+
+async def test_a_crowd_of_fake_public_records_does_not_hide_a_member_we_hold_a_circuit_to(tmp_path: Path) -> None:
+    """Review of issue 46: 200 member records claim ``public`` at a black hole (a listener that
+    never accepts: a dial's TCP handshake completes, its Noise handshake never does, and it holds
+    a dial slot for DIAL_TIMEOUT). The circuit is evidence the trainer exists: it is dialled first,
+    not drawn among the fakes (before: ~3 of 202 every 10 s, so the download ended, through the
+    relay, before the trainer was dialled)."""
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(1024)
+        addr = f"/ip4/127.0.0.1/tcp/{hole.getsockname()[1]}"
+        fakes = {Identity.from_seed(bytes([1, k]) * 16).peer_id: ("public", [addr]) for k in range(200)}
+        await download_past_a_circuit(tmp_path, fakes)

@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import random
 
-from node.shards.peering import direct_peers_to_dial, public_members, session_to_end, sessions_to_open
+import pytest
+
+from node.shards.peering import (
+    DIAL_AGAIN_AFTER,
+    MAX_DIAL_BACKOFF,
+    MAX_DIAL_BOOK,
+    MAX_REACHED,
+    SPECULATIVE_SLOTS,
+    DialBook,
+    DialState,
+    direct_addrs,
+    direct_peers_to_dial,
+    session_to_end,
+    sessions_to_open,
+)
 
 PEERS = [f"p{i}" for i in range(12)]
 
@@ -56,7 +70,7 @@ def test_a_download_short_of_direct_peers_dials_public_members_until_it_has_max_
     assert direct_peers_to_dial([], ["pub3"], 5, random.Random(0)) == ["pub3"]  # as many as there are
 
 
-def test_public_members_are_those_with_a_direct_address_that_do_not_say_they_are_private():
+def test_the_direct_addresses_of_a_member_are_none_when_its_record_says_it_is_private():
     """A NAT'd member's record lists its private listen address beside its relayed ones (records
     advertise every transport address): dialled, that address leads nowhere on the internet, so a
     member whose record says it is private is not public, whatever its addresses. One whose
@@ -66,7 +80,67 @@ def test_public_members_are_those_with_a_direct_address_that_do_not_say_they_are
         "new": ("unknown", ["/ip4/10.78.0.3/tcp/4001"]),
         "nat": ("private", ["/ip4/192.168.1.2/tcp/4001", "/ip4/10.78.0.1/tcp/4001/p2p/R/p2p-circuit"]),
         "circuit-only": ("unknown", ["/ip4/10.78.0.1/tcp/4001/p2p/R/p2p-circuit"]),
-        "me": ("public", ["/ip4/10.78.0.9/tcp/4001"]),
     }
-    found = public_members(records, lambda p: records[p][1], lambda p: records[p][0], me="me")
-    assert found == {"pub": ["/ip4/10.78.0.2/tcp/4001"], "new": ["/ip4/10.78.0.3/tcp/4001"]}
+    found = {p: direct_addrs(p, lambda p: records[p][1], lambda p: records[p][0]) for p in records}
+    assert found == {"pub": ["/ip4/10.78.0.2/tcp/4001"], "new": ["/ip4/10.78.0.3/tcp/4001"], "nat": [],
+                     "circuit-only": []}
+
+
+def to_dial(book: DialBook, now: float, direct: list[str], members: list[str], *, connected: list[str] = (),
+            want: int = 4) -> list[str]:
+    return [p for p, _ in book.to_dial(now, direct, connected, lambda: members, lambda p: [f"/ip4/10.0.0.1/tcp/1/{p}"],
+                                       lambda p: True, want, random.Random(0))]
+
+
+def test_the_dial_book_refuses_illegal_transitions_and_never_dials_us_or_a_member_in_flight():
+    book = DialBook("me")
+    assert to_dial(book, 0.0, [], ["me"]) == []
+    book.on_dial("a", 0.0, speculative=True)
+    with pytest.raises(AssertionError):
+        book.on_dial("a", 1.0, speculative=True)  # one dial at a time
+    assert not book.may_dial("a", 100.0)
+    book.on_result("a", False, 10.0)
+    with pytest.raises(AssertionError):
+        book.on_result("a", True, 11.0)  # no dial in flight
+    assert book.entries["a"].state is DialState.FAILED
+    assert not book.may_dial("a", 2 * DIAL_AGAIN_AFTER - 1) and book.may_dial("a", 2 * DIAL_AGAIN_AFTER)
+
+
+def test_a_members_back_off_doubles_up_to_its_cap_and_a_success_resets_it():
+    book, t, waits = DialBook("me"), 0.0, []
+    for _ in range(12):
+        book.on_dial("a", t, speculative=True)
+        book.on_result("a", False, t + 10)
+        wait = next(w for w in range(0, 10_000) if book.may_dial("a", t + w))
+        waits.append(wait)
+        t += wait
+    assert waits[:4] == [60, 120, 240, 480] and max(waits) == MAX_DIAL_BACKOFF
+    book.on_dial("a", t, speculative=True)
+    book.on_result("a", True, t + 1)
+    assert book.may_dial("a", t + DIAL_AGAIN_AFTER) and list(book.reached) == ["a"]
+
+
+def test_members_with_evidence_come_first_and_speculative_dials_do_not_hold_them_up():
+    """A peer we hold a circuit to, then members reached before (latest first), then members
+    known by their record alone, at most SPECULATIVE_SLOTS of those in flight; the speculative
+    dials in flight are not counted against the room of the others."""
+    book = DialBook("me")
+    book.note_direct(["old", "new"], 0.0)  # held before: their addresses worked
+    crowd = [f"f{i}" for i in range(50)]
+    first = to_dial(book, 40.0, ["origin"], crowd, want=3)
+    assert first[:2] == ["new", "old"] and len(first) == 2  # room for 2
+    assert len(book.dialling) == 2
+    later = to_dial(book, 41.0, ["origin"], crowd, connected=["circ"], want=8)
+    assert later[0] == "circ" and len(later) == 1 + SPECULATIVE_SLOTS
+    assert set(later[1:]) <= set(crowd)
+    assert to_dial(book, 42.0, ["origin"], crowd, want=8) == []  # the speculative slots are full
+    assert to_dial(book, 42.0, ["origin"], crowd, connected=["circ2"], want=8) == ["circ2"]
+
+
+def test_the_dial_book_is_bounded():
+    book = DialBook("me")
+    for i in range(MAX_DIAL_BOOK + 100):
+        book.on_dial(f"p{i}", float(i), speculative=True)
+        book.on_result(f"p{i}", True, float(i))
+    assert len(book.entries) == MAX_DIAL_BOOK and len(book.reached) == MAX_REACHED
+    assert next(reversed(book.reached)) == f"p{MAX_DIAL_BOOK + 99}"

@@ -9,9 +9,11 @@ from types import SimpleNamespace
 import trio
 import trio.testing
 
-from node.shards.client import DIAL_AGAIN_AFTER, Download
+from node.shards.client import Download
+from node.shards.peering import DIAL_AGAIN_AFTER, SPECULATIVE_SLOTS, DialBook
 from node.shards.protocol import MAX_SHARDS_FRAME, Data, Have, Reject, Request
 from node.shards.server import HAVE_DELAY, SEND_BATCH, ServerSession, Uploads
+from node.shards.testing import StaticMembers
 from node.shards.throttle import TokenBucket
 from node.wire import _LEN, decode
 
@@ -92,14 +94,15 @@ def fake_download(peers: list[str], announcer: str, *, max_peers: int, rng_seed:
     ``dials`` the members it dialled, ``ended`` the sessions it ended."""
     dl = object.__new__(Download)
     dl.owner = SimpleNamespace(
-        host=SimpleNamespace(direct_peers=lambda: list(peers)),
+        host=SimpleNamespace(direct_peers=lambda: list(peers), connected_peers=lambda: list(peers)),
         cfg=SimpleNamespace(max_peers=max_peers), rng=random.Random(rng_seed),
         announced={7: (b"r" * 32, announcer)}, is_banned=lambda peer, now: peer in banned,
         banned_anywhere=lambda peer, now: peer in banned or peer in banned_elsewhere,
-        downloaders_of=lambda root: set(served), public_members=lambda: dict(public or {}))
+        downloaders_of=lambda root: set(served), dials=DialBook("me"),
+        members=StaticMembers({p: ("public", a) for p, a in (public or {}).items()}))
     dl.vs = SimpleNamespace(version=7, signed=SimpleNamespace(root=b"r" * 32))
     dl.picker = SimpleNamespace(holds_all=lambda peer: False, in_flight=lambda peer: 0)
-    dl.sessions, dl.refused, dl.backoff, dl.dialled, dl.dialling = {}, {}, {}, {}, set()
+    dl.sessions, dl.refused, dl.backoff, dl.dialled = {}, {}, {}, set()
     dl.started, dl.dials, dl.ended = [], [], []
     dl._nursery = SimpleNamespace(
         start_soon=lambda fn, peer, *args: dl.dials.append((peer, *args)) if fn == dl._dial else dl.started.append(peer))
@@ -122,26 +125,41 @@ def test_a_download_opens_a_session_to_the_announcer_and_spreads_over_the_rest()
     assert all(sorted(dl.started) == sorted(dl.sessions) for dl in downloads)
 
 
-def test_a_download_short_of_direct_peers_dials_public_members_at_most_once_per_period():
+def test_a_download_short_of_direct_peers_dials_public_members_and_backs_off_from_failed_ones():
     """Sessions run only on direct connections, and a NAT'd node's are only those it opened: in
     simulation its membership dials left it a median of 3 direct peers against 7 for a public node
     (node/shards/peering.py). Short of ``max_peers``, a download dials public members (banned ones
-    not), counting its dials in flight, and dials one again only after ``DIAL_AGAIN_AFTER``."""
+    not), at most SPECULATIVE_SLOTS of those known by their record alone at once; one whose dial
+    failed is dialled again after DIAL_AGAIN_AFTER, doubled at each failure."""
     public = {f"m{i}": [f"/ip4/10.0.0.{i}/tcp/4001"] for i in range(6)} | {"origin": ["/ip4/10.0.0.99/tcp/4001"]}
     dl = fake_download(["origin"], "origin", max_peers=4, public=public, banned={"m0"})
+    book = dl.owner.dials
+
+    def fail_all(now: float) -> list[str]:
+        tried = [peer for peer, _ in dl.dials]
+        for peer in list(book.dialling):
+            book.on_result(peer, False, now)
+        return tried
+
     dl._connect_new(0.0)
-    dialled = [peer for peer, _ in dl.dials]
-    assert len(dialled) == 3 and not {"origin", "m0"} & set(dialled)  # 1 direct + 3 = max_peers
+    first = [peer for peer, _ in dl.dials]
+    assert len(first) == SPECULATIVE_SLOTS and not {"origin", "m0"} & set(first)
     assert all(addrs == public[peer] for peer, addrs in dl.dials)
     assert dl.started == ["origin"]
-    dl._connect_new(1.0)  # three dials still in flight: no more
-    assert len(dl.dials) == 3
-    dl.dialling.clear()  # they failed
-    dl._connect_new(2.0)  # the other two, not those dialled 2 s ago
-    assert sorted(p for p, _ in dl.dials[3:]) == sorted(set(public) - {"origin", "m0"} - set(dialled))
-    dl.dialling.clear()
-    dl._connect_new(1.0 + DIAL_AGAIN_AFTER)  # the first three again
-    assert sorted(p for p, _ in dl.dials[5:]) == sorted(dialled)
+    dl._connect_new(1.0)  # both dials still in flight: no more
+    assert len(dl.dials) == SPECULATIVE_SLOTS
+    fail_all(1.5)
+    for t in range(2, 20):  # the others, not those that failed
+        dl._connect_new(float(t))
+        fail_all(t + 0.5)
+    assert sorted(p for p, _ in dl.dials) == sorted(set(public) - {"origin", "m0"})
+    dl.dials.clear()
+    dl._connect_new(DIAL_AGAIN_AFTER + 0.5)
+    assert dl.dials == [], "a failed member waits twice DIAL_AGAIN_AFTER after its first failure"
+    for t in range(2, 40):
+        dl._connect_new(2 * DIAL_AGAIN_AFTER + t)
+        fail_all(2 * DIAL_AGAIN_AFTER + t + 0.5)
+    assert sorted(p for p, _ in dl.dials) == sorted(set(public) - {"origin", "m0"})  # once each: then 120 s
 
 
 def test_a_download_dials_no_member_another_part_of_the_node_banned():

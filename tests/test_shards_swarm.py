@@ -371,7 +371,7 @@ async def test_the_service_offers_every_member_its_sessions_see(tmp_path: Path) 
     from node.shards.testing import open_shards_node
 
     members = {n: m for cls in (SessionOwner, DeltaOwner) for n, m in vars(cls).items() if not n.startswith("_")}
-    assert len(members) == 17
+    assert len(members) == 18  # public_members gave way to members and dials (DialBook)
     async with open_shards_node(tmp_path / "a", trainers=[Identity.generate().peer_id], **FAST) as a:
         svc = a.shards
         for name, member in members.items():

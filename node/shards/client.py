@@ -36,7 +36,7 @@ from ..hashes import digest
 from ..net.host import widen_receive_window
 from ..wire import TRANSPORT_FAILURES, LocalProtocolError, Message, RemoteProtocolError, frame_of, write_frame
 from .config import ShardsConfig
-from .peering import direct_peers_to_dial, session_to_end, sessions_to_open
+from .peering import direct_addrs, session_to_end, sessions_to_open
 from .picker import Actions, Picker, PickerParams
 from .protocol import (
     BUSY,
@@ -63,7 +63,6 @@ WRITE_QUEUE = 4  # complete pieces waiting to be written (memory: 4 pieces, 4 Mi
 THREAD_WRITE_BYTES = 512 << 10  # pieces this large are hashed and written in a worker thread
 RESCAN_INTERVAL = 1.0  # seconds between looks for new peers to download from
 RETRY_PEER_AFTER = 5.0  # seconds before a peer that refused a session is asked again
-DIAL_AGAIN_AFTER = 30.0  # seconds before a public member dialled for a download is dialled again
 DIAL_TIMEOUT = 10.0  # seconds a dial of a public member may take
 # An unresponsive peer is asked again after RETRY_PEER_AFTER, doubled at each drop up to ban_seconds:
 # a silent liar costs a few timeouts per back-off, a peer that was only starved is not lost for good.
@@ -119,8 +118,9 @@ class Download:
         self.sessions: dict[str, ClientSession] = {}
         self.refused: dict[str, float] = {}  # peer -> time it refused a session
         self.backoff: dict[str, float] = {}  # peer -> seconds before asking it again after a drop
-        self.dialled: dict[str, float] = {}  # public member -> when we last dialled it (bounded by the members)
-        self.dialling: set[str] = set()  # dials in flight
+        # Public members dialled for this download (the owner's DialBook decides which), until the
+        # rescan after their dial ended: in use (ShardsService.peers_in_use) until a session holds them.
+        self.dialled: set[str] = set()
         self.buffers: dict[int, Parts] = {}
         # (piece, its blocks by offset, bytes each peer supplied) for the writer thread
         self._writes_send, self._writes_recv = trio.open_memory_channel[tuple[int, Parts, dict[str, int]]](
@@ -168,6 +168,7 @@ class Download:
         served = self.owner.downloaders_of(self.root)
         direct = self.owner.host.direct_peers()
         self._dial_public(direct, now)
+        self.dialled &= self.owner.dials.dialling
         opened, waiting = sessions_to_open(direct, self.sessions, source, served,
                                            self.owner.cfg.max_peers, lambda p: self._may_dial(p, now),
                                            self.owner.rng)
@@ -179,28 +180,31 @@ class Download:
             self._make_room(served, source)
 
     def _dial_public(self, direct: list[str], now: float) -> None:
-        """Short of ``max_peers`` direct peers (dials in flight counted), dial the public members
-        :func:`direct_peers_to_dial` chooses (node/shards/peering.py says why); each at most once
-        per ``DIAL_AGAIN_AFTER``. Their sessions open at a later rescan, once they are direct."""
-        want = self.owner.cfg.max_peers
-        if len(direct) + len(self.dialling) >= want:
+        """Short of ``max_peers`` direct peers, dial the public members the owner's
+        :class:`~node.shards.peering.DialBook` chooses (node/shards/peering.py says why and in
+        which order). Their sessions open at a later rescan, once they are direct."""
+        owner, members = self.owner, self.owner.members
+        if members is None:  # membership does not run yet
             return
-        public = self.owner.public_members()
-        ready = [p for p in public
-                 if now - self.dialled.get(p, -math.inf) >= DIAL_AGAIN_AFTER and not self.owner.banned_anywhere(p, now)]
-        for peer in direct_peers_to_dial(set(direct) | self.dialling, ready, want, self.owner.rng):
-            self.dialled[peer] = now
-            self.dialling.add(peer)
-            self._nursery.start_soon(self._dial, peer, public[peer])
+        owner.dials.note_direct(direct, now)
+        chosen = owner.dials.to_dial(
+            now, direct, owner.host.connected_peers(), members.members,
+            lambda p: direct_addrs(p, members.addrs_of, members.reachability_of),
+            lambda p: not owner.banned_anywhere(p, now), owner.cfg.max_peers, owner.rng)
+        for peer, addrs in chosen:
+            self.dialled.add(peer)
+            self._nursery.start_soon(self._dial, peer, addrs)
 
     async def _dial(self, peer: str, addrs: list[str]) -> None:
+        ok = False
         try:
             with trio.fail_after(DIAL_TIMEOUT):
                 await self.owner.host.connect_direct(peer, addrs)
+            ok = True
         except Exception as e:  # libp2p raises many types for "could not connect"; asked again later
             log.debug("shards: dial of %s for v%d failed: %r", peer[-8:], self.vs.version, e)
         finally:
-            self.dialling.discard(peer)
+            self.owner.dials.on_result(peer, ok, trio.current_time())
 
     def _may_dial(self, peer: str, now: float) -> bool:
         if self.owner.is_banned(peer, now):

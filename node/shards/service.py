@@ -77,7 +77,7 @@ from .config import ShardsConfig, ShardsSections
 from .finite import non_finite_in_folder
 from .deltasync import DeltaSync
 from .manifest import SignedManifest, build_manifest, sign_manifest
-from .peering import public_members
+from .peering import DialBook
 from .protocol import (
     BANNED,
     PROTOCOL,
@@ -143,6 +143,7 @@ class ShardsService:
         self._refused: OrderedDict[bytes, str] = OrderedDict()  # root -> why (non-finite values)
         self.published: SignedManifest | None = None
         self.members: MemberAddrs | None = None  # membership's view, once it runs (use_members)
+        self.dials = DialBook(node.peer_id)  # dials of public members by our downloads (peering.py)
         # Inbound streams: per-peer and total slots, header deadline, byte budget (node/net/budget.py).
         self.inbound = Inbound(PROTOCOL, SERVER_LIMITS, config=streams, peers=node.peers,
                                metrics=node.metrics, source=SOURCE)
@@ -288,14 +289,6 @@ class ShardsService:
         """Membership's view, handed in once membership runs (it starts after us: its record lists
         the versions we hold). From then on a download short of direct peers dials public members."""
         self.members = members
-
-    def public_members(self) -> dict[str, list[str]]:
-        """Live members other than us a download may dial directly: peer id -> their direct addresses
-        (node/shards/peering.py ``public_members``)."""
-        if self.members is None:
-            return {}
-        m = self.members
-        return public_members(m.members(), m.addrs_of, m.reachability_of, self.node.peer_id)
 
     def on_piece_verified(self, vs: VersionStore, piece: int) -> None:
         """Tell every peer downloading ``vs`` from us that we now serve ``piece``, but those that

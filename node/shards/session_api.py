@@ -23,8 +23,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from .api import MemberAddrs
 from .config import ShardsConfig
 from .manifest import SignedManifest
+from .peering import DialBook
 from .store import VersionStore
 
 if TYPE_CHECKING:  # the host is an I/O object the sessions open streams on; named for readers
@@ -59,8 +61,13 @@ class SessionOwner(Protocol):
     def downloaders_of(self, root: bytes) -> set[str]:
         """The peers downloading the version (or delta) ``root`` from us."""
 
-    def public_members(self) -> dict[str, list[str]]:
-        """Members with a direct address, peer id -> those addresses (none before membership runs)."""
+    @property
+    def members(self) -> MemberAddrs | None:
+        """Membership's view: the members and their records' addresses (None before membership runs)."""
+
+    @property
+    def dials(self) -> DialBook:
+        """The node's dials of public members, shared by its downloads (node/shards/peering.py)."""
 
     # Events the sessions report.
 

@@ -110,6 +110,27 @@ class ReceiptLog:
         acc[1] += pieces
 
 
+class StaticMembers:
+    """A membership view (node/shards/api.py ``MemberAddrs``) of fixed records, counting the
+    look-ups of each kind (a rescan's cost: tests/test_shards_dial_crowd.py)."""
+
+    def __init__(self, records: dict[str, tuple[str, list[str]]]) -> None:
+        self.records = records  # peer id -> (reachability, addresses)
+        self.calls = {"members": 0, "addrs_of": 0, "reachability_of": 0}
+
+    def members(self) -> dict[str, str]:
+        self.calls["members"] += 1
+        return {peer: "relay" for peer in self.records}
+
+    def addrs_of(self, peer_id: str) -> list[str]:
+        self.calls["addrs_of"] += 1
+        return self.records[peer_id][1] if peer_id in self.records else []
+
+    def reachability_of(self, peer_id: str) -> str:
+        self.calls["reachability_of"] += 1
+        return self.records[peer_id][0] if peer_id in self.records else "unknown"
+
+
 @dataclass
 class ShardsNode(RunningNode):
     """A host plus the shards service (``node.shards``) crediting ``node.ledger``."""
