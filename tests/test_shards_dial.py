@@ -39,6 +39,10 @@ async def test_a_download_dials_a_public_member_it_learned_of_through_membership
             await wait_for(lambda: h.peer_id in d.membership.members(), what="the downloader knows the holder")
             assert h.peer_id not in d.host.connected_peers()  # nobody dialled it
             signed = await o.shards.publish(src, 1)
+            # The peers a transfer uses are not for membership to prune (gossip/service.py protected()).
+            await wait_for(lambda: {o.peer_id, h.peer_id} <= d.shards.peers_in_use(),
+                           what="the downloader's sessions with both holders are in use")
+            await wait_for(lambda: d.peer_id in o.shards.peers_in_use(), what="the origin's upload to it is in use")
             path = await d.shards.wait_version(1)
             assert same_files(src, path)
             received = {peer: n for (peer, root), n in d.shards.receipts().items() if root == signed.root.hex()}

@@ -39,6 +39,10 @@ class ShardsAPI(Protocol):
     async def publish(self, folder: Path, version: int) -> Any:
         """Hash, store, seed and announce ``folder`` as ``version``; returns the signed manifest."""
 
+    def peers_in_use(self) -> set[str]:
+        """The peers the running downloads and uploads use right now (sessions, and dials in
+        flight for a download): membership's connection manager does not prune them."""
+
 
 class MemberAddrs(Protocol):
     """What the shards service reads of membership (:class:`node.gossip.service.Membership` is the

@@ -234,6 +234,7 @@ class DeltaSync:
         self.published: dict[int, Offer] = {}  # version -> the delta we published for it
         self.bad: set[bytes] = set()
         self.rebuilt: dict[int, int] = {}  # version -> delta bytes downloaded to rebuild it (status, tests)
+        self.running: set[Download] = set()  # delta downloads under way (their peers are in use)
         self.m_outcomes = node.metrics.counter("shards_delta_total", "Versions tried through a delta, by outcome",
                                                ["outcome"])
         node.peers.set_rule(DELTA_SOURCE, delta_rule(self.cfg.ban_seconds))
@@ -376,6 +377,13 @@ class DeltaSync:
 
     async def _download(self, dl: Download) -> bool:
         """Run ``dl``; False (cancelled) when no new piece verified for ``delta_stall_timeout``."""
+        self.running.add(dl)
+        try:
+            return await self._run_download(dl)
+        finally:
+            self.running.discard(dl)
+
+    async def _run_download(self, dl: Download) -> bool:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(dl.run)
             seen, last = len(dl.vs.verified), trio.current_time()

@@ -290,6 +290,17 @@ class ShardsService:
         the versions we hold). From then on a download short of direct peers dials public members."""
         self.members = members
 
+    def peers_in_use(self) -> set[str]:
+        """The peers the running transfers use right now: the sessions of our downloads (those
+        being opened too) and their dials in flight, and the peers downloading from us. Membership's
+        connection manager does not prune these (a download short of direct peers dialled some of
+        them: pruned, it lost them)."""
+        out = {sess.peer for sessions in self.server_sessions.values() for sess in sessions}
+        for dl in [*self.downloads.values(), *self.deltas.running]:
+            if dl is not None:
+                out.update(dl.sessions, dl.dialled)
+        return out
+
     def on_piece_verified(self, vs: VersionStore, piece: int) -> None:
         """Tell every peer downloading ``vs`` from us that we now serve ``piece``, but those that
         told us they hold it already (BitTorrent's have suppression): with rarest first about half

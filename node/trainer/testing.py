@@ -223,6 +223,9 @@ class FakeShards:
         if self.path_of(version) is None and version not in self.fetches:
             self.fetches.append(version)
 
+    def peers_in_use(self) -> set[str]:
+        return set()  # nothing is transferred
+
     async def wait_version(self, version: int) -> Path:
         return await self._until(lambda: self.path_of(version))
 
