@@ -1,5 +1,5 @@
 """A download short of ``max_peers`` direct peers dials public members (node/shards/peering.py,
-``direct_peers_to_dial``), found in membership's view: real nodes (the core of every role:
+``DialBook``), found in membership's view: real nodes (the core of every role:
 ledger, shards, relay side, membership, dial-back) on loopback.
 
 Membership here keeps one connection (``conn_low = 1``), so that nothing but the download dials:

@@ -1,5 +1,5 @@
 """A NAT'd downloader dials out to the public holders of a version (node/shards/peering.py,
-``direct_peers_to_dial``): real nodes behind a real NAT (tests/netns.py :class:`NatTopology`).
+``DialBook``): real nodes behind a real NAT (tests/netns.py :class:`NatTopology`).
 
 Topology::
 
