@@ -186,7 +186,8 @@ def replica_memory(store, run: RunConfig) -> int:
     gc.collect()
     tracemalloc.start()
     try:
-        ledger = Ledger(run.name, run.trainers, run.validators, int(cfg.max_clock_skew * 1000), cfg.limits())
+        ledger = Ledger(run.name, run.trainers, run.validators, int(cfg.max_clock_skew * 1000), cfg.limits(),
+                        history=store.entries)
         skipped = rebuild(store, ledger)
         gc.collect()
         held = tracemalloc.get_traced_memory()[0]

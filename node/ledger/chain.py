@@ -80,7 +80,8 @@ with the same entries and evidence have the same digest, whatever order they lea
 
 Memory (issue 45: an hour-long soak grew each node's RSS by ~41 MB/h, 2.1 kB per entry of replica):
 the replica keeps per entry only its hash (32 bytes in one ``bytearray`` per author) and what the
-entry adds to the derived state (batch claims, vouched bytes). It does not keep each entry's credits
+entry adds to the derived state, packed into one ``bytes`` value per batch (its claims) and per
+voucher and manifest (the bytes vouched for each peer). It does not keep each entry's credits
 to unwind them when evidence arrives: evidence is rare, so :meth:`Ledger.add_evidence` re-reads the
 entries past the new fork point from ``history`` (the store, node/ledger/store.py) and subtracts what
 they had added, exactly as they added it. ``bench/ledger.py --memory DATA_DIR`` measures it.
@@ -116,6 +117,11 @@ from .entries import (
 _U64 = struct.Struct(">Q")
 DIGEST_DOMAIN = b"swarm-node/ledger-state/v1\x00"
 HASH_LEN = len(GENESIS)  # bytes of an entry hash
+# A claim on one batch (Ledger._batch_claims): peer number, field (index in TOTAL_FIELDS), amount, how
+# many usable entries claim that amount. Unsigned: a count below 0 would be our bug, and raises.
+_CLAIM = struct.Struct(">IBQI")
+# Bytes one voucher vouches for one peer for one manifest (Ledger._vouched): peer number, bytes.
+_VOUCHED = struct.Struct(">Iq")
 
 # Entries ``start..end`` (inclusive) of an author, in seq order, as the replica took them in: what
 # add_evidence re-reads to unwind the credits of entries past a new fork point.
@@ -273,12 +279,17 @@ class Ledger:
         self._logs: dict[str, _Log] = {}
         self._totals: dict[str, PeerTotals] = {}
         self._bans: dict[str, list[LedgerBan]] = {}  # banned peer -> ban entries naming it
-        # Bytes vouched for, per (voucher, manifest): {peer: bytes}; and the published sizes of each
-        # manifest ({size: number of usable entries}); bytes_served is computed from both on demand.
-        self._vouched: dict[tuple[str, bytes], dict[str, int]] = {}
+        # Bytes vouched for, per voucher and manifest: _VOUCHED records (peer, bytes) packed; and the
+        # published sizes of each manifest ({size: number of usable entries}); bytes_served is
+        # computed from both on demand.
+        self._vouched: dict[str, dict[bytes, bytes]] = {}
         self._published: dict[bytes, dict[int, int]] = {}
-        # Credits for one rollout batch, per (peer, field, batch id): {amount: usable entries claiming it}.
-        self._batch_claims: dict[tuple[str, str, bytes], dict[int, int]] = {}
+        self._manifests: dict[bytes, bytes] = {}  # one bytes object per manifest id for all the keys naming it
+        # Credits for one rollout batch, per batch id: (peer, field, amount, usable entries claiming it)
+        # packed as _CLAIM records (a batch has a few; a dict and tuples per claim took ~500 B per entry).
+        self._batch_claims: dict[bytes, bytes] = {}
+        self._peer_numbers: dict[str, int] = {}  # peer id -> its number in packed records
+        self._peer_names: list[str] = []  # and back
         self._kept: dict[str, list[SignedEntry]] | None = None if history else {}
         self._history: History = history or (lambda author, start, end: self._kept.get(author, [])[start - 1:end])
 
@@ -384,8 +395,7 @@ class Ledger:
                 sizes = self._published.setdefault(c.manifest, {})
                 sizes[c.amount] = sizes.get(c.amount, 0) + sign
             elif c.manifest is not None:  # bytes vouched for: capped when totals are read
-                claims = self._vouched.setdefault((author, c.manifest), {})
-                claims[peer] = claims.get(peer, 0) + sign * c.amount
+                self._vouch(author, peer, c.manifest, sign * c.amount)
                 if author in self.trusted:
                     self._trusted_vouched[peer] = self._trusted_vouched.get(peer, 0) + sign * c.amount
             elif c.batch is not None:
@@ -401,18 +411,43 @@ class Ledger:
         """Count a batch's credit once: the largest amount any usable entry claims for (peer, field,
         batch). The largest, not the first, so that replicas agree whatever order entries came in
         (two trainers may count one batch differently, e.g. after dropping zero-advantage groups)."""
-        key = (peer, c.field, c.batch)
-        claims = self._batch_claims.setdefault(key, {})  # amount -> usable entries claiming it
-        before = max(claims, default=0)
-        left = claims.get(c.amount, 0) + sign
+        who = (self._peer_number(peer), TOTAL_FIELDS.index(c.field))
+        claims = {(p, f, amount): n for p, f, amount, n in _CLAIM.iter_unpack(self._batch_claims.get(c.batch, b""))}
+        before = max((amount for p, f, amount in claims if (p, f) == who), default=0)
+        left = claims.pop((*who, c.amount), 0) + sign
         if left:
-            claims[c.amount] = left
+            claims[(*who, c.amount)] = left
+        after = max((amount for p, f, amount in claims if (p, f) == who), default=0)
+        if claims:
+            self._batch_claims[c.batch] = b"".join(_CLAIM.pack(*claim, n) for claim, n in claims.items())
         else:
-            del claims[c.amount]
-        after = max(claims, default=0)
-        if not claims:
-            del self._batch_claims[key]
+            del self._batch_claims[c.batch]
         self._add(peer, c.field, after - before)
+
+    def _peer_number(self, peer: str) -> int:
+        n = self._peer_numbers.setdefault(peer, len(self._peer_numbers))
+        if n == len(self._peer_names):
+            self._peer_names.append(peer)
+        return n
+
+    def _vouch(self, voucher: str, peer: str, manifest: bytes, amount: int) -> None:
+        manifest = self._manifests.setdefault(manifest, manifest)
+        held = self._vouched.setdefault(voucher, {})
+        claims = dict(_VOUCHED.iter_unpack(held.get(manifest, b"")))
+        n = self._peer_number(peer)
+        claims[n] = claims.get(n, 0) + amount
+        if not claims[n]:
+            del claims[n]  # counts nothing either way (_bytes_served)
+        if claims:
+            held[manifest] = b"".join(_VOUCHED.pack(*claim) for claim in claims.items())
+        else:
+            held.pop(manifest, None)
+
+    def _vouched_claims(self) -> Iterable[tuple[str, bytes, dict[str, int]]]:
+        """(voucher, manifest, {peer: bytes vouched for}) of every voucher and manifest."""
+        for voucher, held in self._vouched.items():
+            for manifest, packed in held.items():
+                yield voucher, manifest, {self._peer_names[n]: amount for n, amount in _VOUCHED.iter_unpack(packed)}
 
     def _bytes_served(self) -> dict[str, int]:
         """Vouched bytes, capped per voucher and checkpoint at the checkpoint's published size.
@@ -430,7 +465,7 @@ class Ledger:
         out: dict[str, int] = {}
         weight = self.limits.unvouched_credit
         seen = self._seen_serving()
-        for (voucher, manifest), claims in self._vouched.items():
+        for voucher, manifest, claims in self._vouched_claims():
             sizes = [size for size, n in self._published.get(manifest, {}).items() if n > 0]
             cap = max(sizes, default=0)
             if not cap:
@@ -449,7 +484,7 @@ class Ledger:
     def _seen_serving(self) -> set[tuple[str, bytes]]:
         """(peer, manifest) pairs a trainer's or validator's usable receipts vouch for: evidence that
         the peer holds that checkpoint and serves it (the module docstring, "Bytes served")."""
-        return {(peer, manifest) for (voucher, manifest), claims in self._vouched.items() if voucher in self.trusted
+        return {(peer, manifest) for voucher, manifest, claims in self._vouched_claims() if voucher in self.trusted
                 for peer, amount in claims.items() if amount > 0}
 
     def add_evidence(self, ev: Evidence) -> bool:
