@@ -118,6 +118,9 @@ def test_a_members_back_off_doubles_up_to_its_cap_and_a_success_resets_it():
     book.on_dial("a", t, speculative=True)
     book.on_result("a", True, t + 1)
     assert book.may_dial("a", t + DIAL_AGAIN_AFTER) and list(book.reached) == ["a"]
+    book.on_dial("a", t + 40, speculative=True)
+    book.on_result("a", None, t + 41)  # abandoned: the download ended first
+    assert book.entries["a"].backoff == DIAL_AGAIN_AFTER and list(book.reached) == ["a"]
 
 
 def test_members_with_evidence_come_first_and_speculative_dials_do_not_hold_them_up():

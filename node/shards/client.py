@@ -196,12 +196,13 @@ class Download:
             self._nursery.start_soon(self._dial, peer, addrs)
 
     async def _dial(self, peer: str, addrs: list[str]) -> None:
-        ok = False
+        ok: bool | None = None  # stays None when the download ends (is cancelled) first
         try:
             with trio.fail_after(DIAL_TIMEOUT):
                 await self.owner.host.connect_direct(peer, addrs)
             ok = True
         except Exception as e:  # libp2p raises many types for "could not connect"; asked again later
+            ok = False
             log.debug("shards: dial of %s for v%d failed: %r", peer[-8:], self.vs.version, e)
         finally:
             self.owner.dials.on_result(peer, ok, trio.current_time())

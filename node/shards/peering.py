@@ -190,14 +190,17 @@ class DialBook:
         self._set(peer, Dialled(DialState.DIALLING, now, backoff, speculative))
         self.dialling.add(peer)
 
-    def on_result(self, peer: str, ok: bool, now: float) -> None:
-        """The dial of ``peer`` ended: reached, or failed (its back-off doubles)."""
+    def on_result(self, peer: str, ok: bool | None, now: float) -> None:
+        """The dial of ``peer`` ended: reached, failed (its back-off doubles), or abandoned (None:
+        the download ended first; the back-off stays, the member proved nothing either way)."""
         e = self.entries.get(peer)
         if e is None or e.state is not DialState.DIALLING:
             raise AssertionError(f"{peer} was not being dialled")
         self.dialling.discard(peer)
         if ok:
             self._set(peer, Dialled(DialState.REACHED, e.at, DIAL_AGAIN_AFTER))
+        elif ok is None:
+            self._set(peer, Dialled(DialState.FAILED, e.at, e.backoff))
         else:  # the back-off counts from the dial, as before: a black hole's timeout is not added
             self._set(peer, Dialled(DialState.FAILED, e.at, min(2 * e.backoff, MAX_DIAL_BACKOFF)))
             self.reached.pop(peer, None)
