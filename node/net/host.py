@@ -29,6 +29,7 @@ import contextlib
 import math
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -494,6 +495,12 @@ async def open_swarm_host(
         spam_protection_enabled=False,
     )
     pubsub = Pubsub(host, router, seen_ttl=gossip.seen_ttl, max_inbound_rpc_size=1024 * 1024)
+    # Receivers name a message by (author, seqno) and drop a name seen in the last seen_ttl. py-libp2p
+    # starts the counter at the clock in whole seconds, one more per message: a node publishing more
+    # than one a second (a trainer, a validator) restarted on numbers its last process had just
+    # used, and its records and announcements were dropped as duplicates for up to two minutes
+    # (issue 45's soak). Nanoseconds, as go-libp2p: a restart begins past every number used before.
+    pubsub.counter = time.time_ns()
     swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), handler_errors, inbound=inbound)
     KeptReceiveWindow.reporters[swarm_host.peer_id] = lambda peer, reason: swarm_host.on_peer_fault(peer, reason)
     try:
