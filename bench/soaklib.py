@@ -3,8 +3,9 @@
 How this works: :func:`make_schedule` turns a seed, a duration and the starting node names into
 the list of faults the soak injects, one every ``GAP_S`` (30-90 s), in rounds of a seeded order that each cover every
 kind once (kill -9 once per role, the trainer included); a node is
-not hit again until ``SETTLE_S`` after its last fault ended, and the last fault ends ``QUIET_TAIL_S`` before
-the run does so that the ledger replicas have time to agree. The rest are small functions over what
+not hit again until ``SETTLE_S`` after its last fault ended, a node is (re)started only while a relay
+other than itself is not cut off (it joins through the relays alone), and the last fault ends
+``QUIET_TAIL_S`` before the run does so that the ledger replicas have time to agree. The rest are small functions over what
 the soak sampled: acked batches against what the trainer's spool did with them
 (:func:`account`), when each node was back to work after its fault (:func:`recovery_s`), the slope
 of a resource series after warm-up (:func:`slope_per_hour`), errors and tracebacks of the node
@@ -62,6 +63,7 @@ def make_schedule(seed: int, seconds: float, nodes: list[str], *, disk_node: str
     rng = random.Random(seed)
     live = list(nodes)
     busy: dict[str, float] = {}  # node -> when its current fault ends
+    cut: dict[str, float] = {}  # node -> when its partition heals
     relays = sum(role_of(n) == "relay" for n in nodes)
     late = sum(role_of(n) == "inference" for n in nodes)
     kinds = [k for k in KINDS if (can_partition or k not in (PARTITION, PARTITION_GROUP))
@@ -80,10 +82,17 @@ def make_schedule(seed: int, seconds: float, nodes: list[str], *, disk_node: str
             pool = [n for n in free if role_of(n) == r]
             return rng.choice(pool) if pool else None
 
+        def joinable(name: str | None) -> bool:
+            """Whether ``name`` (None: nobody picked; "": a new node) can be started now: it joins
+            through the live relays alone (bench/soak.py), so one other than itself must not be
+            cut off, or its recovery would time the partition's heal (seed 2's relay-7: 62.5 s)."""
+            return name is not None and any(role_of(n) == "relay" and n != name and cut.get(n, 0.0) <= t
+                                            for n in live)
+
         hold, targets = 0.0, ()
         if kind in (KILL9, SIGTERM):
             name = pick(role or rng.choice(ROLES))
-            targets = (name,) if name else ()
+            targets = (name,) if joinable(name) else ()
         elif kind == PARTITION:
             hold = round(rng.uniform(*PARTITION_S))
             name = rng.choice(free) if free else None
@@ -100,10 +109,10 @@ def make_schedule(seed: int, seconds: float, nodes: list[str], *, disk_node: str
             targets = (disk_node,) if disk_node in free else ()
         elif kind == RELAY_REPLACE:
             gone = pick("relay")
-            if gone:
+            if joinable(gone):
                 relays += 1
                 targets = (gone, f"relay-{relays}")
-        elif kind == LATE_JOIN:
+        elif kind == LATE_JOIN and joinable(""):
             late += 1
             targets = (f"inference-{late}",)
         elif kind == HOSTILE:
@@ -128,6 +137,8 @@ def make_schedule(seed: int, seconds: float, nodes: list[str], *, disk_node: str
             else:
                 for n in targets:
                     busy[n] = t + hold + SETTLE_S
+                    if kind in (PARTITION, PARTITION_GROUP):
+                        cut[n] = t + hold
         t, misses = t + round(rng.uniform(*GAP_S)), 0
     return events
 

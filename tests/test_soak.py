@@ -55,6 +55,40 @@ def test_the_schedule_keeps_its_bounds_for_any_seed(seed, minutes):
             assert soaklib.PARTITION_S[0] <= e.hold <= soaklib.PARTITION_S[1]
 
 
+STARTS = (soaklib.KILL9, soaklib.SIGTERM, soaklib.RELAY_REPLACE, soaklib.LATE_JOIN)  # a node (re)starts
+
+
+def reachable_relays(events, at: float, but: str) -> list[str]:
+    """The relays a node started at ``at`` can join through: live, not ``but``, not cut off then."""
+    relays = {n for n in NODES if role_of(n) == "relay"}
+    cut: dict[str, float] = {}
+    for e in events:
+        if e.at >= at:
+            break
+        if e.kind == soaklib.RELAY_REPLACE:
+            relays = (relays - {e.targets[0]}) | {e.targets[1]}
+        elif e.kind in (soaklib.PARTITION, soaklib.PARTITION_GROUP):
+            cut.update({n: e.at + e.hold for n in e.targets})
+    return sorted(r for r in relays if r != but and cut.get(r, 0.0) <= at)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32), minutes=st.floats(5, 90))
+def test_a_node_is_started_only_while_a_relay_it_can_join_through_is_reachable(seed, minutes):
+    """Each start is bootstrapped from the live relays alone. Seed 2's hour replaced relay-6 by
+    relay-7 while relay-5, the only other relay, was cut off: relay-7 reached nobody until the heal
+    62.5 s later, a recovery time that measured the schedule, not the node."""
+    events = make_schedule(seed, minutes * 60, NODES, disk_node="inference-4")
+    for e in events:
+        if e.kind in STARTS:
+            assert reachable_relays(events, e.at, but=e.targets[0]), e
+
+
+def test_seed_2s_hour_no_longer_replaces_a_relay_while_the_other_is_cut_off():
+    events = make_schedule(2, 60 * 60, NODES, disk_node="inference-4")
+    assert all(reachable_relays(events, e.at, but=e.targets[0]) for e in events if e.kind in STARTS)
+
+
 def test_a_half_hour_covers_every_kind_and_kills_every_role():
     events = make_schedule(7, 30 * 60, NODES, disk_node="inference-4")
     assert {e.kind for e in events} == set(soaklib.KINDS)
