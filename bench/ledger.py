@@ -566,8 +566,6 @@ def memory_report(data_dir: Path) -> float:
     """Print what a replica loaded from ``data_dir``'s ledger costs per entry (4. of the docstring);
     returns the replica's bytes per entry over the entries' own bytes."""
     run = read_run_record(data_dir)
-    if run is None:
-        sys.exit(f"--memory: {data_dir} holds no run record (run.json); give a node's data dir")
     with tempfile.TemporaryDirectory() as tmp:
         for path in data_dir.glob(DB_FILE + "*"):
             shutil.copy2(path, tmp)
@@ -591,7 +589,8 @@ def memory_report(data_dir: Path) -> float:
                 tracemalloc.stop()
     n = len(ledger)
     if not n or skipped:
-        sys.exit(f"--memory: {data_dir}: {n} entries loaded, not loaded: {skipped}")
+        print(f"--memory: {data_dir}: {n} entries loaded; not loaded: {skipped or 'none'}", file=sys.stderr)
+        raise SystemExit(2)
     hours = (max(times) - min(times)) / 3.6e6
     print(f"replica of {data_dir}: {n} entries by {len(ledger.authors())} authors over {hours:.2f} h of "
           f"timestamps ({', '.join(f'{k} {v}' for k, v in kinds.most_common())})")
@@ -599,8 +598,8 @@ def memory_report(data_dir: Path) -> float:
     parts = {name: deep_size(value, seen) for name, value in sorted(vars(ledger).items(),
                                                                    key=lambda kv: kv[0] != "_logs")}
     print(f"  {'baseline: entries as stored (raw)':44}{raw_bytes / n:10.0f} B/entry")
-    print(f"  {'replica chain state (tracemalloc)':44}{held / n:10.0f} B/entry  "
-          f"= {held / n * n / hours / 1e6:.1f} MB/h at this database's rate (goal {MEMORY_GOAL_MB_H:g} MB/h)")
+    rate = f"= {held / hours / 1e6:.1f} MB/h at this database's rate" if hours else "(one timestamp: no rate)"
+    print(f"  {'replica chain state (tracemalloc)':44}{held / n:10.0f} B/entry  {rate} (goal {MEMORY_GOAL_MB_H:g} MB/h)")
     for name, size in sorted(parts.items(), key=lambda kv: -kv[1]):
         if size / n >= 1:
             print(f"    {name:42}{size / n:10.0f} B/entry  (sys.getsizeof walk)")
@@ -630,6 +629,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.sample < 100 or args.days <= 0 or args.link_mbit <= 0 or args.summary_every < 1:
         parser.error("--sample: at least 100; --days and --link-mbit: more than 0; --summary-every: at least 1")
     if args.memory:
+        if not (args.memory / DB_FILE).is_file() or read_run_record(args.memory) is None:
+            parser.error(f"--memory: {args.memory} is not a node's data dir (it needs {DB_FILE} and run.json)")
         memory_report(args.memory)
         return
     if args.scale:

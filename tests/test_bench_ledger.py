@@ -18,6 +18,8 @@ import ledger as bench  # noqa: E402  bench/ledger.py
 from node.app.demo import TINY_TASK  # noqa: E402
 from node.ledger.chain import Ledger, Outcome  # noqa: E402
 from node.ledger.entries import MAX_RECEIPT_ITEMS, Receipts, RolloutsJudged, Verdict  # noqa: E402
+from node.ledger.store import open_ledger_store  # noqa: E402
+from node.config import write_run_record  # noqa: E402
 
 
 @pytest.mark.parametrize("traffic", bench.PROFILES, ids=lambda t: t.name)
@@ -124,3 +126,23 @@ def test_a_swarm_too_small_for_the_receipts_is_a_usage_error(capsys):
         bench.main(["--scale", "--workers", "3"])
     assert exit_.value.code == 2
     assert "--workers and --baseline-workers: more than 4" in capsys.readouterr().err
+
+
+def test_memory_report_measures_a_node_data_dirs_replica_and_leaves_the_dir_as_it_was(tmp_path, capsys):
+    """bench/ledger.py --memory DATA_DIR (issue 45): a node's database loaded into a fresh replica,
+    its bytes per entry beside the entries' own bytes; the data dir is only copied from."""
+    entries = bench.make_history(600)
+    run = bench.run_config()
+    with open_ledger_store(tmp_path) as store:
+        store.bind_run(run.name)
+        store.commit(entries)
+    write_run_record(tmp_path, run)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    ratio = bench.memory_report(tmp_path)
+    out = capsys.readouterr().out
+    assert f"{len(entries)} entries by {1 + len(bench.WORKERS)} authors" in out
+    raw = sum(len(se.raw) for se in entries) / len(entries)
+    assert "baseline: entries as stored (raw)" in out and f" {raw:.0f} B/entry" in out
+    assert "_logs" in out and "_vouched" in out
+    assert 0 < ratio < 0.5  # the replica holds a fraction of what it loaded
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
