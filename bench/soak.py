@@ -448,7 +448,11 @@ class Soak:
                    "sqlite_mb": round(sqlite_mb(proc.data_dir), 3), "tasks": st.get("tasks"),
                    "progress": progress(proc.role, st) if st else None,  # {}: no status yet
                    "digest": (st.get("ledger") or {}).get("digest"),
-                   "trainer_seq": ((st.get("ledger") or {}).get("trusted_heads") or {}).get(trainer_id)}
+                   "trainer_seq": ((st.get("ledger") or {}).get("trusted_heads") or {}).get(trainer_id),
+                   # The newest checkpoint heard announced and the newest held: a worker waiting for a
+                   # checkpoint either never heard of it (gossip) or could not fetch it (shards).
+                   **{f"newest_{k}": max((st.get("shards") or {}).get(k) or [], default=None)
+                      for k in ("announced", "held")}}
             if row["progress"] is not None:
                 self.series[name].append((t, proc.pid, row["progress"]))
                 if proc.role == "inference":
