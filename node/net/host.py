@@ -496,10 +496,11 @@ async def open_swarm_host(
     )
     pubsub = Pubsub(host, router, seen_ttl=gossip.seen_ttl, max_inbound_rpc_size=1024 * 1024)
     # Receivers name a message by (author, seqno) and drop a name seen in the last seen_ttl. py-libp2p
-    # starts the counter at the clock in whole seconds, one more per message: a node publishing more
-    # than one a second (a trainer, a validator) restarted on numbers its last process had just
-    # used, and its records and announcements were dropped as duplicates for up to two minutes
-    # (issue 45's soak). Nanoseconds, as go-libp2p: a restart begins past every number used before.
+    # starts the counter at the clock in whole seconds, one more per message: a node that published
+    # more than one a second (a trainer: a ledger entry per batch) and restarted within a few
+    # minutes began on numbers its last process had just used, and receivers dropped what it
+    # published as duplicates (issue 45's soak: no node heard the trainer's v34-36, restarted 150 s
+    # after its start). Nanoseconds, as go-libp2p: a restart begins past every number used before.
     pubsub.counter = time.time_ns()
     swarm_host = SwarmHost(identity, host, pubsub, router, PingService(host), handler_errors, inbound=inbound)
     KeptReceiveWindow.reporters[swarm_host.peer_id] = lambda peer, reason: swarm_host.on_peer_fault(peer, reason)
