@@ -252,6 +252,19 @@ def progress(role: str, status: dict) -> float:
     return float((status.get("membership") or {}).get("connections") or 0)  # a relay: the peers it holds
 
 
+SINCE = {"trainer": "since_step_s", "validator": "since_verdict_s", "inference": "since_ack_s"}  # health.progress
+
+
+def last_progress_ago(role: str, status: dict, now: float) -> float | None:
+    """Seconds before ``now`` (wall clock) that the node last moved its progress counter, by its own
+    status (None where it does not say: a relay, or nothing done yet)."""
+    since = ((status.get("health") or {}).get("progress") or {}).get(SINCE.get(role, ""))
+    written = status.get("time")
+    if since is None or written is None:
+        return None
+    return since + max(0.0, now - written)
+
+
 def read_only(path: Path, sql: str, params: tuple = (), timeout: float = 5.0) -> list[tuple] | None:
     """The rows of ``sql`` in the SQLite file ``path`` opened read-only (safe while its node runs);
     None when it cannot be read now."""
@@ -292,7 +305,8 @@ class Soak:
         self.disk = nets is not None  # a tmpfs needs root, as the namespaces do
         self.schedule = schedule
         self.samples: list[dict] = []
-        self.series: dict[str, list[tuple[float, int, float]]] = defaultdict(list)  # node -> (t, pid, progress)
+        # node -> (t, pid, progress, when its status says it last moved: soaklib.recovery_s)
+        self.series: dict[str, list[tuple[float, int, float, float | None]]] = defaultdict(list)
         self.acks = AckTally()
         self.rows: dict[bytes, SpoolRow] = {}
         self.results: list[dict] = []  # one per event: what was done, when it was back
@@ -453,8 +467,10 @@ class Soak:
                    # checkpoint either never heard of it (gossip) or could not fetch it (shards).
                    **{f"newest_{k}": max((st.get("shards") or {}).get(k) or [], default=None)
                       for k in ("announced", "held")}}
+            ago = last_progress_ago(proc.role, st, time.time()) if st else None
+            row["last_progress_t"] = None if ago is None else round(self.now() - ago, 1)
             if row["progress"] is not None:
-                self.series[name].append((t, proc.pid, row["progress"]))
+                self.series[name].append((t, proc.pid, row["progress"], row["last_progress_t"]))
                 if proc.role == "inference":
                     self.acks.observe(self.swarm.peer_id(name), proc.pid, int(row["progress"]))
             if proc.role == "trainer":

@@ -189,20 +189,25 @@ def account(acked_by: dict[str, int], rows: dict[bytes, SpoolRow]) -> dict[str, 
     return out
 
 
-def recovery_s(samples: list[tuple[float, int, float]], pid_before: int, back_at: float) -> float | None:
+def recovery_s(samples: list[tuple[float, int, float, float | None]], pid_before: int,
+               back_at: float) -> float | None:
     """Seconds from ``back_at`` (restart, heal, SIGCONT) until the node's progress counter moved.
 
-    ``samples``: (time, pid, counter) of the node, in time order. The counter of the first sample at
-    or after ``back_at`` is the baseline (0 when the pid changed: a new process counts from 0); None
-    if it never moved again."""
-    baseline = None
-    for t, pid, value in samples:
+    ``samples``: (time, pid, counter, last_at) of the node, in time order; ``last_at`` is when the
+    node's own status says it last made progress (None: it does not say). The counter of the first
+    sample at or after ``back_at`` is the baseline (0 when the pid changed: a new process counts
+    from 0); None if it never moved again. It moved between the sample that saw the move and the
+    one before: the node's ``last_at``, kept inside those two, says when (samples are seconds apart,
+    more on a busy machine, and a recovery must not grow by them)."""
+    baseline, before = None, back_at
+    for t, pid, value, last_at in samples:
         if t < back_at:
             continue
         if baseline is None:
             baseline = 0.0 if pid != pid_before else value
         if value > baseline:
-            return t - back_at
+            return (t if last_at is None else min(t, max(last_at, before))) - back_at
+        before = t
     return None
 
 

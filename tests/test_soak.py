@@ -122,10 +122,24 @@ def test_account_finds_a_batch_acked_but_in_no_state_of_the_spool():
 
 
 def test_recovery_counts_from_the_return_and_from_zero_for_a_new_process():
-    samples = [(0.0, 1, 5.0), (10.0, 1, 6.0), (20.0, 2, 1.0), (25.0, 2, 1.0), (30.0, 2, 2.0)]
+    samples = [(t, pid, n, None) for t, pid, n in
+               [(0.0, 1, 5.0), (10.0, 1, 6.0), (20.0, 2, 1.0), (25.0, 2, 1.0), (30.0, 2, 2.0)]]
     assert recovery_s(samples, pid_before=1, back_at=15.0) == 5.0  # new pid: its first ack is progress
     assert recovery_s(samples, pid_before=2, back_at=15.0) == 15.0  # same pid: it must move past 1
     assert recovery_s(samples, pid_before=2, back_at=31.0) is None
+
+
+def test_recovery_ends_when_the_node_says_it_moved_not_at_the_sample_that_saw_it():
+    """Seed 2's hour: inference-5 acked its first batch 26.5 s after its SIGTERM restart by its own
+    log, the sample 5 s later saw it, and 31.3 s missed the 30 s goal. The status says how long ago
+    the last ack was; that time, kept between the two samples around the move, is the end."""
+    samples = [(1220.5, 7, 445.0, 1219.0), (1253.6, 8, 0.0, None), (1258.6, 8, 5.0, 1253.8),
+               (1263.7, 8, 8.0, 1262.0)]
+    assert recovery_s(samples, pid_before=7, back_at=1227.3) == pytest.approx(1253.8 - 1227.3)
+    skewed = [(1253.6, 8, 0.0, None), (1258.6, 8, 5.0, 1240.0)]  # a status clock behind ours
+    assert recovery_s(skewed, pid_before=7, back_at=1227.3) == pytest.approx(1253.6 - 1227.3)
+    unknown = [(1253.6, 8, 0.0, None), (1258.6, 8, 5.0, None)]  # a relay says no time
+    assert recovery_s(unknown, pid_before=7, back_at=1227.3) == pytest.approx(1258.6 - 1227.3)
 
 
 def test_slope_per_hour_ignores_the_warm_up():
