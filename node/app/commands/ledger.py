@@ -94,7 +94,8 @@ def _open(args) -> tuple[LedgerStore, object]:
 def _replica(store: LedgerStore, config) -> Ledger:
     run = config.run
     name = store.run() or run.name
-    ledger = Ledger(name, run.trainers, run.validators, max_skew_ms=0, limits=RunSections.of(run).ledger.limits())
+    ledger = Ledger(name, run.trainers, run.validators, max_skew_ms=0, limits=RunSections.of(run).ledger.limits(),
+                    history=store.entries)  # the entries stay in the database, not in memory
     for author, (seq, reason) in rebuild(store, ledger).items():
         print(f"warning: {author} not counted from seq {seq} ({reason}); run `swarm-node ledger verify`", file=sys.stderr)
     return ledger

@@ -39,7 +39,7 @@ def collect(store, now_s: float) -> dict:
                 if r != "ok":
                     failed[se.body.worker][r] += 1
     # Active bans as the node itself sees them (equivocators' entries past the fork excluded).
-    replica = Ledger(store.run() or "", (), (), 0)
+    replica = Ledger(store.run() or "", (), (), 0, history=store.entries)
     rebuild(store, replica)
     now_ms = int(now_s * 1000)
     return {
