@@ -19,7 +19,8 @@ The super-seeding origin turns ordinary seed once every piece is held by a downl
 (``--no-hand-over``: super-seeding to the end), and a download short of ``max_peers`` direct peers
 dials public ones (``--no-dial-direct``: it does not, and NAT'd nodes holding only relay circuits
 are left out of the run). Both off is the code before issue 46's fixes; the real node has the
-hand-over (node/shards/superseed.py) and the dials (node/shards/client.py).
+hand-over (node/shards/superseed.py) and the dials (node/shards/client.py, chosen by the node's
+DialBook in node/shards/peering.py, which sim/shards.py drives).
 
     .venv/bin/python bench/sim_shards.py                                   # agreement, then N = 100, 1000
     .venv/bin/python bench/sim_shards.py --agreement "" --sizes 100 --piece-mib 4

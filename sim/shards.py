@@ -21,8 +21,14 @@ called with the arguments the sessions use; what stands in for I/O:
 * connections: every node dials the origin (its bootstrap peer) and then the peers the real
   :class:`ConnectionManager` plans (``conn_low``), before the version is published; the origin
   prunes itself down to ``conn_high`` by the same manager. A download short of ``max_peers`` direct
-  peers then dials public ones (:func:`direct_peers_to_dial`); nothing else changes during a transfer.
-  The node makes the same dials (ShardsService reads membership's view once membership runs).
+  peers then dials the public members its node's :class:`DialBook` chooses at each rescan, as
+  client.py's Download._dial_public does (ShardsService.dials, one book per node shared by its
+  downloads; membership's view is every node): peers it holds a relay circuit to first, then members
+  it reached before, then members drawn from the records, ``SPECULATIVE_SLOTS`` of those in flight.
+  A member's record says ``private`` for a NAT'd node (:func:`direct_addrs` gives no address to
+  dial), ``public`` for the others, whose dials succeed after the handshake's round trips; a dial
+  still in flight when its download ends is abandoned in the book (the real one is cancelled), and
+  its connection, made all the same, stands. Nothing else changes during a transfer.
 * no loss: the transfer runs on TCP, which turns loss into delay; links are the profile's.
 
 The bound, Kumar & Ross (IEEE HotWeb 2006), for a file of F bytes from a seed of upload u_s to N
@@ -38,6 +44,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from node.gossip.connections import ConnectionManager
@@ -45,7 +52,7 @@ from node.gossip.membership import MembershipConfig
 from node.shards.client import RESCAN_INTERVAL, RETRY_PEER_AFTER
 from node.shards.config import ShardsConfig
 from node.shards.manifest import choose_piece_size, pieces_for
-from node.shards.peering import direct_peers_to_dial, session_to_end, sessions_to_open
+from node.shards.peering import DialBook, direct_addrs, session_to_end, sessions_to_open
 from node.shards.picker import Actions, Picker, PickerParams, Request
 from node.shards.server import HAVE_DELAY, SEND_BATCH
 from node.shards.superseed import SuperSeeder
@@ -107,6 +114,7 @@ class Holder:
         self.refused: dict[str, float] = {}
         self.serving = Serving()
         self.shown: dict[str, set[int]] = {}  # super-seeding: what each downloader was shown
+        self.dialled: set[str] = set()  # public members this download dials now (client.py's Download.dialled)
         self.started: float | None = None
         self.done_at: float | None = 0.0 if complete else None
         self.poll_timer = None
@@ -119,16 +127,16 @@ class Holder:
         d = self.dist
         self.started = d.sim.now
         self.picker = Picker(d.piece_lengths, d.params, rng=random.Random(d.rng.random()))
-        if d.dial_direct:
-            for q in direct_peers_to_dial(d.direct[self.pid], d.topo.public, d.cfg.max_peers, d.rng):
-                d.topo.dial_direct(self.pid, q)
         self.rescan()
 
     def rescan(self) -> None:
+        """Download._connect_new: dial public members, then open sessions to direct peers."""
         d = self.dist
         if self.done_at is not None:
             return
         now = d.sim.now
+        if d.dial_direct:
+            self.dial_public(now)
         served = set(self.serving.sessions)
         opened, waiting = sessions_to_open(d.direct[self.pid], self.sessions, ORIGIN, served, d.cfg.max_peers,
                                            lambda p: now - self.refused.get(p, -math.inf) >= RETRY_PEER_AFTER,
@@ -142,6 +150,31 @@ class Holder:
             if end is not None:
                 self.end_session(end)
         d.sim.after(RESCAN_INTERVAL, self.rescan)
+
+    def dial_public(self, now: float) -> None:
+        """Download._dial_public: short of ``max_peers`` direct peers, dial the public members the
+        node's DialBook chooses; their sessions open at a later rescan, once they are direct."""
+        topo, book = self.dist.topo, self.dist.topo.dials[self.pid]
+        direct = topo.direct[self.pid]
+        book.note_direct(direct, now)
+        chosen = book.to_dial(now, direct, list(topo.net.links[self.pid]), lambda: topo.members,
+                              lambda p: direct_addrs(p, topo.addrs_of, topo.reachability_of),
+                              lambda p: not self.picker.is_banned(p, now), self.dist.cfg.max_peers, self.dist.rng)
+        for peer, _addrs in chosen:
+            self.dialled.add(peer)
+            topo.dial_direct(self.pid, peer, lambda ok, peer=peer: self._dialled(peer, ok))
+
+    def _dialled(self, peer: str, ok: bool) -> None:
+        if peer in self.dialled:  # not abandoned
+            self.dialled.discard(peer)
+            self.dist.topo.dials[self.pid].on_result(peer, ok, self.dist.sim.now)
+
+    def _abandon_dials(self) -> None:
+        """The download ended: its dials in flight are cancelled, which proves nothing of the members."""
+        book, now = self.dist.topo.dials[self.pid], self.dist.sim.now
+        for peer in sorted(self.dialled):
+            book.on_result(peer, None, now)
+        self.dialled.clear()
 
     def end_session(self, peer: str) -> None:
         self.sessions.pop(peer, None)
@@ -184,6 +217,7 @@ class Holder:
             d.on_piece_verified(self, piece)
             if self.picker.complete:
                 self.done_at = now
+                self._abandon_dials()
                 for p in list(self.sessions):
                     self.end_session(p)
                 return
@@ -332,7 +366,7 @@ class Distribution:
         self.seeder = (SuperSeeder.for_pieces(n, ps, random.Random(self.rng.random()), hand_over=hand_over)
                        if super_seed else None)
         self.holders = {p: Holder(self, p, p == ORIGIN) for p in topo.peers}
-        # Downloads short of direct peers dial public ones (peering.direct_peers_to_dial); without
+        # Downloads short of direct peers dial public ones (Holder.dial_public); without
         # that, NAT'd nodes holding only relay circuits get nothing and are left out of the run.
         self.dial_direct = dial_direct
         self.left_out = set() if dial_direct else topo.stranded
@@ -418,18 +452,32 @@ class Topology:
         self.direct = {p: [q for q, relay in self.net.links[p].items() if relay is None] for p in self.peers}
         # NAT'd nodes whose every connection is a relay circuit: no transfer session can reach them.
         self.stranded = {p for p in self.peers if not self.direct[p]}
-        self.public = [p for p in self.peers if not self.net.endpoints[p].nat]
+        self.members = {p: "worker" for p in self.peers}  # membership's view (MemberAddrs.members)
+        self.dials = {p: DialBook(p) for p in self.peers}  # ShardsService.dials, shared by a node's downloads
 
-    def dial_direct(self, a: str, b: str) -> None:
+    def addrs_of(self, peer: str) -> list[str]:
+        """The addresses ``peer``'s member record advertises: its listen address, and for a NAT'd
+        node its relayed one beside it (MemberAddrs.addrs_of)."""
+        e = self.net.endpoints[peer]
+        if e.nat:
+            return ["/ip4/192.168.1.2/tcp/4001", f"/dns4/{e.relay}/tcp/4001/p2p/{e.relay}/p2p-circuit"]
+        return [f"/dns4/{peer}/tcp/4001"]
+
+    def reachability_of(self, peer: str) -> str:
+        """What ``peer``'s record says of it (dial-back has answered every node here)."""
+        return "private" if self.net.endpoints[peer].nat else "public"
+
+    def dial_direct(self, a: str, b: str, done: Callable[[bool], object]) -> None:
         """``a`` dials public ``b``'s direct address; a relay circuit between them gives way to the
-        direct connection once it is up (a circuit carries no checkpoint bytes)."""
-        def done(ok: bool) -> None:
+        direct connection once it is up (a circuit carries no checkpoint bytes). ``done(ok)`` then."""
+        def opened(ok: bool) -> None:
             if ok and b not in self.direct[a]:
                 self.direct[a].append(b)
                 self.direct[b].append(a)
+            done(ok)
         if self.net.links[a].get(b) is not None:
             self.net.close(a, b)
-        self.net.dial(a, b, done)
+        self.net.dial(a, b, opened)
 
     def _connect(self, members: MembershipConfig) -> None:
         """Every node dials its bootstrap peer (the origin), then as the ConnectionManager plans;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from node.shards.peering import DialState
 from sim.shards import ORIGIN, Distribution, Links, Topology, kumar_ross
 
 MiB = 1 << 20
@@ -61,8 +62,8 @@ def test_an_origin_faster_than_its_downloaders_keeps_uploading_once_one_copy_is_
 
 
 def test_nat_d_downloaders_dial_public_peers_until_they_hold_max_peers_direct_ones():
-    """peering.direct_peers_to_dial: without it, NAT'd nodes held a median of 3 direct peers and
-    those holding only relay circuits got nothing (bench/sim_shards.py, issue 46)."""
+    """The node's DialBook (peering.py): without the dials, NAT'd nodes held a median of 3 direct
+    peers and those holding only relay circuits got nothing (bench/sim_shards.py, issue 46)."""
     topo = Topology(40, Links(nat=0.5), seed=3)
     e = topo.net.endpoints
     assert topo.stranded  # some start with relay circuits only
@@ -71,3 +72,23 @@ def test_nat_d_downloaders_dial_public_peers_until_they_hold_max_peers_direct_on
     assert all(len(h.verified) == full.num_pieces for h in full.holders.values())  # the stranded too
     assert all(len(topo.direct[p]) >= full.cfg.max_peers for p in topo.peers if e[p].nat)
     assert sum(e[p].relayed_bytes for p in topo.peers) == 0
+
+
+def test_downloads_dial_as_the_node_s_dial_book_chooses_members_with_a_relay_circuit_first():
+    """The simulator drives client.py's choice of dials, not a copy (issue 46): one DialBook per
+    node, fed the simulated connections. A NAT'd node holding a relay circuit to a public member
+    dials it first; records saying ``private`` are never dialled; no dial is left in flight."""
+    topo = Topology(40, Links(nat=0.5), seed=3)
+    e = topo.net.endpoints
+    room = {p: topo.cfg.max_peers - len(topo.direct[p]) for p in topo.peers}
+    circuits = {p: {q for q, relay in topo.net.links[p].items() if relay is not None and not e[q].nat}
+                for p in topo.peers if e[p].nat}
+    first = {p: c for p, c in circuits.items() if c and len(c) <= room[p]}
+    assert first  # not vacuous
+    full = Distribution(topo, 4 * MiB)
+    assert full.run(limit=300.0) is not None
+    for p, c in first.items():
+        assert c <= set(topo.direct[p])
+        assert all(topo.dials[p].entries[q].state is DialState.REACHED for q in c)
+    assert not [p for p in topo.peers for q in topo.direct[p] if e[p].nat and e[q].nat]
+    assert not any(book.dialling for book in topo.dials.values())

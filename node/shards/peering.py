@@ -104,20 +104,6 @@ def session_to_end(
     return min(one_way, key=in_flight) if one_way else None
 
 
-def direct_peers_to_dial(
-    direct: Collection[str],
-    public: Iterable[str],
-    want: int,
-    rng: random.Random,
-) -> list[str]:
-    """Public members to dial so that a download holds ``want`` direct peers (see the module
-    docstring): none when it has that many, else as many of ``public`` not already direct, at random."""
-    held = set(direct)
-    pool = sorted({p for p in public if p not in held})  # sorted: the caller's order does not matter
-    rng.shuffle(pool)
-    return pool[:max(0, want - len(held))]
-
-
 def direct_addrs(
     peer: str,
     addrs_of: Callable[[str], list[str]],
