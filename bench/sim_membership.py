@@ -12,8 +12,9 @@ CloseWatch and LocalHealth over a simulated internet (sim/network.py). Two parts
 * **scale**: N nodes with one-way latency 5-60 ms, uplinks 10-100 Mbit/s, ``--nat`` of them behind
   NAT (reached through a relay), ``--loss`` message loss, and churn at ``--churn`` per node-hour
   (half clean leaves, half crashes of the host: dials time out, connections linger 15 s), each
-  replaced by a new identity joining through the bootstrap node; plus ``--events`` extra joins and
-  crashes spread over the window so that every size has samples. Printed per N: time until 99 %
+  replaced by a new identity joining through the bootstrap node (a server: 1 Gbit/s up and down,
+  ``Profile.server_mbit``; the ramp's 20 joins a second each pull the whole table from it); plus
+  ``--events`` extra joins and crashes spread over the window so that every size has samples. Printed per N: time until 99 %
   of live nodes hold a new member, time until no live node holds a crashed one as live, false
   suspicions (our own failed probes of a live member) per node-hour, members held DEAD while
   alive, bytes/s and messages/s sent per node, and the smallest share of live nodes any live node

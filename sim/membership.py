@@ -488,11 +488,16 @@ class Profile:
     up_mbit: tuple[float, float] = (10.0, 100.0)
     down_mbit: tuple[float, float] = (50.0, 500.0)
     nat: float = 0.0  # fraction of non-bootstrap nodes behind NAT
+    # The bootstrap nodes' up- and downlink: servers, as a swarm's bootstrap peers are. Every join
+    # pulls the whole table from one (N * RECORD_BYTES: 400 kB at N = 1,000); drawn like a home
+    # node's 10-100 Mbit/s, a ramp of 20 joins a second queued its uplink for tens of seconds (one
+    # FIFO here, where a server's fair queueing would still answer pings) and left views at 61 %.
+    server_mbit: float = 1000.0
 
     @classmethod
     def loopback(cls) -> "Profile":
         """One machine's loopback, as bench/membership.py runs: no NAT, ~0 latency, fast links."""
-        return cls(latency=(0.00005, 0.00005), up_mbit=(8000.0, 8000.0), down_mbit=(8000.0, 8000.0))
+        return cls(latency=(0.00005, 0.00005), up_mbit=(8000.0, 8000.0), down_mbit=(8000.0, 8000.0), server_mbit=8000.0)
 
 
 class Swarm:
@@ -532,8 +537,10 @@ class Swarm:
             relay = self.pick_relay()
             nat = relay is not None
         mbit = 1e6 / 8
-        self.net.add(pid, Endpoint(latency=r.uniform(*p.latency), up=r.uniform(*p.up_mbit) * mbit,
-                                   down=r.uniform(*p.down_mbit) * mbit, nat=nat, relay=relay))
+        latency, up, down = r.uniform(*p.latency), r.uniform(*p.up_mbit), r.uniform(*p.down_mbit)
+        if bootstrap:
+            up = down = p.server_mbit  # drawn all the same: the seeded draws after it stay as they were
+        self.net.add(pid, Endpoint(latency=latency, up=up * mbit, down=down * mbit, nat=nat, relay=relay))
         node = SimNode(self, pid, [] if bootstrap else list(self.bootstrap), random.Random(r.random()),
                        "private" if nat else "public")
         self.nodes[pid] = node
