@@ -197,9 +197,13 @@ class Outbox:
         already the oldest the trainer takes, so one more trainer step during generation and delivery
         makes it refused (measured: 4-6 % of the demo's honest samples each at the trainer and in the
         outbox). With async level 0 the loaded version must simply be the newest."""
+        return policy_version < self.oldest_to_start()
+
+    def oldest_to_start(self) -> int:
+        """The oldest policy version a batch may start from now (see :meth:`too_old_to_start`)."""
         if self.async_level == 0:
-            return self.is_stale(policy_version)
-        return policy_version <= self.newest_version - self.async_level
+            return self.newest_version
+        return self.newest_version - self.async_level + 1
 
     # -- choosing what to send where ---------------------------------------------------------
 

@@ -261,6 +261,8 @@ class InferenceService:
                 self.waiting_for_checkpoint = True
                 while self.outbox.too_old_to_start(self.version):
                     self.stats.held_back += 1
+                    # Its announcement may have been lost (issue 45's soak): shards asks a peer if none comes.
+                    self.shards.want_version(self.outbox.oldest_to_start())
                     await self._wait_changed()  # a load or a newer step seen notifies
                 self.waiting_for_checkpoint = False
             if self.outbox.step_hold(self.next_step):

@@ -8,7 +8,9 @@ validator (:func:`validate_announce`) accepts only announcements signed by a tra
 so forgeries are neither stored nor forwarded. Followers hear each announcement
 (:func:`follow_announcements`) and, when their fetch policy (:func:`fetch_policy`) wants the
 version, fetch its manifest over a stream (:func:`fetch_manifest`): first from the announcer, then
-from any connected peer, each reply checked against the announced root and the trainers' keys.
+from any connected peer, each reply checked against the announced root and the trainers' keys. A
+node that knows a newer version exists but heard no announcement of it asks a peer for its newest
+manifest instead (:func:`call_newest`, node/shards/catchup.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .protocol import (
     Announce,
     ManifestReply,
     ManifestRequest,
+    NewestRequest,
     Reject,
     open_announce,
     read_shards_message,
@@ -132,16 +135,36 @@ async def call_manifest(host, peer: str, root: bytes, run_name: str, trainers: l
 async def call_signed(host, peer: str, root: bytes, opener, what: str):
     """Ask ``peer`` for the signed ``what`` (a manifest or a delta manifest) with root ``root`` and
     open it with ``opener(envelope)``; RemoteProtocolError unless it sends that one."""
+    reply = await _ask(host, peer, ManifestRequest(root=root))
+    if isinstance(reply, Reject) or reply is None:
+        raise RemoteProtocolError("no-manifest", reply.reason if reply else "eof")
+    if root_id(reply.envelope.payload) != root:
+        raise RemoteProtocolError("wrong-root", f"{what} does not hash to the announced root")
+    return opener(reply.envelope)
+
+
+async def call_newest(host, peer: str, above: int, run_name: str, trainers: list[str]) -> SignedManifest | None:
+    """Ask ``peer`` for the manifest of the newest version it holds, if newer than ``above``
+    (node/shards/catchup.py): None when it has none or refuses; RemoteProtocolError unless what it
+    sends is a manifest of this run signed by one of its trainers (what an announcement proves) and
+    newer than ``above``."""
+    reply = await _ask(host, peer, NewestRequest(above=above))
+    if isinstance(reply, Reject) or reply is None:
+        return None
+    signed = open_manifest(reply.envelope, run_name, trainers)
+    if signed.version <= above:
+        raise RemoteProtocolError("not-newer", f"v{signed.version} answers a request for one above v{above}")
+    return signed
+
+
+async def _ask(host, peer: str, request) -> ManifestReply | Reject | None:
+    """One request on a new stream to ``peer``: its reply, a ``ManifestReply`` or a ``Reject`` (None at EOF)."""
     stream = await host.open_stream(peer, PROTOCOL)
     try:
-        await write_frame(stream, ManifestRequest(root=root))
+        await write_frame(stream, request)
         reply = await read_shards_message(stream)
-        if isinstance(reply, Reject) or reply is None:
-            raise RemoteProtocolError("no-manifest", reply.reason if reply else "eof")
-        if not isinstance(reply, ManifestReply):
+        if reply is not None and not isinstance(reply, (ManifestReply, Reject)):
             raise RemoteProtocolError("unexpected", reply.TYPE)
-        if root_id(reply.envelope.payload) != root:
-            raise RemoteProtocolError("wrong-root", f"{what} does not hash to the announced root")
-        return opener(reply.envelope)
+        return reply
     finally:
         await reset(stream, shielded=True)

@@ -33,6 +33,10 @@ class ShardsAPI(Protocol):
     async def wait_announced(self, version: int) -> int:
         """Wait until a version newer than ``version`` is announced; returns the newest announced."""
 
+    def want_version(self, version: int) -> None:
+        """A version ``version`` or newer exists (a trainer said so): should no announcement of one
+        arrive within a re-announcement period, ask a peer for its newest manifest."""
+
     def fetch(self, version: int, root: bytes, source: str) -> None:
         """Download ``version`` whatever the fetch policy (a validator needs old versions too)."""
 

@@ -5,6 +5,10 @@ How this works
 A stream starts with one message from the side that opened it:
 
 * ``ManifestRequest(root)`` -> one ``ManifestReply(envelope)`` or ``Reject``; the stream closes.
+* ``NewestRequest(above)`` -> the ``ManifestReply`` of the newest version held if newer than
+  ``above``, else ``Reject`` (``none-newer``, or ``busy`` past the refusal budget); the stream
+  closes. A node that waited a re-announcement period for a version it knows exists asks this
+  (node/shards/catchup.py).
 * ``Hello(root, bitfield)`` opens a transfer session for one manifest. The server answers with its
   ``Bitfield`` (or ``Reject`` and closes). Then, in any order, until either side closes:
   the downloader sends ``Request(piece, offset, length)``, ``Cancel(...)`` and, when the server's
@@ -58,6 +62,13 @@ class ManifestRequest(Message):
 class ManifestReply(Message):
     TYPE: ClassVar[str] = "shards.manifest-reply"
     envelope: Envelope = bounded()
+
+
+@register
+@dataclass(frozen=True)
+class NewestRequest(Message):
+    TYPE: ClassVar[str] = "shards.newest-request"
+    above: int = bounded(min=-1, max=MAX_VERSION)
 
 
 @register
@@ -131,6 +142,7 @@ BAD_RANGE = "bad-range"
 BUSY = "busy"
 BANNED = "banned"
 RELAYED = "relayed"  # a transfer session asked over a relay circuit: bulk data goes direct only
+NONE_NEWER = "none-newer"  # NewestRequest: we hold no version newer than the one asked above
 
 
 @register

@@ -19,7 +19,10 @@ sessions together, each in its own module:
   validator accepts only announcements signed by a trainer of this run; relays (``fetch="all"``)
   download every version, inference and validator nodes (``"newest"``) only the newest, the trainer
   (``"none"``) nothing. The manifest of a version to fetch comes over a stream, checked against
-  the announced root.
+  the announced root. Gossip can lose announcements (issue 45's soak): a node told that a newer
+  version exists (``want_version``, by the inference service whose trainer's acks say so) asks a
+  connected peer for its newest manifest when none was announced within ``announce_interval``
+  (node/shards/catchup.py).
 
 The sessions (and the delta part, node/shards/deltasync.py) see the service only through
 node/shards/session_api.py, rust-libp2p's split of a behaviour (this service, all peers) from its
@@ -48,7 +51,7 @@ Data at rest is checked before it is trusted (issue 14):
   again, so nobody loads it.
 
 API (handed back through ``task_status.started``; node/shards/api.py): ``publish(folder, version)``,
-``wait_version(v)``, ``wait_newer(v)``, ``wait_announced(v)``, ``path_of(v)``, ``latest()``,
+``want_version(v)``, ``wait_version(v)``, ``wait_newer(v)``, ``wait_announced(v)``, ``path_of(v)``, ``latest()``,
 ``versions_held()``, ``receipts()``. Verified bytes are credited in the ledger given at start.
 Status in ``node.status["shards"]``.
 """
@@ -70,7 +73,16 @@ from ..net.reqres import Inbound, Refused, peer_of, reset
 from ..peers import FaultRule
 from ..steptime import PhaseTimes
 from ..wire import TRANSPORT_FAILURES, LocalProtocolError, RemoteProtocolError, decode, write_frame
-from .announce import announce, fetch_manifest, fetch_policy, follow_announcements, reannounce_loop, validate_announce
+from .announce import (
+    announce,
+    call_newest,
+    fetch_manifest,
+    fetch_policy,
+    follow_announcements,
+    reannounce_loop,
+    validate_announce,
+)
+from .catchup import AnswerBudget, CatchUp
 from .api import MemberAddrs
 from .client import Download, progress_bar
 from .config import ShardsConfig, ShardsSections
@@ -80,6 +92,9 @@ from .manifest import SignedManifest, build_manifest, sign_manifest
 from .peering import DialBook
 from .protocol import (
     BANNED,
+    BUSY,
+    FIRST_MESSAGE_TIMEOUT,
+    NONE_NEWER,
     PROTOCOL,
     RELAYED,
     SOURCE,
@@ -87,6 +102,7 @@ from .protocol import (
     Hello,
     ManifestReply,
     ManifestRequest,
+    NewestRequest,
     Reject,
 )
 from .server import MAX_INBOUND_FRAME, SERVER_LIMITS, ServerSession, Uploads
@@ -103,6 +119,7 @@ GARBAGE_WEIGHT = 10.0  # score points one piece of garbage costs its sender, bef
 MAX_RECEIPT_PAIRS = 4096  # (peer, manifest) pairs whose received bytes we remember
 MAX_REFUSED_ROOTS = 256  # manifest roots refused for non-finite values, remembered so they are not refetched
 RECHECK_CHUNK_BYTES = 8 << 20  # bytes of pieces hashed per worker-thread call when re-verifying at start
+NEWEST_ANSWERS = 64  # NewestRequests answered per announce_interval, all peers together (catchup.py)
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,6 +180,10 @@ class ShardsService:
         self.m_damaged = mt.counter("shards_damaged_pieces_total", "Pieces on disk that failed their re-check at start")
         self._nursery: trio.Nursery | None = None
         self.deltas = self.deltas_class(self, node, self.store)  # versions as deltas (node/shards/deltasync.py)
+        # A version known to exist but never announced here is asked for (node/shards/catchup.py).
+        self.catchup = CatchUp(cfg.announce_interval)
+        self._wanted = trio.Event()  # set (and replaced) when catch-up is asked for
+        self.newest_answers = AnswerBudget(cfg.announce_interval / 2, NEWEST_ANSWERS, cfg.announce_interval)
 
     # ---------------------------------------------------------------------------------------
     # Public API
@@ -201,6 +222,14 @@ class ShardsService:
     def receipts(self) -> dict[tuple[str, str], int]:
         """Verified bytes received, per (peer id, manifest root hex): what the ledger credits."""
         return dict(self._receipts)
+
+    def want_version(self, version: int) -> None:
+        """A version ``version`` or newer exists (a trainer's ack said so): if no announcement of
+        one arrives within a re-announcement period, ask a peer for its newest manifest."""
+        if self.policy != "none":
+            self.catchup.want(version, trio.current_time())
+            self._wanted.set()
+            self._wanted = trio.Event()
 
     async def publish(self, folder: Path, version: int) -> SignedManifest:
         """Hash ``folder`` as ``version``, store it, seed it and announce it (trainer side)."""
@@ -407,6 +436,9 @@ class ShardsService:
             reply = ManifestReply(envelope=vs.signed.envelope) if vs else Reject(piece=-1, offset=0, reason=UNKNOWN_ROOT)
             await write_frame(stream, reply)
             await stream.close()
+        elif isinstance(first, NewestRequest):
+            await write_frame(stream, self._newest_reply(peer, first.above))
+            await stream.close()
         elif isinstance(first, Hello):
             vs = self.serving.get(first.root)
             # Pieces never ride a relay circuit: it spends the relay's bandwidth and its per-circuit
@@ -428,6 +460,15 @@ class ShardsService:
                     self.route_reveals(first.root, sess.seeder.on_peer_gone(peer, trio.current_time()))
         elif first is not None:
             raise RemoteProtocolError("unexpected", first.TYPE)
+
+    def _newest_reply(self, peer: str, above: int) -> ManifestReply | Reject:
+        """The manifest of the newest version held, if newer than ``above``, within the refusal budget."""
+        if not self.newest_answers.admit(peer, trio.current_time()):
+            self.reject(BUSY)
+            return Reject(piece=-1, offset=0, reason=BUSY)
+        v = self.latest()
+        signed = self.store.saved_manifest(v) if v is not None and v > above else None
+        return ManifestReply(envelope=signed.envelope) if signed else Reject(piece=-1, offset=0, reason=NONE_NEWER)
 
     # ---------------------------------------------------------------------------------------
     # Announcements
@@ -460,6 +501,54 @@ class ShardsService:
             return
         root, source = self.announced[version]
         self.fetch(version, root, source)
+
+    def _newest_known(self) -> int | None:
+        """The newest version announced or held."""
+        return max([*self.announced, *self.versions_held()], default=None)
+
+    async def _catch_up(self) -> None:
+        """Ask for the newest manifest when a wanted version was not announced in time (catchup.py)."""
+        while True:
+            at = self.catchup.due_at(self._newest_known(), trio.current_time())
+            if at is None:
+                await self._wanted.wait()
+                continue
+            await trio.sleep_until(at)
+            if self.catchup.due_at(self._newest_known(), trio.current_time()) is not None:
+                await self._ask_newest()
+
+    def _catch_up_candidates(self) -> list[str]:
+        """Connected peers to ask for the newest manifest: trainers first, then relays, then the rest."""
+        now = trio.current_time()
+        roles = self.members.members() if self.members is not None else {}
+        order = {"trainer": 0, "relay": 1}
+        peers = [p for p in self.node.host.connected_peers() if not self.is_banned(p, now)]
+        return sorted(peers, key=lambda p: (0 if p in self.trainers else 1 + order.get(roles.get(p, ""), 1), p))
+
+    async def _ask_newest(self) -> None:
+        known = self._newest_known()
+        peer = self.catchup.pick(self._catch_up_candidates(), trio.current_time())
+        if peer is None:
+            return
+        signed = None
+        try:
+            with trio.fail_after(FIRST_MESSAGE_TIMEOUT):
+                signed = await call_newest(self.node.host, peer, -1 if known is None else known,
+                                           self.run_name, self.trainers)
+        except RemoteProtocolError as e:
+            self.reject(e.reason)
+            log.debug("shards: newest manifest from %s: %s", peer[-8:], e)
+        except (LocalProtocolError, AssertionError):
+            raise
+        except Exception as e:  # unreachable peer, timeout, reset
+            log.debug("shards: newest manifest from %s: %s", peer[-8:], e)
+        if signed is None:
+            self.catchup.failed()
+            return
+        log.info("shards: v%d learnt by asking %s for its newest manifest (no announcement of v%d or newer "
+                 "arrived)", signed.version, peer[-8:], self.catchup.wanted)
+        self._note_announced(signed.version, signed.root, peer)
+        self._maybe_fetch(signed.version)
 
     async def _fetch_version(self, version: int, scope: trio.CancelScope) -> None:
         started = trio.current_time()
@@ -651,6 +740,7 @@ class ShardsService:
             "rechecking": sorted(self._rechecking),
             "refused": len(self._refused),
             "announced": sorted(self.announced)[-8:],
+            "catch_up": self.catchup.status(),
             "downloading": [d.status() for d in self.downloads.values() if d is not None],
             "serving_sessions": sum(len(s) for s in self.server_sessions.values()),
             "banned": sorted(p for p, bans in self.node.peers.table.bans(trio.current_time()).items()
@@ -677,6 +767,7 @@ class ShardsService:
                 self._maybe_fetch(signed.version)
             self._refetch_damaged_manifests()
             nursery.start_soon(self._recheck_held)
+            nursery.start_soon(self._catch_up)
             self.node.status["shards"] = self.status
             task_status.started(self)
             await trio.sleep_forever()

@@ -186,6 +186,7 @@ class FakeShards:
         self.folders: dict[int, Path] = {}  # version -> folder, the newest keep_versions
         self.announced: dict[int, tuple[bytes, str]] = dict(announced or {})  # version -> (root, announcer)
         self.fetches: list[int] = []  # versions whose download the real service would have started
+        self.wanted: list[int] = []  # versions asked for by want_version (the real service asks peers)
         self._news = trio.Event()
         for version, folder in (held or {}).items():
             self.hold(version, folder)
@@ -222,6 +223,9 @@ class FakeShards:
         self._note_announced(version, root, source)
         if self.path_of(version) is None and version not in self.fetches:
             self.fetches.append(version)
+
+    def want_version(self, version: int) -> None:
+        self.wanted.append(version)
 
     def peers_in_use(self) -> set[str]:
         return set()  # nothing is transferred

@@ -1,0 +1,101 @@
+"""Catching up on a checkpoint whose announcement never arrived: ask for the newest manifest.
+
+How this works
+--------------
+Announcements travel by gossip only (node/shards/announce.py), and gossip can lose them: in issue
+45's hour-long soak the trainer, restarted gracefully, published v130-v137 and for about two
+minutes no node heard v134-v137, although the trainer held nine connected peers; the workers
+paused generation as too old and the trainer starved. A worker learns the trainer moved on without
+any announcement (its acks carry the trainer's step), so the shards service is told what it wants
+(:meth:`CatchUp.want`). When no version that new has been announced or is held one re-announcement
+period after that, it asks one connected peer (a trainer first) for its newest manifest with
+``NewestRequest(above)``; the reply is verified exactly as an announced manifest is (signed by a
+trainer of the run, node/shards/manifest.py) and treated as an announcement of its version.
+
+Both sides are bounded:
+
+* the asking side (:class:`CatchUp`) sends at most one request per period, to one peer at a time,
+  moving to the next candidate after a peer failed or had nothing newer;
+* the serving side (:class:`AnswerBudget`) answers a peer at most once per ``peer_interval`` and all
+  peers together at most ``total`` times per ``window``, refusing the rest (``busy``, never a
+  fault: an honest restarted node may ask again early). A refusal costs one small frame.
+
+Pure: times are arguments (seconds on the caller's monotonic clock).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+MAX_REMEMBERED_PEERS = 1024  # peers whose last answer time the serving side keeps
+
+
+class CatchUp:
+    """The asking side: when to ask, and whom (rotating over the candidates on failure)."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period  # seconds without an announcement before asking, and between requests
+        self.wanted: int | None = None  # a version at least this new exists (the caller heard so)
+        self.since = 0.0  # when the current want began
+        self.asked_at = -math.inf
+        self.turn = 0  # which candidate is asked next
+        self.requests = 0  # requests made (status, tests)
+
+    def want(self, version: int, now: float) -> None:
+        """A version ``version`` or newer exists; the wait for it began ``now`` unless it began earlier."""
+        if self.wanted is None:
+            self.since = now
+        self.wanted = version if self.wanted is None else max(self.wanted, version)
+
+    def due_at(self, known: int | None, now: float) -> float | None:
+        """When to ask, given the newest version announced or held (``known``): None when nothing
+        is wanted any more (a want met by ``known`` is forgotten)."""
+        if self.wanted is None:
+            return None
+        if known is not None and known >= self.wanted:
+            self.wanted = None
+            return None
+        return max(self.since + self.period, self.asked_at + self.period, now)
+
+    def pick(self, candidates: list[str], now: float) -> str | None:
+        """The peer to ask now (None if there is none); counts as the request of this period."""
+        self.asked_at = now
+        if not candidates:
+            return None
+        self.requests += 1
+        return candidates[self.turn % len(candidates)]
+
+    def failed(self) -> None:
+        """The peer asked had nothing newer, refused or did not answer: ask the next one next time."""
+        self.turn += 1
+
+    def status(self) -> dict:
+        return {"wanted": self.wanted, "requests": self.requests}
+
+
+class AnswerBudget:
+    """The serving side's refusal budget for ``NewestRequest`` (each answer reads a manifest)."""
+
+    def __init__(self, peer_interval: float, total: int, window: float) -> None:
+        self.peer_interval = peer_interval  # seconds between two answers to one peer
+        self.total = total  # answers to all peers together per window
+        self.window = window
+        self._last: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> last answer
+        self._recent: collections.deque[float] = collections.deque()  # times of answers in the window
+        self.refused = 0
+
+    def admit(self, peer: str, now: float) -> bool:
+        """Whether to answer ``peer`` now (then counted as answered)."""
+        while self._recent and self._recent[0] <= now - self.window:
+            self._recent.popleft()
+        last = self._last.get(peer)
+        if (last is not None and now - last < self.peer_interval) or len(self._recent) >= self.total:
+            self.refused += 1
+            return False
+        self._last.pop(peer, None)
+        self._last[peer] = now
+        while len(self._last) > MAX_REMEMBERED_PEERS:
+            self._last.popitem(last=False)
+        self._recent.append(now)
+        return True
