@@ -18,7 +18,9 @@ once (read but not yet answered), in total and per peer. The trio edge (node/net
 * deadlines (:class:`StreamsConfig`): a frame header must arrive within ``header_timeout`` seconds
   of the slot being given (or of the previous answer), and the body at ``min_body_rate`` bytes/s
   after ``body_grace`` seconds. A peer that misses one holds a slot without sending: the edge cuts
-  the stream and strikes the peer through the peer table (node/peers/service.py).
+  the stream and strikes the peer through the peer table (node/peers/service.py). Stalls within
+  ``stall_fold`` seconds after the peer's last strike are one event and one strike: a partition,
+  or one connection our side reads late, stalls every stream on it at once.
 
 Per-peer limits are always smaller than the totals (checked in :class:`StreamLimits`), so one peer
 can never take every slot or the whole byte budget: an honest peer finds a slot however one other
@@ -84,6 +86,7 @@ class StreamsConfig:
     stall_strikes: int = 3  # streams cut for missing a deadline that get a peer banned and disconnected...
     stall_window: float = 600.0  # ... when they fall within this many seconds
     stall_ban_seconds: float = 600.0  # how long such a ban lasts
+    stall_fold: float = 10.0  # stalls of a peer within this many seconds after its last strike are one event (a partition or a stalled connection cuts every stream on it at once): no new strike
 
     def validate(self) -> None:
         if not 0 < self.header_timeout <= 600:
@@ -94,6 +97,8 @@ class StreamsConfig:
             raise ValueError(f"body_grace: 0..600 seconds, got {self.body_grace}")
         if self.stall_strikes < 1 or self.stall_window <= 0 or self.stall_ban_seconds < 0:
             raise ValueError("stall_strikes >= 1, stall_window > 0, stall_ban_seconds >= 0")
+        if not 0 <= self.stall_fold < self.stall_window:
+            raise ValueError(f"stall_fold: 0 seconds or more, below stall_window ({self.stall_window:g}), got {self.stall_fold}")
 
     def header_deadline(self, since: float) -> float:
         """When the next frame header must have arrived, for a wait that began at ``since``."""

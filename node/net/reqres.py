@@ -222,7 +222,8 @@ class Inbound:
         if peers is not None:
             cfg = self.config
             peers.set_rule(STALL_SOURCE, FaultRule(weight=STALL_WEIGHT, strikes=cfg.stall_strikes,
-                                                   window=cfg.stall_window, ban_seconds=cfg.stall_ban_seconds))
+                                                   window=cfg.stall_window, ban_seconds=cfg.stall_ban_seconds,
+                                                   fold=cfg.stall_fold))
 
     def count(self, reason: str) -> None:
         if self.metrics is not None:
@@ -238,7 +239,8 @@ class Inbound:
                      self.protocol, peer[-8:], trio.current_time() - deadline)
             return
         self.count(STALLED)
-        log.info("%s: %s held a stream without sending; cut and struck", self.protocol, peer[-8:])
+        log.info("%s: %s held a stream without sending; cut and struck (one strike per %gs)", self.protocol,
+                 peer[-8:], self.config.stall_fold)
         if self.peers is not None:
             self.peers.strike_stalled(peer, self.source)
 

@@ -8,6 +8,11 @@ How this works
   seconds earn a ban of ``ban_seconds`` (the per-component numbers that existed before this table:
   trainer intake strikes, the shards picker's smart ban, ledger sync's step). The answer is a list
   of :class:`Action` for the caller's edge to carry out (node/peers/service.py).
+* A banning rule's ``fold``: faults of one peer from one source within ``fold`` seconds after its last
+  strike are the same event and cost nothing more (counted in ``faults`` only). A partition or one
+  stalled connection cuts every stream on it at once: four stalls within 0.2 s are one piece of
+  evidence, not four (issue 45: an honest relay banned for 600 s so). A peer that misbehaves on
+  purpose gains one event per ``fold`` seconds, so ``strikes`` of them take ``(strikes - 1) * fold``.
 * A ban decided elsewhere (a penalty entry in the ledger) arrives through :meth:`PeerTable.ban`.
 * Scores *add up* across components (the bug this table fixes: one ``set_app_score`` per peer let a
   later -20 replace a -1000 ban) and decay toward 0 with half-life ``half_life``; bans expire.
@@ -55,10 +60,13 @@ class FaultRule:
     window: float = math.inf  # seconds a strike counts toward a ban
     ban_seconds: float = 0.0  # length of a ban this source gives
     disconnect: bool = True  # a ban from this source closes connections and sets BAN_SCORE
+    fold: float = 0.0  # faults within this many seconds after the peer's last strike are the same event
 
     def __post_init__(self) -> None:
         if self.weight < 0:  # a fault worth points would reward the peer that commits it
             raise ValueError(f"a fault's weight is the points it takes, >= 0 (got {self.weight})")
+        if self.fold < 0:
+            raise ValueError(f"a rule's fold is seconds, >= 0 (got {self.fold})")
 
 
 @dataclass
@@ -106,6 +114,9 @@ class PeerTable:
         entry.last = f"{source}/{reason}"
         if self.is_banned(peer, now, source):
             return []  # already out: a banned peer's further faults earn nothing new
+        recent = entry.strikes.get(source, [])
+        if recent and now - recent[-1] < rule.fold:
+            return []  # the same event as the last strike (see "fold" in the module docstring)
         self._add(entry, -rule.weight, now)
         if rule.strikes <= 0:
             return []
