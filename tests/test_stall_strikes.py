@@ -54,6 +54,16 @@ def test_a_peer_that_stalls_continuously_is_banned_after_strikes_fold_windows():
     assert [a.kind.value for a in actions] == ["ban", "disconnect"] and actions[0].until == 620.0
 
 
+def test_bans_grow_from_first_ban_to_ban_seconds():
+    rule = FaultRule(weight=1.0, strikes=1, ban_seconds=600.0, first_ban=60.0)
+    table, now, lengths = PeerTable({"streams": rule}), 0.0, []
+    for _ in range(6):
+        actions = table.on_fault("p", "streams", "stalled:shards", now)
+        lengths.append(actions[0].until - now)
+        now = actions[0].until  # the ban ran out
+    assert lengths == [60.0, 120.0, 240.0, 480.0, 600.0, 600.0]
+
+
 def test_without_fold_every_fault_is_a_strike():
     table = PeerTable({"x": FaultRule(weight=1.0, strikes=2, window=60.0, ban_seconds=5.0)})
     assert table.on_fault("p", "x", "r", 1.0) == []
@@ -141,6 +151,31 @@ async def test_a_peer_that_stalls_in_one_event_after_another_is_still_banned(aut
     with pytest.raises(Refused, match="banned"):
         async with inbound.open(Sends(b""), "evil"):
             pass
+
+
+async def test_a_stall_ban_lasts_a_minute_first_and_longer_each_time_after(autojump_clock):
+    """An honest relay whose link failed in three separate events is refused for a minute, not
+    ten; a staller that comes back and stalls again is banned twice as long."""
+    peers = Peers(None, Metrics())
+    cfg = StreamsConfig(header_timeout=5.0)
+    inbound = Inbound("/p", LIMITS, config=cfg, peers=peers)
+    for ban in (cfg.stall_first_ban, 2 * cfg.stall_first_ban):
+        for event in range(cfg.stall_strikes):
+            if event:
+                await trio.sleep(cfg.stall_fold)
+            await stall_streams(inbound, "relay-5", 2)
+        banned_at = trio.current_time()
+        assert peers.is_banned("relay-5", STALL_SOURCE)
+        assert not peers.is_banned("relay-5", STALL_SOURCE, now=banned_at + ban)
+        assert peers.is_banned("relay-5", STALL_SOURCE, now=banned_at + ban - 1)
+        await trio.sleep(ban)
+        async with inbound.open(Sends(b"\x00\x00\x00\x02hi"), "relay-5") as frames:  # served again
+            assert await frames.read() == b"hi"
+
+
+def test_a_wrong_stall_first_ban_is_one_config_error():
+    with pytest.raises(ConfigError, match=r"^streams: stall_first_ban: .*got -5"):
+        build(StreamsConfig, {"stall_first_ban": -5.0}, "streams")
 
 
 # ------------------------------------------------------------------ real hosts, a real cut link

@@ -85,7 +85,8 @@ class StreamsConfig:
     body_grace: float = 2.0  # seconds every frame body gets on top of its length / min_body_rate
     stall_strikes: int = 3  # streams cut for missing a deadline that get a peer banned and disconnected...
     stall_window: float = 600.0  # ... when they fall within this many seconds
-    stall_ban_seconds: float = 600.0  # how long such a ban lasts
+    stall_ban_seconds: float = 600.0  # how long such a ban lasts at most...
+    stall_first_ban: float = 60.0  # ... for the first ban of a peer lasts this long, each later one twice the last (0: every ban lasts stall_ban_seconds)
     stall_fold: float = 10.0  # stalls of a peer within this many seconds after its last strike are one event (a partition or a stalled connection cuts every stream on it at once): no new strike
 
     def validate(self) -> None:
@@ -97,6 +98,8 @@ class StreamsConfig:
             raise ValueError(f"body_grace: 0..600 seconds, got {self.body_grace}")
         if self.stall_strikes < 1 or self.stall_window <= 0 or self.stall_ban_seconds < 0:
             raise ValueError("stall_strikes >= 1, stall_window > 0, stall_ban_seconds >= 0")
+        if self.stall_first_ban < 0:
+            raise ValueError(f"stall_first_ban: 0 seconds or more, got {self.stall_first_ban}")
         if not 0 <= self.stall_fold < self.stall_window:
             raise ValueError(f"stall_fold: 0 seconds or more, below stall_window ({self.stall_window:g}), got {self.stall_fold}")
 

@@ -223,7 +223,7 @@ class Inbound:
             cfg = self.config
             peers.set_rule(STALL_SOURCE, FaultRule(weight=STALL_WEIGHT, strikes=cfg.stall_strikes,
                                                    window=cfg.stall_window, ban_seconds=cfg.stall_ban_seconds,
-                                                   fold=cfg.stall_fold))
+                                                   fold=cfg.stall_fold, first_ban=cfg.stall_first_ban))
 
     def count(self, reason: str) -> None:
         if self.metrics is not None:

@@ -13,6 +13,9 @@ How this works
   stalled connection cuts every stream on it at once: four stalls within 0.2 s are one piece of
   evidence, not four (issue 45: an honest relay banned for 600 s so). A peer that misbehaves on
   purpose gains one event per ``fold`` seconds, so ``strikes`` of them take ``(strikes - 1) * fold``.
+  With ``first_ban`` the bans a rule gives one peer grow: ``first_ban``, twice that, ... up to
+  ``ban_seconds``: a wrong ban of an honest peer (a link that failed thrice) costs a minute, not ten,
+  while a peer that keeps misbehaving soon spends most of its time banned.
 * A ban decided elsewhere (a penalty entry in the ledger) arrives through :meth:`PeerTable.ban`.
 * Scores *add up* across components (the bug this table fixes: one ``set_app_score`` per peer let a
   later -20 replace a -1000 ban) and decay toward 0 with half-life ``half_life``; bans expire.
@@ -61,12 +64,19 @@ class FaultRule:
     ban_seconds: float = 0.0  # length of a ban this source gives
     disconnect: bool = True  # a ban from this source closes connections and sets BAN_SCORE
     fold: float = 0.0  # faults within this many seconds after the peer's last strike are the same event
+    first_ban: float = 0.0  # > 0: a peer's first ban lasts this long, each later one twice the last (<= ban_seconds)
 
     def __post_init__(self) -> None:
         if self.weight < 0:  # a fault worth points would reward the peer that commits it
             raise ValueError(f"a fault's weight is the points it takes, >= 0 (got {self.weight})")
-        if self.fold < 0:
-            raise ValueError(f"a rule's fold is seconds, >= 0 (got {self.fold})")
+        if self.fold < 0 or self.first_ban < 0:
+            raise ValueError(f"a rule's fold and first_ban are seconds, >= 0 (got {self.fold}, {self.first_ban})")
+
+    def ban_length(self, earlier: int) -> float:
+        """How long a ban lasts for a peer this source banned ``earlier`` times before."""
+        if self.first_ban <= 0:
+            return self.ban_seconds
+        return min(self.ban_seconds, self.first_ban * 2.0 ** min(earlier, 32))
 
 
 @dataclass
@@ -85,6 +95,7 @@ class PeerEntry:
     last: str = ""  # "source/reason" of the last fault
     strikes: dict[str, list[float]] = field(default_factory=dict)  # source -> recent fault times
     bans: dict[str, Ban] = field(default_factory=dict)  # source -> ban
+    banned: dict[str, int] = field(default_factory=dict)  # source -> bans its rule gave (escalation)
 
 
 class PeerTable:
@@ -124,7 +135,9 @@ class PeerTable:
         if len(times) < rule.strikes:
             entry.strikes[source] = times[-rule.strikes:]
             return []
-        return self._ban(peer, entry, source, reason, now + rule.ban_seconds, rule.disconnect)
+        earlier = entry.banned.get(source, 0)
+        entry.banned[source] = earlier + 1
+        return self._ban(peer, entry, source, reason, now + rule.ban_length(earlier), rule.disconnect)
 
     def ban(self, peer: str, source: str, reason: str, until: float, now: float) -> list[Action]:
         """A ban decided outside the table (e.g. a ledger penalty entry); the source's rule says
