@@ -83,11 +83,11 @@ class StreamsConfig:
     header_timeout: float = 5.0  # seconds a request's frame header may take to arrive once its stream has a slot
     min_body_rate: float = 262144.0  # bytes/s a frame's body must arrive at, at least, after body_grace
     body_grace: float = 2.0  # seconds every frame body gets on top of its length / min_body_rate
-    stall_strikes: int = 3  # streams cut for missing a deadline that get a peer banned and disconnected...
+    stall_strikes: int = 3  # stall events (see stall_fold) that get a peer banned and disconnected...
     stall_window: float = 600.0  # ... when they fall within this many seconds
     stall_ban_seconds: float = 600.0  # how long such a ban lasts at most...
-    stall_first_ban: float = 60.0  # ... for the first ban of a peer lasts this long, each later one twice the last (0: every ban lasts stall_ban_seconds)
-    stall_fold: float = 10.0  # stalls of a peer within this many seconds after its last strike are one event (a partition or a stalled connection cuts every stream on it at once): no new strike
+    stall_first_ban: float = 60.0  # ... but a peer's first lasts this long, each later one twice the last (0: always stall_ban_seconds)
+    stall_fold: float = 10.0  # stalls within this many seconds after a peer's last strike are one event, not a new strike (a cut link stalls all its streams at once)
 
     def validate(self) -> None:
         if not 0 < self.header_timeout <= 600:
@@ -101,7 +101,8 @@ class StreamsConfig:
         if self.stall_first_ban < 0:
             raise ValueError(f"stall_first_ban: 0 seconds or more, got {self.stall_first_ban}")
         if not 0 <= self.stall_fold < self.stall_window:
-            raise ValueError(f"stall_fold: 0 seconds or more, below stall_window ({self.stall_window:g}), got {self.stall_fold}")
+            raise ValueError(f"stall_fold: 0 seconds or more, below stall_window ({self.stall_window:g}), "
+                             f"got {self.stall_fold}")
 
     def header_deadline(self, since: float) -> float:
         """When the next frame header must have arrived, for a wait that began at ``since``."""
