@@ -40,6 +40,7 @@ PURE = [
     "node.shards.protocol",
     "node.shards.superseed",
     "node.shards.throttle",
+    "node.shards.catchup",
     "node.shards.finite",
     "node.ledger.chain",
     "node.ledger.entries",
