@@ -113,6 +113,7 @@ class VersionStore:
         for f in self.manifest.files:
             path = self.folder / f.name
             fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+            self._fds.append(fd)  # close() closes it, whatever fails next
             if os.fstat(fd).st_size != f.size:
                 os.ftruncate(fd, f.size)
                 if f.size and hasattr(os, "posix_fallocate"):
@@ -120,7 +121,6 @@ class VersionStore:
                         os.posix_fallocate(fd, 0, f.size)  # fail now, not mid-download, on a full disk
                     except OSError:
                         pass  # filesystems without fallocate: sparse file, written in place anyway
-            self._fds.append(fd)
 
     def close(self) -> None:
         with self._io:
@@ -298,14 +298,18 @@ class PieceStore:
         if saved is not None and saved.root != signed.root:
             raise StoreConflict(f"version {signed.version}: already holding another manifest")
         vs = VersionStore(folder, signed)
-        folder.mkdir(parents=True, exist_ok=True)
-        vs._open(create=True)
-        if saved is None:
-            write_atomic(vs.state / "manifest", encode(signed.envelope), durable=True)
-            (vs.state / "COMPLETE").unlink(missing_ok=True)
-            vs._start_log()
-        else:
-            vs.resume()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            vs._open(create=True)
+            if saved is None:
+                write_atomic(vs.state / "manifest", encode(signed.envelope), durable=True)
+                (vs.state / "COMPLETE").unlink(missing_ok=True)
+                vs._start_log()
+            else:
+                vs.resume()
+        except BaseException:  # a full disk (ENOSPC): the files opened so far are closed, not leaked (issue 45's soak)
+            vs.close()
+            raise
         return vs
 
     def import_folder(self, source: Path, signed: SignedManifest) -> VersionStore:
