@@ -160,9 +160,9 @@ async def test_every_budgeted_protocol_cuts_and_strikes_silent_streams(tmp_path,
             await hold_streams(nursery, hostile, target.peer_id, protocol, share + 2, b"", [])
             await wait_for(lambda: budget.stalled + budget.held_by(hostile.peer_id)[0] >= share
                            and budget.refused[PEER_STREAMS] == 2, what=f"{protocol}: share held, the rest refused")
-            # All cut at the deadline and struck as one event (they stalled together): not banned.
-            await wait_for(lambda: budget.held_by(hostile.peer_id) == (0, 0) and budget.stalled == share,
-                           what=f"{protocol}: silent streams cut")
+            # All cut at the deadline and struck as one event (they stalled together): not banned, so
+            # the hostile node's own pings may take a ping slot again meanwhile.
+            await wait_for(lambda: budget.stalled == share, what=f"{protocol}: silent streams cut")
             assert target.peers.table.peers[hostile.peer_id].strikes[STALL_SOURCE]
             assert not target.peers.is_banned(hostile.peer_id, STALL_SOURCE)
             nursery.cancel_scope.cancel()

@@ -19,6 +19,8 @@ import trio.testing
 from swarmtest import node_config, open_nodes
 from waiting import wait_for
 
+from libp2p.peer.id import ID
+
 from node.config import ConfigError, RunConfig, build
 from node.metrics import Metrics
 from node.net.budget import StreamLimits, StreamsConfig
@@ -27,7 +29,8 @@ from node.peers import Peers
 from node.peers.service import STALL_SOURCE
 from node.peers.table import FaultRule, PeerTable
 from node.shards.protocol import PROTOCOL as SHARDS_PROTOCOL
-from node.wire import RemoteProtocolError
+from node.status import STATUS_PROTOCOL, StatusRequest
+from node.wire import RemoteProtocolError, write_frame
 
 RULE = FaultRule(weight=10.0, strikes=3, window=600.0, ban_seconds=600.0, fold=10.0)
 
@@ -250,3 +253,44 @@ async def test_an_honest_relay_cut_off_with_streams_open_is_not_banned_and_is_se
                 assert await relay.host.ping(worker.peer_id) >= 0  # served again at once
                 assert link.connections == 1
             nursery.cancel_scope.cancel()
+
+
+def pause_reader(node, peer: str) -> trio.Event:
+    """Stop ``node`` reading its connection from ``peer`` (its muxer's reads of the secure session
+    wait) until the returned event is set: what a node whose loop is starved (inference-8 loading
+    its model) does to every connection, while its timers still fire."""
+    resume = trio.Event()
+    [conn] = node.host.host.get_network().connections[ID.from_base58(peer)]
+    session = conn.muxed_conn.secured_conn
+    read = session.read
+
+    async def paused(n: int | None = None) -> bytes:
+        await resume.wait()
+        return await read(n)
+
+    session.read = paused
+    return resume
+
+
+async def test_streams_cut_while_we_had_not_read_the_peers_bytes_strike_no_one(tmp_path):
+    """The relay sends its requests at once; the worker's own reader is what is late. Its streams
+    are cut at their deadline (the slots come back), the relay is not struck, and once the worker
+    reads again the relay is served."""
+    run = RunConfig(name="test")
+    run.tables.update(streams={"header_timeout": 3.0})
+    cfgs = [node_config(tmp_path, n, run=run) for n in ("worker", "relay")]
+    async with open_nodes(cfgs) as (worker, relay):
+        budget = worker.host.inbound[SHARDS_PROTOCOL].budget
+        streams = [await relay.host.open_stream(worker.peer_id, SHARDS_PROTOCOL) for _ in range(4)]
+        status = await relay.host.open_stream(worker.peer_id, STATUS_PROTOCOL)
+        await wait_for(lambda: budget.held_by(relay.peer_id)[0] == 4, what="four sessions admitted")
+        resume = pause_reader(worker, relay.peer_id)
+        await write_frame(status, StatusRequest())  # taken by the read the worker's muxer had begun
+        for stream in streams:
+            await stream.write(b"\x00\x00\x00\x02hi")
+        await wait_for(lambda: budget.held_by(relay.peer_id)[0] == 0, what="the four streams cut")
+        assert budget.stalled == 4 and budget.refused["stalled"] == 4
+        entry = worker.peers.table.peers.get(relay.peer_id)
+        assert entry is None or STALL_SOURCE not in entry.strikes, entry
+        resume.set()
+        assert await relay.host.ping(worker.peer_id) >= 0

@@ -28,7 +28,10 @@ How this works
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import struct
+import termios
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -38,7 +41,7 @@ import trio
 
 from .budget import STALLED, Budget, StreamLimits, StreamsConfig, limits as default_limits
 from .failure import CallFailure, FailureKind  # noqa: F401 — callers import them from here too
-from .host import OPEN_STREAM_TIMEOUT, STREAM_ERRORS
+from .host import OPEN_STREAM_TIMEOUT, STREAM_ERRORS, tcp_socket_of
 from .. import refusals
 from ..dbthread import StoreClosed
 from ..peers import FaultRule
@@ -201,11 +204,36 @@ class Refused(Exception):
 # meets on time.
 LATE_WAKE_S = 0.5
 LATE = "late-deadline"  # counted reason of a stream cut at a deadline noticed late
+# Our loop may also wake on time for the deadline yet run too little to read the connection: a
+# thread holding the GIL (a model loading) or a starved CPU slows the muxer's reader, and the
+# peer's frames wait in our socket or our secure session's buffer, not on the wire. inference-8
+# banned the honest relay-5 so in issue 45's soak, loading its model 20 s after its start. Bytes of
+# the stream's connection that we have received but not read, at the deadline, say the delay is
+# ours: the stream is cut, the peer not struck. A stalling peer cannot make us lag so but by
+# outrunning our reader, which a node with CPU to spare does not let it do.
+UNREAD = "unread-at-deadline"  # counted reason of a stream cut while its connection had unread bytes
 
 
 def missed_by_us(deadline: float) -> bool:
     """Whether trio woke us more than :data:`LATE_WAKE_S` after ``deadline`` (call on waking)."""
     return trio.current_time() - deadline > LATE_WAKE_S
+
+
+def unread_bytes(stream) -> int:
+    """Bytes the connection under ``stream`` received that our side has not read yet: in its secure
+    session's buffer and its TCP socket's receive queue (py-libp2p's Yamux -> SecureSession ->
+    Noise -> RawConnection). 0 where we cannot tell (a relay circuit, another transport)."""
+    session = getattr(getattr(stream, "muxed_conn", None), "secured_conn", None)
+    buffered = max(0, getattr(session, "high_watermark", 0) - getattr(session, "low_watermark", 0))
+    noise = getattr(getattr(session, "conn", None), "read_writer", None)
+    sock = tcp_socket_of(getattr(noise, "read_write_closer", None))
+    if sock is None:
+        return buffered
+    try:
+        queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+    except (OSError, ValueError):  # closed meanwhile
+        return buffered
+    return buffered + queued
 
 
 class Inbound:
@@ -229,14 +257,21 @@ class Inbound:
         if self.metrics is not None:
             self.metrics.reject(self.source, reason)
 
-    def stalled(self, peer: str, deadline: float) -> None:
-        """``peer`` missed ``deadline`` while holding a slot: counted and struck (the caller cuts the
-        stream), unless we noticed the deadline late (:func:`missed_by_us`): then only counted."""
+    def stalled(self, peer: str, deadline: float, stream=None) -> None:
+        """``peer`` missed ``deadline`` while holding a slot on ``stream``: counted and struck (the
+        caller cuts the stream), unless the delay was ours: we noticed the deadline late
+        (:func:`missed_by_us`) or had not read what its connection received (:func:`unread_bytes`);
+        then only counted."""
         self.budget.note_stalled()
         if missed_by_us(deadline):
             self.count(LATE)
             log.info("%s: %s's stream cut at a deadline our own loop noticed %.1fs late; not struck",
                      self.protocol, peer[-8:], trio.current_time() - deadline)
+            return
+        if (unread := unread_bytes(stream)) > 0:
+            self.count(UNREAD)
+            log.info("%s: %s's stream cut at its deadline with %d bytes of its connection still unread "
+                     "by us; not struck", self.protocol, peer[-8:], unread)
             return
         self.count(STALLED)
         log.info("%s: %s held a stream without sending; cut and struck (one strike per %gs)", self.protocol,
@@ -285,7 +320,7 @@ class Frames:
             self._held = 0
 
     def _stall(self, what: str, deadline: float) -> RemoteProtocolError:
-        self.inbound.stalled(self.peer, deadline)
+        self.inbound.stalled(self.peer, deadline, self.stream)
         return RemoteProtocolError(STALLED, what)
 
     async def read(self, *, idle: float | None = None, strict: bool = True, max_size: int | None = None) -> bytes | None:
@@ -436,7 +471,7 @@ def ping_handler(protocol: str, *, streams: StreamsConfig | None = None, peers=N
                                            if first and len(first) < PING_PAYLOAD else b"")
                     if waited.cancelled_caught:
                         if i == 0:
-                            inbound.stalled(peer, deadline)
+                            inbound.stalled(peer, deadline, stream)
                         break
                     if not payload:
                         break
