@@ -86,6 +86,39 @@ def test_a_version_whose_store_cannot_be_created_on_a_full_disk_leaves_no_descri
     store.open_version(signed).close()  # room again: the store is made as before
 
 
+def test_a_version_that_cannot_finish_on_a_full_disk_closes_only_its_own_descriptors(tmp_path, tmpfs):
+    """finish() closes the ``verified`` log to rewrite it; on a full disk the rewrite fails, and the
+    store kept the closed number: its close() then closed whatever file the process had opened
+    under that number since (a socket, the ledger's database)."""
+    from node.identity import Identity
+    from node.shards.manifest import build_manifest, sign_manifest
+    from node.shards.store import PieceStore
+    from node.shards.testing import write_checkpoint
+
+    trainer = Identity.from_seed(b"t" * 32)
+    ckpt = write_checkpoint(tmp_path / "ckpt", 300_000, files=4)
+    signed = sign_manifest(trainer, build_manifest(ckpt, "run", 1))
+    vs = PieceStore(tmpfs / "checkpoints", "run", [trainer.peer_id]).open_version(signed)
+    data = b"".join((ckpt / f.name).read_bytes() for f in signed.manifest.files)
+    size = signed.manifest.piece_size
+    for i in range(signed.manifest.num_pieces):
+        assert vs.put_piece(i, data[i * size : (i + 1) * size])
+    fill(tmpfs)
+    held = open_files()
+    with pytest.raises(OSError):
+        vs.finish()
+    freed = [int(fd) for fd in held.keys() - open_files().keys()]
+    assert freed  # the log's descriptor
+    other = os.open(os.devnull, os.O_RDONLY)
+    for fd in set(freed) - {other}:
+        os.dup2(other, fd)  # another file of the process, under the number the log had
+    vs.close()
+    kept = {fd for fd in {other, *freed} if os.path.lexists(f"/proc/self/fd/{fd}")}
+    for fd in kept:
+        os.close(fd)
+    assert kept == {other, *freed}, "the store's close() closed a descriptor that was no longer its own"
+
+
 def open_files() -> dict[str, str]:
     """This process's descriptors and what each is open on."""
     out = {}

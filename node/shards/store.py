@@ -206,6 +206,7 @@ class VersionStore:
         """Rewrite the log with the pieces verified now (atomically), then open it for appending."""
         if self._log >= 0:
             os.close(self._log)
+            self._log = -1  # if the rewrite fails (a full disk), close() must not close this number again
         body = self.signed.root + b"".join(_INDEX.pack(i) for i in sorted(self.verified))
         write_atomic(self.state / "verified", body, durable=False)
         self._log = os.open(self.state / "verified", os.O_WRONLY | os.O_APPEND)
