@@ -15,8 +15,13 @@ peer exchange        on       a pruned peer learns others, so a node joining via
 gossip window/hist   3/5      spec values
 seen TTL             120 s    spec value; longer than any record refresh, so no echo storms
 max RPC size         1 MiB    py-libp2p's cap; our messages are capped far below (MAX_GOSSIP)
-scoring              on       invalid messages (P4) weigh -10 each; below -100 a peer's gossip is
-                              ignored (graylist), below -10 its PX is not accepted
+scoring              on       each message a topic validator refuses (P4) costs its forwarder 10,
+                              decaying by 0.9 a heartbeat (up to 100 counted); below -80 the
+                              forwarder's messages are dropped unvalidated, below -50 it gets no
+                              gossip, below -100 its GRAFTs are refused (graylist), below -10 its
+                              PX is not accepted. Validators refuse only what proves its forwarder
+                              at fault; what an honest relay may pass on in good faith is let
+                              through and dropped by the topic's owner (IGNORE)
 ===================  =======  =================================================================
 
 Application messages are validated by topic validators installed by their owners (membership,
@@ -352,7 +357,10 @@ async def widen_receive_window(stream, size: int) -> None:
 
 def _score_params(p: GossipParams, app_score: Callable[[str], float]) -> ScoreParams:
     return ScoreParams(
-        p4_invalid_messages=TopicScoreParams(weight=p.invalid_message_weight, cap=100.0, decay=0.9),
+        # py-libp2p 0.8.1 SUBTRACTS weight x count for invalid messages (score.py topic_score) where
+        # the spec adds a negative weight: passed as is, the spec's -10 raised a refused message's
+        # forwarder by 10 each (tests/test_pubsub_scoring.py). GossipParams keeps the spec's sign.
+        p4_invalid_messages=TopicScoreParams(weight=-p.invalid_message_weight, cap=100.0, decay=0.9),
         p6_appl_slack_weight=1.0,
         publish_threshold=p.publish_threshold,
         gossip_threshold=p.gossip_threshold,
