@@ -106,6 +106,19 @@ SYNC_LIMITS = StreamLimits(streams=MAX_SYNC_SESSIONS, streams_per_peer=4, frame_
 # trusted entry the peer had, and an honest peer stores no receipts beyond what those allow.
 _SENDER_FAULTS = {"wrong-run", "unauthorized", "bad-link", "unrequested", "author-quota"}
 
+# Gossip refusals that prove whoever sends the entry at fault: the entry alone shows it (the run's
+# trainers and validators are the same for every node). Those judged against our chain are the
+# author's fault only, a relay whose chain differs (a gap: it has not seen the entries before; a fork
+# whose evidence has not reached it) forwards them in good faith; "future-timestamp" (our clock) and
+# "author-quota" (the receipts our chain allows) prove no one at fault.
+_GOSSIP_FORWARDER_FAULTS = {"wrong-run", "unauthorized"}
+_GOSSIP_AUTHOR_FAULTS = {"equivocator", "bad-link", "time-regress"}
+
+
+def _forwarder_at_fault(reason: str, forwarder: str, author: str) -> bool:
+    """Whether a gossip entry refused for ``reason`` proves ``forwarder`` misbehaved (REJECT)."""
+    return reason in _GOSSIP_FORWARDER_FAULTS or (reason in _GOSSIP_AUTHOR_FAULTS and forwarder == author)
+
 
 # A session is a SyncHello, then up to MAX_REQUESTS_PER_STREAM range or evidence requests, each
 # answered by the reply of its own type; its deadlines are [ledger] sync_timeout (set when served).
@@ -471,10 +484,9 @@ class LedgerService:
         decision = self.ledger.check(se, self.now_ms())
         if decision.outcome is Outcome.REJECT:
             self._reject(self.topic, decision.reason)
-            # Past a known fork only the author is at fault: a relay that has not seen the evidence
-            # yet forwards in good faith, and a rejection here would cost it gossip score. Such an
-            # entry is let through (the receive loop drops it); the equivocator sending it is not.
-            return decision.reason == "equivocator" and str(forwarder) != se.author
+            # False costs the forwarder gossip score (node/net/host.py); an entry refused for a reason
+            # that does not prove it at fault is let through (IGNORE) and the receive loop drops it.
+            return not _forwarder_at_fault(decision.reason, str(forwarder), se.author)
         # GAP and EQUIVOCATION are forwarded: the entry is validly signed, and others need it too.
         self._validated[hashes.digest(msg.data)] = se
         while len(self._validated) > VALIDATED_CACHE:
