@@ -17,6 +17,7 @@ from node.shards.server import ServerSession
 from node.shards.service import ShardsService
 from node.wire import encode, write_frame
 from node.shards.testing import open_shards_swarm, same_files, write_checkpoint
+from test_soak_disk_full import open_files
 from waiting import wait_for
 
 MiB = 1 << 20
@@ -455,6 +456,9 @@ async def test_a_failing_disk_stops_the_download_not_the_node(tmp_path: Path, mo
             assert r.shards.path_of(1) is None and r.shards.status()["held"] == []
             full[0] = False
             assert same_files(src, await r.shards.wait_version(1))
+            # The retry went on with the stopped download's store, not a second one: each file open once.
+            files = [f for f in open_files().values() if f.startswith(str(tmp_path / "r"))]
+            assert files and len(files) == len(set(files)), sorted(files)
 
 
 async def reached_over_a_circuit(swarm, services: trio.Nursery, tmp_path: Path, **relay_shards):

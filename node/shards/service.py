@@ -559,6 +559,9 @@ class ShardsService:
                                               self.is_banned, version, root, source)
                 vs = self._resumed.pop(version, None)
                 if vs is None or vs.signed.root != signed.root:
+                    # A stopped download of it (a full disk) left its store open and served: go on with it.
+                    vs = self.serving.get(signed.root)
+                if vs is None:
                     try:
                         vs = self.store.open_version(signed)
                     except StoreConflict as e:
