@@ -72,7 +72,8 @@ async def test_a_peer_forwarding_invalid_messages_is_scored_down_and_dropped_an_
         me = ID.from_base58(receiver.peer_id)
         for sender in (attacker, honest):
             await sender.connect(receiver.listen_addrs()[0])
-            await wait_for(lambda s=sender: me in s.pubsub.peer_topics.get(TOPIC, ()), what="the receiver's subscription known")
+            await wait_for(lambda s=sender: me in s.pubsub.peer_topics.get(TOPIC, ()),
+                           what="the receiver's subscription known")
         bad, good = ID.from_base58(attacker.peer_id), ID.from_base58(honest.peer_id)
         scorer = receiver.gossipsub.scorer
 
