@@ -351,3 +351,22 @@ async def test_a_burst_of_our_own_messages_all_go_out():
             while len(got) < burst:
                 got.add((await inbox.get()).data)
         assert got == {b"entry %d" % i for i in range(burst)}
+
+
+async def test_the_connection_manager_does_not_prune_peers_a_checkpoint_transfer_uses(tmp_path, fast_membership):
+    """A download dials the members it fetches from (node/shards/peering.py) and an upload serves
+    peers that dialled us: membership pruning such a connection above conn_high cut the transfer.
+    The bootstrap node, which every joiner connects to, says every other node is in use by a
+    transfer: it holds them all, above conn_high, and prunes none (it pruned 5 before)."""
+    tight = dict(fast_membership, conn_low=2, conn_high=3, probe_timeout=5.0, indirect_timeout=10.0)
+    configs = [node_config(tmp_path, f"n{i}", membership=tight) for i in range(6)]
+    async with open_nodes(configs) as nodes:
+        busy = nodes[0]
+        in_use = {n.peer_id for n in nodes} - {busy.peer_id}
+        busy.shards.peers_in_use = lambda: in_use
+        ok_before = busy.membership.table.probes["ok"]
+        await wait_for(lambda: sees_all(nodes), what="every node sees every other alive")
+        # Connection periods pass while it probes: ten successful probes after everyone joined.
+        await wait_for(lambda: busy.membership.table.probes["ok"] >= ok_before + 10, what="ten probes by the bootstrap")
+        assert busy.membership.closes["pruned"] == 0
+        assert set(busy.host.connected_peers()) >= in_use

@@ -36,3 +36,6 @@ class HeldVersions(Protocol):
 
     def versions_held(self) -> list[int]:
         """Complete checkpoint versions held here, oldest first."""
+
+    def peers_in_use(self) -> set[str]:
+        """The peers the running checkpoint transfers use now: membership never prunes them."""

@@ -592,9 +592,12 @@ class MembershipService:
         return m.since if m is not None and m.state is MemberState.DEAD else None
 
     def protected(self) -> set[str]:
-        """Peers the connection manager never prunes: bootstrap peers, the run's trainers and validators."""
+        """Peers the connection manager never prunes: bootstrap peers, the run's trainers and validators,
+        and the peers a checkpoint transfer uses now (a download's dialled members, an upload's
+        downloaders: pruning one cut the transfer)."""
         node = self.node
-        return {_peer_of(a) for a in node.config.bootstrap} | set(node.run.trainers) | set(node.run.validators)
+        return ({_peer_of(a) for a in node.config.bootstrap} | set(node.run.trainers) | set(node.run.validators)
+                | self.shards.peers_in_use())
 
     async def call_prune(self, peer: str) -> None:
         """Close a connection on purpose, telling the peer first so it does not probe us for it."""
