@@ -263,8 +263,8 @@ async def test_shards_waits_return_at_once_when_so_and_else_when_a_publish_makes
 @pytest.mark.parametrize("kind", KINDS)
 async def test_shards_use_no_peers_while_nothing_is_transferred(kind, tmp_path):
     """``peers_in_use`` (what membership's connection manager must not prune) names no peer while
-    no download or upload runs: held, published or announced versions hold no connection in use.
-    (A real download's peers: tests/test_shards_dial.py.)"""
+    no download runs: held, published or announced versions hold no connection in use. (A real
+    download's peers, and uploads that never count: tests/test_shards_dial.py.)"""
     async with open_shards(kind, tmp_path) as shards:
         assert shards.peers_in_use() == set()
         await shards.publish(write_checkpoint(tmp_path / "model", 4096), 1)

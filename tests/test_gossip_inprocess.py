@@ -354,8 +354,8 @@ async def test_a_burst_of_our_own_messages_all_go_out():
 
 
 async def test_the_connection_manager_does_not_prune_peers_a_checkpoint_transfer_uses(tmp_path, fast_membership):
-    """A download dials the members it fetches from (node/shards/peering.py) and an upload serves
-    peers that dialled us: membership pruning such a connection above conn_high cut the transfer.
+    """A download dials the members it fetches from (node/shards/peering.py): membership pruning
+    such a connection above conn_high cut the transfer.
     The bootstrap node, which every joiner connects to, says every other node is in use by a
     transfer: it holds them all, above conn_high, and prunes none (it pruned 5 before)."""
     tight = dict(fast_membership, conn_low=2, conn_high=3, probe_timeout=5.0, indirect_timeout=10.0)

@@ -10,13 +10,17 @@ membership's records alone.
 from __future__ import annotations
 
 import socket
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import trio
 
 from node.config import RunConfig
 from node.identity import Identity, load_or_create_identity
+from node.net.host import open_swarm_host
+from node.shards.protocol import PROTOCOL, Bitfield, Hello, read_shards_message
 from node.shards.testing import StaticMembers, open_shards_swarm, same_files, write_checkpoint
+from node.wire import write_frame
 
 from swarmtest import node_config, open_nodes
 from test_shards_swarm import reached_over_a_circuit
@@ -42,12 +46,40 @@ async def test_a_download_dials_a_public_member_it_learned_of_through_membership
             # The peers a transfer uses are not for membership to prune (gossip/service.py protected()).
             await wait_for(lambda: {o.peer_id, h.peer_id} <= d.shards.peers_in_use(),
                            what="the downloader's sessions with both holders are in use")
-            await wait_for(lambda: d.peer_id in o.shards.peers_in_use(), what="the origin's upload to it is in use")
+            # The origin's upload is not: its downloaders chose themselves (a Sybil crowd of them,
+            # all protected, would leave membership only honest peers to prune; see below).
+            assert d.peer_id not in o.shards.peers_in_use()
             path = await d.shards.wait_version(1)
             assert same_files(src, path)
             received = {peer: n for (peer, root), n in d.shards.receipts().items() if root == signed.root.hex()}
             assert received.get(h.peer_id, 0) > 0, received
             assert h.peer_id in d.host.direct_peers()
+
+
+async def test_peers_downloading_from_us_are_not_in_use(tmp_path: Path) -> None:
+    """Review of issue 46 (eclipse): membership never prunes the peers in use, so these must be
+    peers our downloads chose. Five raw hosts open a transfer session to a seeder, send their Hello
+    and go silent (a session may rest with no deadline): none of them is in use, so a crowd of such
+    keys cannot make membership prune every honest connection above ``conn_high`` instead."""
+    trainer = Identity.generate()
+    src = write_checkpoint(tmp_path / "ckpt", MiB, seed=8)
+    with trio.fail_after(60):
+        async with open_shards_swarm() as swarm, AsyncExitStack() as stack:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=[trainer.peer_id], role="trainer",
+                                announce_interval=0.5, progress=False)
+            signed = await t.shards.publish(src, 1)
+            silent = []
+            for _ in range(5):
+                host = await stack.enter_async_context(open_swarm_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]))
+                await host.connect(t.host.listen_addrs()[0])
+                stream = await host.open_stream(t.peer_id, PROTOCOL)
+                await write_frame(stream, Hello(root=signed.root, bitfield=b""))
+                assert isinstance(await read_shards_message(stream), Bitfield)
+                silent.append(host.peer_id)
+            await wait_for(lambda: t.shards.downloaders_of(signed.root) == set(silent),
+                           what="the seeder holds a session for each silent downloader")
+            in_use = t.shards.peers_in_use()
+    assert in_use == set()
 
 
 async def download_past_a_circuit(tmp_path: Path, fakes: dict[str, tuple[str, list[str]]]) -> None:

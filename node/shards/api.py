@@ -44,8 +44,9 @@ class ShardsAPI(Protocol):
         """Hash, store, seed and announce ``folder`` as ``version``; returns the signed manifest."""
 
     def peers_in_use(self) -> set[str]:
-        """The peers the running downloads and uploads use right now (sessions, and dials in
-        flight for a download): membership's connection manager does not prune them."""
+        """The peers our running downloads chose (their sessions, and their dials in flight):
+        membership's connection manager does not prune them. Never the peers downloading from us,
+        who chose themselves (protected, a crowd of them would crowd out every honest connection)."""
 
 
 class MemberAddrs(Protocol):

@@ -320,11 +320,14 @@ class ShardsService:
         self.members = members
 
     def peers_in_use(self) -> set[str]:
-        """The peers the running transfers use right now: the sessions of our downloads (those
-        being opened too) and their dials in flight, and the peers downloading from us. Membership's
-        connection manager does not prune these (a download short of direct peers dialled some of
-        them: pruned, it lost them)."""
-        out = {sess.peer for sessions in self.server_sessions.values() for sess in sessions}
+        """The peers our running downloads chose: their sessions (those being opened too) and their
+        dials in flight, the delta download's included (``max_peers`` sessions a download, and the
+        dial book's dials). Membership's connection manager does not prune these (a download short
+        of direct peers dialled some of them: pruned, it lost them). The peers downloading from us
+        are not among them: they chose themselves, and a crowd of keys each resting in a session
+        (no deadline) would, protected, leave membership only the honest peers to prune (an
+        eclipse; review of issue 46)."""
+        out: set[str] = set()
         for dl in [*self.downloads.values(), *self.deltas.running]:
             if dl is not None:
                 out.update(dl.sessions, dl.dialled)
