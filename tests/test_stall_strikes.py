@@ -12,6 +12,7 @@ edge under MockClock, and two real hosts on loopback whose link a forwarder cuts
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -65,6 +66,17 @@ def test_bans_grow_from_first_ban_to_ban_seconds():
         lengths.append(actions[0].until - now)
         now = actions[0].until  # the ban ran out
     assert lengths == [60.0, 120.0, 240.0, 480.0, 600.0, 600.0]
+
+
+def test_an_unread_excuse_covers_one_event_per_window():
+    """Bytes we had not read excuse one event of a peer's stalls (its streams cut together, within
+    ``fold``) per ``window``: a peer that keeps its connection busy at each deadline (uploading to us
+    on another stream, pinging) buys no more than that; its next stalls strike (issue 45 review)."""
+    table = PeerTable({"streams": RULE})
+    assert all(table.excuse("p", "streams", t) for t in (100.0, 100.03, 109.9))  # one event: streams cut together
+    assert not table.excuse("p", "streams", 110.0)  # a second event within the window: no excuse
+    assert not table.excuse("p", "streams", 699.0)
+    assert table.excuse("p", "streams", 700.0)  # a window after the excused event: a new one
 
 
 def test_without_fold_every_fault_is_a_strike():
@@ -174,6 +186,39 @@ async def test_a_stall_ban_lasts_a_minute_first_and_longer_each_time_after(autoj
         await trio.sleep(ban)
         async with inbound.open(Sends(b"\x00\x00\x00\x02hi"), "relay-5") as frames:  # served again
             assert await frames.read() == b"hi"
+
+
+class BusySilent(Silent):
+    """A silent request stream whose connection always holds bytes we have not read at the
+    deadline: the peer keeps it busy (an upload on another stream, pings) faster than our
+    Noise+yamux reader decrypts, as a native sender can."""
+
+    muxed_conn = SimpleNamespace(secured_conn=SimpleNamespace(high_watermark=65536, low_watermark=0))  # 64 KiB buffered
+
+
+async def test_a_peer_that_keeps_its_connection_busy_while_stalling_is_struck_and_banned(autojump_clock):
+    """Unread bytes excuse the first event only; the staller is struck for the next ones and
+    banned, and refused after."""
+    peers = Peers(None, Metrics())
+    cfg = StreamsConfig(header_timeout=5.0)
+    inbound = Inbound("/p", LIMITS, config=cfg, peers=peers)
+
+    async def one() -> None:
+        with pytest.raises(RemoteProtocolError, match="no frame header"):
+            async with inbound.open(BusySilent(), "evil") as frames:
+                await frames.read()
+
+    for event in range(cfg.stall_strikes + 1):
+        if event:
+            await trio.sleep(cfg.stall_fold)
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(one)
+    assert inbound.budget.stalled == 4 * (cfg.stall_strikes + 1)
+    assert peers.is_banned("evil", STALL_SOURCE)
+    with pytest.raises(Refused, match="banned"):
+        async with inbound.open(BusySilent(), "evil"):
+            pass
 
 
 def test_a_wrong_stall_first_ban_is_one_config_error():

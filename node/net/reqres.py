@@ -209,8 +209,9 @@ LATE = "late-deadline"  # counted reason of a stream cut at a deadline noticed l
 # peer's frames wait in our socket or our secure session's buffer, not on the wire. inference-8
 # banned the honest relay-5 so in issue 45's soak, loading its model 20 s after its start. Bytes of
 # the stream's connection that we have received but not read, at the deadline, say the delay is
-# ours: the stream is cut, the peer not struck. A stalling peer cannot make us lag so but by
-# outrunning our reader, which a node with CPU to spare does not let it do.
+# ours: the stream is cut, the peer not struck. But a peer can keep that evidence true on purpose:
+# a native sender outruns our Python Noise+yamux reader (an upload to us on another stream, pings),
+# so the excuse covers one event per peer per stall_window (PeerTable.excuse); later stalls strike.
 UNREAD = "unread-at-deadline"  # counted reason of a stream cut while its connection had unread bytes
 
 
@@ -260,15 +261,16 @@ class Inbound:
     def stalled(self, peer: str, deadline: float, stream=None) -> None:
         """``peer`` missed ``deadline`` while holding a slot on ``stream``: counted and struck (the
         caller cuts the stream), unless the delay was ours: we noticed the deadline late
-        (:func:`missed_by_us`) or had not read what its connection received (:func:`unread_bytes`);
-        then only counted."""
+        (:func:`missed_by_us`) or had not read what its connection received (:func:`unread_bytes`,
+        excused for one event per peer per ``stall_window``); then only counted."""
         self.budget.note_stalled()
         if missed_by_us(deadline):
             self.count(LATE)
             log.info("%s: %s's stream cut at a deadline our own loop noticed %.1fs late; not struck",
                      self.protocol, peer[-8:], trio.current_time() - deadline)
             return
-        if (unread := unread_bytes(stream)) > 0:
+        if (unread := unread_bytes(stream)) > 0 and (
+                self.peers is None or self.peers.table.excuse(peer, STALL_SOURCE, trio.current_time())):
             self.count(UNREAD)
             log.info("%s: %s's stream cut at its deadline with %d bytes of its connection still unread "
                      "by us; not struck", self.protocol, peer[-8:], unread)

@@ -16,6 +16,11 @@ How this works
   With ``first_ban`` the bans a rule gives one peer grow: ``first_ban``, twice that, ... up to
   ``ban_seconds``: a wrong ban of an honest peer (a link that failed thrice) costs a minute, not ten,
   while a peer that keeps misbehaving soon spends most of its time banned.
+* :meth:`PeerTable.excuse`: a fault the caller may blame on itself (a stream cut while our side had
+  not read its connection's bytes) is excused for one event (faults within ``fold`` seconds of the
+  first excused one) per ``window`` per peer and source; later ones are faults. A peer that can keep
+  our side's evidence true on purpose (a native sender outrunning our reader) buys one event, not
+  immunity.
 * A ban decided elsewhere (a penalty entry in the ledger) arrives through :meth:`PeerTable.ban`.
 * Scores *add up* across components (the bug this table fixes: one ``set_app_score`` per peer let a
   later -20 replace a -1000 ban) and decay toward 0 with half-life ``half_life``; bans expire.
@@ -96,6 +101,7 @@ class PeerEntry:
     strikes: dict[str, list[float]] = field(default_factory=dict)  # source -> recent fault times
     bans: dict[str, Ban] = field(default_factory=dict)  # source -> ban
     banned: dict[str, int] = field(default_factory=dict)  # source -> bans its rule gave (escalation)
+    excused: dict[str, float] = field(default_factory=dict)  # source -> when its last excused event began
 
 
 class PeerTable:
@@ -138,6 +144,18 @@ class PeerTable:
         earlier = entry.banned.get(source, 0)
         entry.banned[source] = earlier + 1
         return self._ban(peer, entry, source, reason, now + rule.ban_length(earlier), rule.disconnect)
+
+    def excuse(self, peer: str, source: str, now: float) -> bool:
+        """Whether a fault of ``peer`` that the caller may blame on itself is excused: the first of an
+        event (then the rest of it, within the rule's ``fold``) per ``window``; the caller reports
+        the fault (:meth:`on_fault`) when not."""
+        rule = self.rules.get(source, FaultRule())
+        entry = self._entry(peer, now)
+        began = entry.excused.get(source)
+        if began is None or now - began >= rule.window:
+            entry.excused[source] = now
+            return True
+        return now - began < rule.fold
 
     def ban(self, peer: str, source: str, reason: str, until: float, now: float) -> list[Action]:
         """A ban decided outside the table (e.g. a ledger penalty entry); the source's rule says
