@@ -79,6 +79,20 @@ def test_an_unread_excuse_covers_one_event_per_window():
     assert table.excuse("p", "streams", 700.0)  # a window after the excused event: a new one
 
 
+def test_escalation_starts_over_after_a_window_quiet_since_the_last_ban():
+    """An honest relay banned once (a link that failed thrice) is not banned for longer a week
+    later: the ban count a rule keeps for a peer resets when ``window`` seconds pass between the
+    end of its last ban and the first strike of the next (strikes older than that count for
+    nothing either). A staller that comes back from its ban and stalls at once still escalates."""
+    rule = FaultRule(weight=1.0, strikes=1, window=600.0, ban_seconds=600.0, first_ban=60.0)
+    table = PeerTable({"streams": rule})
+    assert table.on_fault("p", "streams", "r", 0.0)[0].until == 60.0
+    assert table.on_fault("p", "streams", "r", 60.0)[0].until == 180.0  # back and stalling at once: 120 s
+    assert table.on_fault("p", "streams", "r", 779.0)[0].until == 779.0 + 240.0  # 599 s quiet: 240 s
+    week = 779.0 + 240.0 + 7 * 86400.0
+    assert table.on_fault("p", "streams", "r", week)[0].until == week + 60.0  # a week quiet: 60 s again
+
+
 def test_without_fold_every_fault_is_a_strike():
     table = PeerTable({"x": FaultRule(weight=1.0, strikes=2, window=60.0, ban_seconds=5.0)})
     assert table.on_fault("p", "x", "r", 1.0) == []

@@ -15,7 +15,10 @@ How this works
   purpose gains one event per ``fold`` seconds, so ``strikes`` of them take ``(strikes - 1) * fold``.
   With ``first_ban`` the bans a rule gives one peer grow: ``first_ban``, twice that, ... up to
   ``ban_seconds``: a wrong ban of an honest peer (a link that failed thrice) costs a minute, not ten,
-  while a peer that keeps misbehaving soon spends most of its time banned.
+  while a peer that keeps misbehaving soon spends most of its time banned. The count starts over
+  when ``window`` seconds pass between the end of a peer's last ban and the first strike of its
+  next: a strike that old no longer counts toward a ban, so neither does a ban that old toward
+  escalation (an honest relay banned once a week ago gets ``first_ban`` again, not twice it).
 * :meth:`PeerTable.excuse`: a fault the caller may blame on itself (a stream cut while our side had
   not read its connection's bytes) is excused for one event (faults within ``fold`` seconds of the
   first excused one) per ``window`` per peer and source; later ones are faults. A peer that can keep
@@ -142,6 +145,9 @@ class PeerTable:
             entry.strikes[source] = times[-rule.strikes:]
             return []
         earlier = entry.banned.get(source, 0)
+        last = entry.bans.get(source)
+        if last is not None and times[0] - last.until >= rule.window:
+            earlier = 0  # quiet for a window since its last ban: escalation starts over
         entry.banned[source] = earlier + 1
         return self._ban(peer, entry, source, reason, now + rule.ban_length(earlier), rule.disconnect)
 
