@@ -76,14 +76,32 @@ def test_a_version_whose_store_cannot_be_created_on_a_full_disk_leaves_no_descri
     trainer = Identity.from_seed(b"t" * 32)
     signed = sign_manifest(trainer, build_manifest(write_checkpoint(tmp_path / "ckpt", 300_000, files=4), "run", 1))
     store = PieceStore(tmpfs / "checkpoints", "run", [trainer.peer_id])
+    fail_on_a_full_disk_with_no_descriptor_left_open(tmpfs, lambda: store.open_version(signed))
+
+
+def fail_on_a_full_disk_with_no_descriptor_left_open(tmpfs: Path, *makes) -> None:
+    """Each of ``makes`` (making a store) fails three times on the full disk ``tmpfs`` and leaves
+    the process's descriptors as they were; once there is room again each makes its store as before."""
     fill(tmpfs)
     held = open_files()
     for _ in range(3):
-        with pytest.raises(OSError):
-            store.open_version(signed)
+        for make in makes:
+            with pytest.raises(OSError):
+                make()
     assert open_files() == held
     (tmpfs / "ballast").unlink()
-    store.open_version(signed).close()  # room again: the store is made as before
+    for make in makes:
+        make().close()
+
+
+def signed_delta(trainer, folder: Path, base_root: bytes):
+    """The signed delta manifest of the files in ``folder`` (v1 -> v2)."""
+    from node.shards.manifest import DeltaManifest, build_manifest, sign_delta_manifest
+
+    m = build_manifest(folder, "run", 2)
+    return sign_delta_manifest(trainer, DeltaManifest(run="run", version=2, base_version=1, base_root=base_root,
+                                                      target_root=b"\1" * 32, piece_size=m.piece_size,
+                                                      files=m.files, hashes=m.hashes))
 
 
 def test_a_version_that_cannot_finish_on_a_full_disk_closes_only_its_own_descriptors(tmp_path, tmpfs):
@@ -117,6 +135,40 @@ def test_a_version_that_cannot_finish_on_a_full_disk_closes_only_its_own_descrip
     for fd in kept:
         os.close(fd)
     assert kept == {other, *freed}, "the store's close() closed a descriptor that was no longer its own"
+
+
+def test_a_delta_whose_store_cannot_be_created_on_a_full_disk_leaves_no_descriptor_open(tmp_path, tmpfs):
+    """A delta is stored like a version, and its store was made by a copy of open_version without
+    the close: each delta offered during a disk-full event left its file open (ENOSPC saving its manifest)."""
+    from node.identity import Identity
+    from node.shards.deltasync import DELTA_FILE, DeltaStore
+
+    trainer = Identity.from_seed(b"t" * 32)
+    src = tmp_path / "delta"
+    src.mkdir()
+    (src / DELTA_FILE).write_bytes(os.urandom(300_000))
+    sd = signed_delta(trainer, src, bytes(32))
+    store = DeltaStore(tmpfs / "deltas", "run", [trainer.peer_id])
+    fail_on_a_full_disk_with_no_descriptor_left_open(tmpfs, lambda: store.open(sd))
+
+
+def test_a_version_that_cannot_be_adopted_on_a_full_disk_leaves_no_descriptor_open(tmp_path, tmpfs):
+    """The publisher's side (a version written into its folder, a delta encoded into its own):
+    adopting them opens their files, then saves the manifest and finishes, which fail on a full disk."""
+    from node.identity import Identity
+    from node.shards.deltasync import DeltaStore
+    from node.shards.manifest import build_manifest, sign_manifest
+    from node.shards.store import PieceStore
+    from node.shards.testing import write_checkpoint
+
+    trainer = Identity.from_seed(b"t" * 32)
+    store = PieceStore(tmpfs / "checkpoints", "run", [trainer.peer_id])
+    folder = write_checkpoint(store.folder_of(1), 300_000, files=4)  # the trainer saved it in place
+    signed = sign_manifest(trainer, build_manifest(folder, "run", 1))
+    deltas = DeltaStore(tmpfs / "deltas", "run", [trainer.peer_id])
+    sd = signed_delta(trainer, write_checkpoint(deltas.folder_of(2, 1), 300_000, files=2), signed.root)
+    fail_on_a_full_disk_with_no_descriptor_left_open(tmpfs, lambda: store.import_folder(folder, signed),
+                                                     lambda: deltas.add_complete(sd))
 
 
 def open_files() -> dict[str, str]:

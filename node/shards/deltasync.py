@@ -47,7 +47,6 @@ from pathlib import Path
 
 import trio
 
-from ..atomic import write_atomic
 from ..peers import FaultRule
 from ..wire import Envelope, LocalProtocolError, RemoteProtocolError, decode_as, encode
 from .announce import call_signed
@@ -151,16 +150,7 @@ class DeltaStore:
             self.remove(d.version, d.base_version)  # another delta for the same pair: start afresh
             saved = None
         vs = VersionStore(folder, sd.as_signed_manifest)
-        folder.mkdir(parents=True, exist_ok=True)
-        vs._open(create=True)
-        if saved is None:
-            write_atomic(vs.state / "manifest", encode(sd.envelope), durable=True)
-            (vs.state / "COMPLETE").unlink(missing_ok=True)
-            vs._start_log()
-        elif vs.complete:
-            vs.verified = set(range(vs.manifest.num_pieces))  # COMPLETE was written after fsync
-        else:
-            vs.resume()
+        vs.start(encode(sd.envelope) if saved is None else None)
         return vs
 
     def add_complete(self, sd: SignedDelta) -> VersionStore:

@@ -36,6 +36,8 @@ import os
 import shutil
 import struct
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..atomic import fsync_dir, start_writeback, write_atomic
@@ -121,6 +123,33 @@ class VersionStore:
                         os.posix_fallocate(fd, 0, f.size)  # fail now, not mid-download, on a full disk
                     except OSError:
                         pass  # filesystems without fallocate: sparse file, written in place anyway
+
+    def start(self, envelope: bytes | None) -> None:
+        """Open this version's files, creating any that are missing at their size. With ``envelope``
+        (no manifest saved yet) a new store: save it as the manifest, drop COMPLETE, start an empty
+        log. Without, go on with the one on disk: complete as it is (COMPLETE was written after
+        fsync), partial from the pieces its log claims, re-checked. Used for versions and deltas alike."""
+        with self._closed_on_failure():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._open(create=True)
+            if envelope is not None:
+                write_atomic(self.state / "manifest", envelope, durable=True)
+                (self.state / "COMPLETE").unlink(missing_ok=True)
+                self._start_log()
+            elif self.complete:
+                self.verified = set(range(self.manifest.num_pieces))
+            else:
+                self.resume()
+
+    @contextmanager
+    def _closed_on_failure(self) -> Iterator[None]:
+        """Whatever fails inside (a full disk: ENOSPC) closes the files opened so far: a store dropped
+        half-made kept them open, 5 descriptors per version announced on a full disk (issue 45's soak)."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         with self._io:
@@ -223,16 +252,17 @@ class VersionStore:
 
     def adopt_written(self, envelope: bytes, what: str = "piece") -> None:
         """Take the files already in the folder as this version, complete (the publisher's side):
-        save the signed manifest ``envelope``, hash-check every piece, finish. RuntimeError (and
-        the store closed) when a piece no longer matches: the files changed while publishing."""
-        self._open(create=False)
-        write_atomic(self.state / "manifest", envelope, durable=True)
-        for i in range(self.manifest.num_pieces):
-            if not self.manifest.check_piece(i, self.read_piece(i)):
-                self.close()
-                raise RuntimeError(f"{what} {i} changed while publishing")
-            self.verified.add(i)
-        self.finish()
+        save the signed manifest ``envelope``, hash-check every piece, finish. RuntimeError when a
+        piece no longer matches (the files changed while publishing); on that or any failure (a full
+        disk) the store is closed."""
+        with self._closed_on_failure():
+            self._open(create=False)
+            write_atomic(self.state / "manifest", envelope, durable=True)
+            for i in range(self.manifest.num_pieces):
+                if not self.manifest.check_piece(i, self.read_piece(i)):
+                    raise RuntimeError(f"{what} {i} changed while publishing")
+                self.verified.add(i)
+            self.finish()
 
 
 class PieceStore:
@@ -299,18 +329,7 @@ class PieceStore:
         if saved is not None and saved.root != signed.root:
             raise StoreConflict(f"version {signed.version}: already holding another manifest")
         vs = VersionStore(folder, signed)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            vs._open(create=True)
-            if saved is None:
-                write_atomic(vs.state / "manifest", encode(signed.envelope), durable=True)
-                (vs.state / "COMPLETE").unlink(missing_ok=True)
-                vs._start_log()
-            else:
-                vs.resume()
-        except BaseException:  # a full disk (ENOSPC): the files opened so far are closed, not leaked (issue 45's soak)
-            vs.close()
-            raise
+        vs.start(encode(signed.envelope) if saved is None else None)
         return vs
 
     def import_folder(self, source: Path, signed: SignedManifest) -> VersionStore:
