@@ -50,7 +50,7 @@ def test_catch_up_asks_one_period_after_the_want_then_once_a_period() -> None:
     assert c.wanted == 7 and c.due_at(6, 104.0) == 115.0
     assert c.pick(["t", "r"], 115.0) == "t"
     assert c.due_at(6, 116.0) == 130.0  # one request a period
-    c.failed()
+    c.answered(None)
     assert c.pick(["t", "r"], 130.0) == "r"  # the next candidate after a failure
     assert c.pick([], 145.0) is None and c.requests == 2
     assert c.due_at(6, 150.0) == 160.0  # a round with no candidate still counts as the period's
@@ -59,13 +59,32 @@ def test_catch_up_asks_one_period_after_the_want_then_once_a_period() -> None:
     assert c.due_at(7, 200.0) == 215.0  # a new want waits its own period
 
 
+def test_catch_up_asks_the_next_peer_after_an_answer_older_than_wanted() -> None:
+    """Review of issue 45: a relay (no trainer connected) answering each period with a real,
+    trainer-signed manifest one version newer than ours walked us one version a period, asked
+    again and again as it never failed. An answer short of the wanted version moves to the next."""
+    c = CatchUp(period=15.0)
+    c.want(20, 0.0)
+    peers = ["relay", "honest"]
+    assert c.pick(peers, 15.0) == "relay"
+    c.answered(11)  # newer than the 10 we knew, older than the 20 wanted
+    assert c.pick(peers, 30.0) == "honest"
+    c.answered(19)
+    assert c.pick(peers, 45.0) == "relay"
+    c.answered(None)  # nothing newer, a refusal or no answer
+    assert c.pick(peers, 60.0) == "honest"
+    c.answered(20)  # the wanted version: the want is met, no rotation
+    assert c.pick(peers, 75.0) == "honest"
+
+
 def test_answer_budget_refuses_a_peer_asking_too_often_and_a_crowd() -> None:
     b = AnswerBudget(peer_interval=7.5, total=3, window=15.0)
-    assert b.admit("a", 0.0) and not b.admit("a", 7.0) and b.admit("a", 7.5)
+    assert b.admit("a", 0.0) and not b.admit("a", 0.0)  # again at once
+    assert not b.admit("a", 7.0) and b.admit("a", 7.5)
     assert b.admit("b", 8.0)
     assert not b.admit("c", 9.0)  # three answers in the window: everyone waits
     assert b.admit("c", 15.1)  # the answer at 0.0 left the window
-    assert b.refused == 2
+    assert b.refused == 3
 
 
 # -- real hosts on loopback ----------------------------------------------------------------------
@@ -104,10 +123,10 @@ async def test_newest_request_is_budgeted_and_its_answer_verified(tmp_path: Path
     src = write_checkpoint(tmp_path / "v1", MiB, seed=1)
     with trio.fail_after(60):
         async with open_shards_swarm() as swarm:
-            # The trainer answers a peer at most once per 15 s (half its announce_interval): however
-            # slow this machine, the worker's second request below comes sooner.
+            # The trainer answers a peer at most once per 120 s (half its announce_interval), longer
+            # than this whole test may take: its refusal below depends on no timing.
             t = await swarm.add(tmp_path / "t", identity=trainer, trainers=[trainer.peer_id], role="trainer",
-                                **{**FAST, "announce_interval": 30.0})
+                                **{**FAST, "announce_interval": 240.0})
             f = await swarm.add(tmp_path / "f", trainers=[trainer.peer_id], role="relay", service_class=Forger, **FAST)
             w = await swarm.add(tmp_path / "w", trainers=[trainer.peer_id], role="inference", **FAST)
             for a, b in ((w, t), (f, t), (w, f)):
@@ -115,7 +134,7 @@ async def test_newest_request_is_budgeted_and_its_answer_verified(tmp_path: Path
             await t.shards.publish(src, 1)
             args = ("test", [trainer.peer_id])
             assert (await call_newest(w.host, t.peer_id, 0, *args)).version == 1
-            assert await call_newest(w.host, t.peer_id, 0, *args) is None  # again at once: refused
+            assert await call_newest(w.host, t.peer_id, 0, *args) is None  # again: refused
             assert t.shards.newest_answers.refused == 1
             assert await call_newest(f.host, t.peer_id, 1, *args) is None  # nothing newer than v1
             with pytest.raises(RemoteProtocolError) as refused:

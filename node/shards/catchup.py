@@ -15,7 +15,8 @@ trainer of the run, node/shards/manifest.py) and treated as an announcement of i
 Both sides are bounded:
 
 * the asking side (:class:`CatchUp`) sends at most one request per period, to one peer at a time,
-  moving to the next candidate after a peer failed or had nothing newer;
+  moving to the next candidate after a peer failed, had nothing newer or had only a version older
+  than the one wanted;
 * the serving side (:class:`AnswerBudget`) answers a peer at most once per ``peer_interval`` and all
   peers together at most ``total`` times per ``window``, refusing the rest (``busy``, never a
   fault: an honest restarted node may ask again early). A refusal costs one small frame.
@@ -66,9 +67,13 @@ class CatchUp:
         self.requests += 1
         return candidates[self.turn % len(candidates)]
 
-    def failed(self) -> None:
-        """The peer asked had nothing newer, refused or did not answer: ask the next one next time."""
-        self.turn += 1
+    def answered(self, version: int | None) -> None:
+        """The peer asked answered with its newest ``version`` (None: nothing newer, a refusal or no
+        answer). Short of the wanted version the next request goes to the next candidate: a relay
+        answering each period with a real manifest one version newer than ours would otherwise be
+        asked again and again, walking us one version a period (review of issue 45)."""
+        if version is None or (self.wanted is not None and version < self.wanted):
+            self.turn += 1
 
     def status(self) -> dict:
         return {"wanted": self.wanted, "requests": self.requests}

@@ -545,8 +545,8 @@ class ShardsService:
             raise
         except Exception as e:  # unreachable peer, timeout, reset
             log.debug("shards: newest manifest from %s: %s", peer[-8:], e)
+        self.catchup.answered(None if signed is None else signed.version)
         if signed is None:
-            self.catchup.failed()
             return
         log.info("shards: v%d learnt by asking %s for its newest manifest (no announcement of v%d or newer "
                  "arrived)", signed.version, peer[-8:], self.catchup.wanted)
