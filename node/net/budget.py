@@ -84,7 +84,7 @@ class StreamsConfig:
     min_body_rate: float = 262144.0  # bytes/s a frame's body must arrive at, at least, after body_grace
     body_grace: float = 2.0  # seconds every frame body gets on top of its length / min_body_rate
     stall_strikes: int = 3  # stall events (see stall_fold) that get a peer banned and disconnected...
-    stall_window: float = 600.0  # ... when they fall within this many seconds
+    stall_window: float = 600.0  # ... when they fall within this many seconds (also: one unread-bytes excuse per peer per window; ban lengths start over after a window without a ban)
     stall_ban_seconds: float = 600.0  # how long such a ban lasts at most...
     stall_first_ban: float = 60.0  # ... but a peer's first lasts this long, each later one twice the last (0: always stall_ban_seconds)
     stall_fold: float = 10.0  # stalls within this many seconds after a peer's last strike are one event, not a new strike (a cut link stalls all its streams at once)
