@@ -11,7 +11,9 @@ How this works (DESIGN.md "The loop" step 4; the trainer side is node/trainer/ga
   nothing, the trainer re-assigns after its timeout, and workers need not know the validators.
   A batch whose checkpoint we do not hold is refused at once with ``reason="no-checkpoint"`` (and
   its fetch started): "cannot judge yet", no blame on anyone, so it does not wait in our queue for
-  a download while the trainer's slot on us is held (issue 15).
+  a download while the trainer's slot on us is held (issue 15). A version never announced to us
+  (gossip lost it) is asked of a peer after one re-announcement period (``want_version``,
+  node/shards/catchup.py) instead of waited for (issue 45).
 * **Checking** (one batch at a time, in a worker thread so the node keeps answering probes): the
   batch's checkpoint is loaded from disk (the last ``keep_models`` versions stay loaded), then
   node/validator/pipeline.py judges it against the replay store, the worker's step window
@@ -248,9 +250,22 @@ class ValidatorService:
         return version in self.models or self.shards.path_of(version) is not None
 
     def want_checkpoint(self, version: int) -> None:
-        """Start fetching ``version`` if it was announced (a validator needs old versions too)."""
-        if version in self.shards.announced and self.shards.path_of(version) is None:
+        """Start fetching ``version`` if it was announced (a validator needs old versions too); if it
+        was not, the announcement may have been lost (issue 45's soak: none reached any node for two
+        minutes), so the shards service is told the version exists and asks a peer, a trainer
+        first, for its newest manifest when none comes within a re-announcement period.
+
+        The claim is a worker's, but only trainers send us batches and they refuse versions newer
+        than their own step (node/trainer/intake.py ``future``); a made-up far-future claim would
+        still cost no more than one request a period, and nothing unverified is fetched: the
+        reply must be a manifest newer than what we know, signed by a trainer of the run
+        (node/shards/catchup.py), exactly as an announcement must."""
+        if self.shards.path_of(version) is not None:
+            return
+        if version in self.shards.announced:
             self.shards.fetch(version, *self.shards.announced[version])
+        else:
+            self.shards.want_version(version)
 
     def current_version(self) -> int | None:
         """The newest checkpoint version this node knows of (held or announced)."""

@@ -25,16 +25,32 @@ from ..proofs.toploc import build_proofs_many
 from ..rl.spec import group_advantages, sampling_seed, step_key, token_logprobs
 from ..rollouts.schema import (
     DOMAIN_BATCH,
+    RolloutAck,
     RolloutBatch,
     RolloutSample,
     SignedBatch,
+    Verdict,
     batch_id_of,
+    open_verdict,
 )
-from ..wire import encode, seal
+from ..wire import encode, read_frame, seal, write_frame
 from .pipeline import BatchReason, BatchRules, DrawnTask, TaskSet
 
 
 ROOT = b"\x5a" * 32  # the manifest root the tests' checkpoint version is announced with
+
+
+def verdict_sink(run: str, validators: set[str], on_verdict: Callable[[Verdict, bytes], None]):
+    """A trainer's ``/swarm/verdicts/1.0.0`` handler: each verdict opened (signed by one of
+    ``validators``), handed to ``on_verdict`` with its raw frame, and acknowledged."""
+
+    async def handle(stream) -> None:
+        while (data := await read_frame(stream)) is not None:
+            v = open_verdict(data, run, validators)
+            on_verdict(v, data)
+            await write_frame(stream, RolloutAck(batch_id=v.batch_id, accepted=True))
+
+    return handle
 
 
 def sign_batch(identity: Identity, batch: RolloutBatch) -> SignedBatch:
