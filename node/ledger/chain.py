@@ -118,10 +118,19 @@ _U64 = struct.Struct(">Q")
 DIGEST_DOMAIN = b"swarm-node/ledger-state/v1\x00"
 HASH_LEN = len(GENESIS)  # bytes of an entry hash
 # A claim on one batch (Ledger._batch_claims): peer number, field (index in TOTAL_FIELDS), amount, how
-# many usable entries claim that amount. Unsigned: a count below 0 would be our bug, and raises.
+# many usable entries claim that amount. Unsigned: a count below 0 would be our bug, and raises. The
+# amount is one entry's, never a sum: only trainers write batch credits (RolloutsJudged, samples <= 2^20,
+# tokens <= 2^40 in entries.py), so it fits 64 bits; the count is of a trainer's entries for one batch.
 _CLAIM = struct.Struct(">IBQI")
-# Bytes one voucher vouches for one peer for one manifest (Ledger._vouched): peer number, bytes.
+# Bytes one voucher vouches for one peer for one manifest (Ledger._vouched): peer number, bytes. A sum,
+# not one amount: an author with standing may repeat (peer, manifest) at 2^50 bytes a receipt item, 32
+# items an entry, entry after entry, past 2^63 after 256 entries (review of 8202c62; MAX_SEQ entries
+# reach 2^108). A manifest's records whose sums do not all fit 64 bits are _VOUCHED_WIDE instead (the
+# sum in a signed high and an unsigned low half) after one _WIDE byte: an odd length tells them apart.
 _VOUCHED = struct.Struct(">Iq")
+_VOUCHED_WIDE = struct.Struct(">IqQ")
+_WIDE = b"w"
+_LOW64 = 2**64 - 1
 
 # Entries ``start..end`` (inclusive) of an author, in seq order, as the replica took them in: what
 # add_evidence re-reads to unwind the credits of entries past a new fork point.
@@ -374,13 +383,14 @@ class Ledger:
         self._append(log, se)
 
     def _append(self, log: _Log, se: SignedEntry) -> None:
+        # Credit first: should it raise (our bug), the entry is not half taken in (head without credit).
+        if not log.fork_seq or se.seq < log.fork_seq:
+            self._credit(se.author, _credits_of(se), +1)
         log.hashes += se.hash
         if self._kept is not None:
             self._kept.setdefault(se.author, []).append(se)
         log.last_time_ms = max(log.last_time_ms, se.time_ms)
         log.receipts += se.kind == Receipts.TYPE
-        if not log.fork_seq or se.seq < log.fork_seq:
-            self._credit(se.author, _credits_of(se), +1)
         body = se.body
         if isinstance(body, Penalty) and body.ban_seconds:
             until = se.time_ms + 1000 * body.ban_seconds
@@ -433,13 +443,13 @@ class Ledger:
     def _vouch(self, voucher: str, peer: str, manifest: bytes, amount: int) -> None:
         manifest = self._manifests.setdefault(manifest, manifest)
         held = self._vouched.setdefault(voucher, {})
-        claims = dict(_VOUCHED.iter_unpack(held.get(manifest, b"")))
+        claims = _unpack_vouched(held.get(manifest, b""))
         n = self._peer_number(peer)
         claims[n] = claims.get(n, 0) + amount
         if not claims[n]:
             del claims[n]  # counts nothing either way (_bytes_served)
         if claims:
-            held[manifest] = b"".join(_VOUCHED.pack(*claim) for claim in claims.items())
+            held[manifest] = _pack_vouched(claims)
         else:
             held.pop(manifest, None)
 
@@ -447,7 +457,7 @@ class Ledger:
         """(voucher, manifest, {peer: bytes vouched for}) of every voucher and manifest."""
         for voucher, held in self._vouched.items():
             for manifest, packed in held.items():
-                yield voucher, manifest, {self._peer_names[n]: amount for n, amount in _VOUCHED.iter_unpack(packed)}
+                yield voucher, manifest, {self._peer_names[n]: amount for n, amount in _unpack_vouched(packed).items()}
 
     def _bytes_served(self) -> dict[str, int]:
         """Vouched bytes, capped per voucher and checkpoint at the checkpoint's published size.
@@ -616,6 +626,20 @@ class Ledger:
             elif 1 <= head.seq <= ours and log.hash_at(head.seq) != head.hash:
                 wants.append(Want(head.author, head.seq, head.seq))  # will show the fork
         return wants, evidence
+
+
+def _pack_vouched(claims: dict[int, int]) -> bytes:
+    """Records of {peer number: bytes}: _VOUCHED, or _WIDE and _VOUCHED_WIDE where a sum needs it."""
+    if all(-(2**63) <= amount < 2**63 for amount in claims.values()):
+        return b"".join(_VOUCHED.pack(*claim) for claim in claims.items())
+    return _WIDE + b"".join(_VOUCHED_WIDE.pack(n, amount >> 64, amount & _LOW64) for n, amount in claims.items())
+
+
+def _unpack_vouched(packed: bytes) -> dict[int, int]:
+    """{peer number: bytes} of :func:`_pack_vouched` records."""
+    if len(packed) % 2:  # _WIDE (1 byte) + 20 bytes a record; narrow records are 12 bytes
+        return {n: high << 64 | low for n, high, low in _VOUCHED_WIDE.iter_unpack(packed[len(_WIDE):])}
+    return dict(_VOUCHED.iter_unpack(packed))
 
 
 def _credits_of(se: SignedEntry) -> list[Credit]:
