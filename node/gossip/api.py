@@ -38,4 +38,6 @@ class HeldVersions(Protocol):
         """Complete checkpoint versions held here, oldest first."""
 
     def peers_in_use(self) -> set[str]:
-        """The peers the running checkpoint transfers use now: membership never prunes them."""
+        """The peers our running checkpoint downloads chose (their sessions, dials in flight):
+        membership never prunes them. Never the peers downloading from us: they choose themselves,
+        and protected, a crowd of them would leave only honest connections to prune."""

@@ -593,8 +593,7 @@ class MembershipService:
 
     def protected(self) -> set[str]:
         """Peers the connection manager never prunes: bootstrap peers, the run's trainers and validators,
-        and the peers a checkpoint transfer uses now (a download's dialled members, an upload's
-        downloaders: pruning one cut the transfer)."""
+        and the peers our checkpoint downloads chose (pruning one cut the download; shards.peers_in_use)."""
         node = self.node
         return ({_peer_of(a) for a in node.config.bootstrap} | set(node.run.trainers) | set(node.run.validators)
                 | self.shards.peers_in_use())
