@@ -59,7 +59,11 @@ def test_the_vllm_nodes_batches_are_verified_and_trained_and_the_reward_rises(tm
     torch_node = read_status(root, "inference-1")["inference"]
     assert vllm_node["engine"] == "vllm" and torch_node["engine"] == "torch"
     assert vllm_node["errors"] == {"step": 0, "load": 0} and vllm_node["weight_swaps"] >= 5
-    assert vllm_node["batches"]["accepted"] >= 20 and not vllm_node["batches"]["refused"], vllm_node["batches"]
+    # Its own refusals likewise: a batch that went stale while the machine was starved (make vllm-test
+    # at load 17 refused one of 30) is lost work, not a cheat; a refusal the worker answers for fails.
+    refused = vllm_node["batches"]["refused"]
+    assert vllm_node["batches"]["accepted"] >= 20, vllm_node["batches"]
+    assert not {r: n for r, n in refused.items() if workers_fault(r)}, vllm_node["batches"]
     trainer_status = read_status(root, "trainer")["trainer"]
     trainer = trainer_status["batches"]
     # A batch may go stale at intake or while it waits for its verdict on a fast machine (a step every
