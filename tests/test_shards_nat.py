@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,9 @@ PORT = 4001
 BOUND = 240.0  # a hang guard for a loaded 2-core machine, not a speed figure
 MiB = 1 << 20
 
-# One node: the core under the given config; every 0.5 s its view of itself in <data dir>/probe.json;
-# publishes <data dir>/publish (a model folder) once <data dir>/publish.ready appears.
+# One node: the core under the given config; it answers each line on its stdin with one JSON line
+# on its stdout, its view of itself, after publishing <data dir>/publish (a model folder) first when
+# the line is "publish". Asked, not polled: it reports when the test wants to know.
 CHILD = r"""
 import json, os, sys, trio
 from pathlib import Path
@@ -52,29 +54,40 @@ async def main(spec):
                         data_dir=str(data), log_level="warning", run=RunConfig(**spec["run"]))
     async with trio.open_nursery() as nursery:
         node = await nursery.start(lambda task_status: run_node(config, task_status=task_status, start=start_core))
-        published = False
+        requests, pending = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())), b""
         while True:
-            if not published and (data / "publish.ready").exists():
+            while b"\n" not in pending:
+                chunk = await requests.receive_some()
+                if not chunk:  # the test closed our stdin
+                    nursery.cancel_scope.cancel()
+                    return
+                pending += chunk
+            line, pending = pending.split(b"\n", 1)
+            if line == b"publish":
                 await node.shards.publish(data / "publish", 1)
-                published = True
             view = {"peer_id": node.peer_id, "held": node.shards.versions_held(),
                     "direct": node.host.direct_peers(), "members": sorted(node.membership.members()),
                     "reachability": node.membership.record.reachability,
                     "receipts": [[p, n] for (p, _), n in node.shards.receipts().items()]}
-            tmp = data / "probe.json.tmp"
-            tmp.write_text(json.dumps(view))
-            tmp.replace(data / "probe.json")
-            await trio.sleep(0.5)  # the child's report period; the test waits on what the report says
+            sys.stdout.write(json.dumps(view) + "\n")
+            sys.stdout.flush()
 
 trio.run(main, sys.argv[1])
 """
 
 
-def probe(data_dir: Path) -> dict:
+def ask(proc: subprocess.Popen, request: str = "probe") -> dict:
+    """The child's answer to one request line: its view of itself ({} if it has died)."""
     try:
-        return json.loads((data_dir / "probe.json").read_text())
-    except (OSError, ValueError):
+        proc.stdin.write(request.encode() + b"\n")
+        proc.stdin.flush()
+    except OSError:
         return {}
+    ready, _, _ = select.select([proc.stdout], [], [], BOUND)  # unbuffered: a ready pipe holds our line
+    if not ready:
+        raise AssertionError(f"no answer to {request!r} within {BOUND} s")
+    line = proc.stdout.readline()
+    return json.loads(line) if line else {}
 
 
 @pytest.mark.skipif(bool(missing_for_namespaces(nat=True)), reason=f"NAT test {missing_for_namespaces(nat=True)}")
@@ -87,7 +100,7 @@ def test_a_nat_d_downloader_dials_out_to_a_public_holder(tmp_path):
     roles = {"relay": "relay", "origin": "trainer", "holder": "relay", "downloader": "inference"}
     env = dict(os.environ, OMP_NUM_THREADS="1",  # no torch thread setup: these nodes run the core only
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-    procs: list[subprocess.Popen] = []
+    procs: dict[str, subprocess.Popen] = {}
     with NatTopology(PUBLIC, HOMES, prefix="shn", silent_drop=True) as topo:
         relay_addr = None
         try:
@@ -95,28 +108,30 @@ def test_a_nat_d_downloader_dials_out_to_a_public_holder(tmp_path):
                 spec = {"role": roles[name], "listen": f"/ip4/{topo.ip(name)}/tcp/{PORT}",
                         "bootstrap": [relay_addr] if relay_addr else [], "data_dir": str(tmp_path / name), "run": run}
                 log = open(tmp_path / f"{name}.log", "w")
-                procs.append(subprocess.Popen([*topo.exec_prefix(name), sys.executable, "-c", CHILD, json.dumps(spec)],
-                                              stdout=log, stderr=subprocess.STDOUT, env=env))
-                view = wait_until(lambda n=name: probe(tmp_path / n), BOUND, what=f"{name} started")
+                procs[name] = subprocess.Popen([*topo.exec_prefix(name), sys.executable, "-c", CHILD, json.dumps(spec)],
+                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                               bufsize=0)
+                view = ask(procs[name])  # answered once the node runs
                 if relay_addr is None:
                     relay_addr = f"/ip4/{topo.ip('relay')}/tcp/{PORT}/p2p/{view['peer_id']}"
-            ids = {name: probe(tmp_path / name)["peer_id"] for name in roles}
-            wait_until(lambda: {ids["origin"], ids["holder"]} <= set(probe(tmp_path / "downloader").get("members", [])),
+            ids = {name: ask(procs[name])["peer_id"] for name in roles}
+            wait_until(lambda: {ids["origin"], ids["holder"]} <= set(ask(procs["downloader"]).get("members", [])),
                        BOUND, what="the downloader knows the origin and the holder")
-            assert set(probe(tmp_path / "downloader")["direct"]) == {ids["relay"]}  # nothing else dialled
+            assert set(ask(procs["downloader"])["direct"]) == {ids["relay"]}  # nothing else dialled
 
             src = write_checkpoint(tmp_path / "origin" / "publish", 4 * MiB, seed=7)
-            (tmp_path / "origin" / "publish.ready").touch()
-            wait_until(lambda: probe(tmp_path / "downloader").get("held") == [1], BOUND, what="the download completed")
-            view = probe(tmp_path / "downloader")
+            ask(procs["origin"], "publish")
+            wait_until(lambda: ask(procs["downloader"]).get("held") == [1], BOUND, what="the download completed")
+            view = ask(procs["downloader"])
             received = dict(view["receipts"])
             assert received.get(ids["holder"], 0) > 0, received
             assert ids["holder"] in view["direct"]
         except BaseException:
             for name in roles:
-                print(f"--- {name}: {probe(tmp_path / name)}\n{(tmp_path / f'{name}.log').read_text()[-3000:]}")
+                view = ask(procs[name]) if name in procs and procs[name].poll() is None else {}
+                print(f"--- {name}: {view}\n{(tmp_path / f'{name}.log').read_text()[-3000:]}")
             raise
         finally:
-            for p in procs:  # ours, by PID
+            for p in procs.values():  # ours, by PID
                 p.kill()
                 p.wait(timeout=30)
