@@ -15,6 +15,9 @@ import logging
 import math
 import os
 import time
+import tracemalloc
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,6 +27,7 @@ from .atomic import write_atomic
 from .context import NodeContext
 from .fds import Rarely, out_of_files
 from .health import ProgressWatch, State
+from .memgrowth import MemoryGrowth
 from .summary import NO_TRAINER_GRACE, SummaryClock
 from .status_files import IDLE_EVERY, NODE_FILE, STATUS_FILE, watched  # noqa: F401  (NODE_FILE re-exported)
 from .net.budget import StreamLimits, StreamsConfig
@@ -42,6 +46,7 @@ WANT_CHECK_EVERY = 0.25
 # worker thread cost more than the write: 8 % of an idle relay's CPU at N=25 (py-spy --gil), for
 # the thread's wake-up and the result's way back into trio.
 INLINE_WRITE = 64 * 1024
+TOP_TASK_NAMES = 12  # coroutine names listed in status "task_names", most tasks first
 MAX_STATUS_REQUESTS = 16  # served at once, all peers
 MAX_STATUS_PER_PEER = 2  # ... of which one peer may hold (a person asks once at a time)
 MAX_REQUEST = 1024
@@ -63,18 +68,29 @@ class StatusResponse(Message):
     json: str = bounded(max_len=MAX_STATUS)
 
 
-def trio_tasks() -> int:
-    """Tasks alive in this trio run, counted from the root task down: a leak shows as growth
-    (bench/soak.py samples it over hours)."""
-    todo, count = [trio.lowlevel.current_root_task()], 0
+def live_tasks() -> list[trio.lowlevel.Task]:
+    """Tasks alive in this trio run, from the root task down: a leak shows as growth (bench/soak.py
+    samples their count over hours)."""
+    todo, out = [trio.lowlevel.current_root_task()], []
     while todo:
         task = todo.pop()
-        count += 1
+        out.append(task)
         todo.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
-    return count
+    return out
+
+
+def trio_tasks() -> int:
+    return len(live_tasks())
+
+
+def tasks_by_name(names: Iterable[str], top: int = TOP_TASK_NAMES) -> dict[str, int]:
+    """How many live tasks run each coroutine, the ``top`` most common first: the task that a leak
+    leaves behind is the name whose count grows with the hours (issue 45)."""
+    return dict(Counter(names).most_common(top))
 
 
 def snapshot(node: NodeContext, *, stopped: bool = False) -> dict:
+    tasks = live_tasks()  # one walk, a few hundred tasks: ~0.1 ms
     out = {
         "peer_id": node.peer_id,
         "role": node.config.role,
@@ -84,7 +100,8 @@ def snapshot(node: NodeContext, *, stopped: bool = False) -> dict:
         "addrs": node.host.listen_addrs(),
         "traffic": node.metrics.totals(),
         "handler_errors": {f"{p}/{e}": n for (p, e), n in node.host.handler_errors.counts.items()},
-        "tasks": trio_tasks(),
+        "tasks": len(tasks),
+        "task_names": tasks_by_name(t.name for t in tasks),
         "streams": {p: inbound.budget.snapshot() for p, inbound in node.host.inbound.items()},
         # Who the run file names, so a page can say "trainer 12D3…" instead of a bare peer id.
         "run_roles": {**{p: "validator" for p in node.run.validators}, **{p: "trainer" for p in node.run.trainers}},
@@ -134,6 +151,9 @@ async def serve_status(node: NodeContext, streams: StreamsConfig, *, task_status
     node.host.set_handler(STATUS_PROTOCOL, handle)
     info = {"peer_id": node.peer_id, "role": node.config.role, "addrs": node.host.listen_addrs(), "pid": os.getpid()}
     write_atomic(node.data_dir / NODE_FILE, json.dumps(info).encode(), durable=False)
+    if tracemalloc.is_tracing():  # PYTHONTRACEMALLOC=1 (node/memgrowth.py): an operator asked what grows
+        growth = MemoryGrowth()
+        node.status["memory_growth"] = lambda: growth.observe(trio.current_time())
     task_status.started()
     path = node.data_dir / STATUS_FILE
     interval = node.config.summary_interval
