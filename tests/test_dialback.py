@@ -335,3 +335,22 @@ async def test_rounds_repeat_until_the_verdict_is_backed_then_only_rarely(monkey
     assert times[0] == start
     assert gaps == [dialback.RETRY_ROUND_S, dialback.RECHECK_ROUND_S, dialback.RECHECK_ROUND_S]
     assert svc.reach.state == PRIVATE
+
+
+async def test_the_last_answers_kept_are_those_of_the_latest_peers_asked(monkeypatch, autojump_clock):
+    """Issue 45: ``last`` (peer -> its last answer, shown in status) kept every peer ever asked;
+    on a node that sees peers come and go for weeks it only grew."""
+    from node.net.failure import CallFailure, FailureKind
+    from node.reach import dialback
+
+    async def no_answer(*args, **kwargs):
+        raise CallFailure(FailureKind.TIMEOUT, "no answer")
+
+    monkeypatch.setattr(dialback, "call", no_answer)
+    host = type("H", (), {"transport_addrs": lambda self: []})()
+    svc = ReachabilityService(type("N", (), {"host": host, "peers": None})(), None, None)
+    peers = [f"peer-{i}" for i in range(3 * dialback.MAX_LAST_ANSWERS)]
+    for p in peers:
+        assert await svc.ask(p) is None
+    await svc.ask(peers[0])  # asked again: the newest, kept
+    assert list(svc.last) == peers[-dialback.MAX_LAST_ANSWERS + 1:] + [peers[0]]

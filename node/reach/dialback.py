@@ -38,6 +38,7 @@ from ..wire import Message, RemoteProtocolError, bounded, decode_as, register, w
 from .relay import RelayClient, RelayError, relay_peer_id_of
 from .reachability import (
     ASK_PEERS,
+    MAX_VOTES,
     MAX_DIAL_PORTS,
     MAX_RELAYS_CHOSEN,
     PRIVATE,
@@ -67,6 +68,7 @@ DIALBACK_LIMITS = limits(MAX_INFLIGHT, 4096, per_peer=1)
 FIRST_ROUND_S = 3.0  # after start, how often we look for peers to ask until we have some
 RETRY_ROUND_S = 15.0  # next round while the verdict lacks votes (or relays are missing)
 RECHECK_ROUND_S = 600.0
+MAX_LAST_ANSWERS = MAX_VOTES  # peers whose last answer status shows, the latest asked (issue 45: it kept all)
 NOISE_GRACE_S = 10.0  # after a round, how long our side's failed muxer upgrades are expected  # next round once the verdict is settled
 FAULT_RULE = FaultRule(weight=5.0)  # a garbage request or reply
 
@@ -287,7 +289,7 @@ class ReachabilityService:
     members: MembersAPI | None
     reach: Reachability = field(default_factory=Reachability)
     auto_relays: set[str] = field(default_factory=set)  # relay peer ids we chose
-    last: dict[str, str] = field(default_factory=dict)  # peer -> its last answer
+    last: dict[str, str] = field(default_factory=dict)  # peer -> its last answer, the latest MAX_LAST_ANSWERS peers asked
     rounds: int = 0
     advised: bool = False
     rng: random.Random = field(default_factory=random.Random)
@@ -303,9 +305,9 @@ class ReachabilityService:
                                reply=messages(DialBackReply, max_size=MAX_REPLY_BYTES),
                                peers=self.node.peers, source=SOURCE)
         except CallFailure as e:
-            self.last[peer] = f"no answer ({e.kind.value})"
+            self._answered(peer, f"no answer ({e.kind.value})")
             return None
-        self.last[peer] = reply.result + (f" ({reply.reason})" if reply.reason else "")
+        self._answered(peer, reply.result + (f" ({reply.reason})" if reply.reason else ""))
         if reply.result == "reached":
             return Vote.REACHED
         if reply.result == "not-reached":
@@ -313,6 +315,14 @@ class ReachabilityService:
         if reply.result != "refused":
             self.node.peers.report(peer, SOURCE, "bad-result")
         return None
+
+    def _answered(self, peer: str, answer: str) -> None:
+        """Keep ``peer``'s answer as the newest, forgetting the oldest past MAX_LAST_ANSWERS: peers
+        come and go, and a map of every peer ever asked only grows."""
+        self.last.pop(peer, None)
+        self.last[peer] = answer
+        while len(self.last) > MAX_LAST_ANSWERS:
+            del self.last[next(iter(self.last))]
 
     async def round(self) -> str:
         """Ask up to ASK_PEERS direct peers at once; returns the verdict after their answers."""
