@@ -46,7 +46,7 @@ WANT_CHECK_EVERY = 0.25
 # worker thread cost more than the write: 8 % of an idle relay's CPU at N=25 (py-spy --gil), for
 # the thread's wake-up and the result's way back into trio.
 INLINE_WRITE = 64 * 1024
-TOP_TASK_NAMES = 12  # coroutine names listed in status "task_names", most tasks first
+TOP_TASK_NAMES = 20  # coroutine names listed in status "task_names", most tasks first
 MAX_STATUS_REQUESTS = 16  # served at once, all peers
 MAX_STATUS_PER_PEER = 2  # ... of which one peer may hold (a person asks once at a time)
 MAX_REQUEST = 1024
