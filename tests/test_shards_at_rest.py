@@ -8,11 +8,13 @@ bytes flipped in a safetensors file or in the manifest, on real libp2p hosts on 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
+import pytest
 import trio
 from safetensors.numpy import save_file
 
@@ -205,3 +207,39 @@ async def test_downloaders_refuse_a_trainer_signed_checkpoint_with_nan(tmp_path:
             good = write_checkpoint(tmp_path / "good", 1 * MiB, seed=3)
             await t.shards.publish(good, 2)
             assert same_files(good, await svc.wait_version(2))
+
+
+def files_open_under(folder: Path) -> list[str]:
+    """This process's descriptors that point into ``folder``."""
+    fds = Path("/proc/self/fd")
+    found = []
+    for fd in fds.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed while listing (the listing's own descriptor)
+        if target.startswith(str(folder)):
+            found.append(target)
+    return found
+
+
+@pytest.mark.parametrize("state,line", [("complete", "cannot open it"), ("partial", "cannot resume it")])
+async def test_a_version_on_disk_that_cannot_be_opened_is_skipped_and_closed(
+        tmp_path: Path, caplog, state: str, line: str) -> None:
+    # A restart on a damaged data dir (a model file replaced by a directory here; a full disk that
+    # cannot create a lost file is the same) used to end the node at start and keep the files it
+    # had opened: the version is now left out, its files closed, the node up.
+    caplog.set_level(logging.INFO, logger="node.shards")
+    async with published_copy(tmp_path, 1 * MiB, 14, 3) as (swarm, t, tr, src, signed, store):
+        last = store / "3" / "model-00001.safetensors"
+        last.unlink()
+        last.mkdir()
+        if state == "partial":
+            (store / "3" / ".shards" / "COMPLETE").unlink()
+        r = await swarm.add(tmp_path / "r", trainers=tr, role="relay", **SMALL)
+        svc = r.shards
+        assert svc.versions_held() == [] and signed.root not in svc.serving
+        assert svc.status()["rechecking"] == []
+        assert files_open_under(store / "3") == []
+        lines = [m for m in caplog.messages if line in m]
+        assert len(lines) == 1 and "v3" in lines[0], caplog.messages

@@ -58,6 +58,7 @@ Status in ``node.status["shards"]``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from collections import OrderedDict
@@ -610,22 +611,35 @@ class ShardsService:
     def _load_held(self) -> list[SignedManifest]:
         """Open every complete version on disk for its re-check (nothing of it served yet) and drop
         those whose manifest is damaged; return manifests of partial ones to resume."""
-        partial = []
+        partial, unopened = [], set()
         for v in self.store.complete_versions():
             signed = self.store.saved_manifest(v)
             if signed is None:
                 self._drop_damaged_manifest(v)
                 continue
             vs = VersionStore(self.store.folder_of(v), signed)
-            vs._open(create=True)  # a lost or resized file comes back at its size; its pieces fail the re-check
+            try:
+                vs.reopen()
+            except OSError as e:  # a file replaced by a directory, a full disk that cannot recreate one
+                log.error("shards: v%d: cannot open it (%s); no longer held (its pieces are fetched "
+                          "again when it is announced)", v, e.strerror or e)
+                with contextlib.suppress(OSError):
+                    self.store.demote(v)
+                unopened.add(v)
+                continue
             self._rechecking[v] = vs
             self.serve(vs)  # with no piece verified yet: each is served once it passes
             self._note_announced(v, signed.root, signed.signer)
         for v in self.store.partial_versions():
             signed = self.store.saved_manifest(v)
-            if signed is not None:
+            if signed is not None and v not in unopened:
                 # Resume now (re-hash what the log claims) so verified pieces are served at once.
-                vs = self.store.open_version(signed)
+                try:
+                    vs = self.store.open_version(signed)
+                except OSError as e:
+                    log.error("shards: v%d: cannot resume it (%s); fetched again when it is announced",
+                              v, e.strerror or e)
+                    continue
                 self.serve(vs)
                 self._resumed[v] = vs
                 partial.append(signed)

@@ -124,6 +124,12 @@ class VersionStore:
                     except OSError:
                         pass  # filesystems without fallocate: sparse file, written in place anyway
 
+    def reopen(self) -> None:
+        """Open the files of a version already on disk, creating a lost one at its size (its pieces
+        then fail the re-check); on a failure none stays open."""
+        with self._closed_on_failure():
+            self._open(create=True)
+
     def start(self, envelope: bytes | None) -> None:
         """Open this version's files, creating any that are missing at their size. With ``envelope``
         (no manifest saved yet) a new store: save it as the manifest, drop COMPLETE, start an empty
@@ -308,6 +314,11 @@ class PieceStore:
         for name in ("COMPLETE", "manifest", "verified"):
             (state / name).unlink(missing_ok=True)
         fsync_dir(state)
+
+    def demote(self, version: int) -> None:
+        """A complete version whose files cannot be opened: partial from now on (a resume re-checks
+        the pieces its log claims), so it is neither held nor served."""
+        (self.folder_of(version) / STATE / "COMPLETE").unlink(missing_ok=True)
 
     def remove(self, version: int) -> None:
         """Delete a version (complete or not) from disk."""
