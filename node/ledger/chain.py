@@ -117,11 +117,12 @@ from .entries import (
 _U64 = struct.Struct(">Q")
 DIGEST_DOMAIN = b"swarm-node/ledger-state/v1\x00"
 HASH_LEN = len(GENESIS)  # bytes of an entry hash
-# A claim on one batch (Ledger._batch_claims): peer number, field (index in TOTAL_FIELDS), amount, how
+# A claim on one batch (Ledger._batch_claims): peer number, field (index in TOTAL_FIELDS), the version
+# the claiming entry names (its ``step``: cuts close old versions, node/ledger/cut.py), amount, how
 # many usable entries claim that amount. Unsigned: a count below 0 would be our bug, and raises. The
 # amount is one entry's, never a sum: only trainers write batch credits (RolloutsJudged, samples <= 2^20,
 # tokens <= 2^40 in entries.py), so it fits 64 bits; the count is of a trainer's entries for one batch.
-_CLAIM = struct.Struct(">IBQI")
+_CLAIM = struct.Struct(">IBIQI")
 # Bytes one voucher vouches for one peer for one manifest (Ledger._vouched): peer number, bytes. A sum,
 # not one amount: an author with standing may repeat (peer, manifest) at 2^50 bytes a receipt item, 32
 # items an entry, entry after entry, past 2^63 after 256 entries (review of 8202c62; MAX_SEQ entries
@@ -226,6 +227,21 @@ class AuthorLimits:
     unvouched_credit: float = 0.0
 
 
+@dataclass(frozen=True)
+class BaseParts:
+    """A replica's state at a cut, peers by name (:meth:`Ledger.base_parts`; node/ledger/cut.py puts it
+    on the wire). Every map holds only non-empty values, so equal replicas give equal parts."""
+
+    open_version: int  # credits of batches and manifests of older versions count nothing after the cut
+    logs: dict[str, tuple[int, bytes, int, int, int, Evidence | None]]  # author -> (seq, hash, last time, receipts, fork seq, evidence)
+    totals: dict[str, tuple[int, ...]]  # peer -> TOTAL_FIELDS values; bytes_served: what closed manifests gave
+    trusted_vouched: dict[str, int]  # peer -> bytes trainers' and validators' receipts vouch for (standing)
+    batches: dict[bytes, list[tuple[str, int, int, int, int]]]  # open batch -> (peer, field, version, amount, entries)
+    vouched: dict[tuple[str, bytes], dict[str, int]]  # (voucher, open manifest) -> {peer: bytes}
+    published: dict[bytes, dict[tuple[int, int], int]]  # open manifest -> {(version, size): entries}
+    bans: list[LedgerBan]  # bans still running at the cut's time, of usable entries
+
+
 @dataclass
 class PeerTotals:
     """A peer's contribution as the ledger records it (fields: :data:`entries.TOTAL_FIELDS`)."""
@@ -252,23 +268,29 @@ assert tuple(f.name for f in fields(PeerTotals)) == TOTAL_FIELDS
 class _Log:
     """What the replica remembers of one author (entry bytes and credits stay in the store)."""
 
-    hashes: bytearray = field(default_factory=bytearray)  # the hashes of seq 1, 2, ..., HASH_LEN bytes each
+    hashes: bytearray = field(default_factory=bytearray)  # the hashes of seq base+1, base+2, ..., HASH_LEN bytes each
     last_time_ms: int = 0
     receipts: int = 0  # receipts entries in the log (the per-author bound of the module docstring)
     fork_seq: int = 0  # 0 = not flagged
     evidence: Evidence | None = None
+    base: int = 0  # seq of the author's head at the cut the replica is based on (node/ledger/cut.py); 0 = none
+    base_hash: bytes = GENESIS  # its hash
 
     @property
     def head(self) -> int:
-        return len(self.hashes) // HASH_LEN
+        return self.base + len(self.hashes) // HASH_LEN
 
-    def hash_at(self, seq: int) -> bytes:
-        """Hash of ``seq`` (1..head); GENESIS for seq 0."""
-        return bytes(self.hashes[(seq - 1) * HASH_LEN:seq * HASH_LEN]) if seq else GENESIS
+    def hash_at(self, seq: int) -> bytes | None:
+        """Hash of ``seq`` (base..head); GENESIS for seq 0; None below the base (pruned by a cut)."""
+        if seq <= self.base:
+            return self.base_hash if seq == self.base else None
+        i = seq - self.base
+        return bytes(self.hashes[(i - 1) * HASH_LEN:i * HASH_LEN])
 
     def usable(self) -> int:
-        """Highest seq that counts: everything before the fork point."""
-        return min(self.head, self.fork_seq - 1) if self.fork_seq else self.head
+        """Highest seq that counts: everything before the fork point, and the cut's head whatever
+        the fork point (a cut is final: its totals stand, node/ledger/cut.py)."""
+        return min(self.head, max(self.fork_seq - 1, self.base)) if self.fork_seq else self.head
 
 
 class Ledger:
@@ -277,7 +299,8 @@ class Ledger:
     def __init__(self, run: str, trainers: Iterable[str], validators: Iterable[str], max_skew_ms: int,
                  limits: AuthorLimits = AuthorLimits(), history: History | None = None) -> None:
         """``history`` re-reads entries the replica holds (a store's :meth:`LedgerStore.entries`);
-        without one the replica keeps every entry it takes in, in memory (tests, short-lived tools)."""
+        without one the replica keeps every entry it takes in, in memory (tests, short-lived tools).
+        A replica based on a cut is made by :func:`node.ledger.cut.ledger_from_cut`."""
         self.run = run
         self.trainers = frozenset(trainers)
         self.validators = frozenset(validators)
@@ -292,7 +315,7 @@ class Ledger:
         # published sizes of each manifest ({size: number of usable entries}); bytes_served is
         # computed from both on demand.
         self._vouched: dict[str, dict[bytes, bytes]] = {}
-        self._published: dict[bytes, dict[int, int]] = {}
+        self._published: dict[bytes, dict[tuple[int, int], int]] = {}  # {(version, size): usable entries}
         self._manifests: dict[bytes, bytes] = {}  # one bytes object per manifest id for all the keys naming it
         # Credits for one rollout batch, per batch id: (peer, field, amount, usable entries claiming it)
         # packed as _CLAIM records (a batch has a few; a dict and tuples per claim took ~500 B per entry).
@@ -300,7 +323,17 @@ class Ledger:
         self._peer_numbers: dict[str, int] = {}  # peer id -> its number in packed records
         self._peer_names: list[str] = []  # and back
         self._kept: dict[str, list[SignedEntry]] | None = None if history else {}
-        self._history: History = history or (lambda author, start, end: self._kept.get(author, [])[start - 1:end])
+        self._history: History = history or self._kept_entries
+        # What a cut (node/ledger/cut.py) leaves: credits of batches and manifests of versions below
+        # open_version count nothing, and bytes served up to the cut are a fixed sum per peer.
+        self.open_version = 0
+        self._served_base: dict[str, int] = {}
+        self.cut_number = 0  # 0 = based on no cut
+        self.cut_hash = GENESIS  # hash of the signed cut the replica is based on
+
+    def _kept_entries(self, author: str, start: int, end: int) -> list[SignedEntry]:
+        base = self._logs[author].base if author in self._logs else 0
+        return self._kept.get(author, [])[start - 1 - base:end - base]
 
     # ---------------------------------------------------------------- adding entries
 
@@ -326,6 +359,10 @@ class Ledger:
             return Decision(Outcome.REJECT, se, "future-timestamp")
         log = self._logs.get(se.author)
         head = log.head if log else 0
+        if log and se.seq <= log.base and se.hash != log.base_hash:
+            return Decision(Outcome.REJECT, se, "below-cut")  # final; a fork there needs both entries as Evidence
+        if log and se.seq == log.base + 1 and se.prev != log.base_hash and log.base:
+            return Decision(Outcome.REJECT, se, "off-cut")  # our entry at the base is pruned: no Evidence to make
         if se.seq <= head:
             if log.hash_at(se.seq) == se.hash:
                 return Decision(Outcome.DUPLICATE, se)
@@ -401,9 +438,16 @@ class Ledger:
         author = sys.intern(author)
         for c in credits:
             peer = sys.intern(c.peer)
+            if c.step < self.open_version and (c.field == PUBLISHED or c.batch is not None):
+                continue  # a version our cut closed (node/ledger/cut.py)
             if c.field == PUBLISHED:
                 sizes = self._published.setdefault(c.manifest, {})
-                sizes[c.amount] = sizes.get(c.amount, 0) + sign
+                key = (c.step, c.amount)
+                sizes[key] = sizes.get(key, 0) + sign
+                if not sizes[key]:
+                    del sizes[key]
+                    if not sizes:
+                        del self._published[c.manifest]
             elif c.manifest is not None:  # bytes vouched for: capped when totals are read
                 self._vouch(author, peer, c.manifest, sign * c.amount)
                 if author in self.trusted:
@@ -422,12 +466,13 @@ class Ledger:
         batch). The largest, not the first, so that replicas agree whatever order entries came in
         (two trainers may count one batch differently, e.g. after dropping zero-advantage groups)."""
         who = (self._peer_number(peer), TOTAL_FIELDS.index(c.field))
-        claims = {(p, f, amount): n for p, f, amount, n in _CLAIM.iter_unpack(self._batch_claims.get(c.batch, b""))}
-        before = max((amount for p, f, amount in claims if (p, f) == who), default=0)
-        left = claims.pop((*who, c.amount), 0) + sign
+        claims = {claim[:4]: claim[4] for claim in _CLAIM.iter_unpack(self._batch_claims.get(c.batch, b""))}
+        before = max((amount for p, f, _step, amount in claims if (p, f) == who), default=0)
+        key = (*who, c.step, c.amount)
+        left = claims.pop(key, 0) + sign
         if left:
-            claims[(*who, c.amount)] = left
-        after = max((amount for p, f, amount in claims if (p, f) == who), default=0)
+            claims[key] = left
+        after = max((amount for p, f, _step, amount in claims if (p, f) == who), default=0)
         if claims:
             self._batch_claims[c.batch] = b"".join(_CLAIM.pack(*claim, n) for claim, n in claims.items())
         else:
@@ -459,7 +504,7 @@ class Ledger:
             for manifest, packed in held.items():
                 yield voucher, manifest, {self._peer_names[n]: amount for n, amount in _unpack_vouched(packed).items()}
 
-    def _bytes_served(self) -> dict[str, int]:
+    def _bytes_served(self, manifests: Callable[[bytes], bool] = lambda m: True) -> dict[str, int]:
         """Vouched bytes, capped per voucher and checkpoint at the checkpoint's published size.
 
         A downloader receives each verified byte of a checkpoint once, so its receipts for one
@@ -470,13 +515,15 @@ class Ledger:
         standing but not trusted counts in full only for a trusted peer or one a trusted role's
         receipts show serving that checkpoint, else as one without standing. Computed from
         the whole replica, so every replica with the same entries agrees, whatever order they
-        arrived in.
+        arrived in. Only the manifests ``manifests`` says yes to (a cut's closed ones, node/ledger/cut.py).
         """
         out: dict[str, int] = {}
         weight = self.limits.unvouched_credit
         seen = self._seen_serving()
         for voucher, manifest, claims in self._vouched_claims():
-            sizes = [size for size, n in self._published.get(manifest, {}).items() if n > 0]
+            if not manifests(manifest):
+                continue
+            sizes = [size for (_version, size), n in self._published.get(manifest, {}).items() if n > 0]
             cap = max(sizes, default=0)
             if not cap:
                 continue
@@ -529,6 +576,21 @@ class Ledger:
             raise ValueError(f"history of {author} lacks seq {seq}..{end}, whose credits the replica counted")
 
     # ---------------------------------------------------------------- views
+
+    @property
+    def history(self) -> History:
+        """What re-reads the entries this replica holds (its store's, or its own in-memory list)."""
+        return self._history
+
+    def usable_of(self, author: str) -> int:
+        """``author``'s highest seq that counts (its head, or below its fork point)."""
+        log = self._logs.get(author)
+        return log.usable() if log else 0
+
+    def newest_version(self) -> int:
+        """The newest checkpoint version a usable entry publishes (counted from the replica's cut on:
+        ``open_version - 1`` when none)."""
+        return max((v for sizes in self._published.values() for v, _size in sizes), default=self.open_version - 1)
 
     def head_of(self, author: str) -> int:
         log = self._logs.get(author)
@@ -600,6 +662,8 @@ class Ledger:
         on the order entries arrived in (an equivocator forked at seq 1 leaves one where its entries
         were counted before the fork was seen), and equal replicas must give equal totals."""
         served = self._bytes_served()
+        for p, amount in self._served_base.items():
+            served[p] = served.get(p, 0) + amount
         peers = [peer] if peer is not None else sorted(set(self._totals) | set(served))
         out = {}
         for p in peers:
@@ -607,6 +671,77 @@ class Ledger:
             if peer is not None or any(t.values()):
                 out[p] = t
         return out
+
+    # ---------------------------------------------------------------- cuts (node/ledger/cut.py)
+
+    def base_parts(self, open_version: int, now_ms: int) -> BaseParts:
+        """What a cut closing the versions below ``open_version`` at ``now_ms`` keeps of this replica,
+        with peers by name (a canonical form: equal for replicas holding the same entries and
+        evidence). Bytes served for closed manifests become fixed sums; batch claims, vouched bytes
+        and published sizes of closed versions are left out; a flagged author's log is closed (its
+        usable head, no time or receipt count: nothing more joins it)."""
+        if open_version < self.open_version:
+            raise ValueError(f"a cut cannot reopen versions {open_version}..{self.open_version - 1}")
+        open_manifests = {m for m, sizes in self._published.items() if max(v for v, _size in sizes) >= open_version}
+        served = self._bytes_served(lambda m: m not in open_manifests)
+        for peer, amount in self._served_base.items():
+            served[peer] = served.get(peer, 0) + amount
+        totals = {}
+        for peer in set(self._totals) | set(served):
+            row = replace(self._totals.get(peer) or PeerTotals(), bytes_served=served.get(peer, 0))
+            values = tuple(getattr(row, name) for name in TOTAL_FIELDS)
+            if any(values):
+                totals[peer] = values
+        logs = {}
+        for author, log in self._logs.items():
+            seq = log.usable()
+            closed = bool(log.fork_seq)
+            logs[author] = (seq, log.hash_at(seq), 0 if closed else log.last_time_ms, 0 if closed else log.receipts,
+                            log.fork_seq, log.evidence)
+        batches = {}
+        for batch, packed in self._batch_claims.items():
+            claims = [(self._peer_names[p], f, step, amount, n) for p, f, step, amount, n in _CLAIM.iter_unpack(packed)]
+            if max(step for _p, _f, step, _a, _n in claims) >= open_version:
+                batches[batch] = sorted(claims)
+        vouched = {(voucher, manifest): claims for voucher, manifest, claims in self._vouched_claims()
+                   if manifest in open_manifests}
+        bans = [b for bs in self._bans.values() for b in bs
+                if b.until_ms > now_ms and b.seq <= self._logs[b.by].usable()]
+        return BaseParts(
+            open_version=open_version,
+            logs=logs,
+            totals=totals,
+            trusted_vouched={p: n for p, n in self._trusted_vouched.items() if n},
+            batches=batches,
+            vouched=vouched,
+            published={m: dict(self._published[m]) for m in open_manifests},
+            bans=sorted(bans, key=lambda b: (b.peer, b.by, b.seq)),
+        )
+
+    def load_base(self, parts: BaseParts) -> None:
+        """Start this empty replica from a cut's parts (:func:`node.ledger.cut.ledger_from_cut`)."""
+        if self._logs or self._totals:
+            raise ValueError("load_base() takes an empty replica")
+        self.open_version = parts.open_version
+        for author, (seq, head_hash, last_time_ms, receipts, fork_seq, evidence) in parts.logs.items():
+            self._logs[sys.intern(author)] = _Log(last_time_ms=last_time_ms, receipts=receipts, fork_seq=fork_seq,
+                                                  evidence=evidence, base=seq, base_hash=head_hash)
+        for peer, values in parts.totals.items():
+            row = dict(zip(TOTAL_FIELDS, values, strict=True))
+            if row.pop("bytes_served"):
+                self._served_base[sys.intern(peer)] = values[TOTAL_FIELDS.index("bytes_served")]
+            self._totals[sys.intern(peer)] = PeerTotals(**row)
+        self._trusted_vouched.update(parts.trusted_vouched)
+        for batch, claims in parts.batches.items():
+            self._batch_claims[batch] = b"".join(_CLAIM.pack(self._peer_number(sys.intern(p)), f, step, amount, n)
+                                                 for p, f, step, amount, n in claims)
+        for (voucher, manifest), claims in parts.vouched.items():
+            for peer, amount in claims.items():
+                self._vouch(sys.intern(voucher), sys.intern(peer), manifest, amount)
+        for manifest, sizes in parts.published.items():
+            self._published[self._manifests.setdefault(manifest, manifest)] = dict(sizes)
+        for ban in parts.bans:
+            self._bans.setdefault(ban.peer, []).append(ban)
 
     def missing(self, remote: Iterable[Head]) -> tuple[list[Want], list[str]]:
         """What a peer with ``remote`` heads has that we lack: entry ranges, and authors whose
@@ -623,7 +758,7 @@ class Ledger:
                 limit = min(limit, log.fork_seq - 1)
             if limit > ours:
                 wants.append(Want(head.author, ours + 1, limit))
-            elif 1 <= head.seq <= ours and log.hash_at(head.seq) != head.hash:
+            elif log and max(1, log.base) <= head.seq <= ours and log.hash_at(head.seq) != head.hash:
                 wants.append(Want(head.author, head.seq, head.seq))  # will show the fork
         return wants, evidence
 

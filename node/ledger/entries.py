@@ -115,6 +115,10 @@ class Credit:
     With a ``batch`` (a rollout batch's id), the credit is for that batch: the replica counts it
     once per (peer, field, batch) however many entries claim it (issue 42: a batch recorded by two
     trainers, or a verdict delivered twice, counted twice).
+
+    ``step`` is the checkpoint version a batch was made for or a published manifest is: a cut
+    (node/ledger/cut.py) closes the versions below its ``open_version``, and credits of a batch or
+    manifest of a closed version count nothing after it.
     """
 
     peer: str
@@ -122,6 +126,7 @@ class Credit:
     amount: int
     manifest: bytes | None = None
     batch: bytes | None = None
+    step: int = 0
 
 
 PUBLISHED = "published"  # pseudo-field of a CheckpointPublished credit: the manifest's size
@@ -163,7 +168,8 @@ class CheckpointPublished(Body):
     total_bytes: int = bounded(min=0, max=2**50)
 
     def credits(self, author: str) -> list[Credit]:
-        return [Credit(author, "checkpoints", 1), Credit(author, PUBLISHED, self.total_bytes, self.manifest_id)]
+        return [Credit(author, "checkpoints", 1),
+                Credit(author, PUBLISHED, self.total_bytes, self.manifest_id, step=self.version)]
 
 
 @register
@@ -184,11 +190,11 @@ class RolloutsJudged(Body):
         _check_peer_id("worker", self.worker)
 
     def credits(self, author: str) -> list[Credit]:
-        b = self.batch_hash
+        b, step = self.batch_hash, self.step
         if self.accepted:
-            return [Credit(self.worker, "rollouts_accepted", self.samples, batch=b),
-                    Credit(self.worker, "tokens", self.tokens, batch=b)]
-        return [Credit(self.worker, "rollouts_rejected", self.samples, batch=b)]
+            return [Credit(self.worker, "rollouts_accepted", self.samples, batch=b, step=step),
+                    Credit(self.worker, "tokens", self.tokens, batch=b, step=step)]
+        return [Credit(self.worker, "rollouts_rejected", self.samples, batch=b, step=step)]
 
 
 @register
@@ -207,9 +213,10 @@ class Verdict(Body):
         _check_peer_id("worker", self.worker)
 
     def credits(self, author: str) -> list[Credit]:
-        out = [Credit(author, "verdicts", 1, batch=self.batch_hash)]  # one per batch it judged
+        b, step = self.batch_hash, self.step
+        out = [Credit(author, "verdicts", 1, batch=b, step=step)]  # one per batch it judged
         if not self.ok:
-            out.append(Credit(self.worker, "verdicts_failed", 1, batch=self.batch_hash))
+            out.append(Credit(self.worker, "verdicts_failed", 1, batch=b, step=step))
         return out
 
 

@@ -17,10 +17,9 @@ replica's :meth:`~node.ledger.chain.Ledger.digest`, so it grows with the peers, 
   own summary at the same cut must be the same, else the signer summed wrongly (a fraud proof: the
   signed summary and the entries it contradicts).
 
-This is the pure first step of a proposal (issue 46 item 4: summaries that later entries build on,
-history prunable below them): nothing here is wired into sync or the store yet, and the chain
-state a replica needs to go on checking entries above a cut (receipt counts per author, open
-per-batch and per-checkpoint claims) is not in the rows. Pure: time comes in as ``now_ms``; no I/O.
+A summary is a view for people and tools; the state a replica builds on (receipt counts per author,
+open per-batch and per-checkpoint claims) is a cut's (node/ledger/cut.py), which also signs with
+:func:`sign` and opens with :func:`open_signed`. Neither is wired into sync or the store yet. Pure: time comes in as ``now_ms``; no I/O.
 """
 
 from __future__ import annotations
@@ -103,21 +102,34 @@ def summarise(ledger: Ledger, now_ms: int) -> Summary:
     return Summary(run=ledger.run, time_ms=now_ms, digest=ledger.digest(), rows=tuple(rows))
 
 
+def sign(identity, domain: str, message: Message) -> bytes:
+    """``message`` sealed by ``identity`` (a trainer of the run) for ``domain``, as it is stored and sent."""
+    return encode(seal(identity, domain, message))
+
+
+def open_signed(raw: bytes, domain: str, cls: type, max_bytes: int, run: str,
+                trainers: frozenset[str] | set[str]) -> tuple[str, Message]:
+    """(signer, message) of untrusted bytes sealed for ``domain``: schema, signature, a signer among
+    ``trainers`` (the run file's), the right ``run``. RemoteProtocolError with a reason otherwise."""
+    env = decode_as(Envelope, raw, max_bytes)
+    message = env.open_as(domain, cls, max_bytes)
+    signer = peer_id_of(env.public_key)
+    if signer not in trainers:
+        raise RemoteProtocolError("unauthorized", f"{domain} signed by {signer[-8:]}, not a trainer of the run")
+    if message.run != run:
+        raise RemoteProtocolError("wrong-run", message.run[:32])
+    return signer, message
+
+
 def sign_summary(identity, summary: Summary) -> bytes:
     """The summary sealed by ``identity`` (a trainer of the run), as it would be stored and sent."""
-    return encode(seal(identity, DOMAIN, summary))
+    return sign(identity, DOMAIN, summary)
 
 
 def open_summary(raw: bytes, run: str, trainers: frozenset[str] | set[str]) -> tuple[str, Summary]:
     """(signer, summary) of untrusted bytes: schema, signature, a signer among ``trainers`` (the run
     file's), the right run. RemoteProtocolError with a reason otherwise (the sender is wrong)."""
-    env = decode_as(Envelope, raw, MAX_SUMMARY_BYTES)
-    summary = env.open_as(DOMAIN, Summary, MAX_SUMMARY_BYTES)
-    signer = peer_id_of(env.public_key)
-    if signer not in trainers:
-        raise RemoteProtocolError("unauthorized", f"summary signed by {signer[-8:]}, not a trainer of the run")
-    if summary.run != run:
-        raise RemoteProtocolError("wrong-run", summary.run[:32])
+    signer, summary = open_signed(raw, DOMAIN, Summary, MAX_SUMMARY_BYTES, run, trainers)
     if any(a.peer >= b.peer for a, b in zip(summary.rows, summary.rows[1:])):
         raise RemoteProtocolError("unsorted-rows")
     return signer, summary
