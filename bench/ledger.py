@@ -1,6 +1,7 @@
 """Ledger benchmark: ingest rate vs raw Ed25519 verification; sync time vs a raw libp2p stream copy; a long run's size.
 
     .venv/bin/python bench/ledger.py [--ingest 20000] [--sync 100000] [--scale] [--workers 1000] [--days 7]
+                                     [--cut-every 1000000] [--keep-versions 16]
     .venv/bin/python bench/ledger.py --memory DATA_DIR
 
 1. Entries verified and stored per second: the node's real ingest path (parse + schema + canonical
@@ -20,7 +21,13 @@
    wire as sync sends them, in the file, in the replica's memory) and its verify-and-apply rate are
    then extrapolated linearly to the whole run, and the output says so. Catch-up for a new node is
    the sync bytes over a ``--link-mbit`` link plus the CPU to verify and apply every entry, beside
-   the issue's goal (60 s on 100 Mbit/s whatever the history): the ratio to the goal is printed last.
+   the issue's goal (60 s on 100 Mbit/s whatever the history). The same with trainer-signed cuts
+   (node/ledger/cut.py) every ``--cut-every`` entries keeping ``--keep-versions`` checkpoint versions
+   open: the sample's replica is cut with everything open and with everything closed (real signed
+   cuts; the closed one's integers widened to the run's length, the open part per version scaled to
+   the window), a replica holds its cut and at most two periods of entries, and a new node fetches and
+   loads the cut (its load rate measured) and at most one period of entries. Both ratios to the goal
+   are printed last: today's sync, then from a cut.
 
 4. ``--memory DATA_DIR`` (issue 45: RSS grew with the ledger during an hour-long soak): a node's
    own ``ledger.sqlite`` (copied to a temporary dir first; the data dir is only read) loaded into a
@@ -77,7 +84,7 @@ from node.ledger.entries import (
 )
 from node.ledger.messages import RangeReply, SyncHello
 from node.ledger.store import DB_FILE, open_ledger_store, rebuild
-from node.ledger.summary import sign_summary, summarise
+from node.ledger.cut import ledger_from_cut, make_cut, open_cut, sign_cut
 from node.ledger.service import LedgerService, serve_ledger
 from node.roles.sections import RunSections
 from node.wire import Envelope, decode_as, encode
@@ -390,26 +397,47 @@ def make_entries(traffic: Traffic, workers: list[Identity], events: list[tuple[f
     return out
 
 
-def summary_size(traffic: Traffic, workers: list[Identity], batches_each: float) -> int:
-    """Bytes of a trainer-signed summary (node/ledger/summary.py) with a row for every worker, the
-    trainer and the validator: the summary of one round (a checkpoint, a batch judged and verified
-    per worker, a receipt per downloader), its counts then scaled to ``batches_each`` batches per
-    worker, since a long run's totals and seqs are wider integers."""
-    w = len(workers)
-    events = [(0.0, CheckpointPublished.TYPE, 0)] + [(1.0, kind, i) for kind in (RolloutsJudged.TYPE, Verdict.TYPE)
-                                                      for i in range(w)]
-    entries = make_entries(traffic, workers, events + [(2.0, Receipts.TYPE, j) for j in range(w + 1)])
+@dataclass(frozen=True)
+class CutCost:
+    """A trainer-signed cut (node/ledger/cut.py) of a long run, measured on a sample's replica: the part
+    that follows the peers (logs and rows, integers widened to the run's length), the part that follows
+    the open window (per checkpoint version kept open), and the CPU to open and load one, per byte."""
+
+    closed_bytes: int  # the signed cut with every version closed, its integers those of the whole run
+    per_version: float  # bytes each version kept open adds (its batches' claims, vouched bytes, published sizes)
+    versions: int  # checkpoint versions the sample published (what per_version is measured over)
+    load_s_per_byte: float  # open_cut (schema, signature) + ledger_from_cut, per byte of the sample's cut
+
+    def size(self, keep_versions: int) -> float:
+        return self.closed_bytes + keep_versions * self.per_version
+
+
+def measure_cut(entries: list, factor: float) -> CutCost:
+    """The cut of a replica of ``entries`` (the chain rules' check and apply), with everything open and
+    with everything closed; the closed one's totals, seqs and receipt counts scaled by ``factor`` (the
+    run's entries over the sample's) so that their encodings are a long run's."""
     run = run_config()
     ledger = Ledger(run.name, run.trainers, run.validators, max_skew_ms=0)
+    now = max(se.time_ms for se in entries)
     for se in entries:
-        decision = ledger.check(se, entries[-1].time_ms)
+        decision = ledger.check(se, now)
         assert decision.outcome is Outcome.ACCEPT, decision.reason
         ledger.apply(decision)
-    summary = summarise(ledger, entries[-1].time_ms)
-    k = max(1, round(batches_each))
-    wide = tuple(replace(r, seq=r.seq * k, totals=tuple(v * k for v in r.totals)) for r in summary.rows)
-    assert len(wide) == w + 2
-    return len(sign_summary(TRAINER, replace(summary, rows=wide)))
+    versions = ledger.newest_version() + 1
+    everything = make_cut(ledger, time_ms=now, keep_versions=versions)
+    closed = make_cut(ledger, time_ms=now, keep_versions=0)
+    k = max(1, round(factor))
+    wide = replace(closed, logs=tuple(replace(log, seq=log.seq * k, receipts=log.receipts * k) for log in closed.logs),
+                   rows=tuple(replace(r, totals=tuple(v * k for v in r.totals), trusted_vouched=r.trusted_vouched * k)
+                              for r in closed.rows))
+    raw = sign_cut(TRAINER, everything)
+    template = Ledger(run.name, run.trainers, run.validators, max_skew_ms=0)
+    t0 = time.perf_counter()
+    loaded = ledger_from_cut(open_cut(raw, template), template)
+    load_s = time.perf_counter() - t0
+    assert loaded.totals() == ledger.totals()
+    return CutCost(len(sign_cut(TRAINER, wide)), (len(raw) - len(sign_cut(TRAINER, closed))) / max(1, versions),
+                   versions, load_s / len(raw))
 
 
 def sync_bytes(entries: list, batch: int = LedgerConfig().sync_batch) -> int:
@@ -429,14 +457,15 @@ class Sample:
     ram: float  # replica memory per entry
     rate: float  # entries/s through LedgerService.ingest (parse, signature, chain rules, SQLite commit)
     replica: Replica
+    cut: CutCost | None = None  # measured by measure_sample for a run of ``run_entries``
 
 
-def measure_sample(traffic: Traffic, workers: int, n: int) -> Sample:
+def measure_sample(traffic: Traffic, workers: int, n: int, run_entries: float) -> Sample:
     entries, seconds = make_sample(traffic, worker_ids(workers), n)
     rate, _raw, replica = trio.run(measure_ingest, entries)
     k = len(entries)
     return Sample(k, seconds, sync_bytes(entries) / k, (replica.db_bytes - replica.empty_db_bytes) / k,
-                  replica.ram_bytes / k, rate, replica)
+                  replica.ram_bytes / k, rate, replica, measure_cut(entries, run_entries / k))
 
 
 @dataclass(frozen=True)
@@ -451,11 +480,12 @@ class LongRun:
     sync_bytes: float
     transfer_s: float
     verify_s: float
-    # With trainer-signed summaries every ``period`` entries (the proposal; node/ledger/summary.py):
-    summary_bytes: float  # one signed summary, measured (:func:`summary_size`)
-    period: float  # entries between summaries
-    summary_disk_bytes: float  # a replica that keeps the latest summary and two periods of entries
-    summary_catch_up_s: float  # a new node fetches the latest summary and at most one period after it
+    # With trainer-signed cuts every ``period`` entries (node/ledger/cut.py), ``keep_versions`` open:
+    cut_bytes: float  # one signed cut (:class:`CutCost`)
+    period: float  # entries between cuts
+    cut_disk_bytes: float  # a replica that keeps its cut and at most two periods of entries (the next cut's check)
+    cut_sync_bytes: float  # a new node's download: the cut, a SyncHello, at most one period of entries
+    cut_catch_up_s: float  # a new node fetches and loads the latest cut, then at most one period of entries
     max_period: float  # the longest period whose catch-up still meets GOAL_S
 
     @property
@@ -466,15 +496,17 @@ class LongRun:
 
 
 def long_run(traffic: Traffic, workers: int, sample: Sample, days: float, link_mbit: float,
-             period: float, summary: int) -> LongRun:
+             period: float, keep_versions: int) -> LongRun:
     per_day = sum(traffic.per_minute(workers).values()) * 1440
     n = per_day * days
     link = link_mbit * 1e6 / 8  # bytes/s
     wire = n * sample.wire + sample.replica.hello_bytes
     per_entry_s = sample.wire / link + 1 / sample.rate  # fetch, then verify and apply, one entry
-    head_s = (summary + sample.replica.hello_bytes) / link  # the summary's signature check is one Ed25519
+    cut = sample.cut.size(keep_versions)
+    head_s = (cut + sample.replica.hello_bytes) / link + cut * sample.cut.load_s_per_byte
     return LongRun(workers, per_day, n, n * sample.disk, n * sample.ram, wire, wire / link, n / sample.rate,
-                   summary, period, summary + 2 * period * sample.disk, head_s + period * per_entry_s,
+                   cut, period, cut + 2 * period * sample.disk, cut + sample.replica.hello_bytes + period * sample.wire,
+                   head_s + period * per_entry_s,
                    max(0.0, (GOAL_S - head_s) / per_entry_s))
 
 
@@ -491,20 +523,20 @@ def duration(s: float) -> str:
 
 
 def scale_report(traffic: Traffic, workers: int, baseline: int, n: int, days: float, link_mbit: float,
-                 period: float) -> float:
+                 period: float, keep_versions: int) -> float:
     """Print one profile's table; returns the catch-up time at ``workers`` over the goal."""
     print(f"\n{traffic.name}: {traffic.describe()}")
     runs = []
     for w in (baseline, workers):
         t0 = time.perf_counter()
-        sample = measure_sample(traffic, w, n)
+        sample = measure_sample(traffic, w, n, sum(traffic.per_minute(w).values()) * 1440 * days)
         print(f"  sample at {w} workers: {sample.entries} real signed entries = {sample.seconds:.1f} simulated s, "
               f"measured: {sample.wire:.0f} B/entry on the wire, {sample.disk:.0f} B/entry in SQLite, "
-              f"{sample.ram:.0f} B/entry of replica RAM, {sample.rate:.0f} entries/s verified+applied+stored "
+              f"{sample.ram:.0f} B/entry of replica RAM, {sample.rate:.0f} entries/s verified+applied+stored; "
+              f"its cut: {sample.cut.closed_bytes} B closed + {sample.cut.per_version:.0f} B per open version "
+              f"(measured over {sample.cut.versions}), loads at {1 / sample.cut.load_s_per_byte / 1e6:.1f} MB/s "
               f"({time.perf_counter() - t0:.1f} s)")
-        batches_each = traffic.batches_per_worker_min * 1440 * days
-        summary = summary_size(traffic, worker_ids(w), batches_each)
-        runs.append(long_run(traffic, w, sample, days, link_mbit, period, summary))
+        runs.append(long_run(traffic, w, sample, days, link_mbit, period, keep_versions))
     base, big = runs
     rows = [
         ("entries per day", human(base.per_day, ""), human(big.per_day, ""), big.per_day / base.per_day),
@@ -516,14 +548,16 @@ def scale_report(traffic: Traffic, workers: int, baseline: int, n: int, days: fl
          big.transfer_s / base.transfer_s),
         ("catch-up: verify+apply (CPU)", duration(base.verify_s), duration(big.verify_s), big.verify_s / base.verify_s),
         ("catch-up: total", duration(base.catch_up_s), duration(big.catch_up_s), big.catch_up_s / base.catch_up_s),
-        (f"summaries every {human(period, '')} entries:", "", "", None),
-        ("  one signed summary", human(base.summary_bytes), human(big.summary_bytes), big.summary_bytes / base.summary_bytes),
+        (f"cuts every {human(period, '')} entries, {keep_versions} versions open:", "", "", None),
+        ("  one signed cut", human(base.cut_bytes), human(big.cut_bytes), big.cut_bytes / base.cut_bytes),
         ("  ... signed every", duration(period / base.per_day * 86400), duration(period / big.per_day * 86400),
          base.per_day / big.per_day),
-        ("  replica: summary + 2 periods", human(base.summary_disk_bytes), human(big.summary_disk_bytes),
-         big.summary_disk_bytes / base.summary_disk_bytes),
-        ("  catch-up: summary + 1 period", duration(base.summary_catch_up_s), duration(big.summary_catch_up_s),
-         big.summary_catch_up_s / base.summary_catch_up_s),
+        ("  replica: cut + 2 periods (disk)", human(base.cut_disk_bytes), human(big.cut_disk_bytes),
+         big.cut_disk_bytes / base.cut_disk_bytes),
+        ("  catch-up: bytes (cut + 1 period)", human(base.cut_sync_bytes), human(big.cut_sync_bytes),
+         big.cut_sync_bytes / base.cut_sync_bytes),
+        ("  catch-up: cut + 1 period", duration(base.cut_catch_up_s), duration(big.cut_catch_up_s),
+         big.cut_catch_up_s / base.cut_catch_up_s),
         ("  longest period within the goal", human(base.max_period, ""), human(big.max_period, ""),
          big.max_period / base.max_period if base.max_period else float("nan")),
     ]
@@ -532,7 +566,7 @@ def scale_report(traffic: Traffic, workers: int, baseline: int, n: int, days: fl
     for name, a, b, ratio in rows:
         print(f"  {name:34}{a:>16}{b:>16}" + ("" if ratio is None else f"{ratio:>10.3g}"))
     for name, x, y in ((f"ratio catch-up / goal ({GOAL_S:.0f} s)", base.catch_up_s, big.catch_up_s),
-                       ("  the same from a summary", base.summary_catch_up_s, big.summary_catch_up_s)):
+                       ("  the same from a cut", base.cut_catch_up_s, big.cut_catch_up_s)):
         print(f"  {name:34}{x / GOAL_S:16.3g}{y / GOAL_S:16.3g}")
     return big.catch_up_s / GOAL_S
 
@@ -618,16 +652,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample", type=int, default=20_000,
                         help="real signed entries measured per profile and worker count (at most one simulated hour)")
     parser.add_argument("--link-mbit", type=float, default=100.0, help="a new node's download link")
-    parser.add_argument("--summary-every", type=float, default=100_000,
-                        help="entries between trainer-signed summaries, for the proposal's figures")
+    parser.add_argument("--cut-every", type=float, default=1_000_000,
+                        help="entries between trainer-signed cuts (node/ledger/cut.py)")
+    parser.add_argument("--keep-versions", type=int, default=16,
+                        help="checkpoint versions a cut keeps open (above the trainers' async_level + verify_grace_steps)")
     parser.add_argument("--memory", type=Path, metavar="DATA_DIR",
                         help="only the replica memory of a node's ledger database (4. of the docstring)")
     args = parse_args(parser, {"ingest": 2000, "sync": 2000, "sample": 1000}, argv)
     if min(args.workers, args.baseline_workers) <= max(p.sources for p in PROFILES):
         parser.error(f"--workers and --baseline-workers: more than {max(p.sources for p in PROFILES)} "
                      "(each receipt vouches for that many other workers)")
-    if args.sample < 100 or args.days <= 0 or args.link_mbit <= 0 or args.summary_every < 1:
-        parser.error("--sample: at least 100; --days and --link-mbit: more than 0; --summary-every: at least 1")
+    if args.sample < 100 or args.days <= 0 or args.link_mbit <= 0 or args.cut_every < 1 or args.keep_versions < 1:
+        parser.error("--sample: at least 100; --days and --link-mbit: more than 0; --cut-every, --keep-versions: at least 1")
     if args.memory:
         if not (args.memory / DB_FILE).is_file() or read_run_record(args.memory) is None:
             parser.error(f"--memory: {args.memory} is not a node's data dir (it needs {DB_FILE} and run.json)")
@@ -664,7 +700,7 @@ def scale(args: argparse.Namespace) -> None:
     print(f"a long run's ledger (one trainer, one validator, the workers; {args.sample} entries measured per column):")
     for traffic in PROFILES:
         scale_report(traffic, args.workers, args.baseline_workers, args.sample, args.days, args.link_mbit,
-                     args.summary_every)
+                     args.cut_every, args.keep_versions)
 
 
 if __name__ == "__main__":

@@ -73,9 +73,11 @@ def test_receipts_flush_once_per_interval_or_per_full_entry():
 def test_the_long_run_is_the_sample_scaled_linearly():
     traffic = bench.PROFILES[1]
     replica = bench.Replica(db_bytes=0, empty_db_bytes=0, ram_bytes=0, hello_bytes=1300)
-    sample = bench.Sample(entries=1000, seconds=60, wire=600.0, disk=800.0, ram=1500.0, rate=5000.0, replica=replica)
-    one = bench.long_run(traffic, 100, sample, days=1, link_mbit=100, period=1000, summary=5000)
-    two = bench.long_run(traffic, 100, sample, days=2, link_mbit=100, period=1000, summary=5000)
+    cut = bench.CutCost(closed_bytes=4000, per_version=100.0, versions=3, load_s_per_byte=1e-7)
+    sample = bench.Sample(entries=1000, seconds=60, wire=600.0, disk=800.0, ram=1500.0, rate=5000.0, replica=replica,
+                          cut=cut)
+    one = bench.long_run(traffic, 100, sample, days=1, link_mbit=100, period=1000, keep_versions=10)
+    two = bench.long_run(traffic, 100, sample, days=2, link_mbit=100, period=1000, keep_versions=10)
     assert one.per_day == pytest.approx(sum(traffic.per_minute(100).values()) * 1440)
     assert two.entries == pytest.approx(2 * one.entries)
     assert two.disk_bytes == pytest.approx(2 * one.disk_bytes) == pytest.approx(two.entries * 800)
@@ -84,27 +86,31 @@ def test_the_long_run_is_the_sample_scaled_linearly():
     assert two.transfer_s == pytest.approx(two.sync_bytes * 8 / 100e6)
     assert two.verify_s == pytest.approx(two.entries / 5000)
     assert two.catch_up_s == pytest.approx(two.transfer_s + two.verify_s)
-    # from a summary: its bytes, then at most one period of entries, however long the run
+    # from a cut: its bytes (closed part + the open window), loading it, then at most one period of
+    # entries, however long the run
     link = 100e6 / 8
-    assert two.summary_catch_up_s == one.summary_catch_up_s == pytest.approx(
-        (5000 + 1300) / link + 1000 * (600 / link + 1 / 5000))
-    assert two.summary_disk_bytes == one.summary_disk_bytes == 5000 + 2 * 1000 * 800
-    at_max = bench.long_run(traffic, 100, sample, days=1, link_mbit=100, period=one.max_period, summary=5000)
-    assert at_max.summary_catch_up_s == pytest.approx(bench.GOAL_S)
-    more = bench.long_run(traffic, 200, sample, days=1, link_mbit=100, period=1000, summary=5000)
+    assert two.cut_bytes == one.cut_bytes == 4000 + 10 * 100
+    assert two.cut_catch_up_s == one.cut_catch_up_s == pytest.approx(
+        (5000 + 1300) / link + 5000 * 1e-7 + 1000 * (600 / link + 1 / 5000))
+    assert two.cut_sync_bytes == one.cut_sync_bytes == 5000 + 1300 + 1000 * 600
+    assert two.cut_disk_bytes == one.cut_disk_bytes == 5000 + 2 * 1000 * 800
+    at_max = bench.long_run(traffic, 100, sample, days=1, link_mbit=100, period=one.max_period, keep_versions=10)
+    assert at_max.cut_catch_up_s == pytest.approx(bench.GOAL_S)
+    more = bench.long_run(traffic, 200, sample, days=1, link_mbit=100, period=1000, keep_versions=10)
     assert more.per_day > one.per_day  # workers' entries grow with them, the trainer's checkpoints do not
     assert more.per_day < 2 * one.per_day + 1
 
 
-def test_a_summary_has_a_row_per_peer_and_grows_with_them_not_with_the_run():
+def test_a_cut_grows_with_the_peers_and_the_window_not_with_the_run():
     traffic = bench.PROFILES[1]
-    workers = bench.worker_ids(40)
-    small = bench.summary_size(traffic, workers[:20], batches_each=1)
-    big = bench.summary_size(traffic, workers, batches_each=1)
-    per_row = (big - small) / 20
-    assert 150 < per_row < 400  # a peer id, a head hash, ten totals, a few integers
-    week = bench.summary_size(traffic, workers, batches_each=16_000)
-    assert big < week < big + 40 * 60  # wider integers, no more rows
+    entries, _seconds = bench.make_sample(traffic, bench.worker_ids(20), 1200)
+    short = bench.measure_cut(entries, factor=1)
+    week = bench.measure_cut(entries, factor=16_000)
+    assert short.versions >= 2 and short.per_version > 0
+    assert short.closed_bytes < week.closed_bytes < short.closed_bytes + 22 * 40  # wider integers, no more rows
+    more, _seconds = bench.make_sample(traffic, bench.worker_ids(40), 1200)
+    per_peer = (bench.measure_cut(more, factor=1).closed_bytes - short.closed_bytes) / 20
+    assert 150 < per_peer < 400  # a peer id twice (log and row), a head hash, ten totals, a few integers
 
 
 def test_scale_mode_measures_both_columns_and_prints_the_goal_ratio_last(capsys):
@@ -115,9 +121,9 @@ def test_scale_mode_measures_both_columns_and_prints_the_goal_ratio_last(capsys)
     assert out.count("sample at 9 workers:") == out.count("sample at 6 workers:") == len(bench.PROFILES)
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("entries per day")]
     assert len(rows) == len(bench.PROFILES)
-    goal = [line for line in out.splitlines() if "ratio catch-up / goal" in line or "the same from a summary" in line]
+    goal = [line for line in out.splitlines() if "ratio catch-up / goal" in line or "the same from a cut" in line]
     assert len(goal) == 2 * len(bench.PROFILES)
-    assert out.rstrip().splitlines()[-2:] == goal[-2:]  # the ratios last: today's sync, then from a summary
+    assert out.rstrip().splitlines()[-2:] == goal[-2:]  # the ratios last: today's sync, then from a cut
     assert all(float(v) > 0 for line in goal for v in line.split()[-2:])
 
 
