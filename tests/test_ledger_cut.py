@@ -237,6 +237,15 @@ def test_a_replica_holding_the_history_refuses_a_cut_whose_totals_disagree():
     assert cut_problem(dataclasses.replace(cut, batches=cut.batches[1:]),
                        replay_to(cut, new_ledger(), honest.history)) == "batches-differ"
     assert cut_problem(dataclasses.replace(cut, bans=()), replay_to(cut, new_ledger(), honest.history)) == "bans-differ"
+    # a cut that reopens versions its base closed, or that follows a cut we have not taken
+    first = opened(cut, honest)
+    based = rebase(honest, first)
+    reopen = make_cut(based, time_ms=NOW, keep_versions=9)
+    assert reopen.open_version == first.cut.open_version  # never below the base's
+    reopen = dataclasses.replace(reopen, open_version=0)
+    assert cut_problem(reopen, replay_to(reopen, ledger_from_cut(first, honest), honest.history)) == "reopens-versions"
+    skipped = dataclasses.replace(make_cut(based, time_ms=NOW, keep_versions=2), number=3, prev=bytes(range(32)))
+    assert cut_problem(skipped, replay_to(skipped, ledger_from_cut(first, honest), honest.history)) == "other-base"
     # a replica missing entries the cut covers is behind, not wronged
     behind = new_ledger()
     deliver(behind, entries[: len(entries) // 2])

@@ -71,6 +71,14 @@ record it, validators judge it or entries replay it; a validator's ``verdicts`` 
 it judged. Where entries claim different amounts for one batch, the largest counts (a function of
 the usable entries, so order does not matter).
 
+Cuts (node/ledger/cut.py, issue 46 item 4): a replica may be based on a trainer-signed cut instead of
+the history below it. Each author's log then starts at the cut's head (``_Log.base``: entries at or
+below it are refused as ``below-cut``, one above it that does not chain onto it as ``off-cut``), the
+totals start from the cut's, and credits of batches and manifests of versions below the cut's
+``open_version`` (each credit names its version, :attr:`Credit.step`) count nothing, for every
+replica based on that cut alike. A fork below the cut flags its author from the cut on; the cut's
+totals stand.
+
 Bans: a ``penalty`` entry with ``ban_seconds`` (only trainers and validators may author one) bans its
 peer from the entry's time for that long; :meth:`Ledger.ban_of` is what trainers and validators
 consult at intake, so a ban given by any one of them holds at all of them once the entry arrives.

@@ -344,13 +344,19 @@ def replay_to(cut: Cut, base: Ledger, history: History) -> Ledger | str:
 
 
 def cut_problem(cut: Cut, replayed: Ledger) -> str | None:
-    """Why ``cut`` is not ``replayed``'s state (a :func:`replay_to` result), or None when it is."""
+    """Why ``cut`` is not ``replayed``'s state (a :func:`replay_to` result from the cut it follows), or
+    None when it is. A cut is checked from the base it was made on: one that follows a cut we have not
+    taken (``other-base``) could close versions ours does not, so entries between would count
+    differently."""
     if cut.run != replayed.run:
         return "wrong-run"
+    if cut.prev != replayed.cut_hash or cut.number != replayed.cut_number + 1:
+        return "other-base"  # made on another cut than ours: we need the cuts between first
+    if cut.open_version < replayed.open_version:
+        return "reopens-versions"
     if cut.digest != replayed.digest():
         return "other-heads"
-    ours = make_cut(replayed, time_ms=cut.time_ms, keep_versions=0, number=cut.number, prev=cut.prev,
-                    open_version=cut.open_version)
+    ours = make_cut(replayed, time_ms=cut.time_ms, keep_versions=0, open_version=cut.open_version)
     for name in ("logs", "rows", "batches", "vouched", "published", "bans"):
         if getattr(ours, name) != getattr(cut, name):
             return f"{name}-differ"
