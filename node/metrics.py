@@ -20,7 +20,7 @@ prometheus_client.disable_created_metrics()  # process-wide; see the module docs
 
 # The byte counts the py-libp2p patches fill (node/net/patches/counting.py); that module imports no
 # libp2p, so metrics stay importable without the network stack.
-from .counters import StreamBytes, TcpBytes
+from .counters import PubsubDrops, StreamBytes, TcpBytes
 
 
 PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)  # seconds: tiny model to a big one on a CPU
@@ -28,8 +28,9 @@ PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 60
 
 class _ByteCounters:
     """``swarm_stream_bytes_total{protocol,direction}``, ``swarm_tcp_bytes_total{direction}`` and
-    ``swarm_tcp_calls_total{direction}`` (writes, one Noise message each, and reads):
-    counters read from ``StreamBytes`` / ``TcpBytes`` at scrape time (the protocols are only known
+    ``swarm_tcp_calls_total{direction}`` (writes, one Noise message each, and reads), and
+    ``swarm_pubsub_dropped_total{reason,topic}``: counters read from ``StreamBytes`` / ``TcpBytes`` /
+    ``PubsubDrops`` at scrape time (the protocols are only known
     as streams open, and the counts are kept by the py-libp2p patches, not by prometheus_client)."""
 
     def collect(self):
@@ -51,6 +52,11 @@ class _ByteCounters:
         for direction, n in TcpBytes.calls.items():
             calls.add_metric([direction], n)
         yield calls
+        drops = CounterMetricFamily("swarm_pubsub_dropped", "Gossip messages and RPCs py-libp2p dropped silently, by "
+                                    "reason and topic (node/counters.py PubsubDrops)", labels=["reason", "topic"])
+        for (reason, topic), n in sorted(PubsubDrops.counts.items()):
+            drops.add_metric([reason, topic], n)
+        yield drops
 
 
 class Metrics:
@@ -107,10 +113,14 @@ class Metrics:
         return out
 
     def totals(self) -> dict:
-        """A few headline counters for status views (bytes, connections)."""
+        """A few headline counters for status views (bytes, connections, gossip dropped by reason)."""
         tcp, streams = TcpBytes, StreamBytes
+        dropped: dict[str, int] = {}
+        for (reason, _topic), n in PubsubDrops.counts.items():
+            dropped[reason] = dropped.get(reason, 0) + n
         return {"tcp_bytes_sent": tcp.sent, "tcp_bytes_received": tcp.received,
-                "stream_bytes_sent": dict(streams.sent), "stream_bytes_received": dict(streams.received)}
+                "stream_bytes_sent": dict(streams.sent), "stream_bytes_received": dict(streams.received),
+                "pubsub_dropped": dropped}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,7 +6,8 @@ Three kinds, one module each:
   (:class:`~.safety.CancelSafeFrames`, :class:`~.safety.KeptReceiveWindow`, and per host
   :func:`~.safety.guard_handlers` and :func:`~.safety.disable_auto_connect`).
 * :mod:`.speed`: each removes a measured cost per byte, message or wake-up (eleven of them).
-* :mod:`.counting`: the byte counts py-libp2p does not keep, added to :mod:`node.counters`.
+* :mod:`.counting`: the byte counts py-libp2p does not keep, and the messages it drops silently,
+  added to :mod:`node.counters`.
 
 :func:`install_all` makes the process-wide ones, once per process (all its hosts share them), and
 :func:`node.net.host.open_swarm_host` calls it and applies the per-host ones to the host it builds;
@@ -19,7 +20,7 @@ cut round trip lives in :meth:`node.net.host.SwarmHost.ping`.)
 
 from __future__ import annotations
 
-from .counting import CountStreamBytes, CountTcpBytes
+from .counting import CountPubsubDrops, CountStreamBytes, CountTcpBytes
 from .safety import CancelSafeFrames, HandlerErrors, KeptReceiveWindow, disable_auto_connect, guard_handlers
 from .speed import (
     BatchedWindowCredit,
@@ -41,6 +42,7 @@ from .speed import (
 PATCHES = (
     CountTcpBytes,
     CountStreamBytes,
+    CountPubsubDrops,  # before SeenMessagesSpawnNothing, which finds push_msg at its install
     CancelSafeFrames,
     QuickLocks,
     BatchedWindowCredit,
