@@ -284,7 +284,8 @@ def test_a_batch_closed_by_the_cut_counts_nothing_when_claimed_again_above_it():
 
 def test_only_a_trainers_cut_of_this_run_opens():
     ledger = new_ledger()
-    deliver(ledger, history(2, seed=4))
+    entries = history(2, seed=4)
+    deliver(ledger, entries)
     cut = make_cut(ledger, time_ms=NOW, keep_versions=1)
     for signer, reason in ((VALIDATOR, "unauthorized"), (WORKERS[0], "unauthorized")):
         with pytest.raises(RemoteProtocolError) as e:
@@ -306,6 +307,11 @@ def test_only_a_trainers_cut_of_this_run_opens():
     bad_index = dataclasses.replace(cut, batches=(CutBatch(batch=bytes(32), claims=b"\xff" * 4 + bytes(21)),))
     with pytest.raises(RemoteProtocolError) as e:
         ledger_from_cut(opened(bad_index, ledger), new_ledger())
+    assert e.value.reason == "malformed-cut"
+    half_evidence = dataclasses.replace(cut, logs=(dataclasses.replace(cut.logs[0], fork_seq=1,
+                                                                       evidence=(entries[0].raw,)),) + cut.logs[1:])
+    with pytest.raises(RemoteProtocolError) as e:
+        ledger_from_cut(opened(half_evidence, ledger), new_ledger())
     assert e.value.reason == "malformed-cut"
     lying_digest = dataclasses.replace(cut, digest=bytes(32))
     with pytest.raises(RemoteProtocolError) as e:

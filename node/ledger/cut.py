@@ -278,8 +278,10 @@ def parts_of(cut: Cut) -> BaseParts:
         for log in cut.logs:
             ev = None
             if log.evidence:
+                if len(log.evidence) != 2:
+                    raise ValueError(f"evidence of {log.author[-8:]}: one entry")
                 ev = Evidence(*(parse_entry(raw) for raw in log.evidence))
-                if len(log.evidence) != 2 or ev.problem() or ev.author != log.author or ev.fork_seq != log.fork_seq:
+                if ev.problem() or ev.author != log.author or ev.fork_seq != log.fork_seq:
                     raise ValueError(f"evidence of {log.author[-8:]}")
             elif log.fork_seq:
                 raise ValueError(f"{log.author[-8:]} flagged without evidence")
