@@ -107,7 +107,7 @@ async def test_node_deaf_to_announcements_gets_the_version_by_asking(tmp_path: P
             path = await w.shards.wait_version(2)
             assert same_files(src, path)
             assert w.shards.announced[2][1] == t.peer_id  # learnt from the trainer it asked
-            assert w.shards.status()["catch_up"] == {"wanted": None, "requests": 1}
+            assert w.shards.status()["catch_up"] == {"wanted": None, "wanted_exact": [], "requests": 1}
 
 
 async def test_newest_request_is_budgeted_and_its_answer_verified(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ async def test_newest_request_is_budgeted_and_its_answer_verified(tmp_path: Path
     class Forger(ShardsService):
         """Answers with a manifest of a newer version signed by a key that is not the trainer's."""
 
-        def _newest_reply(self, peer, above):
+        def _newest_reply(self, peer, above, version=-1):
             forged = sign_manifest(stranger, build_manifest(src, "test", 9))
             return ManifestReply(envelope=forged.envelope)
 

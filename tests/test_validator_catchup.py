@@ -1,9 +1,11 @@
 """A validator whose checkpoint announcements were lost still judges a batch of the new version
 (issue 45's soak: no node heard v130-v136 for about two minutes; a validator handed each batch made
-on them back ``unjudged`` while it waited on gossip alone)."""
+on them back ``unjudged`` while it waited on gossip alone), and a batch of a version older than the
+newest it knows."""
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,38 +30,71 @@ from node.validator.store import ValidatorStore
 from node.validator.tasks import RunTasks
 
 
-async def test_validator_deaf_to_announcements_fetches_the_batchs_version_and_judges_it(tmp_path: Path) -> None:
+@asynccontextmanager
+async def deaf_validator(tmp_path: Path):
+    """A trainer (a relay node signing as the run's trainer, its verdicts collected) and a validator
+    whose pubsub drops every checkpoint announcement: yields (trainer, validator, make_batch(v,
+    root), verdicts by batch id, the announcements dropped)."""
     tid, _ = load_or_create_identity(tmp_path / "t")
     vid, _ = load_or_create_identity(tmp_path / "v")
     run = RunConfig(name="test", trainers=[tid.peer_id], validators=[vid.peer_id],
                     tables={"rl": RL, "shards": FAST_SHARDS})
-    folder = create_tiny_model(tmp_path / "model")
     engine = TorchEngine("cpu")
-    engine.load(folder)
+    engine.load(create_tiny_model(tmp_path / "model"))
     rules = batch_rules(run.name, RunSections.of(run).pick(ValidatorSections))
     verdicts: dict[bytes, object] = {}
     sink = T.verdict_sink(run.name, set(run.validators), lambda v, raw: verdicts.__setitem__(v.batch_id, v))
+    worker = Identity.generate()
+
+    def make_batch(version: int, root: bytes):
+        return T.make_batch(engine, worker, rules, RunTasks(RLConfig(**RL)), step=version, policy_version=version,
+                            policy_root=root)
 
     configs = [node_config(tmp_path, "t", role="relay", run=run), node_config(tmp_path, "v", role="validator", run=run)]
+    async with open_nodes(configs) as (trainer, validator):
+        trainer.host.set_handler(VERDICTS_PROTOCOL, sink)
+        yield trainer, validator, make_batch, verdicts, deafen(validator)
+
+
+async def test_validator_deaf_to_announcements_fetches_the_batchs_version_and_judges_it(tmp_path: Path) -> None:
     with trio.fail_after(240):
-        async with open_nodes(configs) as (trainer, validator):
-            trainer.host.set_handler(VERDICTS_PROTOCOL, sink)
-            dropped = deafen(validator)
-            root = (await trainer.shards.publish(folder, 0)).root
-            batch = T.make_batch(engine, Identity.generate(), rules, RunTasks(RLConfig(**RL)), step=0,
-                                 policy_version=0, policy_root=root)
+        async with deaf_validator(tmp_path) as (trainer, validator, make_batch, verdicts, dropped):
+            root = (await trainer.shards.publish(tmp_path / "model", 0)).root
+            batch = make_batch(0, root)
             # The announcement and a re-announcement reached the validator, which never heard of v0.
             await wait_for(lambda: len(dropped) >= 2, what="the validator drops the announcements")
             assert validator.shards.announced == {}
             first = await send_batch(trainer, validator.peer_id, batch.envelope)
             assert not first.accepted and first.reason == UNJUDGED_NO_CHECKPOINT
-            # The batch says v0 exists: the validator asks the trainer for its newest manifest.
+            # The batch says v0 exists: the validator asks the trainer for its manifest.
             await wait_for(lambda: validator.shards.path_of(0) is not None, what="the validator fetching v0")
             assert validator.shards.announced[0] == (root, trainer.peer_id)
             assert validator.shards.status()["catch_up"]["requests"] >= 1
             again = await send_batch(trainer, validator.peer_id, batch.envelope)  # the trainer's retry
             assert again.accepted, again.reason
             verdict = await wait_for(lambda: verdicts.get(batch.batch_id), what="the batch's verdict")
+            assert not verdict.unjudged and verdict.accepted, verdict.reasons
+
+
+async def test_a_validator_deaf_to_announcements_fetches_an_older_batchs_version_and_judges_it(tmp_path: Path):
+    """The catch-up request asked only for the newest manifest (issue 45): with v1 known, a batch of
+    v0, whose announcement the validator never heard, stayed ``unjudged`` until a re-announcement
+    that never comes for a superseded version. The validator now asks for v0 by number."""
+    with trio.fail_after(240):
+        async with deaf_validator(tmp_path) as (trainer, validator, make_batch, verdicts, dropped):
+            roots = [(await trainer.shards.publish(tmp_path / "model", v)).root for v in (0, 1)]
+            old, new = make_batch(0, roots[0]), make_batch(1, roots[1])
+            await wait_for(lambda: len(dropped) >= 2, what="the validator drops the announcements")
+            assert not (await send_batch(trainer, validator.peer_id, new.envelope)).accepted
+            await wait_for(lambda: validator.shards.path_of(1) is not None, what="the validator fetching v1, the newest")
+            first = await send_batch(trainer, validator.peer_id, old.envelope)
+            assert not first.accepted and first.reason == UNJUDGED_NO_CHECKPOINT
+            # v1 is known, v0 never announced here: the validator asks for v0 itself.
+            await wait_for(lambda: validator.shards.path_of(0) is not None, what="the validator fetching v0 by number")
+            assert validator.shards.announced[0] == (roots[0], trainer.peer_id)
+            again = await send_batch(trainer, validator.peer_id, old.envelope)  # the trainer's retry
+            assert again.accepted, again.reason
+            verdict = await wait_for(lambda: verdicts.get(old.batch_id), what="the older batch's verdict")
             assert not verdict.unjudged and verdict.accepted, verdict.reasons
 
 

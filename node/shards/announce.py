@@ -23,6 +23,7 @@ from libp2p.peer.id import ID
 
 from ..net.reqres import reset
 from ..wire import LocalProtocolError, RemoteProtocolError, encode, seal, write_frame
+from .catchup import NEWEST
 from .config import ShardsConfig
 from .manifest import SignedManifest, open_manifest, root_id
 from .protocol import (
@@ -143,16 +144,19 @@ async def call_signed(host, peer: str, root: bytes, opener, what: str):
     return opener(reply.envelope)
 
 
-async def call_newest(host, peer: str, above: int, run_name: str, trainers: list[str]) -> SignedManifest | None:
-    """Ask ``peer`` for the manifest of the newest version it holds, if newer than ``above``
-    (node/shards/catchup.py): None when it has none or refuses; RemoteProtocolError unless what it
-    sends is a manifest of this run signed by one of its trainers (what an announcement proves) and
-    newer than ``above``."""
-    reply = await _ask(host, peer, NewestRequest(above=above))
+async def call_newest(host, peer: str, above: int, run_name: str, trainers: list[str],
+                      version: int = NEWEST) -> SignedManifest | None:
+    """Ask ``peer`` for the manifest of the newest version it holds, if newer than ``above``, or of
+    ``version`` when one is named (node/shards/catchup.py): None when it has none or refuses;
+    RemoteProtocolError unless what it sends is a manifest of this run signed by one of its
+    trainers (what an announcement proves), newer than ``above`` or of the version named."""
+    reply = await _ask(host, peer, NewestRequest(above=above, version=version))
     if isinstance(reply, Reject) or reply is None:
         return None
     signed = open_manifest(reply.envelope, run_name, trainers)
-    if signed.version <= above:
+    if version != NEWEST and signed.version != version:
+        raise RemoteProtocolError("wrong-version", f"v{signed.version} answers a request for v{version}")
+    if version == NEWEST and signed.version <= above:
         raise RemoteProtocolError("not-newer", f"v{signed.version} answers a request for one above v{above}")
     return signed
 

@@ -8,7 +8,9 @@ A stream starts with one message from the side that opened it:
 * ``NewestRequest(above)`` -> the ``ManifestReply`` of the newest version held if newer than
   ``above``, else ``Reject`` (``none-newer``, or ``busy`` past the refusal budget); the stream
   closes. A node that waited a re-announcement period for a version it knows exists asks this
-  (node/shards/catchup.py).
+  (node/shards/catchup.py). ``NewestRequest(above, version)`` asks for that one version's manifest
+  instead (``not-held`` when the peer has none): a validator holding a batch of a version older
+  than the newest it knows, whose announcement it never heard.
 * ``Hello(root, bitfield)`` opens a transfer session for one manifest. The server answers with its
   ``Bitfield`` (or ``Reject`` and closes). Then, in any order, until either side closes:
   the downloader sends ``Request(piece, offset, length)``, ``Cancel(...)`` and, when the server's
@@ -69,6 +71,15 @@ class ManifestReply(Message):
 class NewestRequest(Message):
     TYPE: ClassVar[str] = "shards.newest-request"
     above: int = bounded(min=-1, max=MAX_VERSION)
+    # The one version wanted (a validator holding a batch of it), -1: the newest above ``above``. Sent
+    # only when set, so a request for the newest is the same bytes an older node sends and reads.
+    version: int = bounded(min=-1, max=MAX_VERSION, default=-1)
+
+    def to_wire(self) -> dict:
+        out = super().to_wire()
+        if self.version == -1:
+            del out["version"]
+        return out
 
 
 @register

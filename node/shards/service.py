@@ -83,7 +83,7 @@ from .announce import (
     reannounce_loop,
     validate_announce,
 )
-from .catchup import AnswerBudget, CatchUp
+from .catchup import NEWEST, AnswerBudget, CatchUp
 from .api import MemberAddrs
 from .client import Download, progress_bar
 from .config import ShardsConfig, ShardsSections
@@ -96,6 +96,7 @@ from .protocol import (
     BUSY,
     FIRST_MESSAGE_TIMEOUT,
     NONE_NEWER,
+    NOT_HELD,
     PROTOCOL,
     RELAYED,
     SOURCE,
@@ -224,11 +225,12 @@ class ShardsService:
         """Verified bytes received, per (peer id, manifest root hex): what the ledger credits."""
         return dict(self._receipts)
 
-    def want_version(self, version: int) -> None:
+    def want_version(self, version: int, exact: bool = False) -> None:
         """A version ``version`` or newer exists (a trainer's ack said so): if no announcement of
-        one arrives within a re-announcement period, ask a peer for its newest manifest."""
+        one arrives within a re-announcement period, ask a peer for its newest manifest; ``exact``
+        (a validator holding a batch of ``version``): for that version's, unless it is announced."""
         if self.policy != "none":
-            self.catchup.want(version, trio.current_time())
+            self.catchup.want(version, trio.current_time(), exact)
             self._wanted.set()
             self._wanted = trio.Event()
 
@@ -441,7 +443,7 @@ class ShardsService:
             await write_frame(stream, reply)
             await stream.close()
         elif isinstance(first, NewestRequest):
-            await write_frame(stream, self._newest_reply(peer, first.above))
+            await write_frame(stream, self._newest_reply(peer, first.above, first.version))
             await stream.close()
         elif isinstance(first, Hello):
             vs = self.serving.get(first.root)
@@ -465,11 +467,15 @@ class ShardsService:
         elif first is not None:
             raise RemoteProtocolError("unexpected", first.TYPE)
 
-    def _newest_reply(self, peer: str, above: int) -> ManifestReply | Reject:
-        """The manifest of the newest version held, if newer than ``above``, within the refusal budget."""
+    def _newest_reply(self, peer: str, above: int, version: int = NEWEST) -> ManifestReply | Reject:
+        """The manifest of the newest version held, if newer than ``above`` (of ``version`` when one
+        is named, if we saved its manifest), within the refusal budget."""
         if not self.newest_answers.admit(peer, trio.current_time()):
             self.reject(BUSY)
             return Reject(piece=-1, offset=0, reason=BUSY)
+        if version != NEWEST:
+            signed = self.store.saved_manifest(version)
+            return ManifestReply(envelope=signed.envelope) if signed else Reject(piece=-1, offset=0, reason=NOT_HELD)
         v = self.latest()
         signed = self.store.saved_manifest(v) if v is not None and v > above else None
         return ManifestReply(envelope=signed.envelope) if signed else Reject(piece=-1, offset=0, reason=NONE_NEWER)
@@ -513,13 +519,17 @@ class ShardsService:
     async def _catch_up(self) -> None:
         """Ask for the newest manifest when a wanted version was not announced in time (catchup.py)."""
         while True:
-            at = self.catchup.due_at(self._newest_known(), trio.current_time())
+            at = self.catchup.due_at(self._newest_known(), trio.current_time(), self._present())
             if at is None:
                 await self._wanted.wait()
                 continue
             await trio.sleep_until(at)
-            if self.catchup.due_at(self._newest_known(), trio.current_time()) is not None:
+            if self.catchup.due_at(self._newest_known(), trio.current_time(), self._present()) is not None:
                 await self._ask_newest()
+
+    def _present(self) -> set[int]:
+        """Every version announced or held."""
+        return {*self.announced, *self.versions_held()}
 
     def _catch_up_candidates(self) -> list[str]:
         """Connected peers to ask for the newest manifest: trainers first, then relays, then the rest."""
@@ -531,6 +541,7 @@ class ShardsService:
 
     async def _ask_newest(self) -> None:
         known = self._newest_known()
+        asked = self.catchup.what_to_ask()
         peer = self.catchup.pick(self._catch_up_candidates(), trio.current_time())
         if peer is None:
             return
@@ -538,7 +549,7 @@ class ShardsService:
         try:
             with trio.fail_after(FIRST_MESSAGE_TIMEOUT):
                 signed = await call_newest(self.node.host, peer, -1 if known is None else known,
-                                           self.run_name, self.trainers)
+                                           self.run_name, self.trainers, asked)
         except RemoteProtocolError as e:
             self.reject(e.reason)
             log.debug("shards: newest manifest from %s: %s", peer[-8:], e)
@@ -546,8 +557,12 @@ class ShardsService:
             raise
         except Exception as e:  # unreachable peer, timeout, reset
             log.debug("shards: newest manifest from %s: %s", peer[-8:], e)
-        self.catchup.answered(None if signed is None else signed.version)
+        self.catchup.answered(None if signed is None else signed.version, asked)
         if signed is None:
+            return
+        if asked != NEWEST:  # a validator's batch needs it, newest or not: fetched whatever the policy
+            log.info("shards: v%d learnt by asking %s for it (its announcement never arrived)", asked, peer[-8:])
+            self.fetch(signed.version, signed.root, peer)
             return
         log.info("shards: v%d learnt by asking %s for its newest manifest (no announcement of v%d or newer "
                  "arrived)", signed.version, peer[-8:], self.catchup.wanted)

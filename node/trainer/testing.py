@@ -224,7 +224,7 @@ class FakeShards:
         if self.path_of(version) is None and version not in self.fetches:
             self.fetches.append(version)
 
-    def want_version(self, version: int) -> None:
+    def want_version(self, version: int, exact: bool = False) -> None:
         self.wanted.append(version)
 
     def peers_in_use(self) -> set[str]:

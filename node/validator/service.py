@@ -253,19 +253,19 @@ class ValidatorService:
         """Start fetching ``version`` if it was announced (a validator needs old versions too); if it
         was not, the announcement may have been lost (issue 45's soak: none reached any node for two
         minutes), so the shards service is told the version exists and asks a peer, a trainer
-        first, for its newest manifest when none comes within a re-announcement period.
+        first, for that version's manifest when none comes within a re-announcement period.
 
         The claim is a worker's, but only trainers send us batches and they refuse versions newer
         than their own step (node/trainer/intake.py ``future``); a made-up far-future claim would
         still cost no more than one request a period, and nothing unverified is fetched: the
-        reply must be a manifest newer than what we know, signed by a trainer of the run
+        reply must be the manifest of that version, signed by a trainer of the run
         (node/shards/catchup.py), exactly as an announcement must."""
         if self.shards.path_of(version) is not None:
             return
         if version in self.shards.announced:
             self.shards.fetch(version, *self.shards.announced[version])
-        else:
-            self.shards.want_version(version)
+        else:  # this very version: a newer one known would not judge the batch (issue 45)
+            self.shards.want_version(version, exact=True)
 
     def current_version(self) -> int | None:
         """The newest checkpoint version this node knows of (held or announced)."""
