@@ -61,7 +61,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from .. import fds
 from ..identity import Identity
 from .ports import check_listen_ports
-from .patches import HandlerErrors, KeptReceiveWindow, disable_auto_connect, guard_handlers, install_all
+from .patches import HandlerErrors, KeptReceiveWindow, UrgentTopics, disable_auto_connect, guard_handlers, install_all
 
 
 GOSSIPSUB_PROTOCOLS = ["/meshsub/1.1.0", "/meshsub/1.0.0"]
@@ -210,6 +210,11 @@ class SwarmHost:
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self.host.get_connected_peers()]
 
+    def make_urgent(self, topic: str) -> None:
+        """Send ``topic``'s gossip messages ahead of every other in each peer's outbound queue, making
+        room in a full one (checkpoint announcements: :class:`~node.net.patches.UrgentTopics`)."""
+        UrgentTopics.topics.add(topic)
+
     def direct_peers(self) -> list[str]:
         """Peers we hold at least one connection to that does not run over a relay circuit: only
         they see our real IP, and only they may carry bulk data (a circuit spends a relay's
@@ -315,6 +320,18 @@ class SwarmHost:
         """Drop kept ping streams of peers we are no longer connected to (their streams are dead)."""
         for peer in [p for p in self._ping_streams if p not in connected]:
             del self._ping_streams[peer]
+
+    def forget_departed(self, departed, now: float) -> int:
+        """Drop from py-libp2p's peer store the peers ``departed`` (node/peers/departed.py) says
+        were away long enough; our own entry stays. Returns how many were dropped."""
+        store = self.host.get_peerstore()
+        known = {p.to_base58(): p for p in store.peer_ids()}
+        known.pop(self.peer_id, None)
+        connected = {p.to_base58() for p in self.host.get_network().connections}
+        gone = departed.due(known, connected, now)
+        for peer in gone:
+            store.clear_peerdata(known[peer])
+        return len(gone)
 
     def set_handler(self, protocol: str, handler: StreamHandler) -> None:
         inbound = getattr(handler, "inbound", None)

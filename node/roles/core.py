@@ -28,6 +28,7 @@ from ..identity import load_or_create_identity
 from ..ledger.service import LedgerService, serve_ledger
 from ..net.reqres import ping_handler
 from ..peers import serve_peers
+from ..peers.departed import serve_forgetting
 from ..net.ports import check_port_free
 from ..reach.dialback import ReachabilityService, serve_dialback
 from ..reach.relay import RelayClient, RelayHop, serve_relay_client
@@ -86,6 +87,7 @@ async def start_core(
     totals. The run's sections are built here, once; the roles hand each service the ones it reads."""
     sections = RunSections.of(node.run)
     await nursery.start(serve_peers, node)
+    nursery.start_soon(serve_forgetting, node.host)  # peers gone for good leave py-libp2p's peer store
     # libp2p ping under a per-peer budget (node/net/reqres.py) instead of py-libp2p's unbounded handler
     node.host.set_handler(PING_PROTOCOL, ping_handler(PING_PROTOCOL, streams=sections.streams,
                                                       peers=node.peers, metrics=node.metrics))

@@ -4,12 +4,15 @@
   Noise stream for good; make it all-or-nothing.
 * :class:`KeptReceiveWindow`: a peer could send past a stream's receive window and have it
   buffered anyway; close its connection and report it.
+* :class:`UrgentTopics`: a burst of bulk gossip (ledger entries) filled a peer's outbound queue and
+  the checkpoint announcement published after it was dropped; messages of urgent topics now go
+  first and make room.
 * :func:`disable_auto_connect`: the swarm's own auto-connector fights our connection manager.
 * :func:`guard_handlers`: an exception escaping any stream handler tears down the whole host
   (:class:`HandlerErrors` counts them; :class:`StreamCount` caps the streams of py-libp2p's own
   handlers, which have no budget of ours).
 
-The first two are process-wide (:func:`node.net.patches.install_all`); the last two are applied to
+The first three are process-wide (:func:`node.net.patches.install_all`); the last two are applied to
 each host by :func:`node.net.host.open_swarm_host`.
 """
 
@@ -20,7 +23,9 @@ from collections.abc import Callable
 
 import trio
 
+from ...counters import PubsubDrops
 from ..budget import Budget, StreamLimits
+from .counting import message_topics
 from .patch import Patch
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,47 @@ class CancelSafeFrames(Patch):
             await trio.lowlevel.checkpoint_if_cancelled()
 
         Yamux._write_frame = write_frame
+
+
+class UrgentTopics(Patch):
+    """Gossip messages of the topics in :attr:`topics` jump each peer's outbound queue, and a full
+    queue drops a bulk RPC to take one rather than the message itself (py-libp2p 0.8.1).
+
+    py-libp2p sends to each peer through one queue of 32 RPCs (``rpc_queue.py``), first in first out
+    for messages, and a full queue refuses what comes next with a debug line. A trainer publishes a
+    ledger entry per batch and then the step's checkpoint announcement, and forwards everyone's
+    entries and gossip control through the same queues: on a busy machine its sending tasks fell
+    behind, each burst filled the queues, and the announcement, last in line, was the message
+    dropped, to every peer at once (issue 45's soak: v164-v178 reached no node or few for ~100 s
+    after a restart; an in-process experiment with a 40-entry burst lost all 20 announcements).
+    An announcement is ~250 bytes once a version and lost for good (the next re-announcement is
+    ``announce_interval`` away); a ledger entry dropped here is caught up by the ledger's own sync.
+
+    An RPC counts as urgent when every message it carries is of an urgent topic (a forwarded
+    announcement at a relay too). It goes to the priority side of the queue, which is sent first;
+    when the queue is full, its newest bulk RPC is dropped to make room (counted in
+    :class:`~node.counters.PubsubDrops` as ``outbound-queue-full`` under its topics). A queue full of
+    urgent RPCs still refuses the next one: the queue stays bounded at its 32.
+    """
+
+    topics: set[str] = set()  # process-wide: one node per process in normal runs
+
+    @classmethod
+    def _patch(cls) -> None:
+        from libp2p.pubsub import rpc_queue
+
+        push = rpc_queue.RpcQueue.push
+
+        def push_urgent_first(self, rpc, priority: bool = False) -> bool:
+            if not rpc.publish or not all(t in cls.topics for m in rpc.publish for t in m.topicIDs):
+                return push(self, rpc, priority)
+            queue = self._queue
+            if not self.closed and len(queue) >= queue.max_size and queue._non_priority:
+                for topic in message_topics(queue._non_priority.pop()):
+                    PubsubDrops.add("outbound-queue-full", topic)
+            return push(self, rpc, True)
+
+        rpc_queue.RpcQueue.push = push_urgent_first
 
 
 class ReceiveWindowExceeded(Exception):
@@ -151,12 +197,17 @@ def disable_auto_connect(host) -> None:
     disconnect. Above our ``conn_high`` the two fought: we pruned, it redialled at once. At N = 50
     on one machine that churn (each dial a Noise handshake, identify and gossipsub set-up) kept the
     CPU saturated and the swarm never converged.
+
+    The swarm still tells the disabled connector of each disconnect, which it keeps by peer in a map
+    that only its own dialer prunes: a node kept every peer that ever left (issue 45). Not recorded.
     """
 
     async def no_dial() -> None:
         return None
 
-    host.get_network().auto_connector.maybe_connect = no_dial
+    connector = host.get_network().auto_connector
+    connector.maybe_connect = no_dial
+    connector.record_disconnect = lambda peer_id: None
 
 
 class HandlerErrors:
