@@ -791,6 +791,7 @@ class ShardsService:
             self.m_versions.set(len(self.versions_held()))
             host.set_handler(PROTOCOL, self._budgeted_handler())
             topic = self.node.topic("checkpoints")
+            host.make_urgent(topic)  # never dropped behind bulk gossip (issue 45: net/patches/safety.py)
             host.pubsub.set_topic_validator(topic, self._validate_announce, False)
             sub = await host.pubsub.subscribe(topic)
             nursery.start_soon(follow_announcements, sub, self.run_name, self.trainers, self._on_announce)

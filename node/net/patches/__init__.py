@@ -3,7 +3,8 @@
 Three kinds, one module each:
 
 * :mod:`.safety`: without these a peer, or an unlucky cancellation, can break a node
-  (:class:`~.safety.CancelSafeFrames`, :class:`~.safety.KeptReceiveWindow`, and per host
+  (:class:`~.safety.CancelSafeFrames`, :class:`~.safety.KeptReceiveWindow`,
+  :class:`~.safety.UrgentTopics`, and per host
   :func:`~.safety.guard_handlers` and :func:`~.safety.disable_auto_connect`).
 * :mod:`.speed`: each removes a measured cost per byte, message or wake-up (eleven of them).
 * :mod:`.counting`: the byte counts py-libp2p does not keep, and the messages it drops silently,
@@ -21,7 +22,14 @@ cut round trip lives in :meth:`node.net.host.SwarmHost.ping`.)
 from __future__ import annotations
 
 from .counting import CountPubsubDrops, CountStreamBytes, CountTcpBytes
-from .safety import CancelSafeFrames, HandlerErrors, KeptReceiveWindow, disable_auto_connect, guard_handlers
+from .safety import (
+    CancelSafeFrames,
+    HandlerErrors,
+    KeptReceiveWindow,
+    UrgentTopics,
+    disable_auto_connect,
+    guard_handlers,
+)
 from .speed import (
     BatchedWindowCredit,
     ChunkedStreamBuffers,
@@ -43,6 +51,7 @@ PATCHES = (
     CountTcpBytes,
     CountStreamBytes,
     CountPubsubDrops,  # before SeenMessagesSpawnNothing, which finds push_msg at its install
+    UrgentTopics,  # after CountPubsubDrops: a push it lets through to a full queue is counted there
     CancelSafeFrames,
     QuickLocks,
     BatchedWindowCredit,
@@ -58,7 +67,8 @@ PATCHES = (
     YamuxSettingsOnce,
 )
 
-__all__ = ["PATCHES", "HandlerErrors", "KeptReceiveWindow", "disable_auto_connect", "guard_handlers", "install_all"]
+__all__ = ["PATCHES", "HandlerErrors", "KeptReceiveWindow", "UrgentTopics", "disable_auto_connect", "guard_handlers",
+           "install_all"]
 
 
 def install_all() -> None:

@@ -54,6 +54,11 @@ class CountStreamBytes(Patch):
         _count_io(NetStream, count)
 
 
+def message_topics(rpc) -> list[str]:
+    """The topic of each message an RPC carries (its first), or [""] for an RPC without one."""
+    return [m.topicIDs[0] if m.topicIDs else "" for m in rpc.publish] or [""]
+
+
 class CountPubsubDrops(Patch):
     """Count in :class:`~node.counters.PubsubDrops` each gossip message or RPC py-libp2p 0.8.1 drops
     with no more than a debug or warning line: a full or closed per-peer outbound queue, an RPC
@@ -71,9 +76,6 @@ class CountPubsubDrops(Patch):
 
         from libp2p.peer.id import ID
         from libp2p.pubsub import gossipsub, pubsub, rpc_queue
-
-        def message_topics(rpc) -> list[str]:
-            return [m.topicIDs[0] if m.topicIDs else "" for m in rpc.publish] or [""]
 
         push = rpc_queue.RpcQueue.push
 
