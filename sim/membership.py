@@ -207,7 +207,7 @@ class SimNode:
         when RecordRefresh says the refresh is due."""
         if not self.running:
             return
-        self.refresh.on_published(self.swarm.sim.now)
+        self.refresh.on_published(self.swarm.sim.now, len(self.swarm.net.connected(self.pid)))  # flood publishing
         self.publish("record", self.record, RECORD_BYTES)
 
     def heartbeat(self) -> None:
@@ -382,7 +382,7 @@ class SimNode:
         now = sim.now
         for acc in self.table.tick(now):
             self.publish("dead", acc, ACCUSATION_BYTES)
-        if self.refresh.due(now, self.table.size(), cfg):
+        if self.refresh.due(now, self.table.size(), cfg, len(net.connected(self.pid))):
             self.publish_record()
         connected = net.connected(self.pid)
         for p in connected:

@@ -274,14 +274,29 @@ def test_our_record_is_refreshed_at_the_interval_of_the_table_it_holds_now() -> 
     from node.gossip.membership import RecordRefresh
 
     cfg, r = MembershipConfig(), RecordRefresh()
-    assert r.due(0.0, 1, cfg)  # never published
-    r.on_published(0.0)
-    assert not r.due(29.9, 1, cfg) and r.due(30.0, 1, cfg)  # alone: min_refresh
-    assert not r.due(30.0, 1000, cfg) and not r.due(3599.0, 1000, cfg)  # it learned 999 members
-    assert r.due(3600.0, 1000, cfg)
-    assert not r.due(399.0, 100, cfg) and r.due(400.0, 100, cfg)  # shrunk to 100: 400 s from the last one
-    r.on_published(400.0)
-    assert not r.due(429.0, 1, cfg) and r.due(430.0, 1, cfg)
+    assert r.due(0.0, 1, cfg, mesh=6)  # never published
+    r.on_published(0.0, mesh=6)
+    assert not r.due(29.9, 1, cfg, mesh=6) and r.due(30.0, 1, cfg, mesh=6)  # alone: min_refresh
+    assert not r.due(30.0, 1000, cfg, mesh=6) and not r.due(3599.0, 1000, cfg, mesh=6)  # it learned 999 members
+    assert r.due(3600.0, 1000, cfg, mesh=6)
+    assert not r.due(399.0, 100, cfg, mesh=6) and r.due(400.0, 100, cfg, mesh=6)  # shrunk to 100: 400 s from the last one
+    r.on_published(400.0, mesh=6)
+    assert not r.due(429.0, 1, cfg, mesh=6) and r.due(430.0, 1, cfg, mesh=6)
+
+
+def test_a_record_published_with_no_mesh_peer_is_published_again_once_there_is_one() -> None:
+    """Issue 45: a node's start record goes out before its first connection, to nobody; a restarted
+    member held dead stayed dead at every peer its join exchange did not reach until its refresh."""
+    from node.gossip.membership import RecordRefresh
+
+    cfg, r = MembershipConfig(), RecordRefresh()
+    r.on_published(0.0, mesh=0)
+    assert not r.due(0.1, 1, cfg, mesh=0)  # still nobody to send it to
+    assert not r.due(3599.0, 1000, cfg, mesh=0)  # nor at its refresh: it would reach nobody again
+    assert r.due(0.2, 1, cfg, mesh=1)  # the first mesh peer: at once, not at the refresh interval
+    r.on_published(0.2, mesh=1)
+    assert not r.due(0.3, 1, cfg, mesh=4) and not r.due(30.1, 1, cfg, mesh=0)
+    assert r.due(30.2, 1, cfg, mesh=4)  # heard: the interval again
 
 
 def test_an_accusation_of_an_incarnation_nobody_has_seen_is_ignored(table):

@@ -761,15 +761,26 @@ class RecordRefresh:
     Asked on every tick, so the deadline follows the table: a node publishes at start with only
     itself in its table (30 s), and a deadline fixed then republished every joiner's record to the
     whole swarm 30 s later, at 1,000 members where the interval is an hour (issue 46). Shared by
-    the service (serve_tick) and the simulator (sim/membership.py), so both time it alike."""
+    the service (serve_tick) and the simulator (sim/membership.py), so both time it alike.
+
+    ``mesh``: the gossipsub mesh peers on the members topic when asked. A publication made with
+    none reached nobody, and is due again as soon as there is one. A node publishes its record at
+    start, before its bootstrap dial has made a connection: a restarted member held DEAD or LEFT
+    came back only in the tables of the peers its join exchange reached (they do not forward what
+    an exchange brings), and stayed dead in every other until its next change or refresh (issue
+    45: validator-2 of the hour soak, held dead by the trainer it was connected to)."""
 
     last_published: float = -math.inf
+    unheard: bool = False  # the last publication had no mesh peer to go to
 
-    def due(self, now: float, size: int, config: MembershipConfig) -> bool:
+    def due(self, now: float, size: int, config: MembershipConfig, mesh: int) -> bool:
+        if self.unheard:
+            return mesh > 0
         return now >= self.last_published + config.refresh_interval(size)
 
-    def on_published(self, now: float) -> None:
+    def on_published(self, now: float, mesh: int) -> None:
         self.last_published = now
+        self.unheard = mesh == 0
 
 
 SEQ_CLOCK_SLACK_S = 300.0  # how far members' wall clocks (and so their seqs) may disagree

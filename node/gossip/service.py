@@ -350,13 +350,17 @@ class MembershipService:
             # relayed it: an honest relay forwarding a flood is not its source.
             self.apply(delivery.value, trio.current_time(), delivery.forwarder)
 
+    def mesh(self) -> int:
+        """Gossipsub mesh peers on the members topic: where a publication of ours goes."""
+        return self.node.host.mesh_size(self.topic.topic)
+
     async def serve_record(self) -> None:
         """Publish our record at start and at once on a change; serve_tick sets ``changed`` when the
         refresh is due (RecordRefresh: the interval follows the table's size as it grows)."""
         m = self.membership
         while True:
             m.changed = trio.Event()
-            m.refresh.on_published(trio.current_time())  # before the await: a tick meanwhile finds it fresh
+            m.refresh.on_published(trio.current_time(), self.mesh())  # before the await: a tick meanwhile finds it fresh
             await self.publish(DOMAIN_RECORD, m.record)
             await m.changed.wait()
 
@@ -525,7 +529,7 @@ class MembershipService:
             for acc in table.tick(now):
                 log.info("dead %s", acc.target[:16])
                 await self.publish(DOMAIN_DEAD, acc)
-            if m.refresh.due(now, table.size(), self.cfg):
+            if m.refresh.due(now, table.size(), self.cfg, self.mesh()):
                 m.changed.set()  # serve_record republishes
             if len(m.envelopes) > len(table.members):  # entries expired, evicted or forgotten
                 for pid in [p for p in m.envelopes if p not in table.members]:
