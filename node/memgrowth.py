@@ -10,11 +10,15 @@ costs nothing; with it, allocations are slower (Python's docs: tracemalloc's own
 snapshot takes about a second on a node with torch loaded, which is why snapshots are rare.
 
 Growth of RSS that does not show here is outside Python's allocator: SQLite's page cache, torch,
-the C allocator's fragmentation.
+protobuf, the C allocator's fragmentation. ``heap`` (glibc's ``mallinfo2``) tells the last two
+kinds apart: C memory in use grows with live native objects, free-but-kept (``free_mib``) with
+fragmentation.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import tracemalloc
 from typing import Callable
 
@@ -59,13 +63,40 @@ class MemoryGrowth:
             if now - self.started < self.warmup:
                 return {"baseline_in_s": round(self.warmup - (now - self.started), 1)}
             self.baseline, self.baseline_at, self.next_at = self.take(), now, now + self.every
-            self.last = {"since_s": 0.0, "traced_mib": _traced_mib(), "top": []}
+            self.last = {"since_s": 0.0, "traced_mib": _traced_mib(), "heap": c_heap(), "top": []}
         elif now >= self.next_at:
             self.next_at = now + self.every
-            self.last = {"since_s": round(now - self.baseline_at, 1), "traced_mib": _traced_mib(),
+            self.last = {"since_s": round(now - self.baseline_at, 1), "traced_mib": _traced_mib(), "heap": c_heap(),
                          "top": top_growth(self.baseline, self.take(), self.top)}
         return self.last
 
 
 def _traced_mib() -> float:
     return round(tracemalloc.get_traced_memory()[0] / 2**20, 1)
+
+
+class _MallInfo2(ctypes.Structure):  # glibc >= 2.33, malloc.h
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):  # not glibc, or older than 2.33
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def c_heap() -> dict | None:
+    """The C allocator's heap (glibc): ``in_use_mib`` (live, mmapped blocks included) and
+    ``free_mib`` (freed but kept by the allocator, not given back to the system); None elsewhere."""
+    if _MALLINFO2 is None:
+        return None
+    m = _MALLINFO2()
+    return {"in_use_mib": round((m.uordblks + m.hblkhd) / 2**20, 1), "free_mib": round(m.fordblks / 2**20, 1)}

@@ -4,16 +4,18 @@ Python allocations grew since warm-up."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import tracemalloc
 
+import pytest
 import trio
 import trio.testing
 
 from node.config import NodeConfig
 from node.context import NodeContext
 from node.identity import Identity
-from node.memgrowth import MemoryGrowth, take_snapshot
+from node.memgrowth import MemoryGrowth, c_heap, take_snapshot
 from node.net.budget import StreamsConfig
 from node.status import STATUS_FILE, serve_status, snapshot, tasks_by_name
 
@@ -95,3 +97,14 @@ def test_status_reports_memory_growth_when_tracemalloc_runs(tmp_path):
         trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         tracemalloc.stop()
+
+
+def test_the_c_heap_counts_native_memory_in_use_and_freed():
+    heap = c_heap()
+    if heap is None:
+        pytest.skip("not glibc 2.33+: no mallinfo2")
+    block = ctypes.create_string_buffer(64 * 2**20)  # malloc'd by ctypes, outside Python's allocator
+    with_block = c_heap()
+    assert with_block["in_use_mib"] - heap["in_use_mib"] >= 63
+    del block
+    assert c_heap()["in_use_mib"] - heap["in_use_mib"] < 1
