@@ -1,7 +1,7 @@
 """Ledger benchmark: ingest rate vs raw Ed25519 verification; sync time vs a raw libp2p stream copy; a long run's size.
 
     .venv/bin/python bench/ledger.py [--ingest 20000] [--sync 100000] [--scale] [--workers 1000] [--days 7]
-                                     [--cut-every 1000000] [--keep-versions 16]
+                                     [--cut-every 1000000] [--keep-versions 16] [--keep-steps 64]
     .venv/bin/python bench/ledger.py --memory DATA_DIR
 
 1. Entries verified and stored per second: the node's real ingest path (parse + schema + canonical
@@ -22,10 +22,11 @@
    then extrapolated linearly to the whole run, and the output says so. Catch-up for a new node is
    the sync bytes over a ``--link-mbit`` link plus the CPU to verify and apply every entry, beside
    the issue's goal (60 s on 100 Mbit/s whatever the history). The same with trainer-signed cuts
-   (node/ledger/cut.py) every ``--cut-every`` entries keeping ``--keep-versions`` checkpoint versions
-   open: the sample's replica is cut with everything open and with everything closed (real signed
-   cuts; the closed one's integers widened to the run's length, the open part per version scaled to
-   the window), a replica holds its cut and at most two periods of entries, and a new node fetches and
+   (node/ledger/cut.py) every ``--cut-every`` entries keeping each worker's ``--keep-steps`` newest
+   draw steps and ``--keep-versions`` checkpoint versions open: the sample's replica is cut with
+   everything open, with the batches closed and with everything closed (real signed cuts; the closed
+   one's integers widened to the run's length, the open parts per batch and per version scaled to the
+   windows), a replica holds its cut and at most two periods of entries, and a new node fetches and
    loads the cut (its load rate measured) and at most one period of entries. Both ratios to the goal
    are printed last: today's sync, then from a cut.
 
@@ -383,10 +384,10 @@ def make_entries(traffic: Traffic, workers: list[Identity], events: list[tuple[f
             worker = workers[i % len(workers)].peer_id
             batch = hashes.digest(b"bench-batch %d" % i)
             if kind == RolloutsJudged.TYPE:
-                add(TRAINER, t, RolloutsJudged(worker=worker, step=published, accepted=True, samples=traffic.batch_samples,
+                add(TRAINER, t, RolloutsJudged(worker=worker, step=i // len(workers), accepted=True, samples=traffic.batch_samples,
                                                tokens=traffic.batch_samples * 16, batch_hash=batch))
             else:
-                add(VALIDATOR, t, Verdict(worker=worker, step=published, batch_hash=batch, ok=True, reasons=("ok",)))
+                add(VALIDATOR, t, Verdict(worker=worker, step=i // len(workers), batch_hash=batch, ok=True, reasons=("ok",)))
         else:
             me = i % len(downloaders)
             items = tuple(ReceiptItem(peer=workers[(me + 1 + k % traffic.sources) % len(workers)].peer_id,
@@ -400,22 +401,27 @@ def make_entries(traffic: Traffic, workers: list[Identity], events: list[tuple[f
 @dataclass(frozen=True)
 class CutCost:
     """A trainer-signed cut (node/ledger/cut.py) of a long run, measured on a sample's replica: the part
-    that follows the peers (logs and rows, integers widened to the run's length), the part that follows
-    the open window (per checkpoint version kept open), and the CPU to open and load one, per byte."""
+    that follows the peers (logs and rows, integers widened to the run's length), the open windows'
+    parts (per batch of a draw step kept open, per checkpoint version kept open), and the CPU to open
+    and load one, per byte."""
 
-    closed_bytes: int  # the signed cut with every version closed, its integers those of the whole run
-    per_version: float  # bytes each version kept open adds (its batches' claims, vouched bytes, published sizes)
-    versions: int  # checkpoint versions the sample published (what per_version is measured over)
+    closed_bytes: int  # the signed cut with every batch and version closed, its integers those of the whole run
+    per_batch: float  # bytes each open batch adds (its claims)
+    per_version: float  # bytes each open checkpoint version adds (vouched bytes, published sizes)
+    batches: int  # batches and versions of the sample (what per_batch and per_version are measured over)
+    versions: int
     load_s_per_byte: float  # open_cut (schema, signature) + ledger_from_cut, per byte of the sample's cut
 
-    def size(self, keep_versions: int) -> float:
-        return self.closed_bytes + keep_versions * self.per_version
+    def size(self, workers: int, keep_versions: int, keep_steps: int) -> float:
+        """A cut keeping each worker's newest ``keep_steps`` draw steps (one batch each) and the newest
+        ``keep_versions`` checkpoints open."""
+        return self.closed_bytes + workers * keep_steps * self.per_batch + keep_versions * self.per_version
 
 
 def measure_cut(entries: list, factor: float) -> CutCost:
-    """The cut of a replica of ``entries`` (the chain rules' check and apply), with everything open and
-    with everything closed; the closed one's totals, seqs and receipt counts scaled by ``factor`` (the
-    run's entries over the sample's) so that their encodings are a long run's."""
+    """The cut of a replica of ``entries`` (the chain rules' check and apply), with everything open, with
+    the batches closed and with everything closed; the last one's totals, seqs and receipt counts
+    scaled by ``factor`` (the run's entries over the sample's) so that their encodings are a long run's."""
     run = run_config()
     ledger = Ledger(run.name, run.trainers, run.validators, max_skew_ms=0)
     now = max(se.time_ms for se in entries)
@@ -424,20 +430,23 @@ def measure_cut(entries: list, factor: float) -> CutCost:
         assert decision.outcome is Outcome.ACCEPT, decision.reason
         ledger.apply(decision)
     versions = ledger.newest_version() + 1
-    everything = make_cut(ledger, time_ms=now, keep_versions=versions)
-    closed = make_cut(ledger, time_ms=now, keep_versions=0)
+    everything = make_cut(ledger, time_ms=now, keep_versions=versions, keep_steps=2**32)
+    versions_open = make_cut(ledger, time_ms=now, keep_versions=versions)
+    closed = make_cut(ledger, time_ms=now)
     k = max(1, round(factor))
     wide = replace(closed, logs=tuple(replace(log, seq=log.seq * k, receipts=log.receipts * k) for log in closed.logs),
-                   rows=tuple(replace(r, totals=tuple(v * k for v in r.totals), trusted_vouched=r.trusted_vouched * k)
-                              for r in closed.rows))
+                   rows=tuple(replace(r, totals=tuple(v * k for v in r.totals), trusted_vouched=r.trusted_vouched * k,
+                                      open_step=r.open_step * k) for r in closed.rows))
     raw = sign_cut(TRAINER, everything)
     template = Ledger(run.name, run.trainers, run.validators, max_skew_ms=0)
     t0 = time.perf_counter()
     loaded = ledger_from_cut(open_cut(raw, template), template)
     load_s = time.perf_counter() - t0
     assert loaded.totals() == ledger.totals()
-    return CutCost(len(sign_cut(TRAINER, wide)), (len(raw) - len(sign_cut(TRAINER, closed))) / max(1, versions),
-                   versions, load_s / len(raw))
+    mid, low = len(sign_cut(TRAINER, versions_open)), len(sign_cut(TRAINER, closed))
+    batches = max(1, len(everything.batches))
+    return CutCost(len(sign_cut(TRAINER, wide)), (len(raw) - mid) / batches, (mid - low) / max(1, versions),
+                   batches, versions, load_s / len(raw))
 
 
 def sync_bytes(entries: list, batch: int = LedgerConfig().sync_batch) -> int:
@@ -480,7 +489,7 @@ class LongRun:
     sync_bytes: float
     transfer_s: float
     verify_s: float
-    # With trainer-signed cuts every ``period`` entries (node/ledger/cut.py), ``keep_versions`` open:
+    # With trainer-signed cuts every ``period`` entries (node/ledger/cut.py), keep_versions and keep_steps open:
     cut_bytes: float  # one signed cut (:class:`CutCost`)
     period: float  # entries between cuts
     cut_disk_bytes: float  # a replica that keeps its cut and at most two periods of entries (the next cut's check)
@@ -496,13 +505,13 @@ class LongRun:
 
 
 def long_run(traffic: Traffic, workers: int, sample: Sample, days: float, link_mbit: float,
-             period: float, keep_versions: int) -> LongRun:
+             period: float, keep_versions: int, keep_steps: int) -> LongRun:
     per_day = sum(traffic.per_minute(workers).values()) * 1440
     n = per_day * days
     link = link_mbit * 1e6 / 8  # bytes/s
     wire = n * sample.wire + sample.replica.hello_bytes
     per_entry_s = sample.wire / link + 1 / sample.rate  # fetch, then verify and apply, one entry
-    cut = sample.cut.size(keep_versions)
+    cut = sample.cut.size(workers, keep_versions, keep_steps)
     head_s = (cut + sample.replica.hello_bytes) / link + cut * sample.cut.load_s_per_byte
     return LongRun(workers, per_day, n, n * sample.disk, n * sample.ram, wire, wire / link, n / sample.rate,
                    cut, period, cut + 2 * period * sample.disk, cut + sample.replica.hello_bytes + period * sample.wire,
@@ -523,7 +532,7 @@ def duration(s: float) -> str:
 
 
 def scale_report(traffic: Traffic, workers: int, baseline: int, n: int, days: float, link_mbit: float,
-                 period: float, keep_versions: int) -> float:
+                 period: float, keep_versions: int, keep_steps: int) -> float:
     """Print one profile's table; returns the catch-up time at ``workers`` over the goal."""
     print(f"\n{traffic.name}: {traffic.describe()}")
     runs = []
@@ -533,10 +542,11 @@ def scale_report(traffic: Traffic, workers: int, baseline: int, n: int, days: fl
         print(f"  sample at {w} workers: {sample.entries} real signed entries = {sample.seconds:.1f} simulated s, "
               f"measured: {sample.wire:.0f} B/entry on the wire, {sample.disk:.0f} B/entry in SQLite, "
               f"{sample.ram:.0f} B/entry of replica RAM, {sample.rate:.0f} entries/s verified+applied+stored; "
-              f"its cut: {sample.cut.closed_bytes} B closed + {sample.cut.per_version:.0f} B per open version "
-              f"(measured over {sample.cut.versions}), loads at {1 / sample.cut.load_s_per_byte / 1e6:.1f} MB/s "
+              f"its cut: {sample.cut.closed_bytes} B closed + {sample.cut.per_batch:.0f} B per open batch "
+              f"(over {sample.cut.batches}) + {sample.cut.per_version:.0f} B per open version (over "
+              f"{sample.cut.versions}), loads at {1 / sample.cut.load_s_per_byte / 1e6:.1f} MB/s "
               f"({time.perf_counter() - t0:.1f} s)")
-        runs.append(long_run(traffic, w, sample, days, link_mbit, period, keep_versions))
+        runs.append(long_run(traffic, w, sample, days, link_mbit, period, keep_versions, keep_steps))
     base, big = runs
     rows = [
         ("entries per day", human(base.per_day, ""), human(big.per_day, ""), big.per_day / base.per_day),
@@ -548,7 +558,7 @@ def scale_report(traffic: Traffic, workers: int, baseline: int, n: int, days: fl
          big.transfer_s / base.transfer_s),
         ("catch-up: verify+apply (CPU)", duration(base.verify_s), duration(big.verify_s), big.verify_s / base.verify_s),
         ("catch-up: total", duration(base.catch_up_s), duration(big.catch_up_s), big.catch_up_s / base.catch_up_s),
-        (f"cuts every {human(period, '')} entries, {keep_versions} versions open:", "", "", None),
+        (f"cuts every {human(period, '')} entries, {keep_steps} steps/{keep_versions} versions open:", "", "", None),
         ("  one signed cut", human(base.cut_bytes), human(big.cut_bytes), big.cut_bytes / base.cut_bytes),
         ("  ... signed every", duration(period / base.per_day * 86400), duration(period / big.per_day * 86400),
          base.per_day / big.per_day),
@@ -655,15 +665,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cut-every", type=float, default=1_000_000,
                         help="entries between trainer-signed cuts (node/ledger/cut.py)")
     parser.add_argument("--keep-versions", type=int, default=16,
-                        help="checkpoint versions a cut keeps open (above the trainers' async_level + verify_grace_steps)")
+                        help="checkpoint versions a cut keeps open for receipts (downloads of older ones count no more)")
+    parser.add_argument("--keep-steps", type=int, default=64,
+                        help="draw steps per worker a cut keeps open (above the trainers' step window and validators' lag)")
     parser.add_argument("--memory", type=Path, metavar="DATA_DIR",
                         help="only the replica memory of a node's ledger database (4. of the docstring)")
     args = parse_args(parser, {"ingest": 2000, "sync": 2000, "sample": 1000}, argv)
     if min(args.workers, args.baseline_workers) <= max(p.sources for p in PROFILES):
         parser.error(f"--workers and --baseline-workers: more than {max(p.sources for p in PROFILES)} "
                      "(each receipt vouches for that many other workers)")
-    if args.sample < 100 or args.days <= 0 or args.link_mbit <= 0 or args.cut_every < 1 or args.keep_versions < 1:
-        parser.error("--sample: at least 100; --days and --link-mbit: more than 0; --cut-every, --keep-versions: at least 1")
+    if args.sample < 100 or args.days <= 0 or args.link_mbit <= 0 or min(args.cut_every, args.keep_versions,
+                                                                          args.keep_steps) < 1:
+        parser.error("--sample: at least 100; --days and --link-mbit: more than 0; "
+                     "--cut-every, --keep-versions, --keep-steps: at least 1")
     if args.memory:
         if not (args.memory / DB_FILE).is_file() or read_run_record(args.memory) is None:
             parser.error(f"--memory: {args.memory} is not a node's data dir (it needs {DB_FILE} and run.json)")
@@ -700,7 +714,7 @@ def scale(args: argparse.Namespace) -> None:
     print(f"a long run's ledger (one trainer, one validator, the workers; {args.sample} entries measured per column):")
     for traffic in PROFILES:
         scale_report(traffic, args.workers, args.baseline_workers, args.sample, args.days, args.link_mbit,
-                     args.cut_every, args.keep_versions)
+                     args.cut_every, args.keep_versions, args.keep_steps)
 
 
 if __name__ == "__main__":

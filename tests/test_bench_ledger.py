@@ -73,11 +73,11 @@ def test_receipts_flush_once_per_interval_or_per_full_entry():
 def test_the_long_run_is_the_sample_scaled_linearly():
     traffic = bench.PROFILES[1]
     replica = bench.Replica(db_bytes=0, empty_db_bytes=0, ram_bytes=0, hello_bytes=1300)
-    cut = bench.CutCost(closed_bytes=4000, per_version=100.0, versions=3, load_s_per_byte=1e-7)
+    cut = bench.CutCost(closed_bytes=3000, per_batch=3.0, per_version=50.0, batches=40, versions=3, load_s_per_byte=1e-7)
     sample = bench.Sample(entries=1000, seconds=60, wire=600.0, disk=800.0, ram=1500.0, rate=5000.0, replica=replica,
                           cut=cut)
-    one = bench.long_run(traffic, 100, sample, days=1, link_mbit=100, period=1000, keep_versions=10)
-    two = bench.long_run(traffic, 100, sample, days=2, link_mbit=100, period=1000, keep_versions=10)
+    one = bench.long_run(traffic, 100, sample, days=1, link_mbit=100, period=1000, keep_versions=10, keep_steps=5)
+    two = bench.long_run(traffic, 100, sample, days=2, link_mbit=100, period=1000, keep_versions=10, keep_steps=5)
     assert one.per_day == pytest.approx(sum(traffic.per_minute(100).values()) * 1440)
     assert two.entries == pytest.approx(2 * one.entries)
     assert two.disk_bytes == pytest.approx(2 * one.disk_bytes) == pytest.approx(two.entries * 800)
@@ -89,14 +89,15 @@ def test_the_long_run_is_the_sample_scaled_linearly():
     # from a cut: its bytes (closed part + the open window), loading it, then at most one period of
     # entries, however long the run
     link = 100e6 / 8
-    assert two.cut_bytes == one.cut_bytes == 4000 + 10 * 100
+    assert two.cut_bytes == one.cut_bytes == 3000 + 100 * 5 * 3 + 10 * 50  # each worker's open steps, open versions
     assert two.cut_catch_up_s == one.cut_catch_up_s == pytest.approx(
         (5000 + 1300) / link + 5000 * 1e-7 + 1000 * (600 / link + 1 / 5000))
     assert two.cut_sync_bytes == one.cut_sync_bytes == 5000 + 1300 + 1000 * 600
     assert two.cut_disk_bytes == one.cut_disk_bytes == 5000 + 2 * 1000 * 800
-    at_max = bench.long_run(traffic, 100, sample, days=1, link_mbit=100, period=one.max_period, keep_versions=10)
+    at_max = bench.long_run(traffic, 100, sample, days=1, link_mbit=100, period=one.max_period, keep_versions=10,
+                            keep_steps=5)
     assert at_max.cut_catch_up_s == pytest.approx(bench.GOAL_S)
-    more = bench.long_run(traffic, 200, sample, days=1, link_mbit=100, period=1000, keep_versions=10)
+    more = bench.long_run(traffic, 200, sample, days=1, link_mbit=100, period=1000, keep_versions=10, keep_steps=5)
     assert more.per_day > one.per_day  # workers' entries grow with them, the trainer's checkpoints do not
     assert more.per_day < 2 * one.per_day + 1
 
@@ -107,6 +108,7 @@ def test_a_cut_grows_with_the_peers_and_the_window_not_with_the_run():
     short = bench.measure_cut(entries, factor=1)
     week = bench.measure_cut(entries, factor=16_000)
     assert short.versions >= 2 and short.per_version > 0
+    assert short.batches >= 20 and 50 < short.per_batch < 400  # a batch id and two or three claims
     assert short.closed_bytes < week.closed_bytes < short.closed_bytes + 22 * 40  # wider integers, no more rows
     more, _seconds = bench.make_sample(traffic, bench.worker_ids(40), 1200)
     per_peer = (bench.measure_cut(more, factor=1).closed_bytes - short.closed_bytes) / 20

@@ -82,6 +82,14 @@ def batch(step: int, i: int) -> bytes:
     return hashes.digest(b"cut-batch %d %d" % (step, i))
 
 
+DRAW = [0, 450, 37, 1200, 9]  # each worker's draw steps are its own counter (node/rollouts/steps.py)
+
+
+def draw(step: int, i: int) -> int:
+    """Worker i's draw step for its batch of the run's ``step``."""
+    return DRAW[i] + step
+
+
 def history(steps: int, seed: int, fork_at: int | None = None) -> list:
     """A run's entries: each step a checkpoint, every worker's batch judged by T1 and verified (some
     failed, some rejected), some batches recorded again by T2 two steps later with another count, the
@@ -93,13 +101,13 @@ def history(steps: int, seed: int, fork_at: int | None = None) -> list:
     for step in range(steps):
         w.add(T1, CheckpointPublished(version=step, manifest_id=manifest(step), total_bytes=1 << 20))
         for s, i, samples in [x for x in late if x[0] == step - 2]:
-            w.add(T2, RolloutsJudged(worker=WORKERS[i].peer_id, step=s, accepted=True, samples=samples, tokens=64,
+            w.add(T2, RolloutsJudged(worker=WORKERS[i].peer_id, step=draw(s, i), accepted=True, samples=samples, tokens=64,
                                      batch_hash=batch(s, i)))
         for i, worker in enumerate(WORKERS):
             ok = step == 0 or rng.random() > 0.2  # every worker has standing for its receipts
             samples = rng.choice((4, 8))
-            w.add(VALIDATOR, Verdict(worker=worker.peer_id, step=step, batch_hash=batch(step, i), ok=ok, reasons=("x",)))
-            w.add(T1, RolloutsJudged(worker=worker.peer_id, step=step, accepted=ok, samples=samples, tokens=10 * samples,
+            w.add(VALIDATOR, Verdict(worker=worker.peer_id, step=draw(step, i), batch_hash=batch(step, i), ok=ok, reasons=("x",)))
+            w.add(T1, RolloutsJudged(worker=worker.peer_id, step=draw(step, i), accepted=ok, samples=samples, tokens=10 * samples,
                                      batch_hash=batch(step, i)))
             if ok and rng.random() < 0.3:
                 late.append((step, i, rng.choice((2, 12))))
@@ -161,7 +169,7 @@ def test_a_replica_from_a_cut_and_the_entries_above_reaches_the_whole_historys_s
     k = int(len(entries) * split)
     maker = new_ledger()
     assert deliver(maker, entries[:k]) == []
-    cut = make_cut(maker, time_ms=NOW, keep_versions=keep)
+    cut = make_cut(maker, time_ms=NOW, keep_versions=keep, keep_steps=keep)
     whole = new_ledger()
     assert deliver(whole, entries) == []
 
@@ -185,7 +193,7 @@ def test_a_replica_from_a_cut_and_the_entries_above_reaches_the_whole_historys_s
     # nothing closed and no fork found below the cut after it: the history's own totals, exactly
     late_fork = any(f <= next((log.seq for log in cut.logs if log.author == a), 0) and not any(
         log.author == a and log.fork_seq for log in cut.logs) for a, f in whole.flagged().items())
-    if cut.open_version == 0 and not late_fork:
+    if cut.open_version == 0 and not any(r.open_step for r in cut.rows) and not late_fork:
         assert state(based) == state(whole)
 
 
@@ -196,7 +204,8 @@ def test_two_replicas_with_the_same_entries_in_other_orders_sign_the_same_cut():
     shuffled = list(entries)
     random.Random(3).shuffle(shuffled)
     deliver(b, shuffled)
-    assert sign_cut(T1, make_cut(a, time_ms=NOW, keep_versions=2)) == sign_cut(T1, make_cut(b, time_ms=NOW, keep_versions=2))
+    cuts = [make_cut(r, time_ms=NOW, keep_versions=2, keep_steps=2) for r in (a, b)]
+    assert sign_cut(T1, cuts[0]) == sign_cut(T1, cuts[1])
 
 
 def test_cuts_chain_and_a_second_cut_is_checked_from_the_first():
@@ -204,10 +213,10 @@ def test_cuts_chain_and_a_second_cut_is_checked_from_the_first():
     third = len(entries) // 3
     maker = new_ledger()
     deliver(maker, entries[:third])
-    first = opened(make_cut(maker, time_ms=NOW, keep_versions=2), maker)
+    first = opened(make_cut(maker, time_ms=NOW, keep_versions=2, keep_steps=2), maker)
     maker = rebase(maker, first)
     deliver(maker, entries[third:2 * third])
-    second_cut = make_cut(maker, time_ms=NOW, keep_versions=2)
+    second_cut = make_cut(maker, time_ms=NOW, keep_versions=2, keep_steps=2)
     assert (second_cut.number, second_cut.prev) == (2, first.hash)
     # a replica based on the first cut checks the second from its own entries between the two
     holder = rebase(new_ledger(), first)
@@ -226,7 +235,7 @@ def test_a_replica_holding_the_history_refuses_a_cut_whose_totals_disagree():
     entries = history(4, seed=2)
     honest = new_ledger()
     deliver(honest, entries)
-    cut = make_cut(honest, time_ms=NOW, keep_versions=2)
+    cut = make_cut(honest, time_ms=NOW, keep_versions=2, keep_steps=2)
     i = next(i for i, r in enumerate(cut.rows) if r.peer == WORKERS[0].peer_id)
     field = TOTAL_FIELDS.index("rollouts_accepted")
     inflated = cut.rows[i].totals[:field] + (cut.rows[i].totals[field] + 1000,) + cut.rows[i].totals[field + 1:]
@@ -240,11 +249,14 @@ def test_a_replica_holding_the_history_refuses_a_cut_whose_totals_disagree():
     # a cut that reopens versions its base closed, or that follows a cut we have not taken
     first = opened(cut, honest)
     based = rebase(honest, first)
-    reopen = make_cut(based, time_ms=NOW, keep_versions=9)
+    reopen = make_cut(based, time_ms=NOW, keep_versions=9, keep_steps=9)
     assert reopen.open_version == first.cut.open_version  # never below the base's
-    reopen = dataclasses.replace(reopen, open_version=0)
-    assert cut_problem(reopen, replay_to(reopen, ledger_from_cut(first, honest), honest.history)) == "reopens-versions"
-    skipped = dataclasses.replace(make_cut(based, time_ms=NOW, keep_versions=2), number=3, prev=bytes(range(32)))
+    assert [r.open_step for r in reopen.rows] == [r.open_step for r in first.cut.rows]
+    for changed in (dataclasses.replace(reopen, open_version=0),
+                    dataclasses.replace(reopen, rows=tuple(dataclasses.replace(r, open_step=0) for r in reopen.rows))):
+        assert cut_problem(changed, replay_to(changed, ledger_from_cut(first, honest), honest.history)) == "reopens"
+    skipped = dataclasses.replace(make_cut(based, time_ms=NOW, keep_versions=2, keep_steps=2), number=3,
+                                  prev=bytes(range(32)))
     assert cut_problem(skipped, replay_to(skipped, ledger_from_cut(first, honest), honest.history)) == "other-base"
     # a replica missing entries the cut covers is behind, not wronged
     behind = new_ledger()
@@ -256,25 +268,26 @@ def test_a_batch_closed_by_the_cut_counts_nothing_when_claimed_again_above_it():
     entries = history(5, seed=3)
     maker = new_ledger()
     deliver(maker, entries)
-    cut = make_cut(maker, time_ms=NOW, keep_versions=2)
+    cut = make_cut(maker, time_ms=NOW, keep_versions=2, keep_steps=2)
     assert cut.open_version == 3
+    assert {r.peer: r.open_step for r in cut.rows if r.open_step} == {w.peer_id: draw(3, i) for i, w in enumerate(WORKERS)}
     fresh = ledger_from_cut(opened(cut, maker), new_ledger())
     worker = WORKERS[0].peer_id
     before = fresh.totals(worker)[worker]
     w = Writer()
     w.heads = {log.author: (log.seq, log.hash) for log in cut.logs}
     w.out = [None] * len(entries)  # time stamps after the history's
-    old = w.add(T2, RolloutsJudged(worker=worker, step=0, accepted=True, samples=1 << 20, tokens=1 << 30,
+    old = w.add(T2, RolloutsJudged(worker=worker, step=draw(0, 0), accepted=True, samples=1 << 20, tokens=1 << 30,
                                    batch_hash=batch(0, 0)))
-    again = w.add(VALIDATOR, Verdict(worker=worker, step=1, batch_hash=batch(1, 0), ok=False, reasons=("x",)))
+    again = w.add(VALIDATOR, Verdict(worker=worker, step=draw(1, 0), batch_hash=batch(1, 0), ok=False, reasons=("x",)))
     assert deliver(fresh, [old, again]) == []
     after = fresh.totals(worker)[worker]
     assert after == before  # closed versions: the entries join the chain, their claims count nothing
     # a batch of an open version is still counted once, at its largest claim
-    open_batch = w.add(T2, RolloutsJudged(worker=worker, step=4, accepted=True, samples=1, tokens=1, batch_hash=batch(4, 0)))
+    open_batch = w.add(T2, RolloutsJudged(worker=worker, step=draw(4, 0), accepted=True, samples=1, tokens=1, batch_hash=batch(4, 0)))
     deliver(fresh, [open_batch])
     assert fresh.totals(worker)[worker] == after
-    bigger = w.add(T2, RolloutsJudged(worker=worker, step=4, accepted=True, samples=100, tokens=1000,
+    bigger = w.add(T2, RolloutsJudged(worker=worker, step=draw(4, 0), accepted=True, samples=100, tokens=1000,
                                       batch_hash=batch(4, 0)))
     deliver(fresh, [bigger])
     prior = max(se.body.samples for se in entries if se.kind == RolloutsJudged.TYPE
@@ -286,7 +299,7 @@ def test_only_a_trainers_cut_of_this_run_opens():
     ledger = new_ledger()
     entries = history(2, seed=4)
     deliver(ledger, entries)
-    cut = make_cut(ledger, time_ms=NOW, keep_versions=1)
+    cut = make_cut(ledger, time_ms=NOW, keep_versions=1, keep_steps=1)
     for signer, reason in ((VALIDATOR, "unauthorized"), (WORKERS[0], "unauthorized")):
         with pytest.raises(RemoteProtocolError) as e:
             opened(cut, ledger, signer)
@@ -330,7 +343,7 @@ def test_a_fork_is_provable_below_a_cut_and_the_cuts_totals_stand():
         items=(ReceiptItem(peer=peer, manifest_id=manifest(0), nbytes=999, pieces=1),)))
     maker = new_ledger()
     deliver(maker, w.out)
-    cut = make_cut(maker, time_ms=NOW, keep_versions=1)
+    cut = make_cut(maker, time_ms=NOW, keep_versions=1, keep_steps=1)
     fresh = ledger_from_cut(opened(cut, maker), new_ledger())
     totals = fresh.totals()
     # the pruned replica cannot judge entries at or below the cut itself ...
@@ -358,7 +371,7 @@ def test_a_cut_grows_with_the_peers_not_with_the_history():
         ledger = new_ledger()
         entries = history(steps, seed=5)
         deliver(ledger, entries)
-        sizes[steps] = (len(sign_cut(T1, make_cut(ledger, time_ms=NOW, keep_versions=2))),
+        sizes[steps] = (len(sign_cut(T1, make_cut(ledger, time_ms=NOW, keep_versions=2, keep_steps=2))),
                         sum(len(se.raw) for se in entries))
     (cut_small, raw_small), (cut_big, raw_big) = sizes[3], sizes[12]
     assert raw_big > 3.5 * raw_small

@@ -74,9 +74,9 @@ the usable entries, so order does not matter).
 Cuts (node/ledger/cut.py, issue 46 item 4): a replica may be based on a trainer-signed cut instead of
 the history below it. Each author's log then starts at the cut's head (``_Log.base``: entries at or
 below it are refused as ``below-cut``, one above it that does not chain onto it as ``off-cut``), the
-totals start from the cut's, and credits of batches and manifests of versions below the cut's
-``open_version`` (each credit names its version, :attr:`Credit.step`) count nothing, for every
-replica based on that cut alike. A fork below the cut flags its author from the cut on; the cut's
+totals start from the cut's, and credits of manifests of versions below the cut's ``open_version``
+and of batches of draw steps below their worker's open step (``open_steps``; each credit names its
+version or draw step, :attr:`Credit.step`) count nothing, for every replica based on that cut alike. A fork below the cut flags its author from the cut on; the cut's
 totals stand.
 
 Bans: a ``penalty`` entry with ``ban_seconds`` (only trainers and validators may author one) bans its
@@ -125,12 +125,12 @@ from .entries import (
 _U64 = struct.Struct(">Q")
 DIGEST_DOMAIN = b"swarm-node/ledger-state/v1\x00"
 HASH_LEN = len(GENESIS)  # bytes of an entry hash
-# A claim on one batch (Ledger._batch_claims): peer number, field (index in TOTAL_FIELDS), the version
-# the claiming entry names (its ``step``: cuts close old versions, node/ledger/cut.py), amount, how
-# many usable entries claim that amount. Unsigned: a count below 0 would be our bug, and raises. The
+# A claim on one batch (Ledger._batch_claims): peer number, field (index in TOTAL_FIELDS), the number
+# of the batch's worker and its draw step as the claiming entry names them (cuts close each worker's
+# old steps, node/ledger/cut.py), amount, how many usable entries claim that amount. Unsigned: a count below 0 would be our bug, and raises. The
 # amount is one entry's, never a sum: only trainers write batch credits (RolloutsJudged, samples <= 2^20,
 # tokens <= 2^40 in entries.py), so it fits 64 bits; the count is of a trainer's entries for one batch.
-_CLAIM = struct.Struct(">IBIQI")
+_CLAIM = struct.Struct(">IBIIQI")
 # Bytes one voucher vouches for one peer for one manifest (Ledger._vouched): peer number, bytes. A sum,
 # not one amount: an author with standing may repeat (peer, manifest) at 2^50 bytes a receipt item, 32
 # items an entry, entry after entry, past 2^63 after 256 entries (review of 8202c62; MAX_SEQ entries
@@ -240,11 +240,12 @@ class BaseParts:
     """A replica's state at a cut, peers by name (:meth:`Ledger.base_parts`; node/ledger/cut.py puts it
     on the wire). Every map holds only non-empty values, so equal replicas give equal parts."""
 
-    open_version: int  # credits of batches and manifests of older versions count nothing after the cut
+    open_version: int  # credits of manifests of older versions count nothing after the cut
+    open_steps: dict[str, int]  # worker -> its oldest open draw step: credits of its older batches count nothing
     logs: dict[str, tuple[int, bytes, int, int, int, Evidence | None]]  # author -> (seq, hash, last time, receipts, fork seq, evidence)
     totals: dict[str, tuple[int, ...]]  # peer -> TOTAL_FIELDS values; bytes_served: what closed manifests gave
     trusted_vouched: dict[str, int]  # peer -> bytes trainers' and validators' receipts vouch for (standing)
-    batches: dict[bytes, list[tuple[str, int, int, int, int]]]  # open batch -> (peer, field, version, amount, entries)
+    batches: dict[bytes, list[tuple[str, int, str, int, int, int]]]  # open batch -> (peer, field, worker, step, amount, entries)
     vouched: dict[tuple[str, bytes], dict[str, int]]  # (voucher, open manifest) -> {peer: bytes}
     published: dict[bytes, dict[tuple[int, int], int]]  # open manifest -> {(version, size): entries}
     bans: list[LedgerBan]  # bans still running at the cut's time, of usable entries
@@ -335,6 +336,7 @@ class Ledger:
         # What a cut (node/ledger/cut.py) leaves: credits of batches and manifests of versions below
         # open_version count nothing, and bytes served up to the cut are a fixed sum per peer.
         self.open_version = 0
+        self.open_steps: dict[str, int] = {}
         self._served_base: dict[str, int] = {}
         self.cut_number = 0  # 0 = based on no cut
         self.cut_hash = GENESIS  # hash of the signed cut the replica is based on
@@ -446,8 +448,9 @@ class Ledger:
         author = sys.intern(author)
         for c in credits:
             peer = sys.intern(c.peer)
-            if c.step < self.open_version and (c.field == PUBLISHED or c.batch is not None):
-                continue  # a version our cut closed (node/ledger/cut.py)
+            if (c.step < self.open_version if c.field == PUBLISHED
+                    else c.batch is not None and c.step < self.open_steps.get(c.worker, 0)):
+                continue  # a version or draw step our cut closed (node/ledger/cut.py)
             if c.field == PUBLISHED:
                 sizes = self._published.setdefault(c.manifest, {})
                 key = (c.step, c.amount)
@@ -474,13 +477,13 @@ class Ledger:
         batch). The largest, not the first, so that replicas agree whatever order entries came in
         (two trainers may count one batch differently, e.g. after dropping zero-advantage groups)."""
         who = (self._peer_number(peer), TOTAL_FIELDS.index(c.field))
-        claims = {claim[:4]: claim[4] for claim in _CLAIM.iter_unpack(self._batch_claims.get(c.batch, b""))}
-        before = max((amount for p, f, _step, amount in claims if (p, f) == who), default=0)
-        key = (*who, c.step, c.amount)
+        claims = {claim[:5]: claim[5] for claim in _CLAIM.iter_unpack(self._batch_claims.get(c.batch, b""))}
+        before = max((amount for p, f, _w, _step, amount in claims if (p, f) == who), default=0)
+        key = (*who, self._peer_number(sys.intern(c.worker)), c.step, c.amount)
         left = claims.pop(key, 0) + sign
         if left:
             claims[key] = left
-        after = max((amount for p, f, _step, amount in claims if (p, f) == who), default=0)
+        after = max((amount for p, f, _w, _step, amount in claims if (p, f) == who), default=0)
         if claims:
             self._batch_claims[c.batch] = b"".join(_CLAIM.pack(*claim, n) for claim, n in claims.items())
         else:
@@ -682,14 +685,27 @@ class Ledger:
 
     # ---------------------------------------------------------------- cuts (node/ledger/cut.py)
 
-    def base_parts(self, open_version: int, now_ms: int) -> BaseParts:
-        """What a cut closing the versions below ``open_version`` at ``now_ms`` keeps of this replica,
-        with peers by name (a canonical form: equal for replicas holding the same entries and
-        evidence). Bytes served for closed manifests become fixed sums; batch claims, vouched bytes
-        and published sizes of closed versions are left out; a flagged author's log is closed (its
-        usable head, no time or receipt count: nothing more joins it)."""
-        if open_version < self.open_version:
-            raise ValueError(f"a cut cannot reopen versions {open_version}..{self.open_version - 1}")
+    def next_open(self, keep_versions: int, keep_steps: int) -> tuple[int, dict[str, int]]:
+        """(open_version, open_steps) of a cut made now that keeps the newest ``keep_versions``
+        checkpoint versions and each worker's newest ``keep_steps`` draw steps open (never fewer than
+        the cut this replica is based on: nothing closed reopens)."""
+        steps = dict(self.open_steps)
+        for packed in self._batch_claims.values():
+            for _p, _f, w, step, _a, _n in _CLAIM.iter_unpack(packed):
+                worker = self._peer_names[w]
+                steps[worker] = max(steps.get(worker, 0), step + 1 - keep_steps)
+        return (max(self.open_version, self.newest_version() + 1 - keep_versions),
+                {w: step for w, step in steps.items() if step > 0})
+
+    def base_parts(self, open_version: int, open_steps: dict[str, int], now_ms: int) -> BaseParts:
+        """What a cut closing the versions below ``open_version`` and each worker's draw steps below
+        ``open_steps`` at ``now_ms`` keeps of this replica, with peers by name (a canonical form: equal
+        for replicas holding the same entries and evidence). Bytes served for closed manifests become
+        fixed sums; claims of closed batches, vouched bytes and published sizes of closed manifests
+        are left out; a flagged author's log is closed (its usable head, no time or receipt count:
+        nothing more joins it)."""
+        if open_version < self.open_version or any(open_steps.get(w, 0) < s for w, s in self.open_steps.items()):
+            raise ValueError("a cut cannot reopen what the cut it follows closed")
         open_manifests = {m for m, sizes in self._published.items() if max(v for v, _size in sizes) >= open_version}
         served = self._bytes_served(lambda m: m not in open_manifests)
         for peer, amount in self._served_base.items():
@@ -707,9 +723,10 @@ class Ledger:
             logs[author] = (seq, log.hash_at(seq), 0 if closed else log.last_time_ms, 0 if closed else log.receipts,
                             log.fork_seq, log.evidence)
         batches = {}
+        names = self._peer_names
         for batch, packed in self._batch_claims.items():
-            claims = [(self._peer_names[p], f, step, amount, n) for p, f, step, amount, n in _CLAIM.iter_unpack(packed)]
-            if max(step for _p, _f, step, _a, _n in claims) >= open_version:
+            claims = [(names[p], f, names[w], step, amount, n) for p, f, w, step, amount, n in _CLAIM.iter_unpack(packed)]
+            if any(step >= open_steps.get(w, 0) for _p, _f, w, step, _a, _n in claims):
                 batches[batch] = sorted(claims)
         vouched = {(voucher, manifest): claims for voucher, manifest, claims in self._vouched_claims()
                    if manifest in open_manifests}
@@ -717,6 +734,7 @@ class Ledger:
                 if b.until_ms > now_ms and b.seq <= self._logs[b.by].usable()]
         return BaseParts(
             open_version=open_version,
+            open_steps={w: step for w, step in open_steps.items() if step > 0},
             logs=logs,
             totals=totals,
             trusted_vouched={p: n for p, n in self._trusted_vouched.items() if n},
@@ -731,6 +749,7 @@ class Ledger:
         if self._logs or self._totals:
             raise ValueError("load_base() takes an empty replica")
         self.open_version = parts.open_version
+        self.open_steps = dict(parts.open_steps)
         for author, (seq, head_hash, last_time_ms, receipts, fork_seq, evidence) in parts.logs.items():
             self._logs[sys.intern(author)] = _Log(last_time_ms=last_time_ms, receipts=receipts, fork_seq=fork_seq,
                                                   evidence=evidence, base=seq, base_hash=head_hash)
@@ -741,8 +760,9 @@ class Ledger:
             self._totals[sys.intern(peer)] = PeerTotals(**row)
         self._trusted_vouched.update(parts.trusted_vouched)
         for batch, claims in parts.batches.items():
-            self._batch_claims[batch] = b"".join(_CLAIM.pack(self._peer_number(sys.intern(p)), f, step, amount, n)
-                                                 for p, f, step, amount, n in claims)
+            self._batch_claims[batch] = b"".join(
+                _CLAIM.pack(self._peer_number(sys.intern(p)), f, self._peer_number(sys.intern(w)), step, amount, n)
+                for p, f, w, step, amount, n in claims)
         for (voucher, manifest), claims in parts.vouched.items():
             for peer, amount in claims.items():
                 self._vouch(sys.intern(voucher), sys.intern(peer), manifest, amount)

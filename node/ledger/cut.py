@@ -16,24 +16,29 @@ What a cut holds (:class:`Cut`; :meth:`~node.ledger.chain.Ledger.base_parts` com
   :class:`~node.ledger.chain.Evidence` pair of a flagged author (whose log the cut closes);
 * per peer every total of :data:`~node.ledger.entries.TOTAL_FIELDS` and the bytes trainers' and
   validators' receipts vouch for it (its standing, :meth:`Ledger.vouched`);
-* the *open* part of the per-batch and per-checkpoint state, bounded by a window of checkpoint
-  versions: ``open_version`` is the oldest version still open (the newest published minus
-  ``keep_versions - 1``). Batch claims (a batch counts once, at its largest claim) are kept for
-  batches of open versions; bytes vouched per (voucher, manifest) and the published sizes only for
-  manifests of open versions. What closed manifests gave is added into the peers' ``bytes_served``;
+* the *open* part of the per-batch and per-checkpoint state, bounded by windows: ``open_version``
+  is the oldest checkpoint version still open (the newest published minus ``keep_versions - 1``),
+  and each worker's ``open_step`` the oldest of its draw steps still open (the highest its claimed
+  batches name minus ``keep_steps - 1``). Batch claims (a batch counts once, at its largest claim)
+  are kept for batches of open draw steps; bytes vouched per (voucher, manifest) and the published
+  sizes only for manifests of open versions. What closed manifests gave is added into the peers'
+  ``bytes_served``;
 * bans still running at the cut's time;
 * the run, its number (1, 2, ... one cut after another), the hash of the signed cut it follows
   (``prev``: cuts form a chain as each author's entries do), the cut's time and the replica's
   :meth:`Ledger.digest` at its heads.
 
-The window is in trainer-stamped versions, not in arrival order: every batch credit carries the
-``step`` its entry names (a batch's id commits to the version it was made for, node/rollouts), every
-published size its manifest's version, and after a cut **a credit of a closed version counts
-nothing**, at every replica based on that cut, whatever order entries arrive in. That is the one
-rule the cut changes: a batch re-recorded above the cut (a second trainer, a replayed verdict) is
-still counted once, by the cut when it is closed and by the open claims when it is not. The trainer
-refuses batches older than its staleness bound at intake, so with ``keep_versions`` above that bound
-(and above how far validators lag) an honest batch never loses credit.
+The windows are in numbers the entries carry, not in arrival order: every published size carries its
+manifest's version (trainer-stamped), every batch credit its worker and draw step (the entry's
+``worker`` and ``step``; the batch's id commits to both, and a worker's draw steps are its own
+counter, node/rollouts/steps.py, not a clock shared by the run: the soak of issue 45 had workers'
+steps 450 apart), and after a cut **a credit of a closed version or draw step counts nothing**, at
+every replica based on that cut, whatever order entries arrive in. That is the one rule the cut
+changes: a batch re-recorded above the cut (a second trainer, a replayed verdict) is still counted
+once, by the cut when it is closed and by the open claims when it is not. A trainer refuses a draw
+step more than its step window behind the worker's highest (``step-behind``), so with ``keep_steps``
+above that window and the validators' lag an honest batch never loses credit (soak60b's
+inference-1: every claim within 37 steps of its worker's highest so far).
 
 Who signs it and when: a trainer of the run (the run file lists them; they already sign the
 manifests every node trusts), every ``cut_interval`` of its own entries, from its own replica as it
@@ -92,10 +97,10 @@ DOMAIN = "ledger-cut"
 MAX_CUT_BYTES = 64 * 1024 * 1024
 MAX_CUT_PEERS = 100_000
 MAX_CUT_RECORDS = 1_000_000
-# A claim on an open batch: peer (index in Cut.rows), field (index in TOTAL_FIELDS), version, amount,
-# entries claiming it; bytes vouched for one peer: peer index, the sum in two unsigned halves (sums may
+# A claim on an open batch: peer (index in Cut.rows), field (index in TOTAL_FIELDS), the batch's worker
+# (row index) and draw step, amount, entries claiming it; bytes vouched for one peer: peer index, the sum in two unsigned halves (sums may
 # pass 2^64: node/ledger/chain.py _VOUCHED_WIDE).
-_CLAIM = struct.Struct(">IBIQI")
+_CLAIM = struct.Struct(">IBIIQI")
 _VOUCH = struct.Struct(">IQQ")
 _LOW64 = 2**64 - 1
 
@@ -124,6 +129,7 @@ class CutRow(Message):
     peer: str = bounded(max_len=MAX_PEER_ID)
     totals: tuple[int, ...] = bounded(max_len=len(TOTAL_FIELDS), item_min=0, item_max=_LOW64)
     trusted_vouched: int = bounded(min=0, max=_LOW64, default=0)
+    open_step: int = bounded(min=0, max=2**32, default=0)  # as a worker: its oldest draw step still open
 
 
 @register
@@ -201,24 +207,26 @@ class OpenedCut:
     hash: bytes
 
 
-def make_cut(ledger: Ledger, *, time_ms: int, keep_versions: int, number: int | None = None,
-             prev: bytes | None = None, open_version: int | None = None) -> Cut:
-    """The cut of ``ledger`` as it stands: the versions older than the newest ``keep_versions`` closed
-    (or exactly ``open_version``: what a verifier rebuilds a received cut with), bans judged at
-    ``time_ms``, following the cut the replica is based on unless ``number``/``prev`` say otherwise."""
-    if open_version is None:
-        open_version = max(ledger.open_version, ledger.newest_version() + 1 - keep_versions)
-    parts = ledger.base_parts(open_version, time_ms)
-    names = sorted(set(parts.logs) | set(parts.totals) | set(parts.trusted_vouched)
-                   | {p for claims in parts.batches.values() for p, *_ in claims}
+def make_cut(ledger: Ledger, *, time_ms: int, keep_versions: int = 0, keep_steps: int = 0, number: int | None = None,
+             prev: bytes | None = None, opened: tuple[int, dict[str, int]] | None = None) -> Cut:
+    """The cut of ``ledger`` as it stands: the checkpoint versions older than the newest
+    ``keep_versions`` and each worker's draw steps older than its newest ``keep_steps`` closed (or
+    exactly ``opened``, (open_version, open_steps): what a verifier rebuilds a received cut with), bans
+    judged at ``time_ms``, following the cut the replica is based on unless ``number``/``prev`` say
+    otherwise."""
+    open_version, open_steps = opened or ledger.next_open(keep_versions, keep_steps)
+    parts = ledger.base_parts(open_version, open_steps, time_ms)
+    names = sorted(set(parts.logs) | set(parts.totals) | set(parts.trusted_vouched) | set(parts.open_steps)
+                   | {name for claims in parts.batches.values() for p, _f, w, *_ in claims for name in (p, w)}
                    | {name for (voucher, _m), claims in parts.vouched.items() for name in (voucher, *claims)})
     index = {name: i for i, name in enumerate(names)}
     zeros = (0,) * len(TOTAL_FIELDS)
-    rows = tuple(CutRow(peer=p, totals=parts.totals.get(p, zeros), trusted_vouched=parts.trusted_vouched.get(p, 0))
-                 for p in names)
+    rows = tuple(CutRow(peer=p, totals=parts.totals.get(p, zeros), trusted_vouched=parts.trusted_vouched.get(p, 0),
+                        open_step=parts.open_steps.get(p, 0)) for p in names)
     logs = tuple(CutLog(author=a, seq=seq, hash=h, last_time_ms=t, receipts=r, fork_seq=f, evidence=_pair(ev))
                  for a, (seq, h, t, r, f, ev) in sorted(parts.logs.items()))
-    batches = tuple(CutBatch(batch=b, claims=b"".join(_CLAIM.pack(index[p], *rest) for p, *rest in claims))
+    batches = tuple(CutBatch(batch=b, claims=b"".join(_CLAIM.pack(index[p], f, index[w], *rest)
+                                                      for p, f, w, *rest in claims))
                     for b, claims in sorted(parts.batches.items()))
     vouched = tuple(CutVouched(voucher=index[v], manifest=m,
                                claims=b"".join(_VOUCH.pack(index[p], n >> 64, n & _LOW64) for p, n in sorted(c.items())))
@@ -288,8 +296,8 @@ def parts_of(cut: Cut) -> BaseParts:
             logs[log.author] = (log.seq, log.hash, log.last_time_ms, log.receipts, log.fork_seq, ev)
         batches = {}
         for b in cut.batches:
-            claims = [(peer(p), f, step, amount, n) for p, f, step, amount, n in records(_CLAIM, b.claims)]
-            if any(f >= len(TOTAL_FIELDS) or n < 1 for _p, f, _s, _a, n in claims):
+            claims = [(peer(p), f, peer(w), step, amount, n) for p, f, w, step, amount, n in records(_CLAIM, b.claims)]
+            if any(f >= len(TOTAL_FIELDS) or n < 1 for _p, f, _w, _s, _a, n in claims):
                 raise ValueError("claim")
             batches[b.batch] = claims
         published: dict[bytes, dict[tuple[int, int], int]] = {}
@@ -297,6 +305,7 @@ def parts_of(cut: Cut) -> BaseParts:
             published.setdefault(p.manifest, {})[(p.version, p.size)] = p.entries
         return BaseParts(
             open_version=cut.open_version,
+            open_steps={r.peer: r.open_step for r in cut.rows if r.open_step},
             logs=logs,
             totals={r.peer: r.totals for r in cut.rows if any(r.totals)},
             trusted_vouched={r.peer: r.trusted_vouched for r in cut.rows if r.trusted_vouched},
@@ -354,11 +363,12 @@ def cut_problem(cut: Cut, replayed: Ledger) -> str | None:
         return "wrong-run"
     if cut.prev != replayed.cut_hash or cut.number != replayed.cut_number + 1:
         return "other-base"  # made on another cut than ours: we need the cuts between first
-    if cut.open_version < replayed.open_version:
-        return "reopens-versions"
+    open_steps = {r.peer: r.open_step for r in cut.rows if r.open_step}
+    if cut.open_version < replayed.open_version or any(open_steps.get(w, 0) < s for w, s in replayed.open_steps.items()):
+        return "reopens"
     if cut.digest != replayed.digest():
         return "other-heads"
-    ours = make_cut(replayed, time_ms=cut.time_ms, keep_versions=0, open_version=cut.open_version)
+    ours = make_cut(replayed, time_ms=cut.time_ms, opened=(cut.open_version, open_steps))
     for name in ("logs", "rows", "batches", "vouched", "published", "bans"):
         if getattr(ours, name) != getattr(cut, name):
             return f"{name}-differ"

@@ -116,9 +116,10 @@ class Credit:
     once per (peer, field, batch) however many entries claim it (issue 42: a batch recorded by two
     trainers, or a verdict delivered twice, counted twice).
 
-    ``step`` is the checkpoint version a batch was made for or a published manifest is: a cut
-    (node/ledger/cut.py) closes the versions below its ``open_version``, and credits of a batch or
-    manifest of a closed version count nothing after it.
+    ``step`` is a published manifest's checkpoint version, or a batch's draw step, which is its
+    ``worker``'s own counter (node/rollouts/steps.py; the batch's id commits to both): a cut
+    (node/ledger/cut.py) closes the versions below its ``open_version`` and each worker's draw steps
+    below its open step, and credits of a closed manifest or batch count nothing after it.
     """
 
     peer: str
@@ -127,6 +128,7 @@ class Credit:
     manifest: bytes | None = None
     batch: bytes | None = None
     step: int = 0
+    worker: str = ""  # a batch credit's worker (whose draw step ``step`` is); for a verdict not ``peer``
 
 
 PUBLISHED = "published"  # pseudo-field of a CheckpointPublished credit: the manifest's size
@@ -190,11 +192,11 @@ class RolloutsJudged(Body):
         _check_peer_id("worker", self.worker)
 
     def credits(self, author: str) -> list[Credit]:
-        b, step = self.batch_hash, self.step
+        w, b, step = self.worker, self.batch_hash, self.step
         if self.accepted:
-            return [Credit(self.worker, "rollouts_accepted", self.samples, batch=b, step=step),
-                    Credit(self.worker, "tokens", self.tokens, batch=b, step=step)]
-        return [Credit(self.worker, "rollouts_rejected", self.samples, batch=b, step=step)]
+            return [Credit(w, "rollouts_accepted", self.samples, batch=b, step=step, worker=w),
+                    Credit(w, "tokens", self.tokens, batch=b, step=step, worker=w)]
+        return [Credit(w, "rollouts_rejected", self.samples, batch=b, step=step, worker=w)]
 
 
 @register
@@ -213,10 +215,10 @@ class Verdict(Body):
         _check_peer_id("worker", self.worker)
 
     def credits(self, author: str) -> list[Credit]:
-        b, step = self.batch_hash, self.step
-        out = [Credit(author, "verdicts", 1, batch=b, step=step)]  # one per batch it judged
+        w, b, step = self.worker, self.batch_hash, self.step
+        out = [Credit(author, "verdicts", 1, batch=b, step=step, worker=w)]  # one per batch it judged
         if not self.ok:
-            out.append(Credit(self.worker, "verdicts_failed", 1, batch=b, step=step))
+            out.append(Credit(w, "verdicts_failed", 1, batch=b, step=step, worker=w))
         return out
 
 
