@@ -120,7 +120,7 @@ def scale(n: int, args) -> dict:
     extra = [start + (i + 0.5) * args.duration / max(1, args.events) for i in range(args.events)]
     floor, dead_live_max = 1.0, 0
     next_sample = start + SAMPLE
-    traffic_before = swarm.traffic()
+    traffic_before, kinds_before = swarm.traffic(), swarm.traffic_kinds()
     suspicions_before = len(swarm.counters.suspicions)
     step = 0.25
     while swarm.sim.now < end:
@@ -150,6 +150,12 @@ def scale(n: int, args) -> dict:
     out["bytes_s"] = statistics.mean((after[p][0] - traffic_before[p][0]) / secs for p in stayed)
     out["bytes_s_max"] = max((after[p][0] - traffic_before[p][0]) / secs for p in stayed)
     out["msgs_s"] = statistics.mean((after[p][1] - traffic_before[p][1]) / secs for p in stayed)
+    kinds_after = swarm.traffic_kinds()
+    kinds: dict[str, float] = {}
+    for p in stayed:
+        for k, b in kinds_after[p].items():
+            kinds[k] = kinds.get(k, 0.0) + (b - kinds_before[p].get(k, 0)) / secs / len(stayed)
+    out["kinds"] = kinds  # mean bytes/s per node by kind: what the cost is made of
     sus = swarm.counters.suspicions[suspicions_before:]
     node_hours = n * secs / 3600.0
     out["false_susp_per_node_h"] = sum(1 for s in sus if s[3]) / node_hours
@@ -218,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['cpu_s']:>7.0f} {r['peak_mib']:>6.0f}", flush=True)
         print(f"       ({len(j)} joins, {len(d)} crashes measured; last start at {r['ramp_s']:.0f} s, every view "
               f">= 99 % at {r['converge_s']:.0f} s (virtual); {r['events']} events)")
+        print("       bytes/s per node by kind: " + ", ".join(
+            f"{k} {v:.0f}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]) if v >= 0.5))
         if r["undetected"] or r["unjoined"]:
             print(f"       ({r['undetected']} crashes still held live, {r['unjoined']} joins not yet at 99 % when the window ended)")
     if rows:

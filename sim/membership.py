@@ -75,6 +75,7 @@ class Gossip:
     domain: str  # "record", "suspect", "dead", "goodbye"
     message: PeerRecord | Accusation | Goodbye
     size: int
+    cause: str = ""  # why it was published, for the traffic breakdown (start, refresh, change, refute...)
 
 
 @dataclass
@@ -132,11 +133,11 @@ class SimNode:
         sim.after(jitter() * self.swarm.tick, self.tick)
         sim.after(jitter() * HEARTBEAT, self.heartbeat)
         sim.after(0.0, self.connection_loop)
-        sim.after(0.0, self.publish_record)
+        sim.after(0.0, self.publish_record, "start")
 
     def leave(self) -> None:
         """A clean shutdown: the goodbye goes out, then the endpoint stops."""
-        self.publish("goodbye", Goodbye(run=RUN, peer_id=self.pid, seq=self.record.seq), GOODBYE_BYTES)
+        self.publish("goodbye", Goodbye(run=RUN, peer_id=self.pid, seq=self.record.seq), GOODBYE_BYTES, "goodbye")
         self.swarm.sim.after(0.2, self.crash, True, 0.0)
 
     def crash(self, refuses: bool, notice: float) -> None:
@@ -145,9 +146,9 @@ class SimNode:
 
     # ------------------------------------------------------------------ gossip
 
-    def publish(self, domain: str, message, size: int) -> None:
+    def publish(self, domain: str, message, size: int, cause: str) -> None:
         self.counter += 1
-        msg = Gossip(self.pid, self.counter, domain, message, size + GOSSIP_MSG_OVERHEAD)
+        msg = Gossip(self.pid, self.counter, domain, message, size + GOSSIP_MSG_OVERHEAD, cause)
         self.seen[(self.pid, self.counter)] = self.swarm.sim.now
         self.window[-1].append(msg)
         for p in self.swarm.net.connected(self.pid):  # flood publishing (gossipsub v1.1)
@@ -155,7 +156,8 @@ class SimNode:
 
     def forward(self, peer: str, msg: Gossip) -> None:
         other = self.swarm.nodes[peer]
-        self.swarm.net.send(self.pid, peer, msg.size, other.on_gossip, msg, self.pid, skip=other.has_seen)
+        self.swarm.net.send(self.pid, peer, msg.size, other.on_gossip, msg, self.pid, skip=other.has_seen,
+                            kind=f"gossip:{msg.cause}")
 
     def has_seen(self, msg: Gossip, _sender: str = "") -> bool:
         """A copy of ``msg`` would change nothing here (on_gossip drops it unread)."""
@@ -194,21 +196,21 @@ class SimNode:
         now = self.swarm.sim.now
         self.record = replace(self.record, addrs=[self.swarm.address_of(self.pid)],
                               seq=next_seq(self.record.seq, wall_ms(now)))
-        self.publish_record()
+        self.publish_record("change")
 
     def refute(self, above: int) -> None:
         now = self.swarm.sim.now
         self.record = replace(self.record, seq=next_seq(max(self.record.seq, above), wall_ms(now)))
         self.swarm.counters.refutations += 1
-        self.publish_record()
+        self.publish_record("refute")
 
-    def publish_record(self) -> None:
+    def publish_record(self, cause: str) -> None:
         """The service's serve_record: at start and at once on a change; the tick republishes it
         when RecordRefresh says the refresh is due."""
         if not self.running:
             return
         self.refresh.on_published(self.swarm.sim.now, len(self.swarm.net.connected(self.pid)))  # flood publishing
-        self.publish("record", self.record, RECORD_BYTES)
+        self.publish("record", self.record, RECORD_BYTES, cause)
 
     def heartbeat(self) -> None:
         """Gossipsub's heartbeat: keep the mesh between D_lo and D_hi, send IHAVE, expire seen ids."""
@@ -222,19 +224,19 @@ class SimNode:
             self.rng.shuffle(spare)
             for p in spare[: MESH_D - len(self.mesh)]:
                 self.mesh.add(p)
-                net.send(self.pid, p, SMALL_BYTES, self.swarm.nodes[p].on_graft, self.pid)
+                net.send(self.pid, p, SMALL_BYTES, self.swarm.nodes[p].on_graft, self.pid, kind="graft")
         elif len(self.mesh) > MESH_HI:
             extra = sorted(self.mesh)
             self.rng.shuffle(extra)
             for p in extra[: len(self.mesh) - MESH_D]:
                 self.mesh.discard(p)
-                net.send(self.pid, p, SMALL_BYTES, self.swarm.nodes[p].on_graft_pruned, self.pid)
+                net.send(self.pid, p, SMALL_BYTES, self.swarm.nodes[p].on_graft_pruned, self.pid, kind="graft")
         have = [m for w in self.window for m in w]
         if have:
             lazy = sorted(connected - self.mesh)
             for p in self.rng.sample(lazy, min(GOSSIP_LAZY, len(lazy))):
                 net.send(self.pid, p, RPC_BYTES + len(have) * GOSSIP_ID_BYTES, self.swarm.nodes[p].on_ihave,
-                         self.pid, have)
+                         self.pid, have, kind="ihave")
         self.window = self.window[1:] + [[]]
         if len(self.seen) > 64:  # entries are added in time order: the expired ones come first
             expired = list(itertools.takewhile(lambda kt: now - kt[1] >= SEEN_TTL, self.seen.items()))
@@ -249,7 +251,7 @@ class SimNode:
         want = [m for m in have if (m.author, m.counter) not in self.seen]
         if want:
             self.swarm.net.send(self.pid, peer, RPC_BYTES + len(want) * GOSSIP_ID_BYTES,
-                                self.swarm.nodes[peer].on_iwant, self.pid, want)
+                                self.swarm.nodes[peer].on_iwant, self.pid, want, kind="iwant")
 
     def on_iwant(self, peer: str, want: list[Gossip]) -> None:
         if self.running:
@@ -304,7 +306,7 @@ class SimNode:
                 if acc is not None:
                     up = self.swarm.nodes[target].running
                     self.swarm.counters.suspicions.append((now, self.pid, target, up))
-                    self.publish("suspect", acc, ACCUSATION_BYTES)
+                    self.publish("suspect", acc, ACCUSATION_BYTES, "suspect")
             then()
 
         self.ping_once(target, cfg.probe_timeout * scale, direct)
@@ -322,7 +324,8 @@ class SimNode:
 
     def _ping(self, peer: str, once: "_Once") -> None:
         net = self.swarm.net  # the answer is the peer's transport's, not its membership's
-        net.send(self.pid, peer, PROBE_BYTES // 2, lambda: net.send(peer, self.pid, PROBE_BYTES // 2, once, True))
+        net.send(self.pid, peer, PROBE_BYTES // 2,
+                 lambda: net.send(peer, self.pid, PROBE_BYTES // 2, once, True, kind="ping"), kind="ping")
 
     def call_ping_req(self, helper: str, target: str, timeout: float, done: Callable[[bool], object]) -> None:
         once = _Once(done)
@@ -331,7 +334,8 @@ class SimNode:
 
         def ask(ok: bool) -> None:
             if ok:
-                self.swarm.net.send(self.pid, helper, PING_REQ_BYTES, h.answer_ping_req, self.pid, target, once)
+                self.swarm.net.send(self.pid, helper, PING_REQ_BYTES, h.answer_ping_req, self.pid, target, once,
+                                    kind="ping-req")
             else:
                 once(False)
 
@@ -344,7 +348,7 @@ class SimNode:
         if not self.running:
             return
         def answer(ok: bool) -> None:
-            self.swarm.net.send(self.pid, asker, SMALL_BYTES, reply, ok)
+            self.swarm.net.send(self.pid, asker, SMALL_BYTES, reply, ok, kind="ping-req")
         if not self.table.is_live(target):
             return answer(False)
         self.ping_once(target, self.swarm.config.indirect_timeout, answer)
@@ -381,9 +385,9 @@ class SimNode:
         sim, net, cfg = self.swarm.sim, self.swarm.net, self.swarm.config
         now = sim.now
         for acc in self.table.tick(now):
-            self.publish("dead", acc, ACCUSATION_BYTES)
+            self.publish("dead", acc, ACCUSATION_BYTES, "dead")
         if self.refresh.due(now, self.table.size(), cfg, len(net.connected(self.pid))):
-            self.publish_record()
+            self.publish_record("refresh")
         connected = net.connected(self.pid)
         for p in connected:
             self.table.on_reached(p, now)
@@ -401,14 +405,15 @@ class SimNode:
         source = None if not self.sync.joined else peer
         records = self.table_envelopes()
         self.swarm.net.send(self.pid, peer, _batch_bytes(len(records)), self.swarm.nodes[peer].handle_sync,
-                            self.pid, records, source)
+                            self.pid, records, source, kind="sync-join" if source is None else "sync")
 
     def handle_sync(self, peer: str, records: list[PeerRecord], their_source: str | None) -> None:
         if not self.running:
             return
         self.receive(records, peer)
         mine = self.table_envelopes()
-        self.swarm.net.send(self.pid, peer, _batch_bytes(len(mine)), self.swarm.nodes[peer].receive, mine, their_source)
+        self.swarm.net.send(self.pid, peer, _batch_bytes(len(mine)), self.swarm.nodes[peer].receive, mine, their_source,
+                            kind="sync-join-answer" if their_source is None else "sync-answer")
 
     def receive(self, records: list[PeerRecord], source: str | None) -> None:
         if not self.running:
@@ -449,7 +454,7 @@ class SimNode:
         net = self.swarm.net
         self.watch.on_prune_sent(peer, self.swarm.sim.now)
         other = self.swarm.nodes[peer]
-        net.send(self.pid, peer, SMALL_BYTES, other.on_prune, self.pid)
+        net.send(self.pid, peer, SMALL_BYTES, other.on_prune, self.pid, kind="prune")
         self.swarm.sim.after(2 * net.one_way(self.pid, peer) + 0.01, net.close, self.pid, peer)
 
     def on_prune(self, peer: str) -> None:
@@ -606,6 +611,12 @@ class Swarm:
         """Per live node: (bytes sent, messages sent) so far."""
         e = self.net.endpoints
         return {n.pid: (e[n.pid].sent_bytes, e[n.pid].sent_msgs) for n in self.live()}
+
+    def traffic_kinds(self) -> dict[str, dict[str, int]]:
+        """Per live node: bytes sent so far by kind (sim/network.py's send labels: gossip by cause,
+        ihave, iwant, sync, ping...)."""
+        e = self.net.endpoints
+        return {n.pid: dict(e[n.pid].sent_kinds) for n in self.live()}
 
 
 _LIVE = (MemberState.ALIVE, MemberState.SUSPECT)

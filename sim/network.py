@@ -41,6 +41,7 @@ class Endpoint:
     recv_bytes: int = 0
     recv_msgs: int = 0
     relayed_bytes: int = 0  # bytes carried for others' circuits (counted in sent/recv too)
+    sent_kinds: dict[str, int] = field(default_factory=dict)  # sent bytes by the sender's label (send's kind)
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Network:
         return e[a].latency + 2 * e[relay].latency + e[b].latency
 
     def send(self, a: str, b: str, nbytes: int, deliver: Callable[..., object], *args, lossy: bool = True,
-             skip: Callable[..., bool] | None = None) -> bool:
+             skip: Callable[..., bool] | None = None, kind: str = "other") -> bool:
         """Send one message on the a-b connection; ``deliver(*args)`` runs at b when it arrives.
         Returns False (nothing sent) if a holds no connection to b.
 
@@ -82,13 +83,17 @@ class Network:
         ``skip(*args)``, asked when the message reaches b: True when handing it over could change
         nothing (a gossip copy b has already seen, which stays seen). It is then counted and takes
         its downlink time all the same, but no delivery is scheduled: most gossip copies are such
-        duplicates, and their delivery events were a third of a large swarm's events."""
+        duplicates, and their delivery events were a third of a large swarm's events.
+
+        ``kind`` labels the bytes in ``Endpoint.sent_kinds`` (what a per-node cost is made of); a
+        relay counts what it carries for a circuit as ``relayed``."""
         links = self.links.get(a)
         if links is None or b not in links:
             return False
         src = self.endpoints[a]
         src.sent_bytes += nbytes
         src.sent_msgs += 1
+        src.sent_kinds[kind] = src.sent_kinds.get(kind, 0) + nbytes
         if lossy and self.loss and self.rng.random() < self.loss:
             self.dropped += 1
             return True
@@ -116,6 +121,7 @@ class Network:
         if i < len(hops) - 1:  # a relay: forwarded once received, on its own uplink
             d.relayed_bytes += 2 * nbytes
             d.sent_bytes += nbytes
+            d.sent_kinds["relayed"] = d.sent_kinds.get("relayed", 0) + nbytes
             self.sim.at(d.down_free, self._up, hops, i, nbytes, deliver, args, skip)
             return
         d.recv_msgs += 1
