@@ -3,6 +3,7 @@
     .venv/bin/python bench/ledger.py [--ingest 20000] [--sync 100000] [--scale] [--workers 1000] [--days 7]
                                      [--cut-every 1000000] [--keep-versions 16] [--keep-steps 64]
     .venv/bin/python bench/ledger.py --memory DATA_DIR
+    .venv/bin/python bench/ledger.py --cut DATA_DIR [--keep-steps 64] [--keep-versions 16]
 
 1. Entries verified and stored per second: the node's real ingest path (parse + schema + canonical
    form + Ed25519 signature + chain rules + SQLite commit per batch of 512, as sync does), beside
@@ -38,6 +39,15 @@
    the first part that reaches them), and what that costs per hour at the database's own entry rate
    (entries / the span of their timestamps) beside the issue's goal of 5 MB per hour per node.
 
+5. ``--cut DATA_DIR`` (issue 46 item 4): a node's own ``ledger.sqlite`` (copied first, as 4.) cut
+   where half and where nine tenths of its entries (by time stamp) are below, as a trainer would cut
+   it (node/ledger/cut.py; signed by a stand-in trainer key, the run's is not ours). For each cut: its
+   signed size beside the entries' bytes below it, that a replica holding the whole database finds it
+   right, the time to open and load it, and whether a new node from the cut plus the entries above it
+   (checked by the chain rules as sync would) reaches the state of the whole database's replica
+   rebased on the cut, and the whole database's own totals (peers whose totals differ: credit the
+   cut's windows closed). The ratio cut / entries below it is printed last.
+
 The machine is shared and noisy: compare the ratios, not the absolute figures.
 """
 
@@ -70,7 +80,7 @@ from node.context import NodeContext
 from node.net.host import open_swarm_host
 from node.identity import Identity
 from node.ledger.config import LedgerConfig
-from node.ledger.chain import Ledger, Outcome
+from node.ledger.chain import Evidence, Ledger, Outcome
 from node.ledger.entries import (
     DOMAIN,
     GENESIS,
@@ -85,7 +95,7 @@ from node.ledger.entries import (
 )
 from node.ledger.messages import RangeReply, SyncHello
 from node.ledger.store import DB_FILE, open_ledger_store, rebuild
-from node.ledger.cut import ledger_from_cut, make_cut, open_cut, sign_cut
+from node.ledger.cut import cut_problem, ledger_from_cut, make_cut, open_cut, rebase, replay_to, sign_cut
 from node.ledger.service import LedgerService, serve_ledger
 from node.roles.sections import RunSections
 from node.wire import Envelope, decode_as, encode
@@ -651,6 +661,82 @@ def memory_report(data_dir: Path) -> float:
     return held / raw_bytes
 
 
+CUT_SIGNER = Identity.from_seed(hashes.digest(b"bench-ledger cut signer"))  # stands in for the run's trainer
+CUT_AT = (0.5, 0.9)  # fractions of a database's entries, by time stamp, below the cuts --cut makes
+
+
+def cut_report(data_dir: Path, keep_versions: int, keep_steps: int) -> float:
+    """Print what cuts of ``data_dir``'s ledger hold and cost (5. of the docstring); returns the last
+    cut's signed bytes over the entries' own bytes below it."""
+    run = read_run_record(data_dir)
+    cfg = RunSections.of(run).ledger
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in data_dir.glob(DB_FILE + "*"):
+            shutil.copy2(path, tmp)
+        with open_ledger_store(Path(tmp), read_only=True) as store:
+            name = store.run() or run.name
+            entries = [parse_entry(raw, verify_signature=False) for _a, _s, _h, raw in store.iter_raw()]
+            evidence = [Evidence(parse_entry(a), parse_entry(b)) for a, b in store.iter_evidence()]
+
+    def replica() -> Ledger:
+        return Ledger(name, [*run.trainers, CUT_SIGNER.peer_id], run.validators, int(cfg.max_clock_skew * 1000),
+                      cfg.limits())
+
+    def load(ledger: Ledger, chosen) -> Ledger:  # entries as stored: by author, then seq
+        for se in chosen:
+            ledger.restore(se)
+        for ev in evidence:
+            ledger.add_evidence(ev)
+        return ledger
+
+    whole = load(replica(), entries)
+    times = sorted(se.time_ms for se in entries)
+    now = times[-1] + 1
+    print(f"{data_dir}: {len(entries)} entries ({sum(len(se.raw) for se in entries)} B) by {len(whole.authors())} "
+          f"authors, {len(evidence)} evidence pairs; cuts keep {keep_steps} draw steps per worker and "
+          f"{keep_versions} checkpoint versions open")
+    ratio = 0.0
+    for frac in CUT_AT:
+        t = times[int(frac * (len(times) - 1))]
+        maker = load(replica(), [se for se in entries if se.time_ms <= t])
+        cut = make_cut(maker, time_ms=t, keep_versions=keep_versions, keep_steps=keep_steps)
+        raw = sign_cut(CUT_SIGNER, cut)
+        problem = cut_problem(cut, replay_to(cut, replica(), whole.history))
+        t0 = time.perf_counter()
+        opened = open_cut(raw, replica())
+        fresh = ledger_from_cut(opened, replica())
+        load_ms = (time.perf_counter() - t0) * 1000
+        heads = {log.author: log.seq for log in cut.logs}
+        pending = sorted((se for se in entries if se.seq > heads.get(se.author, 0)), key=lambda se: se.time_ms)
+        above, below = len(pending), sum(len(se.raw) for se in entries if se.seq <= heads.get(se.author, 0))
+        for _round in range(len(pending) + 1):  # what fits, again until nothing more does (anti-entropy)
+            left = []
+            for se in pending:
+                decision = fresh.check(se, now)
+                if decision.outcome is Outcome.ACCEPT:
+                    fresh.apply(decision)
+                elif decision.outcome in (Outcome.GAP, Outcome.REJECT):
+                    left.append(se)
+            if len(left) == len(pending):
+                break
+            pending = left
+        for ev in evidence:
+            fresh.add_evidence(ev)
+        based = rebase(whole, opened)
+        same = (fresh.digest(), fresh.totals(), fresh.flagged()) == (based.digest(), based.totals(), based.flagged())
+        totals = whole.totals()
+        differ = [p for p, row in based.totals().items() if totals.get(p) != row]
+        ratio = len(raw) / below
+        print(f"  cut at {frac:.0%} of the entries: {len(raw)} B signed ({len(cut.rows)} rows, {len(cut.logs)} logs, "
+              f"{len(cut.batches)} open batches, {len(cut.vouched)} open vouched) for {below} B of entries below it; "
+              f"a replica with the history finds it {problem or 'right'}; opened and loaded in {load_ms:.0f} ms")
+        print(f"    a new node from it: {above - len(pending)} of {above} entries above taken; "
+              f"its state {'=' if same else '!='} the whole replica rebased on the cut; "
+              f"peers whose totals differ from the whole database's: {len(differ)}")
+    print(f"  ratio cut / entries below it {ratio:10.4f}")
+    return ratio
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ingest", type=int, default=20_000, help="entries for the ingest benchmark")
@@ -668,6 +754,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="checkpoint versions a cut keeps open for receipts (downloads of older ones count no more)")
     parser.add_argument("--keep-steps", type=int, default=64,
                         help="draw steps per worker a cut keeps open (above the trainers' step window and validators' lag)")
+    parser.add_argument("--cut", type=Path, metavar="DATA_DIR",
+                        help="only cuts of a node's ledger database (5. of the docstring)")
     parser.add_argument("--memory", type=Path, metavar="DATA_DIR",
                         help="only the replica memory of a node's ledger database (4. of the docstring)")
     args = parse_args(parser, {"ingest": 2000, "sync": 2000, "sample": 1000}, argv)
@@ -678,10 +766,14 @@ def main(argv: list[str] | None = None) -> None:
                                                                           args.keep_steps) < 1:
         parser.error("--sample: at least 100; --days and --link-mbit: more than 0; "
                      "--cut-every, --keep-versions, --keep-steps: at least 1")
+    for flag, data_dir in (("--memory", args.memory), ("--cut", args.cut)):
+        if data_dir and (not (data_dir / DB_FILE).is_file() or read_run_record(data_dir) is None):
+            parser.error(f"{flag}: {data_dir} is not a node's data dir (it needs {DB_FILE} and run.json)")
     if args.memory:
-        if not (args.memory / DB_FILE).is_file() or read_run_record(args.memory) is None:
-            parser.error(f"--memory: {args.memory} is not a node's data dir (it needs {DB_FILE} and run.json)")
         memory_report(args.memory)
+        return
+    if args.cut:
+        cut_report(args.cut, args.keep_versions, args.keep_steps)
         return
     if args.scale:
         scale(args)

@@ -136,16 +136,21 @@ def test_a_swarm_too_small_for_the_receipts_is_a_usage_error(capsys):
     assert "--workers and --baseline-workers: more than 4" in capsys.readouterr().err
 
 
+def node_data_dir(path: Path, entries: list) -> dict[str, bytes]:
+    """A data dir as a node leaves it (ledger.sqlite, run.json) holding ``entries``; its files' bytes."""
+    run = bench.run_config()
+    with open_ledger_store(path) as store:
+        store.bind_run(run.name)
+        store.commit(entries)
+    write_run_record(path, run)
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
 def test_memory_report_measures_a_node_data_dirs_replica_and_leaves_the_dir_as_it_was(tmp_path, capsys):
     """bench/ledger.py --memory DATA_DIR (issue 45): a node's database loaded into a fresh replica,
     its bytes per entry beside the entries' own bytes; the data dir is only copied from."""
     entries = bench.make_history(600)
-    run = bench.run_config()
-    with open_ledger_store(tmp_path) as store:
-        store.bind_run(run.name)
-        store.commit(entries)
-    write_run_record(tmp_path, run)
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    before = node_data_dir(tmp_path, entries)
     ratio = bench.memory_report(tmp_path)
     out = capsys.readouterr().out
     assert f"{len(entries)} entries by {1 + len(bench.WORKERS)} authors" in out
@@ -154,3 +159,27 @@ def test_memory_report_measures_a_node_data_dirs_replica_and_leaves_the_dir_as_i
     assert "_logs" in out and "_vouched" in out
     assert 0 < ratio < 0.5  # the replica holds a fraction of what it loaded
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_cut_report_cuts_a_node_data_dir_and_a_new_node_from_the_cut_reaches_the_same_totals(tmp_path, capsys):
+    """bench/ledger.py --cut DATA_DIR (issue 46 item 4): cuts of a node's database are right by its
+    history, small beside the entries below them, and a new node from one plus the entries above it
+    has the state of the whole database; the data dir is only copied from."""
+    entries = bench.make_history(900)
+    before = node_data_dir(tmp_path, entries)
+    bench.main(["--cut", str(tmp_path), "--keep-steps", "4", "--keep-versions", "2"])
+    out = capsys.readouterr().out
+    assert f"{len(entries)} entries" in out
+    assert out.count("a replica with the history finds it right") == len(bench.CUT_AT)
+    assert out.count("its state = the whole replica rebased on the cut") == len(bench.CUT_AT)
+    assert out.count("peers whose totals differ from the whole database's: 0") == len(bench.CUT_AT)
+    ratio = float(out.rstrip().splitlines()[-1].split()[-1])  # printed last
+    assert 0 < ratio < 0.5
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_cut_of_a_dir_that_is_not_a_nodes_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--cut", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert f"--cut: {tmp_path} is not a node's data dir" in capsys.readouterr().err
