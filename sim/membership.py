@@ -302,10 +302,12 @@ class SimNode:
             if any(results):
                 self.table.on_probe_ok(target, now)
             elif not self.watch.closed_on_purpose_since(target, started):
+                alive = self.table.state_of(target) is MemberState.ALIVE
                 acc = self.table.on_probe_failed(target, now)
-                if acc is not None:
+                if alive:  # our suspicion, whether or not there is an accusation to publish
                     up = self.swarm.nodes[target].running
                     self.swarm.counters.suspicions.append((now, self.pid, target, up))
+                if acc is not None:
                     self.publish("suspect", acc, ACCUSATION_BYTES, "suspect")
             then()
 

@@ -72,6 +72,21 @@ def test_a_member_that_never_heard_its_death_is_revived_by_its_own_refresh(table
     assert table.state_of("a") is MemberState.LEFT
 
 
+def test_our_failed_probe_publishes_nothing_when_an_accusation_of_that_record_is_pending(table):
+    """Issue 46: every neighbour of a crashed member flooded its own accusation; after the first,
+    each changed nothing anywhere and cost every node a flood (the largest share of a node's bytes
+    that grew with N under churn). Our suspicion is still ours: the member is SUSPECT here."""
+    table.on_record(record("a", 10), now=0)
+    table.on_accusation(Accusation(run=RUN, target="a", seq=10, accuser="b"), dead=False, now=1)
+    assert table.on_probe_failed("a", now=2) is None
+    assert table.state_of("a") is MemberState.SUSPECT
+    assert table.tick(now=1 + table.config.suspicion_timeout(table.size())) == []  # b's timed out: no declaration
+    assert table.state_of("a") is MemberState.DEAD
+    # Refuted since (its newer record cleared b's): a failed probe of ours is news, and goes out.
+    table.on_record(record("a", 11), now=20)
+    assert table.on_probe_failed("a", now=21) == Accusation(run=RUN, target="a", seq=11, accuser="me")
+
+
 def test_indirect_helpers_are_members_we_can_reach_before_throwaway_ones(table):
     for peer in ("conn", "was-reached", *(f"fake{i}" for i in range(20))):
         table.on_record(record(peer, 10), now=0)

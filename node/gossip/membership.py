@@ -415,12 +415,22 @@ class MemberTable:
             m.reached = now
 
     def on_probe_failed(self, peer_id: str, now: float) -> Accusation | None:
-        """Direct and indirect probes failed: suspect it; returns the accusation to publish."""
+        """Direct and indirect probes failed: suspect it; returns the accusation to publish, or None
+        when there is nothing to say.
+
+        Not when someone else's accusation is pending here (a newer record clears it): everyone has
+        heard that one, and a second changes nothing anywhere (a second accuser never shortens a
+        suspicion, see on_accusation). Each of a crashed member's 8-24 neighbours used to flood its
+        own, the largest share of a node's bytes that grew with the swarm's size under churn (issue
+        46: bench/sim_membership.py's breakdown). Our own suspicion is kept (first-hand evidence);
+        the member is DEAD here when the pending one times out, as everywhere else."""
         self.probes["failed"] += 1
         m = self.members.get(peer_id)
         if m is None or m.state is not MemberState.ALIVE:
             return None
         self._set(m, MemberState.SUSPECT, now, self.self_id)
+        if m.hearsay is not None:
+            return None
         return Accusation(run=m.record.run, target=peer_id, seq=m.record.seq, accuser=self.self_id)
 
     # ---------------------------------------------------------------- time
