@@ -18,7 +18,9 @@ sim/shards.py drives the real picker, super-seeder and session choices over sim/
 The super-seeding origin turns ordinary seed once every piece is held by a downloader
 (``--no-hand-over``: super-seeding to the end), and a download short of ``max_peers`` direct peers
 dials public ones (``--no-dial-direct``: it does not, and NAT'd nodes holding only relay circuits
-are left out of the run). Both off is the code before issue 46's fixes; the real node has the
+are left out of the run), and a downloader's picker asks a peer 4x faster than the one a block
+waits on for it too (``--no-race``: it does not; node/shards/picker.py ``race_factor``). All
+three off is the code before issue 46's fixes; the real node has the
 hand-over (node/shards/superseed.py) and the dials (node/shards/client.py, chosen by the node's
 DialBook in node/shards/peering.py, which sim/shards.py drives).
 
@@ -49,7 +51,7 @@ def agreement(n: int, args) -> tuple[float, float]:
     """bench/shards.py swarm's scenario simulated: (distribution time, its ratio to T_min)."""
     topo = Topology(n, Links.namespaces(10.0), seed=args.seed)
     full = Distribution(topo, 32 * MiB, super_seed=args.super_seed, hand_over=args.hand_over,
-                        dial_direct=args.dial_direct)
+                        dial_direct=args.dial_direct, race=args.race)
     t = full.run(limit=600.0)
     return t, t / full.bound()
 
@@ -60,7 +62,7 @@ def scale(n: int, args) -> dict:
     size = args.size_mib * MiB
     piece = args.piece_mib * MiB if args.piece_mib else 0
     full = Distribution(topo, size, piece_size=piece, block_size=piece or None, super_seed=args.super_seed,
-                        hand_over=args.hand_over, dial_direct=args.dial_direct)
+                        hand_over=args.hand_over, dial_direct=args.dial_direct, race=args.race)
     t = full.run(limit=args.limit)
     if t is None:
         return {"n": n, "t": None, "wall_s": time.monotonic() - wall}
@@ -72,7 +74,7 @@ def scale(n: int, args) -> dict:
            "last_public": max(public), "last_nat": max(nat) if nat else float("nan"),
            "origin_up": e[ORIGIN].sent_bytes / size, "stranded": len(full.left_out)}
     delta = Distribution(topo, int(size * args.delta_ratio), super_seed=args.super_seed, hand_over=args.hand_over,
-                         dial_direct=args.dial_direct)
+                         dial_direct=args.dial_direct, race=args.race)
     out["delta_t"] = delta.run(limit=args.limit)
     out["wall_s"] = time.monotonic() - wall
     out["events"] = topo.sim.events_run
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the super-seeding origin turns ordinary seed once every piece is held by a downloader")
     ap.add_argument("--dial-direct", action=argparse.BooleanOptionalAction, default=True,
                     help="a download short of max_peers direct peers dials public ones (NAT'd nodes)")
+    ap.add_argument("--race", action=argparse.BooleanOptionalAction, default=True,
+                    help="a peer 4x faster than the one a block waits on is asked for it too (picker race_factor)")
     ap.add_argument("--seed", type=int, default=1)
     args = parse_args(ap, {"sizes": "20", "agreement": "8", "size_mib": 64}, argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]

@@ -352,7 +352,7 @@ class Distribution:
     :class:`Topology`; ``run()`` returns when every one holds it, or at ``limit``."""
 
     def __init__(self, topo: "Topology", size: int, *, piece_size: int = 0, block_size: int | None = None,
-                 super_seed: bool = True, hand_over: bool = True, dial_direct: bool = True):
+                 super_seed: bool = True, hand_over: bool = True, dial_direct: bool = True, race: bool = True):
         self.topo, self.sim, self.net, self.rng = topo, topo.sim, topo.net, topo.rng
         self.cfg, self.direct = topo.cfg, topo.direct
         self.size = size
@@ -362,7 +362,8 @@ class Distribution:
         self.piece_lengths = [min(ps, size - i * ps) for i in range(n)]
         self.params = PickerParams(block_size=min(block_size or self.cfg.block_size, ps),
                                    request_timeout=self.cfg.request_timeout, ban_seconds=self.cfg.ban_seconds,
-                                   max_request=max(PickerParams.max_request, min(block_size or 0, ps)))
+                                   max_request=max(PickerParams.max_request, min(block_size or 0, ps)),
+                                   race_factor=PickerParams.race_factor if race else math.inf)
         self.seeder = (SuperSeeder.for_pieces(n, ps, random.Random(self.rng.random()), hand_over=hand_over)
                        if super_seed else None)
         self.holders = {p: Holder(self, p, p == ORIGIN) for p in topo.peers}

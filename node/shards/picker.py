@@ -26,6 +26,15 @@ Policies, with their sources:
   SHARDCAST's clients weight servers, but across every peer that has the piece).
 * **Endgame**: once every missing block has been requested, idle slots re-request in-flight blocks
   from other peers (at most ``endgame_copies`` copies); the first arrival cancels the rest.
+* **Racing slow peers** (issue 46): a peer whose measured rate is ``race_factor`` times that of
+  every peer a block waits on is asked for the block too, before the endgame, as the endgame does
+  (at most ``endgame_copies``; the first arrival cancels the rest). Each peer's queue holds
+  ``queue_seconds`` of its rate, so a slow peer's queue holds the pieces a fast peer receives a
+  moment later: in a simulated swarm with 10 % of peers at 1 Gbit/s and the rest at 10-100 Mbit/s,
+  the fast peers had nothing left to be asked for and used 15-35 % of their uplink
+  (bench/sim_shards.py). Only measured rates count, never what a peer claims: a peer not measured
+  yet races no one and is raced by no one (its first requests are its trial), a snubbed one races
+  no one, and the slower peer keeps its request, so a racer that does not deliver delays nothing.
 * **Bad pieces**: a piece that fails its hash is re-fetched "on parole" from one peer only
   (libtorrent's parole mode). If one peer sent all of it, that peer gets a strike; if several did,
   the digest of each one's block is kept and compared with the good piece once it verifies, and
@@ -96,6 +105,7 @@ class PickerParams:
     max_depth: int = 32  # 8 MiB of 256 KiB blocks in flight per peer: bounds unverified memory
     random_first: int = 4  # pieces picked at random before rarest-first starts (libtorrent: 4)
     endgame_copies: int = 2  # a block is requested from at most this many peers at once
+    race_factor: float = 4.0  # a peer this many times faster than the one a block waits on is asked too
     ban_threshold: float = 2.0  # strikes (pieces proven bad) before a ban
     ban_seconds: float = 600.0
     max_timeouts: int = 3  # timeouts in a row before an unresponsive peer is dropped
@@ -487,7 +497,17 @@ class Picker:
         being fetched from others: trying each of them on every wake-up was most of poll's cost."""
         if not st.pieces.isdisjoint(self._unstarted) or not st.pieces.isdisjoint(open_pieces):
             return True
-        return endgame and not st.pieces.isdisjoint(self.active)
+        return (endgame or self._races(st)) and not st.pieces.isdisjoint(self.active)
+
+    def _races(self, st: _Peer) -> bool:
+        """Is ``st`` fast enough to race a block waiting on a slower peer (see _pick_block)?"""
+        return st.rate > 0 and not st.snubbed and st.rate >= self.params.race_factor * self._slowest_waited_on()
+
+    def _slowest_waited_on(self) -> float:
+        """The lowest measured rate of the peers blocks wait on (a peer not measured yet is given
+        its first requests' time: racing it would take its trial away)."""
+        rates = [o.rate for o in self.peers.values() if o.in_flight and o.rate > 0]
+        return min(rates) if rates else math.inf
 
     def _fill(self, now: float, endgame: bool) -> Actions:
         """Fill the free request slots of every peer that could be asked for something (``endgame``:
@@ -555,9 +575,12 @@ class Picker:
                 st.whole_cancelled.discard(piece)
                 return piece, 0, self.piece_lengths[piece]
             return self._assign(peer, piece, 0)
-        # 3. Endgame: duplicate an in-flight block this peer has not been asked for.
-        if not self.in_endgame:
+        # 3. Endgame: duplicate an in-flight block this peer has not been asked for. Before the
+        # endgame, a peer race_factor times faster than every peer a block waits on races them.
+        endgame = self.in_endgame
+        if not endgame and not self._races(st):
             return None
+        limit = 0.0 if endgame else st.rate / self.params.race_factor
         options = [
             (len(ap.requested_from[idx]), piece, idx)
             for piece, ap in self.active.items()
@@ -566,6 +589,7 @@ class Picker:
             if state is BlockState.REQUESTED
             and peer not in ap.requested_from[idx]
             and len(ap.requested_from[idx]) < self.params.endgame_copies
+            and (endgame or all(0 < self.peers[o].rate <= limit for o in ap.requested_from[idx]))
         ]
         if not options:
             return None
