@@ -80,7 +80,10 @@ topic, signature, key); p = probe period; lambda = failures per node per second)
                 one on average, sending all N records in each: 2 * N * r / max(30, N) <= 2r B/s
                 (~0.8 kB/s): constant in N. New connections are synced only while joining.
     churn       2 accusations per failure, seen by all: 2 * lambda * N msgs/s (SWIM piggybacks
-                the same information; it is inherent to everyone learning every failure).
+                the same information; it is inherent to everyone learning every failure), plus
+                the replacement's start record. Only those accusers whose probes fail before the
+                first accusation reaches them publish one (on_probe_failed): every neighbour of a
+                crashed member did, 5-8 floods per crash in bench/sim_membership.py at N=100-300.
 
 So a node pays O(1) messages per second in a steady swarm instead of O(N) for all-to-all
 heartbeats. First detection is ~e/(e-1) probe periods after a failure on average (SWIM), then
