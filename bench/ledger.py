@@ -394,7 +394,8 @@ def make_entries(traffic: Traffic, workers: list[Identity], events: list[tuple[f
             worker = workers[i % len(workers)].peer_id
             batch = hashes.digest(b"bench-batch %d" % i)
             if kind == RolloutsJudged.TYPE:
-                add(TRAINER, t, RolloutsJudged(worker=worker, step=i // len(workers), accepted=True, samples=traffic.batch_samples,
+                add(TRAINER, t, RolloutsJudged(worker=worker, step=i // len(workers), accepted=True,
+                                               samples=traffic.batch_samples,
                                                tokens=traffic.batch_samples * 16, batch_hash=batch))
             else:
                 add(VALIDATOR, t, Verdict(worker=worker, step=i // len(workers), batch_hash=batch, ok=True, reasons=("ok",)))

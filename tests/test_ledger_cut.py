@@ -106,8 +106,10 @@ def history(steps: int, seed: int, fork_at: int | None = None) -> list:
         for i, worker in enumerate(WORKERS):
             ok = step == 0 or rng.random() > 0.2  # every worker has standing for its receipts
             samples = rng.choice((4, 8))
-            w.add(VALIDATOR, Verdict(worker=worker.peer_id, step=draw(step, i), batch_hash=batch(step, i), ok=ok, reasons=("x",)))
-            w.add(T1, RolloutsJudged(worker=worker.peer_id, step=draw(step, i), accepted=ok, samples=samples, tokens=10 * samples,
+            w.add(VALIDATOR, Verdict(worker=worker.peer_id, step=draw(step, i), batch_hash=batch(step, i), ok=ok,
+                                     reasons=("x",)))
+            w.add(T1, RolloutsJudged(worker=worker.peer_id, step=draw(step, i), accepted=ok, samples=samples,
+                                     tokens=10 * samples,
                                      batch_hash=batch(step, i)))
             if ok and rng.random() < 0.3:
                 late.append((step, i, rng.choice((2, 12))))
@@ -241,7 +243,8 @@ def test_a_replica_holding_the_history_refuses_a_cut_whose_totals_disagree():
     i = next(i for i, r in enumerate(cut.rows) if r.peer == WORKERS[0].peer_id)
     field = TOTAL_FIELDS.index("rollouts_accepted")
     inflated = cut.rows[i].totals[:field] + (cut.rows[i].totals[field] + 1000,) + cut.rows[i].totals[field + 1:]
-    wrong = dataclasses.replace(cut, rows=cut.rows[:i] + (dataclasses.replace(cut.rows[i], totals=inflated),) + cut.rows[i + 1:])
+    wrong = dataclasses.replace(cut, rows=cut.rows[:i] + (dataclasses.replace(cut.rows[i], totals=inflated),)
+                                + cut.rows[i + 1:])
     sealed = opened(wrong, honest)  # a trainer's signature opens; only the history can say it is wrong
     assert cut_problem(sealed.cut, replay_to(sealed.cut, new_ledger(), honest.history)) == "rows-differ"
     # a closed batch's claims dropped, a ban left out: each caught
@@ -286,7 +289,8 @@ def test_a_batch_closed_by_the_cut_counts_nothing_when_claimed_again_above_it():
     after = fresh.totals(worker)[worker]
     assert after == before  # closed versions: the entries join the chain, their claims count nothing
     # a batch of an open version is still counted once, at its largest claim
-    open_batch = w.add(T2, RolloutsJudged(worker=worker, step=draw(4, 0), accepted=True, samples=1, tokens=1, batch_hash=batch(4, 0)))
+    open_batch = w.add(T2, RolloutsJudged(worker=worker, step=draw(4, 0), accepted=True, samples=1, tokens=1,
+                                          batch_hash=batch(4, 0)))
     deliver(fresh, [open_batch])
     assert fresh.totals(worker)[worker] == after
     bigger = w.add(T2, RolloutsJudged(worker=worker, step=draw(4, 0), accepted=True, samples=100, tokens=1000,

@@ -74,10 +74,10 @@ the usable entries, so order does not matter).
 Cuts (node/ledger/cut.py, issue 46 item 4): a replica may be based on a trainer-signed cut instead of
 the history below it. Each author's log then starts at the cut's head (``_Log.base``: entries at or
 below it are refused as ``below-cut``, one above it that does not chain onto it as ``off-cut``), the
-totals start from the cut's, and credits of manifests of versions below the cut's ``open_version``
-and of batches of draw steps below their worker's open step (``open_steps``; each credit names its
-version or draw step, :attr:`Credit.step`) count nothing, for every replica based on that cut alike. A fork below the cut flags its author from the cut on; the cut's
-totals stand.
+totals start from the cut's, and credits of manifests of versions below the cut's ``open_version`` and
+of batches of draw steps below their worker's open step (``open_steps``; each credit names its version
+or draw step, :attr:`Credit.step`) count nothing, for every replica based on that cut alike. A fork
+below the cut flags its author from the cut on; the cut's totals stand.
 
 Bans: a ``penalty`` entry with ``ban_seconds`` (only trainers and validators may author one) bans its
 peer from the entry's time for that long; :meth:`Ledger.ban_of` is what trainers and validators
@@ -125,11 +125,12 @@ from .entries import (
 _U64 = struct.Struct(">Q")
 DIGEST_DOMAIN = b"swarm-node/ledger-state/v1\x00"
 HASH_LEN = len(GENESIS)  # bytes of an entry hash
-# A claim on one batch (Ledger._batch_claims): peer number, field (index in TOTAL_FIELDS), the number
-# of the batch's worker and its draw step as the claiming entry names them (cuts close each worker's
-# old steps, node/ledger/cut.py), amount, how many usable entries claim that amount. Unsigned: a count below 0 would be our bug, and raises. The
-# amount is one entry's, never a sum: only trainers write batch credits (RolloutsJudged, samples <= 2^20,
-# tokens <= 2^40 in entries.py), so it fits 64 bits; the count is of a trainer's entries for one batch.
+# A claim on one batch (Ledger._batch_claims): peer number, field (index in TOTAL_FIELDS), the number of
+# the batch's worker and its draw step as the claiming entry names them (cuts close each worker's old
+# steps, node/ledger/cut.py), amount, how many usable entries claim that amount. Unsigned: a count below 0
+# would be our bug, and raises. The amount is one entry's, never a sum: only trainers write batch credits
+# (RolloutsJudged, samples <= 2^20, tokens <= 2^40 in entries.py), so it fits 64 bits; the count is of a
+# trainer's entries for one batch.
 _CLAIM = struct.Struct(">IBIIQI")
 # Bytes one voucher vouches for one peer for one manifest (Ledger._vouched): peer number, bytes. A sum,
 # not one amount: an author with standing may repeat (peer, manifest) at 2^50 bytes a receipt item, 32
@@ -242,10 +243,12 @@ class BaseParts:
 
     open_version: int  # credits of manifests of older versions count nothing after the cut
     open_steps: dict[str, int]  # worker -> its oldest open draw step: credits of its older batches count nothing
-    logs: dict[str, tuple[int, bytes, int, int, int, Evidence | None]]  # author -> (seq, hash, last time, receipts, fork seq, evidence)
+    # author -> (seq, hash, last time stamp, receipts, fork seq, evidence)
+    logs: dict[str, tuple[int, bytes, int, int, int, Evidence | None]]
     totals: dict[str, tuple[int, ...]]  # peer -> TOTAL_FIELDS values; bytes_served: what closed manifests gave
     trusted_vouched: dict[str, int]  # peer -> bytes trainers' and validators' receipts vouch for (standing)
-    batches: dict[bytes, list[tuple[str, int, str, int, int, int]]]  # open batch -> (peer, field, worker, step, amount, entries)
+    # open batch -> [(peer, field, worker, draw step, amount, entries claiming it)]
+    batches: dict[bytes, list[tuple[str, int, str, int, int, int]]]
     vouched: dict[tuple[str, bytes], dict[str, int]]  # (voucher, open manifest) -> {peer: bytes}
     published: dict[bytes, dict[tuple[int, int], int]]  # open manifest -> {(version, size): entries}
     bans: list[LedgerBan]  # bans still running at the cut's time, of usable entries

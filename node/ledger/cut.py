@@ -98,8 +98,8 @@ MAX_CUT_BYTES = 64 * 1024 * 1024
 MAX_CUT_PEERS = 100_000
 MAX_CUT_RECORDS = 1_000_000
 # A claim on an open batch: peer (index in Cut.rows), field (index in TOTAL_FIELDS), the batch's worker
-# (row index) and draw step, amount, entries claiming it; bytes vouched for one peer: peer index, the sum in two unsigned halves (sums may
-# pass 2^64: node/ledger/chain.py _VOUCHED_WIDE).
+# (row index) and draw step, amount, entries claiming it; bytes vouched for one peer: peer index, the
+# sum in two unsigned halves (sums may pass 2^64: node/ledger/chain.py _VOUCHED_WIDE).
 _CLAIM = struct.Struct(">IBIIQI")
 _VOUCH = struct.Struct(">IQQ")
 _LOW64 = 2**64 - 1
@@ -378,7 +378,8 @@ def cut_problem(cut: Cut, replayed: Ledger) -> str | None:
 def rebase(ledger: Ledger, opened: OpenedCut, history: History | None = None) -> Ledger:
     """``ledger`` based on ``opened`` instead of its history at or below the cut's heads: the cut's
     replica, then ``ledger``'s evidence and its entries above the heads (re-read from ``history``,
-    default ``ledger``'s own, and then the new replica keeps its entries in memory). The caller checked the cut first (:func:`cut_problem`) when it could."""
+    default ``ledger``'s own, and then the new replica keeps its entries in memory). The caller
+    checked the cut first (:func:`cut_problem`) when it could."""
     out = ledger_from_cut(opened, ledger, history)
     history = history or ledger.history
     for author in ledger.authors():
