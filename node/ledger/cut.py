@@ -31,8 +31,8 @@ What a cut holds (:class:`Cut`; :meth:`~node.ledger.chain.Ledger.base_parts` com
 The windows are in numbers the entries carry, not in arrival order: every published size carries its
 manifest's version (trainer-stamped), every batch credit its worker and draw step (the entry's
 ``worker`` and ``step``; the batch's id commits to both, and a worker's draw steps are its own
-counter, node/rollouts/steps.py, not a clock shared by the run: the soak of issue 45 had workers'
-steps 450 apart), and after a cut **a credit of a closed version or draw step counts nothing**, at
+counter, node/rollouts/steps.py, not a clock shared by the run: in soak60b's inference-1 database
+batches name draw steps up to 1,131 beside 679 published checkpoints), and after a cut **a credit of a closed version or draw step counts nothing**, at
 every replica based on that cut, whatever order entries arrive in. That is the one rule the cut
 changes: a batch re-recorded above the cut (a second trainer, a replayed verdict) is still counted
 once, by the cut when it is closed and by the open claims when it is not. A trainer refuses a draw
@@ -60,6 +60,11 @@ How a replica takes one:
    the cut's heads and its own evidence; its store may then drop everything at or below the heads.
    A new node has no history to check the cut against: it trusts the trainer's signature, as it
    trusts the trainer's manifests.
+
+Known limit: a replica that holds another branch of a forked author than the one the cut took
+replays to other heads (``other-heads``) and cannot check the cut from its store alone; it needs
+the cut's branch of that author from the peer offering the cut (which with its own branch is the
+evidence that flags the author) and then checks the cut with that branch.
 
 What a peer can still prove after pruning, and what not:
 
