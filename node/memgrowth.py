@@ -17,10 +17,10 @@ fragmentation.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import tracemalloc
 from typing import Callable
+
+from .heap import c_heap
 
 WARMUP_S = 300.0  # no baseline before the node has run this long: loading and first connections are not a leak
 EVERY_S = 60.0  # seconds between two snapshots after the baseline
@@ -73,30 +73,3 @@ class MemoryGrowth:
 
 def _traced_mib() -> float:
     return round(tracemalloc.get_traced_memory()[0] / 2**20, 1)
-
-
-class _MallInfo2(ctypes.Structure):  # glibc >= 2.33, malloc.h
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _mallinfo2():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):  # not glibc, or older than 2.33
-        return None
-    fn.restype = _MallInfo2
-    return fn
-
-
-_MALLINFO2 = _mallinfo2()
-
-
-def c_heap() -> dict | None:
-    """The C allocator's heap (glibc): ``in_use_mib`` (live, mmapped blocks included) and
-    ``free_mib`` (freed but kept by the allocator, not given back to the system); None elsewhere."""
-    if _MALLINFO2 is None:
-        return None
-    m = _MALLINFO2()
-    return {"in_use_mib": round((m.uordblks + m.hblkhd) / 2**20, 1), "free_mib": round(m.fordblks / 2**20, 1)}

@@ -29,6 +29,7 @@ from ..ledger.service import LedgerService, serve_ledger
 from ..net.reqres import ping_handler
 from ..peers import serve_peers
 from ..peers.departed import serve_forgetting
+from ..heap import serve_heap_trim
 from ..net.ports import check_port_free
 from ..reach.dialback import ReachabilityService, serve_dialback
 from ..reach.relay import RelayClient, RelayHop, serve_relay_client
@@ -88,6 +89,7 @@ async def start_core(
     sections = RunSections.of(node.run)
     await nursery.start(serve_peers, node)
     nursery.start_soon(serve_forgetting, node.host)  # peers gone for good leave py-libp2p's peer store
+    nursery.start_soon(serve_heap_trim)  # freed C memory goes back to the system (node/heap.py)
     # libp2p ping under a per-peer budget (node/net/reqres.py) instead of py-libp2p's unbounded handler
     node.host.set_handler(PING_PROTOCOL, ping_handler(PING_PROTOCOL, streams=sections.streams,
                                                       peers=node.peers, metrics=node.metrics))
