@@ -61,7 +61,8 @@ from libp2p.tools.anyio_service import background_trio_service
 from .. import fds
 from ..identity import Identity
 from .ports import check_listen_ports
-from .patches import HandlerErrors, KeptReceiveWindow, UrgentTopics, disable_auto_connect, guard_handlers, install_all
+from .patches import (HandlerErrors, KeptReceiveWindow, UrgentTopics, disable_auto_connect, guard_handlers, install_all,
+                      shorten_negative_dial_cache)
 
 
 GOSSIPSUB_PROTOCOLS = ["/meshsub/1.1.0", "/meshsub/1.0.0"]
@@ -495,6 +496,7 @@ async def open_swarm_host(
         listen_addrs=addrs,
     )
     disable_auto_connect(host)
+    shorten_negative_dial_cache(host)
     handler_errors = HandlerErrors()
     inbound: dict[str, object] = {}  # py-libp2p's own handlers' stream counts, then our budgets
     guard_handlers(host, handler_errors, inbound)

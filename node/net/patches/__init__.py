@@ -5,7 +5,8 @@ Three kinds, one module each:
 * :mod:`.safety`: without these a peer, or an unlucky cancellation, can break a node
   (:class:`~.safety.CancelSafeFrames`, :class:`~.safety.KeptReceiveWindow`,
   :class:`~.safety.UrgentTopics`, and per host
-  :func:`~.safety.guard_handlers` and :func:`~.safety.disable_auto_connect`).
+  :func:`~.safety.guard_handlers`, :func:`~.safety.disable_auto_connect` and
+  :func:`~.safety.shorten_negative_dial_cache`).
 * :mod:`.speed`: each removes a measured cost per byte, message or wake-up (eleven of them).
 * :mod:`.counting`: the byte counts py-libp2p does not keep, and the messages it drops silently,
   added to :mod:`node.counters`.
@@ -29,6 +30,7 @@ from .safety import (
     UrgentTopics,
     disable_auto_connect,
     guard_handlers,
+    shorten_negative_dial_cache,
 )
 from .speed import (
     BatchedWindowCredit,
@@ -68,7 +70,7 @@ PATCHES = (
 )
 
 __all__ = ["PATCHES", "HandlerErrors", "KeptReceiveWindow", "UrgentTopics", "disable_auto_connect", "guard_handlers",
-           "install_all"]
+           "install_all", "shorten_negative_dial_cache"]
 
 
 def install_all() -> None:

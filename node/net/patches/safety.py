@@ -8,11 +8,12 @@
   the checkpoint announcement published after it was dropped; messages of urgent topics now go
   first and make room.
 * :func:`disable_auto_connect`: the swarm's own auto-connector fights our connection manager.
+* :func:`shorten_negative_dial_cache`: a peer back from a restart stayed undialable for 60 s.
 * :func:`guard_handlers`: an exception escaping any stream handler tears down the whole host
   (:class:`HandlerErrors` counts them; :class:`StreamCount` caps the streams of py-libp2p's own
   handlers, which have no budget of ours).
 
-The first three are process-wide (:func:`node.net.patches.install_all`); the last two are applied to
+The first three are process-wide (:func:`node.net.patches.install_all`); the others are applied to
 each host by :func:`node.net.host.open_swarm_host`.
 """
 
@@ -208,6 +209,23 @@ def disable_auto_connect(host) -> None:
     connector = host.get_network().auto_connector
     connector.maybe_connect = no_dial
     connector.record_disconnect = lambda peer_id: None
+
+
+# How long py-libp2p refuses to dial a peer whose every address just failed (its default: 60 s).
+NEGATIVE_DIAL_TTL_S = 2.0
+
+
+def shorten_negative_dial_cache(host) -> None:
+    """A peer back from a restart is dialled again within :data:`NEGATIVE_DIAL_TTL_S` (issue 45).
+
+    Once every address of a peer failed, py-libp2p's swarm fails each dial to it at once for 60 s,
+    a second backoff on top of our dialers' own (node/gossip/connections.py, the outbox's, the
+    gate's). A validator killed and restarted in 18 s thus stayed undialable by the trainer
+    ("recently failed all addresses (negative cache)") and judged its first batch 60 s after the
+    trainer's last failed hand-off (hour soak, t=2230 s), and workers could not dial a restarted
+    trainer. Kept short, the cache still turns a burst of dials to a dead peer into one.
+    """
+    host.get_network()._negative_peer_cache._ttl = NEGATIVE_DIAL_TTL_S
 
 
 class HandlerErrors:
