@@ -328,9 +328,16 @@ class Soak:
             (sw.root / DISK_NODE).mkdir(parents=True, exist_ok=True)
             subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(sw.root / DISK_NODE)], check=True)
         sw.write_run_file(run_text(sw))
-        for name in START_NODES:
+        # Relays first, each ready before the next starts: on loopback a relay's address (its port)
+        # is known only once it is up, and every later node bootstraps from the relays up by then.
+        relays = [n for n in START_NODES if role_of(n) == "relay"]
+        for name in relays:
             sw.launch(name)
-        for name in START_NODES:
+            sw.wait_ready(name, 180.0)
+        rest = [n for n in START_NODES if n not in relays]
+        for name in rest:
+            sw.launch(name)
+        for name in rest:
             sw.wait_ready(name, 180.0)
 
     def run(self) -> None:
