@@ -319,3 +319,25 @@ def test_generation_does_not_start_from_the_oldest_version_the_trainer_still_tak
     sync = outbox(async_level=0)
     sync.observe_version(5)
     assert not sync.too_old_to_start(5) and sync.too_old_to_start(4)
+
+
+def test_a_trainer_back_in_the_member_table_is_tried_at_once():
+    """Issue 45's soak: during a trainer's ~35 s restart a worker's backoff toward it doubled to its
+    cap; once membership saw it alive again the worker still waited out that backoff (first acks
+    47-72 s after the trainer was ready). A trainer that left the member table and came back is a
+    new process: its old failures say nothing about it. One that stayed keeps its backoff."""
+    ob = Outbox(4, max_attempts=3, backoff=1.0, backoff_max=30.0, async_level=2)
+    a = item(1)
+    ob.offer(a)
+    now = 0.0
+    for _ in range(6):  # 1, 2, 4, 8, 16, 30 s
+        now = ob.next_wakeup(["T"], now)
+        _, t = ob.take(["T"], now)
+        ob.on_failure(a.batch_id, t, FailureKind.UNREACHABLE, now)
+    assert ob.blocked_until("T") == now + 30.0
+    assert ob.take(["T"], now + 1.0) is None  # still in the table: still backed off
+    assert ob.take([], now + 2.0) is None  # declared dead
+    got = ob.take(["T"], now + 3.0)  # alive again (its start record)
+    assert got is not None and got[1] == "T"
+    ob.on_failure(a.batch_id, "T", FailureKind.UNREACHABLE, now + 3.0)  # not serving yet: back off anew, from 1 s
+    assert ob.blocked_until("T") == now + 4.0

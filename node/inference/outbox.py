@@ -125,6 +125,7 @@ class Outbox:
         # restart must not forget how many steps its lost batches burned).
         self.counted_step = first_step - 1 - (capacity + 1) if counted_step is None else counted_step
         self.step_ahead_refusals = 0  # times a trainer said our steps ran past its window
+        self._listed: set[str] = set()  # the trainers :meth:`take` was last given (alive in the member table)
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -212,8 +213,16 @@ class Outbox:
 
         Trainer choice: only trainers not backed off; among them those this batch has not tried yet,
         then the fewest consecutive failures, then rotation (so several trainers share the load).
+        A trainer back in ``trainers`` after it was left out (declared dead, then alive again: a
+        restarted process) is tried at once: the backoff its old failures built up (to
+        ``backoff_max`` over a restart) says nothing about the new process (issue 45's soak).
         """
-        ready = sorted(t for t in set(trainers) if self._health_of(t).blocked_until <= now)
+        listed = set(trainers)
+        for t in listed - self._listed:
+            health = self._health_of(t)
+            health.failures, health.blocked_until = 0, 0.0
+        self._listed = listed
+        ready = sorted(t for t in listed if self._health_of(t).blocked_until <= now)
         if not ready:
             return None
         for item in self._queue.values():
