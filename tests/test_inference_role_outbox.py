@@ -322,10 +322,11 @@ def test_generation_does_not_start_from_the_oldest_version_the_trainer_still_tak
 
 
 def test_a_trainer_back_in_the_member_table_is_tried_at_once():
-    """Issue 45's soak: during a trainer's ~35 s restart a worker's backoff toward it doubled to its
-    cap; once membership saw it alive again the worker still waited out that backoff (first acks
-    47-72 s after the trainer was ready). A trainer that left the member table and came back is a
-    new process: its old failures say nothing about it. One that stayed keeps its backoff."""
+    """A trainer that left the member table and came back is a new process: the backoff its
+    failures built up while it was still listed (dead, not yet declared so) says nothing about it.
+    One that stayed listed keeps its backoff. (In issue 45's hour soak the workers' backoffs
+    started fresh at the trainer's revival; their 47-72 s waits were py-libp2p's negative dial
+    cache, tests/test_redial_restarted.py.)"""
     ob = Outbox(4, max_attempts=3, backoff=1.0, backoff_max=30.0, async_level=2)
     a = item(1)
     ob.offer(a)

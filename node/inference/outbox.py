@@ -214,8 +214,8 @@ class Outbox:
         Trainer choice: only trainers not backed off; among them those this batch has not tried yet,
         then the fewest consecutive failures, then rotation (so several trainers share the load).
         A trainer back in ``trainers`` after it was left out (declared dead, then alive again: a
-        restarted process) is tried at once: the backoff its old failures built up (to
-        ``backoff_max`` over a restart) says nothing about the new process (issue 45's soak).
+        restarted process) is tried at once: the backoff its failures built up while it was still
+        listed (dead but not yet declared so) says nothing about the new process.
         """
         listed = set(trainers)
         for t in listed - self._listed:
