@@ -854,3 +854,19 @@ def test_a_history_that_does_not_give_back_the_entries_held_is_our_bug():
             add(led, se)
         with pytest.raises(ValueError, match="history of"):
             led.add_evidence(ev)
+
+
+def test_a_batch_of_the_highest_step_an_entry_may_name_is_counted_not_a_crash():
+    """A fresh worker may start at any draw step (node/rollouts/steps.py, first sight) up to a batch's
+    2^62; trainers and validators record min(step, 2^32) (node/trainer/service.py, LEDGER_STEP_MAX), the
+    entries' bound. The claim record packed that step in 32 bits, so such an entry raised struct.error
+    in every replica that took it, the author's own included (review of 49d3f26)."""
+    led = new_ledger()
+    t, v = Author(TRAINER), Author(VALIDATOR)
+    top = 2**32
+    body = RolloutsJudged(worker=WORKER.peer_id, step=top, accepted=True, samples=4, tokens=100, batch_hash=b"s" * 32)
+    assert add(led, t.next(body)).outcome is Outcome.ACCEPT
+    assert add(led, v.next(Verdict(worker=WORKER.peer_id, step=top, batch_hash=b"s" * 32, ok=False,
+                                   reasons=("toploc",)))).outcome is Outcome.ACCEPT
+    assert led.totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == 4
+    assert led.totals(WORKER.peer_id)[WORKER.peer_id]["verdicts_failed"] == 1

@@ -130,8 +130,9 @@ HASH_LEN = len(GENESIS)  # bytes of an entry hash
 # steps, node/ledger/cut.py), amount, how many usable entries claim that amount. Unsigned: a count below 0
 # would be our bug, and raises. The amount is one entry's, never a sum: only trainers write batch credits
 # (RolloutsJudged, samples <= 2^20, tokens <= 2^40 in entries.py), so it fits 64 bits; the count is of a
-# trainer's entries for one batch.
-_CLAIM = struct.Struct(">IBIIQI")
+# trainer's entries for one batch. The draw step takes 64 bits: entries bound it at 2^32 inclusive, which
+# trainers and validators write for any higher step a worker drew (a fresh worker may start anywhere).
+_CLAIM = struct.Struct(">IBIQQI")
 # Bytes one voucher vouches for one peer for one manifest (Ledger._vouched): peer number, bytes. A sum,
 # not one amount: an author with standing may repeat (peer, manifest) at 2^50 bytes a receipt item, 32
 # items an entry, entry after entry, past 2^63 after 256 entries (review of 8202c62; MAX_SEQ entries

@@ -91,7 +91,7 @@ from typing import ClassVar
 
 from .. import hashes
 from ..wire import Message, RemoteProtocolError, bounded, register
-from .chain import BaseParts, Evidence, History, Ledger, LedgerBan
+from .chain import _CLAIM, BaseParts, Evidence, History, Ledger, LedgerBan
 from .entries import GENESIS, MAX_ENTRY, MAX_PEER_ID, MAX_REASON, MAX_SEQ, TOTAL_FIELDS, parse_entry
 from .summary import open_signed, sign
 
@@ -102,10 +102,8 @@ DOMAIN = "ledger-cut"
 MAX_CUT_BYTES = 64 * 1024 * 1024
 MAX_CUT_PEERS = 100_000
 MAX_CUT_RECORDS = 1_000_000
-# A claim on an open batch: peer (index in Cut.rows), field (index in TOTAL_FIELDS), the batch's worker
-# (row index) and draw step, amount, entries claiming it; bytes vouched for one peer: peer index, the
-# sum in two unsigned halves (sums may pass 2^64: node/ledger/chain.py _VOUCHED_WIDE).
-_CLAIM = struct.Struct(">IBIIQI")
+# A claim on an open batch is chain.py's _CLAIM record, peers by index in Cut.rows; bytes vouched for one
+# peer: peer index, the sum in two unsigned halves (sums may pass 2^64: node/ledger/chain.py _VOUCHED_WIDE).
 _VOUCH = struct.Struct(">IQQ")
 _LOW64 = 2**64 - 1
 
