@@ -141,6 +141,33 @@ def test_announce_checks() -> None:
         assert e.value.reason == reason
 
 
+def test_an_announcement_is_valid_gossip_only_from_the_trainer_that_signed_it() -> None:
+    """Announcements jump every outbound queue and push bulk gossip out of a full one (UrgentTopics,
+    node/net/patches/safety.py). Anyone could republish a trainer's signed announcement as a pubsub
+    message of their own (a new message id each time, passing the seen cache) and so flood the swarm
+    with urgent messages that evict ledger and membership gossip at every node that forwards them.
+    A trainer publishes its announcements itself, so the originator must be the signer (review of
+    f17b3cd: a replay by OTHER was valid)."""
+    from types import SimpleNamespace
+
+    from libp2p.peer.id import ID
+    from libp2p.pubsub.pb import rpc_pb2
+
+    from node.metrics import Metrics
+    from node.shards.announce import validate_announce
+
+    node = SimpleNamespace(metrics=Metrics(), topic=lambda name: f"/swarm/run/{name}/1")
+    data = encode(seal(TRAINER, "shards-announce", Announce(run="run", version=2, root=bytes(32), total_size=10,
+                                                               num_pieces=1)))
+
+    def gossip(origin: Identity):
+        return rpc_pb2.Message(from_id=ID.from_base58(origin.peer_id).to_bytes(), data=data, seqno=b"\x01" * 8)
+
+    assert validate_announce(node, "run", [TRAINER.peer_id], gossip(TRAINER))
+    assert not validate_announce(node, "run", [TRAINER.peer_id], gossip(OTHER))
+    assert node.metrics.rejections() == {"/swarm/run/checkpoints/1/not-origin": 1}
+
+
 # ---------------------------------------------------------------------------------------------
 # Piece store
 

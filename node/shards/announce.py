@@ -54,9 +54,15 @@ def fetch_policy(cfg: ShardsConfig, role: str) -> str:
 
 
 def validate_announce(node, run_name: str, trainers: list[str], msg) -> bool:
-    """gossipsub topic validator: a well-formed announcement of this run by one of its trainers."""
+    """gossipsub topic validator: a well-formed announcement of this run by one of its trainers,
+    published by that trainer itself. Announcements jump every outbound queue and push bulk gossip
+    out of a full one (node/net/patches/safety.py UrgentTopics), so a trainer's announcement
+    republished by anyone else (a new message id each time, unseen) would let that peer evict ledger
+    and membership gossip across the swarm; forwarding keeps the originator, so honest ones pass."""
     try:
-        open_announce(msg.data, run_name, trainers)
+        signer = open_announce(msg.data, run_name, trainers).signer
+        if ID(msg.from_id).to_base58() != signer:
+            raise RemoteProtocolError("not-origin", "announcement published by a peer other than its trainer")
         return True
     except RemoteProtocolError as e:
         node.metrics.reject(node.topic("checkpoints"), e.reason)
