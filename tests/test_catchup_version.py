@@ -49,3 +49,45 @@ def test_a_request_for_the_newest_is_the_bytes_an_older_node_sends() -> None:
     plain = encode(NewestRequest(above=4))
     assert b"version" not in plain and decode(plain) == NewestRequest(above=4, version=NEWEST)
     assert decode(encode(NewestRequest(above=4, version=2))) == NewestRequest(above=4, version=2)
+
+
+# -- on the wire, beside older nodes --------------------------------------------------------------
+
+
+async def test_a_request_by_version_never_reaches_a_node_that_only_speaks_the_older_protocol() -> None:
+    """An older node's decoder refuses a NewestRequest carrying ``version`` (unknown-field) and
+    reports the asker as a garbage sender (node/shards/service.py handle_stream: garbage_strikes in
+    garbage_window ban it), so a validator asking older trainers for versions by number was banned by
+    them. A request by version goes on a protocol older nodes do not speak: refused at negotiation,
+    before any frame (review of 9008564: the older protocol's handler received the field)."""
+    import trio
+
+    from node.identity import Identity
+    from node.net.host import open_swarm_host
+    from node.shards.announce import call_newest
+    from node.shards.protocol import PROTOCOL
+    from node.wire import read_frame
+
+    frames: list[bytes] = []
+
+    async def older_node(stream) -> None:  # what a node before 9008564 serves, by protocol
+        data = await read_frame(stream)
+        if data is not None:
+            frames.append(data)
+        await stream.close()
+
+    loopback = ["/ip4/127.0.0.1/tcp/0"]
+    async with open_swarm_host(Identity.generate(), loopback) as home, \
+            open_swarm_host(Identity.generate(), loopback) as older:
+        older.set_handler(PROTOCOL, older_node)
+        await home.connect(older.listen_addrs()[0])
+        try:
+            with trio.fail_after(30):
+                await call_newest(home, older.peer_id, 5, "run", [older.peer_id], version=2)
+        except trio.TooSlowError:
+            raise
+        except Exception:  # noqa: BLE001 - refused at negotiation: the asker moves to the next candidate
+            pass
+        assert frames == []
+        await call_newest(home, older.peer_id, 5, "run", [older.peer_id])  # the newest: still asked there
+        assert len(frames) == 1 and b"version" not in frames[0]

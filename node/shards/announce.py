@@ -30,6 +30,7 @@ from .protocol import (
     ANNOUNCE_DOMAIN,
     FIRST_MESSAGE_TIMEOUT,
     PROTOCOL,
+    PROTOCOL_BY_VERSION,
     SOURCE,
     Announce,
     ManifestReply,
@@ -156,7 +157,8 @@ async def call_newest(host, peer: str, above: int, run_name: str, trainers: list
     ``version`` when one is named (node/shards/catchup.py): None when it has none or refuses;
     RemoteProtocolError unless what it sends is a manifest of this run signed by one of its
     trainers (what an announcement proves), newer than ``above`` or of the version named."""
-    reply = await _ask(host, peer, NewestRequest(above=above, version=version))
+    reply = await _ask(host, peer, NewestRequest(above=above, version=version),
+                       PROTOCOL if version == NEWEST else PROTOCOL_BY_VERSION)
     if isinstance(reply, Reject) or reply is None:
         return None
     signed = open_manifest(reply.envelope, run_name, trainers)
@@ -167,9 +169,9 @@ async def call_newest(host, peer: str, above: int, run_name: str, trainers: list
     return signed
 
 
-async def _ask(host, peer: str, request) -> ManifestReply | Reject | None:
+async def _ask(host, peer: str, request, protocol: str = PROTOCOL) -> ManifestReply | Reject | None:
     """One request on a new stream to ``peer``: its reply, a ``ManifestReply`` or a ``Reject`` (None at EOF)."""
-    stream = await host.open_stream(peer, PROTOCOL)
+    stream = await host.open_stream(peer, protocol)
     try:
         await write_frame(stream, request)
         reply = await read_shards_message(stream)

@@ -39,6 +39,10 @@ from ..wire import Envelope, Message, RemoteProtocolError, bounded, decode, deco
 from .manifest import MAX_FILE_NAME, MAX_MANIFEST_BYTES, MAX_PIECE_SIZE, MAX_PIECES, MAX_TOTAL_SIZE, MAX_VERSION
 
 PROTOCOL = "/swarm/shards/1.0.0"
+# The same messages; a NewestRequest naming a version goes only here. A node older than the version
+# field refuses it as unknown-field and strikes the asker as a garbage sender; it does not speak this
+# protocol, so such a request is refused at negotiation instead, before any frame.
+PROTOCOL_BY_VERSION = "/swarm/shards/1.1.0"
 ANNOUNCE_DOMAIN = "shards-announce"
 MAX_BLOCK = 1 << 20  # largest block a request may ask for (config block_size <= this)
 MAX_BITFIELD = MAX_PIECES // 8

@@ -98,6 +98,7 @@ from .protocol import (
     NONE_NEWER,
     NOT_HELD,
     PROTOCOL,
+    PROTOCOL_BY_VERSION,
     RELAYED,
     SOURCE,
     UNKNOWN_ROOT,
@@ -790,6 +791,7 @@ class ShardsService:
             partial = self._load_held()
             self.m_versions.set(len(self.versions_held()))
             host.set_handler(PROTOCOL, self._budgeted_handler())
+            host.set_handler(PROTOCOL_BY_VERSION, self._budgeted_handler())  # one budget for both
             topic = self.node.topic("checkpoints")
             host.make_urgent(topic)  # never dropped behind bulk gossip (issue 45: net/patches/safety.py)
             host.pubsub.set_topic_validator(topic, self._validate_announce, False)
