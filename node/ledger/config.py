@@ -32,6 +32,15 @@ class LedgerConfig:
     receipts_per_checkpoint: int = 4
     # Fraction of the bytes vouched for by an author without standing that counts as bytes_served (0 = none).
     unvouched_credit: float = 0.0
+    # Trainer-signed cuts (node/ledger/cut.py, node/ledger/cutsync.py): the run's cutter (its first
+    # trainer in sorted order) cuts its replica every ``cut_every`` entries the replica took in (0 =
+    # never), and every replica drops the entries at or below a cut's heads once it adopted it.
+    cut_every: int = 4000
+    # Each worker's newest draw steps a cut leaves open: above a trainer's step window (26 by default)
+    # plus the validators' lag (37 seen in soaks), so an honest batch never loses credit.
+    keep_steps: int = 64
+    # Newest checkpoint versions a cut leaves open (the bytes vouched for their manifests stay per receipt).
+    keep_versions: int = 8
 
     def limits(self):
         """The chain rules' per-author bounds (:class:`node.ledger.chain.AuthorLimits`)."""
@@ -58,3 +67,10 @@ class LedgerConfig:
                 raise ValueError(f"{name}: 0..1000000, got {getattr(self, name)}")
         if not 0.0 <= self.unvouched_credit <= 1.0:
             raise ValueError(f"unvouched_credit: 0..1, got {self.unvouched_credit}")
+        if not (self.cut_every == 0 or 100 <= self.cut_every <= 100_000_000):
+            raise ValueError(f"cut_every: 0 (never) or 100..100000000 entries, got {self.cut_every}")
+        if not 1 <= self.keep_steps <= 1_000_000:
+            raise ValueError(f"keep_steps: 1..1000000 draw steps (keep it above the trainer's step window and "
+                             f"the validators' lag), got {self.keep_steps}")
+        if not 1 <= self.keep_versions <= 1_000_000:
+            raise ValueError(f"keep_versions: 1..1000000 checkpoint versions, got {self.keep_versions}")

@@ -19,6 +19,14 @@ before the commit returns, and before the entry is published).
 
 On open, :meth:`LedgerStore.verify_tail` re-checks the last few entries of every author (signature,
 link, contiguous seqs) and :meth:`LedgerStore.truncate` drops a broken tail, which peers re-supply.
+
+Cuts (node/ledger/cut.py): ``cuts`` holds the signed cuts the replica adopted (the newest
+:data:`KEEP_CUTS`), ``bases`` every author's head at the newest one (seq and hash). Adopting a cut
+(:meth:`LedgerStore.adopt_cut`) stores it, replaces the bases and drops the entries at or below them in
+one transaction: after a crash the database is the old replica or the new one, never a cut without its
+pruning or a pruned history without its cut. From then on an author's stored log starts right above
+its base, and its first stored entry chains onto the base's hash; :func:`rebuild` starts from the
+newest cut and replays the entries above it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from ..atomic import DataDirError
 from ..dbthread import connect_reader
 from ..wire import RemoteProtocolError
 from .chain import Evidence, Ledger
+from .cut import ledger_from_cut, open_cut
 from .entries import GENESIS, SignedEntry, parse_entry
 
 DB_FILE = "ledger.sqlite"
@@ -51,7 +60,17 @@ CREATE TABLE IF NOT EXISTS evidence (
     raw_b BLOB NOT NULL,
     PRIMARY KEY (author, fork_seq)
 );
+CREATE TABLE IF NOT EXISTS cuts (number INTEGER PRIMARY KEY, hash BLOB NOT NULL, raw BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS bases (
+    author TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    hash BLOB NOT NULL
+) WITHOUT ROWID;
 """
+
+# Signed cuts kept: the newest is what the replica is based on and what peers fetch; the one before it
+# is what a replica that still holds the history between them can check the newest against.
+KEEP_CUTS = 2
 
 
 PAGE_SIZE = 8192  # bytes per SQLite page of a new ledger database (see LedgerStore.__init__)
@@ -151,10 +170,53 @@ class LedgerStore:
             cur = self._db.execute("DELETE FROM entries WHERE author=? AND seq>=?", (author, from_seq))
         return cur.rowcount
 
+    def adopt_cut(self, number: int, cut_hash: bytes, raw: bytes, heads: dict[str, tuple[int, bytes]]) -> int:
+        """Store the signed cut ``raw`` (its ``number`` and hash) with its per-author ``heads`` (seq,
+        hash) as the new bases, and drop every entry at or below them: one transaction (module doc).
+        Returns the entries dropped. ValueError if it is not newer than the newest stored cut."""
+        newest = self._db.execute("SELECT max(number) FROM cuts").fetchone()  # the writer's connection: its thread
+        if newest[0] is not None and number <= newest[0]:
+            raise ValueError(f"cut {number} is not newer than the stored cut {newest[0]}")
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("INSERT INTO cuts(number, hash, raw) VALUES(?, ?, ?)", (number, cut_hash, raw))
+            self._db.execute("DELETE FROM cuts WHERE number <= ?", (number - KEEP_CUTS,))
+            self._db.execute("DELETE FROM bases")
+            self._db.executemany("INSERT INTO bases(author, seq, hash) VALUES(?, ?, ?)",
+                                 [(a, seq, h) for a, (seq, h) in heads.items() if seq > 0])
+            before = self._db.total_changes
+            self._db.executemany("DELETE FROM entries WHERE author=? AND seq<=?",
+                                 [(a, seq) for a, (seq, _h) in heads.items() if seq > 0])
+            dropped = self._db.total_changes - before
+            self._db.execute("COMMIT")
+        except BaseException as e:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            if isinstance(e, sqlite3.OperationalError) and e.sqlite_errorcode == sqlite3.SQLITE_FULL:
+                raise StoreFull(f"ledger database {self.path}: the disk is full") from None
+            raise
+        return dropped
+
     # ---------------------------------------------------------------- reading
 
     def count(self) -> int:
         return self._read.execute("SELECT count(*) FROM entries").fetchone()[0]
+
+    def latest_cut(self) -> tuple[int, bytes, bytes] | None:
+        """(number, hash, signed bytes) of the newest adopted cut, or None."""
+        return self._read.execute("SELECT number, hash, raw FROM cuts ORDER BY number DESC LIMIT 1").fetchone()
+
+    def cut_numbers(self) -> list[int]:
+        return [n for (n,) in self._read.execute("SELECT number FROM cuts ORDER BY number")]
+
+    def bases(self) -> dict[str, tuple[int, bytes]]:
+        """Every author's head at the newest adopted cut: (seq, hash); its stored log starts above it."""
+        return {a: (seq, h) for a, seq, h in self._read.execute("SELECT author, seq, hash FROM bases")}
+
+    def base_of(self, author: str) -> tuple[int, bytes]:
+        """``author``'s (seq, hash) at the newest adopted cut; (0, GENESIS) when none."""
+        row = self._read.execute("SELECT seq, hash FROM bases WHERE author=?", (author,)).fetchone()
+        return (row[0], row[1]) if row else (0, GENESIS)
 
     def heads(self) -> dict[str, int]:
         return dict(self._read.execute("SELECT author, max(seq) FROM entries GROUP BY author"))
@@ -164,7 +226,10 @@ class LedgerStore:
         return row[0] if row else None
 
     def range(self, author: str, start: int, end: int, *, limit: int, max_bytes: int) -> list[bytes]:
-        """Raw entries ``start..end`` of ``author`` in order, at most ``limit`` / ``max_bytes``."""
+        """Raw entries ``start..end`` of ``author`` in order, at most ``limit`` / ``max_bytes``; none
+        when ``start`` is at or below the author's base (pruned by a cut: the asker needs the cut)."""
+        if start <= self.base_of(author)[0]:
+            return []
         out: list[bytes] = []
         size = 0
         for (raw,) in self._read.execute(
@@ -195,23 +260,27 @@ class LedgerStore:
     def verify_tail(self, n: int) -> dict[str, tuple[int, str]]:
         """Re-verify each author's last ``n`` entries. Returns {author: (first bad seq, reason)}."""
         problems: dict[str, tuple[int, str]] = {}
+        bases = self.bases()
         for author, head in self.heads().items():
+            base = bases.get(author, (0, GENESIS))[0]
             count = self._read.execute("SELECT count(*) FROM entries WHERE author=?", (author,)).fetchone()[0]
-            if count != head:
-                first_missing = self._first_missing(author)
-                problems[author] = (first_missing, "gap")
+            if count != head - base:
+                problems[author] = (self._first_missing(author, base), "gap")
                 continue
             if n <= 0:
                 continue
-            start = max(1, head - n + 1)
+            start = max(base + 1, head - n + 1)
             bad = self.check_range(author, start, head)
             if bad:
                 problems[author] = bad
         return problems
 
     def check_range(self, author: str, start: int, end: int) -> tuple[int, str] | None:
-        """Verify signatures and links of ``start..end``; (first bad seq, reason) or None."""
-        prev = GENESIS if start == 1 else self._hash_at(author, start - 1)
+        """Verify signatures and links of ``start..end`` (from above the author's base at the lowest:
+        the first stored entry chains onto the base's hash); (first bad seq, reason) or None."""
+        base, base_hash = self.base_of(author)
+        start = max(start, base + 1)
+        prev = base_hash if start == base + 1 else self._hash_at(author, start - 1)
         rows = self._read.execute(
             "SELECT seq, hash, raw FROM entries WHERE author=? AND seq BETWEEN ? AND ? ORDER BY seq",
             (author, start, end),
@@ -229,9 +298,10 @@ class LedgerStore:
         row = self._read.execute("SELECT hash FROM entries WHERE author=? AND seq=?", (author, seq)).fetchone()
         return row[0] if row else None
 
-    def _first_missing(self, author: str) -> int:
-        expect = 1
-        for (seq,) in self._read.execute("SELECT seq FROM entries WHERE author=? ORDER BY seq", (author,)):
+    def _first_missing(self, author: str, base: int = 0) -> int:
+        expect = base + 1
+        for (seq,) in self._read.execute("SELECT seq FROM entries WHERE author=? AND seq>? ORDER BY seq",
+                                         (author, base)):
             if seq != expect:
                 return expect
             expect += 1
@@ -256,17 +326,30 @@ def _row_problem(author: str, seq: int, h: bytes, raw: bytes, expect: int, prev:
 
 
 def rebuild(store: LedgerStore, ledger: Ledger) -> dict[str, tuple[int, str]]:
-    """Load every stored entry and piece of evidence into an empty replica.
+    """Load the newest stored cut, every stored entry above it and the evidence into an empty replica.
 
-    Signatures of entries are not re-checked (they were before they were stored; ``verify_tail`` and
-    ``ledger verify`` re-check them); links are, by :meth:`Ledger.restore`. Evidence is re-verified,
-    since it is small and decides whose credit is excluded. Returns what could not be loaded,
-    ``{author: (first seq not loaded, reason)}`` (evidence under the key ``"evidence:<author>"``);
-    only a database edited behind the node's back has any.
+    The cut's signature and signer are re-checked against ``ledger``'s trainers (a LedgerStoreError if
+    it no longer opens: without it the entries above it chain onto nothing). Signatures of entries are
+    not re-checked (they were before they were stored; ``verify_tail`` and ``ledger verify`` re-check
+    them); links are, by :meth:`Ledger.restore`. Evidence is re-verified, since it is small and
+    decides whose credit is excluded. Returns what could not be loaded, ``{author: (first seq not
+    loaded, reason)}`` (evidence under the key ``"evidence:<author>"``); only a database edited behind
+    the node's back has any.
     """
+    newest = store.latest_cut()
+    if newest is not None:
+        number, _hash, raw = newest
+        try:
+            based = ledger_from_cut(open_cut(raw, ledger), ledger, ledger.history)
+        except RemoteProtocolError as e:
+            raise LedgerStoreError(f"ledger database {store.path}: stored cut {number} does not open for this "
+                                   f"run's trainers ({e.reason}: {e.detail})") from None
+        # Callers hold ``ledger`` (tools, the service): it becomes the replica based on the cut.
+        vars(ledger).update(vars(based))
+    bases = store.bases() if newest is not None else {}
     skipped: dict[str, tuple[int, str]] = {}
     for author, seq, _hash, raw in store.iter_raw():
-        if author in skipped:
+        if author in skipped or seq <= bases.get(author, (0,))[0]:  # pruned with the cut; only an edited database has it
             continue
         try:
             ledger.restore(parse_entry(raw, verify_signature=False))
