@@ -285,6 +285,8 @@ class SimNode:
         cfg, started = self.swarm.config, self.swarm.sim.now
 
         def direct(ok: bool) -> None:
+            if not self.running:  # crashed or left while it waited: a stopped process concludes nothing
+                return
             if ok:
                 self.table.on_probe_ok(target, self.swarm.sim.now)
                 return then()
@@ -298,6 +300,8 @@ class SimNode:
                                    lambda ok: (results.append(ok), len(results) == len(helpers) and verdict(results)))
 
         def verdict(results: list[bool]) -> None:
+            if not self.running:
+                return
             now = self.swarm.sim.now
             if any(results):
                 self.table.on_probe_ok(target, now)

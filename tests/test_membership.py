@@ -159,6 +159,7 @@ def test_probe_order_is_round_robin(table):
 
 
 def test_probe_order_only_among_eligible_members(table):
+    table.config.far_probe_every = 0  # the round among connections alone (far probes: below)
     for p in "abcdef":
         table.on_record(record(p, 1), now=0)
     connected = {"b", "d", "f"}
@@ -168,6 +169,36 @@ def test_probe_order_only_among_eligible_members(table):
     assert table.next_probe_target({"zz"}) is None  # not a member
     table.on_goodbye(Goodbye(run=RUN, peer_id="b", seq=1), now=1)
     assert {table.next_probe_target({"b", "d"}) for _ in range(3)} == {"d"}  # the departed are not probed
+
+
+def test_every_far_probe_every_th_pick_is_a_live_member_we_hold_no_connection_to(table):
+    """A member nobody holds a connection to is probed too (issue 46: one that crashed after its
+    last connections closed on purpose was probed by nobody and never expired): each
+    ``far_probe_every``-th pick is drawn round-robin from the live members outside the connections."""
+    table.config.far_probe_every = 3
+    for p in "abcdefgh":
+        table.on_record(record(p, 1), now=0)
+    table.on_goodbye(Goodbye(run=RUN, peer_id="h", seq=1), now=1)  # the departed are not probed
+    connected = {"a", "b"}
+    picks = [table.next_probe_target(connected) for _ in range(3 * 10)]
+    far = picks[2::3]
+    near = [p for i, p in enumerate(picks) if i % 3 != 2]
+    assert set(near) == connected and near.count("a") == near.count("b")
+    assert sorted(far) == sorted("cdefg" * 2)  # each far member once per far round
+
+
+def test_junk_records_cannot_make_a_node_dial_more_far_members(table):
+    """Attack: a peer floods the table with records of members that do not exist (their
+    addresses anyone's), so that far probes dial them. They choose which member a far probe
+    dials, never how many: one per ``far_probe_every`` picks, the rest stay on our connections."""
+    table.config.max_members = 10_000
+    for i in range(2000):
+        table.on_record(record(f"junk{i}", 1), now=0, source=None, exchange=True)
+    connected = {"a", "b", "c"}
+    for p in connected:
+        table.on_record(record(p, 1), now=0)
+    picks = [table.next_probe_target(connected) for _ in range(1000)]
+    assert sum(p not in connected for p in picks) == 1000 // table.config.far_probe_every
 
 
 def test_table_bound(table):

@@ -79,3 +79,35 @@ def test_a_ramp_of_joins_through_one_bootstrap_converges_when_the_bootstrap_is_a
                           cwd=Path(__file__).resolve().parent.parent)
     floors = {float(k): v for k, v in json.loads(proc.stdout).items()}
     assert floors[1000.0] >= 0.99 and floors[5.0] < 0.5, floors
+
+
+def crash_after_its_connections_closed(config: MembershipConfig, redial: float) -> tuple[Swarm, SimNode, float]:
+    """N = 20: every peer connected to the victim closes on purpose (Prune, the connection manager's
+    choice), and the victim crashes ``redial`` s later, before (0.2) or after (1.0) it has dialled
+    new connections, which its old peers' CloseWatch remembers as pruned (PRUNE_MEMORY): no peer
+    takes the drop for a loss. Returns the swarm, the victim and the crash time."""
+    swarm = Swarm(config, seed=3, profile=Profile(nat=0.3))
+    nodes = [swarm.spawn(bootstrap=True)] + [swarm.spawn() for _ in range(19)]
+    swarm.sim.run(40)
+    victim = nodes[-1]
+    for p in sorted(swarm.net.connected(victim.pid)):
+        swarm.nodes[p].prune(victim.pid)
+    swarm.sim.run(swarm.sim.now + redial)
+    swarm.crash(victim, refuses=True)
+    return swarm, victim, swarm.sim.now
+
+
+def test_a_member_crashing_after_its_connections_closed_on_purpose_is_still_detected_at_probe_timing():
+    """Probing only the members we hold a connection to left such a member probed by nobody: no
+    accusation, and its expiry (member_ttl: 240 s here, 3 h at N >= 900) never came either, since
+    every peer's push-pull gave its record back to those that had expired it (held alive by all 19
+    for the 4,000 s measured). Far probes (far_probe_every) find it at about their period plus the
+    suspicion timeout, whatever the swarm's size."""
+    config = MembershipConfig()
+    bound = 4 * config.far_probe_every * config.probe_period + config.suspicion_timeout(20)  # 45 s; TTL 240 s
+    for redial in (0.2, 1.0):
+        swarm, victim, t0 = crash_after_its_connections_closed(MembershipConfig(), redial)
+        while swarm.sim.now - t0 < bound and not swarm.dead_everywhere(victim.pid):
+            swarm.sim.run(swarm.sim.now + 0.5)
+        assert swarm.dead_everywhere(victim.pid), (redial, swarm.sim.now - t0)
+        assert not [s for s in swarm.counters.suspicions if s[3]]  # nobody live was suspected

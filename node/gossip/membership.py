@@ -8,8 +8,10 @@ Dissemination and failure detection are split, as in SWIM (Das, Gupta, Motivala,
   change, and are refreshed every ``refresh_interval(N)`` so that lost messages heal. Records carry
   a sequence number that only grows; an older or equal one changes nothing.
 * **Liveness** comes from probing, not from records: every ``probe_period`` a node pings one member
-  it holds a connection to (round-robin over a shuffled list, SWIM 4.3), and at once any member
-  whose connection dropped without notice; on failure it asks ``indirect_probes`` others to ping it.
+  it holds a connection to (round-robin over a shuffled list, SWIM 4.3), every ``far_probe_every``
+  rounds one it holds none to (a member whose last connections closed on purpose before it crashed
+  has no neighbour to notice), and at once any member whose connection dropped without notice; on
+  failure it asks ``indirect_probes`` others to ping it.
   Only when all fail does it *suspect* the member and publish a signed accusation naming the
   record's sequence number. Every node that hears it opens a suspicion on the member; after
   ``suspicion_timeout(N)`` without a newer record the member is DEAD (see below for why the
@@ -75,6 +77,8 @@ topic, signature, key); p = probe period; lambda = failures per node per second)
                 (issue 16). The price: a lost change, a push-pull surplus and an unreachable
                 member's expiry (``member_ttl``) wait twice as long.
     probes      1/p pings sent + ~1/p answered = 2 msgs/s at p = 1 s, ~100 B each: constant in N.
+                Plus one dial made and one received per far_probe_every periods (its handshake is
+                not in this model, nor in sim/'s byte counts).
     indirect    3 ping-reqs per failed direct probe: only under loss or failure.
     sync        a node starts one push-pull every sync_interval = max(30 s, N * 1 s) and answers
                 one on average, sending all N records in each: 2 * N * r / max(30, N) <= 2r B/s
@@ -136,6 +140,7 @@ class MembershipConfig:
     new_member_burst: int = 8  # members one source (gossip author, push-pull peer) may introduce at once
     new_member_rate: float = 0.1  # ... and per second after that; more are dropped and the source scored down
     unreached_ttl_mult: float = 3.0  # a member nobody reachable vouches for expires after this many refresh intervals
+    far_probe_every: int = 10  # every this many probe rounds, probe a member we hold no connection to (0: never)
 
     def validate(self) -> None:
         if self.probe_period <= 0 or self.probe_timeout <= 0 or self.indirect_timeout <= 0:
@@ -154,6 +159,8 @@ class MembershipConfig:
             raise ValueError("unreached_ttl_mult must be >= 1 (a member refreshes once per interval)")
         if self.dial_backoff_max < self.dial_backoff:
             raise ValueError("dial_backoff_max must be >= dial_backoff")
+        if self.far_probe_every < 0:
+            raise ValueError("far_probe_every must be >= 0")
 
     def refresh_interval(self, n: int) -> float:
         return min(self.max_refresh, max(self.min_refresh, n / self.record_rate))
@@ -255,6 +262,8 @@ class MemberTable:
     config: MembershipConfig = field(default_factory=MembershipConfig)
     members: dict[str, Member] = field(default_factory=dict)
     _probe_order: list[str] = field(default_factory=list)
+    _far_order: list[str] = field(default_factory=list)  # live members to probe though not connected (shuffled)
+    _rounds: int = 0  # calls of next_probe_target with an eligible set, for far_probe_every
     # What keeps tick() and size() from scanning every entry (issue 46: at N = 10,000 the scans cost
     # each node ~120,000 entry visits a second): the live count, the members with a timer running
     # (SUSPECT, or a pending accusation), and the earliest time any other entry can expire.
@@ -489,7 +498,24 @@ class MemberTable:
         probe loop for why. A round is then made from ``eligible`` alone (sorted: a set's order
         varies with the hash seed), not from a walk of the table, which cost each node N /
         connections entry visits per probe (issue 46).
+
+        Except every ``far_probe_every``-th call, which probes a live member outside ``eligible``
+        (the service's probe dials it). Probing only connections leaves a member that crashes
+        after its last connections closed on purpose (pruned, or redialled within PRUNE_MEMORY of
+        a prune, so that the drop is no "loss") probed by nobody: no accusation, and its expiry
+        never comes either, as every peer's push-pull hands its record back to those that expired
+        it (issue 46: at N = 20 such a member was held alive by all for 4,000 s and counting).
+        Every node drawing one far member each ``far_probe_every`` rounds probes each member about
+        once per ``far_probe_every`` periods swarm-wide, whatever N, for one dial per node per
+        ``far_probe_every`` periods; junk records can only choose which member a far probe dials,
+        never make more of them.
         """
+        if eligible is not None and self.config.far_probe_every:
+            self._rounds += 1
+            if self._rounds % self.config.far_probe_every == 0:
+                far = self._next_far(eligible)
+                if far is not None:
+                    return far
         for _ in range(2):  # the rest of this round, then one fresh round
             while self._probe_order:
                 pid = self._probe_order.pop()
@@ -503,6 +529,21 @@ class MemberTable:
                 return None
             self.rng.shuffle(live)
             self._probe_order = live
+        return None
+
+    def _next_far(self, near: set[str]) -> str | None:
+        """The next live member not in ``near``, from a shuffled list of the table refilled when
+        used up: one walk of the table per N far probes."""
+        for refill in (False, True):
+            while self._far_order:
+                pid = self._far_order.pop()
+                if pid not in near and self.is_live(pid):
+                    return pid
+            if refill:
+                return None
+            self._far_order = [pid for pid, m in self.members.items()
+                               if pid not in near and m.state in (MemberState.ALIVE, MemberState.SUSPECT)]
+            self.rng.shuffle(self._far_order)
         return None
 
     def indirect_helpers(self, target: str, connected: set[str], k: int) -> list[str]:
