@@ -6,6 +6,12 @@ then the caller asks, one frame at a time, for equivocation evidence it lacks
 (:class:`RangeRequest` -> :class:`RangeReply`, at most :data:`MAX_REPLY_BYTES` of entries). Replies
 carry their request's ``id``. node/ledger/service.py runs the sessions (its ``SYNC`` spec holds the
 session's budgets and deadlines); entries themselves are node/ledger/entries.py's signed bytes.
+
+Cuts (node/ledger/cut.py, node/ledger/cutsync.py): a hello also names the trainer-signed cut the sender's
+replica is based on (number and hash of the signed bytes; left off the wire when it has none, so a
+node without cuts sends the bytes older nodes read). A caller seeing a newer cut than its own asks for
+it first, one page at a time (:class:`CutPageRequest` -> :class:`CutPage`: the signed cut is larger
+than a frame), since a peer based on a cut holds no entries at or below its heads.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ PROTOCOL = "/swarm/ledger/1.0.0"
 MAX_AUTHORS = 20_000  # heads in one SyncHello (about 130 bytes each: well under the 4 MiB frame cap)
 MAX_REPLY_BYTES = 1024 * 1024  # entry bytes in one RangeReply
 MAX_REPLY_ENTRIES = 4096  # schema bound; sync_batch (config) is the working value
+CUT_PAGE_BYTES = 1024 * 1024  # bytes of a signed cut per CutPage (node.wire.MAX_FRAME is 4 MiB)
+MAX_CUT_NUMBER = 2**53
 
 
 @register
@@ -30,6 +38,15 @@ class SyncHello(Message):
 
     TYPE: ClassVar[str] = "ledger-hello"
     heads: tuple[Head, ...] = bounded(max_len=MAX_AUTHORS)
+    # The cut the sender's replica is based on: its number (0 = none) and the hash of its signed bytes.
+    cut_number: int = bounded(min=0, max=MAX_CUT_NUMBER, default=0)
+    cut_hash: bytes = bounded(max_len=32, default=b"")
+
+    def to_wire(self) -> dict:
+        out = super().to_wire()
+        if self.cut_number == 0 and not self.cut_hash:  # what a node without cuts sent before they existed
+            del out["cut_number"], out["cut_hash"]
+        return out
 
 
 @register
@@ -65,3 +82,28 @@ class EvidenceReply(Message):
     id: int = bounded(min=0, max=2**32)
     a: bytes = bounded(max_len=MAX_ENTRY)  # both empty: no evidence
     b: bytes = bounded(max_len=MAX_ENTRY)
+
+
+@register
+@dataclass(frozen=True)
+class CutPageRequest(Message):
+    """Page ``index`` of the signed cut ``number`` the answerer's hello named."""
+
+    TYPE: ClassVar[str] = "ledger-cut-page?"
+    id: int = bounded(min=0, max=2**32)
+    number: int = bounded(min=1, max=MAX_CUT_NUMBER)
+    index: int = bounded(min=0, max=2**16)
+
+
+@register
+@dataclass(frozen=True)
+class CutPage(Message):
+    """One page of a signed cut, of ``count`` pages; ``count`` 0 (and no data): the answerer no longer
+    holds cut ``number`` (it adopted a newer one since its hello)."""
+
+    TYPE: ClassVar[str] = "ledger-cut-page"
+    id: int = bounded(min=0, max=2**32)
+    number: int = bounded(min=1, max=MAX_CUT_NUMBER)
+    index: int = bounded(min=0, max=2**16)
+    count: int = bounded(min=0, max=2**16)
+    data: bytes = bounded(max_len=CUT_PAGE_BYTES)

@@ -28,6 +28,13 @@ How this works
   the replica has applied.
 * Receipts: downloaders call :meth:`LedgerService.note_received` per verified piece; the service
   adds them up and appends one ``receipts`` entry per ``receipt_interval``.
+* Cuts (node/ledger/cut.py; the run-time rules are node/ledger/cutsync.py's): the run's cutter makes
+  and adopts a trainer-signed cut every ``cut_every`` entries its replica took in; a sync session's
+  caller that sees a newer cut in the answerer's hello fetches it in pages before any range, and adopts
+  it under ``_store_lock`` (checked against its own history where it can, refused and logged as a fraud
+  proof where it disagrees). Adopting swaps in the rebased replica and drops the entries at or below
+  the cut's heads from the store in one transaction; the replica's storage then follows the number of
+  authors and the entries since the cut, not the run's length.
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ from ..wire import (
 from .api import LedgerError
 from .chain import Evidence, Ledger, Outcome
 from .config import LedgerConfig
+from .cut import OpenedCut, ledger_from_cut, make_cut, open_cut, rebase, sign_cut
+from .cutsync import CutPages, cutter_of, page_count, page_of, refusal
 from .entries import (
     GENESIS,
     MAX_RECEIPT_ITEMS,
@@ -74,6 +83,8 @@ from .messages import (
     MAX_AUTHORS,
     MAX_REPLY_BYTES,
     PROTOCOL,
+    CutPage,
+    CutPageRequest,
     EvidenceReply,
     EvidenceRequest,
     RangeReply,
@@ -122,7 +133,7 @@ def _forwarder_at_fault(reason: str, forwarder: str, author: str) -> bool:
 
 # A session is a SyncHello, then up to MAX_REQUESTS_PER_STREAM range or evidence requests, each
 # answered by the reply of its own type; its deadlines are [ledger] sync_timeout (set when served).
-SYNC: RequestResponse = RequestResponse(PROTOCOL, messages(SyncHello, RangeRequest, EvidenceRequest), None,
+SYNC: RequestResponse = RequestResponse(PROTOCOL, messages(SyncHello, RangeRequest, EvidenceRequest, CutPageRequest), None,
                                         LedgerConfig.sync_timeout, limits=SYNC_LIMITS,
                                         per_stream=1 + MAX_REQUESTS_PER_STREAM)
 
@@ -162,8 +173,13 @@ class LedgerService:
         self._wall_clock = wall_clock
         self._rng = rng or random.Random()
         run = node.config.run
-        self.ledger = Ledger(run.name, run.trainers, run.validators, int(config.max_clock_skew * 1000), config.limits(),
-                             history=self._entries)
+        self.ledger = self._empty_replica()
+        self._cut_raw: bytes | None = None  # the signed cut the replica is based on (served to peers in pages)
+        self._bases: dict[str, int] = {}  # every author's head at that cut: the store holds its entries above
+        self._since_cut = 0  # entries the replica took in since its last cut
+        self._cut_due = trio.Event()
+        self.is_cutter = node.peer_id == cutter_of(run.trainers)  # cuts every cut_every entries when that is > 0
+        self.cuts = collections.Counter()  # "made" / "adopted" / "refused" / ...
         self.rejections: collections.Counter = collections.Counter()  # "source/reason" -> count
         self.accepted: collections.Counter = collections.Counter()  # source -> entries accepted
         self._append_lock = trio.Lock()
@@ -195,6 +211,11 @@ class LedgerService:
     def now_ms(self) -> int:
         return int(self._wall_clock() * 1000)
 
+    def _empty_replica(self) -> Ledger:
+        run = self.node.config.run
+        return Ledger(run.name, run.trainers, run.validators, int(self.config.max_clock_skew * 1000),
+                      self.config.limits(), history=self._entries)
+
     # ---------------------------------------------------------------- start-up
 
     async def load(self) -> dict[str, tuple[int, str]]:
@@ -204,12 +225,15 @@ class LedgerService:
             dropped = await self.db.run(self.store.truncate, author, seq)
             log.warning("ledger: %s's stored chain broken at seq %d (%s); dropped %d entries", author, seq, reason, dropped)
             self._reject("store", reason)
-        for author, (seq, reason) in rebuild(self.store, self.ledger).items():
+        for author, (seq, reason) in rebuild(self.store, self.ledger).items():  # from the newest stored cut on
             log.warning("ledger: stored %s not loaded from seq %d (%s)", author, seq, reason)
             self._reject("store", reason)
             if not author.startswith("evidence:"):
                 await self.db.run(self.store.truncate, author, seq)  # peers re-supply it; a chain must stay contiguous
                 problems[author] = (seq, reason)
+        newest = self.store.latest_cut()
+        self._cut_raw = newest[2] if newest else None
+        self._bases = {a: seq for a, (seq, _h) in self.store.bases().items()}
         now = self.now_ms()
         for ban in self.ledger.bans(now).values():
             self.node.peers.ban(ban.peer, BAN_SOURCE, f"{ban.reason} (by {ban.by[-8:]})", (ban.until_ms - now) / 1000)
@@ -238,6 +262,7 @@ class LedgerService:
                 except StoreFull as e:
                     raise LedgerError(f"cannot append {body.TYPE}: {e}") from None
                 self.ledger.apply(decision)
+                self._took_in(1)
             self._list_bans([se], self.now_ms())
             self._m_accepted.labels(source="local").inc()
             self.accepted["local"] += 1
@@ -322,7 +347,7 @@ class LedgerService:
 
     def stored_entries(self) -> int:
         """Entries in the replica that are also in the database (not the batch being committed)."""
-        return len(self.ledger) - self._committing - len(self._unstored)
+        return len(self.ledger) - sum(self._bases.values()) - self._committing - len(self._unstored)
 
     def status(self) -> dict:
         """For ``swarm-node status``."""
@@ -342,6 +367,8 @@ class LedgerService:
             "rejected": dict(self.rejections),
             "syncs": dict(self.syncs),
             "pending_receipts": len(self._receipts),
+            "cut": self.ledger.cut_number,
+            "cuts": dict(self.cuts),
         }
 
     # ---------------------------------------------------------------- ingest (all inputs)
@@ -395,6 +422,7 @@ class LedgerService:
             self._committing = 0
             self._pending = {}
         self._list_bans(pending, now)
+        self._took_in(report.accepted)
         if report.accepted:
             self._m_accepted.labels(source=source).inc(report.accepted)
             self.accepted[source] += report.accepted
@@ -471,6 +499,124 @@ class LedgerService:
                 if ban is not None:
                     self.node.peers.ban(ban.peer, BAN_SOURCE, f"{ban.reason} (by {ban.by[-8:]})",
                                         (ban.until_ms - now_ms) / 1000)
+
+    # ---------------------------------------------------------------- cuts
+
+    def _took_in(self, n: int) -> None:
+        self._since_cut += n
+        if self.is_cutter and self.config.cut_every and n and self._since_cut >= self.config.cut_every:
+            self._cut_due.set()
+
+    async def _cut_loop(self) -> None:
+        while True:
+            await self._cut_due.wait()
+            self._cut_due = trio.Event()
+            await self.cut_now()
+
+    async def cut_now(self) -> OpenedCut | None:
+        """Cut the replica as it stands, sign, adopt and offer the cut (the run's cutter; module doc)."""
+        async with self._store_lock:
+            if self._unstored:
+                return None  # the store lacks entries the cut would cover: after the disk has room
+            cut = make_cut(self.ledger, time_ms=self.now_ms(), keep_versions=self.config.keep_versions,
+                           keep_steps=self.config.keep_steps)
+            raw = sign_cut(self.node.identity, cut)
+            opened = open_cut(raw, self.ledger)
+            if not await self._adopt_locked(opened, raw, check=False):
+                return None
+        self.cuts["made"] += 1
+        log.info("ledger: made cut %d (%d bytes) at %d entries", cut.number, len(raw), len(self.ledger))
+        return opened
+
+    def _base_replica(self) -> Ledger:
+        """An empty replica based on our own cut (what a cut following it is replayed from)."""
+        if self._cut_raw is None:
+            return self._empty_replica()
+        return ledger_from_cut(open_cut(self._cut_raw, self._empty_replica()), self.ledger, self._entries)
+
+    async def _adopt_locked(self, opened: OpenedCut, raw: bytes, *, check: bool = True, source: str = "") -> bool:
+        """Base the replica on ``opened`` and drop the stored entries at or below its heads (under
+        ``_store_lock``); False when it is refused (logged) or cannot be stored now."""
+        cut = opened.cut
+        if cut.number <= self.ledger.cut_number or self._unstored:
+            return False
+        if check:
+            problem = refusal(self.ledger, opened, self._bases, self._entries, self._base_replica)
+            if problem:
+                self._refuse_cut(opened, raw, problem, source)
+                return False
+        rebased = rebase(self.ledger, opened, self._entries)
+        heads = {log.author: (log.seq, log.hash) for log in cut.logs}
+        try:
+            dropped = await self.db.run(self.store.adopt_cut, cut.number, opened.hash, raw, heads)
+        except StoreFull as e:
+            log.warning("ledger: cut %d not adopted: %s", cut.number, e)
+            return False
+        self.ledger = rebased
+        self._bases = {a: seq for a, (seq, _h) in heads.items() if seq}
+        self._cut_raw = raw
+        self._since_cut = 0
+        self.cuts["adopted"] += 1
+        self._update_gauges()
+        log.info("ledger: based on cut %d by %s; %d stored entries dropped", cut.number, opened.signer[-8:], dropped)
+        return True
+
+    def _refuse_cut(self, opened: OpenedCut, raw: bytes, problem: str, source: str) -> None:
+        """A trainer-signed cut our own history contradicts: keep the history, keep the cut as proof."""
+        self.cuts["refused"] += 1
+        self._reject("cut", problem)
+        proof = self.node.data_dir / f"ledger-refused-cut-{opened.cut.number}.bin"
+        try:
+            proof.write_bytes(raw)
+        except OSError as e:
+            proof = f"not saved: {e}"
+        log.error("ledger: REFUSED cut %d signed by trainer %s (from %s): %s. This replica's history disagrees "
+                  "with it: the signed cut (%s) and the entries up to its heads are a fraud proof against that "
+                  "trainer, for the run's operator; the replica keeps its history", opened.cut.number,
+                  opened.signer, source or "us", problem, proof)
+
+    async def _fetch_cut(self, caller, peer: str, number: int, cut_hash: bytes) -> None:
+        """Fetch, open and adopt the cut ``number`` a peer's hello named (module doc); CallFailure
+        (GARBAGE, the peer reported) when its pages or the cut they make are not what it announced."""
+        if len(cut_hash) != 32:
+            raise caller.garbage("bad-cut-hash", f"{len(cut_hash)} bytes")
+        pages = CutPages(number, cut_hash)
+        while not pages.done:
+            reply = await self._ask(caller, CutPageRequest(id=self._next_id(), number=number,
+                                                           index=pages.next_index), CutPage)
+            if reply.count == 0 and not reply.data and reply.number == number:
+                self.cuts["not-held"] += 1  # it moved on to a newer cut since its hello (or cannot serve it)
+                return
+            try:
+                pages.add(reply)
+            except RemoteProtocolError as e:
+                raise caller.garbage(e.reason, e.detail) from None
+        try:
+            raw = pages.raw()
+            opened = await trio.to_thread.run_sync(open_cut, raw, self.ledger)
+            if opened.cut.number != number:
+                raise RemoteProtocolError("cut-number", f"{opened.cut.number} != {number}")
+        except RemoteProtocolError as e:
+            if e.reason == "old-cut" and self.ledger.cut_number >= number:
+                return  # we adopted it (or a newer one) meanwhile
+            raise caller.garbage(e.reason, e.detail) from None
+        async with self._store_lock:
+            await self._adopt_locked(opened, raw, source=peer)
+
+    def _hello(self) -> SyncHello:
+        heads = tuple(self.ledger.heads()[:MAX_AUTHORS])
+        if self._cut_raw is None:
+            return SyncHello(heads=heads)
+        return SyncHello(heads=heads, cut_number=self.ledger.cut_number, cut_hash=self.ledger.cut_hash)
+
+    def _cut_page(self, msg: CutPageRequest) -> CutPage:
+        raw = self._cut_raw
+        if raw is None or msg.number != self.ledger.cut_number:
+            return CutPage(id=msg.id, number=msg.number, index=msg.index, count=0, data=b"")
+        count = page_count(len(raw))
+        if msg.index >= count:
+            raise RemoteProtocolError("bad-cut-page", f"{msg.index} of {count}")
+        return CutPage(id=msg.id, number=msg.number, index=msg.index, count=count, data=page_of(raw, msg.index))
 
     # ---------------------------------------------------------------- gossip
 
@@ -567,7 +713,9 @@ class LedgerService:
     async def _call_sync(self, peer: str, total: IngestReport) -> None:
         async with open_call(self.node.host, peer, PROTOCOL, open_timeout=STREAM_OPEN_TIMEOUT,
                              peers=self.node.peers) as caller:
-            hello = await self._ask(caller, SyncHello(heads=tuple(self.ledger.heads()[:MAX_AUTHORS])), SyncHello)
+            hello = await self._ask(caller, self._hello(), SyncHello)
+            if hello.cut_number > self.ledger.cut_number:  # it holds nothing below that cut: take it first
+                await self._fetch_cut(caller, peer, hello.cut_number, hello.cut_hash)
             requests = 0
             _, evidence_authors = self.ledger.missing(hello.heads)
             for author in evidence_authors:
@@ -638,9 +786,9 @@ class LedgerService:
     async def _answer(self, peer: str, msg: Message) -> Message:
         if isinstance(msg, SyncHello):  # a session's first frame: both sides' heads
             wants, evidence = self.ledger.missing(msg.heads)
-            if wants or evidence:
+            if wants or evidence or msg.cut_number > self.ledger.cut_number:
                 self.hint_sync(peer)  # push-pull: the caller has something we lack
-            return SyncHello(heads=tuple(self.ledger.heads()[:MAX_AUTHORS]))
+            return self._hello()
         if isinstance(msg, RangeRequest):
             if msg.end < msg.start:
                 raise RemoteProtocolError("bad-range", f"{msg.start}..{msg.end}")
@@ -648,6 +796,8 @@ class LedgerService:
             async with self._store_lock:  # after any commit in flight: the range holds what the replica has
                 raws = self.store.range(msg.author, msg.start, msg.end, limit=limit, max_bytes=MAX_REPLY_BYTES)
             return RangeReply(id=msg.id, entries=tuple(raws))
+        if isinstance(msg, CutPageRequest):
+            return self._cut_page(msg)
         if isinstance(msg, EvidenceRequest):
             ev = self.ledger.evidence(msg.author)
             return EvidenceReply(id=msg.id, a=ev.a.raw if ev else b"", b=ev.b.raw if ev else b"")
@@ -699,6 +849,8 @@ async def serve_ledger(
                 nursery.start_soon(service._receive_loop, subscription)
                 nursery.start_soon(service._sync_loop)
                 nursery.start_soon(service._receipt_loop)
+                if service.is_cutter and config.cut_every:
+                    nursery.start_soon(service._cut_loop)
                 task_status.started(service)
         finally:
             # Bytes already received deserve their receipt; give the flush a moment, no more.

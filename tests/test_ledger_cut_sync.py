@@ -1,0 +1,287 @@
+"""Trainer-signed ledger cuts in the running service (node/ledger/service.py, node/ledger/cutsync.py).
+
+Real libp2p hosts on loopback. The run's cutter cuts its replica and drops the entries below; a
+replica that holds the history fetches the cut in pages through anti-entropy, checks it against that
+history and adopts it; a new node catches up from a peer that holds only the cut and the entries
+above it; an honest worker's totals are those of a replica that kept the whole history; a restarted
+node rebuilds from its store to the same digest. A peer that sends a cut that is not what it
+announced, one of another run or signer, an old one, pages that lie, or names a cut it cannot serve,
+is refused (scored down where that proves it at fault) and nothing is adopted; a trainer-signed cut
+that the replica's own history contradicts is refused and kept as a fraud proof, history kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from node.identity import Identity
+from node.ledger.chain import Ledger, Outcome
+from node.ledger.config import LedgerConfig
+from node.ledger.cut import make_cut, sign_cut
+from node.ledger.cutsync import cutter_of
+from node.ledger.entries import CheckpointPublished, RolloutsJudged, Verdict
+from node.ledger.messages import CUT_PAGE_BYTES, PROTOCOL, CutPage, CutPageRequest, SyncHello
+from node.net.host import open_swarm_host
+from node.wire import read_message, write_frame
+from test_ledger_sync import LOOPBACK, RUN, TRAINER, VALIDATOR, WORKER, connect, ledger, open_ledger_node, run_config
+from waiting import wait_for
+
+from node import hashes
+
+NO_CUTS = run_config(cut_every=0)  # cuts only when a test says so (LedgerService.cut_now)
+_batch = iter(range(10**9))
+
+
+def judged(step: int, worker: Identity = WORKER, samples: int = 4) -> RolloutsJudged:
+    b = next(_batch).to_bytes(32, "big")
+    return RolloutsJudged(worker=worker.peer_id, step=step, accepted=True, samples=samples, tokens=10 * samples,
+                          batch_hash=b)
+
+
+async def some_history(t, v, steps: int, start: int = 0) -> list:
+    """The trainer publishes checkpoints and judges WORKER's batches, the validator verifies them."""
+    out = []
+    for step in range(start, start + steps):
+        out.append(await ledger(t).append(CheckpointPublished(version=step, manifest_id=hashes.digest(b"m%d" % step),
+                                                              total_bytes=1 << 20)))
+        for _ in range(2):
+            body = judged(step)
+            out.append(await ledger(t).append(body))
+            out.append(await ledger(v).append(Verdict(worker=WORKER.peer_id, step=step, batch_hash=body.batch_hash,
+                                                      ok=True, reasons=("ok",))))
+    return out
+
+
+def keeper(entries) -> Ledger:
+    """A replica that kept the whole history (in memory, entries in any order)."""
+    replica = Ledger(RUN, [TRAINER.peer_id], [VALIDATOR.peer_id], max_skew_ms=10**9)
+    pending = sorted(entries, key=lambda se: (se.author, se.seq))
+    for se in pending:
+        d = replica.check(se, se.time_ms)
+        assert d.outcome is Outcome.ACCEPT, d
+        replica.apply(d)
+    return replica
+
+
+def test_the_cutter_is_one_trainer_of_the_run():
+    assert cutter_of(["zz", TRAINER.peer_id, "aa"]) == min(TRAINER.peer_id, "aa") and cutter_of([]) is None
+    with pytest.raises(ValueError, match="cut_every"):
+        LedgerConfig(cut_every=5).validate()
+    with pytest.raises(ValueError, match="keep_steps"):
+        LedgerConfig(keep_steps=0).validate()
+    with pytest.raises(ValueError, match="keep_versions"):
+        LedgerConfig(keep_versions=0).validate()
+    LedgerConfig().validate()
+
+
+async def test_a_cut_spreads_prunes_and_a_new_node_catches_up_from_it_with_every_credit(tmp_path):
+    async with open_ledger_node(tmp_path, "t", TRAINER, NO_CUTS) as t, \
+            open_ledger_node(tmp_path, "v", VALIDATOR, NO_CUTS) as v:
+        await connect(t, v)
+        entries = await some_history(t, v, 12)
+        await wait_for(lambda: ledger(t).digest() == ledger(v).digest())
+        assert ledger(t).is_cutter and not ledger(v).is_cutter
+        opened = await ledger(t).cut_now()
+        assert opened.cut.number == 1 and ledger(t).ledger.cut_number == 1
+        assert ledger(t).store.count() == 0  # everything it held is at or below the heads it cut at
+        # the validator holds the whole history: it fetches the cut, checks it against that, adopts it
+        await wait_for(lambda: ledger(v).ledger.cut_number == 1, what="the validator adopts cut 1")
+        assert ledger(v).cuts["adopted"] == 1 and not ledger(v).cuts["refused"]
+        assert ledger(v).store.count() == 0 and ledger(v).store.latest_cut()[1] == opened.hash
+        entries += await some_history(t, v, 5, start=12)
+        await wait_for(lambda: ledger(t).digest() == ledger(v).digest())
+        await wait_for(lambda: ledger(v).store.count() == len(entries) - sum(log.seq for log in opened.cut.logs))
+        whole = keeper(entries)
+        assert ledger(v).totals() == ledger(t).totals() == whole.totals()
+        assert ledger(v).totals(WORKER.peer_id)[WORKER.peer_id]["rollouts_accepted"] == 17 * 2 * 4
+        # a new node that reaches only the validator, which holds nothing below the cut
+        async with open_ledger_node(tmp_path, "w", WORKER, NO_CUTS) as w:
+            await connect(w, v)
+            await wait_for(lambda: ledger(w).digest() == whole.digest(), what="the new node caught up")
+            assert ledger(w).ledger.cut_number == 1 and ledger(w).totals() == whole.totals()
+            # what it stores is what the validator stores: the entries above the cut (once committed)
+            await wait_for(lambda: ledger(w).store.count() == ledger(v).store.count()
+                           == w.status["ledger"]()["entries"])
+            # gossipsub hands a new subscriber the recent messages it cached, entries below the cut among
+            # them: old news it refuses, nothing else
+            topic = ledger(w).topic
+            assert set(ledger(w).rejections) <= {f"{topic}/below-cut"}, ledger(w).rejections
+            assert not ledger(v).rejections
+            digest, totals = ledger(w).digest(), ledger(w).totals()
+    # restarted alone, the new node rebuilds from the cut and the entries above it
+    async with open_ledger_node(tmp_path, "w", WORKER, NO_CUTS) as w:
+        assert ledger(w).ledger.cut_number == 1
+        assert ledger(w).digest() == digest and ledger(w).totals() == totals
+
+
+async def test_the_cutter_cuts_every_cut_every_entries_and_cuts_follow_each_other(tmp_path):
+    run = run_config(cut_every=100)
+    async with open_ledger_node(tmp_path, "t", TRAINER, run) as t, \
+            open_ledger_node(tmp_path, "v", VALIDATOR, run) as v:
+        await connect(t, v)
+        entries = await some_history(t, v, 45)  # 225 entries: two cuts
+        await wait_for(lambda: ledger(t).ledger.cut_number >= 2, what="two cuts")
+        await wait_for(lambda: ledger(v).ledger.cut_number == ledger(t).ledger.cut_number
+                       and ledger(v).digest() == ledger(t).digest())
+        assert not ledger(v).cuts["refused"] and ledger(v).cuts["adopted"] >= 1
+        assert ledger(v).totals() == keeper(entries).totals()
+        assert ledger(t).store.count() < 100 + 10  # what the cutter stores follows the period, not the run
+
+
+@asynccontextmanager
+async def mallory(victim, answer):
+    """A peer that speaks the sync protocol with ``answer(message) -> reply`` (None: hang up); yields
+    its peer id, connected to ``victim``."""
+    async with open_swarm_host(Identity.generate(), LOOPBACK) as host:
+        async def handler(stream):
+            try:
+                while (msg := await read_message(stream)) is not None:
+                    reply = answer(msg)
+                    if reply is None:
+                        break
+                    await write_frame(stream, reply)
+            except Exception:  # noqa: BLE001 - the victim hanging up on us is the point
+                pass
+            finally:
+                await stream.close()
+
+        host.set_handler(PROTOCOL, handler)
+        await host.connect(victim.host.listen_addrs()[0])
+        yield host.peer_id
+
+
+def serving(raw: bytes, number: int, announce: bytes | None = None, page=None):
+    """Answers that announce cut ``number`` (hash ``announce``, default raw's) and serve ``raw`` in
+    pages, each passed through ``page(CutPage) -> CutPage`` when given."""
+    count = max(1, -(-len(raw) // CUT_PAGE_BYTES))
+
+    def answer(msg):
+        if isinstance(msg, SyncHello):
+            return SyncHello(heads=(), cut_number=number, cut_hash=announce or hashes.digest(raw))
+        if isinstance(msg, CutPageRequest):
+            p = CutPage(id=msg.id, number=msg.number, index=msg.index, count=count,
+                        data=raw[msg.index * CUT_PAGE_BYTES:(msg.index + 1) * CUT_PAGE_BYTES])
+            return page(p) if page else p
+        return None
+
+    return answer
+
+
+async def victim_with_history(stack, tmp_path):
+    t = await stack.enter_async_context(open_ledger_node(tmp_path, "t", TRAINER, NO_CUTS))
+    v = await stack.enter_async_context(open_ledger_node(tmp_path, "v", VALIDATOR, NO_CUTS))
+    await connect(t, v)
+    entries = await some_history(t, v, 6)
+    await wait_for(lambda: ledger(t).digest() == ledger(v).digest())
+    return t, v, entries
+
+
+def honest_cut(v, **changes) -> bytes:
+    cut = make_cut(ledger(v).ledger, time_ms=ledger(v).now_ms(), keep_versions=8, keep_steps=64)
+    return sign_cut(TRAINER, dataclasses.replace(cut, **changes))
+
+
+def big(raw: bytes) -> bytes:
+    return raw + b"\0" * (2 * CUT_PAGE_BYTES)  # three pages (the signature check fails; the pages decide first)
+
+
+ATTACKS = {
+    # (what mallory serves, the reason the victim gives, whether that proves mallory at fault)
+    "signed-by-a-non-trainer": (lambda v: serving(sign_cut(Identity.generate(), make_cut(
+        ledger(v).ledger, time_ms=0)), 1), "unauthorized", True),
+    "another-run": (lambda v: serving(honest_cut(v, run="other-run"), 1), "wrong-run", True),
+    "pages-do-not-hash-to-the-hello": (lambda v: serving(honest_cut(v), 1, announce=b"\1" * 32), "cut-hash", True),
+    "announced-number-is-not-the-cuts": (lambda v: serving(honest_cut(v), 2), "cut-number", True),
+    "page-index-out-of-order": (lambda v: serving(honest_cut(v), 1, page=lambda p: dataclasses.replace(
+        p, index=p.index + 1)), "cut-page-index", True),
+    "page-count-changes": (lambda v: serving(big(honest_cut(v)), 1, page=lambda p: dataclasses.replace(
+        p, count=p.count + p.index)), "cut-page-count", True),
+    "short-page-before-the-last": (lambda v: serving(big(honest_cut(v)), 1, page=lambda p: dataclasses.replace(
+        p, data=p.data[:100])), "cut-page-size", True),
+    "more-pages-than-a-cut-may-have": (lambda v: serving(honest_cut(v), 1, page=lambda p: dataclasses.replace(
+        p, count=10**4)), "cut-too-large", True),
+    "hello-hash-not-a-hash": (lambda v: serving(honest_cut(v), 1, announce=b"\1" * 5), "bad-cut-hash", True),
+    "a-huge-number-it-cannot-serve": (lambda v: serving(b"", 2**50, announce=b"\2" * 32, page=lambda p: dataclasses.replace(
+        p, count=0, data=b"")), None, False),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+async def test_a_cut_that_is_not_what_the_peer_announced_is_refused_and_a_real_one_still_adopted(tmp_path, attack):
+    make_answer, reason, at_fault = ATTACKS[attack]
+    from contextlib import AsyncExitStack
+
+    async with AsyncExitStack() as stack:
+        t, v, _entries = await victim_with_history(stack, tmp_path)
+        stored, digest = ledger(v).store.count(), ledger(v).digest()
+        async with mallory(v, make_answer(v)) as bad:
+            await ledger(v).sync_with(bad)
+            if reason:
+                assert ledger(v).rejections[f"{PROTOCOL}/{reason}"] >= 1, ledger(v).rejections
+            else:
+                assert ledger(v).cuts["not-held"] >= 1
+            score = v.context.peers.table.score(bad, trio.current_time())
+            assert (score < 0) == at_fault, score
+            assert ledger(v).ledger.cut_number == 0 and ledger(v).store.latest_cut() is None
+            assert ledger(v).store.count() == stored and ledger(v).digest() == digest
+            # not locked out: the next real cut, from an honest peer, is taken
+            opened = await ledger(t).cut_now()
+            await wait_for(lambda: ledger(v).ledger.cut_number == 1, what="the real cut adopted")
+            assert ledger(v).store.latest_cut()[1] == opened.hash
+
+
+async def test_a_trainer_signed_cut_the_replicas_history_contradicts_is_refused_and_kept_as_proof(tmp_path):
+    from contextlib import AsyncExitStack
+
+    async with AsyncExitStack() as stack:
+        _t, v, entries = await victim_with_history(stack, tmp_path)
+        stored, totals = ledger(v).store.count(), ledger(v).totals()
+        cut = make_cut(ledger(v).ledger, time_ms=ledger(v).now_ms(), keep_versions=8, keep_steps=64)
+        rows = tuple(dataclasses.replace(r, totals=tuple(x * 2 for x in r.totals)) if r.peer == WORKER.peer_id else r
+                     for r in cut.rows)
+        raw = sign_cut(TRAINER, dataclasses.replace(cut, rows=rows))  # the trainer's key, its totals doubled
+        async with mallory(v, serving(raw, 1)) as relay:
+            await ledger(v).sync_with(relay)
+            assert ledger(v).cuts["refused"] == 1 and ledger(v).rejections["cut/rows-differ"] == 1
+            assert ledger(v).ledger.cut_number == 0 and ledger(v).store.latest_cut() is None
+            assert ledger(v).store.count() == stored == len(entries) and ledger(v).totals() == totals
+            assert (v.data_dir / "ledger-refused-cut-1.bin").read_bytes() == raw
+            # the relay passed on a trainer's signed cut: not proof that it is at fault
+            assert v.context.peers.table.score(relay, trio.current_time()) >= 0
+
+
+async def test_an_old_cut_is_not_fetched_again_and_pages_out_of_range_are_refused(tmp_path):
+    from contextlib import AsyncExitStack
+
+    async with AsyncExitStack() as stack:
+        t, v, _entries = await victim_with_history(stack, tmp_path)
+        first = await ledger(t).cut_now()
+        await wait_for(lambda: ledger(v).ledger.cut_number == 1)
+        replayed = ledger(t)._cut_raw
+        # a peer announcing the cut we are based on (or an older one) is not asked for it
+        asked = []
+
+        def answer(msg):
+            asked.append(type(msg).__name__)
+            return serving(replayed, 1)(msg)
+
+        async with mallory(v, answer) as old:
+            await ledger(v).sync_with(old)
+        assert "CutPageRequest" not in asked and ledger(v).store.latest_cut()[1] == first.hash
+        # asking our node for a page past the end of its cut is the asker's fault
+        async with open_swarm_host(Identity.generate(), LOOPBACK) as client:
+            peer = await client.connect(t.host.listen_addrs()[0])
+            stream = await client.open_stream(peer, PROTOCOL)
+            await write_frame(stream, SyncHello(heads=()))
+            hello = await read_message(stream)
+            assert (hello.cut_number, hello.cut_hash) == (1, first.hash)
+            await write_frame(stream, CutPageRequest(id=3, number=1, index=0))
+            page = await read_message(stream)
+            assert page.count == 1 and page.data == replayed
+            await write_frame(stream, CutPageRequest(id=4, number=1, index=1))
+            await wait_for(lambda: ledger(t).rejections.get(f"{PROTOCOL}/bad-cut-page", 0) == 1)
+            assert t.context.peers.table.score(client.peer_id, trio.current_time()) < 0
