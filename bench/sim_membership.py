@@ -18,8 +18,12 @@ CloseWatch and LocalHealth over a simulated internet (sim/network.py). Two parts
   of live nodes hold a new member, time until no live node holds a crashed one as live, false
   suspicions (our own failed probes of a live member) per node-hour, members held DEAD while
   alive, bytes/s and messages/s sent per node, and the smallest share of live nodes any live node
-  (up >= 60 s) held at a sample (goal: >= 99 % at every one). The ratio last: per-node bytes/s at
-  the largest N over that at the smallest (goal <= 2).
+  (up >= 60 s) held at a sample (goal: >= 99 % at every one). Then every sample: its smallest view
+  among every live node, among nodes up longer than the join window (the longest a newcomer here
+  took to hold 99 % of live nodes itself) and among nodes up 60 s, with the last one's age and the
+  live nodes it lacks (their age, how it holds them, for how long): a node still joining and a hole
+  in a settled table look alike in the floor alone. The ratio last: per-node bytes/s at the largest
+  N over that at the smallest (goal <= 2).
 
     .venv/bin/python bench/sim_membership.py                       # agreement, then N = 100, 1000
     .venv/bin/python bench/sim_membership.py --sizes 100 --duration 600 --agreement ""
@@ -40,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from node.gossip.membership import MembershipConfig, MemberState, load_model  # noqa: E402
 from node.gossip.service import TICK  # noqa: E402
 from quick import parse_args  # noqa: E402  (bench/, the script's own folder)
-from sim.membership import Profile, Swarm  # noqa: E402
+from sim.membership import Profile, Swarm, ViewSample  # noqa: E402
 
 # bench/membership.py's real figures, N = 10-50 real processes on one machine (docs/benchmarks.md).
 REAL = {"converge_s": (1.5, 2.0), "detect_s": (5.5, 9.9), "bytes_s": (3000.0, 6500.0)}
@@ -100,6 +104,8 @@ def scale(n: int, args) -> dict:
 
     start, end = swarm.sim.now, swarm.sim.now + args.duration
     joins: dict[str, float] = {}  # pid -> joined at, while not yet held by 99 %
+    filling: dict[str, float] = {}  # pid -> joined at, while its own view is under 99 %
+    fill_s: list[float] = []  # newcomers' own view: time from start to holding 99 % of live nodes
     crashes: dict[str, float] = {}  # pid -> crashed at, while some live node holds it live
     join_s: list[float] = []
     detect_s: list[float] = []
@@ -113,12 +119,14 @@ def scale(n: int, args) -> dict:
             else:
                 swarm.crash(v, refuses=False, notice=CRASH_NOTICE)
                 crashes[v.pid] = swarm.sim.now
-        joins[swarm.spawn().pid] = swarm.sim.now  # replaced by a new identity
+        new = swarm.spawn()  # replaced by a new identity
+        joins[new.pid] = filling[new.pid] = swarm.sim.now
 
     rate = n * args.churn / 3600.0
     at = start + rng.expovariate(rate) if rate else math.inf
     extra = [start + (i + 0.5) * args.duration / max(1, args.events) for i in range(args.events)]
-    floor, dead_live_max = 1.0, 0
+    samples: list[tuple[ViewSample, dict[tuple[str, str], float]]] = []
+    missing_since: dict[tuple[str, str], float] = {}  # (holder, live node it lacks) -> first sample lacking it
     next_sample = start + SAMPLE
     traffic_before, kinds_before = swarm.traffic(), swarm.traffic_kinds()
     suspicions_before = len(swarm.counters.suspicions)
@@ -136,14 +144,22 @@ def scale(n: int, args) -> dict:
             if swarm.nodes[pid].running and swarm.known_by(pid) >= 0.99:
                 join_s.append(now - t0)
                 del joins[pid]
+        for pid, t0 in list(filling.items()):
+            if not swarm.nodes[pid].running:
+                del filling[pid]
+            elif swarm.view_of(pid) >= 0.99:
+                fill_s.append(now - t0)
+                del filling[pid]
         for pid, t0 in list(crashes.items()):
             if swarm.dead_everywhere(pid):
                 detect_s.append(now - t0)
                 del crashes[pid]
         if now >= next_sample:
             next_sample += SAMPLE
-            f, dl = swarm.view_floor(VIEW_GRACE)
-            floor, dead_live_max = min(floor, f), max(dead_live_max, dl)
+            vs = swarm.sample_views()
+            pairs = {(h, q) for h, lack in vs.missing.items() for q in lack}
+            missing_since = {k: missing_since.get(k, now) for k in pairs}
+            samples.append((vs, {k: now - t for k, t in missing_since.items()}))
     after = swarm.traffic()
     stayed = [p for p in traffic_before if p in after]
     secs = args.duration
@@ -163,13 +179,53 @@ def scale(n: int, args) -> dict:
     out["detect_s"] = detect_s
     out["undetected"] = len(crashes)
     out["unjoined"] = len(joins)
-    out["view_floor"] = floor
-    out["dead_while_live"] = dead_live_max
+    out["fill_s"] = fill_s
+    out["unfilled"] = len(filling)
+    out["samples"] = samples
+    out["view_floor"] = min((vs.floor(VIEW_GRACE)[0] for vs, _ in samples), default=1.0)
+    out["dead_while_live"] = max((vs.dead_while_live(VIEW_GRACE) for vs, _ in samples), default=0)
     out["wall_s"] = time.monotonic() - wall
     out["cpu_s"] = time.process_time() - cpu  # the simulator's own cost (wall time depends on the machine's load)
     out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # so far in this process
     out["events"] = swarm.sim.events_run
     return out
+
+
+def print_views(r: dict, shown: int = 4) -> None:
+    """The smallest view at each sample, three ways: every live node (a node seconds old holds
+    almost nobody yet), nodes up longer than the join window W (the longest a newcomer measured here
+    took to hold 99 % of live nodes itself), and nodes up VIEW_GRACE s (the goal's figure above).
+    For the smallest of the last: its age, and each live node it lacks with that node's age, how it
+    is held ("absent": never learned, expired or forgotten), and for how long it has been lacking
+    (sampled every SAMPLE s; ">=" when since the window's first sample)."""
+    fill = r["fill_s"]
+    w = max(fill) if fill else math.nan
+    print(f"       newcomers' own view to 99 %: p50 {pct(fill, .5):.1f} s, max {pct(fill, 1):.1f} s "
+          f"({len(fill)} measured, {r['unfilled']} not yet); join window W = {w:.1f} s")
+    first = r["samples"][0][0].at if r["samples"] else 0.0
+    mins = {"all": 1.0, "W": 1.0, "grace": 1.0}
+    print(f"       {'t s':>6} {'all':>6} {'age s':>6} {'up>=W':>6} {'up>=60s':>7} {'<99%':>4}  smallest up >= 60 s: "
+          f"age s, lacks: node (its age s, held as, lacking for s)")
+    for vs, lacking_for in r["samples"]:
+        f_all, w_all = vs.floor(0.0)
+        f_w = vs.floor(w)[0] if fill else math.nan
+        f_g, worst = vs.floor(VIEW_GRACE)
+        mins["all"], mins["grace"] = min(mins["all"], f_all), min(mins["grace"], f_g)
+        if fill:
+            mins["W"] = min(mins["W"], f_w)
+        below = sum(1 for v in vs.views(VIEW_GRACE).values() if v < 0.99)
+        detail = ""
+        if worst is not None:
+            settled = {p for p, a in vs.ages.items() if a >= VIEW_GRACE}
+            lacks = sorted((q for q in vs.missing[worst] if q in settled), key=lambda q: -lacking_for[(worst, q)])
+            since_first = lambda q: ">=" if vs.at - lacking_for[(worst, q)] <= first else ""  # noqa: E731
+            detail = f"{vs.ages[worst]:.0f}, lacks {len(lacks)}: " + ", ".join(
+                f"{q} ({vs.ages[q]:.0f}, {vs.missing[worst][q]}, {since_first(q)}{lacking_for[(worst, q)]:.0f})"
+                for q in lacks[:shown]) + (" ..." if len(lacks) > shown else "")
+        age_all = f"{vs.ages[w_all]:.0f}" if w_all is not None else "-"
+        print(f"       {vs.at:>6.0f} {f_all:>6.3f} {age_all:>6} {f_w:>6.3f} {f_g:>7.3f} {below:>4}  {detail}")
+    print(f"       smallest over the window: every live node {mins['all']:.3f}, up >= W ({w:.1f} s) "
+          f"{mins['W'] if fill else math.nan:.3f}, up >= {VIEW_GRACE:.0f} s {mins['grace']:.3f} (goal >= 0.99)")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -226,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
               f">= 99 % at {r['converge_s']:.0f} s (virtual); {r['events']} events)")
         print("       bytes/s per node by kind: " + ", ".join(
             f"{k} {v:.0f}" for k, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]) if v >= 0.5))
+        print_views(r)
         if r["undetected"] or r["unjoined"]:
             print(f"       ({r['undetected']} crashes still held live, {r['unjoined']} joins not yet at 99 % when the window ended)")
     if rows:

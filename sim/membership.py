@@ -595,6 +595,12 @@ class Swarm:
         others = [n for n in self.live() if n.pid != pid]
         return sum(1 for n in others if n.table.is_live(pid)) / max(1, len(others))
 
+    def view_of(self, pid: str) -> float:
+        """Share of the other live nodes that ``pid`` holds as live (its own view, however young)."""
+        members = self.nodes[pid].table.members
+        others = [n.pid for n in self.live() if n.pid != pid]
+        return sum(1 for p in others if p in members and members[p].state in _LIVE) / max(1, len(others))
+
     def dead_everywhere(self, pid: str) -> bool:
         """No live node holds ``pid`` as live (DEAD, LEFT or forgotten)."""
         return not any(n.table.is_live(pid) for n in self.live() if n.pid != pid)
@@ -613,6 +619,27 @@ class Swarm:
             dead_live += sum(1 for p in ids if p in members and members[p].state is MemberState.DEAD)
         return floor, dead_live
 
+    def sample_views(self) -> "ViewSample":
+        """Every live node's view now: its age and the live nodes it does not hold as live (one
+        pass over all pairs; ViewSample answers for any age threshold from it)."""
+        now = self.sim.now
+        live = self.live()
+        ages = {n.pid: now - n.started for n in live}
+        missing: dict[str, dict[str, str]] = {}
+        for n in live:
+            members = n.table.members
+            gone = {}
+            for p in ages:
+                if p == n.pid:
+                    continue
+                m = members.get(p)
+                if m is None:
+                    gone[p] = "absent"
+                elif m.state not in _LIVE:
+                    gone[p] = m.state.value
+            missing[n.pid] = gone
+        return ViewSample(now, ages, missing)
+
     def traffic(self) -> dict[str, tuple[int, int]]:
         """Per live node: (bytes sent, messages sent) so far."""
         e = self.net.endpoints
@@ -626,3 +653,37 @@ class Swarm:
 
 
 _LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
+
+
+@dataclass
+class ViewSample:
+    """Who held whom at one instant: each live node's age (s since it started) and, per live node,
+    the other live nodes it does not hold as live, with how it holds each ("absent": never learned,
+    expired or forgotten; "dead"; "left")."""
+
+    at: float
+    ages: dict[str, float]
+    missing: dict[str, dict[str, str]]
+
+    def views(self, older_than: float) -> dict[str, float]:
+        """Share of the other live nodes up ``older_than`` s or more that each such node holds."""
+        settled = {p for p, a in self.ages.items() if a >= older_than}
+        out = {}
+        for p in settled:
+            lacking = sum(1 for q in self.missing[p] if q in settled)
+            out[p] = 1.0 - lacking / max(1, len(settled) - 1)
+        return out
+
+    def floor(self, older_than: float) -> tuple[float, str | None]:
+        """The smallest such view, and whose (None when no node is that old)."""
+        views = self.views(older_than)
+        if not views:
+            return 1.0, None
+        worst = min(sorted(views), key=views.__getitem__)
+        return views[worst], worst
+
+    def dead_while_live(self, older_than: float) -> int:
+        """Live nodes up ``older_than`` s held DEAD by live nodes that old (counted per holder)."""
+        settled = {p for p, a in self.ages.items() if a >= older_than}
+        return sum(1 for p in settled for q, how in self.missing[p].items() if q in settled and how == "dead")
+
