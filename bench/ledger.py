@@ -4,6 +4,7 @@
                                      [--cut-every 1000000] [--keep-versions 16] [--keep-steps 64]
     .venv/bin/python bench/ledger.py --memory DATA_DIR
     .venv/bin/python bench/ledger.py --cut DATA_DIR [--keep-steps 64] [--keep-versions 16]
+    .venv/bin/python bench/ledger.py --catch-up 20000 [--below 0.9]
 
 1. Entries verified and stored per second: the node's real ingest path (parse + schema + canonical
    form + Ed25519 signature + chain rules + SQLite commit per batch of 512, as sync does), beside
@@ -47,6 +48,14 @@
    (checked by the chain rules as sync would) reaches the state of the whole database's replica
    rebased on the cut, and the whole database's own totals (peers whose totals differ: credit the
    cut's windows closed). The ratio cut / entries below it is printed last.
+
+6. ``--catch-up N`` (issue 46 item 4, with the running service): a new node catches up N entries
+   (as 2.) from one peer, twice in the same process: from a peer that keeps the whole history, and
+   from a peer that adopted a trainer-signed cut of the first ``--below`` of them (its store then
+   holds only the entries above the cut). Real hosts on loopback, real sync sessions (the second
+   fetches the cut in pages first). Prints for each the time to the peer's digest, the bytes on
+   /swarm/ledger/1.0.0 (both directions: the requests are a few bytes each), the new node's database
+   size, and that both new nodes reach the same digest and totals.
 
 The machine is shared and noisy: compare the ratios, not the absolute figures.
 """
@@ -93,7 +102,8 @@ from node.ledger.entries import (
     make_entry,
     parse_entry,
 )
-from node.ledger.messages import RangeReply, SyncHello
+from node.counters import StreamBytes
+from node.ledger.messages import PROTOCOL, RangeReply, SyncHello
 from node.ledger.store import DB_FILE, open_ledger_store, rebuild
 from node.ledger.cut import cut_problem, ledger_from_cut, make_cut, open_cut, rebase, replay_to, sign_cut
 from node.ledger.service import LedgerService, serve_ledger
@@ -266,6 +276,72 @@ async def bench_sync(entries: list) -> tuple[float, float, int]:
                 await stream.close()
                 nursery.cancel_scope.cancel()
     return sync_s, copy_s, nbytes
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    seconds: float  # until the new node's digest is the peer's
+    wire_bytes: int  # on /swarm/ledger/1.0.0, both directions
+    db_bytes: int  # the new node's ledger.sqlite afterwards
+    stored: int  # entries in it
+    digest: bytes
+    totals: dict
+
+
+async def catch_up(entries: list, below: int) -> CatchUp:
+    """A new node syncing from a peer that holds ``entries`` (``below`` > 0: based on a cut of the
+    first ``below`` of them, entries at or below it pruned), as 6. of the module docstring."""
+    with tempfile.TemporaryDirectory() as tmp:
+        seed_dir, fresh_dir = Path(tmp) / "seed", Path(tmp) / "fresh"
+        seed_dir.mkdir()
+        run = run_config()
+        with open_ledger_store(seed_dir) as store:
+            store.bind_run(RUN)
+            store.commit(entries)
+            if below:
+                maker = Ledger(RUN, run.trainers, run.validators, 10**12)
+                for se in entries[:below]:
+                    maker.apply(maker.check(se, se.time_ms))
+                sections = RunSections.of(run)
+                cut = make_cut(maker, time_ms=entries[below - 1].time_ms, keep_versions=sections.ledger.keep_versions,
+                               keep_steps=sections.ledger.keep_steps)
+                raw = sign_cut(TRAINER, cut)
+                opened = open_cut(raw, maker)
+                store.adopt_cut(cut.number, opened.hash, raw, {log.author: (log.seq, log.hash) for log in cut.logs})
+        async with open_swarm_host(Identity.generate(), LOOPBACK) as h1, open_swarm_host(Identity.generate(), LOOPBACK) as h2:
+            n1 = NodeContext(NodeConfig(data_dir=str(seed_dir), run=run), h1.identity, h1, seed_dir)
+            n2 = NodeContext(NodeConfig(data_dir=str(fresh_dir), run=run), h2.identity, h2, fresh_dir)
+            async with trio.open_nursery() as nursery:
+                sections = RunSections.of(run)
+                seed = await nursery.start(serve_ledger, n1, sections.ledger, sections.streams)
+                fresh = await nursery.start(serve_ledger, n2, sections.ledger, sections.streams)
+                peer = await h2.connect(h1.listen_addrs()[0])
+                wire0 = StreamBytes.received.get(PROTOCOL, 0)
+                t0 = time.perf_counter()
+                while fresh.digest() != seed.digest():
+                    await fresh.sync_with(peer)
+                seconds = time.perf_counter() - t0
+                wire = StreamBytes.received.get(PROTOCOL, 0) - wire0
+                assert fresh.ledger.cut_number == (1 if below else 0)
+                stored, digest, totals = fresh.store.count(), fresh.digest(), fresh.totals()
+                nursery.cancel_scope.cancel()
+        return CatchUp(seconds, wire, db_size(fresh_dir), stored, digest, totals)
+
+
+def catch_up_report(n: int, below_frac: float) -> None:
+    t0 = time.perf_counter()
+    entries = make_history(n)
+    print(f"made {len(entries)} signed entries in {time.perf_counter() - t0:.1f} s")
+    below = int(n * below_frac)
+    whole = trio.run(catch_up, entries, 0)
+    from_cut = trio.run(catch_up, entries, below)
+    print(f"a new node catching up {n} entries from one peer (loopback, this process):")
+    for name, c in (("peer keeps the whole history", whole), (f"peer based on a cut of {below}", from_cut)):
+        print(f"  {name:32s} {c.seconds:8.2f} s  {human(c.wire_bytes):>10s} on the wire  "
+              f"db {human(c.db_bytes):>10s}  {c.stored} entries stored")
+    print(f"  same digest {whole.digest == from_cut.digest}, same totals {whole.totals == from_cut.totals}")
+    print(f"  ratio cut / whole: time {from_cut.seconds / whole.seconds:.2f}, "
+          f"bytes {from_cut.wire_bytes / whole.wire_bytes:.2f}, db {from_cut.db_bytes / whole.db_bytes:.2f}")
 
 
 # ---------------------------------------------------------------------------------------- a long run
@@ -757,6 +833,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="draw steps per worker a cut keeps open (above the trainers' step window and validators' lag)")
     parser.add_argument("--cut", type=Path, metavar="DATA_DIR",
                         help="only cuts of a node's ledger database (5. of the docstring)")
+    parser.add_argument("--catch-up", type=int, metavar="N",
+                        help="only a new node catching up N entries from a peer with and without a cut (6.)")
+    parser.add_argument("--below", type=float, default=0.9, help="with --catch-up: the part of the entries below the cut")
     parser.add_argument("--memory", type=Path, metavar="DATA_DIR",
                         help="only the replica memory of a node's ledger database (4. of the docstring)")
     args = parse_args(parser, {"ingest": 2000, "sync": 2000, "sample": 1000}, argv)
@@ -772,6 +851,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{flag}: {data_dir} is not a node's data dir (it needs {DB_FILE} and run.json)")
     if args.memory:
         memory_report(args.memory)
+        return
+    if args.catch_up:
+        if not 0 < args.below < 1:
+            parser.error("--below: between 0 and 1")
+        catch_up_report(args.catch_up, args.below)
         return
     if args.cut:
         cut_report(args.cut, args.keep_versions, args.keep_steps)
