@@ -43,6 +43,7 @@ import collections
 import functools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -178,6 +179,7 @@ class LedgerService:
         self._bases: dict[str, int] = {}  # every author's head at that cut: the store holds its entries above
         self._since_cut = 0  # entries the replica took in since its last cut
         self._cut_due = trio.Event()
+        self._thread_reader = threading.local()  # .store: a worker thread's own reader (_in_thread)
         self.is_cutter = node.peer_id == cutter_of(run.trainers)  # cuts every cut_every entries when that is > 0
         self.cuts = collections.Counter()  # "made" / "adopted" / "refused" / ...
         self.rejections: collections.Counter = collections.Counter()  # "source/reason" -> count
@@ -450,7 +452,8 @@ class LedgerService:
         ingest batch not yet committed, held back by a full disk, or stored (the replica's history)."""
         held = {key: u for u in self._unstored if (key := (u.author, u.seq))[0] == author}
         held.update(self._pending)
-        stored = {se.seq: se for se in self.store.entries(author, start, end)}
+        store = getattr(self._thread_reader, "store", None) or self.store
+        stored = {se.seq: se for se in store.entries(author, start, end)}
         out = []
         for seq in range(start, end + 1):
             se = held.get((author, seq)) or stored.get(seq)
@@ -518,15 +521,36 @@ class LedgerService:
         async with self._store_lock:
             if self._unstored:
                 return None  # the store lacks entries the cut would cover: after the disk has room
-            cut = make_cut(self.ledger, time_ms=self.now_ms(), keep_versions=self.config.keep_versions,
-                           keep_steps=self.config.keep_steps)
-            raw = sign_cut(self.node.identity, cut)
-            opened = open_cut(raw, self.ledger)
+            now = self.now_ms()
+
+            def seal() -> tuple[bytes, OpenedCut]:
+                cut = make_cut(self.ledger, time_ms=now, keep_versions=self.config.keep_versions,
+                               keep_steps=self.config.keep_steps)
+                raw = sign_cut(self.node.identity, cut)
+                return raw, open_cut(raw, self.ledger)
+
+            raw, opened = await self._in_thread(seal)
+            cut = opened.cut
             if not await self._adopt_locked(opened, raw, check=False):
                 return None
         self.cuts["made"] += 1
         log.info("ledger: made cut %d (%d bytes) at %d entries", cut.number, len(raw), len(self.ledger))
         return opened
+
+    async def _in_thread(self, work):
+        """``work()`` in a worker thread (a cut of a thousand workers is megabytes: making, checking and
+        loading one takes seconds the event loop must not lose), under ``_store_lock``, which keeps the
+        replica unchanged meanwhile. The store's reader belongs to the trio thread: the history is read
+        through one of the worker's own."""
+        def run():
+            self._thread_reader.store = reader = LedgerStore(self.store.path, read_only=True)
+            try:
+                return work()
+            finally:
+                self._thread_reader.store = None
+                reader.close()
+
+        return await trio.to_thread.run_sync(run)
 
     def _base_replica(self) -> Ledger:
         """An empty replica based on our own cut (what a cut following it is replayed from)."""
@@ -540,12 +564,18 @@ class LedgerService:
         cut = opened.cut
         if cut.number <= self.ledger.cut_number or self._unstored:
             return False
-        if check:
-            problem = refusal(self.ledger, opened, self._bases, self._entries, self._base_replica)
-            if problem:
-                self._refuse_cut(opened, raw, problem, source)
-                return False
-        rebased = rebase(self.ledger, opened, self._entries)
+
+        def check_and_rebase() -> tuple[str | None, Ledger | None]:
+            if check:
+                problem = refusal(self.ledger, opened, self._bases, self._entries, self._base_replica)
+                if problem:
+                    return problem, None
+            return None, rebase(self.ledger, opened, self._entries)
+
+        problem, rebased = await self._in_thread(check_and_rebase)
+        if problem:
+            self._refuse_cut(opened, raw, problem, source)
+            return False
         heads = {log.author: (log.seq, log.hash) for log in cut.logs}
         try:
             dropped = await self.db.run(self.store.adopt_cut, cut.number, opened.hash, raw, heads)
