@@ -55,9 +55,10 @@ class Refusal(enum.StrEnum):
     BUSY = "busy", NOT_NOW  # our queue or every stream slot is taken
     QUOTA = "quota", NOT_NOW  # this worker's allowance this interval (node/rollouts/quota.py)
     QUOTA_NEW = "quota-new", NOT_NOW  # the pool of workers without accepted history
+    # A trainer still loading its model (node/trainer/readiness.py): it judged nothing.
+    NOT_READY = "not-ready", NOT_NOW
     # Understood by the worker's outbox as "not now"; no trainer of this version sends them.
     OVERLOADED = "overloaded", TRANSIENT
-    NOT_READY = "not-ready", TRANSIENT
     SHUTTING_DOWN = "shutting-down", TRANSIENT
     # --- opening a signed message (node/wire.py, node/rollouts/schema.py)
     OVERSIZED = "oversized", FAULT

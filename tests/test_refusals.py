@@ -18,8 +18,9 @@ WAS_NOT_STRIKES = {"stale", "future", "duplicate", "busy", "banned", "step-ahead
 # Not reported to the peer table by a request/response handler.
 WAS_NOT_FAULTS = {"stream-error", "truncated", "peer-streams", "busy", "peer-bytes", "busy-bytes", "timeout",
                   "banned", "stalled"}
-WAS_NOT_ATTRIBUTABLE = {"duplicate", "busy"} | QUOTA
-WAS_KEEPS_WINDOW = {"duplicate", "duplicate-step", "step-ahead", "step-behind", "busy", "banned"} | QUOTA
+# "not-ready" (a trainer still loading, node/trainer/readiness.py) judged nothing: no step, no entry.
+WAS_NOT_ATTRIBUTABLE = {"duplicate", "busy", "not-ready"} | QUOTA
+WAS_KEEPS_WINDOW = {"duplicate", "duplicate-step", "step-ahead", "step-behind", "busy", "banned", "not-ready"} | QUOTA
 WAS_TRANSIENT = {"busy", "overloaded", "not-ready", "shutting-down"} | QUOTA
 WAS_TRANSPORT = {"stream-error", "truncated"}
 WAS_VALIDATOR_KEEPS_WINDOW = {"step_ahead", "step_behind", "banned"}

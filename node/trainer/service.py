@@ -43,7 +43,7 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -52,13 +52,12 @@ from ..dbthread import DbThread
 from ..gossip.api import MembershipAPI
 from ..hashes import digest
 from ..ledger.api import LedgerAPI, LedgerError
-from ..net.budget import limits
 from ..net.origins import address_group
 from ..net.reqres import CallFailure, FailureKind
 from ..peers import ActionKind, FaultRule
 from ..rl.grpo import NonFiniteStep, TrainSample
 from ..rl.mismatch import MismatchWindow
-from ..rollouts.protocols import MAX_BATCH_FRAME, ROLLOUTS, VERDICTS, VERIFY
+from ..rollouts.protocols import ROLLOUTS, VERDICTS, VERIFY
 from ..rollouts.schema import (
     ROLLOUTS_PROTOCOL,
     UNJUDGED_NO_CHECKPOINT,
@@ -89,6 +88,7 @@ from .intake import (
     trainable_until,
 )
 from .pacing import Pacer
+from .readiness import intake_protocol
 from .progress import STALL_AFTER_S, Backlog, Progress, idle_fraction, stall_cause, stall_kind
 from .fsdp import open_policy
 from .policy import Policy, training_samples
@@ -327,9 +327,7 @@ class Trainer:
 
     def rollouts_handler(self):
         """``/swarm/rollouts/1.0.0``: one batch frame in, one ack frame out."""
-        total = self.tcfg.max_concurrent_intake
-        intake = replace(ROLLOUTS, limits=limits(total, MAX_BATCH_FRAME, per_peer=self.tcfg.max_intake_per_peer))
-        return intake.handler(self._answer_rollouts, admit=self._admit_rollouts, on_fault=self._rollouts_fault,
+        return intake_protocol(self.tcfg).handler(self._answer_rollouts, admit=self._admit_rollouts, on_fault=self._rollouts_fault,
                               streams=self.sections.streams, peers=self.node.peers, metrics=self.node.metrics)
 
     # ------------------------------------------------------------------ validator gate
@@ -792,7 +790,7 @@ async def serve_trainer(node, sections: TrainerSections, shards: ShardsAPI, memb
             await trainer.publish(policy.step, ledger=policy.step not in shards.announced)
         else:
             trainer.published = policy.step
-        node.host.set_handler(ROLLOUTS_PROTOCOL, trainer.rollouts_handler())
+        node.host.set_handler(ROLLOUTS_PROTOCOL, trainer.rollouts_handler())  # replaces "not-ready" (readiness.py)
         node.host.set_handler(VERDICTS_PROTOCOL, trainer.verdicts_handler())
         node.status["trainer"] = trainer.status
         log.info("trainer: %s at step %d on %s", "created the policy" if created else "resumed", policy.step,
