@@ -321,3 +321,33 @@ def test_the_catch_up_figure_compares_like_with_like():
     assert (whole.stored, from_cut.stored) == (400, 100)
     assert whole.digest == from_cut.digest and whole.totals == from_cut.totals
     assert from_cut.wire_bytes < whole.wire_bytes
+
+
+def test_a_cut_below_what_the_replica_adopted_or_at_other_heads_is_refused():
+    """cutsync.refusal, pure: a newer cut that reaches below our bases would need entries we pruned; one
+    naming another entry than ours at a head we hold disagrees with our history."""
+    import test_ledger_cut as pure
+    from node.ledger.cut import open_cut, rebase
+    from node.ledger.cutsync import refusal
+
+    entries = pure.history(6, seed=21)
+    whole = pure.new_ledger()
+    assert pure.deliver(whole, entries) == []
+
+    def cut_of(k, **kw):
+        maker = pure.new_ledger()
+        assert pure.deliver(maker, entries[:k]) == []
+        return make_cut(maker, time_ms=pure.NOW, keep_versions=4, keep_steps=4, **kw)
+
+    first = open_cut(sign_cut(pure.T1, cut_of(3 * len(entries) // 4)), pure.new_ledger())
+    based = rebase(whole, first)
+    bases = {log.author: log.seq for log in first.cut.logs}
+    lower = open_cut(sign_cut(pure.T1, cut_of(len(entries) // 2, number=2, prev=first.hash)), based)
+    assert refusal(based, lower, bases, based.history, pure.new_ledger) == "below-our-cut"
+
+    cut = cut_of(len(entries) // 2)
+    logs = (dataclasses.replace(cut.logs[0], hash=b"\7" * 32),) + cut.logs[1:]
+    other = open_cut(sign_cut(pure.T1, dataclasses.replace(cut, logs=logs)), pure.new_ledger())
+    assert refusal(whole, other, {}, whole.history, pure.new_ledger) == "other-heads"
+    honest = open_cut(sign_cut(pure.T1, cut), pure.new_ledger())
+    assert refusal(whole, honest, {}, whole.history, pure.new_ledger) is None
