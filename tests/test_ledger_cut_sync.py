@@ -250,6 +250,8 @@ async def test_a_trainer_signed_cut_the_replicas_history_contradicts_is_refused_
             assert ledger(v).ledger.cut_number == 0 and ledger(v).store.latest_cut() is None
             assert ledger(v).store.count() == stored == len(entries) and ledger(v).totals() == totals
             assert (v.data_dir / "ledger-refused-cut-1.bin").read_bytes() == raw
+            await ledger(v).sync_with(relay)  # known to be wrong: not fetched and replayed again
+            assert ledger(v).cuts["refused"] == 1 and ledger(v).ledger.cut_number == 0
             # the relay passed on a trainer's signed cut: not proof that it is at fault
             assert v.context.peers.table.score(relay, trio.current_time()) >= 0
 

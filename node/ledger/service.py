@@ -182,6 +182,9 @@ class LedgerService:
         self._thread_reader = threading.local()  # .store: a worker thread's own reader (_in_thread)
         self.is_cutter = node.peer_id == cutter_of(run.trainers)  # cuts every cut_every entries when that is > 0
         self.cuts = collections.Counter()  # "made" / "adopted" / "refused" / ...
+        # Hashes of trainer-signed cuts our history contradicts: not fetched and replayed again each session
+        # (only cuts that opened with a trainer's signature get here, so peers cannot fill it).
+        self._refused_cuts: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.rejections: collections.Counter = collections.Counter()  # "source/reason" -> count
         self.accepted: collections.Counter = collections.Counter()  # source -> entries accepted
         self._append_lock = trio.Lock()
@@ -595,6 +598,9 @@ class LedgerService:
         """A trainer-signed cut our own history contradicts: keep the history, keep the cut as proof."""
         self.cuts["refused"] += 1
         self._reject("cut", problem)
+        self._refused_cuts[opened.hash] = None
+        while len(self._refused_cuts) > 64:
+            self._refused_cuts.popitem(last=False)
         proof = self.node.data_dir / f"ledger-refused-cut-{opened.cut.number}.bin"
         try:
             proof.write_bytes(raw)
@@ -631,7 +637,9 @@ class LedgerService:
                 return  # we adopted it (or a newer one) meanwhile
             raise caller.garbage(e.reason, e.detail) from None
         async with self._store_lock:
-            await self._adopt_locked(opened, raw, source=peer)
+            # The work is done and the cut is right: a session deadline passing now must not waste it.
+            with trio.CancelScope(shield=True):
+                await self._adopt_locked(opened, raw, source=peer)
 
     def _hello(self) -> SyncHello:
         heads = tuple(self.ledger.heads()[:MAX_AUTHORS])
@@ -744,7 +752,8 @@ class LedgerService:
         async with open_call(self.node.host, peer, PROTOCOL, open_timeout=STREAM_OPEN_TIMEOUT,
                              peers=self.node.peers) as caller:
             hello = await self._ask(caller, self._hello(), SyncHello)
-            if hello.cut_number > self.ledger.cut_number:  # it holds nothing below that cut: take it first
+            if hello.cut_number > self.ledger.cut_number and hello.cut_hash not in self._refused_cuts:
+                # it holds nothing below that cut: take it first
                 await self._fetch_cut(caller, peer, hello.cut_number, hello.cut_hash)
             requests = 0
             _, evidence_authors = self.ledger.missing(hello.heads)
