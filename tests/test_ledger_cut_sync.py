@@ -353,3 +353,16 @@ def test_a_cut_below_what_the_replica_adopted_or_at_other_heads_is_refused():
     assert refusal(whole, other, {}, whole.history, pure.new_ledger) == "other-heads"
     honest = open_cut(sign_cut(pure.T1, cut), pure.new_ledger())
     assert refusal(whole, honest, {}, whole.history, pure.new_ledger) is None
+
+
+def test_a_hello_without_a_cut_is_the_bytes_older_nodes_send_and_read():
+    from node.wire import decode, encode
+
+    from node.ledger.chain import Head
+
+    heads = (Head(TRAINER.peer_id, 3, b"\1" * 32, 0),)
+    plain = SyncHello(heads=heads).to_wire()
+    assert set(plain) == {"t", "v", "heads"}
+    assert decode(encode(SyncHello(heads=heads))) == SyncHello(heads=heads)
+    based = SyncHello(heads=heads, cut_number=4, cut_hash=b"\2" * 32)
+    assert decode(encode(based)) == based
