@@ -98,16 +98,18 @@ async def test_node_deaf_to_announcements_gets_the_version_by_asking(tmp_path: P
             w = await swarm.add(tmp_path / "w", trainers=[trainer.peer_id], role="inference", **FAST)
             dropped = deafen(w)
             await w.host.connect(t.host.listen_addrs()[0])
+            # Its first contact's request (a late joiner's, answered: nothing held yet) is over.
+            await wait_for(lambda: w.shards.catchup.turn == 1, what="the worker's first request answered")
             src = write_checkpoint(tmp_path / "v2", MiB, seed=2)
             await t.shards.publish(src, 2)
             # The announcement and a re-announcement reached the worker, which never heard of v2.
             await wait_for(lambda: len(dropped) >= 2, what="the worker drops the announcements")
-            assert w.shards.announced == {} and w.shards.catchup.requests == 0
+            assert w.shards.announced == {} and w.shards.catchup.requests == 1
             w.shards.want_version(2)  # an ack said the trainer is at v2
             path = await w.shards.wait_version(2)
             assert same_files(src, path)
             assert w.shards.announced[2][1] == t.peer_id  # learnt from the trainer it asked
-            assert w.shards.status()["catch_up"] == {"wanted": None, "wanted_exact": [], "requests": 1}
+            assert w.shards.status()["catch_up"] == {"wanted": None, "wanted_exact": [], "requests": 2}
 
 
 async def test_newest_request_is_budgeted_and_its_answer_verified(tmp_path: Path) -> None:
@@ -127,18 +129,22 @@ async def test_newest_request_is_budgeted_and_its_answer_verified(tmp_path: Path
             # than this whole test may take: its refusal below depends on no timing.
             t = await swarm.add(tmp_path / "t", identity=trainer, trainers=[trainer.peer_id], role="trainer",
                                 **{**FAST, "announce_interval": 240.0})
-            f = await swarm.add(tmp_path / "f", trainers=[trainer.peer_id], role="relay", service_class=Forger, **FAST)
+            # The forger and the prober x fetch nothing, so they ask no one at first contact (x's
+            # requests below are its first); the worker w does, which uses its one answer from t.
+            f = await swarm.add(tmp_path / "f", trainers=[trainer.peer_id], role="relay", service_class=Forger,
+                                **FAST, fetch="none")
+            x = await swarm.add(tmp_path / "x", trainers=[trainer.peer_id], role="inference", **FAST, fetch="none")
             w = await swarm.add(tmp_path / "w", trainers=[trainer.peer_id], role="inference", **FAST)
-            for a, b in ((w, t), (f, t), (w, f)):
+            for a, b in ((x, t), (f, t), (x, f), (w, t), (w, f)):
                 await a.host.connect(b.host.listen_addrs()[0])
             await t.shards.publish(src, 1)
             args = ("test", [trainer.peer_id])
-            assert (await call_newest(w.host, t.peer_id, 0, *args)).version == 1
-            assert await call_newest(w.host, t.peer_id, 0, *args) is None  # again: refused
+            assert (await call_newest(x.host, t.peer_id, 0, *args)).version == 1
+            assert await call_newest(x.host, t.peer_id, 0, *args) is None  # again: refused
             assert t.shards.newest_answers.refused == 1
             assert await call_newest(f.host, t.peer_id, 1, *args) is None  # nothing newer than v1
             with pytest.raises(RemoteProtocolError) as refused:
-                await call_newest(w.host, f.peer_id, 1, *args)
+                await call_newest(x.host, f.peer_id, 1, *args)
             assert refused.value.reason == "not-trainer"
             # Asked by the catch-up (the trainer first, which refuses: asked too often; then the
             # forger), the forger's answer is refused and nothing is fetched.
@@ -168,3 +174,25 @@ async def test_worker_paused_as_too_old_resumes_though_the_announcement_was_lost
         await wait_for(lambda: dropped, what="the announcement of v3 reaches the worker's pubsub")
         await fake.wait_for(lambda sb: sb.batch.policy_version == 3)
         assert worker.shards.status()["catch_up"]["requests"] >= 1
+
+
+async def test_a_late_joiner_asks_its_first_peer_instead_of_waiting_for_an_announcement(tmp_path: Path) -> None:
+    """Issue 45: a newcomer learnt the newest version only from the next announcement, 3-10 s after
+    it joined. It asks the first peer it connects to (a relay holding the version here) at once."""
+    trainer = Identity.generate()
+    slow = dict(FAST, announce_interval=600.0)  # no re-announcement while the test runs
+    with trio.fail_after(60):
+        async with open_shards_swarm() as swarm:
+            t = await swarm.add(tmp_path / "t", identity=trainer, trainers=[trainer.peer_id], role="trainer", **slow)
+            r = await swarm.add(tmp_path / "r", trainers=[trainer.peer_id], role="relay", **slow)
+            await r.host.connect(t.host.listen_addrs()[0])
+            src = write_checkpoint(tmp_path / "v3", MiB, seed=3)
+            await t.shards.publish(src, 3)
+            await r.shards.wait_version(3)  # the relay heard the one announcement and holds v3
+            w = await swarm.add(tmp_path / "w", trainers=[trainer.peer_id], role="inference", **slow)
+            deafen(w)  # gossip may still replay the old announcement from its cache: not what is tested
+            await w.host.connect(r.host.listen_addrs()[0])
+            with trio.fail_after(20):
+                path = await w.shards.wait_version(3)
+            assert same_files(src, path)
+            assert w.shards.announced[3][1] == r.peer_id and w.shards.catchup.requests == 1

@@ -122,6 +122,7 @@ GARBAGE_WEIGHT = 10.0  # score points one piece of garbage costs its sender, bef
 MAX_RECEIPT_PAIRS = 4096  # (peer, manifest) pairs whose received bytes we remember
 MAX_REFUSED_ROOTS = 256  # manifest roots refused for non-finite values, remembered so they are not refetched
 RECHECK_CHUNK_BYTES = 8 << 20  # bytes of pieces hashed per worker-thread call when re-verifying at start
+FIRST_CONTACT_POLL_S = 0.5  # how often a node with no connection yet looks for its first peer to ask
 NEWEST_ANSWERS = 64  # NewestRequests answered per announce_interval, all peers together (catchup.py)
 
 
@@ -519,6 +520,8 @@ class ShardsService:
 
     async def _catch_up(self) -> None:
         """Ask for the newest manifest when a wanted version was not announced in time (catchup.py)."""
+        if self.policy != "none":
+            await self._ask_at_first_contact()
         while True:
             at = self.catchup.due_at(self._newest_known(), trio.current_time(), self._present())
             if at is None:
@@ -527,6 +530,14 @@ class ShardsService:
             await trio.sleep_until(at)
             if self.catchup.due_at(self._newest_known(), trio.current_time(), self._present()) is not None:
                 await self._ask_newest()
+
+    async def _ask_at_first_contact(self) -> None:
+        """A node that fetches checkpoints asks its first peer for the newest manifest at once: it
+        would otherwise learn of it from the next announcement only, up to a period after it joined
+        (a restarted node, from the next one above the versions it holds)."""
+        while not self._catch_up_candidates():
+            await trio.sleep(FIRST_CONTACT_POLL_S)
+        await self._ask_newest()
 
     def _present(self) -> set[int]:
         """Every version announced or held."""
@@ -565,8 +576,9 @@ class ShardsService:
             log.info("shards: v%d learnt by asking %s for it (its announcement never arrived)", asked, peer[-8:])
             self.fetch(signed.version, signed.root, peer)
             return
-        log.info("shards: v%d learnt by asking %s for its newest manifest (no announcement of v%d or newer "
-                 "arrived)", signed.version, peer[-8:], self.catchup.wanted)
+        log.info("shards: v%d learnt by asking %s for its newest manifest (%s)", signed.version, peer[-8:],
+                 "at first contact" if self.catchup.wanted is None
+                 else f"no announcement of v{self.catchup.wanted} or newer arrived")
         self._note_announced(signed.version, signed.root, peer)
         self._maybe_fetch(signed.version)
 
