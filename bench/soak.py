@@ -56,8 +56,8 @@ from loop import set_run_values  # noqa: E402  (bench/, the script's own folder)
 from quick import parse_args  # noqa: E402
 from soaklib import (  # noqa: E402
     DISK_FULL, FIRST_EVENT_S, HOSTILE, KILL9, LATE_JOIN, PARTITION, PARTITION_GROUP, RELAY_REPLACE, SIGTERM,
-    SILENCE, AckTally, SpoolRow, account, count_errors, make_schedule, recovery_s, replication_lag, role_of,
-    slope_per_hour,
+    SILENCE, AckTally, SpoolRow, account, count_errors, make_schedule, overlaps, recovery_s, replication_lag,
+    role_of, slope_per_hour,
 )
 from node.app.demo import DEMO_THREADS, demo_run_text, node_env  # noqa: E402
 from node.app.localswarm import LocalSwarm, Proc  # noqa: E402
@@ -307,6 +307,8 @@ class Soak:
         self.samples: list[dict] = []
         # node -> (t, pid, progress, when its status says it last moved: soaklib.recovery_s)
         self.series: dict[str, list[tuple[float, int, float, float | None]]] = defaultdict(list)
+        # worker -> the same for the submissions a trainer answered (the batch reached it): "first sent"
+        self.answers: dict[str, list[tuple[float, int, float, float | None]]] = defaultdict(list)
         self.acks = AckTally()
         self.rows: dict[bytes, SpoolRow] = {}
         self.results: list[dict] = []  # one per event: what was done, when it was back
@@ -363,7 +365,8 @@ class Soak:
     def begin(self, event) -> dict | None:
         """Inject ``event``; the record to finish when its hold ends (None: nothing to finish)."""
         sw, (name, *rest) = self.swarm, event.targets
-        rec = {"event": event.describe(), "kind": event.kind, "node": name, "at": round(self.now(), 1)}
+        rec = {"event": event.describe(), "kind": event.kind, "node": name, "targets": list(event.targets),
+               "at": round(self.now(), 1)}
         self.results.append(rec)
         print(f"  [{self.now():6.0f}s] {event.describe()}", flush=True)
         if event.kind in (KILL9, SIGTERM):
@@ -482,6 +485,14 @@ class Soak:
                     self.acks.observe(self.swarm.peer_id(name), proc.pid, int(row["progress"]))
             if proc.role == "trainer":
                 row["step"] = (st.get("trainer") or {}).get("step")
+            batches = (st.get("inference") or {}).get("batches") or {}
+            if "answered" in batches:
+                since = batches.get("since_answered_s")
+                written = st.get("time")
+                row["answered"] = batches["answered"]
+                row["answered_t"] = (None if since is None or written is None
+                                     else round(self.now() - since - max(0.0, time.time() - written), 1))
+                self.answers[name].append((t, proc.pid, row["answered"], row["answered_t"]))
             self.samples.append(row)
             self.out.write(json.dumps(row) + "\n")
         self.rows.update(spool_rows(self.swarm.procs["trainer"].data_dir / "trainer" / "spool.sqlite"))
@@ -518,6 +529,10 @@ class Soak:
                 rec["recovery_s"] = None if took is None else round(took, 1)
                 if rec.get("pid_after") in self.ready_at:  # a new process: how much of that was its start-up
                     rec["ready_s"] = round(self.ready_at[rec["pid_after"]] - rec["back_at"], 1)
+                if self.answers.get(rec["node"]):  # a worker: its first batch the trainer answered
+                    sent = recovery_s(self.answers[rec["node"]], rec["pid_before"], rec["back_at"])
+                    rec["first_sent_s"] = None if sent is None else round(sent, 1)
+        flag_overlaps(self.results, self.seconds)
         workers = {sw.peer_id(n): n for n, p in sw.procs.items() if p.role == "inference"}
         ledger = account({pid: self.acks.acked(pid) for pid in workers}, self.rows)
         warmup = min(WARMUP_S, self.seconds / 4)
@@ -569,6 +584,13 @@ class Soak:
         return {"last_back_s": round(last_back, 1), "grace_s": LAG_GRACE_S, "replicas": out}
 
 
+def flag_overlaps(events: list[dict], end: float) -> None:
+    """Note on each event the other faults on its node or on the trainer inside its recovery window
+    (soaklib.overlaps): a recovery that timed another fault, or the load, not a protocol wait."""
+    for rec, flags in zip(events, overlaps(events, end)):
+        rec["overlaps"] = flags
+
+
 def steps_per_minute(step_t: list[tuple[float, int]], start: float, end: float) -> float | None:
     inside = [(t, s) for t, s in step_t if start <= t <= end]
     if len(inside) < 2 or inside[-1][0] == inside[0][0]:
@@ -579,10 +601,14 @@ def steps_per_minute(step_t: list[tuple[float, int]], start: float, end: float) 
 def print_report(r: dict) -> None:
     print(f"\nsoak: seed {r['seed']}, {r['minutes']:.0f} min")
     print("\nfaults and recovery: seconds from the restart, heal or SIGCONT until the node's own progress moved\n"
-          "(trainer step, acked batch, verdict, relay connection); a new process's start-up in brackets")
+          "(trainer step, acked batch, verdict, relay connection); a new process's start-up in brackets; for a\n"
+          "worker its first batch the trainer answered (sent; the ack after it waits for the trainer's queue);\n"
+          "OVERLAP: another fault on the node or the trainer inside the recovery window")
     for e in r["events"]:
         rec = e.get("recovery_s")
         extra = f" (ready after {e['ready_s']} s)" if "ready_s" in e else ""
+        extra += f" first sent {e['first_sent_s']} s" if "first_sent_s" in e else ""
+        extra += f" OVERLAP {'; '.join(e['overlaps'])}" if e.get("overlaps") else ""
         extra += f" SIGTERM exit {e['stop_s']} s" if "stop_s" in e else ""
         extra += f" hostile saw {e['hostile']}" if "hostile" in e else ""
         print(f"  {e['event']:<55} {'never' if rec is None and 'back_at' in e else rec} {extra}")
@@ -664,13 +690,26 @@ def plot(r: dict, samples: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def reprint(root: Path) -> None:
+    """The report of a soak kept in ``root``, with the overlap flags (reports written before they
+    existed get them here; "first sent" only where the samples hold the workers' answered counts)."""
+    r = json.loads((root / "soak.json").read_text())
+    flag_overlaps(r["events"], r["minutes"] * 60)
+    print_report(r)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0, help="how long the faults run (default 30)")
     ap.add_argument("--seed", type=int, default=1, help="the fault schedule's seed (printed with the results)")
     ap.add_argument("--keep", type=Path, default=None, help="keep data dirs, logs, samples and the PNG here")
     ap.add_argument("--loopback", action="store_true", help="no namespaces even as root (no partitions)")
+    ap.add_argument("--report", type=Path, default=None, metavar="DIR",
+                    help="print the report of a finished soak's DIR/soak.json again (overlaps flagged) and exit")
     args = parse_args(ap, {"minutes": 0.75})
+    if args.report is not None:
+        reprint(args.report)
+        return
     if args.minutes <= 0:
         sys.exit("bench/soak.py: --minutes must be above 0")
     from netns import Namespaces, missing_for_namespaces

@@ -296,3 +296,47 @@ def count_errors(lines: list[str]) -> Counter:
         elif m := _ERROR.match(line):
             kinds[f"ERROR {m.group(2)}: {_blanked(m.group(3))[:80]}"] += 1
     return kinds
+
+
+# ---------------------------------------------------------------------------------- overlaps
+
+_DESCRIBED = re.compile(r"^t=\s*\d+s (\S+)\s+(\S+)")  # Event.describe(): "t=   865s kill9    validator-2"
+
+
+def targets_of(rec: dict) -> tuple[str, ...]:
+    """The nodes an event record hit: its ``targets``, or (reports written before they were kept) the
+    ones its description names."""
+    if rec.get("targets"):
+        return tuple(rec["targets"])
+    m = _DESCRIBED.match(rec.get("event", ""))
+    return tuple(m.group(2).split(",")) if m else (rec["node"],)
+
+
+def disturbed(rec: dict, end: float) -> tuple[float, float]:
+    """When an event disturbed the swarm: from its start until its node was back at work (its hold's
+    end plus its recovery; ``end``, the run's end, when it never recovered)."""
+    back = rec.get("back_at", rec["at"])
+    took = rec.get("recovery_s")
+    return rec["at"], (end if took is None and "back_at" in rec and "recovery_s" in rec else back + (took or 0.0))
+
+
+def overlaps(records: list[dict], end: float, trainer: str = "trainer") -> list[list[str]]:
+    """Per event record, the other faults inside its recovery window (from ``back_at`` until it was back,
+    or ``end`` when it never was) that hit the same node or the trainer: such a recovery timed
+    another fault, not the protocol's waits. Each named as ``"<kind> <node> t=<start>"``."""
+    out = []
+    for i, rec in enumerate(records):
+        flags = []
+        if "back_at" in rec:
+            took = rec.get("recovery_s")
+            lo, hi = rec["back_at"], end if took is None else rec["back_at"] + took
+            mine = {rec["node"], trainer}
+            for j, other in enumerate(records):
+                if j == i:
+                    continue
+                hit = mine & set(targets_of(other))
+                start, stop = disturbed(other, end)
+                if hit and start <= hi and stop >= lo:
+                    flags.append(f"{other['kind']} {','.join(sorted(hit))} t={other['at']:.0f}")
+        out.append(flags)
+    return out

@@ -200,3 +200,63 @@ def test_replication_lag_is_the_age_of_the_oldest_entry_a_replica_misses():
     # A replica that never moves trails by ever more; one ahead of the writer's last report trails by 0.
     assert [lag for _, lag in replication_lag(writer, [(12.0, 0), (40.0, 0)])] == [12.0, 40.0]
     assert replication_lag(writer, [(11.0, 4)]) == [(11.0, 0.0)]
+
+
+def test_a_recovery_is_flagged_when_another_fault_on_its_node_or_the_trainer_falls_in_its_window():
+    """Issue 45's hour: inference-7's late join (155.2 s) held an 82 s partition of the trainer,
+    inference-1's SIGTERM (86.6 s) a trainer kill 39 s in; the table must tell them from protocol waits."""
+    from soaklib import overlaps, targets_of
+
+    records = [
+        {"event": "t=   100s late-join         inference-7", "kind": "late-join", "node": "inference-7",
+         "at": 100.0, "back_at": 100.0, "recovery_s": 155.2},
+        # Began before the join and held the trainer cut off into its window.
+        {"event": "t=    80s partition         trainer for 82 s", "kind": "partition", "node": "trainer",
+         "at": 80.0, "back_at": 162.0, "recovery_s": 12.0},
+        {"event": "t=   300s sigterm           inference-1", "kind": "sigterm", "node": "inference-1",
+         "at": 300.0, "back_at": 301.0, "recovery_s": 86.6},
+        {"event": "t=   340s kill9             trainer", "kind": "kill9", "node": "trainer",
+         "at": 340.0, "back_at": 340.5, "recovery_s": 30.0},
+        # Another worker's fault in the window is not this recovery's business.
+        {"event": "t=   350s kill9             inference-2", "kind": "kill9", "node": "inference-2",
+         "at": 350.0, "back_at": 350.5, "recovery_s": 8.0},
+        # A fault on the same node after it was back is not in its window.
+        {"event": "t=   500s partition         inference-1 for 40 s", "kind": "partition", "node": "inference-1",
+         "at": 500.0, "back_at": 540.0, "recovery_s": 5.0},
+        {"kind": "kill9", "node": "validator-2", "targets": ["validator-2"], "at": 700.0, "back_at": 700.5,
+         "recovery_s": None},  # never back: its window runs to the end, which the trainer's kill is in
+        {"kind": "sigterm", "node": "trainer", "targets": ["trainer"], "at": 800.0, "back_at": 805.0,
+         "recovery_s": 20.0},
+    ]
+    assert targets_of(records[1]) == ("trainer",) and targets_of(records[6]) == ("validator-2",)
+    flags = overlaps(records, end=900.0)
+    assert flags[0] == ["partition trainer t=80"]
+    assert flags[2] == ["kill9 trainer t=340"]
+    assert flags[4] == ["kill9 trainer t=340"]  # the trainer was not back until 370.5
+    assert flags[5] == []
+    assert flags[6] == ["sigterm trainer t=800"]
+    assert flags[3] == [] and flags[7] == []  # the trainer's own recoveries: no other fault on it then
+
+
+def test_a_kept_soak_is_reported_again_with_its_overlaps_and_first_sends(tmp_path, capsys):
+    import json
+
+    import soak
+
+    report = {
+        "seed": 2, "minutes": 10.0, "findings": [], "accounting": {}, "resources": {}, "errors": {}, "reward": [],
+        "step_t": [], "trainer_heads": {"trainer": 5}, "trainer_stop_s": 1.0, "digests_agreed_s": 0.0,
+        "last_digests": {}, "lag": {"last_back_s": 0.0, "grace_s": 60.0, "replicas": {}},
+        "events": [  # as written before targets were kept: read from the description
+            {"event": "t=   100s kill9             inference-1", "kind": "kill9", "node": "inference-1", "at": 100.0,
+             "back_at": 100.5, "recovery_s": 40.0, "first_sent_s": 6.5},
+            {"event": "t=   120s kill9             trainer", "kind": "kill9", "node": "trainer", "at": 120.0,
+             "back_at": 120.5, "recovery_s": 15.0},
+        ]}
+    (tmp_path / "soak.json").write_text(json.dumps(report))
+    soak.reprint(tmp_path)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "inference-1" in x)
+    assert "40.0" in line and "first sent 6.5 s" in line and "OVERLAP kill9 trainer t=120" in line
+    line = next(x for x in out.splitlines() if "kill9" in x and "trainer" in x and "OVERLAP" not in x)
+    assert "15.0" in line

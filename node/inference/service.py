@@ -160,6 +160,10 @@ class InferenceService:
         self.failures: Counter[str] = Counter()  # transport failures by kind (retried)
         self.sample_outcomes: Counter[str] = Counter()  # the same keys as outcomes, counted in samples
         self.sent = 0  # submissions attempted
+        # Submissions a trainer answered (ack or refusal: the batch reached it), and when the last was:
+        # beside the first ack after a restart, this tells a slow start from a trainer's full queue.
+        self.answered = 0
+        self.answered_at: float | None = None
         self.engine_lock = trio.Lock()  # held around each step and each weight swap
         self.loaded = trio.Event()
         self.waiting_for_checkpoint = False  # our version is too old for the trainer: not generating
@@ -395,6 +399,8 @@ class InferenceService:
                 log.info("inference: batch %s to %s: %s", item.batch_id.hex()[:12], trainer[-8:], e)
                 outcome = self.outbox.on_failure(item.batch_id, trainer, e.kind, trio.current_time())
             else:
+                self.answered += 1
+                self.answered_at = trio.current_time()
                 outcome = self.outbox.on_ack(item.batch_id, trainer, ack, trio.current_time())
             if outcome.state is not BatchState.QUEUED:
                 self._count(outcome.state.value, outcome.reason, item.num_samples)
@@ -458,6 +464,9 @@ class InferenceService:
             "batches": {
                 "queued": len(self.outbox),
                 "sent": self.sent,
+                "answered": self.answered,
+                "since_answered_s": (None if self.answered_at is None
+                                     else round(trio.current_time() - self.answered_at, 1)),
                 "accepted": self.outcomes.get("accepted", 0),
                 "refused": refused,
                 "dropped": dropped,
