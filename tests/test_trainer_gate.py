@@ -231,3 +231,25 @@ def test_batches_the_next_step_would_leave_expired_are_counted():
     assert [g.expiring(s) for s in (4, 5, 6)] == [0, 1, 2]
     g.on_verdict(bid(1), True, ["ok"])
     assert g.expiring(5) == 0
+
+
+def test_a_restarted_validator_gets_its_lost_batches_back_and_new_ones_at_once():
+    """Issue 45's 20-minute soak: a validator killed with -9 had its share of batches awaiting its
+    verdicts; the new process never knew them, and the gate held its share full until their verify
+    timeout (30 s in the demo): no batch for it for ~33 s after it was ready. Released when its
+    connection is gone, they are handed out again (to it, once back: it queues them afresh, or
+    answers a batch it still holds with "accepted", so nothing is checked twice)."""
+    g = ValidatorGate(timeout=30.0, max_in_flight=16, per_validator=2)
+    ids = [bytes([i]) * 32 for i in range(6)]
+    for b in ids:
+        g.add(b)
+    sent = g.due(["A"], 0.0)
+    assert len(sent) == 2
+    for b, _ in sent:
+        g.sent(b, 0.0)
+    assert g.holding() == {"A"} and g.due(["A"], 1.0) == []  # its share is full
+    assert sorted(g.release("A")) == sorted(b for b, _ in sent)
+    assert g.holding() == set() and g.status()["released"] == 2
+    again = g.due(["A"], 2.0)  # back: the same two first (not marked failed), its share free
+    assert sorted(b for b, _ in again) == sorted(b for b, _ in sent) and {v for _, v in again} == {"A"}
+    assert g.release("A") == []  # only batches awaiting a verdict are released, not those being sent

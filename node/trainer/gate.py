@@ -41,6 +41,12 @@ Pure state machine, time passed in. Each gated batch is in one of these states:
   live validator has said "not now", it waits ``retry`` seconds (``retry_at``) before starting over,
   so a lone validator still fetching the checkpoint is not asked again in a loop, and its slot serves
   a batch it can judge meanwhile.
+* **A validator that lost its queue** (:meth:`release`): a validator keeps the batches it queued in
+  memory only, so one killed and restarted never judges them, and its share stayed full of them
+  until their timeout: in issue 45's soak a restarted validator got nothing for ~33 s after it was
+  ready. The trainer releases a validator's awaiting batches when its connection to it is gone; they
+  go out again by the same rule (not marked failed: to the same validator once it is back, which
+  queues them afresh, or answers "accepted" for one it still holds, so nothing is checked twice).
 """
 
 from __future__ import annotations
@@ -100,6 +106,7 @@ class ValidatorGate:
         self.reassignments = 0
         self.skipped = 0  # batches dropped as expired before any validator checked them
         self.not_now_count = 0  # "cannot judge yet" answers (ack or unjudged verdict)
+        self.released = 0  # batches taken back from a validator whose connection was gone
         self._seq = 0
 
     def add(self, batch_id: bytes, policy_version: int = 0, expires: int | None = None) -> None:
@@ -192,6 +199,20 @@ class ValidatorGate:
         g.phase, g.validator = Phase.UNASSIGNED, None
         return True
 
+    def holding(self) -> set[str]:
+        """The validators with batches awaiting their verdict."""
+        return {g.validator for g in self.batches.values() if g.phase is Phase.AWAITING and g.validator}
+
+    def release(self, validator: str) -> list[bytes]:
+        """``validator`` may have lost the batches awaiting its verdict (see "A validator that lost its
+        queue"): they go back to UNASSIGNED, not held against it; returns them."""
+        out = [g.batch_id for g in self.batches.values() if g.phase is Phase.AWAITING and g.validator == validator]
+        for b in out:
+            g = self.batches[b]
+            g.phase, g.validator = Phase.UNASSIGNED, None
+        self.released += len(out)
+        return out
+
     def expire(self, now: float) -> list[bytes]:
         """Batches whose validator stayed silent past the deadline go back to UNASSIGNED."""
         out = []
@@ -234,4 +255,5 @@ class ValidatorGate:
             if g.validator:
                 per_validator[g.validator] = per_validator.get(g.validator, 0) + 1
         return {"waiting": by_phase, "per_validator": per_validator, "timeouts": self.timeouts,
-                "reassignments": self.reassignments, "not_now": self.not_now_count, "decided": len(self.decided), "skipped_expired": self.skipped}
+                "reassignments": self.reassignments, "not_now": self.not_now_count, "decided": len(self.decided), "skipped_expired": self.skipped,
+                "released": self.released}

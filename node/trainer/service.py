@@ -88,6 +88,7 @@ from .intake import (
     trainable_until,
 )
 from .pacing import Pacer
+from .roster import Roster, member_state
 from .readiness import intake_protocol
 from .progress import STALL_AFTER_S, Backlog, Progress, idle_fraction, stall_cause, stall_kind
 from .fsdp import open_policy
@@ -153,6 +154,7 @@ class Trainer:
         run = node.config.run
         self.run_name = run.name
         self.validators = set(run.validators)
+        self.roster = Roster()  # the validators the gate was last given (changes logged)
         self.gate = (ValidatorGate(tcfg.verify_timeout_s, tcfg.max_verify_in_flight, tcfg.max_verify_per_validator,
                                     tcfg.unjudged_retry_s)
                      if self.validators else None)
@@ -400,10 +402,24 @@ class Trainer:
                 skipped = self.gate.drop_expired(self.step)
                 if skipped:  # before any validator spends a prefill on them (gate.py)
                     await self._expire(skipped)
-                for batch_id, validator in self.gate.due(self.live_validators(), now):
+                for batch_id, validator in self.gate_pass(now):
                     nursery.start_soon(self._send_to_validator, batch_id, validator)
                 nxt = self.gate.next_deadline(now)
                 await self.wake.gate.wait(GATE_TICK if nxt is None else max(0.0, min(GATE_TICK, nxt - now)))
+
+    def gate_pass(self, now: float) -> list[tuple[bytes, str]]:
+        """The hand-offs due now (batch id, validator). First the batches awaiting a validator we hold
+        no connection to come back (gate.py "A validator that lost its queue": killed, it lost them),
+        and each change of the set of validators handed batches is logged with its reason (roster.py)."""
+        live = self.live_validators()
+        for line in self.roster.update(live, lambda v: member_state(self.membership, v)):
+            log.info("trainer: %s", line)
+        for validator in sorted(self.gate.holding()):
+            if not self.node.host.is_connected(validator):
+                released = self.gate.release(validator)
+                log.info("trainer: no connection to validator %s: %d batches awaiting its verdict handed out again",
+                         validator[-8:], len(released))
+        return self.gate.due(live, now)
 
     async def _send_to_validator(self, batch_id: bytes, validator: str) -> None:
         envelope = self.spool.envelope(batch_id)

@@ -265,14 +265,14 @@ def fake_wiring() -> dict:
     return {"shards": FakeShards(), "membership": FakeMembership(), "ledger": FakeLedger()}
 
 
-def fake_context(run, *, remote_ip=lambda peer: "127.0.0.1") -> SimpleNamespace:
+def fake_context(run, *, remote_ip=lambda peer: "127.0.0.1", is_connected=lambda peer: True) -> SimpleNamespace:
     """The parts of a node context (node/context.py) a :class:`~node.trainer.service.Trainer` reads,
-    without a libp2p host: ``remote_ip(peer)`` stands for :meth:`SwarmHost.remote_ip` (by default
-    every peer is on this machine, as in the demo)."""
+    without a libp2p host: ``remote_ip(peer)`` and ``is_connected(peer)`` stand for
+    :class:`SwarmHost`'s (by default every peer is on this machine, as in the demo, and connected)."""
     from ..config import NodeConfig
     from ..metrics import Metrics
     from ..peers import Peers
 
     metrics = Metrics()
     return SimpleNamespace(config=NodeConfig(run=run), run=run, metrics=metrics, status={}, peer_id="me",
-                           peers=Peers(None, metrics), host=SimpleNamespace(remote_ip=remote_ip))
+                           peers=Peers(None, metrics), host=SimpleNamespace(remote_ip=remote_ip, is_connected=is_connected))
