@@ -340,9 +340,27 @@ def test_a_record_published_with_no_mesh_peer_is_published_again_once_there_is_o
     assert not r.due(0.1, 1, cfg, mesh=0)  # still nobody to send it to
     assert not r.due(3599.0, 1000, cfg, mesh=0)  # nor at its refresh: it would reach nobody again
     assert r.due(0.2, 1, cfg, mesh=1)  # the first mesh peer: at once, not at the refresh interval
-    r.on_published(0.2, mesh=1)
+    r.on_published(0.2, mesh=2)
     assert not r.due(0.3, 1, cfg, mesh=4) and not r.due(30.1, 1, cfg, mesh=0)
     assert r.due(30.2, 1, cfg, mesh=4)  # heard: the interval again
+
+
+def test_a_record_published_to_one_peer_is_published_again_once_a_second_can_hear_it() -> None:
+    """Issue 46: a joiner's start record goes to its bootstrap peer alone; that one copy lost (1 %
+    loss lost 1 of 300 in bench/sim_membership.py's ramp), no node but the bootstrap learned it
+    for minutes. Published to one peer, it goes again once there are two, and then not again."""
+    from node.gossip.membership import RecordRefresh
+
+    cfg, r = MembershipConfig(), RecordRefresh()
+    r.on_published(0.0, mesh=1)
+    assert not r.due(0.5, 1, cfg, mesh=1)  # the same single peer: nothing gained
+    assert r.due(0.6, 1, cfg, mesh=2)
+    r.on_published(0.6, mesh=2)
+    assert not r.due(1.0, 1, cfg, mesh=6) and r.due(30.6, 1, cfg, mesh=6)  # heard: the interval again
+    # Two members only: one mesh peer is all there can be; the refresh keeps its interval.
+    r = RecordRefresh()
+    r.on_published(0.0, mesh=1)
+    assert not r.due(29.9, 1, cfg, mesh=1) and r.due(30.0, 1, cfg, mesh=1)
 
 
 def test_an_accusation_of_an_incarnation_nobody_has_seen_is_ignored(table):

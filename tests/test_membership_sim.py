@@ -7,9 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 from node.gossip.membership import MembershipConfig
+from node.gossip.service import CONNECTION_PERIOD
 from sim.membership import Profile, SimNode, Swarm
 
 N = 60  # refresh_interval(60) = 240 s, sync_interval(60) = 60 s: both well past min_refresh / min_sync (30 s)
@@ -42,8 +44,12 @@ def test_a_join_floods_its_record_and_exchanges_its_table_once_not_again_at_the_
         swarm.spawn()
     swarm.sim.run(55.0)  # every node started by 3 s: past their lone-node deadlines, short of sync_interval(N)
     assert all(n.running and n.table.size() == N for n in swarm.nodes.values())
-    assert len(records) == N  # one publication each that reached anyone, at start
-    assert all(t < 4.0 for _, t in records)
+    # One publication each that reached anyone at start, and a second where the first had a single
+    # peer to go to (one lost copy would lose it: the test below), once the connection manager
+    # made a second connection: every node started by 3 s, plus a connection period.
+    per_node = Counter(p for p, _ in records)
+    assert len(per_node) == N and set(per_node.values()) <= {1, 2}
+    assert all(t < 3.0 + CONNECTION_PERIOD + 1.0 for _, t in records)
     assert not [e for e in exchanges if e[1] > 10.0]  # only the join exchanges, in the first seconds
 
 
@@ -111,3 +117,33 @@ def test_a_member_crashing_after_its_connections_closed_on_purpose_is_still_dete
             swarm.sim.run(swarm.sim.now + 0.5)
         assert swarm.dead_everywhere(victim.pid), (redial, swarm.sim.now - t0)
         assert not [s for s in swarm.counters.suspicions if s[3]]  # nobody live was suspected
+
+
+def test_a_joiners_start_record_lost_on_its_only_link_reaches_everyone_all_the_same():
+    """A joiner publishes its start record while its bootstrap peer is its only connection. That copy
+    lost, only the bootstrap (through the join exchange) learned it unless gossip's IHAVE repair
+    happened to find a non-mesh peer in the message's 3 heartbeats; every other node waited for
+    push-pull (every N s) or the refresh (an hour at N >= 900): the 99 % goal missed at N = 300 and
+    1,000 in bench/sim_membership.py. It is published again once two peers can hear it. (Before:
+    known by 1 of 30 nodes 10 s later with seeds 1 and 3.)"""
+    known = []
+    for seed in (1, 2, 3):
+        swarm = Swarm(seed=seed, profile=Profile(nat=0.3))
+        for i in range(30):
+            swarm.spawn(bootstrap=i == 0)
+        swarm.sim.run(40)
+        send, lost = swarm.net.send, []
+
+        def lose_its_first_start_record(a, b, nbytes, deliver, *args, **kw):
+            if a == "sim000031" and kw.get("kind") == "gossip:start" and not lost:
+                lost.append(b)
+                return None
+            return send(a, b, nbytes, deliver, *args, **kw)
+
+        swarm.net.send = lose_its_first_start_record
+        joiner = swarm.spawn()
+        assert joiner.pid == "sim000031"
+        swarm.sim.run(swarm.sim.now + 10)
+        assert lost == [swarm.bootstrap[0]]
+        known.append(swarm.known_by(joiner.pid))
+    assert known == [1.0, 1.0, 1.0], known
