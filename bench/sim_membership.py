@@ -215,14 +215,14 @@ def print_views(r: dict, shown: int = 4) -> None:
             mins["W"] = min(mins["W"], f_w)
         below = sum(1 for v in vs.views(VIEW_GRACE).values() if v < 0.99)
         detail = ""
-        if worst is not None:
+        if worst is not None and f_g < 1.0:
             settled = {p for p, a in vs.ages.items() if a >= VIEW_GRACE}
             lacks = sorted((q for q in vs.missing[worst] if q in settled), key=lambda q: -lacking_for[(worst, q)])
             since_first = lambda q: ">=" if vs.at - lacking_for[(worst, q)] <= first else ""  # noqa: E731
             detail = f"{vs.ages[worst]:.0f}, lacks {len(lacks)}: " + ", ".join(
                 f"{q} ({vs.ages[q]:.0f}, {vs.missing[worst][q]}, {since_first(q)}{lacking_for[(worst, q)]:.0f})"
                 for q in lacks[:shown]) + (" ..." if len(lacks) > shown else "")
-        age_all = f"{vs.ages[w_all]:.0f}" if w_all is not None else "-"
+        age_all = f"{vs.ages[w_all]:.0f}" if w_all is not None and f_all < 1.0 else "-"
         print(f"       {vs.at:>6.0f} {f_all:>6.3f} {age_all:>6} {f_w:>6.3f} {f_g:>7.3f} {below:>4}  {detail}")
     print(f"       smallest over the window: every live node {mins['all']:.3f}, up >= W ({w:.1f} s) "
           f"{mins['W'] if fill else math.nan:.3f}, up >= {VIEW_GRACE:.0f} s {mins['grace']:.3f} (goal >= 0.99)")
@@ -290,9 +290,13 @@ def main(argv: list[str] | None = None) -> int:
         # so their refresh (refresh_interval(N): 3600 s at N >= 900) and push-pull (N s) timers are
         # in step and mostly outside a short window. The module's load model gives the steady state
         # of a swarm whose timers have spread out (no churn): the figure the window cannot show.
-        model = {n: load_model(n, MembershipConfig()) for n in sorted({r["n"] for r in rows} | {10_000})}
+        model = {n: load_model(n, MembershipConfig()) for n in sorted({r["n"] for r in rows} | {100, 1_000, 10_000})}
         print("\nsteady state by node/gossip/membership.py's load model (no churn, timers spread out):")
         print("       " + "  ".join(f"N={n}: {m['msgs_per_s']:.2f} msg/s {m['bytes_per_s']:.0f} B/s" for n, m in model.items()))
+        for n, m in model.items():
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in m["bytes_by_kind"].items())
+            print(f"       N={n}: {parts} B/s ({m['records_per_s']:.2f} records/s received, "
+                  f"refresh every {MembershipConfig().refresh_interval(n):.0f} s)")
         first = min(model)
         print(f"model per-node bytes/s, N = 10000 over N = {first}: "
               f"{model[10_000]['bytes_per_s'] / model[first]['bytes_per_s']:.2f} (goal <= 2)")

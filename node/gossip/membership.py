@@ -720,8 +720,9 @@ def load_model(n: int, config: MembershipConfig, degree: int = 6, record_bytes: 
     per_record = degree * (record_bytes + GOSSIP_MSG_OVERHEAD) + GOSSIP_WINDOW * GOSSIP_LAZY * GOSSIP_ID_BYTES
     probes = 2.0 / config.probe_period  # one probe sent, one answered on average
     sync_bytes = 2 * n * record_bytes / config.sync_interval(n)  # one exchange started, one answered
-    bytes_sent = records_in * per_record + probes / 2 * PROBE_BYTES + sync_bytes
-    return {"msgs_per_s": records_in + probes, "bytes_per_s": bytes_sent}
+    by_kind = {"records": records_in * per_record, "probes": probes / 2 * PROBE_BYTES, "sync": sync_bytes}
+    return {"msgs_per_s": records_in + probes, "bytes_per_s": sum(by_kind.values()), "bytes_by_kind": by_kind,
+            "records_per_s": records_in}
 
 
 @dataclass
