@@ -19,6 +19,7 @@ from node.config import RunConfig
 from node.engines.model import build_tokenizer
 from node.identity import Identity, load_or_create_identity
 from node.inference.outbox import Outbox, Pending
+from node.net.failure import FailureKind
 from node.inference.submit import call_submit
 from node.roles.core import run_node
 from node.rollouts.schema import batch_id_of
@@ -112,3 +113,24 @@ def test_not_ready_leaves_the_workers_step_headroom_where_it_was():
     item, trainer = outbox.take(["t"], 0.0)
     outbox.on_ack(item.batch_id, trainer, not_ready_ack(envelope), 0.0)
     assert outbox.counted_step == 40 and len(outbox) == 1
+
+
+def test_a_newer_record_of_the_trainer_ends_the_backoff_its_dead_process_built():
+    """Killed and restarted within the suspicion timeout, a trainer never leaves the member table:
+    the failed dials to the dead process built a 16 s back-off, which outlived the new process's
+    start (and, with a short model load, its readiness). The new process's record (signed by it, a
+    higher sequence number) says it runs now: tried at once, then paced by its 'not-ready'."""
+    outbox = Outbox(4, max_attempts=3, backoff=1.0, backoff_max=16.0, async_level=2)
+    batch_id, envelope = signed_batch(0)
+    outbox.offer(Pending(batch_id, envelope, policy_version=0, num_samples=8, created_at=0.0, step=0))
+    outbox.on_record("t", 1000)  # the first record seen: nothing to end
+    now = 0.0
+    for attempt in range(5):  # dials to the dead process, each when the back-off allows
+        now = outbox.next_wakeup(["t"], now) if attempt else now
+        item, to = outbox.take(["t"], now)
+        outbox.on_failure(item.batch_id, to, FailureKind.UNREACHABLE, now)
+    assert outbox.backoff_of("t") == 16.0 and outbox.next_wakeup(["t"], now) == now + 16.0
+    outbox.on_record("t", 1000)  # the same record again (gossip): no sign of a new life
+    assert outbox.next_wakeup(["t"], now) == now + 16.0
+    outbox.on_record("t", 2000)
+    assert outbox.backoff_of("t") == 0.0 and outbox.take(["t"], now) is not None

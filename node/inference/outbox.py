@@ -85,6 +85,7 @@ class _TrainerHealth:
     failures: int = 0  # consecutive failures; 0 after any ack
     blocked_until: float = 0.0
     paced_until: float = 0.0  # the trainer's last ack asked for no new batch before this time
+    record_seq: int = 0  # sequence number of the newest member record of the trainer seen
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,17 @@ class Outbox:
             item.tried.append(trainer)
             return item, trainer
         return None
+
+    def on_record(self, trainer: str, seq: int) -> None:
+        """The trainer's member record is at ``seq``. A newer one than seen before was signed by a
+        running process (a restarted one publishes one at start; a live one at each version): the
+        backoff that failures built, dialling a process that may be gone, says nothing of it, so it
+        is tried at once. Only the trainer signs its records: no one else can end its backoff."""
+        health = self._health_of(trainer)
+        if seq > health.record_seq:
+            if health.record_seq:
+                health.failures, health.blocked_until = 0, 0.0
+            health.record_seq = seq
 
     def next_wakeup(self, trainers: Iterable[str], now: float) -> float:
         """Earliest time :meth:`take` could return something (``math.inf`` if only new input can)."""

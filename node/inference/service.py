@@ -79,6 +79,13 @@ def advertise_due(old: tuple[float, float], new: tuple[float, float], since_last
     return load != old_load or abs(cap - old_cap) / old_cap > ADVERTISE_CHANGE
 
 
+def record_seq(membership, peer: str) -> int | None:
+    """The sequence number of ``peer``'s member record (None when unknown, or for a stand-in
+    membership that keeps no member table): only ``peer`` signs a newer one."""
+    member = getattr(getattr(membership, "table", None), "members", {}).get(peer)
+    return None if member is None else member.record.seq
+
+
 def read_step(path: Path, default: int = 0) -> int:
     try:
         return max(0, int(path.read_text().strip()))
@@ -381,6 +388,10 @@ class InferenceService:
         while True:
             now = trio.current_time()
             trainers = self.trainers()
+            for trainer in trainers:  # a restarted trainer's new record ends the back-off of its old life
+                seq = record_seq(self.membership, trainer)
+                if seq is not None:
+                    self.outbox.on_record(trainer, seq)
             got = self.outbox.take(trainers, now)
             if got is None:
                 wake = min(self.outbox.next_wakeup(trainers, now), now + TRAINER_RECHECK_S)
