@@ -296,6 +296,19 @@ def test_sync_planner_syncs_new_connections_only_while_joining() -> None:
     assert sp.plan({"s"}, 41.0, 30.0, rng) == ["s"]
 
 
+def test_a_join_exchange_that_brought_nothing_is_tried_again_with_the_same_peer() -> None:
+    """Issue 46: a joiner's one connection is its bootstrap peer; an exchange lost with it was never
+    tried again, and the joiner held an empty table until its lone random exchange 30 s later."""
+    from node.gossip.membership import JOIN_SYNC_RETRY, SyncPlanner
+
+    rng, sp = random.Random(1), SyncPlanner()
+    assert sp.plan({"boot"}, 0.0, 30.0, rng) == ["boot"]
+    assert sp.plan({"boot"}, JOIN_SYNC_RETRY - 0.25, 30.0, rng) == []  # the first may still be running
+    assert sp.plan({"boot"}, JOIN_SYNC_RETRY, 30.0, rng) == ["boot"]
+    sp.on_synced()
+    assert sp.plan({"boot"}, 2 * JOIN_SYNC_RETRY, 30.0, rng) == []  # joined: only the random one
+
+
 def test_the_random_exchange_waits_the_interval_of_the_table_it_holds_now_not_of_the_one_it_started_with() -> None:
     """Issue 46: a node starts alone (sync_interval(1) = 30 s) and its join exchange brings 1,000
     members; the deadline fixed at start made it push-pull a full table again at 30 s, one more

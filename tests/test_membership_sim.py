@@ -147,3 +147,31 @@ def test_a_joiners_start_record_lost_on_its_only_link_reaches_everyone_all_the_s
         assert lost == [swarm.bootstrap[0]]
         known.append(swarm.known_by(joiner.pid))
     assert known == [1.0, 1.0, 1.0], known
+
+
+def test_a_joiner_whose_join_exchange_is_lost_asks_its_bootstrap_again():
+    """Its bootstrap peer is a joiner's only connection. The join exchange or its answer lost, the
+    joiner held an empty table until the random exchange of a lone node (30 s), knowing nobody else
+    to dial or sync with (N = 40 in bench/sim_membership.py --quick: 23 s). It asks again after
+    JOIN_SYNC_RETRY (the service's limit on one exchange)."""
+    from node.gossip.membership import JOIN_SYNC_RETRY
+
+    for kind in ("sync-join", "sync-join-answer"):
+        swarm = Swarm(seed=1, profile=Profile(nat=0.3))
+        for i in range(30):
+            swarm.spawn(bootstrap=i == 0)
+        swarm.sim.run(40)
+        send, lost = swarm.net.send, []
+
+        def lose_the_first(a, b, nbytes, deliver, *args, what=kind, **kw):
+            if kw.get("kind") == what and "sim000031" in (a, b) and not lost:
+                lost.append(b)
+                return None
+            return send(a, b, nbytes, deliver, *args, **kw)
+
+        swarm.net.send = lose_the_first
+        joiner = swarm.spawn()
+        t0 = swarm.sim.now
+        while swarm.sim.now - t0 < JOIN_SYNC_RETRY + 3.0 and swarm.view_of(joiner.pid) < 1.0:
+            swarm.sim.run(swarm.sim.now + 0.25)
+        assert lost and swarm.view_of(joiner.pid) == 1.0, (kind, swarm.sim.now - t0)

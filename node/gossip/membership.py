@@ -760,6 +760,7 @@ class LocalHealth:
 
 
 JOIN_SYNC_FANOUT = 4  # new connections push-pulled with at once while joining
+JOIN_SYNC_RETRY = 10.0  # seconds before a peer whose join exchange brought nothing is asked again (the service's exchange limit)
 
 
 @dataclass
@@ -777,7 +778,7 @@ class SyncPlanner:
 
     joined: bool = False
     last_random: float | None = None  # when the interval last began (first plan, then each random pick)
-    tried: set[str] = field(default_factory=set)
+    tried: dict[str, float] = field(default_factory=dict)  # peer -> when its join exchange was started
 
     def plan(self, connected: set[str], now: float, interval: float, rng: random.Random) -> list[str]:
         """``interval``: ``sync_interval`` of the table's size now. The next random exchange is due
@@ -791,8 +792,13 @@ class SyncPlanner:
             return []
         out: list[str] = []
         if not self.joined:
-            out = sorted(connected - self.tried)[:JOIN_SYNC_FANOUT]
-            self.tried.update(out)
+            # A join exchange that brought nothing (lost, timed out) is tried again after
+            # JOIN_SYNC_RETRY: a joiner's only connection is its bootstrap peer, and one lost
+            # exchange left it with an empty table until gossip happened to name a member it could
+            # dial (23 s at N = 40 in bench/sim_membership.py --quick; issue 46).
+            ready = {p for p in connected if now - self.tried.get(p, -math.inf) >= JOIN_SYNC_RETRY}
+            out = sorted(ready)[:JOIN_SYNC_FANOUT]
+            self.tried.update(dict.fromkeys(out, now))
         if self.last_random is None:
             self.last_random = now
         elif now >= self.last_random + interval:
