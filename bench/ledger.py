@@ -10,7 +10,7 @@
    form + Ed25519 signature + chain rules + SQLite commit per batch of 512, as sync does), beside
    ``cryptography``'s raw Ed25519 verification rate over the same entries' signed bytes, in the
    same run. The ratio says how much of the bound the rest of the pipeline costs.
-2. Time for a fresh node to sync N entries from one peer over /swarm/ledger/1.0.0 (two hosts in this
+2. Time for a fresh node to sync N entries from one peer over /swarm/ledger/1.1.0 (two hosts in this
    process on loopback), beside the time to copy the same number of bytes over one libp2p stream
    between the same two hosts, and beside N / (the ingest rate of 1.): sync must verify every
    entry, so the byte copy is a floor it cannot approach on CPU-bound machines.
@@ -54,7 +54,7 @@
    from a peer that adopted a trainer-signed cut of the first ``--below`` of them (its store then
    holds only the entries above the cut). Real hosts on loopback, real sync sessions (the second
    fetches the cut in pages first). Prints for each the time to the peer's digest, the bytes on
-   /swarm/ledger/1.0.0 (both directions: the requests are a few bytes each), the new node's database
+   /swarm/ledger/1.1.0 (both directions: the requests are a few bytes each), the new node's database
    size, and that both new nodes reach the same digest and totals.
 
 The machine is shared and noisy: compare the ratios, not the absolute figures.
@@ -103,7 +103,7 @@ from node.ledger.entries import (
     parse_entry,
 )
 from node.counters import StreamBytes
-from node.ledger.messages import PROTOCOL, RangeReply, SyncHello
+from node.ledger.messages import PROTOCOL, PROTOCOL_CUTS, RangeReply, SyncHello
 from node.ledger.store import DB_FILE, open_ledger_store, rebuild
 from node.ledger.cut import cut_problem, ledger_from_cut, make_cut, open_cut, rebase, replay_to, sign_cut
 from node.ledger.service import LedgerService, serve_ledger
@@ -281,7 +281,7 @@ async def bench_sync(entries: list) -> tuple[float, float, int]:
 @dataclass(frozen=True)
 class CatchUp:
     seconds: float  # until the new node's digest is the peer's
-    wire_bytes: int  # on /swarm/ledger/1.0.0, both directions
+    wire_bytes: int  # on /swarm/ledger/1.1.0 (and 1.0.0), both directions
     db_bytes: int  # the new node's ledger.sqlite afterwards
     stored: int  # entries in it
     digest: bytes
@@ -316,12 +316,12 @@ async def catch_up(entries: list, below: int) -> CatchUp:
                 seed = await nursery.start(serve_ledger, n1, sections.ledger, sections.streams)
                 fresh = await nursery.start(serve_ledger, n2, sections.ledger, sections.streams)
                 peer = await h2.connect(h1.listen_addrs()[0])
-                wire0 = StreamBytes.received.get(PROTOCOL, 0)
+                wire0 = sum(StreamBytes.received.get(p, 0) for p in (PROTOCOL, PROTOCOL_CUTS))
                 t0 = time.perf_counter()
                 while fresh.digest() != seed.digest():
                     await fresh.sync_with(peer)
                 seconds = time.perf_counter() - t0
-                wire = StreamBytes.received.get(PROTOCOL, 0) - wire0
+                wire = sum(StreamBytes.received.get(p, 0) for p in (PROTOCOL, PROTOCOL_CUTS)) - wire0
                 assert fresh.ledger.cut_number == (1 if below else 0)
                 stored, digest, totals = fresh.store.count(), fresh.digest(), fresh.totals()
                 nursery.cancel_scope.cancel()

@@ -24,7 +24,7 @@ from node.ledger.config import LedgerConfig
 from node.ledger.cut import make_cut, sign_cut
 from node.ledger.cutsync import cutter_of
 from node.ledger.entries import CheckpointPublished, RolloutsJudged, Verdict
-from node.ledger.messages import CUT_PAGE_BYTES, PROTOCOL, CutPage, CutPageRequest, SyncHello
+from node.ledger.messages import CUT_PAGE_BYTES, PROTOCOL, PROTOCOL_CUTS, CutPage, CutPageRequest, SyncHello
 from node.net.host import open_swarm_host
 from node.wire import read_message, write_frame
 from test_ledger_sync import LOOPBACK, RUN, TRAINER, VALIDATOR, WORKER, connect, ledger, open_ledger_node, run_config
@@ -149,7 +149,7 @@ async def mallory(victim, answer):
             finally:
                 await stream.close()
 
-        host.set_handler(PROTOCOL, handler)
+        host.set_handler(PROTOCOL_CUTS, handler)  # cuts travel only in sessions of the cut-aware protocol
         await host.connect(victim.host.listen_addrs()[0])
         yield host.peer_id
 
@@ -277,7 +277,7 @@ async def test_an_old_cut_is_not_fetched_again_and_pages_out_of_range_are_refuse
         # asking our node for a page past the end of its cut is the asker's fault
         async with open_swarm_host(Identity.generate(), LOOPBACK) as client:
             peer = await client.connect(t.host.listen_addrs()[0])
-            stream = await client.open_stream(peer, PROTOCOL)
+            stream = await client.open_stream(peer, PROTOCOL_CUTS)
             await write_frame(stream, SyncHello(heads=()))
             hello = await read_message(stream)
             assert (hello.cut_number, hello.cut_hash) == (1, first.hash)

@@ -1,4 +1,4 @@
-"""Wire messages of the ledger's anti-entropy sync, ``/swarm/ledger/1.0.0`` (pure: no I/O).
+"""Wire messages of the ledger's anti-entropy sync, ``/swarm/ledger/1.1.0`` and ``1.0.0`` (pure: no I/O).
 
 A session opens with both sides' :class:`SyncHello` (every author's head as the sender sees it);
 then the caller asks, one frame at a time, for equivocation evidence it lacks
@@ -12,6 +12,11 @@ replica is based on (number and hash of the signed bytes; left off the wire when
 node without cuts sends the bytes older nodes read). A caller seeing a newer cut than its own asks for
 it first, one page at a time (:class:`CutPageRequest` -> :class:`CutPage`: the signed cut is larger
 than a frame), since a peer based on a cut holds no entries at or below its heads.
+
+Versions: a session that may carry cuts goes on :data:`PROTOCOL_CUTS`. Nodes of the release before cuts
+speak :data:`PROTOCOL` only, and their decoder refuses a hello naming a cut (``unknown-field``, the
+sender scored down), so on :data:`PROTOCOL` a hello never names one and no cut page is asked for; a
+caller offers :data:`PROTOCOL_CUTS` first and falls back to :data:`PROTOCOL` (node/ledger/service.py).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from ..wire import Message, bounded, register
 from .chain import Head
 from .entries import MAX_ENTRY, MAX_PEER_ID
 
-PROTOCOL = "/swarm/ledger/1.0.0"
+PROTOCOL = "/swarm/ledger/1.0.0"  # without cuts; also the source sync faults are counted under
+PROTOCOL_CUTS = "/swarm/ledger/1.1.0"  # the same messages, a hello naming the sender's cut, cut pages
 MAX_AUTHORS = 20_000  # heads in one SyncHello (about 130 bytes each: well under the 4 MiB frame cap)
 MAX_REPLY_BYTES = 1024 * 1024  # entry bytes in one RangeReply
 MAX_REPLY_ENTRIES = 4096  # schema bound; sync_batch (config) is the working value

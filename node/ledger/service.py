@@ -12,7 +12,7 @@ How this works
   py-libp2p forwards it; rejected messages are counted and feed gossipsub's P4 penalty. Entries that
   arrive ahead of a gap are valid (forwarded) but not stored; they trigger a sync with the peer that
   published them.
-* Anti-entropy on ``/swarm/ledger/1.0.0`` (pull, as in Demers et al., "Epidemic algorithms for
+* Anti-entropy on ``/swarm/ledger/1.1.0`` (pull, as in Demers et al., "Epidemic algorithms for
   replicated database maintenance", PODC 1987): every ``sync_interval`` (jittered) the node picks a
   random connected peer, both send their per-author heads (:class:`SyncHello`; the messages are in
   node/ledger/messages.py), and the caller asks for equivocation evidence it lacks, then for
@@ -35,11 +35,20 @@ How this works
   proof where it disagrees). Adopting swaps in the rebased replica and drops the entries at or below
   the cut's heads from the store in one transaction; the replica's storage then follows the number of
   authors and the entries since the cut, not the run's length.
+* Versions (node/ledger/messages.py): sessions that may carry cuts go on ``/swarm/ledger/1.1.0``; a node
+  of the release before cuts speaks ``1.0.0`` only and would refuse a hello naming a cut and score its
+  sender down. So ``1.0.0`` is still served (by the same handler and budget: a hello without cut fields,
+  no cut pages; a range below our cut is answered with no entries, as for any range we lack), and a
+  caller falls back to it when the peer refuses ``1.1.0`` at negotiation, remembering such a peer for
+  :data:`LEGACY_MEMORY` seconds (one refused negotiation per peer and period, not one per session: py-libp2p
+  logs each as an error). A session on ``1.0.0`` neither names nor takes a cut.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import functools
 import logging
 import random
@@ -84,6 +93,7 @@ from .messages import (
     MAX_AUTHORS,
     MAX_REPLY_BYTES,
     PROTOCOL,
+    PROTOCOL_CUTS,
     CutPage,
     CutPageRequest,
     EvidenceReply,
@@ -105,6 +115,11 @@ MAX_TRACKED_PEERS = 4096  # peers remembered for penalties and last-sync times (
 # peer that restarted with the same key and try to open streams on it, which then hang; a short
 # bound keeps one such peer from stalling anti-entropy for a whole sync_timeout.
 STREAM_OPEN_TIMEOUT = 5.0
+# The sync protocols a node offers as a caller, the one it prefers first, and serves (module docstring).
+SYNC_PROTOCOLS = (PROTOCOL_CUTS, PROTOCOL)
+LEGACY_MEMORY = 600.0  # seconds a peer that refused PROTOCOL_CUTS is called on PROTOCOL directly
+# Set in the task serving a stream on PROTOCOL (the session of a node of the release before cuts).
+_ON_LEGACY = contextvars.ContextVar("ledger_sync_on_legacy", default=False)
 SYNC_WEIGHT = 20.0  # score points a peer loses per invalid entry it sends over sync (decaying)
 BAN_SOURCE = "ledger"  # bans from penalty entries, as the peer table lists them
 MAX_SYNC_SESSIONS = 32  # sync sessions answered at once; more wait
@@ -134,9 +149,10 @@ def _forwarder_at_fault(reason: str, forwarder: str, author: str) -> bool:
 
 # A session is a SyncHello, then up to MAX_REQUESTS_PER_STREAM range or evidence requests, each
 # answered by the reply of its own type; its deadlines are [ledger] sync_timeout (set when served).
-SYNC: RequestResponse = RequestResponse(PROTOCOL, messages(SyncHello, RangeRequest, EvidenceRequest, CutPageRequest), None,
-                                        LedgerConfig.sync_timeout, limits=SYNC_LIMITS,
-                                        per_stream=1 + MAX_REQUESTS_PER_STREAM)
+# Served on both protocols by one handler and budget; faults are counted under PROTOCOL on either.
+SYNC: RequestResponse = RequestResponse(PROTOCOL_CUTS, messages(SyncHello, RangeRequest, EvidenceRequest, CutPageRequest),
+                                        None, LedgerConfig.sync_timeout, limits=SYNC_LIMITS,
+                                        per_stream=1 + MAX_REQUESTS_PER_STREAM, source=PROTOCOL)
 
 
 @dataclass
@@ -185,6 +201,8 @@ class LedgerService:
         # Hashes of trainer-signed cuts our history contradicts: not fetched and replayed again each session
         # (only cuts that opened with a trainer's signature get here, so peers cannot fill it).
         self._refused_cuts: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.protocols = SYNC_PROTOCOLS  # offered as a caller, preferred first, and served
+        self._legacy_until: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> trio time
         self.rejections: collections.Counter = collections.Counter()  # "source/reason" -> count
         self.accepted: collections.Counter = collections.Counter()  # source -> entries accepted
         self._append_lock = trio.Lock()
@@ -641,9 +659,10 @@ class LedgerService:
             with trio.CancelScope(shield=True):
                 await self._adopt_locked(opened, raw, source=peer)
 
-    def _hello(self) -> SyncHello:
+    def _hello(self, cuts: bool = True) -> SyncHello:
+        """Our heads, and the cut we are based on where the session may name one (``cuts``)."""
         heads = tuple(self.ledger.heads()[:MAX_AUTHORS])
-        if self._cut_raw is None:
+        if self._cut_raw is None or not cuts:
             return SyncHello(heads=heads)
         return SyncHello(heads=heads, cut_number=self.ledger.cut_number, cut_hash=self.ledger.cut_hash)
 
@@ -749,10 +768,11 @@ class LedgerService:
         return reply
 
     async def _call_sync(self, peer: str, total: IngestReport) -> None:
-        async with open_call(self.node.host, peer, PROTOCOL, open_timeout=STREAM_OPEN_TIMEOUT,
-                             peers=self.node.peers) as caller:
-            hello = await self._ask(caller, self._hello(), SyncHello)
-            if hello.cut_number > self.ledger.cut_number and hello.cut_hash not in self._refused_cuts:
+        async with contextlib.AsyncExitStack() as stack:
+            caller = await self._open_session(stack, peer)
+            cuts = caller.protocol == PROTOCOL_CUTS
+            hello = await self._ask(caller, self._hello(cuts), SyncHello)
+            if cuts and hello.cut_number > self.ledger.cut_number and hello.cut_hash not in self._refused_cuts:
                 # it holds nothing below that cut: take it first
                 await self._fetch_cut(caller, peer, hello.cut_number, hello.cut_hash)
             requests = 0
@@ -784,6 +804,28 @@ class LedgerService:
                     if report.accepted == 0 and report.duplicates == 0:
                         break
 
+    async def _open_session(self, stack: contextlib.AsyncExitStack, peer: str):
+        """A caller on the newest of our protocols ``peer`` speaks (module docstring: Versions)."""
+        now = trio.current_time()
+        offered = [p for p in self.protocols if not (p == PROTOCOL_CUTS and self._legacy_until.get(peer, -1.0) > now)]
+        for protocol in offered[:-1]:
+            try:
+                return await stack.enter_async_context(self._call_on(peer, protocol))
+            except CallFailure as e:
+                # A refused negotiation is an UNREACHABLE failure of no timeout; a peer really
+                # unreachable fails again at once on the next protocol and is reported as such.
+                if e.kind is not FailureKind.UNREACHABLE or e.detail.startswith("TooSlowError"):
+                    raise
+                self._legacy_until.pop(peer, None)
+                self._legacy_until[peer] = now + LEGACY_MEMORY
+                while len(self._legacy_until) > MAX_TRACKED_PEERS:
+                    self._legacy_until.popitem(last=False)
+        return await stack.enter_async_context(self._call_on(peer, offered[-1]))
+
+    def _call_on(self, peer: str, protocol: str):
+        return open_call(self.node.host, peer, protocol, open_timeout=STREAM_OPEN_TIMEOUT, peers=self.node.peers,
+                         source=PROTOCOL)
+
     async def _ingest_range(self, peer: str, author: str, start: int, raws: tuple[bytes, ...]) -> IngestReport:
         parsed: list[SignedEntry] = []
         report = IngestReport()
@@ -809,11 +851,19 @@ class LedgerService:
 
     # ---------------------------------------------------------------- anti-entropy: answerer
 
-    def sync_handler(self):
-        """The stream handler answering sync sessions on ``/swarm/ledger/1.0.0``."""
+    def sync_handlers(self) -> dict[str, Callable]:
+        """The stream handlers answering sync sessions, by protocol: one handler and budget, told on
+        ``/swarm/ledger/1.0.0`` that the session is of a node of the release before cuts."""
         sync = replace(SYNC, timeout=self.config.sync_timeout, stream_timeout=self.config.sync_timeout)
-        return sync.handler(self._answer, on_fault=self._sync_fault, streams=self.streams,
-                            peers=self.node.peers, metrics=self.node.metrics)
+        handler = sync.handler(self._answer, on_fault=self._sync_fault, streams=self.streams,
+                               peers=self.node.peers, metrics=self.node.metrics)
+
+        async def legacy(stream) -> None:
+            _ON_LEGACY.set(True)  # this stream's task only (trio runs each in a copy of the context)
+            await handler(stream)
+
+        legacy.inbound = handler.inbound  # the host lists it in status (streams)
+        return {p: handler if p == PROTOCOL_CUTS else legacy for p in self.protocols}
 
     def _sync_fault(self, peer: str, reason: str) -> None:
         if reason == "timeout":
@@ -823,11 +873,12 @@ class LedgerService:
             self._penalize(peer, reason)
 
     async def _answer(self, peer: str, msg: Message) -> Message:
+        legacy = _ON_LEGACY.get()
         if isinstance(msg, SyncHello):  # a session's first frame: both sides' heads
             wants, evidence = self.ledger.missing(msg.heads)
-            if wants or evidence or msg.cut_number > self.ledger.cut_number:
+            if wants or evidence or (not legacy and msg.cut_number > self.ledger.cut_number):
                 self.hint_sync(peer)  # push-pull: the caller has something we lack
-            return self._hello()
+            return self._hello(cuts=not legacy)
         if isinstance(msg, RangeRequest):
             if msg.end < msg.start:
                 raise RemoteProtocolError("bad-range", f"{msg.start}..{msg.end}")
@@ -835,7 +886,7 @@ class LedgerService:
             async with self._store_lock:  # after any commit in flight: the range holds what the replica has
                 raws = self.store.range(msg.author, msg.start, msg.end, limit=limit, max_bytes=MAX_REPLY_BYTES)
             return RangeReply(id=msg.id, entries=tuple(raws))
-        if isinstance(msg, CutPageRequest):
+        if isinstance(msg, CutPageRequest) and not legacy:
             return self._cut_page(msg)
         if isinstance(msg, EvidenceRequest):
             ev = self.ledger.evidence(msg.author)
@@ -879,7 +930,8 @@ async def serve_ledger(
         problems = await service.load()
         if problems:
             log.warning("ledger: repaired %d broken author tails on open", len(problems))
-        node.host.set_handler(PROTOCOL, service.sync_handler())
+        for protocol, handler in service.sync_handlers().items():
+            node.host.set_handler(protocol, handler)
         node.host.pubsub.set_topic_validator(service.topic, service.validate_gossip, False)
         subscription = await node.host.pubsub.subscribe(service.topic)
         node.status["ledger"] = service.status
