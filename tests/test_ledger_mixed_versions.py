@@ -17,7 +17,7 @@ import trio
 
 from node.identity import Identity
 from node.ledger import service as service_mod
-from node.ledger.messages import PROTOCOL, PROTOCOL_CUTS, SyncHello
+from node.ledger.messages import PROTOCOL, PROTOCOL_CUTS, CutPageRequest, SyncHello
 from node.net.host import open_swarm_host
 from node.wire import decode, read_frame, write_frame
 from test_ledger_cut_sync import some_history
@@ -121,3 +121,10 @@ async def test_a_node_holding_a_cut_and_one_that_speaks_only_1_0_0_sync_both_way
                 hello = decode(data)
                 assert (b"cut_number" in data) is named
                 assert (hello.cut_number, hello.cut_hash) == ((1, opened.hash) if named else (0, b""))
+            # no cut pages on 1.0.0 (the older release has no such message): the asker is at fault
+            stream = await client.open_stream(peer, PROTOCOL)
+            await write_frame(stream, SyncHello(heads=()))
+            assert await read_frame(stream) is not None
+            await write_frame(stream, CutPageRequest(id=1, number=1, index=0))
+            await wait_for(lambda: ledger(t).rejections.get(f"{PROTOCOL}/unexpected-message", 0) == 1)
+            assert t.context.peers.table.score(client.peer_id, trio.current_time()) < 0
