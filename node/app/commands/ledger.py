@@ -2,6 +2,11 @@
 
 They read the database of a data dir (``--data-dir``, or the default for the run of ``--run FILE``)
 read-only, so they are safe while the node runs (SQLite WAL readers never block the writer).
+
+A database based on a trainer-signed cut (node/ledger/cut.py) holds no entries at or below the cut's
+heads: totals are the cut's plus the entries above it, ``verify`` checks the cut itself (its signature,
+run and signer among the run's trainers, and the stored bases against its heads) and the entries
+above it, and says so; ``export`` writes the entries it holds.
 """
 
 from __future__ import annotations
@@ -69,18 +74,25 @@ class _Usage(Exception):
     pass
 
 
-def _config(args):
+def tool_config(run_file: Path | None, data_dir: str | None):
     """The run file's config; without one (no --run, no $SWARM_RUN), the run the data dir's node last
-    served (its run.json), so totals are judged as that node judges them."""
-    from ...config import RUN_FILE_ENV, ConfigError, load_config, read_run_record
+    served (its run.json), so entries are judged as that node judges them (ConfigError for a bad run
+    file). Also ``swarm-node penalties``'s."""
+    from ...config import RUN_FILE_ENV, load_config, read_run_record
 
-    try:
-        config = load_config(getattr(args, "run", None), dict(os.environ), {"data_dir": getattr(args, "data_dir", None)})
-    except ConfigError as e:
-        raise _Usage(str(e)) from None
-    if getattr(args, "run", None) is None and not os.environ.get(RUN_FILE_ENV):
+    config = load_config(run_file, dict(os.environ), {"data_dir": data_dir})
+    if run_file is None and not os.environ.get(RUN_FILE_ENV):
         config.run = read_run_record(config.resolved_data_dir()) or config.run
     return config
+
+
+def _config(args):
+    from ...config import ConfigError
+
+    try:
+        return tool_config(getattr(args, "run", None), getattr(args, "data_dir", None))
+    except ConfigError as e:
+        raise _Usage(str(e)) from None
 
 
 def _open(args) -> tuple[LedgerStore, object]:
@@ -143,21 +155,51 @@ def _short_peer(peer: str) -> str:
     return peer if len(peer) <= 20 else f"{peer[:8]}…{peer[-6:]}"
 
 
+def cut_problems(store: LedgerStore, rules: Ledger) -> tuple[str | None, list[str]]:
+    """The newest stored cut checked as a replica taking it would (signature, run, a signer among
+    ``rules``' trainers) and the stored bases against its heads: (what it is, or None without a cut;
+    its problems)."""
+    from ...ledger.cut import open_cut
+    from ...wire import RemoteProtocolError
+
+    newest = store.latest_cut()
+    if newest is None:
+        return None, []
+    number, _hash, raw = newest
+    if not rules.trainers:
+        return f"cut {number}", [f"cut {number}: its signer cannot be checked: no run file (--run FILE) and no "
+                                 f"run.json in the data dir names the run's trainers"]
+    try:
+        opened = open_cut(raw, rules)
+    except RemoteProtocolError as e:
+        return f"cut {number}", [f"cut {number}: {e.reason}: {e.detail}"]
+    problems = []
+    if opened.cut.number != number or opened.hash != newest[1]:
+        problems.append(f"cut {number}: stored as number {number}, hash {newest[1].hex()[:16]}; "
+                        f"its bytes are cut {opened.cut.number}, hash {opened.hash.hex()[:16]}")
+    heads = {log.author: (log.seq, log.hash) for log in opened.cut.logs if log.seq}
+    if store.bases() != heads:
+        problems.append(f"cut {number}: the stored bases are not its heads")
+    return f"cut {number} signed by {opened.signer}", problems
+
+
 @_guard
 def cmd_verify(args) -> int:
-    """Re-check every entry's signature, hash and link, and every piece of evidence."""
+    """Re-check the newest stored cut, every stored entry's signature, hash and link, and every piece
+    of evidence."""
     store, config = _open(args)
     problems: list[str] = []
     with store:
-        heads = store.heads()
-        checked = 0
-        for author, head in sorted(heads.items()):
-            bad = store.check_range(author, 1, head)
-            if bad:
-                problems.append(f"{author}: seq {bad[0]}: {bad[1]}")
-            checked += head
         run_name = store.run()
         rules = Ledger(run_name or config.run.name, config.run.trainers, config.run.validators, max_skew_ms=0)
+        cut, problems = cut_problems(store, rules)
+        heads, bases = store.heads(), store.bases()
+        checked = 0
+        for author, head in sorted(heads.items()):
+            bad = store.check_range(author, 1, head)  # from above the author's base
+            if bad:
+                problems.append(f"{author}: seq {bad[0]}: {bad[1]}")
+            checked += head - bases.get(author, (0, b""))[0]
         for _author, seq, _h, raw in store.iter_raw():
             se = parse_entry(raw, verify_signature=False)  # signature checked above
             problem = rules.authority_problem(se)
@@ -177,7 +219,11 @@ def cmd_verify(args) -> int:
     for p in problems:
         print(f"FAIL {p}")
     status = "OK" if not problems else f"{len(problems)} problem(s)"
-    print(f"verified {checked} entries from {len(heads)} authors and {evidence} evidence pair(s): {status}")
+    if cut is None:
+        print(f"verified {checked} entries from {len(heads)} authors and {evidence} evidence pair(s): {status}")
+    else:  # the entries at or below the cut's heads are not here to verify: the cut's signature vouches for them
+        print(f"based on {cut}; {checked} entries above it verified, from {len(heads)} authors, and {evidence} "
+              f"evidence pair(s): {status}")
     return 0 if not problems else 1
 
 

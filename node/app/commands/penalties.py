@@ -3,6 +3,11 @@
 Reads the ledger database of a data dir read-only (safe while the node runs), like ``swarm-node
 ledger``, and lists every ``penalty`` entry, the active bans, and failed verdicts per worker and
 reason. Penalties and verdicts are replicated to every peer, so any node can answer this.
+
+The run's trainers come from the run file, or else the run.json the data dir's node left (as for
+``swarm-node ledger``): a database based on a trainer-signed cut is rebuilt from the cut, which only
+they sign. Penalty entries and verdicts at or below the cut were pruned with it; the bans still
+running at the cut's time are in the cut and listed.
 """
 
 from __future__ import annotations
@@ -23,9 +28,15 @@ def add_commands(sub) -> None:
     p.set_defaults(func=cmd_penalties)
 
 
-def collect(store, now_s: float) -> dict:
-    """Penalty entries, active bans and failed-verdict reasons from a ledger store."""
+def collect(store, now_s: float, run=None) -> dict:
+    """Penalty entries, active bans and failed-verdict reasons from a ledger store of ``run`` (a
+    :class:`~node.config.RunConfig`: its trainers open a stored cut; None: none known, which only a
+    store without a cut can do without), and the cut the store is based on (``cut``: None, or its
+    number and signer)."""
+    from ...config import RunConfig
     from ...ledger.chain import Ledger
+
+    run = run or RunConfig(name=store.run() or "")
     from ...ledger.entries import Penalty, Verdict, parse_entry
     from ...ledger.store import rebuild
 
@@ -39,10 +50,12 @@ def collect(store, now_s: float) -> dict:
                 if r != "ok":
                     failed[se.body.worker][r] += 1
     # Active bans as the node itself sees them (equivocators' entries past the fork excluded).
-    replica = Ledger(store.run() or "", (), (), 0, history=store.entries)
-    rebuild(store, replica)
+    replica = Ledger(store.run() or run.name, run.trainers, run.validators, 0, history=store.entries)
+    rebuild(store, replica)  # LedgerStoreError when a stored cut does not open for the run's trainers
     now_ms = int(now_s * 1000)
+    newest = store.latest_cut()
     return {
+        "cut": None if newest is None else {"number": newest[0], "signer": open_signer(newest[2], replica)},
         "penalties": [
             {"peer": b.peer, "by": a, "time_ms": t, "reason": b.reason, "points": b.points, "ban_seconds": b.ban_seconds}
             for a, t, b in penalties
@@ -53,21 +66,33 @@ def collect(store, now_s: float) -> dict:
     }
 
 
+def open_signer(raw: bytes, replica) -> str:
+    """The signer of the stored cut ``replica`` was rebuilt from (rebuild opened it for the run's trainers)."""
+    from ...ledger.cut import DOMAIN, MAX_CUT_BYTES, Cut
+    from ...ledger.summary import open_signed
+
+    return open_signed(raw, DOMAIN, Cut, MAX_CUT_BYTES, replica.run, replica.trainers)[0]
+
+
 def cmd_penalties(args) -> int:
-    from ...config import ConfigError, load_config
+    from ...config import ConfigError
     from ...ledger.store import LedgerStoreError, open_ledger_store
+    from .ledger import tool_config
 
     try:
-        config = load_config(args.run, dict(os.environ), {"data_dir": args.data_dir})
+        config = tool_config(args.run, args.data_dir)
         store = open_ledger_store(config.resolved_data_dir(), read_only=True)
+        with store:
+            report = collect(store, time.time(), config.run)
     except (ConfigError, LedgerStoreError) as e:
         print(f"swarm-node penalties: error: {e}", file=sys.stderr)
         return 2
-    with store:
-        report = collect(store, time.time())
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
         return 0
+    if report["cut"]:
+        print(f"based on cut {report['cut']['number']} signed by {report['cut']['signer']}: penalties and verdicts "
+              f"at or below it were pruned with it; its bans still running are listed")
     print(f"{len(report['penalties'])} penalties")
     for p in report["penalties"]:
         ban = f", banned {p['ban_seconds']}s" if p["ban_seconds"] else ""
