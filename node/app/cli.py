@@ -110,11 +110,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     require_run(config, args)
     check_code_sandbox(config)  # before a key is made: a node that cannot start should leave nothing
+    from ..roles.sections import RunSections
+
+    sections = RunSections.of(config.run)
+    sections.cross_check()  # nor one whose run tables contradict each other
     if config.role == "inference":  # nor an inference node that cannot run the engine its run selects
         from ..inference.generate import choose_engine
-        from ..roles.sections import RunSections
 
-        choose_engine(RunSections.of(config.run).inference)
+        choose_engine(sections.inference)
     check_trusted_role(config)
     check_model(config)
     setup_logging(config.log_level, config.log_json)  # what opening the data dir logs is formatted too

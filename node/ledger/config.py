@@ -37,7 +37,8 @@ class LedgerConfig:
     # never), and every replica drops the entries at or below a cut's heads once it adopted it.
     cut_every: int = 4000
     # Each worker's newest draw steps a cut leaves open: above a trainer's step window (26 by default)
-    # plus the validators' lag (37 seen in soaks), so an honest batch never loses credit.
+    # plus the validators' lag (37 seen in soaks), so an honest batch never loses credit. A run file
+    # at or below keep_steps_floor is refused (node/config.py).
     keep_steps: int = 64
     # Newest checkpoint versions a cut leaves open (the bytes vouched for their manifests stay per receipt).
     keep_versions: int = 8
@@ -74,3 +75,24 @@ class LedgerConfig:
                              f"the validators' lag), got {self.keep_steps}")
         if not 1 <= self.keep_versions <= 1_000_000:
             raise ValueError(f"keep_versions: 1..1000000 checkpoint versions, got {self.keep_versions}")
+
+
+
+def keep_steps_floor(step_window: int) -> int:
+    """The largest ``keep_steps`` a run whose trainers' step window is ``step_window`` (node/rollouts/steps.py
+    ``step_window_size``) must not use: the window, within which a trainer still takes a batch below
+    its worker's highest step, and as much again for the claims that reach the ledger after newer ones
+    (validators judge in each trainer's deadline order, up to a trainer's queue apart: soak60b's claims
+    were up to 37 steps behind their worker's highest, at a window of 26)."""
+    return 2 * step_window
+
+
+def keep_steps_problem(keep_steps: int, step_window: int, window_from: str) -> str | None:
+    """Why a run's ``keep_steps`` would let a cut take an honest batch's credit (one line), or None;
+    ``window_from`` says what set the step window."""
+    floor = keep_steps_floor(step_window)
+    if keep_steps > floor:
+        return None
+    return (f"run.ledger.keep_steps ({keep_steps}) must be above {floor}: the trainers' step window ({step_window}, "
+            f"from {window_from}) and as much again for the validators' lag; a cut closes older draw steps, and "
+            f"an honest batch claimed at a closed step counts nothing")

@@ -15,14 +15,15 @@ import typing
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..config import RunConfig
+from ..config import ConfigError, RunConfig
 from ..gossip.membership import MembershipConfig
-from ..ledger.config import LedgerConfig
+from ..ledger.config import LedgerConfig, keep_steps_problem
 from ..net.budget import StreamsConfig
 from ..proofs.config import ProofsConfig
 from ..rl.config import GRPOConfig, InferenceConfig, RLConfig
 from ..rollouts.config import WorkerConfig
 from ..rollouts.quota import QuotaConfig
+from ..rollouts.steps import step_window_size
 from ..shards.config import ShardsConfig
 from ..trainer.config import TrainerConfig
 from ..validator.config import ValidatorConfig
@@ -54,6 +55,15 @@ class RunSections:
         """Every table of ``run`` built and checked (ConfigError naming the field, as at load)."""
         hints = typing.get_type_hints(cls)
         return cls(**{f.name: run.section(f.name, hints[f.name]) for f in dataclasses.fields(cls)})
+
+    def cross_check(self) -> None:
+        """ConfigError (one line) for tables that are each valid but contradict each other; checked
+        before a node starts (node/app/cli.py)."""
+        window = step_window_size(self.worker.max_pending_batches)
+        problem = keep_steps_problem(self.ledger.keep_steps, window,
+                                     f"worker.max_pending_batches {self.worker.max_pending_batches}")
+        if problem:
+            raise ConfigError(problem)
 
     def pick(self, bundle: type[B]) -> B:
         """A service's bundle of the sections it reads (a dataclass whose fields are named and typed
