@@ -38,7 +38,7 @@ class LedgerConfig:
     cut_every: int = 4000
     # Each worker's newest draw steps a cut leaves open: above a trainer's step window (26 by default)
     # plus the validators' lag (37 seen in soaks), so an honest batch never loses credit. A run file
-    # at or below keep_steps_floor is refused (node/config.py).
+    # at or below twice the step window is refused at start (keep_steps_floor).
     keep_steps: int = 64
     # Newest checkpoint versions a cut leaves open (the bytes vouched for their manifests stay per receipt).
     keep_versions: int = 8
