@@ -859,8 +859,11 @@ class LedgerService:
                                peers=self.node.peers, metrics=self.node.metrics)
 
         async def legacy(stream) -> None:
-            _ON_LEGACY.set(True)  # this stream's task only (trio runs each in a copy of the context)
-            await handler(stream)
+            token = _ON_LEGACY.set(True)  # for this stream's session only
+            try:
+                await handler(stream)
+            finally:
+                _ON_LEGACY.reset(token)
 
         legacy.inbound = handler.inbound  # the host lists it in status (streams)
         return {p: handler if p == PROTOCOL_CUTS else legacy for p in self.protocols}
