@@ -14,7 +14,7 @@ from node.app.commands.ledger import cmd_verify
 from node.app.commands.penalties import cmd_penalties, collect
 from node.config import RunConfig, write_run_record
 from node.identity import Identity
-from node.ledger.cut import make_cut, open_cut, sign_cut
+from node.ledger.cut import make_cut, sign_cut
 from node.ledger.store import open_ledger_store
 from test_ledger_cut import BANNED, NOW, RUN, T1, T2, VALIDATOR, deliver, history, new_ledger
 from test_ledger_cut_store import heads_of, stored_with_cut

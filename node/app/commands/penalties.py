@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import sys
 import time
 from pathlib import Path
