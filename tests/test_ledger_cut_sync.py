@@ -132,6 +132,20 @@ async def test_the_cutter_cuts_every_cut_every_entries_and_cuts_follow_each_othe
         assert ledger(t).store.count() < 100 + 10  # what the cutter stores follows the period, not the run
 
 
+async def test_a_restarted_cutter_counts_the_entries_it_stored_since_its_last_cut(tmp_path):
+    """The count toward the next cut is what the store holds above the cut, not what this process
+    took in: a cutter restarted more often than every cut_every entries (the soak's trainer: three
+    lives in 20 minutes) never reached the count and never cut."""
+    async with open_ledger_node(tmp_path, "t", TRAINER, NO_CUTS) as t, \
+            open_ledger_node(tmp_path, "v", VALIDATOR, NO_CUTS) as v:
+        await connect(t, v)
+        entries = await some_history(t, v, 25)  # 125 entries, none cut
+        await wait_for(lambda: ledger(t).store.count() == len(entries))
+    async with open_ledger_node(tmp_path, "t", TRAINER, run_config(cut_every=100)) as t:
+        await wait_for(lambda: ledger(t).ledger.cut_number == 1, what="a cut of what the last life stored")
+        assert ledger(t).totals() == keeper(entries).totals()
+
+
 @asynccontextmanager
 async def mallory(victim, answer):
     """A peer that speaks the sync protocol with ``answer(message) -> reply`` (None: hang up); yields

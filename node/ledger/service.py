@@ -193,7 +193,7 @@ class LedgerService:
         self.ledger = self._empty_replica()
         self._cut_raw: bytes | None = None  # the signed cut the replica is based on (served to peers in pages)
         self._bases: dict[str, int] = {}  # every author's head at that cut: the store holds its entries above
-        self._since_cut = 0  # entries the replica took in since its last cut
+        self._since_cut = 0  # entries stored above the last cut (load counts the store's)
         self._cut_due = trio.Event()
         self._thread_reader = threading.local()  # .store: a worker thread's own reader (_in_thread)
         self.is_cutter = node.peer_id == cutter_of(run.trainers)  # cuts every cut_every entries when that is > 0
@@ -257,6 +257,11 @@ class LedgerService:
         newest = self.store.latest_cut()
         self._cut_raw = newest[2] if newest else None
         self._bases = {a: seq for a, (seq, _h) in self.store.bases().items()}
+        # Counted from what the store holds above the cut, not from this process's start: a cutter
+        # restarted more often than every cut_every entries would never cut.
+        self._since_cut = self.store.count()
+        if self.is_cutter and self.config.cut_every and self._since_cut >= self.config.cut_every:
+            self._cut_due.set()
         now = self.now_ms()
         for ban in self.ledger.bans(now).values():
             self.node.peers.ban(ban.peer, BAN_SOURCE, f"{ban.reason} (by {ban.by[-8:]})", (ban.until_ms - now) / 1000)
