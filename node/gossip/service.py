@@ -15,7 +15,9 @@ neighbours within a tick. Probing every member instead made a node in a swarm la
 gossipsub mesh peer) right after: at N = 50 on one machine that churn starved the CPU and broke
 the meshes, refutations got lost, and live members were declared dead faster than they could come
 back. A deliberate close is announced first (``Prune`` on the probe protocol), so that the pruned
-peer does not take it for a failure and redial.
+peer does not take it for a failure and redial. Because of that, a member whose last connections
+were all closed on purpose and then crashed would be probed by no one: every ``far_probe_every``
+rounds the table picks a live member we hold no connection to instead (node/gossip/membership.py).
 
 What the table finds wrong with a remote peer (a refuted or flooding accuser, a source over its
 new-member budget) is reported to the peer score owner under ``SOURCE``; we report an accuser
