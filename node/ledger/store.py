@@ -31,6 +31,7 @@ newest cut and replays the entries above it.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,13 +142,27 @@ class LedgerStore:
 
     # ---------------------------------------------------------------- writing
 
+    @contextlib.contextmanager
+    def _transaction(self):
+        """One write transaction: committed when the block ends, rolled back on any exception; a full
+        disk is StoreFull (the service keeps what it took in and retries once there is room)."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            yield
+            self._db.execute("COMMIT")
+        except BaseException as e:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            if isinstance(e, sqlite3.OperationalError) and e.sqlite_errorcode == sqlite3.SQLITE_FULL:
+                raise StoreFull(f"ledger database {self.path}: the disk is full") from None
+            raise
+
     def commit(self, entries: list[SignedEntry], evidence: list[Evidence] = (), *, durable: bool = False) -> None:
         """Store checked entries and evidence in one transaction (see the module doc for durable)."""
         if not entries and not evidence:
             return
         self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
-        try:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._transaction():
             self._db.executemany(
                 "INSERT INTO entries(author, seq, hash, raw) VALUES(?, ?, ?, ?)",
                 [(e.author, e.seq, e.hash, e.raw) for e in entries],
@@ -156,13 +171,6 @@ class LedgerStore:
                 "INSERT OR REPLACE INTO evidence(author, fork_seq, raw_a, raw_b) VALUES(?, ?, ?, ?)",
                 [(ev.author, ev.fork_seq, ev.a.raw, ev.b.raw) for ev in evidence],
             )
-            self._db.execute("COMMIT")
-        except BaseException as e:
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
-            if isinstance(e, sqlite3.OperationalError) and e.sqlite_errorcode == sqlite3.SQLITE_FULL:
-                raise StoreFull(f"ledger database {self.path}: the disk is full") from None
-            raise
 
     def truncate(self, author: str, from_seq: int) -> int:
         """Drop ``author``'s entries from ``from_seq`` on (a corrupt tail). Returns rows removed."""
@@ -177,8 +185,7 @@ class LedgerStore:
         newest = self._db.execute("SELECT max(number) FROM cuts").fetchone()  # the writer's connection: its thread
         if newest[0] is not None and number <= newest[0]:
             raise ValueError(f"cut {number} is not newer than the stored cut {newest[0]}")
-        try:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._transaction():
             self._db.execute("INSERT INTO cuts(number, hash, raw) VALUES(?, ?, ?)", (number, cut_hash, raw))
             self._db.execute("DELETE FROM cuts WHERE number <= ?", (number - KEEP_CUTS,))
             self._db.execute("DELETE FROM bases")
@@ -188,13 +195,6 @@ class LedgerStore:
             self._db.executemany("DELETE FROM entries WHERE author=? AND seq<=?",
                                  [(a, seq) for a, (seq, _h) in heads.items() if seq > 0])
             dropped = self._db.total_changes - before
-            self._db.execute("COMMIT")
-        except BaseException as e:
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
-            if isinstance(e, sqlite3.OperationalError) and e.sqlite_errorcode == sqlite3.SQLITE_FULL:
-                raise StoreFull(f"ledger database {self.path}: the disk is full") from None
-            raise
         return dropped
 
     # ---------------------------------------------------------------- reading
