@@ -23,6 +23,7 @@ from node.ledger.chain import Evidence, Ledger, Outcome
 from node.ledger.cut import (
     Cut,
     CutBatch,
+    CutPublished,
     cut_problem,
     ledger_from_cut,
     make_cut,
@@ -382,3 +383,36 @@ def test_a_cut_grows_with_the_peers_not_with_the_history():
     (cut_small, raw_small), (cut_big, raw_big) = sizes[3], sizes[12]
     assert raw_big > 3.5 * raw_small
     assert cut_big < 1.1 * cut_small  # the same peers, the same window: wider integers at most
+
+
+def test_a_cut_larger_than_one_frame_is_signed_opened_and_loaded():
+    """A thousand workers' open claims make a cut of several MiB (bench/ledger.py --scale: 10-12 MB),
+    more than the 4 MiB one frame (and a plain Envelope) holds: the cutter raised out of its loop and
+    ended the node, again at each restart."""
+    ledger = new_ledger()
+    deliver(ledger, history(2, seed=4))
+    cut = make_cut(ledger, time_ms=NOW, keep_versions=1, keep_steps=1)
+    rng = random.Random(7)
+    extra = tuple(CutPublished(manifest=rng.randbytes(32), version=10**6 + i, size=1 << 20, entries=1)
+                  for i in range(90_000))  # ~5 MiB of open versions' published sizes
+    big = dataclasses.replace(cut, published=tuple(sorted(cut.published + extra, key=lambda p: (p.manifest, p.version))))
+    raw = sign_cut(T1, big)
+    assert len(raw) > 4 * 1024 * 1024
+    got = open_cut(raw, ledger)
+    assert got.cut == big and got.signer == T1.peer_id
+    assert ledger_from_cut(got, new_ledger()).digest() == ledger.digest()
+
+
+def test_a_cut_signed_by_a_stranger_is_refused_before_its_payload_is_decoded(monkeypatch):
+    """Anyone can sign megabytes of schema-valid junk with its own key: the signer is checked first."""
+    import node.wire
+
+    ledger = new_ledger()
+    deliver(ledger, history(2, seed=4))
+    raw = sign_cut(WORKERS[0], make_cut(ledger, time_ms=NOW, keep_versions=1, keep_steps=1))
+    decoded = []
+    real = node.wire.Envelope.open_as
+    monkeypatch.setattr(node.wire.Envelope, "open_as", lambda self, *a, **k: decoded.append(1) or real(self, *a, **k))
+    with pytest.raises(RemoteProtocolError) as e:
+        open_cut(raw, ledger)
+    assert e.value.reason == "unauthorized" and not decoded

@@ -90,7 +90,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import hashes
-from ..wire import Message, RemoteProtocolError, bounded, register
+from ..wire import Envelope, Message, RemoteProtocolError, bounded, register
 from .chain import _CLAIM, BaseParts, Evidence, History, Ledger, LedgerBan
 from .entries import GENESIS, MAX_ENTRY, MAX_PEER_ID, MAX_REASON, MAX_SEQ, TOTAL_FIELDS, parse_entry
 from .summary import open_signed, sign
@@ -201,6 +201,16 @@ class Cut(Message):
     bans: tuple[CutBan, ...] = bounded(max_len=MAX_CUT_RECORDS)
 
 
+@register
+@dataclass(frozen=True)
+class CutEnvelope(Envelope):
+    """A signed cut: an :class:`~node.wire.Envelope` whose payload may be a whole cut (a thousand
+    workers' open claims pass the 4 MiB of one frame; it travels in pages, node/ledger/cutsync.py)."""
+
+    TYPE: ClassVar[str] = "ledger-cut-envelope"
+    payload: bytes = bounded(max_len=MAX_CUT_BYTES)
+
+
 @dataclass(frozen=True)
 class OpenedCut:
     """A cut whose signature and signer were checked, with the hash of its signed bytes (the next cut's prev)."""
@@ -254,13 +264,13 @@ def _pair(ev: Evidence | None) -> tuple[bytes, ...]:
 
 def sign_cut(identity, cut: Cut) -> bytes:
     """The cut sealed by ``identity`` (a trainer of the run), as it is stored and sent."""
-    return sign(identity, DOMAIN, cut)
+    return sign(identity, DOMAIN, cut, CutEnvelope)
 
 
 def open_cut(raw: bytes, ledger: Ledger) -> OpenedCut:
     """Check untrusted bytes for ``ledger`` (its run, its trainers, newer than the cut it is based on):
     RemoteProtocolError with a reason otherwise (the sender is wrong, or the cut is old news)."""
-    signer, cut = open_signed(raw, DOMAIN, Cut, MAX_CUT_BYTES, ledger.run, ledger.trainers)
+    signer, cut = open_signed(raw, DOMAIN, Cut, MAX_CUT_BYTES, ledger.run, ledger.trainers, CutEnvelope)
     if cut.number <= ledger.cut_number:
         raise RemoteProtocolError("old-cut", f"cut {cut.number}, based on {ledger.cut_number}")
     for name in ("logs", "rows"):

@@ -102,20 +102,24 @@ def summarise(ledger: Ledger, now_ms: int) -> Summary:
     return Summary(run=ledger.run, time_ms=now_ms, digest=ledger.digest(), rows=tuple(rows))
 
 
-def sign(identity, domain: str, message: Message) -> bytes:
-    """``message`` sealed by ``identity`` (a trainer of the run) for ``domain``, as it is stored and sent."""
-    return encode(seal(identity, domain, message))
+def sign(identity, domain: str, message: Message, envelope: type[Envelope] = Envelope) -> bytes:
+    """``message`` sealed by ``identity`` (a trainer of the run) for ``domain``, as it is stored and
+    sent, in ``envelope`` (an Envelope type whose payload bound fits the message)."""
+    env = seal(identity, domain, message)
+    if envelope is not Envelope:
+        env = envelope(domain=env.domain, payload=env.payload, public_key=env.public_key, signature=env.signature)
+    return encode(env)
 
 
 def open_signed(raw: bytes, domain: str, cls: type, max_bytes: int, run: str,
-                trainers: frozenset[str] | set[str]) -> tuple[str, Message]:
+                trainers: frozenset[str] | set[str], envelope: type[Envelope] = Envelope) -> tuple[str, Message]:
     """(signer, message) of untrusted bytes sealed for ``domain``: schema, signature, a signer among
     ``trainers`` (the run file's), the right ``run``. RemoteProtocolError with a reason otherwise."""
-    env = decode_as(Envelope, raw, max_bytes)
-    message = env.open_as(domain, cls, max_bytes)
+    env = decode_as(envelope, raw, max_bytes)
     signer = peer_id_of(env.public_key)
-    if signer not in trainers:
+    if signer not in trainers:  # before the signature and the payload: anyone can sign megabytes with its own key
         raise RemoteProtocolError("unauthorized", f"{domain} signed by {signer[-8:]}, not a trainer of the run")
+    message = env.open_as(domain, cls, max_bytes)
     if message.run != run:
         raise RemoteProtocolError("wrong-run", message.run[:32])
     return signer, message
