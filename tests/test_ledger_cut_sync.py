@@ -270,6 +270,44 @@ async def test_a_trainer_signed_cut_the_replicas_history_contradicts_is_refused_
             assert v.context.peers.table.score(relay, trio.current_time()) >= 0
 
 
+async def test_a_trainer_signed_cut_that_does_not_load_is_refused_and_the_node_goes_on(tmp_path):
+    """A cut that opens (a trainer's signature) but names a peer row it lacks raised out of the sync
+    loop of every node that adopts on the signature (an empty one) and ended it, again after each restart."""
+    from contextlib import AsyncExitStack
+
+    from node.ledger.cut import CutBatch
+
+    async with AsyncExitStack() as stack:
+        _t, v, _entries = await victim_with_history(stack, tmp_path)
+        fresh = await stack.enter_async_context(open_ledger_node(tmp_path, "fresh", Identity.generate(), NO_CUTS))
+        raw = honest_cut(v, batches=(CutBatch(batch=bytes(32), claims=b"\xff" * 4 + bytes(21)),))
+        async with mallory(fresh, serving(raw, 1)) as relay:
+            await ledger(fresh).sync_with(relay)
+            # >= 1: the node's own sync loop may pick the relay too and refuse it once more meanwhile
+            assert ledger(fresh).cuts["refused"] >= 1 and ledger(fresh).ledger.cut_number == 0
+            assert ledger(fresh).store.latest_cut() is None
+        await connect(fresh, v)  # still syncing entries as before
+        await wait_for(lambda: ledger(fresh).digest() == ledger(v).digest())
+
+
+async def test_a_cut_the_cutter_cannot_make_is_counted_and_the_node_goes_on(tmp_path, monkeypatch):
+    import node.ledger.service as service
+    from node.wire import LocalProtocolError
+
+    async with open_ledger_node(tmp_path, "t", TRAINER, NO_CUTS) as t, \
+            open_ledger_node(tmp_path, "v", VALIDATOR, NO_CUTS) as v:
+        await connect(t, v)
+        await some_history(t, v, 3)
+
+        def too_big(*_a):
+            raise LocalProtocolError("envelope.payload: length > 4194304")
+
+        monkeypatch.setattr(service, "sign_cut", too_big)
+        assert await ledger(t).cut_now() is None and ledger(t).cuts["failed"] == 1
+        monkeypatch.undo()
+        assert (await ledger(t).cut_now()).cut.number == 1
+
+
 async def test_an_old_cut_is_not_fetched_again_and_pages_out_of_range_are_refused(tmp_path):
     from contextlib import AsyncExitStack
 

@@ -555,7 +555,15 @@ class LedgerService:
                 raw = sign_cut(self.node.identity, cut)
                 return raw, open_cut(raw, self.ledger)
 
-            raw, opened = await self._in_thread(seal)
+            try:
+                raw, opened = await self._in_thread(seal)
+            except (LocalProtocolError, RemoteProtocolError, ValueError) as e:
+                # A cut we cannot make (a bug, a bound passed) must not end the node, nor be tried again at
+                # once: the next try is another cut_every entries away.
+                self._since_cut = 0
+                self.cuts["failed"] += 1
+                log.error("ledger: cannot make a cut: %s", e)
+                return None
             cut = opened.cut
             if not await self._adopt_locked(opened, raw, check=False):
                 return None
@@ -598,14 +606,17 @@ class LedgerService:
                     return problem, None
             return None, rebase(self.ledger, opened, self._entries)
 
-        problem, rebased = await self._in_thread(check_and_rebase)
+        try:
+            problem, rebased = await self._in_thread(check_and_rebase)
+        except (RemoteProtocolError, ValueError) as e:  # a trainer-signed cut that does not load: refused, not fatal
+            problem, rebased = f"unloadable: {getattr(e, 'reason', '') or e}"[:120], None
         if problem:
             self._refuse_cut(opened, raw, problem, source)
             return False
         heads = {log.author: (log.seq, log.hash) for log in cut.logs}
         try:
             dropped = await self.db.run(self.store.adopt_cut, cut.number, opened.hash, raw, heads)
-        except StoreFull as e:
+        except (StoreFull, ValueError) as e:  # ValueError: the store holds a newer cut already
             log.warning("ledger: cut %d not adopted: %s", cut.number, e)
             return False
         self.ledger = rebased
