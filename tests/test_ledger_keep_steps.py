@@ -27,11 +27,12 @@ def test_the_floor_is_the_step_window_and_as_much_again():
 
 
 @pytest.mark.parametrize("table, refused", [
-    ("[ledger]\nkeep_steps = 26\n", True),  # the default step window itself
-    ("[ledger]\nkeep_steps = 52\n", True),  # at the floor
-    ("[ledger]\nkeep_steps = 53\n", False),
-    ("[worker]\nmax_pending_batches = 32\n", True),  # a window the default keep_steps (64) does not clear
-    ("[worker]\nmax_pending_batches = 32\n[ledger]\nkeep_steps = 200\n", False),
+    ("[ledger]\ncut_every = 4000\nkeep_steps = 26\n", True),  # the default step window itself
+    ("[ledger]\ncut_every = 4000\nkeep_steps = 52\n", True),  # at the floor
+    ("[ledger]\ncut_every = 4000\nkeep_steps = 53\n", False),
+    ("[worker]\nmax_pending_batches = 32\n[ledger]\ncut_every = 4000\n", True),  # the default keep_steps (64) does not clear it
+    ("[worker]\nmax_pending_batches = 32\n[ledger]\ncut_every = 4000\nkeep_steps = 200\n", False),
+    ("[worker]\nmax_pending_batches = 32\n", False),  # no cuts: keep_steps closes nothing
     ("", False),
 ])
 def test_a_run_file_whose_keep_steps_does_not_clear_the_step_window_is_refused(tmp_path, capsys, table, refused):

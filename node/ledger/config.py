@@ -33,9 +33,12 @@ class LedgerConfig:
     # Fraction of the bytes vouched for by an author without standing that counts as bytes_served (0 = none).
     unvouched_credit: float = 0.0
     # Trainer-signed cuts (node/ledger/cut.py, node/ledger/cutsync.py): the run's cutter (its first
-    # trainer in sorted order) cuts its replica every ``cut_every`` entries the replica took in (0 =
-    # never), and every replica drops the entries at or below a cut's heads once it adopted it.
-    cut_every: int = 4000
+    # trainer in sorted order) cuts its replica every ``cut_every`` entries stored above its last cut
+    # (0 = never), and every replica drops the entries at or below a cut's heads once it adopted it.
+    # Off by default for now: a replica holding the other branch of a forked author refuses every cut
+    # (it cannot replay to the cut's heads), and a run file that drops the trainer that signed a stored
+    # cut stops the nodes based on it from starting. 4000 suits a demo-sized run.
+    cut_every: int = 0
     # Each worker's newest draw steps a cut leaves open: above a trainer's step window (26 by default)
     # plus the validators' lag (37 seen in soaks), so an honest batch never loses credit. A run file
     # at or below twice the step window is refused at start (keep_steps_floor).

@@ -59,6 +59,8 @@ class RunSections:
     def cross_check(self) -> None:
         """ConfigError (one line) for tables that are each valid but contradict each other; checked
         before a node starts (node/app/cli.py)."""
+        if not self.ledger.cut_every:
+            return  # keep_steps matters only to cuts (a run without them keeps every draw step open)
         window = step_window_size(self.worker.max_pending_batches)
         problem = keep_steps_problem(self.ledger.keep_steps, window,
                                      f"worker.max_pending_batches {self.worker.max_pending_batches}")
