@@ -267,10 +267,16 @@ def sign_cut(identity, cut: Cut) -> bytes:
     return sign(identity, DOMAIN, cut, CutEnvelope)
 
 
+def open_signed_cut(raw: bytes, ledger: Ledger) -> tuple[str, Cut]:
+    """(signer, cut) of untrusted bytes: schema, signature, a signer among ``ledger``'s trainers, its run
+    (what :func:`open_cut` checks before the cut's number and order)."""
+    return open_signed(raw, DOMAIN, Cut, MAX_CUT_BYTES, ledger.run, ledger.trainers, CutEnvelope)
+
+
 def open_cut(raw: bytes, ledger: Ledger) -> OpenedCut:
     """Check untrusted bytes for ``ledger`` (its run, its trainers, newer than the cut it is based on):
     RemoteProtocolError with a reason otherwise (the sender is wrong, or the cut is old news)."""
-    signer, cut = open_signed(raw, DOMAIN, Cut, MAX_CUT_BYTES, ledger.run, ledger.trainers, CutEnvelope)
+    signer, cut = open_signed_cut(raw, ledger)
     if cut.number <= ledger.cut_number:
         raise RemoteProtocolError("old-cut", f"cut {cut.number}, based on {ledger.cut_number}")
     for name in ("logs", "rows"):

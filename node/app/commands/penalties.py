@@ -34,6 +34,7 @@ def collect(store, now_s: float, run=None) -> dict:
     number and signer)."""
     from ...config import RunConfig
     from ...ledger.chain import Ledger
+    from ...ledger.cut import open_signed_cut
 
     run = run or RunConfig(name=store.run() or "")
     from ...ledger.entries import Penalty, Verdict, parse_entry
@@ -54,7 +55,7 @@ def collect(store, now_s: float, run=None) -> dict:
     now_ms = int(now_s * 1000)
     newest = store.latest_cut()
     return {
-        "cut": None if newest is None else {"number": newest[0], "signer": open_signer(newest[2], replica)},
+        "cut": None if newest is None else {"number": newest[0], "signer": open_signed_cut(newest[2], replica)[0]},
         "penalties": [
             {"peer": b.peer, "by": a, "time_ms": t, "reason": b.reason, "points": b.points, "ban_seconds": b.ban_seconds}
             for a, t, b in penalties
@@ -63,14 +64,6 @@ def collect(store, now_s: float, run=None) -> dict:
                  for p, b in replica.bans(now_ms).items()},
         "failed_verdicts": {w: dict(c) for w, c in failed.items()},
     }
-
-
-def open_signer(raw: bytes, replica) -> str:
-    """The signer of the stored cut ``replica`` was rebuilt from (rebuild opened it for the run's trainers)."""
-    from ...ledger.cut import DOMAIN, MAX_CUT_BYTES, Cut
-    from ...ledger.summary import open_signed
-
-    return open_signed(raw, DOMAIN, Cut, MAX_CUT_BYTES, replica.run, replica.trainers)[0]
 
 
 def cmd_penalties(args) -> int:
