@@ -47,9 +47,6 @@ from .chain import History, Ledger
 from .cut import MAX_CUT_BYTES, OpenedCut, cut_problem, replay_to
 from .messages import CUT_PAGE_BYTES, CutPage
 
-MAX_CUT_PAGES = -(-MAX_CUT_BYTES // CUT_PAGE_BYTES)
-
-
 def cutter_of(trainers: Iterable[str]) -> str | None:
     """The trainer that cuts the run's ledger (module docstring), None for a run without trainers."""
     return min(trainers, default=None)
@@ -71,7 +68,7 @@ class CutPages:
     def __init__(self, number: int, cut_hash: bytes, max_bytes: int = MAX_CUT_BYTES) -> None:
         self.number = number
         self.hash = cut_hash
-        self.max_pages = -(-max_bytes // CUT_PAGE_BYTES)
+        self.max_pages = page_count(max_bytes)
         self.count = 0  # pages announced by the first page
         self._pages: list[bytes] = []
 
